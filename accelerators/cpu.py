@@ -1,0 +1,90 @@
+"""The CPU accelerator: always available, gloo collectives, threads split between local ranks."""
+
+from __future__ import annotations
+
+import os
+from functools import cache
+
+import torch
+
+from shardwise.accelerator import Accelerator, Availability
+
+
+@cache
+def _cpu_flags() -> frozenset[str]:
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def native_bf16() -> bool:
+    """True when the CPU has bf16 dot-product instructions (AVX512-BF16 or AMX)."""
+    return bool({"avx512_bf16", "amx_bf16"} & _cpu_flags())
+
+
+def usable_cores() -> int:
+    """Cores this process may run on (its affinity mask, not the machine's total)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+class CpuAccelerator(Accelerator):
+    """Runs on the host CPU. fp32 and bf16; bf16 is preferred only with native bf16 support."""
+
+    name = "cpu"
+    device_type = "cpu"
+    communication_backend = "gloo"
+    priority = 0
+    supported_dtypes = (torch.float32, torch.bfloat16)
+    kernel_backends = ("cpu",)
+
+    @classmethod
+    def availability(cls) -> Availability:
+        return Availability(True)
+
+    @property
+    def preferred_dtype(self) -> torch.dtype:
+        return torch.bfloat16 if native_bf16() else torch.float32
+
+    def dtype_notes(self) -> str:
+        if native_bf16():
+            return "bf16 native (AVX512-BF16/AMX): matmuls fast in bf16; fp32 exact"
+        return "no native bf16: bf16 is emulated and slower than fp32 here; prefer fp32"
+
+    def total_memory(self, index: int = 0) -> int:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+    def free_memory(self, index: int = 0) -> int:
+        """MemAvailable from /proc/meminfo (free pages where that file does not exist)."""
+        try:
+            with open("/proc/meminfo") as fh:
+                for line in fh:
+                    if line.startswith("MemAvailable:"):
+                        return int(line.split()[1]) * 1024
+        except OSError:
+            pass
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+    def peak_memory(self, index: int = 0) -> int:
+        """Peak resident set size of this process (bytes); the CPU has no device allocator."""
+        import resource  # POSIX only; imported here so Windows can still import the plugin
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # ru_maxrss is KiB
+
+    def threads_per_rank(self, local_world_size: int) -> int:
+        return max(1, usable_cores() // max(1, local_world_size))
+
+    def launch_env(self, local_rank: int, local_world_size: int) -> dict[str, str]:
+        """Split the cores so ``local_world_size`` ranks don't oversubscribe them."""
+        return {"OMP_NUM_THREADS": str(self.threads_per_rank(local_world_size))}
+
+    def configure_process(self, local_rank: int, local_world_size: int) -> None:
+        if "OMP_NUM_THREADS" not in os.environ:
+            torch.set_num_threads(self.threads_per_rank(local_world_size))

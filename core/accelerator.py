@@ -1,0 +1,174 @@
+"""The accelerator interface: one subclass per device kind, discovered as an entry-point plugin.
+
+Device *facts* are class attributes; device *decisions* are small methods with safe defaults.
+Streams, events, RNG and memory accounting come from torch itself (``torch.accelerator`` and
+:attr:`Accelerator.module`, i.e. ``torch.get_device_module(device_type)``); this class adds only
+what torch lacks. Core code never tests a device name: it asks the accelerator.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, ClassVar, Sequence
+
+import torch
+
+from .errors import UnsupportedDtypeError
+
+if TYPE_CHECKING:
+    from .communicator import Communicator
+
+#: Version of the plugin API this shardwise implements. A plugin declares the version it was
+#: written for in ``plugin_api_version``; a mismatch is refused with an error naming both.
+PLUGIN_API_VERSION = 1
+
+
+@dataclass(frozen=True)
+class Availability:
+    """Whether an accelerator can run here, and if not, why (and what to do)."""
+
+    ok: bool
+    reason: str = ""
+
+    def __bool__(self) -> bool:
+        return self.ok
+
+
+class GraphStrategy:
+    """How a device turns a repeated step into a replayable graph.
+
+    :meth:`capture` takes a function of tensors and example arguments of the shapes it will be
+    called with, and returns a callable with the same signature whose results equal the eager
+    function's. The base strategy is eager execution: a documented no-op.
+    """
+
+    name: ClassVar[str] = "none"
+    #: True when captured callables avoid per-op launch overhead (eager returns False).
+    accelerates: ClassVar[bool] = False
+
+    def capture(self, fn: Callable[..., torch.Tensor], *example_args: torch.Tensor) -> Callable:
+        """Return ``fn`` itself: eager execution needs no capture."""
+        return fn
+
+
+class Accelerator:
+    """Base class of accelerator plugins.
+
+    Subclasses set the class attributes below and override the methods whose defaults do not fit
+    their device. Instances are cheap; constructing one must not initialise the device runtime.
+    """
+
+    #: Plugin-API version the plugin was written for (see :data:`PLUGIN_API_VERSION`).
+    plugin_api_version: ClassVar[int] = PLUGIN_API_VERSION
+    #: Name users pass as ``device=`` (also the entry-point name).
+    name: ClassVar[str] = ""
+    #: ``torch.device`` type tensors live on ("cpu", "cuda", "hpu", ...).
+    device_type: ClassVar[str] = ""
+    #: ``torch.distributed`` backend for collectives ("gloo", "nccl", "hccl", ...).
+    communication_backend: ClassVar[str] = "gloo"
+    #: Environment variable that restricts which devices a process sees, if the device has one.
+    visible_devices_env: ClassVar[str | None] = None
+    #: Detection priority among available plugins of the same origin (higher wins).
+    priority: ClassVar[int] = 0
+    #: Dtypes this device computes with (every one must really work: the conformance suite runs it).
+    supported_dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.float32,)
+    #: Kernel backends to try, best first; the torch reference is always the implicit last one.
+    kernel_backends: ClassVar[tuple[str, ...]] = ()
+
+    # ----- availability and devices -------------------------------------------------------------
+
+    @classmethod
+    def availability(cls) -> Availability:
+        """Whether this device can run here; the reason says what is missing when it cannot."""
+        return Availability(True)
+
+    def device_count(self) -> int:
+        """Number of devices of this kind visible to the process."""
+        return 1
+
+    def device(self, index: int | None = None) -> torch.device:
+        """The ``torch.device`` for device ``index`` (default: the current one)."""
+        if index is None:
+            return torch.device(self.device_type)
+        return torch.device(self.device_type, index)
+
+    @property
+    def module(self):
+        """torch's device module (``torch.cuda``, ``torch.cpu``, ...): streams, events, RNG."""
+        return torch.get_device_module(self.device_type)
+
+    def synchronize(self) -> None:
+        """Wait for all queued work on the current device (for timing)."""
+        self.module.synchronize()
+
+    # ----- memory ------------------------------------------------------------------------------
+
+    def total_memory(self, index: int = 0) -> int:
+        """Total memory of device ``index`` in bytes."""
+        raise NotImplementedError
+
+    def free_memory(self, index: int = 0) -> int:
+        """Free memory of device ``index`` in bytes."""
+        raise NotImplementedError
+
+    def peak_memory(self, index: int = 0) -> int:
+        """Peak memory used by this process on device ``index`` since the last reset, in bytes."""
+        return 0
+
+    def reset_peak_memory(self, index: int = 0) -> None:
+        """Start a new peak-memory window."""
+
+    # ----- dtypes -------------------------------------------------------------------------------
+
+    @property
+    def preferred_dtype(self) -> torch.dtype:
+        """The dtype this device runs fastest among those it supports."""
+        return self.supported_dtypes[0]
+
+    def dtype_notes(self) -> str:
+        """One honest line on what runs fast here (shown by ``shardwise accelerators``)."""
+        return ""
+
+    def check_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """Return ``dtype`` if this device can run it, else raise :class:`UnsupportedDtypeError`."""
+        if dtype not in self.supported_dtypes:
+            names = ", ".join(str(d).removeprefix("torch.") for d in self.supported_dtypes)
+            raise UnsupportedDtypeError(
+                f"device {self.name!r} cannot run dtype {str(dtype).removeprefix('torch.')}; "
+                f"it supports: {names}. Pass one of those as dtype=."
+            )
+        return dtype
+
+    # ----- processes, communication, graphs, kernels -------------------------------------------
+
+    def launch_env(self, local_rank: int, local_world_size: int) -> dict[str, str]:
+        """Environment variables a launcher sets for rank ``local_rank`` of one node."""
+        return {}
+
+    def configure_process(self, local_rank: int, local_world_size: int) -> None:
+        """Bind the calling process to its device (called once per rank before any work)."""
+
+    def communicator_class(self) -> type["Communicator"]:
+        """The communicator class for this device (override to add hooks around collectives)."""
+        from .communicator import TorchDistCommunicator
+
+        return TorchDistCommunicator
+
+    def graph_strategy(self) -> GraphStrategy:
+        """The graph-capture strategy of this device (default: eager, a no-op)."""
+        return GraphStrategy()
+
+    def ordered_kernel_backends(self) -> Sequence[str]:
+        """Kernel backends to try in order; ``reference`` is always appended last."""
+        return (*self.kernel_backends, "reference")
+
+    # ----- helpers -----------------------------------------------------------------------------
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.name!r} device_type={self.device_type!r}>"
+
+
+def env_flag(name: str) -> bool:
+    """True when environment variable ``name`` is set to a truthy value (1/true/yes/on)."""
+    return os.environ.get(name, "").strip().lower() in {"1", "true", "yes", "on"}

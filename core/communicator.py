@@ -1,0 +1,174 @@
+"""The communicator interface: the collectives the engine needs, over torch.distributed.
+
+The accelerator chooses the class (``Accelerator.communicator_class``) so a device can add hooks
+around collectives (HPU marks a lazy-mode step first). World size 1 needs no process group:
+:class:`LocalCommunicator` answers every collective locally. Every process group is created with a
+timeout, so a dead rank makes the others fail with :class:`CollectiveError` instead of hanging.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+from .errors import CollectiveError, ConfigError
+
+if TYPE_CHECKING:
+    from .accelerator import Accelerator
+
+#: Default collective timeout in seconds (override with ``comm_timeout=`` or this variable).
+DEFAULT_TIMEOUT_S = 300.0
+TIMEOUT_ENV = "SHARDWISE_COMM_TIMEOUT"
+
+_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN,
+               "avg": dist.ReduceOp.AVG, "product": dist.ReduceOp.PRODUCT}
+
+
+class Communicator:
+    """Collectives over a group of ``world_size`` ranks. Tensors are modified in place where the
+    collective is in place (``all_reduce``, ``broadcast``); others return new tensors."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    local_world_size: int = 1
+
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        raise NotImplementedError
+
+    def all_gather(self, tensor: torch.Tensor, dim: int = 0) -> torch.Tensor:
+        """Concatenate every rank's ``tensor`` (same shape on all ranks) along ``dim``."""
+        raise NotImplementedError
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
+        raise NotImplementedError
+
+    def barrier(self) -> None:
+        raise NotImplementedError
+
+    def all_to_all(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Split ``tensor`` into ``world_size`` chunks along dim 0; chunk i goes to rank i, and
+        the result stacks the chunks received, in rank order (same shape as the input)."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Release the process group if this communicator created it."""
+
+
+class LocalCommunicator(Communicator):
+    """World size 1: every collective is the identity, no process group exists."""
+
+    def all_reduce(self, tensor, op="sum"):
+        _reduce_op(op)
+        return tensor
+
+    def all_gather(self, tensor, dim=0):
+        return tensor.clone()
+
+    def broadcast(self, tensor, src=0):
+        if src != 0:
+            raise CollectiveError(f"broadcast from rank {src} in a world of size 1")
+        return tensor
+
+    def barrier(self):
+        return None
+
+    def all_to_all(self, tensor):
+        return tensor.clone()
+
+
+def _reduce_op(op: str):
+    try:
+        return _REDUCE_OPS[op]
+    except KeyError:
+        raise ConfigError(f"unknown reduce op {op!r}; use one of {', '.join(_REDUCE_OPS)}") from None
+
+
+class TorchDistCommunicator(Communicator):
+    """Collectives over the default ``torch.distributed`` process group."""
+
+    def __init__(self, accelerator: "Accelerator", timeout_s: float, owns_group: bool) -> None:
+        self.accelerator = accelerator
+        self.timeout_s = timeout_s
+        self.owns_group = owns_group
+        self.rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
+        self.local_rank = int(os.environ.get("LOCAL_RANK", self.rank))
+        self.local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size))
+
+    def before_collective(self) -> None:
+        """Hook run before every collective (devices override; default: nothing)."""
+
+    def _run(self, name: str, fn, *args, **kwargs):
+        self.before_collective()
+        try:
+            return fn(*args, **kwargs)
+        except Exception as exc:
+            raise CollectiveError(
+                f"{name} failed on rank {self.rank}/{self.world_size} "
+                f"(backend {dist.get_backend()}, timeout {self.timeout_s:g}s): {exc}. Another rank "
+                f"probably died or stopped calling collectives; check its log.") from exc
+
+    def all_reduce(self, tensor, op="sum"):
+        self._run("all_reduce", dist.all_reduce, tensor, op=_reduce_op(op))
+        return tensor
+
+    def all_gather(self, tensor, dim=0):
+        parts = [torch.empty_like(tensor) for _ in range(self.world_size)]
+        self._run("all_gather", dist.all_gather, parts, tensor.contiguous())
+        return torch.cat(parts, dim=dim)
+
+    def broadcast(self, tensor, src=0):
+        self._run("broadcast", dist.broadcast, tensor, src=src)
+        return tensor
+
+    def barrier(self):
+        self._run("barrier", dist.barrier)
+
+    def all_to_all(self, tensor):
+        if tensor.shape[0] % self.world_size:
+            raise CollectiveError(f"all_to_all needs dim 0 ({tensor.shape[0]}) divisible by the "
+                                  f"world size {self.world_size}")
+        inputs = list(tensor.contiguous().chunk(self.world_size))
+        outputs = [torch.empty_like(c) for c in inputs]
+        self._run("all_to_all", dist.all_to_all, outputs, inputs)
+        return torch.cat(outputs)
+
+    def close(self):
+        if self.owns_group and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def resolve_timeout(timeout_s: float | None) -> float:
+    """The collective timeout: the argument, else ``$SHARDWISE_COMM_TIMEOUT``, else the default."""
+    if timeout_s is None:
+        timeout_s = float(os.environ.get(TIMEOUT_ENV, DEFAULT_TIMEOUT_S))
+    if timeout_s <= 0:
+        raise ConfigError(f"comm_timeout must be positive seconds, got {timeout_s}")
+    return float(timeout_s)
+
+
+def world_size_from_env() -> int:
+    """WORLD_SIZE as torchrun sets it (1 when absent)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def create_communicator(accelerator: "Accelerator", timeout_s: float | None = None) -> Communicator:
+    """A communicator for this process: local at world size 1, else a process group set up from
+    torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR/PORT) with the accelerator's backend.
+    An already-initialised default group is reused (and not destroyed by ``close``)."""
+    timeout = resolve_timeout(timeout_s)
+    if world_size_from_env() <= 1 and not dist.is_initialized():
+        return LocalCommunicator()
+    owns = not dist.is_initialized()
+    if owns:
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+        accelerator.configure_process(local_rank, local_world)
+        dist.init_process_group(backend=accelerator.communication_backend,
+                                timeout=datetime.timedelta(seconds=timeout))
+    return accelerator.communicator_class()(accelerator, timeout, owns)

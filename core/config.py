@@ -1,0 +1,225 @@
+"""The typed inference config: every field is used or rejected, never silently ignored.
+
+``InferenceConfig.build(config, **kwargs)`` merges a config (an ``InferenceConfig``, a dict, or a
+path to a JSON file) with keyword arguments. DeepSpeed-Inference's names are accepted
+(:data:`ALIASES`) so switching is a change of import. The merge rule: a field given in both places
+must have the same value there, else :class:`ConfigError` names the field and both values; nothing
+silently takes precedence.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import torch
+
+from .errors import ConfigError, NotSupportedYetError
+
+_DTYPES: dict[str, torch.dtype] = {
+    "fp32": torch.float32, "float32": torch.float32, "float": torch.float32,
+    "fp16": torch.float16, "float16": torch.float16, "half": torch.float16,
+    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+    "int8": torch.int8,
+}
+#: DeepSpeed keyword → shardwise field.
+ALIASES = {"mp_size": "tp_size", "enable_cuda_graph": "enable_graph",
+           "max_out_tokens": "max_tokens"}
+#: Keys accepted inside ``tensor_parallel={...}`` (DeepSpeed's DeepSpeedTPConfig names).
+_TP_KEYS = {"tp_size", "enabled"}
+
+
+@dataclass
+class InferenceConfig:
+    """Options of :func:`shardwise.init_inference`.
+
+    Attributes:
+        device: accelerator plugin name (``"cpu"``, ``"cuda"``, ``"hpu"``, a third party's);
+            ``None`` uses ``$SHARDWISE_ACCELERATOR`` or detection.
+        dtype: compute dtype (torch dtype or ``"fp16"``/``"bf16"``/``"fp32"``/``"auto"``).
+            ``None`` keeps the model's dtype; ``"auto"`` takes the accelerator's preferred one.
+        tp_size: tensor-parallel degree (``tensor_parallel={"tp_size": N}`` or ``mp_size=N``).
+        replace_with_kernel_inject: replace supported layers with shardwise's fused layers.
+        injection_policy: ``{BlockClass: ("row_parallel.linear", ...)}``, DeepSpeed's format.
+        enable_graph: capture the decode step with the accelerator's graph strategy
+            (alias ``enable_cuda_graph``).
+        checkpoint: checkpoint directory or description file (JSON path or dict).
+        base_dir: directory the checkpoint description's file names are relative to.
+        save_mp_checkpoint_path: where to write the sharded checkpoint after loading.
+        max_tokens: KV-cache capacity in tokens, prompt included (alias ``max_out_tokens``).
+        quant: weight-quantization settings, ``{"weight": {"num_bits": 8, ...}}``.
+        comm_timeout: seconds before a collective gives up (default
+            ``$SHARDWISE_COMM_TIMEOUT`` or 300).
+    """
+
+    device: str | None = None
+    dtype: torch.dtype | str | None = None
+    tp_size: int = 1
+    replace_with_kernel_inject: bool = False
+    injection_policy: dict | None = None
+    enable_graph: bool = False
+    checkpoint: str | dict | None = None
+    base_dir: str | None = None
+    save_mp_checkpoint_path: str | None = None
+    max_tokens: int = 1024
+    quant: dict | None = None
+    comm_timeout: float | None = None
+
+    # ----- construction -------------------------------------------------------------------------
+
+    @classmethod
+    def build(cls, config: "InferenceConfig | Mapping | str | os.PathLike | None" = None,
+              **kwargs: Any) -> "InferenceConfig":
+        """Merge ``config`` and ``kwargs`` (see module docstring), validate, and return."""
+        base = _normalise(_as_mapping(config), "config")
+        extra = _normalise(kwargs, "keyword")
+        for key in base.keys() & extra.keys():
+            if not _same(base[key], extra[key]):
+                raise ConfigError(
+                    f"{key!r} is {base[key]!r} in the config but {extra[key]!r} as a keyword "
+                    f"argument; give it once, or the same value in both places")
+        merged = {**base, **extra}
+        cfg = cls(**merged)
+        cfg.validate()
+        return cfg
+
+    def validate(self) -> None:
+        """Check types and ranges; reject fields whose feature has not landed."""
+        self.dtype = parse_dtype(self.dtype)
+        _check_type("device", self.device, (str, type(None)))
+        for name in ("replace_with_kernel_inject", "enable_graph"):
+            _check_type(name, getattr(self, name), (bool,))
+        for name in ("tp_size", "max_tokens"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+        if self.comm_timeout is not None and (
+                not isinstance(self.comm_timeout, (int, float)) or self.comm_timeout <= 0):
+            raise ConfigError(f"comm_timeout must be positive seconds, got {self.comm_timeout!r}")
+        _reject_unlanded(self)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain values (dtype as its short name), e.g. for a benchmark's provenance."""
+        out = dataclasses.asdict(self)
+        if isinstance(self.dtype, torch.dtype):
+            out["dtype"] = str(self.dtype).removeprefix("torch.")
+        return out
+
+
+def field_names() -> list[str]:
+    return [f.name for f in dataclasses.fields(InferenceConfig)]
+
+
+def parse_dtype(value: Any) -> torch.dtype | str | None:
+    """A torch dtype from a dtype, a name (``"bf16"``, ``"torch.float16"``), ``"auto"`` or None."""
+    if value is None or isinstance(value, torch.dtype) or value == "auto":
+        return value
+    if isinstance(value, str):
+        key = value.lower().removeprefix("torch.")
+        if key in _DTYPES:
+            return _DTYPES[key]
+    raise ConfigError(f"dtype {value!r} is not understood; use a torch dtype or one of "
+                      f"{', '.join(sorted(_DTYPES))}, auto")
+
+
+# ----- helpers ------------------------------------------------------------------------------------
+
+def _as_mapping(config: Any) -> dict[str, Any]:
+    if config is None:
+        return {}
+    if isinstance(config, InferenceConfig):
+        return {f: v for f, v in config.__dict__.items()
+                if v != getattr(InferenceConfig, f, dataclasses.MISSING)}
+    if isinstance(config, (str, os.PathLike)):
+        try:
+            with open(config) as fh:
+                return json.load(fh)
+        except FileNotFoundError:
+            raise ConfigError(f"config file {os.fspath(config)!r} does not exist") from None
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"config file {os.fspath(config)!r} is not valid JSON: {exc}") from None
+    if isinstance(config, Mapping):
+        return dict(config)
+    raise ConfigError(f"config must be an InferenceConfig, a dict or a JSON file path, "
+                      f"got {type(config).__name__}")
+
+
+def _normalise(values: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """Map DeepSpeed names onto fields and flatten ``tensor_parallel``; unknown keys fail."""
+    out: dict[str, Any] = {}
+    known = field_names()
+    for key, value in values.items():
+        if key == "tensor_parallel":
+            items = _tp_items(value)
+        elif key in ALIASES:
+            items = {ALIASES[key]: value}
+        elif key in known:
+            items = {key: value}
+        else:
+            close = difflib.get_close_matches(key, [*known, *ALIASES, "tensor_parallel"], n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise ConfigError(f"unknown {where} field {key!r}{hint} "
+                              f"(valid fields: {', '.join(known)})")
+        for name, v in items.items():
+            if name in out and not _same(out[name], v):
+                raise ConfigError(f"{name!r} is given twice with different values "
+                                  f"({out[name]!r} and {v!r}) in the {where} arguments")
+            out[name] = v
+    return out
+
+
+def _tp_items(value: Any) -> dict[str, Any]:
+    if isinstance(value, int) and not isinstance(value, bool):
+        return {"tp_size": value}
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"tensor_parallel must be a dict like {{'tp_size': 2}}, got {value!r}")
+    unknown = set(value) - _TP_KEYS
+    if unknown:
+        raise ConfigError(f"unknown tensor_parallel field(s) {sorted(unknown)}; "
+                          f"valid: {sorted(_TP_KEYS)}")
+    if value.get("enabled", True) is False:
+        return {"tp_size": 1}
+    return {"tp_size": value["tp_size"]} if "tp_size" in value else {}
+
+
+def _same(a: Any, b: Any) -> bool:
+    try:
+        return parse_dtype(a) == parse_dtype(b)
+    except ConfigError:
+        return a == b
+
+
+def _check_type(name: str, value: Any, types: tuple[type, ...]) -> None:
+    if not isinstance(value, types):
+        want = " or ".join("None" if t is type(None) else t.__name__ for t in types)
+        raise ConfigError(f"{name} must be {want}, got {type(value).__name__} {value!r}")
+
+
+#: Fields whose feature has not landed yet: field → what it enables. A non-default value fails.
+NOT_YET_SUPPORTED: dict[str, str] = {
+    "tp_size": "tensor parallelism",
+    "replace_with_kernel_inject": "kernel injection",
+    "injection_policy": "tensor-parallel injection policies",
+    "enable_graph": "graph capture",
+    "checkpoint": "checkpoint loading",
+    "base_dir": "checkpoint loading",
+    "save_mp_checkpoint_path": "sharded checkpoint saving",
+    "max_tokens": "the static KV cache",
+    "quant": "weight quantization",
+}
+
+
+def _reject_unlanded(cfg: InferenceConfig) -> None:
+    defaults = InferenceConfig()
+    for name, feature in NOT_YET_SUPPORTED.items():
+        if getattr(cfg, name) != getattr(defaults, name):
+            raise NotSupportedYetError(
+                f"{name}={getattr(cfg, name)!r} asks for {feature}, which this version of "
+                f"shardwise does not support yet; remove it (it would not be silently ignored)")
+    if cfg.dtype == torch.int8:
+        raise NotSupportedYetError("dtype=int8 asks for weight quantization, which this version "
+                                   "of shardwise does not support yet; use fp32/fp16/bf16")

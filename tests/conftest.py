@@ -1,0 +1,30 @@
+"""Shared fixtures. Triton kernels run under its interpreter when no GPU is present; this must be
+set before triton is first imported."""
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from shardwise.plugins import refresh_plugins  # noqa: E402
+
+
+def pytest_collection_modifyitems(config, items):
+    """GPU tests run wherever a GPU exists and are skipped (with the reason) elsewhere."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (run on a GPU machine to exercise it)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def fresh_plugins():
+    """Re-read entry points before and after a test that changes what is installed."""
+    refresh_plugins()
+    yield
+    refresh_plugins()
