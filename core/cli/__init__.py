@@ -13,6 +13,7 @@ from ..errors import ShardwiseError
 SUBCOMMANDS = {
     "accelerators": ".accelerators",
     "generate": ".generate",
+    "conformance": ".conformance",
 }
 
 
