@@ -14,6 +14,7 @@ SUBCOMMANDS = {
     "accelerators": ".accelerators",
     "generate": ".generate",
     "conformance": ".conformance",
+    "bench": ".bench",
 }
 
 

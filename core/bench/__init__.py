@@ -1,0 +1,1 @@
+"""``shardwise bench``: the measuring stick (filled in by the bench work)."""
