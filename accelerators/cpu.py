@@ -22,6 +22,20 @@ def _cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
+def _proc_status() -> dict[str, int]:
+    """Memory fields of /proc/self/status in bytes (empty where that file does not exist)."""
+    out = {}
+    try:
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                key, _, rest = line.partition(":")
+                if key.startswith("Vm") and rest.strip().endswith("kB"):
+                    out[key] = int(rest.split()[0]) * 1024
+    except OSError:
+        pass
+    return out
+
+
 def native_bf16() -> bool:
     """True when the CPU has bf16 dot-product instructions (AVX512-BF16 or AMX)."""
     return bool({"avx512_bf16", "amx_bf16"} & _cpu_flags())
@@ -73,10 +87,26 @@ class CpuAccelerator(Accelerator):
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
     def peak_memory(self, index: int = 0) -> int:
-        """Peak resident set size of this process (bytes); the CPU has no device allocator."""
-        import resource  # POSIX only; imported here so Windows can still import the plugin
+        """Peak resident set size of this process in bytes (VmHWM since the last
+        :meth:`reset_peak_memory`); the CPU has no device allocator to ask."""
+        status = _proc_status()
+        if "VmHWM" in status:
+            return status["VmHWM"]
+        import resource  # POSIX only; imported here so other systems can still import the plugin
 
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # ru_maxrss is KiB
+
+    def reset_peak_memory(self, index: int = 0) -> None:
+        """Reset VmHWM to the current RSS (Linux: writing 5 to /proc/self/clear_refs)."""
+        try:
+            with open("/proc/self/clear_refs", "w") as fh:
+                fh.write("5")
+        except OSError:
+            pass  # not Linux, or not permitted: the peak then covers the process lifetime
+
+    def max_ranks_per_node(self) -> int:
+        """Ranks on one node share its cores: at most one rank per usable core."""
+        return usable_cores()
 
     def threads_per_rank(self, local_world_size: int) -> int:
         return max(1, usable_cores() // max(1, local_world_size))

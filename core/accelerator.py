@@ -87,6 +87,10 @@ class Accelerator:
         """Number of devices of this kind visible to the process."""
         return 1
 
+    def max_ranks_per_node(self) -> int:
+        """How many ranks one node can host (one per device by default; the CPU splits cores)."""
+        return self.device_count()
+
     def device(self, index: int | None = None) -> torch.device:
         """The ``torch.device`` for device ``index`` (default: the current one)."""
         if index is None:
