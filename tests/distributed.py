@@ -1,0 +1,63 @@
+"""Run a function on N local ranks (separate processes, gloo) the way torchrun would set them up.
+
+``run_ranks(fn, world_size, tmp_path)`` starts ``world_size`` spawned processes with RANK,
+WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT set, calls ``fn(rank, *args)`` in each, and returns each
+rank's JSON-serialisable result, or the text of the exception it raised. Every run has a deadline
+so a hung collective fails the test instead of hanging the suite.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import socket
+import traceback
+from pathlib import Path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(fn, rank: int, world_size: int, port: int, out_dir: str, args: tuple, env: dict):
+    os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
+                       "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": str(port), **env})
+    try:
+        result = {"ok": True, "value": fn(rank, *args)}
+    except BaseException as exc:  # report everything, including SystemExit, to the parent
+        result = {"ok": False, "error": f"{type(exc).__name__}: {exc}",
+                  "trace": traceback.format_exc()}
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
+
+
+def run_ranks(fn, world_size: int, tmp_path, *args, deadline_s: float = 120.0,
+              env: dict | None = None) -> list[dict]:
+    """Run ``fn(rank, *args)`` on ``world_size`` ranks; returns one result dict per rank
+    (``{"ok": True, "value": ...}``, ``{"ok": False, "error": ...}`` or ``{"ok": False,
+    "error": "no result (exit code N)"}`` for a rank that died)."""
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    procs = [ctx.Process(target=_entry, args=(fn, r, world_size, port, str(tmp_path), args,
+                                              env or {}))
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(deadline_s)
+    hung = [r for r, p in enumerate(procs) if p.is_alive()]
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
+    if hung:
+        raise AssertionError(f"ranks {hung} still running after {deadline_s}s: a collective hung")
+    results = []
+    for r, p in enumerate(procs):
+        f = Path(tmp_path, f"rank{r}.json")
+        results.append(json.loads(f.read_text()) if f.exists()
+                       else {"ok": False, "error": f"no result (exit code {p.exitcode})"})
+    return results
