@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, ClassVar, Sequence
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Sequence
 
 import torch
 
-from .errors import UnsupportedDtypeError
+from .errors import ConfigError, UnsupportedDtypeError
 
 if TYPE_CHECKING:
     from .communicator import Communicator
@@ -137,9 +137,9 @@ class Accelerator:
     def check_dtype(self, dtype: torch.dtype) -> torch.dtype:
         """Return ``dtype`` if this device can run it, else raise :class:`UnsupportedDtypeError`."""
         if dtype not in self.supported_dtypes:
-            names = ", ".join(str(d).removeprefix("torch.") for d in self.supported_dtypes)
+            names = ", ".join(dtype_name(d) for d in self.supported_dtypes)
             raise UnsupportedDtypeError(
-                f"device {self.name!r} cannot run dtype {str(dtype).removeprefix('torch.')}; "
+                f"device {self.name!r} cannot run dtype {dtype_name(dtype)}; "
                 f"it supports: {names}. Pass one of those as dtype=."
             )
         return dtype
@@ -176,3 +176,45 @@ class Accelerator:
 def env_flag(name: str) -> bool:
     """True when environment variable ``name`` is set to a truthy value (1/true/yes/on)."""
     return os.environ.get(name, "").strip().lower() in {"1", "true", "yes", "on"}
+
+
+class DeviceDtypes:
+    """A ``supported_dtypes`` class attribute that is honest per device.
+
+    Read on the class, it lists every dtype the device *kind* can run (what ``shardwise
+    accelerators`` shows without touching a device). Read on an instance, it keeps only the
+    dtypes ``usable(dtype)`` accepts on the visible device, so e.g. a pre-Ampere GPU does not
+    claim bf16 and the conformance suite tests exactly what the device runs.
+    """
+
+    def __init__(self, *dtypes: torch.dtype, usable: Callable[[torch.dtype], bool]) -> None:
+        self.dtypes = dtypes
+        self.usable = usable
+
+    def __get__(self, obj: Any, owner: type | None = None) -> tuple[torch.dtype, ...]:
+        if obj is None:
+            return self.dtypes
+        return tuple(d for d in self.dtypes if self.usable(d))
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` → ``"bfloat16"``."""
+    return str(dtype).removeprefix("torch.")
+
+
+def visible_device_for_rank(env_name: str, local_rank: int, local_world_size: int) -> str:
+    """The device id local rank ``local_rank`` should see, one device per rank.
+
+    An existing list in ``$env_name`` is respected ("2,3" gives rank 1 device "3"); without one,
+    rank r gets device "r".
+    """
+    user_list = os.environ.get(env_name)
+    if user_list is None:
+        return str(local_rank)
+    devices = [d.strip() for d in user_list.split(",") if d.strip()]
+    if len(devices) < local_world_size:
+        raise ConfigError(
+            f"{local_world_size} ranks per node need one device each, but {env_name}="
+            f"{user_list!r} lists {len(devices)}: list at least {local_world_size} devices in "
+            f"{env_name}, unset it, or launch fewer ranks per node")
+    return devices[local_rank]

@@ -13,7 +13,7 @@ import dataclasses
 import difflib
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Mapping
 
 import torch

@@ -1,0 +1,80 @@
+"""Device-neutral pieces of graph capture: static input buffers and a replayable callable.
+
+A device's :class:`~shardwise.GraphStrategy` captures with its own runtime (CUDA graphs, HPU
+graphs) and wraps the result in :class:`StaticGraph`, so every strategy has the same contract.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import torch
+
+from .accelerator import dtype_name
+
+
+def _shapes(tensors: Sequence[torch.Tensor]) -> str:
+    return ", ".join(str(tuple(t.shape)) for t in tensors)
+
+
+def static_copies(example_args: Sequence[Any], device_type: str) -> tuple[torch.Tensor, ...]:
+    """Static input buffers for a graph: clones of the examples, which must be on the device."""
+    for i, arg in enumerate(example_args):
+        if not isinstance(arg, torch.Tensor):
+            raise TypeError(f"graph capture takes tensors only; argument {i} is "
+                            f"{type(arg).__name__}: pass it as a tensor or bind it into fn")
+        if arg.device.type != device_type:
+            raise ValueError(
+                f"graph capture argument {i} is on {arg.device}, not on a {device_type} device: "
+                f"ops on other devices are not captured and would silently go stale on replay; "
+                f"move the example arguments to {device_type} first")
+    return tuple(arg.detach().clone() for arg in example_args)
+
+
+def static_outputs(outputs: Any) -> torch.Tensor | tuple[torch.Tensor, ...]:
+    """Check a captured function's result: a tensor or a tuple/list of tensors (lists → tuple)."""
+    if isinstance(outputs, torch.Tensor):
+        return outputs
+    if isinstance(outputs, (tuple, list)) and all(isinstance(o, torch.Tensor) for o in outputs):
+        return tuple(outputs)
+    raise TypeError(f"graph capture needs fn to return a tensor or a tuple of tensors, got "
+                    f"{type(outputs).__name__}; wrap fn so it returns only tensors")
+
+
+class StaticGraph:
+    """A captured graph as a callable with the captured function's signature.
+
+    Each call copies the arguments into the static input buffers the graph was captured with,
+    replays it, and returns the static outputs. **The returned tensors are the same objects on
+    every call and are overwritten by the next replay**: ``.clone()`` them to keep a result.
+    Arguments must have the captured shapes and dtypes (capture one graph per shape).
+    """
+
+    def __init__(self, replay: Callable[[], None], inputs: tuple[torch.Tensor, ...],
+                 outputs: torch.Tensor | tuple[torch.Tensor, ...], graph: Any = None) -> None:
+        self._replay = replay
+        self.static_inputs = inputs
+        self.static_outputs = outputs
+        self.graph = graph  # kept alive as long as the callable: it owns the captured memory
+
+    def __call__(self, *args: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        self._check(args)
+        for static, arg in zip(self.static_inputs, args):
+            if arg is not static:
+                static.copy_(arg)
+        self._replay()
+        return self.static_outputs
+
+    def _check(self, args: tuple[Any, ...]) -> None:
+        if len(args) != len(self.static_inputs):
+            raise TypeError(f"the graph was captured with {len(self.static_inputs)} arguments, "
+                            f"called with {len(args)}")
+        for i, (static, arg) in enumerate(zip(self.static_inputs, args)):
+            if not isinstance(arg, torch.Tensor):
+                raise TypeError(f"graph argument {i} must be a tensor, got {type(arg).__name__}")
+            if arg.shape != static.shape or arg.dtype != static.dtype:
+                raise ValueError(
+                    f"graph argument {i}: expected shape {tuple(static.shape)} "
+                    f"{dtype_name(static.dtype)} (as captured), got shape {tuple(arg.shape)} "
+                    f"{dtype_name(arg.dtype)}; all captured shapes: {_shapes(self.static_inputs)}."
+                    f" Capture one graph per shape (e.g. per batch size) or pad the input")
