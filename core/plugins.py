@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import difflib
 import functools
+import importlib
 import importlib.metadata
 import os
 from dataclasses import dataclass, field
@@ -90,6 +91,18 @@ def _check_api_version(obj: Any, name: str, package: str) -> str:
     return ""
 
 
+class _IsolatingManager(ExtensionManager):
+    """stevedore re-raises AssertionError from a plugin's import, which would break every other
+    plugin; here it is recorded as that plugin's failure like any other exception."""
+
+    def _load_one_plugin(self, ep, *args, **kwargs):
+        try:
+            return super()._load_one_plugin(ep, *args, **kwargs)
+        except AssertionError as exc:
+            self._on_load_failure_callback(self, ep, exc)
+            return None
+
+
 def load_group(group: str) -> PluginSet:
     """Load every entry point of ``group``; failures are recorded, never raised."""
     plugins = PluginSet(group)
@@ -99,8 +112,8 @@ def load_group(group: str) -> PluginSet:
             entry_point.name, group, entry_point.value, _package_of(entry_point),
             error=f"{type(exc).__name__}: {exc}")
 
-    manager = ExtensionManager(namespace=group, invoke_on_load=False,
-                               on_load_failure_callback=on_failure)
+    manager = _IsolatingManager(namespace=group, invoke_on_load=False,
+                                on_load_failure_callback=on_failure)
     for ext in manager.extensions:
         package = _package_of(ext.entry_point)
         record = PluginRecord(ext.name, group, ext.entry_point.value, package, obj=ext.plugin)
@@ -134,6 +147,9 @@ def refresh_plugins() -> None:
     """Forget loaded plugins so the next lookup re-reads the installed entry points."""
     from .kernel_registry import registry
 
+    for group in (ACCELERATOR_GROUP, KERNEL_GROUP, POLICY_GROUP):
+        ExtensionManager.ENTRY_POINT_CACHE.pop(group, None)  # stevedore memoises per process
+    importlib.invalidate_caches()
     for cached in (accelerator_plugins, kernel_plugins, policy_plugins, _availability,
                    _distributions):
         cached.cache_clear()

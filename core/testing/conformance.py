@@ -1,0 +1,444 @@
+"""The accelerator conformance suite: what every accelerator plugin, built-in or not, must pass.
+
+Each check is a function ``check_<x>(accelerator) -> None`` that raises :class:`AssertionError`
+with a message saying what is wrong. Run them:
+
+* from pytest, by subclassing :class:`AcceleratorConformance` (one test per check)::
+
+      class TestMine(AcceleratorConformance):
+          accelerator_name = "mine"
+
+* from code, with :func:`run_conformance` (a list of :class:`CheckResult`, never raises for a
+  failing check), or from the shell with ``shardwise conformance mine``.
+
+Everything runs on small tensors and takes seconds. The suite needs no pytest unless the base
+class is used from pytest.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass
+from typing import Any, Callable, ClassVar, Iterator
+
+import torch
+
+from ..accelerator import PLUGIN_API_VERSION, Accelerator, Availability
+from ..errors import AcceleratorUnavailableError
+
+# ----- shared helpers --------------------------------------------------------------------------
+
+#: (atol, rtol) per dtype when a device result is compared with an fp32 CPU oracle. fp32 leaves
+#: room for TF32-style matmuls; dtypes not listed use :data:`DEFAULT_TOLERANCE`.
+DTYPE_TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
+    torch.float64: (1e-10, 1e-10),
+    torch.float32: (1e-3, 1e-3),
+    torch.float16: (1e-2, 1e-2),
+    torch.bfloat16: (5e-2, 5e-2),
+}
+DEFAULT_TOLERANCE = (1e-1, 1e-1)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _tolerance(dtype: torch.dtype) -> tuple[float, float]:
+    return DTYPE_TOLERANCES.get(dtype, DEFAULT_TOLERANCE)
+
+
+def _randn(*shape: int, seed: int = 0) -> torch.Tensor:
+    """Reproducible fp32 CPU noise (the same numbers on every device)."""
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def _assert_close(actual: Any, expected: Any, dtype: torch.dtype, what: str) -> None:
+    """Compare (nested tuples of) tensors on CPU in fp32 within ``dtype``'s tolerance."""
+    if isinstance(expected, (tuple, list)):
+        assert isinstance(actual, (tuple, list)) and len(actual) == len(expected), (
+            f"{what}: expected a sequence of {len(expected)} results, got {type(actual).__name__}")
+        for i, (a, e) in enumerate(zip(actual, expected)):
+            _assert_close(a, e, dtype, f"{what}[{i}]")
+        return
+    assert isinstance(actual, torch.Tensor), (
+        f"{what}: expected a tensor, got {type(actual).__name__}")
+    assert actual.shape == expected.shape, (
+        f"{what}: shape {tuple(actual.shape)}, expected {tuple(expected.shape)}")
+    atol, rtol = _tolerance(dtype)
+    try:
+        torch.testing.assert_close(actual.detach().cpu().float(), expected.detach().cpu().float(),
+                                   atol=atol, rtol=rtol)
+    except AssertionError as exc:
+        raise AssertionError(f"{what} differs beyond the {_dtype_name(dtype)} tolerance "
+                             f"(atol={atol:g}, rtol={rtol:g}): {exc}") from None
+
+
+@contextlib.contextmanager
+def _env_without(name: str) -> Iterator[None]:
+    """Temporarily remove environment variable ``name``."""
+    saved = os.environ.pop(name, None)
+    try:
+        yield
+    finally:
+        if saved is not None:
+            os.environ[name] = saved
+
+
+# ----- checks ----------------------------------------------------------------------------------
+
+def check_metadata(accelerator: Accelerator) -> None:
+    """Facts are set, the API version matches, dtypes are coherent, availability is explained."""
+    cls = type(accelerator)
+    for attr in ("name", "device_type", "communication_backend"):
+        value = getattr(accelerator, attr)
+        assert isinstance(value, str) and value, (
+            f"{cls.__name__}.{attr} must be a non-empty string, got {value!r}")
+    assert accelerator.plugin_api_version == PLUGIN_API_VERSION, (
+        f"{cls.__name__}.plugin_api_version is {accelerator.plugin_api_version!r}; this shardwise "
+        f"implements plugin API {PLUGIN_API_VERSION}")
+    dtypes = accelerator.supported_dtypes
+    assert dtypes and all(isinstance(d, torch.dtype) for d in dtypes), (
+        f"{cls.__name__}.supported_dtypes must be a non-empty tuple of torch.dtype, "
+        f"got {dtypes!r}")
+    assert accelerator.preferred_dtype in dtypes, (
+        f"preferred_dtype {accelerator.preferred_dtype} is not among supported_dtypes {dtypes}")
+    backends = accelerator.ordered_kernel_backends()
+    assert all(isinstance(b, str) and b for b in backends) and backends[-1] == "reference", (
+        f"ordered_kernel_backends() must be backend names ending with 'reference', "
+        f"got {backends!r}")
+    status = cls.availability()
+    assert isinstance(status, Availability), (
+        f"{cls.__name__}.availability() must return shardwise.Availability, got {status!r}")
+    assert status.ok or status.reason, (
+        f"{cls.__name__}.availability() says unavailable without a reason; say what is missing")
+
+
+def check_device_round_trip(accelerator: Accelerator) -> None:
+    """A tensor copied to the device and back is unchanged; the device has the right type."""
+    count = accelerator.device_count()
+    assert count >= 1, f"device_count() is {count} on an available device"
+    device = accelerator.device()
+    assert device.type == accelerator.device_type, (
+        f"device() returned {device}, expected type {accelerator.device_type!r}")
+    x = _randn(4, 5)
+    on_device = x.to(device)
+    assert on_device.device.type == accelerator.device_type, f"tensor landed on {on_device.device}"
+    back = on_device.cpu()
+    assert torch.equal(back, x), "tensor changed on its way to the device and back"
+
+
+def _small_affine(dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """Inputs of ``x @ w + b`` in ``dtype`` on ``device``, and the fp32 CPU oracle result."""
+    x, w, b = _randn(8, 32, seed=1), _randn(32, 16, seed=2) / 32 ** 0.5, _randn(16, seed=3)
+    x, w, b = (t.to(dtype) for t in (x, w, b))
+    expected = x.float() @ w.float() + b.float()  # the same (rounded) inputs, computed in fp32
+    return x.to(device), w.to(device), b.to(device), expected
+
+
+def check_dtypes_compute(accelerator: Accelerator) -> None:
+    """Every claimed dtype really computes: a matmul + add on the device matches fp32 on CPU."""
+    device = accelerator.device()
+    for dtype in accelerator.supported_dtypes:
+        try:
+            x, w, b, expected = _small_affine(dtype, device)
+            out = x @ w + b
+        except Exception as exc:
+            raise AssertionError(f"supported dtype {_dtype_name(dtype)} cannot compute on "
+                                 f"{device}: {type(exc).__name__}: {exc}") from None
+        assert out.dtype == dtype, f"{_dtype_name(dtype)} matmul returned {out.dtype}"
+        _assert_close(out, expected, dtype, f"{_dtype_name(dtype)} matmul+add on {device}")
+
+
+def check_memory(accelerator: Accelerator) -> None:
+    """Memory queries answer: total > 0 and 0 <= free <= total, in bytes."""
+    try:
+        total, free = accelerator.total_memory(0), accelerator.free_memory(0)
+    except NotImplementedError:
+        raise AssertionError("total_memory()/free_memory() are not implemented; every "
+                             "accelerator must report them (bytes)") from None
+    assert isinstance(total, int) and isinstance(free, int), (
+        f"memory must be reported as int bytes, got total={total!r}, free={free!r}")
+    assert total > 0, f"total_memory(0) is {total}; expected a positive number of bytes"
+    assert 0 <= free <= total, f"free_memory(0)={free} is not within [0, total_memory(0)={total}]"
+
+
+def check_communicator(accelerator: Accelerator) -> None:
+    """At world size 1 the communicator is local and every collective behaves as the identity."""
+    import torch.distributed as dist
+
+    from ..communicator import LocalCommunicator, create_communicator
+
+    assert not (dist.is_available() and dist.is_initialized()), (
+        "a torch.distributed process group is already initialised; run the conformance suite in a "
+        "fresh single process")
+    with _env_without("WORLD_SIZE"):
+        comm = create_communicator(accelerator)
+    try:
+        assert isinstance(comm, LocalCommunicator), (
+            f"world size 1 should give a LocalCommunicator, got {type(comm).__name__}")
+        _check_local_collectives(comm, accelerator.device())
+    finally:
+        comm.close()
+
+
+def _check_local_collectives(comm, device: torch.device) -> None:
+    x = _randn(4, 3).to(device)
+    for op in ("sum", "max", "min", "avg", "product"):
+        reduced = comm.all_reduce(x.clone(), op=op)
+        assert torch.equal(reduced.cpu(), x.cpu()), (
+            f"all_reduce({op!r}) at world size 1 changed the tensor")
+    gathered = comm.all_gather(x)
+    assert torch.equal(gathered.cpu(), x.cpu()), (
+        f"all_gather at world size 1 should return the tensor, got shape {tuple(gathered.shape)}")
+    broadcast = comm.broadcast(x.clone(), src=0)
+    assert torch.equal(broadcast.cpu(), x.cpu()), "broadcast from rank 0 changed the tensor"
+    assert comm.barrier() is None, "barrier() should return None"
+    exchanged = comm.all_to_all(x)
+    assert torch.equal(exchanged.cpu(), x.cpu()), "all_to_all at world size 1 changed the tensor"
+
+
+def _graph_example(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return torch.tanh(a @ b + b.sum(0)) * 2.0 - a.mean()
+
+
+def check_graph_strategy(accelerator: Accelerator) -> None:
+    """A captured function, called with new inputs of the same shapes, equals eager execution."""
+    strategy = accelerator.graph_strategy()
+    device = accelerator.device()
+    dtypes = accelerator.supported_dtypes
+    dtype = torch.float32 if torch.float32 in dtypes else accelerator.preferred_dtype
+
+    def inputs(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+        a, b = _randn(4, 8, seed=seed), _randn(8, 8, seed=seed + 1)
+        return a.to(device, dtype), b.to(device, dtype)
+
+    captured = strategy.capture(_graph_example, *inputs(10))
+    assert callable(captured), (
+        f"{type(strategy).__name__}.capture returned {captured!r}, not a callable")
+    for seed in (20, 30):  # two fresh input sets: a graph that ignores its inputs fails the second
+        a, b = inputs(seed)
+        expected = _graph_example(a, b)
+        got = captured(a, b)
+        got = got.clone() if isinstance(got, torch.Tensor) else got  # replay may reuse buffers
+        _assert_close(got, expected, dtype,
+                      f"graph strategy {strategy.name!r} result for new inputs (seed {seed})")
+
+
+def check_launch_env(accelerator: Accelerator) -> None:
+    """launch_env() returns str -> str for every local rank of 1- and 2-rank nodes."""
+    for world in (1, 2):
+        for rank in range(world):
+            env = accelerator.launch_env(rank, world)
+            assert isinstance(env, dict), (
+                f"launch_env({rank}, {world}) returned {type(env).__name__}, not a dict")
+            bad = {k: v for k, v in env.items()
+                   if not (isinstance(k, str) and isinstance(v, str))}
+            assert not bad, f"launch_env({rank}, {world}) has non-string entries: {bad!r}"
+
+
+# Example inputs per kernel op: op -> (dtype, device) -> (args, kwargs). A new op must add a row.
+KernelInputs = Callable[[torch.dtype, torch.device], tuple[tuple, dict]]
+
+
+def _rms_norm_inputs(dtype: torch.dtype, device: torch.device) -> tuple[tuple, dict]:
+    x, res, w = _randn(3, 64, seed=4), _randn(3, 64, seed=5), 1 + 0.1 * _randn(64, seed=6)
+    return (x.to(device, dtype), w.to(device, dtype), 1e-6), {"residual": res.to(device, dtype)}
+
+
+def _layer_norm_inputs(dtype: torch.dtype, device: torch.device) -> tuple[tuple, dict]:
+    x, res = _randn(3, 64, seed=7), _randn(3, 64, seed=8)
+    w, b = 1 + 0.1 * _randn(64, seed=9), 0.1 * _randn(64, seed=10)
+    args = (x.to(device, dtype), w.to(device, dtype), b.to(device, dtype), 1e-5)
+    return args, {"residual": res.to(device, dtype)}
+
+
+KERNEL_INPUTS: dict[str, KernelInputs] = {
+    "rms_norm": _rms_norm_inputs,
+    "layer_norm": _layer_norm_inputs,
+}
+
+
+def _to_cpu(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.cpu()
+    if isinstance(value, (tuple, list)):
+        return type(value)(_to_cpu(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _to_cpu(v) for k, v in value.items()}
+    return value
+
+
+def check_kernel_parity(accelerator: Accelerator) -> None:
+    """Every op, resolved for this accelerator in every supported dtype, matches the reference."""
+    from ..kernel_registry import REFERENCE, registry
+
+    device = accelerator.device()
+    for op in registry.ops():
+        assert op in KERNEL_INPUTS, (
+            f"kernel op {op!r} has no example inputs in "
+            "shardwise.testing.conformance.KERNEL_INPUTS; add a builder for it")
+        reference = registry.implementations(op)[REFERENCE]
+        for dtype in accelerator.supported_dtypes:
+            args, kwargs = KERNEL_INPUTS[op](dtype, device)
+            impl = registry.resolve(op, accelerator, dtype)
+            what = f"{op} via backend {impl.backend!r} in {_dtype_name(dtype)}"
+            try:
+                got = impl(*args, **kwargs)
+            except Exception as exc:
+                raise AssertionError(f"{what} raised {type(exc).__name__}: {exc}") from None
+            expected = reference(*_to_cpu(args), **_to_cpu(kwargs))
+            _assert_close(got, expected, dtype, what)
+
+
+#: Every check in the order it runs: check name -> function.
+CHECKS: dict[str, Callable[[Accelerator], None]] = {
+    "metadata": check_metadata,
+    "device_round_trip": check_device_round_trip,
+    "dtypes_compute": check_dtypes_compute,
+    "memory": check_memory,
+    "communicator": check_communicator,
+    "graph_strategy": check_graph_strategy,
+    "launch_env": check_launch_env,
+    "kernel_parity": check_kernel_parity,
+}
+
+
+# ----- running the suite -----------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class CheckResult:
+    """The outcome of one conformance check."""
+
+    name: str
+    passed: bool
+    message: str = ""
+
+
+def accelerator_under_test(accelerator: str | Accelerator | type[Accelerator] | None
+                           ) -> Accelerator:
+    """The instance the suite tests: ``accelerator`` may be a plugin name (``None`` detects), an
+    instance or a class. Raises :class:`shardwise.PluginError` (or its subclass
+    :class:`shardwise.AcceleratorUnavailableError`) when it is unknown, broken or cannot run
+    here."""
+    from ..plugins import get_accelerator
+
+    if isinstance(accelerator, type) and issubclass(accelerator, Accelerator):
+        accelerator = accelerator()
+    if isinstance(accelerator, Accelerator):
+        status = type(accelerator).availability()
+        if not status:
+            raise AcceleratorUnavailableError(
+                f"accelerator {accelerator.name!r} is unavailable here: {status.reason}")
+        return accelerator
+    return get_accelerator(accelerator)
+
+
+def run_check(name: str, accelerator: Accelerator) -> CheckResult:
+    """Run one check by name; a failure (or crash) becomes a failed result, never an exception."""
+    try:
+        CHECKS[name](accelerator)
+    except AssertionError as exc:
+        return CheckResult(name, False, str(exc) or "assertion failed")
+    except Exception as exc:  # a crashing check is a failing check
+        return CheckResult(name, False, f"raised {type(exc).__name__}: {exc}")
+    return CheckResult(name, True, "ok")
+
+
+def run_conformance(accelerator: str | Accelerator | type[Accelerator] | None
+                    ) -> list[CheckResult]:
+    """Run every check against ``accelerator`` (a plugin name, an instance or a class; ``None``
+    auto-detects) and return one :class:`CheckResult` per check, in :data:`CHECKS` order.
+
+    Failing checks never raise. An accelerator that cannot be obtained at all (unknown, failed to
+    load, or unavailable here) raises :class:`shardwise.PluginError` with the reason, since none
+    of its checks can run.
+    """
+    instance = accelerator_under_test(accelerator)
+    return [run_check(name, instance) for name in CHECKS]
+
+
+# ----- pytest base class -----------------------------------------------------------------------
+
+class AcceleratorConformance:
+    """Pytest base class: subclass it as ``Test...`` and set :attr:`accelerator_name`.
+
+    One ``test_<check>`` method per check. When the accelerator is installed but unavailable on
+    this machine, every test skips with its reason (or fails, with :attr:`require_available`, for
+    CI machines that do have the device); an unknown or broken plugin always fails. Set
+    :attr:`accelerator_env` to environment variables the tests need (applied around each test,
+    with plugins re-read so availability sees them). A subclass overriding ``setup_method`` or
+    ``teardown_method`` must call ``super()``'s.
+    """
+
+    #: The plugin name to test (its entry-point name, what users pass as ``device=``).
+    accelerator_name: ClassVar[str | None] = None
+    #: Environment variables set while each test runs (e.g. to enable a device).
+    accelerator_env: ClassVar[dict[str, str]] = {}
+    #: Fail instead of skipping when the accelerator is unavailable here.
+    require_available: ClassVar[bool] = False
+
+    accelerator: Accelerator
+
+    def setup_method(self, method=None) -> None:
+        """Apply :attr:`accelerator_env` and load the accelerator (skip when unavailable)."""
+        import pytest
+
+        if not self.accelerator_name:
+            pytest.fail(f"{type(self).__name__} must set accelerator_name to the plugin to test")
+        self._saved_env = {k: os.environ.get(k) for k in self.accelerator_env}
+        self._apply_env(self.accelerator_env)
+        try:
+            self.accelerator = accelerator_under_test(self.accelerator_name)
+        except AcceleratorUnavailableError as exc:
+            self.teardown_method(method)
+            if self.require_available:
+                pytest.fail(f"{exc} ({type(self).__name__}.require_available is set)")
+            pytest.skip(str(exc))
+        except Exception:
+            self.teardown_method(method)
+            raise
+
+    def teardown_method(self, method=None) -> None:
+        """Restore the environment changed by :meth:`setup_method`."""
+        saved = getattr(self, "_saved_env", None)
+        if saved:
+            self._apply_env(saved)
+        self._saved_env = {}
+
+    @staticmethod
+    def _apply_env(values: dict[str, str | None]) -> None:
+        if not values:
+            return
+        from ..plugins import refresh_plugins
+
+        for key, value in values.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        refresh_plugins()  # availability is cached per process; let it see the new environment
+
+    def test_metadata(self) -> None:
+        check_metadata(self.accelerator)
+
+    def test_device_round_trip(self) -> None:
+        check_device_round_trip(self.accelerator)
+
+    def test_dtypes_compute(self) -> None:
+        check_dtypes_compute(self.accelerator)
+
+    def test_memory(self) -> None:
+        check_memory(self.accelerator)
+
+    def test_communicator(self) -> None:
+        check_communicator(self.accelerator)
+
+    def test_graph_strategy(self) -> None:
+        check_graph_strategy(self.accelerator)
+
+    def test_launch_env(self) -> None:
+        check_launch_env(self.accelerator)
+
+    def test_kernel_parity(self) -> None:
+        check_kernel_parity(self.accelerator)
