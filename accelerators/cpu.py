@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import platform
 from functools import cache
 
 import torch
@@ -58,6 +59,7 @@ class CpuAccelerator(Accelerator):
     priority = 0
     supported_dtypes = (torch.float32, torch.bfloat16)
     kernel_backends = ("cpu",)
+    bandwidth_probe_bytes = 512 << 20  # well past the last-level cache, quick on a small host
 
     @classmethod
     def availability(cls) -> Availability:
@@ -66,6 +68,17 @@ class CpuAccelerator(Accelerator):
     @property
     def preferred_dtype(self) -> torch.dtype:
         return torch.bfloat16 if native_bf16() else torch.float32
+
+    def device_name(self, index: int = 0) -> str:
+        """The CPU's model name from /proc/cpuinfo (the platform's processor string elsewhere)."""
+        try:
+            with open("/proc/cpuinfo") as fh:
+                for line in fh:
+                    if line.startswith("model name"):
+                        return line.split(":", 1)[1].strip()
+        except OSError:
+            pass
+        return platform.processor() or platform.machine()
 
     def dtype_notes(self) -> str:
         if native_bf16():

@@ -75,6 +75,8 @@ class Accelerator:
     supported_dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.float32,)
     #: Kernel backends to try, best first; the torch reference is always the implicit last one.
     kernel_backends: ClassVar[tuple[str, ...]] = ()
+    #: Buffer size the benchmark's bandwidth probe copies (large enough to defeat caches).
+    bandwidth_probe_bytes: ClassVar[int] = 2 << 30
 
     # ----- availability and devices -------------------------------------------------------------
 
@@ -96,6 +98,16 @@ class Accelerator:
         if index is None:
             return torch.device(self.device_type)
         return torch.device(self.device_type, index)
+
+    def device_name(self, index: int = 0) -> str:
+        """Product name of device ``index``, for reports (torch's device module when it knows)."""
+        getter = getattr(self.module, "get_device_name", None)
+        if callable(getter):
+            try:
+                return str(getter(index))
+            except Exception:  # the module has the function but no device behind it
+                pass
+        return self.name
 
     @property
     def module(self):

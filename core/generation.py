@@ -11,7 +11,7 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from transformers.generation.streamers import BaseStreamer
@@ -66,13 +66,16 @@ class TokenTimings:
 class TokenTimer(BaseStreamer):
     """A streamer that records ``time.perf_counter()`` at every ``put``; the first is the prompt."""
 
-    def __init__(self) -> None:
+    def __init__(self, synchronize: Callable[[], None] | None = None) -> None:
         self.times: list[float] = []
         self.batch_size = 1
+        self._synchronize = synchronize  # waits for queued device work before each time
 
     def put(self, value: torch.Tensor) -> None:
         if not self.times:
             self.batch_size = value.shape[0] if value.dim() > 1 else 1
+        if self._synchronize is not None:
+            self._synchronize()
         self.times.append(time.perf_counter())
 
     def end(self) -> None:
@@ -87,6 +90,7 @@ class TokenTimer(BaseStreamer):
 
 
 def timed_generate(model, inputs: dict[str, torch.Tensor],
+                   synchronize: Callable[[], None] | None = None,
                    **gen_kwargs: Any) -> tuple[torch.Tensor, TokenTimings]:
     """Run ``model.generate(**inputs, **gen_kwargs)`` and time it token by token.
 
@@ -94,12 +98,16 @@ def timed_generate(model, inputs: dict[str, torch.Tensor],
         model: a model with HF ``generate`` (e.g. ``engine.module``); ``inputs`` must already be
             on its device.
         inputs: ``input_ids`` and optionally ``attention_mask`` (a ``BatchEncoding`` works).
+        synchronize: waits for the device before each timestamp (``accelerator.synchronize``),
+            so asynchronous devices are timed honestly.
         **gen_kwargs: passed to ``generate`` (``max_new_tokens``, ``do_sample``, ...); beam
             search is not supported (HF cannot stream it).
 
     Returns:
         The output ids (prompt included, as ``generate`` returns them) and the timings.
     """
-    timer = TokenTimer()
+    if synchronize is not None:
+        synchronize()  # start from an idle device
+    timer = TokenTimer(synchronize)
     output = model.generate(**inputs, streamer=timer, **gen_kwargs)
     return output, timer.timings()

@@ -59,7 +59,7 @@ def load_model(path: str | os.PathLike | None = None, dtype: torch.dtype | None 
     if p.suffix == ".gguf":
         if importlib.util.find_spec("gguf") is None:
             raise ConfigError("loading a GGUF file needs the gguf package: "
-                              "pip install 'shardwise[gguf]'")
+                              "pip install gguf (a dependency of shardwise; reinstall it)")
         kwargs["gguf_file"] = p.name
         p = p.parent
     model = AutoModelForCausalLM.from_pretrained(p, **kwargs)

@@ -1,0 +1,76 @@
+"""Figures of a run record, from its raw samples: latency statistics, throughput, roofline and
+speed-up over the baseline. Pure functions over plain dicts (the JSON's own shapes).
+
+Definitions (all over the timed repeats; warm-up samples are kept in the JSON but not used):
+
+* ``prefill_ms``: time to first token, median and p90 over repeats.
+* ``decode_ms``: latency of one decode step (every token after the first), median and p90 over
+  the steps of all repeats pooled.
+* ``tokens_per_s``: decode throughput, ``batch / median step``.
+* ``e2e_tokens_per_s``: ``batch × new tokens / median whole-generate time`` (prefill included).
+* ``decode_gbps`` / ``bandwidth_pct`` and ``prefill_tflops``: see :mod:`.roofline`.
+* ``speedup``: baseline latency ÷ this variant's latency, per phase (> 1 is faster).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from . import roofline
+from .stats import median, ratio, summarize
+
+
+def _ms(summary: dict) -> dict:
+    return {k: (v * 1e3 if k != "n" else v) for k, v in summary.items()}
+
+
+def figures(rec: dict[str, Any], device_gbps: float | None) -> dict[str, Any]:
+    """The figures of one record (empty when it failed or has no timed repeats)."""
+    repeats = rec["samples"]["repeats"]
+    if rec["status"] != "ok" or not repeats:
+        return {}
+    prefill = [r["prefill_s"] for r in repeats]
+    steps = [t for r in repeats for t in r["per_token_s"]]
+    whole = [r["prefill_s"] + sum(r["per_token_s"]) for r in repeats]
+    out: dict[str, Any] = {
+        "prefill_ms": _ms(summarize(prefill)),
+        "decode_ms": _ms(summarize(steps)),
+        "e2e_s": median(whole),
+        "e2e_tokens_per_s": rec["batch"] * rec["new_tokens"] / median(whole),
+        "tokens_per_s": None, "decode_gbps": None, "bandwidth_pct": None,
+        "prefill_tflops": roofline.prefill_tflops(
+            rec["nonembedding_params"], rec["prompt_len"], rec["batch"], median(prefill)),
+    }
+    if steps:
+        step = median(steps)
+        out["tokens_per_s"] = rec["batch"] / step
+        out["decode_gbps"] = roofline.decode_gbps(rec["weight_bytes"], step)
+        if device_gbps:
+            out["bandwidth_pct"] = roofline.bandwidth_pct(out["decode_gbps"], device_gbps)
+    return out
+
+
+def cell_key(rec: dict[str, Any]) -> tuple:
+    """What identifies a cell across variants: model and shape."""
+    return rec["model"], rec["batch"], rec["prompt_len"], rec["new_tokens"]
+
+
+def speedup(rec: dict[str, Any], base: dict[str, Any] | None) -> dict[str, float | None]:
+    """Baseline latency ÷ ``rec``'s latency for decode, prefill and the whole generate."""
+    f, b = rec.get("figures") or {}, (base or {}).get("figures") or {}
+    if not f or not b:
+        return {"decode": None, "prefill": None, "e2e": None}
+    return {"decode": ratio(b["decode_ms"].get("median"), f["decode_ms"].get("median")),
+            "prefill": ratio(b["prefill_ms"]["median"], f["prefill_ms"]["median"]),
+            "e2e": ratio(b["e2e_s"], f["e2e_s"])}
+
+
+def add_figures(records: list[dict[str, Any]], device_gbps: float | None) -> list[dict]:
+    """Set ``figures`` (with ``speedup`` over the same cell's baseline) on every record."""
+    for rec in records:
+        rec["figures"] = figures(rec, device_gbps)
+    baselines = {cell_key(r): r for r in records if r["baseline"] and r["status"] == "ok"}
+    for rec in records:
+        if rec["figures"]:
+            rec["figures"]["speedup"] = speedup(rec, baselines.get(cell_key(rec)))
+    return records

@@ -1,0 +1,87 @@
+"""``--tp N``: run the shardwise variant on N ranks started through torch's elastic launcher
+(``python -m torch.distributed.run``), each rank running :mod:`shardwise.bench.worker`.
+
+The parent writes the plan to a spec file, launches the ranks, and reads back one result file
+per rank (``rank<R>.json``). Rank 0's samples are the figures (ranks of a tensor-parallel step
+finish together); a failure on any other rank fails the run with that rank's error.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from ..accelerator import Accelerator
+from .plan import Plan
+from .runner import record
+
+WORKER_MODULE = "shardwise.bench.worker"
+
+
+def launch_command(spec_path: str, nproc_per_node: int, nnodes: int = 1, node_rank: int = 0,
+                   master_addr: str | None = None, master_port: int | None = None) -> list[str]:
+    """The launcher command line: standalone rendezvous on one node, static (node rank, master
+    address and port) across several."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc_per_node}",
+           f"--nnodes={nnodes}"]
+    if nnodes == 1:
+        cmd.append("--standalone")
+    else:
+        cmd += [f"--node-rank={node_rank}", f"--master-addr={master_addr or 'localhost'}",
+                f"--master-port={master_port or 29500}"]
+    return [*cmd, "-m", WORKER_MODULE, "--spec", spec_path]
+
+
+def launcher_env(accelerator: Accelerator, nproc_per_node: int,
+                 base: dict[str, str] | None = None) -> dict[str, str]:
+    """The launcher's environment: ``base`` plus the accelerator's launch settings that are the
+    same for every local rank (e.g. OMP_NUM_THREADS, which the launcher would otherwise force
+    to 1). Settings that differ per rank are applied by each worker itself."""
+    env = dict(os.environ if base is None else base)
+    per_rank = [accelerator.launch_env(r, nproc_per_node) for r in range(nproc_per_node)]
+    env.update({k: v for k, v in per_rank[0].items() if all(e.get(k) == v for e in per_rank)})
+    return env
+
+
+def merge_ranks(per_rank: dict[int, list[dict]], plan: Plan, returncode: int) -> list[dict]:
+    """Rank 0's records, failed where another rank failed the same run; when rank 0 wrote
+    nothing, every run of the variant fails with the launcher's exit code."""
+    if 0 not in per_rank:
+        error = (f"the launched ranks exited with code {returncode} before writing results; "
+                 f"their output is above")
+        if returncode == 0 and per_rank:
+            error = "rank 0 ran on another node (--node-rank 0): its figures are written there"
+        return [record(spec, plan.variant, cell, status="failed", error=error,
+                       world_size=plan.tp) for spec in plan.models for cell in plan.cells]
+    merged = [dict(r) for r in per_rank[0]]
+    for rank, records in sorted(per_rank.items()):
+        for mine, theirs in zip(merged, records):
+            if rank and theirs["status"] != "ok" and mine["status"] == "ok":
+                mine.update(status="failed", error=f"rank {rank}: {theirs['error']}")
+    return merged
+
+
+def read_rank_files(folder: str | os.PathLike) -> dict[int, list[dict]]:
+    """``rank → records`` from the ``rank<R>.json`` files in ``folder``."""
+    out = {}
+    for path in Path(folder).glob("rank*.json"):
+        out[int(path.stem.removeprefix("rank"))] = json.loads(path.read_text())["runs"]
+    return out
+
+
+def run_ranks(plan: Plan, accelerator: Accelerator, nproc_per_node: int,
+              rendezvous: dict[str, Any] | None = None, show_progress: bool = True) -> list[dict]:
+    """Launch the ranks for the shardwise variant of every model and cell; their records."""
+    with tempfile.TemporaryDirectory(prefix="shardwise-bench-") as folder:
+        spec = Path(folder) / "spec.json"
+        spec.write_text(json.dumps({"plan": plan.to_dict(), "out_dir": folder,
+                                    "progress": show_progress}))
+        cmd = launch_command(str(spec), nproc_per_node, plan.nnodes, **(rendezvous or {}))
+        print(f"launching {plan.tp} ranks: {' '.join(cmd)}", file=sys.stderr, flush=True)
+        proc = subprocess.run(cmd, env=launcher_env(accelerator, nproc_per_node))
+        return merge_ranks(read_rank_files(folder), plan, proc.returncode)

@@ -1,0 +1,191 @@
+"""The result document (JSON schema and provenance) and the terminal table.
+
+A result file is one JSON object::
+
+    {"schema": "shardwise-bench/1",
+     "command": "shardwise bench ...",          # the command that made it
+     "provenance": {...},                       # see provenance()
+     "plan": {...},                             # models, cells, variant options
+     "bandwidth": {"method": "copy", "bytes", "bytes_moved_per_copy", "samples_s", "gbps"},
+     "runs": [{"model", "variant", "baseline", "batch", "prompt_len", "new_tokens",
+               "status", "error", "dtype", "world_size", "weight_bytes",
+               "nonembedding_params", "peak_memory_bytes",
+               "samples": {"warmup": [...], "repeats": [{"prefill_s", "per_token_s"}]},
+               "figures": {...}}]}             # see figures.py
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import shlex
+import subprocess
+from pathlib import Path
+from typing import Any
+
+from ..errors import ConfigError
+
+SCHEMA = "shardwise-bench/1"
+DOCUMENT_KEYS = ("schema", "command", "provenance", "plan", "bandwidth", "runs")
+PROVENANCE_KEYS = ("date", "device", "device_type", "device_name", "device_count", "threads",
+                   "versions", "git_revision", "git_dirty", "platform", "options")
+RUN_KEYS = ("model", "variant", "baseline", "batch", "prompt_len", "new_tokens", "status",
+            "error", "dtype", "world_size", "weight_bytes", "nonembedding_params",
+            "peak_memory_bytes", "samples", "figures")
+
+
+# ----- provenance ---------------------------------------------------------------------------------
+
+def git_state(path: str | os.PathLike | None = None) -> tuple[str | None, bool | None]:
+    """``(revision, dirty)`` of the git checkout holding ``path`` (default: shardwise's source);
+    ``(None, None)`` outside a checkout. Read-only git commands."""
+    where = str(path or Path(__file__).resolve().parent)
+    try:
+        rev = subprocess.run(["git", "-C", where, "rev-parse", "HEAD"], capture_output=True,
+                             text=True, timeout=10)
+        if rev.returncode:
+            return None, None
+        status = subprocess.run(["git", "-C", where, "status", "--porcelain",
+                                 "--untracked-files=no"], capture_output=True, text=True,
+                                timeout=10)
+        return rev.stdout.strip(), bool(status.stdout.strip())
+    except (OSError, subprocess.SubprocessError):
+        return None, None
+
+
+def versions() -> dict[str, str]:
+    """Versions of shardwise, torch, transformers and Python."""
+    import torch
+    import transformers
+
+    from .. import __version__
+
+    return {"shardwise": __version__, "torch": torch.__version__,
+            "transformers": transformers.__version__, "python": platform.python_version()}
+
+
+def provenance(accelerator, options: dict[str, Any]) -> dict[str, Any]:
+    """Where and how a run was made: date, device, versions, git revision, options."""
+    import torch
+
+    revision, dirty = git_state()
+    return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "device": accelerator.name, "device_type": accelerator.device_type,
+            "device_name": accelerator.device_name(), "device_count": accelerator.device_count(),
+            "threads": torch.get_num_threads(), "versions": versions(),
+            "git_revision": revision, "git_dirty": dirty, "platform": platform.platform(),
+            "options": options}
+
+
+# ----- the document -------------------------------------------------------------------------------
+
+def build_document(command: str, prov: dict, plan: dict, bandwidth: dict,
+                   runs: list[dict]) -> dict[str, Any]:
+    """The result document (see the module docstring)."""
+    return {"schema": SCHEMA, "command": command, "provenance": prov, "plan": plan,
+            "bandwidth": bandwidth, "runs": runs}
+
+
+def check_document(doc: Any, source: str = "document") -> dict[str, Any]:
+    """Return ``doc`` if it has the result schema's keys, else a ConfigError naming what lacks."""
+    if not isinstance(doc, dict) or doc.get("schema") != SCHEMA:
+        found = doc.get("schema") if isinstance(doc, dict) else type(doc).__name__
+        raise ConfigError(f"{source} is not a shardwise bench result (schema {found!r}, "
+                          f"expected {SCHEMA!r}); pass files written by `shardwise bench`")
+    missing = [k for k in DOCUMENT_KEYS if k not in doc]
+    missing += [f"provenance.{k}" for k in PROVENANCE_KEYS if k not in doc["provenance"]]
+    missing += [f"runs[{i}].{k}" for i, r in enumerate(doc["runs"]) for k in RUN_KEYS
+                if k not in r]
+    if missing:
+        raise ConfigError(f"{source} lacks {', '.join(missing[:8])}; was it edited by hand?")
+    return doc
+
+
+def write_json(doc: dict, path: str | os.PathLike) -> Path:
+    """Write ``doc`` to ``path`` (parent folders created); returns the path."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(doc, indent=1) + "\n")
+    return path
+
+
+def read_json(path: str | os.PathLike) -> dict:
+    """A result document read from ``path`` and checked against the schema."""
+    try:
+        doc = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"result file {str(path)!r} does not exist") from None
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"result file {str(path)!r} is not valid JSON: {exc}") from None
+    return check_document(doc, repr(str(path)))
+
+
+# ----- the table ----------------------------------------------------------------------------------
+
+COLUMNS = ("model", "variant", "batch", "prompt", "new", "prefill ms", "TFLOP/s", "ms/tok",
+           "p90", "tok/s", "speed-up", "GB/s", "% BW", "peak MiB", "status")
+
+
+def _num(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def _times(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}x"
+
+
+def _short(name: str, width: int = 28) -> str:
+    return name if len(name) <= width else "…" + name[-(width - 1):]
+
+
+def table_row(rec: dict, note: int | None = None) -> list[str]:
+    """One table row of a record (``note``: footnote number of a failure)."""
+    f = rec.get("figures") or {}
+    prefill, decode = f.get("prefill_ms", {}), f.get("decode_ms", {})
+    peak = rec.get("peak_memory_bytes")
+    status = "ok" if rec["status"] == "ok" else f"FAILED [{note}]"
+    return [_short(rec["model"]), rec["variant"], str(rec["batch"]), str(rec["prompt_len"]),
+            str(rec["new_tokens"]), _num(prefill.get("median"), ".1f"),
+            _num(f.get("prefill_tflops"), ".3g"), _num(decode.get("median"), ".2f"),
+            _num(decode.get("p90"), ".2f"), _num(f.get("tokens_per_s"), ".1f"),
+            _times((f.get("speedup") or {}).get("decode")),
+            _num(f.get("decode_gbps"), ".3g"), _num(f.get("bandwidth_pct"), ".1f"),
+            _num(peak / 2**20 if peak else None, ".0f"), status]
+
+
+def format_grid(header: list[str], rows: list[list[str]], text_columns: int = 2,
+                last_is_text: bool = True) -> str:
+    """Columns padded to their widest cell: the first ``text_columns`` (and the last when
+    ``last_is_text``) left-aligned, the others (figures) right-aligned."""
+    widths = [max(len(str(c)) for c in col) for col in zip(header, *rows)]
+    last = len(widths) - 1 if last_is_text else -1
+
+    def line(cells):
+        return "  ".join(c.ljust(w) if i < text_columns or i == last else c.rjust(w)
+                         for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
+
+    return "\n".join([line(header), line(["-" * w for w in widths]), *map(line, rows)])
+
+
+def format_table(doc: dict) -> str:
+    """The runs as a table, failures' errors as footnotes (one per distinct error), and the
+    measured bandwidth."""
+    rows, notes = [], {}
+    for rec in doc["runs"]:
+        if rec["status"] != "ok":
+            notes.setdefault(rec["error"], len(notes) + 1)
+        rows.append(table_row(rec, notes.get(rec["error"])))
+    bw = doc["bandwidth"]
+    prov = doc["provenance"]
+    text = [f"device: {prov['device']} ({prov['device_name']}), {prov['threads']} threads; "
+            f"measured bandwidth {bw['gbps']:.1f} GB/s (copy of {bw['bytes'] / 2**20:.0f} MiB)",
+            format_grid(list(COLUMNS), rows)]
+    text += [f"[{i}] {note}" for note, i in notes.items()]
+    return "\n".join(text)
+
+
+def command_line(argv: list[str]) -> str:
+    """The command as a user would type it again."""
+    return shlex.join(["shardwise", "bench", *argv])

@@ -1,0 +1,224 @@
+"""Running the matrix in this process: load each model once, time the plain Hugging Face
+baseline on it, then transform it in place with ``init_inference`` and time shardwise.
+
+The baseline runs first because shardwise transforms the model in place (injection replaces
+modules); both variants share one copy of the weights. Every failure (loading, the engine,
+a cell) becomes a ``failed`` record with its error, and the run goes on.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+from dataclasses import asdict
+from functools import partial
+from typing import Any, Callable, Iterable
+
+import torch
+import torch.distributed as dist
+
+from ..accelerator import Accelerator
+from ..config import parse_dtype
+from ..generation import timed_generate
+from ..transforms import model_dtype
+from .plan import BASELINE, Cell, ModelSpec, Plan
+from .presets import build_preset
+from .roofline import nonembedding_parameters, weight_bytes
+
+#: Text the prompt is cut from (repeated as needed) when the model has a tokenizer.
+PROMPT_TEXT = (
+    "The lighthouse keeper climbed the spiral stairs every evening at dusk, counting the steps "
+    "as his father had taught him. From the lamp room he could see the fishing boats returning "
+    "across the bay, their lanterns swaying with the swell, and beyond them the dark line of "
+    "the storm that the radio had promised since morning. He trimmed the wick, wound the clock "
+    "that turned the great lens, and wrote the time and the weather in the log. ")
+
+Progress = Any  # a tqdm bar, or anything with update(n) and set_description(str)
+
+
+def record(spec: ModelSpec, variant: str, cell: Cell, **fields: Any) -> dict[str, Any]:
+    """A run record: one variant on one cell of one model (raw samples, no figures yet)."""
+    base = {"model": spec.name, "model_kind": spec.kind, "variant": variant,
+            "baseline": variant == BASELINE, **asdict(cell), "status": "ok", "error": None,
+            "dtype": None, "world_size": 1, "weight_bytes": None, "nonembedding_params": None,
+            "peak_memory_bytes": None, "samples": {"warmup": [], "repeats": []}}
+    base.update(fields)
+    return base
+
+
+def error_text(exc: BaseException) -> str:
+    """``Type: message`` of an exception, for a failed record."""
+    return f"{type(exc).__name__}: {exc}"
+
+
+def load(spec: ModelSpec, dtype: torch.dtype | None, seed: int):
+    """``(model, tokenizer)`` of ``spec`` in ``dtype`` (None: its own); presets have no tokenizer."""
+    if spec.kind == "preset":
+        return build_preset(spec.name, dtype, seed), None
+    from ..models import load_model
+
+    return load_model(spec.path, dtype)
+
+
+def make_inputs(tokenizer, vocab_size: int, cell: Cell, seed: int = 0) -> dict[str, torch.Tensor]:
+    """``input_ids`` (batch × prompt_len) and an all-ones ``attention_mask``: the prompt text
+    tokenized, repeated and cut to length, or fixed-seed random ids without a tokenizer."""
+    if tokenizer is not None:
+        ids = tokenizer(PROMPT_TEXT, add_special_tokens=False)["input_ids"]
+        row = torch.tensor((ids * (cell.prompt_len // len(ids) + 1))[:cell.prompt_len])
+    else:
+        gen = torch.Generator().manual_seed(seed)
+        row = torch.randint(0, vocab_size, (cell.prompt_len,), generator=gen)
+    input_ids = row.unsqueeze(0).repeat(cell.batch, 1)
+    return {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids)}
+
+
+def generation_kwargs(model, new_tokens: int) -> dict[str, Any]:
+    """Greedy decoding of exactly ``new_tokens`` tokens (end-of-sequence suppressed until then)."""
+    gen_config = getattr(model, "generation_config", None)
+    pad = getattr(gen_config, "pad_token_id", None)
+    if pad is None:
+        eos = getattr(gen_config, "eos_token_id", None)
+        pad = (eos[0] if isinstance(eos, list) else eos) if eos is not None else 0
+    return {"max_new_tokens": new_tokens, "min_new_tokens": new_tokens, "do_sample": False,
+            "pad_token_id": pad}
+
+
+def check_positions(model, cell: Cell) -> None:
+    """Refuse a cell longer than the model's position table (it would fail mid-run)."""
+    config = getattr(model, "config", None)
+    limit = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    if limit is not None and cell.prompt_len + cell.new_tokens > limit:
+        raise ValueError(f"prompt {cell.prompt_len} + new tokens {cell.new_tokens} exceed the "
+                         f"model's {limit} positions; use shorter --prompt-len/--new-tokens")
+
+
+def time_generate(generate_on: Any, inputs: dict, kwargs: dict, new_tokens: int,
+                  accelerator: Accelerator) -> dict:
+    """One timed ``generate`` (on a model or an engine): ``{"prefill_s", "per_token_s"}``;
+    fails if it stopped before ``new_tokens``."""
+    _, timings = timed_generate(generate_on, inputs, accelerator.synchronize, **kwargs)
+    if timings.new_tokens != new_tokens:
+        raise RuntimeError(f"generate produced {timings.new_tokens} tokens, not {new_tokens}")
+    return {"prefill_s": timings.prefill_s, "per_token_s": list(timings.per_token_s)}
+
+
+def measure_cell(generate_on: Any, model, inputs: dict, cell: Cell, plan: Plan,
+                 accelerator: Accelerator, progress: Progress, rec: dict) -> dict:
+    """Fill ``rec`` with warm-up and repeat samples and the peak memory of this cell."""
+    check_positions(model, cell)
+    kwargs = generation_kwargs(model, cell.new_tokens)
+    accelerator.reset_peak_memory()
+    for phase, count in (("warmup", plan.warmup), ("repeats", plan.repeats)):
+        for _ in range(count):
+            rec["samples"][phase].append(time_generate(generate_on, inputs, kwargs,
+                                                       cell.new_tokens, accelerator))
+            progress.update(1)
+    accelerator.synchronize()
+    rec["peak_memory_bytes"] = accelerator.peak_memory()
+    return rec
+
+
+def prepare_baseline(model, dtype: torch.dtype | None, accelerator: Accelerator):
+    """The plain HF model on the accelerator's device in ``dtype`` (the accelerator vetoes
+    dtypes it cannot run); returns ``(what to call generate on, module)``."""
+    dtype = accelerator.check_dtype(dtype or model_dtype(model))
+    model.to(device=accelerator.device(), dtype=dtype)
+    return model, model
+
+
+def prepare_shardwise(model, plan: Plan, accelerator: Accelerator):
+    """``init_inference`` on ``model`` (in place) with the plan's options; returns
+    ``(engine, engine.module)``."""
+    from ..engine import init_inference
+
+    engine = init_inference(model, **plan.engine_kwargs())
+    return engine, engine.module
+
+
+def run_variant(variant: str, prepare: Callable, model, tokenizer, spec: ModelSpec, plan: Plan,
+                accelerator: Accelerator, progress: Progress) -> list[dict]:
+    """All cells of one variant of one model; a failure fails that cell (or, while preparing,
+    every cell) and the rest go on."""
+    steps = plan.warmup + plan.repeats
+    world = _world_size()
+    try:
+        generate_on, module = prepare()
+    except Exception as exc:  # the engine's or the device's error, reported per row
+        progress.update(steps * len(plan.cells))
+        return [record(spec, variant, c, status="failed", error=error_text(exc),
+                       world_size=world) for c in plan.cells]
+    facts = {"dtype": str(model_dtype(module)).removeprefix("torch."), "world_size": world,
+             "weight_bytes": weight_bytes(module),
+             "nonembedding_params": nonembedding_parameters(module)}
+    records = []
+    for cell in plan.cells:
+        progress.set_description(f"{spec.name} {variant} b{cell.batch} p{cell.prompt_len} "
+                                 f"n{cell.new_tokens}")
+        rec = record(spec, variant, cell, **facts)
+        inputs = make_inputs(tokenizer, _vocab_size(module, tokenizer), cell, plan.seed)
+        try:
+            measure_cell(generate_on, module, _on(inputs, accelerator), cell, plan,
+                         accelerator, progress, rec)
+        except Exception as exc:
+            rec.update(status="failed", error=error_text(exc))
+            progress.update(steps - len(rec["samples"]["warmup"]) - len(rec["samples"]["repeats"]))
+        records.append(rec)
+    return records
+
+
+def bench_model(spec: ModelSpec, plan: Plan, accelerator: Accelerator, variants: Iterable[str],
+                progress: Progress) -> list[dict]:
+    """Load ``spec`` once and run ``variants`` (``"hf"`` and/or the shardwise one) in order."""
+    variants = list(variants)
+    dtype = parse_dtype(plan.dtype)
+    progress.set_description(f"loading {spec.name}")
+    try:
+        model, tokenizer = load(spec, dtype, plan.seed)
+    except Exception as exc:
+        progress.update((plan.warmup + plan.repeats) * len(plan.cells) * len(variants))
+        return [record(spec, v, c, status="failed", error=f"loading failed: {error_text(exc)}")
+                for v in variants for c in plan.cells]
+    records = []
+    for variant in variants:
+        prepare = (partial(prepare_baseline, model, dtype, accelerator) if variant == BASELINE
+                   else partial(prepare_shardwise, model, plan, accelerator))
+        records += run_variant(variant, prepare, model, tokenizer, spec, plan, accelerator,
+                               progress)
+    del model
+    release(accelerator)
+    return records
+
+
+def run_local(plan: Plan, accelerator: Accelerator, variants: list[str],
+              progress: Progress) -> list[dict]:
+    """Every model of ``plan`` with ``variants`` in this process."""
+    records = []
+    for spec in plan.models:
+        records += bench_model(spec, plan, accelerator, variants, progress)
+    return records
+
+
+def release(accelerator: Accelerator) -> None:
+    """Return freed memory to the device so the next model starts clean."""
+    gc.collect()
+    empty_cache = getattr(accelerator.module, "empty_cache", None)
+    if callable(empty_cache):
+        empty_cache()
+
+
+def _on(inputs: dict, accelerator: Accelerator) -> dict:
+    device = accelerator.device()
+    return {k: v.to(device) for k, v in inputs.items()}
+
+
+def _vocab_size(model, tokenizer) -> int:
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+    return vocab or len(tokenizer)
+
+
+def _world_size() -> int:
+    """Ranks of this run: the process group's size, or torchrun's WORLD_SIZE (1 without)."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    return int(os.environ.get("WORLD_SIZE", "1"))

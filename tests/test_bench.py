@@ -1,0 +1,379 @@
+"""``shardwise bench``: statistics, roofline arithmetic, figures, JSON schema, comparison, bad
+input, failure capture, and small end-to-end runs on tiny presets."""
+
+from __future__ import annotations
+
+import copy
+import json
+import sys
+
+import pytest
+import torch
+
+import shardwise.bench.runner as runner
+import shardwise.bench.session as session
+from shardwise.accelerators.cpu import CpuAccelerator
+from shardwise.bench import chart, launch, report, roofline, stats
+from shardwise.bench.compare import compare, format_compare
+from shardwise.bench.figures import add_figures, figures
+from shardwise.bench.plan import Cell, ModelSpec, Plan, check_tp, engine_options
+from shardwise.bench.presets import PRESETS, count_parameters, get_preset
+from shardwise.bench.worker import needed_env
+from shardwise.cli import build_parser, main
+from shardwise.errors import ConfigError
+
+from models import tiny_causal_lm
+
+TINY = "llama-2l-64h-gqa"
+FAST = ["--bandwidth-mib", "8", "--no-progress", "--warmup", "1", "--repeats", "2",
+        "--prompt-len", "8", "--new-tokens", "4"]
+
+
+# ----- statistics ---------------------------------------------------------------------------------
+
+def test_percentile_interpolates_between_order_statistics():
+    samples = [4.0, 1.0, 3.0, 2.0]  # unsorted on purpose
+    assert stats.median(samples) == 2.5
+    assert stats.percentile(samples, 90) == pytest.approx(3.7)
+    assert stats.percentile(samples, 0) == 1.0 and stats.percentile(samples, 100) == 4.0
+    assert stats.percentile([7.0], 90) == 7.0
+    assert stats.median([1.0, 2.0, 100.0]) == 2.0
+
+
+def test_percentile_rejects_empty_and_out_of_range():
+    with pytest.raises(ValueError):
+        stats.percentile([], 50)
+    with pytest.raises(ValueError):
+        stats.percentile([1.0], 101)
+
+
+def test_summarize_and_ratio():
+    s = stats.summarize([1.0, 2.0, 3.0, 4.0, 5.0])
+    assert s == {"median": 3.0, "p90": pytest.approx(4.6), "min": 1.0, "max": 5.0, "n": 5}
+    assert stats.summarize([]) == {"n": 0}
+    assert stats.ratio(6.0, 3.0) == 2.0
+    assert stats.ratio(1.0, 0.0) is None and stats.ratio(None, 2.0) is None
+
+
+# ----- roofline -------------------------------------------------------------------------------------
+
+def test_roofline_arithmetic_on_known_numbers():
+    assert roofline.copy_gbps(10**9, 1.0) == 2.0  # read + write
+    assert roofline.decode_gbps(2 * 10**9, 0.01) == pytest.approx(200.0)
+    assert roofline.bandwidth_pct(50.0, 200.0) == 25.0
+    # 2 FLOPs × 1e9 params × (32 tokens × batch 2) / 0.5 s = 256 TFLOP/s... / 1e12
+    assert roofline.prefill_tflops(10**9, 32, 2, 0.5) == pytest.approx(0.256)
+
+
+def test_weight_bytes_counts_tied_embeddings_once():
+    model = tiny_causal_lm("gpt2")  # ties lm_head to the token embeddings
+    assert model.lm_head.weight is model.transformer.wte.weight
+    every = sum(p.numel() for _, p in model.named_parameters(remove_duplicate=False))
+    unique = every - model.lm_head.weight.numel()
+    assert roofline.weight_bytes(model) == unique * 4
+    assert roofline.weight_bytes(model.to(torch.bfloat16)) == unique * 2
+
+
+def test_nonembedding_parameters_exclude_embeddings_and_head():
+    model = tiny_causal_lm("llama")  # untied: embed 256×64 and lm_head 256×64
+    total = sum(p.numel() for p in model.parameters())
+    assert roofline.nonembedding_parameters(model) == total - 2 * 256 * 64
+    gpt2 = tiny_causal_lm("gpt2")  # tied token table plus a 256×64 position table
+    total = sum(p.numel() for p in gpt2.parameters())
+    assert roofline.nonembedding_parameters(gpt2) == total - 256 * 64 - 256 * 64
+
+
+def test_measure_bandwidth_on_cpu():
+    bw = roofline.measure_bandwidth(CpuAccelerator(), 4 << 20, repeats=3)
+    assert len(bw.samples_s) == 3 and bw.gbps > 0
+    d = bw.to_dict()
+    assert d["bytes_moved_per_copy"] == 2 * d["bytes"] == 8 << 20
+    assert d["gbps"] == pytest.approx(roofline.copy_gbps(4 << 20, stats.median(bw.samples_s)))
+
+
+# ----- timing --------------------------------------------------------------------------------------
+
+class CountingCpu(CpuAccelerator):
+    syncs = 0
+
+    def synchronize(self):
+        type(self).syncs += 1
+
+
+def test_each_token_is_timed_after_synchronizing_through_the_accelerator():
+    model = tiny_causal_lm("llama")
+    inputs = runner.make_inputs(None, 256, Cell(2, 5, 4))
+    acc = CountingCpu()
+    sample = runner.time_generate(model, inputs, runner.generation_kwargs(model, 4), 4, acc)
+    assert len(sample["per_token_s"]) == 3 and sample["prefill_s"] > 0
+    assert CountingCpu.syncs == 1 + 1 + 4  # before generate, the prompt, each new token
+    with pytest.raises(RuntimeError, match="produced 4 tokens, not 5"):
+        runner.time_generate(model, inputs, runner.generation_kwargs(model, 4), 5, acc)
+
+
+def test_prompt_is_the_text_repeated_and_cut_to_length():
+    def tokenizer(text, add_special_tokens):
+        assert text == runner.PROMPT_TEXT and not add_special_tokens
+        return {"input_ids": [5, 6, 7]}
+
+    inputs = runner.make_inputs(tokenizer, 100, Cell(2, 7, 1))
+    assert inputs["input_ids"].tolist() == [[5, 6, 7, 5, 6, 7, 5]] * 2
+    assert inputs["attention_mask"].sum() == 14
+    random_ids = runner.make_inputs(None, 100, Cell(1, 50, 1), seed=3)["input_ids"]
+    assert torch.equal(random_ids, runner.make_inputs(None, 100, Cell(1, 50, 1), seed=3)[
+        "input_ids"]) and int(random_ids.max()) < 100
+
+
+# ----- figures ----------------------------------------------------------------------------------------
+
+def _record(variant="hf", prefill=(0.2, 0.1, 0.3), step=0.01, status="ok", **extra):
+    rec = runner.record(ModelSpec("preset", "m"), variant, Cell(2, 16, 3), status=status,
+                        weight_bytes=10**9, nonembedding_params=10**8, peak_memory_bytes=2**30)
+    rec["samples"]["warmup"] = [{"prefill_s": 9.0, "per_token_s": [9.0, 9.0]}]
+    rec["samples"]["repeats"] = [{"prefill_s": p, "per_token_s": [step, 2 * step]}
+                                 for p in prefill]
+    rec.update(extra)
+    return rec
+
+
+def test_figures_from_known_samples():
+    f = figures(_record(), device_gbps=200.0)
+    assert f["prefill_ms"]["median"] == pytest.approx(200.0)  # warm-up (9 s) is ignored
+    assert f["decode_ms"]["median"] == pytest.approx(15.0)  # pooled [10, 20] × 3
+    assert f["decode_ms"]["p90"] == pytest.approx(20.0)
+    assert f["tokens_per_s"] == pytest.approx(2 / 0.015)  # batch 2
+    assert f["decode_gbps"] == pytest.approx(1e9 / 0.015 / 1e9)
+    assert f["bandwidth_pct"] == pytest.approx(100 * (1 / 0.015) / 200)
+    assert f["prefill_tflops"] == pytest.approx(2 * 1e8 * 16 * 2 / 0.2 / 1e12)
+    assert f["e2e_tokens_per_s"] == pytest.approx(2 * 3 / (0.2 + 0.03))
+
+
+def test_speedup_is_baseline_latency_over_variant_latency():
+    runs = add_figures([_record(), _record("shardwise", prefill=(0.1, 0.1, 0.1), step=0.005),
+                        _record("shardwise[int8]", status="failed", error="boom")], 100.0)
+    assert runs[0]["figures"]["speedup"]["decode"] == 1.0
+    assert runs[1]["figures"]["speedup"] == {"decode": pytest.approx(2.0),
+                                             "prefill": pytest.approx(2.0),
+                                             "e2e": pytest.approx(0.23 / 0.115)}
+    assert runs[2]["figures"] == {}
+
+
+# ----- JSON, table, comparison --------------------------------------------------------------------
+
+def _document(scale: float = 1.0, runs=None):
+    runs = runs if runs is not None else [
+        _record(), _record("shardwise", prefill=(0.1,) * 3, step=0.005 * scale)]
+    return report.build_document("shardwise bench", report.provenance(CpuAccelerator(), {}),
+                                 {}, {"gbps": 100.0, "bytes": 2**20}, add_figures(runs, 100.0))
+
+
+def test_provenance_has_device_versions_revision_and_date():
+    prov = report.provenance(CpuAccelerator(), {"tp": 1})
+    assert set(report.PROVENANCE_KEYS) <= set(prov)
+    assert prov["device"] == "cpu" and prov["device_name"]
+    assert set(prov["versions"]) == {"shardwise", "torch", "transformers", "python"}
+    assert prov["versions"]["torch"] == torch.__version__
+    assert prov["options"] == {"tp": 1} and prov["date"][:2] == "20"
+
+
+def test_check_document_names_what_is_missing(tmp_path):
+    doc = _document()
+    assert report.check_document(copy.deepcopy(doc)) == doc
+    del doc["runs"][0]["samples"]
+    with pytest.raises(ConfigError, match=r"runs\[0\]\.samples"):
+        report.check_document(doc)
+    with pytest.raises(ConfigError, match="not a shardwise bench result"):
+        report.check_document({"schema": "other"})
+    (tmp_path / "bad.json").write_text("{")
+    with pytest.raises(ConfigError, match="not valid JSON"):
+        report.read_json(tmp_path / "bad.json")
+
+
+def test_table_marks_failures_with_their_error():
+    doc = _document(runs=[_record(), _record("shardwise", status="failed", error="Boom: no")])
+    text = report.format_table(doc)
+    assert "FAILED [1]" in text and "[1] Boom: no" in text
+    assert "1.00x" in text  # the baseline's speed-up over itself
+
+
+def test_compare_ratios_between_two_saved_runs(tmp_path, capsys):
+    a, b = _document(1.0), _document(2.0)  # b's shardwise decode steps take twice as long
+    b["runs"] += add_figures([_record("shardwise[int8]")], 100.0)
+    rows = {r["key"][1]: r for r in compare(a, b)}
+    assert rows["hf"]["ratio"]["ms/tok"] == pytest.approx(1.0)
+    assert rows["shardwise"]["ratio"]["ms/tok"] == pytest.approx(2.0)
+    assert rows["shardwise"]["ratio"]["tok/s"] == pytest.approx(0.5)
+    assert rows["shardwise[int8]"]["only_in"] == "b"
+    report.write_json(a, tmp_path / "a.json")
+    report.write_json(b, tmp_path / "b.json")
+    assert main(["bench", "--compare", str(tmp_path / "a.json"), str(tmp_path / "b.json")]) == 0
+    out = capsys.readouterr().out
+    assert "(2.00x)" in out and "(0.50x)" in out and "only in" in out
+    assert "2.00x" in format_compare(a, b)
+
+
+# ----- bad input -------------------------------------------------------------------------------------
+
+@pytest.fixture
+def no_heavy_work(monkeypatch):
+    """Fail the test if a model is loaded or the bandwidth is measured."""
+    def forbidden(*args, **kwargs):
+        raise AssertionError("heavy work started before the input was validated")
+
+    monkeypatch.setattr(runner, "load", forbidden)
+    monkeypatch.setattr(session, "measure_bandwidth", forbidden)
+
+
+def test_unknown_preset_lists_the_presets(no_heavy_work, capsys):
+    assert main(["bench", "--preset", "gpt-5"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown preset 'gpt-5'" in err
+    assert all(name in err for name in PRESETS)
+
+
+def test_model_dir_without_config_json(no_heavy_work, tmp_path, capsys):
+    assert main(["bench", "--model", str(tmp_path)]) == 2
+    assert "has no config.json" in capsys.readouterr().err
+
+
+def test_tp_beyond_the_devices_fails_before_any_model(no_heavy_work, capsys):
+    too_many = CpuAccelerator().max_ranks_per_node() + 1
+    assert main(["bench", "--preset", TINY, "--tp", str(too_many)]) == 2
+    err = capsys.readouterr().err
+    assert f"--tp {too_many}" in err and "at most" in err
+    with pytest.raises(ConfigError, match="at most 6"):
+        check_tp(type("Acc", (CpuAccelerator,), {"max_ranks_per_node": lambda s: 3})(), 7, 2)
+    assert check_tp(type("Acc", (CpuAccelerator,), {"max_ranks_per_node": lambda s: 3})(),
+                    6, 2) == 3
+
+
+def test_dtype_the_device_cannot_run_is_its_own_error(no_heavy_work, capsys):
+    assert main(["bench", "--preset", TINY, "--dtype", "fp16"]) == 2
+    assert "cannot run dtype float16" in capsys.readouterr().err
+
+
+def test_presets_are_named_by_shape_and_cover_the_required_shapes():
+    assert get_preset("LLAMA-2L-64H-GQA").name == TINY
+    gqa = [p for p in PRESETS.values() if p.config.get("num_key_value_heads", 0) > 0
+           and p.config["num_key_value_heads"] < p.config["num_attention_heads"]]
+    sizes = sorted(count_parameters(p.name) for p in gqa)
+    assert any(0.4e9 < s < 0.7e9 for s in sizes) and any(0.9e9 < s < 1.3e9 for s in sizes)
+    assert {p.config_class for p in PRESETS.values()} >= {"GPT2Config", "OPTConfig"}
+    assert not any(word in name for name in PRESETS for word in ("smol", "tinyllama", "qwen"))
+
+
+# ----- running ------------------------------------------------------------------------------------------
+
+def test_end_to_end_tiny_preset_writes_json_with_every_sample(tmp_path, capsys):
+    out = tmp_path / "run.json"
+    argv = ["bench", "--preset", TINY, "--batch", "1", "2", *FAST, "--output", str(out)]
+    assert main(argv) == 0
+    doc = report.read_json(out)
+    recorded = doc["command"].split()
+    assert recorded[:2] == ["shardwise", "bench"] and "--warmup" not in recorded  # a default
+    assert _options(recorded[1:]) == _options(argv)
+    assert [(r["variant"], r["batch"], r["status"]) for r in doc["runs"]] == [
+        ("hf", 1, "ok"), ("shardwise", 1, "ok"), ("hf", 2, "ok"), ("shardwise", 2, "ok")]
+    for rec in doc["runs"]:
+        assert len(rec["samples"]["warmup"]) == 1 and len(rec["samples"]["repeats"]) == 2
+        assert all(len(s["per_token_s"]) == 3 for s in rec["samples"]["repeats"])
+        assert rec["weight_bytes"] == doc["runs"][0]["weight_bytes"] > 0
+        assert rec["figures"]["bandwidth_pct"] > 0 and rec["peak_memory_bytes"] > 0
+    assert doc["plan"]["models"] == [{"kind": "preset", "name": TINY, "path": None}]
+    table = capsys.readouterr().out
+    assert "ms/tok" in table and "results:" in table
+    if chart.plotting_available():
+        assert out.with_suffix(".png").stat().st_size > 1000
+
+
+def test_a_failing_variant_is_reported_and_the_others_finish(tmp_path, capsys):
+    out = tmp_path / "run.json"
+    # the preset has 512 positions: the second prompt length fails that cell only
+    argv = ["bench", "--preset", TINY, *FAST, "--prompt-len", "8", "600", "--quant", "int8",
+            "--output", str(out), "--no-chart"]
+    assert main(argv) == 0
+    runs = {(r["variant"], r["prompt_len"]): r for r in report.read_json(out)["runs"]}
+    assert runs["hf", 8]["status"] == "ok" and runs["hf", 8]["figures"]["tokens_per_s"] > 0
+    assert "exceed the model's 512 positions" in runs["hf", 600]["error"]
+    assert runs["shardwise[int8]", 8]["error"].startswith("NotSupportedYetError: quant=")
+    text = capsys.readouterr().out
+    assert text.count("FAILED [1]") == 2 and text.count("FAILED [2]") == 1  # one note per error
+    assert text.count("NotSupportedYetError") == 1
+
+
+def test_without_matplotlib_the_bench_says_how_to_get_charts(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(chart, "plotting_available", lambda: False)
+    assert main(["bench", "--preset", TINY, *FAST, "--new-tokens", "2", "--repeats", "1",
+                 "--output", str(tmp_path / "r.json")]) == 0
+    assert "pip install 'shardwise[plot]'" in capsys.readouterr().out
+    assert not (tmp_path / "r.png").exists()
+
+
+def _options(argv: list[str]) -> dict:
+    return {k: v for k, v in vars(build_parser().parse_args(argv)).items() if k != "_run"}
+
+
+def test_recorded_command_parses_back_to_the_same_options():
+    from shardwise.cli.bench import command_argv
+
+    argv = ["bench", "--preset", TINY, "--preset", "gpt2-2l-64h", "--batch", "1", "4",
+            "--tp", "2", "--quant", "int4", "--graphs", "--output", "x.json"]
+    words = command_argv(build_parser().parse_args(argv))
+    assert words[:4] == ["--preset", TINY, "--preset", "gpt2-2l-64h"]
+    assert _options(["bench", *words]) == _options(argv)
+
+
+# ----- --tp plumbing ------------------------------------------------------------------------------------
+
+def _plan(tp=2):
+    return Plan(models=[ModelSpec("preset", TINY)], cells=[Cell(1, 8, 4), Cell(2, 8, 4)],
+                device="cpu", tp=tp, engine_options=engine_options(quant="int8"))
+
+
+def test_variant_name_and_engine_kwargs():
+    plan = _plan()
+    assert plan.variant == "shardwise[tp2,int8]"
+    assert plan.engine_kwargs()["tensor_parallel"] == {"tp_size": 2}
+    assert plan.engine_kwargs()["quant"] == {"weight": {"num_bits": 8}}
+    assert Plan.from_dict(json.loads(json.dumps(plan.to_dict()))) == plan
+
+
+def test_launch_command_and_environment():
+    cmd = launch.launch_command("/s.json", 2)
+    assert cmd[:3] == [sys.executable, "-m", "torch.distributed.run"]
+    assert "--nproc-per-node=2" in cmd and "--standalone" in cmd
+    assert cmd[-4:] == ["-m", "shardwise.bench.worker", "--spec", "/s.json"]
+    multi = launch.launch_command("/s.json", 4, nnodes=2, node_rank=1, master_addr="h0",
+                                  master_port=1234)
+    assert {"--node-rank=1", "--master-addr=h0", "--master-port=1234"} <= set(multi)
+    assert "--standalone" not in multi
+    env = launch.launcher_env(CpuAccelerator(), 2, base={"PATH": "/bin"})
+    assert env["OMP_NUM_THREADS"] == CpuAccelerator().launch_env(0, 2)["OMP_NUM_THREADS"]
+    assert needed_env({"A": "1", "B": "2"}, {"A": "1"}) == {"B": "2"}
+
+
+def test_merge_ranks_takes_rank0_and_fails_runs_another_rank_failed():
+    plan = _plan()
+    ok = [runner.record(m, plan.variant, c) for m in plan.models for c in plan.cells]
+    bad = copy.deepcopy(ok)
+    bad[1].update(status="failed", error="CollectiveError: timeout")
+    merged = launch.merge_ranks({0: ok, 1: bad}, plan, 1)
+    assert [r["status"] for r in merged] == ["ok", "failed"]
+    assert merged[1]["error"] == "rank 1: CollectiveError: timeout"
+    lost = launch.merge_ranks({}, plan, 7)
+    assert len(lost) == 2 and all("exited with code 7" in r["error"] for r in lost)
+
+
+@pytest.mark.slow
+def test_tp_launches_ranks_and_reports_the_engine_error(tmp_path):
+    """Two ranks through torch.distributed.run: tensor parallelism has not landed, so the
+    shardwise row fails with the engine's error while the baseline runs."""
+    if CpuAccelerator().max_ranks_per_node() < 2:
+        pytest.skip("needs 2 usable cores for 2 ranks")
+    out = tmp_path / "tp.json"
+    assert main(["bench", "--preset", TINY, *FAST, "--repeats", "1", "--tp", "2",
+                 "--output", str(out), "--no-chart"]) == 0
+    runs = report.read_json(out)["runs"]
+    assert [(r["variant"], r["status"], r["world_size"]) for r in runs] == [
+        ("hf", "ok", 1), ("shardwise[tp2]", "failed", 2)]
+    assert "NotSupportedYetError: tp_size=2" in runs[1]["error"]
