@@ -22,6 +22,8 @@ DTYPES = frozenset({torch.float32, torch.float16, torch.bfloat16})
 MAX_ROW_BYTES = 65536
 
 _LAUNCHERS = ("rms_norm", "layer_norm")
+#: Further op families, each a submodule with ``register(registry)`` (importing triton inside).
+FAMILIES = ("attention", "quant")
 
 __all__ = ["rms_norm", "layer_norm", "max_hidden", "supports_hidden", "register"]
 
@@ -49,8 +51,10 @@ def __getattr__(name: str):
 
 
 def register(registry) -> None:
-    """Register the Triton norms for CUDA in fp32/fp16/bf16 (imports triton)."""
+    """Register the Triton kernels of every family for CUDA (imports triton)."""
     norms = importlib.import_module(".norms", __name__)
     for op in _LAUNCHERS:
         registry.register(op, BACKEND, getattr(norms, op), dtypes=DTYPES,
                           device_types=DEVICE_TYPES, supports=supports_hidden)
+    for family in FAMILIES:
+        importlib.import_module(f".{family}", __name__).register(registry)

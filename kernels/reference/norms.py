@@ -9,7 +9,6 @@ from __future__ import annotations
 import torch
 
 BACKEND = "reference"
-PLUGIN_API_VERSION = 1
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,

@@ -1,0 +1,5 @@
+"""quant ops as Triton kernels: filled in by the quant kernel work; registers nothing yet."""
+
+
+def register(registry) -> None:
+    """Register this family's Triton kernels (none yet)."""
