@@ -15,6 +15,7 @@ SUBCOMMANDS = {
     "generate": ".generate",
     "conformance": ".conformance",
     "bench": ".bench",
+    "launch": ".launch",
 }
 
 

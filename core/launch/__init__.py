@@ -1,0 +1,228 @@
+"""``shardwise launch`` / ``python -m shardwise.launch``: start ranks the way torchrun does, with
+each rank set up for its accelerator.
+
+``shardwise launch --nproc-per-node N [torchrun's options] [--device NAME] script.py [args]``
+
+This is torch's own elastic launcher (``torch.distributed.run``): its argument parser and its
+``run()``, so every torchrun option works as in torchrun, multi-node included (``--nnodes``,
+``--node-rank``, ``--master-addr``/``--master-port``, ``--rdzv-backend``/``--rdzv-endpoint``,
+``--max-restarts``, ``-m``/``--module``, ``--no-python``...). What it adds:
+
+* before anything starts, it checks the target exists, resolves the accelerator (``--device``,
+  else ``$SHARDWISE_ACCELERATOR``, else detection; unknown names fail with the plugin error) and
+  checks ``--nproc-per-node`` against the accelerator's ``max_ranks_per_node()`` (``auto`` takes
+  that limit);
+* torch's launcher starts :mod:`shardwise.launch.rank_entry` per rank, which applies the
+  accelerator's ``launch_env`` for its local rank (visible device per rank, threads per rank;
+  the rule for variables you set is in :mod:`shardwise.launch.environment`) and then runs the
+  script in the same process. The choice of accelerator reaches the script through
+  ``$SHARDWISE_ACCELERATOR``, so ``init_inference`` uses the same one;
+* global rank 0 prints one line saying what each rank got.
+
+A rank that fails makes the launch exit non-zero with torch's failure report (the exception of the
+first rank that failed is in it); bad input exits with code 2 before any rank starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import importlib.machinery
+import importlib.util
+import inspect
+import os
+import shutil
+import sys
+from typing import Iterator
+
+from ..accelerator import Accelerator
+from ..errors import ConfigError, ShardwiseError
+from ..plugins import ACCELERATOR_ENV, get_accelerator
+from .environment import USER_ENV_MARKER, uniform_environment, user_set_names
+
+#: The module torch's launcher runs once per rank.
+RANK_ENTRY = "shardwise.launch.rank_entry"
+
+__all__ = ["RANK_ENTRY", "build_parser", "main", "resolve_nproc", "torchrun_args", "validate"]
+
+
+def build_parser(prog: str = "shardwise launch") -> argparse.ArgumentParser:
+    """torchrun's own parser, with shardwise's options added in their own group."""
+    from torch.distributed.run import get_args_parser
+
+    parser = get_args_parser()
+    parser.prog = prog
+    parser.description = ("Start N ranks per node with torch's elastic launcher (torchrun), each "
+                          "set up for the accelerator: its visible device, or its share of the "
+                          "CPU cores. Every torchrun option works as in torchrun.")
+    parser.epilog = ("Each rank gets the accelerator's launch settings (e.g. CUDA_VISIBLE_DEVICES "
+                     "per rank, OMP_NUM_THREADS = usable cores / ranks on the CPU). A variable "
+                     "you set yourself keeps your value in every rank, except the visible-devices "
+                     "variable: your list is narrowed to one entry per rank.")
+    _set_help(parser, "nproc_per_node",
+              "ranks on this node: a number, or auto (the accelerator's max_ranks_per_node()); "
+              "more than that limit is refused before anything starts")
+    group = parser.add_argument_group("shardwise")
+    group.add_argument("--device", metavar="NAME",
+                       help="accelerator plugin for the ranks (default: $SHARDWISE_ACCELERATOR, "
+                            "else detection); passed to the script as $SHARDWISE_ACCELERATOR. "
+                            "--nproc-per-node auto takes its max_ranks_per_node()")
+    return parser
+
+
+def _set_help(parser: argparse.ArgumentParser, dest: str, text: str) -> None:
+    """Replace the help of torchrun's option ``dest`` where shardwise reads it differently."""
+    for action in parser._actions:
+        if action.dest == dest:
+            action.help = text
+
+
+def _limit_reason(accelerator: Accelerator) -> str:
+    """Why the accelerator hosts so few ranks: one per visible device (the default rule), else
+    the first line of the docstring of its own ``max_ranks_per_node``."""
+    method = type(accelerator).max_ranks_per_node
+    if method is Accelerator.max_ranks_per_node:
+        env = accelerator.visible_devices_env
+        shown = f", {env}={os.environ[env]!r}" if env and env in os.environ else ""
+        return f"one rank per device; {accelerator.device_count()} visible{shown}"
+    doc = (inspect.getdoc(method) or "").strip()
+    return doc.splitlines()[0].rstrip(".") if doc else "its max_ranks_per_node()"
+
+
+def resolve_nproc(value: str, accelerator: Accelerator) -> int:
+    """The ranks per node ``--nproc-per-node`` asks for (``auto``: the accelerator's limit),
+    checked against ``accelerator.max_ranks_per_node()``."""
+    limit = accelerator.max_ranks_per_node()
+    if str(value).strip() == "auto":
+        nproc = limit
+    else:
+        try:
+            nproc = int(value)
+        except ValueError:
+            raise ConfigError(f"--nproc-per-node must be a whole number or 'auto' (the most "
+                              f"{accelerator.name} can host on this node), got {value!r}") from None
+    if nproc < 1:
+        raise ConfigError(f"--nproc-per-node must be at least 1, got {nproc}"
+                          + (f" ({accelerator.name} reports no usable device on this node)"
+                             if str(value).strip() == "auto" else ""))
+    if nproc > limit:
+        raise ConfigError(
+            f"--nproc-per-node {nproc} is more than {accelerator.name} can host on this node: at "
+            f"most {limit} rank{'s' if limit != 1 else ''} ({_limit_reason(accelerator)}). Pass "
+            f"--nproc-per-node {limit} or fewer, and add nodes (--nnodes) for more ranks")
+    return nproc
+
+
+def check_target(args: argparse.Namespace) -> None:
+    """The script file, module (``-m``) or program (``--no-python``) must exist here."""
+    target = args.training_script
+    if args.no_python:
+        if shutil.which(target) is None:
+            raise ConfigError(f"program {target!r} not found (--no-python runs it directly): "
+                              f"give its path or put it on PATH")
+    elif args.module:
+        top = target.split(".")[0]  # only the top level: finding it imports nothing
+        if (importlib.util.find_spec(top) is None
+                and importlib.machinery.PathFinder.find_spec(top, [os.getcwd()]) is None):
+            raise ConfigError(f"module {target!r} not found: {top!r} is not importable from "
+                              f"{os.getcwd()} or sys.path (-m runs a module like python -m)")
+    elif not os.path.isfile(target):
+        raise ConfigError(f"script {target!r} not found (looked in {os.getcwd()}): give the path "
+                          f"of a Python file, or use -m for a module")
+
+
+def _check_modes(args: argparse.Namespace) -> None:
+    """Refuse torchrun options that contradict each other or shardwise's per-rank binding."""
+    if args.module and args.no_python:
+        raise ConfigError("--module and --no-python cannot be used together (as in torchrun)")
+    if getattr(args, "virtual_local_rank", False):
+        raise ConfigError("--virtual-local-rank is not supported: shardwise launch gives every "
+                          "rank its own device itself (the accelerator's launch settings)")
+
+
+def validate(args: argparse.Namespace) -> tuple[Accelerator, int]:
+    """Check everything cheap before any rank starts; the accelerator and ranks per node."""
+    _check_modes(args)
+    check_target(args)
+    accelerator = get_accelerator(args.device)
+    nproc = resolve_nproc(args.nproc_per_node, accelerator)
+    for local_rank in range(nproc):  # e.g. a visible-devices list shorter than nproc
+        accelerator.launch_env(local_rank, nproc)
+    return accelerator, nproc
+
+
+def torchrun_args(args: argparse.Namespace, device: str, nproc: int) -> argparse.Namespace:
+    """torchrun's arguments that run :data:`RANK_ENTRY` per rank, with the user's target (and its
+    mode) handed to it; every other torchrun option is passed as given."""
+    mode = ["--module"] if args.module else ["--no-python"] if args.no_python else []
+    out = copy.copy(args)
+    out.nproc_per_node = str(nproc)
+    out.module, out.no_python, out.run_path = True, False, False
+    out.training_script = RANK_ENTRY
+    out.training_script_args = ["--device", device, *mode, args.training_script,
+                                *args.training_script_args]
+    return out
+
+
+@contextlib.contextmanager
+def launcher_environment(accelerator: Accelerator, nproc: int) -> Iterator[None]:
+    """The launcher's environment while torch's launcher runs (restored afterwards): which
+    variables are yours (:data:`USER_ENV_MARKER`), the accelerator's name, and the settings
+    common to all local ranks (so torch's launcher keeps them instead of its defaults)."""
+    saved = dict(os.environ)
+    mine = set(user_set_names(accelerator, nproc, os.environ))
+    common = uniform_environment(accelerator, nproc, mine)
+    os.environ.update({USER_ENV_MARKER: ",".join(sorted(mine)), ACCELERATOR_ENV: accelerator.name,
+                       **common})
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+def _failure_line(exc, target: str) -> str:
+    """``bad.py failed on rank 1 (exit code 1)``, plus how many other ranks failed."""
+    rank, failure = exc.get_first_failure()
+    others = len(exc.failures) - 1
+    more = f", and on {others} other rank{'s' if others > 1 else ''}" if others > 0 else ""
+    return f"{target} failed on rank {rank} (exit code {failure.exitcode}){more}"
+
+
+def _failure_exit_code(exc) -> int:
+    """The exit code of the first failed rank (1 when it was killed by a signal)."""
+    _, failure = exc.get_first_failure()
+    return failure.exitcode if failure.exitcode > 0 else 1
+
+
+def launch(args: argparse.Namespace, accelerator: Accelerator, nproc: int) -> int:
+    """Run torch's launcher over :data:`RANK_ENTRY`; the exit code (0 when every rank did)."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousError
+    from torch.distributed.run import run
+
+    with launcher_environment(accelerator, nproc):
+        try:
+            run(torchrun_args(args, accelerator.name, nproc))
+        except ChildFailedError as exc:
+            print(f"shardwise launch: {_failure_line(exc, args.training_script)}; torch's "
+                  f"report:\n{exc.format_msg()}", file=sys.stderr, flush=True)
+            return _failure_exit_code(exc)
+        except RendezvousError as exc:
+            print(f"shardwise launch: error: rendezvous failed ({type(exc).__name__}: {exc}); "
+                  f"check --nnodes, --rdzv-endpoint / --master-addr:--master-port and that "
+                  f"every node started", file=sys.stderr, flush=True)
+            return 1
+    return 0
+
+
+def main(argv: list[str] | None = None, prog: str = "shardwise launch") -> int:
+    """Parse, validate, launch; the exit code (2 for bad input, before any rank starts)."""
+    args = build_parser(prog).parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        accelerator, nproc = validate(args)
+    except ShardwiseError as exc:
+        print(f"{prog}: error: {exc}", file=sys.stderr, flush=True)
+        return 2
+    return launch(args, accelerator, nproc)
