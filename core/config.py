@@ -43,8 +43,16 @@ class InferenceConfig:
         dtype: compute dtype (torch dtype or ``"fp16"``/``"bf16"``/``"fp32"``/``"auto"``).
             ``None`` keeps the model's dtype; ``"auto"`` takes the accelerator's preferred one.
         tp_size: tensor-parallel degree (``tensor_parallel={"tp_size": N}`` or ``mp_size=N``).
+            The world (torchrun's WORLD_SIZE) must equal it; each rank keeps ~1/N of the
+            weights (see ``shardwise.sharding``).
         replace_with_kernel_inject: replace supported layers with shardwise's fused layers.
-        injection_policy: ``{BlockClass: ("row_parallel.linear", ...)}``, DeepSpeed's format.
+        injection_policy: the tensor-parallel plan, overriding the model's and the policy's:
+            DeepSpeed's ``{BlockClass: ("self_attn.o_proj", "mlp.down_proj")}`` (the named
+            linears are row-parallel, the block's other linears column-parallel), or
+            ``{"module.pattern": role}``. Every name must exist in the model.
+        seed: seeds torch's RNGs on every rank at ``init_inference`` so sampling in
+            ``generate()`` draws the same tokens on all ranks. ``None`` (default) means 0 when
+            ``tp_size > 1`` and leaves the RNG alone otherwise.
         enable_graph: capture the decode step with the accelerator's graph strategy
             (alias ``enable_cuda_graph``).
         checkpoint: checkpoint directory or description file (JSON path or dict).
@@ -68,6 +76,7 @@ class InferenceConfig:
     max_tokens: int = 1024
     quant: dict | None = None
     comm_timeout: float | None = None
+    seed: int | None = None
 
     # ----- construction -------------------------------------------------------------------------
 
@@ -97,6 +106,10 @@ class InferenceConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+        if self.seed is not None and (isinstance(self.seed, bool)
+                                      or not isinstance(self.seed, int)):
+            raise ConfigError(f"seed must be an integer or None, got {self.seed!r}")
+        _check_type("injection_policy", self.injection_policy, (dict, type(None)))
         if self.comm_timeout is not None and (
                 not isinstance(self.comm_timeout, (int, float)) or self.comm_timeout <= 0):
             raise ConfigError(f"comm_timeout must be positive seconds, got {self.comm_timeout!r}")
@@ -201,9 +214,7 @@ def _check_type(name: str, value: Any, types: tuple[type, ...]) -> None:
 
 #: Fields whose feature has not landed yet: field → what it enables. A non-default value fails.
 NOT_YET_SUPPORTED: dict[str, str] = {
-    "tp_size": "tensor parallelism",
     "replace_with_kernel_inject": "kernel injection",
-    "injection_policy": "tensor-parallel injection policies",
     "enable_graph": "graph capture",
     "checkpoint": "checkpoint loading",
     "base_dir": "checkpoint loading",

@@ -15,6 +15,19 @@ TINY_CONFIGS = {
     "opt": dict(cls="OPTConfig", hidden_size=64, ffn_dim=128, num_hidden_layers=2,
                 num_attention_heads=4, vocab_size=256, max_position_embeddings=256,
                 word_embed_proj_dim=64),
+    # tensor-parallel coverage: multi-query (1 kv head), q/k/v biases, uneven heads and vocab
+    "mistral": dict(cls="MistralConfig", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=1, head_dim=16, vocab_size=256,
+                    max_position_embeddings=256),
+    "qwen2": dict(cls="Qwen2Config", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
+                  max_position_embeddings=256),
+    "llama-7heads": dict(cls="LlamaConfig", hidden_size=112, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=7, num_key_value_heads=7,
+                         vocab_size=257, max_position_embeddings=256),
+    "llama-gqa-6q3kv": dict(cls="LlamaConfig", hidden_size=96, intermediate_size=128,
+                            num_hidden_layers=2, num_attention_heads=6, num_key_value_heads=3,
+                            vocab_size=256, max_position_embeddings=256),
 }
 
 

@@ -1,0 +1,145 @@
+"""Policies: per-family data that tells the one generic sharding mechanism how a family is laid out.
+
+A policy is *data only* — a subclass of :class:`Policy` that sets class attributes — registered in
+the ``shardwise.policies`` entry-point group and found by the model config's ``model_type``::
+
+    [project.entry-points."shardwise.policies"]
+    llama = "shardwise.policies.llama:LlamaPolicy"
+
+Adding a model family is adding one such module (see ``policies/llama.py``, ``policies/gpt2.py``).
+The applier (:mod:`shardwise.sharding.apply`) reads:
+
+``tp_plan``           pattern → :class:`~shardwise.sharding.roles.Role`; the policy's own plan, used
+                      when neither the user nor the model (HF ``tp_plan``) gives a usable one.
+``layouts``           pattern → :class:`~shardwise.sharding.roles.Layout`; how each sharded
+                      module's split dimension is organised (heads, fused q|k|v …), applied whatever
+                      plan chose the role (user, HF, policy). Unlisted modules split ``Even()``.
+``attention_modules`` patterns of the attention modules whose attributes must follow the split.
+``attention_attrs``   attribute name → per-rank quantity (``q_heads``, ``kv_heads``, ``kv_groups``,
+                      ``head_dim``, ``q_width``, ``kv_width``, ``qkv_width``), set on each attention
+                      module *instance* so the unchanged HF forward runs on the rank's heads.
+``head_config``       which config attributes hold the head counts (tried in order).
+
+Patterns are dotted module names where ``*`` matches one name segment; they match a module's full
+name or its name below the base model (``layers.*.self_attn.q_proj`` matches
+``model.layers.0.self_attn.q_proj`` in a ``LlamaForCausalLM``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar, NamedTuple
+
+from .accelerator import PLUGIN_API_VERSION
+from .sharding.errors import ShardingError
+from .sharding.roles import Heads, Layout, Role
+
+
+class HeadCounts(NamedTuple):
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+
+class Policy:
+    """Base class of model-family policies (data only; see the module docstring).
+
+    Class attributes:
+        name: short name shown in reports.
+        model_types: HF ``config.model_type`` values the policy covers.
+        tp_plan: the policy's tensor-parallel plan, pattern → Role (ordered; first match wins).
+        layouts: pattern → Layout of the split dimension of sharded modules.
+        attention_modules: patterns of attention modules whose attributes follow the split.
+        attention_attrs: attribute → head quantity (see :meth:`HeadPartition.quantity`).
+        require_attention_attrs: a listed attribute missing on an attention module is an error
+            (True for family policies; the generic fallback sets only those present).
+        head_config: ``num_heads`` / ``num_kv_heads`` / ``head_dim`` / ``hidden_size`` → config
+            attribute names tried in order. A missing kv count means multi-head attention; a
+            missing head_dim means hidden_size // num_heads.
+    """
+
+    plugin_api_version: ClassVar[int] = PLUGIN_API_VERSION
+    name: ClassVar[str] = "base"
+    model_types: ClassVar[tuple[str, ...]] = ()
+    tp_plan: ClassVar[dict[str, Role]] = {}
+    layouts: ClassVar[dict[str, Layout]] = {}
+    attention_modules: ClassVar[tuple[str, ...]] = ()
+    attention_attrs: ClassVar[dict[str, str]] = {}
+    require_attention_attrs: ClassVar[bool] = True
+    head_config: ClassVar[dict[str, tuple[str, ...]]] = {
+        "num_heads": ("num_attention_heads",),
+        "num_kv_heads": ("num_key_value_heads",),
+        "head_dim": ("head_dim",),
+        "hidden_size": ("hidden_size",),
+    }
+
+    def head_counts(self, config: Any) -> HeadCounts | None:
+        """(num_heads, num_kv_heads, head_dim) read from ``config`` through :attr:`head_config`;
+        None when the config has no head count (the model then cannot use head layouts)."""
+        if config is None:
+            return None
+        num_heads = _first_attr(config, self.head_config.get("num_heads", ()))
+        if not num_heads:
+            return None
+        num_kv = _first_attr(config, self.head_config.get("num_kv_heads", ())) or num_heads
+        head_dim = _first_attr(config, self.head_config.get("head_dim", ()))
+        if not head_dim:
+            hidden = _first_attr(config, self.head_config.get("hidden_size", ()))
+            if not hidden:
+                return None
+            head_dim = hidden // num_heads
+        return HeadCounts(int(num_heads), int(num_kv), int(head_dim))
+
+    def __repr__(self) -> str:
+        return f"<policy {self.name} for {', '.join(self.model_types) or 'any model'}>"
+
+
+def _first_attr(config: Any, names: tuple[str, ...]) -> Any:
+    for name in names:
+        value = getattr(config, name, None)
+        if value is not None:
+            return value
+    return None
+
+
+class GenericPolicy(Policy):
+    """The fallback for a model type no policy claims: HF's standard attention names (the
+    ``q_proj``/``k_proj``/``v_proj``/``o_proj`` of Llama-like decoders). It never supplies a plan
+    of its own; it only gives layouts and attention attributes to a plan from elsewhere."""
+
+    name = "generic"
+    layouts = {
+        "layers.*.self_attn.q_proj": Heads("heads"),
+        "layers.*.self_attn.k_proj": Heads("kv_heads"),
+        "layers.*.self_attn.v_proj": Heads("kv_heads"),
+        "layers.*.self_attn.o_proj": Heads("heads"),
+    }
+    attention_modules = ("layers.*.self_attn",)
+    attention_attrs = {"num_key_value_groups": "kv_groups", "num_heads": "q_heads",
+                       "num_key_value_heads": "kv_heads"}
+    require_attention_attrs = False
+
+
+def find_policy(model_type: str | None) -> Policy | None:
+    """The registered policy whose ``model_types`` contains ``model_type`` (None if none does).
+    A third-party policy beats a built-in one; two of the same kind claiming it is an error."""
+    from .plugins import policy_plugins
+
+    if not model_type:
+        return None
+    claims = []
+    for name, record in sorted(policy_plugins().records.items()):
+        cls = record.obj if record.loaded else None
+        if isinstance(cls, type) and issubclass(cls, Policy) and model_type in cls.model_types:
+            claims.append((not record.builtin, name, cls))
+    if not claims:
+        return None
+    claims.sort(key=lambda c: c[0], reverse=True)
+    if len(claims) > 1 and claims[0][0] == claims[1][0]:
+        raise ShardingError(f"policies {claims[0][1]!r} and {claims[1][1]!r} both claim "
+                            f"model_type {model_type!r}; uninstall one")
+    return claims[0][2]()
+
+
+def policy_for(model: Any) -> Policy | None:
+    """The registered policy for ``model`` (by ``model.config.model_type``), or None."""
+    return find_policy(getattr(getattr(model, "config", None), "model_type", None))
