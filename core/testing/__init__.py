@@ -11,14 +11,14 @@ or, without pytest, ``shardwise.testing.run_conformance("mine")`` (also ``shardw
 mine`` on the command line). Importing this package does not import pytest.
 """
 
-from .conformance import (CHECKS, DTYPE_TOLERANCES, KERNEL_INPUTS, AcceleratorConformance,
+from .conformance import (CHECKS, DTYPE_TOLERANCES, AcceleratorConformance,
                           CheckResult, accelerator_under_test, check_communicator,
                           check_device_round_trip, check_dtypes_compute, check_graph_strategy,
                           check_kernel_parity, check_launch_env, check_memory, check_metadata,
                           run_check, run_conformance)
 
 __all__ = [
-    "CHECKS", "DTYPE_TOLERANCES", "KERNEL_INPUTS", "AcceleratorConformance", "CheckResult",
+    "CHECKS", "DTYPE_TOLERANCES", "AcceleratorConformance", "CheckResult",
     "accelerator_under_test",
     "check_communicator", "check_device_round_trip", "check_dtypes_compute",
     "check_graph_strategy", "check_kernel_parity", "check_launch_env", "check_memory",

@@ -237,31 +237,10 @@ def check_launch_env(accelerator: Accelerator) -> None:
             assert not bad, f"launch_env({rank}, {world}) has non-string entries: {bad!r}"
 
 
-# Example inputs per kernel op: op -> (dtype, device) -> (args, kwargs). A new op must add a row.
-KernelInputs = Callable[[torch.dtype, torch.device], tuple[tuple, dict]]
-
-
-def _rms_norm_inputs(dtype: torch.dtype, device: torch.device) -> tuple[tuple, dict]:
-    x, res, w = _randn(3, 64, seed=4), _randn(3, 64, seed=5), 1 + 0.1 * _randn(64, seed=6)
-    return (x.to(device, dtype), w.to(device, dtype), 1e-6), {"residual": res.to(device, dtype)}
-
-
-def _layer_norm_inputs(dtype: torch.dtype, device: torch.device) -> tuple[tuple, dict]:
-    x, res = _randn(3, 64, seed=7), _randn(3, 64, seed=8)
-    w, b = 1 + 0.1 * _randn(64, seed=9), 0.1 * _randn(64, seed=10)
-    args = (x.to(device, dtype), w.to(device, dtype), b.to(device, dtype), 1e-5)
-    return args, {"residual": res.to(device, dtype)}
-
-
-KERNEL_INPUTS: dict[str, KernelInputs] = {
-    "rms_norm": _rms_norm_inputs,
-    "layer_norm": _layer_norm_inputs,
-}
-
-
 def _to_cpu(value: Any) -> Any:
+    """A CPU copy (never the same tensor: in-place ops must not touch the device's inputs)."""
     if isinstance(value, torch.Tensor):
-        return value.cpu()
+        return value.detach().cpu().clone()
     if isinstance(value, (tuple, list)):
         return type(value)(_to_cpu(v) for v in value)
     if isinstance(value, dict):
@@ -270,25 +249,34 @@ def _to_cpu(value: Any) -> Any:
 
 
 def check_kernel_parity(accelerator: Accelerator) -> None:
-    """Every op, resolved for this accelerator in every supported dtype, matches the reference."""
+    """Every op, resolved for this accelerator in every supported dtype, matches the reference
+    on the op's example inputs (``shardwise.kernels.reference.examples()``). An op that returns
+    None works in place: its tensor arguments are compared instead."""
     from ..kernel_registry import REFERENCE, registry
+    from ..kernels.reference import examples
 
-    device = accelerator.device()
+    device, inputs = accelerator.device(), examples()
     for op in registry.ops():
-        assert op in KERNEL_INPUTS, (
-            f"kernel op {op!r} has no example inputs in "
-            "shardwise.testing.conformance.KERNEL_INPUTS; add a builder for it")
+        assert op in inputs, (f"kernel op {op!r} has no example inputs: add a builder to EXAMPLES "
+                              f"in its shardwise.kernels.reference module")
         reference = registry.implementations(op)[REFERENCE]
         for dtype in accelerator.supported_dtypes:
-            args, kwargs = KERNEL_INPUTS[op](dtype, device)
+            args, kwargs = inputs[op](dtype, device)
             impl = registry.resolve(op, accelerator, dtype)
             what = f"{op} via backend {impl.backend!r} in {_dtype_name(dtype)}"
+            ref_args, ref_kwargs = _to_cpu(args), _to_cpu(kwargs)
             try:
                 got = impl(*args, **kwargs)
             except Exception as exc:
                 raise AssertionError(f"{what} raised {type(exc).__name__}: {exc}") from None
-            expected = reference(*_to_cpu(args), **_to_cpu(kwargs))
+            expected = reference(*ref_args, **ref_kwargs)
+            if expected is None:  # in place: compare what each implementation wrote
+                got, expected = _tensors(args), _tensors(ref_args)
             _assert_close(got, expected, dtype, what)
+
+
+def _tensors(args: tuple) -> tuple[torch.Tensor, ...]:
+    return tuple(a for a in args if isinstance(a, torch.Tensor))
 
 
 #: Every check in the order it runs: check name -> function.

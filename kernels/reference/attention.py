@@ -1,5 +1,421 @@
-"""attention ops (reference): filled in by the attention kernel work; registers nothing yet."""
+"""Attention-family references: rotary embedding, activations, prefill/decode attention, KV cache.
+
+Pure torch, clear over fast; they are the oracles every backend is tested against. All math is
+done in float32 and each result is rounded to the input dtype once, at the end.
+
+Layouts (any strides are accepted; ``d`` = head_dim):
+
+* q: ``[batch, q_heads, q_len, d]``; k, v: ``[batch, kv_heads, kv_len, d]``.
+* Grouped-query attention: ``q_heads`` is a multiple of ``kv_heads`` and query head ``h`` reads
+  key/value head ``h // (q_heads // kv_heads)`` (HF's ``repeat_kv``). MQA is ``kv_heads == 1``.
+* KV cache: ``[batch, kv_heads, max_tokens, d]``, preallocated; sequence ``b`` holds its valid
+  tokens at positions ``starts[b] .. lengths[b] - 1`` (starts default 0; > 0 keeps a
+  left-padded prompt's pads in front) and anything (even NaN) outside them.
+* A query row that may see no key at all (e.g. a left-padding query under a padding mask, or a
+  sequence of length 0) gives zeros, never NaN.
+
+Ops (registered by :func:`register`): ``rotary``, ``bias_gelu``, ``silu_and_mul``,
+``attention_prefill``, ``attention_decode``, ``kv_cache_write``. Helpers (not ops):
+:func:`rotary_cos_sin`, :func:`alibi_slopes`, :func:`alibi_key_positions`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from shardwise.errors import KernelError
+
+BACKEND = "reference"
+ROTARY_STYLES = ("half", "interleaved")
+GELU_APPROXIMATIONS = ("none", "tanh")
+
+# ----- helpers shared with the backends --------------------------------------------------------
+
+
+def rotary_cos_sin(positions: torch.Tensor, rotary_dim: int, base: float = 10000.0,
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rotary angle table for integer ``positions`` (any shape, e.g. [batch, seq] or [seq]).
+
+    Returns ``(cos, sin)``, each float32 ``[*positions.shape, rotary_dim // 2]``: entry ``i`` is
+    the angle ``position * base ** (-2i / rotary_dim)`` of rotation pair ``i``, computed as HF's
+    Llama/NeoX/GPT-J rotary embeddings do (no rope scaling: for scaled ropes take HF's own cos/sin
+    and keep their first half, see :func:`rotary`).
+    """
+    if rotary_dim <= 0 or rotary_dim % 2:
+        raise KernelError(f"rotary_dim must be a positive even number, got {rotary_dim}")
+    exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64, device=positions.device)
+    inv_freq = 1.0 / (base ** (exponents.float() / rotary_dim))  # [rotary_dim // 2]
+    angles = positions.float()[..., None] * inv_freq
+    return angles.cos(), angles.sin()
+
+
+def alibi_slopes(num_heads: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """ALiBi slopes ``[num_heads]`` float32, as BLOOM (``_get_alibi_slopes``) and the ALiBi paper
+    define them, including the interleaved extra slopes when ``num_heads`` is not a power of 2."""
+    closest = 2 ** math.floor(math.log2(num_heads))
+    base = 2.0 ** (-(2.0 ** -(math.log2(closest) - 3)))
+    slopes = torch.pow(torch.tensor(base, device=device),
+                       torch.arange(1, 1 + closest, device=device, dtype=torch.int32))
+    if closest != num_heads:
+        extra_base = 2.0 ** (-(2.0 ** -(math.log2(2 * closest) - 3)))
+        extra = min(closest, num_heads - closest)
+        powers = torch.arange(1, 1 + 2 * extra, 2, device=device, dtype=torch.int32)
+        slopes = torch.cat([slopes, torch.pow(torch.tensor(extra_base, device=device), powers)])
+    return slopes.float()
+
+
+def alibi_key_positions(key_padding_mask: torch.Tensor | None, batch: int, kv_len: int,
+                        device: torch.device) -> torch.Tensor:
+    """Key positions the ALiBi bias multiplies, ``[batch, kv_len]`` int64.
+
+    Without a mask the key index; with a key padding mask the number of valid keys before the key
+    (``(cumsum(mask) - 1) * mask``, BLOOM's ``build_alibi_tensor``), so a left-padded sequence
+    counts from its first real token. Softmax is shift-invariant, so both agree whenever a row's
+    valid keys are contiguous; they differ only for masks with holes, where this follows BLOOM.
+    """
+    if key_padding_mask is None:
+        return torch.arange(kv_len, device=device).expand(batch, kv_len)
+    mask = key_padding_mask.long()
+    return (mask.cumsum(-1) - 1) * mask
+
+
+def check_gqa(q_heads: int, kv_heads: int) -> int:
+    """Query heads per key/value head; raises KernelError unless ``kv_heads`` divides them."""
+    if kv_heads <= 0 or q_heads % kv_heads:
+        raise KernelError(f"grouped-query attention needs q_heads ({q_heads}) to be a multiple "
+                          f"of kv_heads ({kv_heads})")
+    return q_heads // kv_heads
+
+
+def check_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 style: str) -> int:
+    """Validate rotary inputs (see :func:`rotary`); returns rotary_dim."""
+    if style not in ROTARY_STYLES:
+        raise KernelError(f"rotary style must be one of {ROTARY_STYLES}, got {style!r}")
+    rotary_dim = 2 * cos.shape[-1]
+    if q.dim() != 4 or k.dim() != 4 or q.shape[0] != k.shape[0] or q.shape[2:] != k.shape[2:]:
+        raise KernelError(f"rotary takes q [batch, q_heads, seq, d] and k [batch, kv_heads, seq, "
+                          f"d]; got {tuple(q.shape)} and {tuple(k.shape)}")
+    if cos.shape != sin.shape or cos.dim() not in (2, 3) or cos.shape[-2] != q.shape[2] or (
+            cos.dim() == 3 and cos.shape[0] not in (1, q.shape[0])):
+        raise KernelError(f"cos/sin must be [seq, rotary_dim/2] or [batch, seq, rotary_dim/2] "
+                          f"for q {tuple(q.shape)}; got {tuple(cos.shape)}, {tuple(sin.shape)}")
+    if not 0 < rotary_dim <= q.shape[-1]:
+        raise KernelError(f"rotary_dim 2 * cos.shape[-1] = {rotary_dim} exceeds head_dim "
+                          f"{q.shape[-1]} (cos/sin are one angle per rotated pair)")
+    return rotary_dim
+
+
+def check_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> int:
+    """Validate q/k/v layouts for attention; returns the GQA group size."""
+    if q.dim() != 4 or k.shape != v.shape or k.dim() != 4 or q.shape[0] != k.shape[0] or \
+            q.shape[-1] != k.shape[-1]:
+        raise KernelError(f"attention takes q [batch, q_heads, q_len, d] and k, v [batch, "
+                          f"kv_heads, kv_len, d]; got q {tuple(q.shape)}, k {tuple(k.shape)}, "
+                          f"v {tuple(v.shape)}")
+    return check_gqa(q.shape[1], k.shape[1])
+
+
+def check_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 lengths: torch.Tensor, starts: torch.Tensor | None = None) -> int:
+    """Validate decode inputs (one query token per sequence); returns the GQA group size."""
+    group = check_attention(q, k_cache, v_cache)
+    if q.shape[2] != 1:
+        raise KernelError(f"attention_decode takes one query token per sequence, q [batch, "
+                          f"q_heads, 1, d]; got {tuple(q.shape)} (use attention_prefill)")
+    for name, t in (("lengths", lengths), ("starts", starts)):
+        if t is not None and (t.shape != (q.shape[0],) or
+                              t.dtype not in (torch.int32, torch.int64)):
+            raise KernelError(f"{name} must be an int32/int64 tensor [batch={q.shape[0]}], got "
+                              f"{t.dtype} {tuple(t.shape)}")
+    return group
+
+
+def decode_ranges(lengths: torch.Tensor, starts: torch.Tensor | None, max_tokens: int,
+                  ) -> list[tuple[int, int]]:
+    """Each sequence's valid cache range ``(start, length)`` as host ints, checked to satisfy
+    ``0 <= start <= length <= max_tokens`` (KernelError otherwise)."""
+    ends = [int(n) for n in lengths.tolist()]
+    firsts = [int(s) for s in starts.tolist()] if starts is not None else [0] * len(ends)
+    bad = [(s, n) for s, n in zip(firsts, ends) if not 0 <= s <= n <= max_tokens]
+    if bad:
+        raise KernelError(f"decode needs 0 <= starts <= lengths <= max_tokens={max_tokens}; "
+                          f"got (start, length) {bad}")
+    return list(zip(firsts, ends))
+
+
+def write_starts(positions: int | torch.Tensor, batch: int, n_new: int, max_tokens: int,
+                 ) -> list[int]:
+    """Start position per sequence of a cache write, as host ints, checked to fit the cache.
+
+    Raises KernelError naming the sequence when ``start < 0`` or ``start + n_new > max_tokens``.
+    (A tensor of positions is read back to the host: a device sync on GPUs.)
+    """
+    if isinstance(positions, torch.Tensor):
+        if positions.shape != (batch,) or positions.dtype not in (torch.int32, torch.int64):
+            raise KernelError(f"positions must be an int or an int32/int64 tensor [batch={batch}]"
+                              f", got {positions.dtype} {tuple(positions.shape)}")
+        starts = [int(p) for p in positions.tolist()]
+    else:
+        starts = [int(positions)] * batch
+    for b, start in enumerate(starts):
+        if start < 0 or start + n_new > max_tokens:
+            raise KernelError(
+                f"kv_cache_write past the cache: sequence {b} writes positions {start}.."
+                f"{start + n_new - 1} but the cache holds max_tokens={max_tokens}; allocate a "
+                f"larger cache or stop generating at max_tokens")
+    return starts
+
+
+def check_cache_write(k_cache, v_cache, k_new, v_new) -> None:
+    """Validate cache and new-token shapes for kv_cache_write."""
+    if k_cache.shape != v_cache.shape or k_new.shape != v_new.shape or k_cache.dim() != 4 or \
+            k_new.dim() != 4 or k_new.shape[:2] != k_cache.shape[:2] or \
+            k_new.shape[3] != k_cache.shape[3]:
+        raise KernelError(f"kv_cache_write takes caches [batch, kv_heads, max_tokens, d] and new "
+                          f"k, v [batch, kv_heads, n_new, d]; got caches {tuple(k_cache.shape)}, "
+                          f"{tuple(v_cache.shape)} and new {tuple(k_new.shape)}, "
+                          f"{tuple(v_new.shape)}")
+
+
+def _repeat_kv(x: torch.Tensor, group: int) -> torch.Tensor:
+    """[batch, kv_heads, n, d] → [batch, kv_heads * group, n, d] (HF's repeat_kv)."""
+    return x if group == 1 else x.repeat_interleave(group, dim=1)
+
+
+def visible_keys(batch: int, q_len: int, kv_len: int, causal: bool,
+                 key_padding_mask: torch.Tensor | None, device) -> torch.Tensor:
+    """Which keys each query may attend to, bool ``[batch, 1, q_len, kv_len]``.
+
+    Causal alignment is bottom-right: query ``i`` sits at position ``kv_len - q_len + i`` (a
+    prompt chunk after ``kv_len - q_len`` earlier tokens) and sees keys ``j <= that``.
+    """
+    visible = torch.ones(batch, 1, q_len, kv_len, dtype=torch.bool, device=device)
+    if causal:
+        q_pos = torch.arange(q_len, device=device)[:, None] + (kv_len - q_len)
+        visible = visible & (torch.arange(kv_len, device=device)[None, :] <= q_pos)
+    if key_padding_mask is not None:
+        visible = visible & key_padding_mask.bool()[:, None, None, :]
+    return visible
+
+
+def check_prefill(q, k, causal, key_padding_mask, alibi) -> None:
+    """Validate the optional prefill arguments."""
+    batch, q_heads, q_len = q.shape[:3]
+    kv_len = k.shape[2]
+    if causal and q_len > kv_len:
+        raise KernelError(f"causal attention needs q_len ({q_len}) <= kv_len ({kv_len}): "
+                          f"queries are the last q_len of the kv_len positions")
+    if key_padding_mask is not None and key_padding_mask.shape != (batch, kv_len):
+        raise KernelError(f"key_padding_mask must be [batch, kv_len] = {(batch, kv_len)}, got "
+                          f"{tuple(key_padding_mask.shape)}")
+    if alibi is not None and alibi.shape != (q_heads,):
+        raise KernelError(f"alibi_slopes must be [q_heads={q_heads}], got {tuple(alibi.shape)}")
+
+
+# ----- ops ------------------------------------------------------------------------------------
+
+
+def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *,
+           style: str = "half") -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotary position embedding of q and k (out of place).
+
+    q: [batch, q_heads, seq, d]; k: [batch, kv_heads, seq, d] (any strides).
+    cos, sin: [batch, seq, rotary_dim // 2] or [seq, rotary_dim // 2], one angle per rotated pair
+    (:func:`rotary_cos_sin` builds them; HF Llama/NeoX's duplicated ``[..., rotary_dim]`` tables
+    are ``cat(c, c)``: pass ``cos[..., :rotary_dim // 2]``). The first ``rotary_dim`` dims are
+    rotated, the rest pass through (GPT-NeoX ``rotary_pct``, GPT-J ``rotary_dim``).
+    style: "half" pairs dims (i, i + rotary_dim/2) (Llama/NeoX ``rotate_half``); "interleaved"
+    pairs (2i, 2i + 1) (GPT-J ``rotate_every_two``).
+    Returns (q_out, k_out) in the inputs' shapes and dtypes.
+    """
+    check_rotary(q, k, cos, sin, style)
+    c, s = (t.float()[..., None, :, :] for t in (cos, sin))  # [batch|1, 1, seq, rotary_dim/2]
+    return _rotate(q, c, s, style), _rotate(k, c, s, style)
+
+
+def _rotate(x: torch.Tensor, c: torch.Tensor, s: torch.Tensor, style: str) -> torch.Tensor:
+    """One tensor of :func:`rotary`: pairs (x1, x2) → (x1 c - x2 s, x2 c + x1 s)."""
+    half = c.shape[-1]
+    xf = x.float()
+    rot, rest = xf[..., :2 * half], xf[..., 2 * half:]
+    if style == "half":
+        x1, x2 = rot[..., :half], rot[..., half:]
+    else:
+        x1, x2 = rot[..., 0::2], rot[..., 1::2]
+    o1, o2 = x1 * c - x2 * s, x2 * c + x1 * s
+    out = torch.cat([o1, o2], -1) if style == "half" else torch.stack([o1, o2], -1).flatten(-2)
+    return torch.cat([out, rest], -1).to(x.dtype)
+
+
+def bias_gelu(x: torch.Tensor, bias: torch.Tensor | None = None,
+              approximate: str = "none") -> torch.Tensor:
+    """``gelu(x + bias)``: x [..., n], bias [n] or None; approximate "none" (erf) or "tanh"
+    (as ``torch.nn.functional.gelu``). Returns [..., n] in x.dtype."""
+    if approximate not in GELU_APPROXIMATIONS:
+        raise KernelError(f"approximate must be one of {GELU_APPROXIMATIONS}, got {approximate!r}")
+    h = x.float() if bias is None else x.float() + bias.float()
+    return F.gelu(h, approximate=approximate).to(x.dtype)
+
+
+def silu_and_mul(x: torch.Tensor, up: torch.Tensor | None = None) -> torch.Tensor:
+    """SwiGLU's ``silu(gate) * up``.
+
+    One tensor: x [..., 2 * inter] holds gate then up (a fused gate_up projection); two tensors:
+    x is the gate [..., inter] and ``up`` [..., inter]. Returns [..., inter] in x.dtype.
+    """
+    if up is None:
+        if x.shape[-1] % 2:
+            raise KernelError(f"silu_and_mul needs an even last dim [.., 2 * inter], got "
+                              f"{tuple(x.shape)}")
+        x, up = x.chunk(2, dim=-1)
+    elif up.shape != x.shape:
+        raise KernelError(f"gate and up must have one shape, got {tuple(x.shape)}, "
+                          f"{tuple(up.shape)}")
+    return (F.silu(x.float()) * up.float()).to(x.dtype)
+
+
+def attention_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True,
+                      key_padding_mask: torch.Tensor | None = None,
+                      alibi_slopes: torch.Tensor | None = None,
+                      scale: float | None = None) -> torch.Tensor:
+    """Softmax attention over a prompt (or a prompt chunk after cached tokens).
+
+    q: [batch, q_heads, q_len, d]; k, v: [batch, kv_heads, kv_len, d] with q_len <= kv_len when
+    causal (bottom-right aligned: query i is token kv_len - q_len + i). GQA/MQA as the module
+    docstring. key_padding_mask: [batch, kv_len] bool or 0/1 (true = a real token), or None.
+    alibi_slopes: [q_heads] float or None; adds ``slope[h] * key_position`` to the scores, with
+    key positions as BLOOM (:func:`alibi_key_positions`). scale: default ``d ** -0.5``.
+    Returns [batch, q_heads, q_len, d] in q.dtype; query rows that see no key are zero.
+    """
+    group = check_attention(q, k, v)
+    check_prefill(q, k, causal, key_padding_mask, alibi_slopes)
+    batch, _, q_len, d = q.shape
+    kv_len = k.shape[2]
+    scale = d ** -0.5 if scale is None else scale
+    kf, vf = _repeat_kv(k.float(), group), _repeat_kv(v.float(), group)  # [b, q_heads, kv, d]
+    scores = q.float() @ kf.transpose(-1, -2) * scale  # [batch, q_heads, q_len, kv_len]
+    if alibi_slopes is not None:
+        pos = alibi_key_positions(key_padding_mask, batch, kv_len, q.device).float()
+        scores = scores + alibi_slopes.float()[None, :, None, None] * pos[:, None, None, :]
+    visible = visible_keys(batch, q_len, kv_len, causal, key_padding_mask, q.device)
+    probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
+    probs = torch.where(visible.any(-1, keepdim=True), probs, 0.0)  # no key: 0, not NaN
+    return (probs @ vf).to(q.dtype)
+
+
+def attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     lengths: torch.Tensor, *, alibi_slopes: torch.Tensor | None = None,
+                     scale: float | None = None,
+                     starts: torch.Tensor | None = None) -> torch.Tensor:
+    """One new query token per sequence attending over its cached keys/values.
+
+    q: [batch, q_heads, 1, d]; k_cache, v_cache: [batch, kv_heads, max_tokens, d];
+    lengths: [batch] int32/int64, the valid tokens of each sequence including the new one
+    (already written with kv_cache_write). starts: [batch] int32/int64 or None (0): the first
+    valid position, for a left-padded prompt written to the cache as is (its pads are
+    positions 0 .. starts[b] - 1). Only positions starts[b] .. lengths[b] - 1 are ever read.
+    alibi_slopes: [q_heads] or None (key position = cache index). scale: default ``d ** -0.5``.
+    Returns [batch, q_heads, 1, d] in q.dtype; a sequence with no valid token gives zeros.
+    """
+    check_decode(q, k_cache, v_cache, lengths, starts)
+    ranges = decode_ranges(lengths, starts, k_cache.shape[2])
+    out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
+    for b, (s, n) in enumerate(ranges):
+        if n > s:  # slice the valid range: what lies outside it is never touched
+            out[b] = attention_prefill(q[b:b + 1], k_cache[b:b + 1, :, s:n],
+                                       v_cache[b:b + 1, :, s:n], causal=False,
+                                       alibi_slopes=alibi_slopes, scale=scale)[0]
+    return out
+
+
+def kv_cache_write(k_cache: torch.Tensor, v_cache: torch.Tensor, k_new: torch.Tensor,
+                   v_new: torch.Tensor, positions: int | torch.Tensor, *,
+                   check: bool = True) -> None:
+    """Write new keys/values into the caches in place.
+
+    k_cache, v_cache: [batch, kv_heads, max_tokens, d]; k_new, v_new: [batch, kv_heads, n_new,
+    d] (n_new = 1 when decoding, the chunk length in prefill). positions: the first cache
+    position of each sequence's new tokens, an int for all or a [batch] int tensor; token t of
+    sequence b lands at ``positions[b] + t``. A write past max_tokens (or before 0) raises
+    KernelError and writes nothing. ``check=False`` lets a backend skip that host-side check
+    (no device sync, e.g. inside CUDA-graph capture); the reference always checks.
+    """
+    check_cache_write(k_cache, v_cache, k_new, v_new)
+    n_new = k_new.shape[2]
+    starts = write_starts(positions, k_cache.shape[0], n_new, k_cache.shape[2])
+    for b, start in enumerate(starts):
+        k_cache[b, :, start:start + n_new] = k_new[b]
+        v_cache[b, :, start:start + n_new] = v_new[b]
+
+
+OPS = {
+    "rotary": rotary,
+    "bias_gelu": bias_gelu,
+    "silu_and_mul": silu_and_mul,
+    "attention_prefill": attention_prefill,
+    "attention_decode": attention_decode,
+    "kv_cache_write": kv_cache_write,
+}
 
 
 def register(registry) -> None:
-    """Register this family's ops (none yet)."""
+    """Define the attention family's ops with their references."""
+    for op, fn in OPS.items():
+        registry.register(op, BACKEND, fn)
+
+
+# ----- example inputs (conformance suite): op -> (dtype, device) -> (args, kwargs) ---------------
+# Small GQA shapes (4 query heads over 2 kv heads, head_dim 16) with ragged lengths, ALiBi and
+# padding, so a backend that mishandles any of them fails the suite.
+
+def _randn(*shape: int, seed: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def _rotary_example(dtype, device):
+    q, k = _randn(2, 4, 5, 16, seed=11), _randn(2, 2, 5, 16, seed=12)
+    cos, sin = rotary_cos_sin(torch.arange(5), rotary_dim=8)  # partial rotary: 8 of 16 dims
+    return ((q.to(device, dtype), k.to(device, dtype), cos.to(device), sin.to(device)),
+            {"style": "interleaved"})
+
+
+def _bias_gelu_example(dtype, device):
+    x, b = _randn(3, 40, seed=13), _randn(40, seed=14)
+    return (x.to(device, dtype), b.to(device, dtype)), {"approximate": "tanh"}
+
+
+def _silu_and_mul_example(dtype, device):
+    return (_randn(3, 2 * 24, seed=15).to(device, dtype),), {}
+
+
+def _prefill_example(dtype, device):
+    q, k, v = _randn(2, 4, 6, 16, seed=16), _randn(2, 2, 6, 16, seed=17), _randn(2, 2, 6, 16, seed=18)
+    mask = torch.tensor([[1] * 6, [0, 0, 1, 1, 1, 1]], device=device)  # second sequence left-padded
+    return ((q.to(device, dtype), k.to(device, dtype), v.to(device, dtype)),
+            {"causal": True, "key_padding_mask": mask,
+             "alibi_slopes": alibi_slopes(4, device=device)})
+
+
+def _decode_example(dtype, device):
+    q = _randn(2, 4, 1, 16, seed=19)
+    k, v = _randn(2, 2, 12, 16, seed=20), _randn(2, 2, 12, 16, seed=21)
+    k[1, :, 7:] = float("nan")  # past sequence 1's length: must never be read
+    lengths = torch.tensor([12, 7], device=device)
+    return ((q.to(device, dtype), k.to(device, dtype), v.to(device, dtype), lengths), {})
+
+
+def _cache_write_example(dtype, device):
+    k_cache, v_cache = torch.zeros(2, 2, 10, 16), torch.zeros(2, 2, 10, 16)
+    k_new, v_new = _randn(2, 2, 3, 16, seed=22), _randn(2, 2, 3, 16, seed=23)
+    positions = torch.tensor([0, 6], device=device)
+    return ((k_cache.to(device, dtype), v_cache.to(device, dtype), k_new.to(device, dtype),
+             v_new.to(device, dtype), positions), {})
+
+
+EXAMPLES = {"rotary": _rotary_example, "bias_gelu": _bias_gelu_example,
+            "silu_and_mul": _silu_and_mul_example, "attention_prefill": _prefill_example,
+            "attention_decode": _decode_example, "kv_cache_write": _cache_write_example}

@@ -48,3 +48,24 @@ def register(registry) -> None:
     """Define every op with its reference implementation."""
     registry.register("rms_norm", BACKEND, rms_norm)
     registry.register("layer_norm", BACKEND, layer_norm)
+
+
+# ----- example inputs (conformance suite): op -> (dtype, device) -> (args, kwargs) ---------------
+
+def _randn(*shape: int, seed: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def _rms_norm_example(dtype: torch.dtype, device: torch.device) -> tuple[tuple, dict]:
+    x, res, w = _randn(3, 64, seed=4), _randn(3, 64, seed=5), 1 + 0.1 * _randn(64, seed=6)
+    return (x.to(device, dtype), w.to(device, dtype), 1e-6), {"residual": res.to(device, dtype)}
+
+
+def _layer_norm_example(dtype: torch.dtype, device: torch.device) -> tuple[tuple, dict]:
+    x, res = _randn(3, 64, seed=7), _randn(3, 64, seed=8)
+    w, b = 1 + 0.1 * _randn(64, seed=9), 0.1 * _randn(64, seed=10)
+    args = (x.to(device, dtype), w.to(device, dtype), b.to(device, dtype), 1e-5)
+    return args, {"residual": res.to(device, dtype)}
+
+
+EXAMPLES = {"rms_norm": _rms_norm_example, "layer_norm": _layer_norm_example}

@@ -1,5 +1,609 @@
-"""attention ops as Triton kernels: filled in by the attention kernel work; registers nothing yet."""
+"""Attention-family Triton kernels for CUDA: rotary, bias_gelu, silu_and_mul, attention_prefill
+(flash-attention style), attention_decode (split-K / flash-decoding) and kv_cache_write.
+
+Contracts (shapes, masks, GQA, ALiBi, zero rows) are those of
+``shardwise.kernels.reference.attention``; every launcher validates with the reference's checks.
+Math is float32 inside the kernels; results are rounded to the input dtype once. Attention
+matmuls run on tensor cores in fp16/bf16 (the probabilities are rounded to the value dtype before
+``P @ V``, as every flash kernel does) and in exact IEEE float32 for fp32 inputs (no TF32).
+
+Importing this module imports triton; it is imported by ``register`` of the triton backend only.
+Under ``TRITON_INTERPRET=1`` (CPU tests) dots are done in float32, because the interpreter's
+bf16 ``tl.dot`` is wrong; the operands are rounded exactly as on a GPU first.
+
+Differences from the reference on invalid input (checking would need a device sync): decode
+clamps ``starts``/``lengths`` to ``0..max_tokens`` instead of raising;
+``kv_cache_write(check=False)`` drops the out-of-range tokens instead of raising. Neither ever
+reads or writes outside the tensors.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from shardwise.errors import KernelError
+from shardwise.kernels.reference import attention as ref
+
+BACKEND = "triton"
+DEVICE_TYPES = frozenset({"cuda"})
+DTYPES = frozenset({torch.float32, torch.float16, torch.bfloat16})
+#: Largest head_dim the attention kernels hold in one tile.
+MAX_HEAD_DIM = 256
+#: Decode: fewest cache tokens one split handles (splitting finer costs more in the reduction).
+MIN_SPLIT_TOKENS = 128
+#: Decode: programs to aim for per streaming multiprocessor, so one sequence fills the GPU.
+PROGRAMS_PER_SM = 2
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+# ----- shared device helpers ------------------------------------------------------------------
+
+
+@triton.jit
+def _dot(a, b, F32: tl.constexpr):
+    """a @ b with a float32 result; IEEE float32 operands when F32 (fp32 inputs, interpreter)."""
+    if F32:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    return tl.dot(a, b, out_dtype=tl.float32)
+
+
+@triton.jit
+def _online_softmax_step(s, m, l, acc, v, F32: tl.constexpr):
+    """One key tile of the streaming softmax.
+
+    s: [M, N] float32 scores (-inf where not visible); m, l: [M] running max and sum; acc: [M, D]
+    running unnormalized output; v: [N, D] the tile's values. A row with no visible key so far
+    keeps m = -inf, l = 0, acc = 0 (its exponent is taken against 0 instead of -inf: no NaN).
+    """
+    m_new = tl.maximum(m, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp(m - m_safe)  # [M]
+    p = tl.exp(s - m_safe[:, None])  # [M, N]
+    l = l * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, F32)  # p rounded like on a GPU
+    return m_new, l, acc
+
+
+def _dot_f32(dtype: torch.dtype) -> bool:
+    """Whether kernels must do their dots in IEEE float32 (see module docstring)."""
+    return _INTERPRET or dtype == torch.float32
+
+
+def _block_d(head_dim: int) -> int:
+    """Tile width along head_dim: a power of two, at least 16 (tl.dot's minimum)."""
+    if not 0 < head_dim <= MAX_HEAD_DIM:
+        raise KernelError(f"triton attention kernels take head_dim 1..{MAX_HEAD_DIM}, got "
+                          f"{head_dim}; use the reference")
+    return max(16, triton.next_power_of_2(head_dim))
+
+
+def supports_head_dim(*, device_type: str, dtype: torch.dtype, head_dim: int | None = None,
+                      **_shape) -> bool:
+    """Shape predicate for ``resolve(..., head_dim=)``: the kernels hold a head in one tile."""
+    return head_dim is None or 0 < head_dim <= MAX_HEAD_DIM
+
+
+# ----- rotary ---------------------------------------------------------------------------------
+
+
+@triton.jit
+def _rotary_heads(X, O, x_off, o_off, sx_h, sx_d, so_h, so_d, n_heads, d1, d2, pair_mask, c, s,
+                  pass_cols, pass_mask, BLOCK_H: tl.constexpr, HAS_PASS: tl.constexpr):
+    """Rotate the pairs (d1, d2) of every head of one token; copy the pass-through dims.
+
+    x_off/o_off: offsets of the token's head 0; d1, d2, c, s: [BLOCK_HALF] pair dims and angles.
+    """
+    heads = tl.arange(0, BLOCK_H)
+    m = (heads < n_heads)[:, None] & pair_mask[None, :]  # [BLOCK_H, BLOCK_HALF]
+    xh = X + x_off + heads[:, None] * sx_h
+    oh = O + o_off + heads[:, None] * so_h
+    x1 = tl.load(xh + d1[None, :] * sx_d, mask=m, other=0.0).to(tl.float32)
+    x2 = tl.load(xh + d2[None, :] * sx_d, mask=m, other=0.0).to(tl.float32)
+    dtype = O.dtype.element_ty
+    tl.store(oh + d1[None, :] * so_d, (x1 * c[None, :] - x2 * s[None, :]).to(dtype), mask=m)
+    tl.store(oh + d2[None, :] * so_d, (x2 * c[None, :] + x1 * s[None, :]).to(dtype), mask=m)
+    if HAS_PASS:
+        pm = (heads < n_heads)[:, None] & pass_mask[None, :]
+        rest = tl.load(xh + pass_cols[None, :] * sx_d, mask=pm, other=0.0)
+        tl.store(oh + pass_cols[None, :] * so_d, rest, mask=pm)
+
+
+@triton.jit
+def _rotary_kernel(Q, K, QO, KO, COS, SIN, seq_len, n_q, n_kv, half, head_dim,
+                   sq_b, sq_h, sq_t, sq_d, sk_b, sk_h, sk_t, sk_d,
+                   sqo_b, sqo_h, sqo_t, sqo_d, sko_b, sko_h, sko_t, sko_d,
+                   sc_b, sc_t, sc_i, ss_b, ss_t, ss_i,
+                   INTERLEAVED: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr,
+                   BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr, HAS_PASS: tl.constexpr):
+    """One program per token (batch b, position t): all q heads and all k heads of it."""
+    row = tl.program_id(0).to(tl.int64)
+    b, t = row // seq_len, row % seq_len
+    i = tl.arange(0, BLOCK_HALF)
+    pair_mask = i < half
+    c = tl.load(COS + b * sc_b + t * sc_t + i * sc_i, mask=pair_mask, other=0.0).to(tl.float32)
+    s = tl.load(SIN + b * ss_b + t * ss_t + i * ss_i, mask=pair_mask, other=0.0).to(tl.float32)
+    if INTERLEAVED:  # GPT-J: pairs (2i, 2i + 1)
+        d1, d2 = 2 * i, 2 * i + 1
+    else:  # Llama / NeoX rotate_half: pairs (i, i + half)
+        d1, d2 = i, i + half
+    pass_cols = 2 * half + tl.arange(0, BLOCK_PASS)
+    pass_mask = pass_cols < head_dim
+    _rotary_heads(Q, QO, b * sq_b + t * sq_t, b * sqo_b + t * sqo_t, sq_h, sq_d, sqo_h, sqo_d,
+                  n_q, d1, d2, pair_mask, c, s, pass_cols, pass_mask, BLOCK_HQ, HAS_PASS)
+    _rotary_heads(K, KO, b * sk_b + t * sk_t, b * sko_b + t * sko_t, sk_h, sk_d, sko_h, sko_d,
+                  n_kv, d1, d2, pair_mask, c, s, pass_cols, pass_mask, BLOCK_HKV, HAS_PASS)
+
+
+def _same_device(first: torch.Tensor, **others: torch.Tensor | None) -> None:
+    """Raise KernelError naming any tensor that is not on ``first``'s device (a kernel would
+    read a host pointer otherwise)."""
+    wrong = {name: str(t.device) for name, t in others.items()
+             if t is not None and t.device != first.device}
+    if wrong:
+        raise KernelError(f"triton kernels need every tensor on {first.device}; got {wrong}")
+
+
+def _strides(t: torch.Tensor) -> tuple[int, ...]:
+    return tuple(t.stride())
+
+
+def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *,
+           style: str = "half") -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotary embedding in one launch for q and k; contract of the reference ``rotary``.
+
+    q: [batch, q_heads, seq, d], k: [batch, kv_heads, seq, d] (any strides; outputs keep the
+    layout); cos, sin: [batch | 1, seq, rotary_dim/2] or [seq, rotary_dim/2].
+    """
+    rotary_dim = ref.check_rotary(q, k, cos, sin, style)
+    batch, n_q, seq, head_dim = q.shape
+    cos, sin = (t.expand(batch, seq, rotary_dim // 2) for t in (cos, sin))  # stride 0 broadcast
+    qo, ko = torch.empty_like(q), torch.empty_like(k)
+    if q.numel() == 0:
+        return qo, ko
+    n_pass = head_dim - rotary_dim
+    _rotary_kernel[(batch * seq,)](
+        q, k, qo, ko, cos, sin, seq, n_q, k.shape[1], rotary_dim // 2, head_dim,
+        *_strides(q), *_strides(k), *_strides(qo), *_strides(ko), *_strides(cos),
+        *_strides(sin), INTERLEAVED=style == "interleaved",
+        BLOCK_HQ=triton.next_power_of_2(n_q), BLOCK_HKV=triton.next_power_of_2(k.shape[1]),
+        BLOCK_HALF=triton.next_power_of_2(rotary_dim // 2),
+        BLOCK_PASS=triton.next_power_of_2(max(n_pass, 1)), HAS_PASS=n_pass > 0)
+    return qo, ko
+
+
+# ----- activations ----------------------------------------------------------------------------
+
+_ACT_BLOCK = 1024  # elements per program of the elementwise kernels
+
+
+@triton.jit
+def _bias_gelu_kernel(X, B, O, n_cols, stride_x, stride_o, HAS_BIAS: tl.constexpr,
+                      TANH: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    h = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        h += tl.load(B + cols, mask=mask, other=0.0).to(tl.float32)
+    if TANH:  # 0.5 (1 + tanh(z)) == sigmoid(2z), z = sqrt(2/pi) (h + 0.044715 h³)
+        y = h * tl.sigmoid(1.5957691216057308 * (h + 0.044715 * h * h * h))
+    else:
+        y = 0.5 * h * (1.0 + tl.math.erf(h * 0.7071067811865476))
+    tl.store(O + row * stride_o + cols, y.to(O.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _silu_mul_kernel(G, U, O, n_cols, stride_g, stride_u, stride_o, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    g = tl.load(G + row * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(U + row * stride_u + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(O + row * stride_o + cols, (g * tl.sigmoid(g) * u).to(O.dtype.element_ty),
+             mask=mask)
+
+
+def _as_rows(t: torch.Tensor, cols: int) -> torch.Tensor:
+    """[..., cols] → [rows, cols] with a unit stride along cols (copies only if needed)."""
+    if t.stride(-1) != 1:
+        t = t.contiguous()
+    return t.reshape(math.prod(t.shape[:-1]), cols)  # not -1: ambiguous for empty tensors
+
+
+def _act_grid(rows: int, cols: int) -> tuple[int, int]:
+    return rows, triton.cdiv(cols, _ACT_BLOCK)
+
+
+def bias_gelu(x: torch.Tensor, bias: torch.Tensor | None = None,
+              approximate: str = "none") -> torch.Tensor:
+    """``gelu(x + bias)`` fused; contract of the reference: x [..., n], bias [n] or None."""
+    if approximate not in ref.GELU_APPROXIMATIONS:
+        raise KernelError(f"approximate must be one of {ref.GELU_APPROXIMATIONS}, got "
+                          f"{approximate!r}")
+    n = x.shape[-1]
+    x2 = _as_rows(x, n)  # [rows, n]
+    out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+    if x2.numel():
+        b = bias.contiguous() if bias is not None else x2
+        _bias_gelu_kernel[_act_grid(*x2.shape)](
+            x2, b, out, n, x2.stride(0), out.stride(0), HAS_BIAS=bias is not None,
+            TANH=approximate == "tanh", BLOCK=_ACT_BLOCK)
+    return out.view(x.shape)
+
+
+def silu_and_mul(x: torch.Tensor, up: torch.Tensor | None = None) -> torch.Tensor:
+    """``silu(gate) * up`` fused; contract of the reference: x [..., 2*inter] (gate, up) or the
+    gate [..., inter] with ``up`` [..., inter]. Returns [..., inter]."""
+    if up is None:
+        if x.shape[-1] % 2:
+            raise KernelError(f"silu_and_mul needs an even last dim [.., 2 * inter], got "
+                              f"{tuple(x.shape)}")
+        inter = x.shape[-1] // 2
+        rows = _as_rows(x, 2 * inter)
+        gate, up2 = rows[:, :inter], rows[:, inter:]  # views: row stride 2 * inter
+    else:
+        if up.shape != x.shape:
+            raise KernelError(f"gate and up must have one shape, got {tuple(x.shape)}, "
+                              f"{tuple(up.shape)}")
+        inter = x.shape[-1]
+        gate, up2 = _as_rows(x, inter), _as_rows(up, inter)
+    out = torch.empty(gate.shape, dtype=x.dtype, device=x.device)
+    if out.numel():
+        _silu_mul_kernel[_act_grid(*out.shape)](
+            gate, up2, out, inter, gate.stride(0), up2.stride(0), out.stride(0),
+            BLOCK=_ACT_BLOCK)
+    return out.view(*x.shape[:-1], inter)
+
+
+# ----- prefill: flash attention ---------------------------------------------------------------
+
+
+@triton.jit
+def _prefill_kernel(Q, K, V, O, MASK, KPOS, SLOPES, q_len, kv_len, n_q, group, head_dim, scale,
+                    sq_b, sq_h, sq_t, sq_d, sk_b, sk_h, sk_t, sk_d, sv_b, sv_h, sv_t, sv_d,
+                    so_b, so_h, so_t, so_d, sm_b, sm_t, skp_b, skp_t,
+                    CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, HAS_ALIBI: tl.constexpr,
+                    F32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_D: tl.constexpr):
+    """One program per (batch, q head) x BLOCK_M queries, streaming over key tiles."""
+    bh = tl.program_id(0).to(tl.int64)
+    b, h = bh // n_q, bh % n_q
+    kvh = h // group
+    offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    dims = tl.arange(0, BLOCK_D)
+    dmask = dims < head_dim
+    qmask = (offs_m < q_len)[:, None] & dmask[None, :]
+    q = tl.load(Q + b * sq_b + h * sq_h + offs_m[:, None] * sq_t + dims[None, :] * sq_d,
+                mask=qmask, other=0.0)  # [BLOCK_M, BLOCK_D]
+    q_pos = offs_m + (kv_len - q_len)  # causal: bottom-right aligned
+    hi = kv_len
+    if CAUSAL:
+        hi = tl.minimum(kv_len, (tl.program_id(1) + 1) * BLOCK_M + kv_len - q_len)
+    slope = 0.0
+    if HAS_ALIBI:
+        slope = tl.load(SLOPES + h).to(tl.float32)
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    k_base = K + b * sk_b + kvh * sk_h + dims[None, :] * sk_d
+    v_base = V + b * sv_b + kvh * sv_h + dims[None, :] * sv_d
+    for n0 in range(0, hi, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        nmask = offs_n < kv_len
+        kvmask = nmask[:, None] & dmask[None, :]
+        k = tl.load(k_base + offs_n[:, None] * sk_t, mask=kvmask, other=0.0)  # [BLOCK_N, D]
+        s = _dot(q, tl.trans(k), F32) * scale  # [BLOCK_M, BLOCK_N]
+        visible = nmask[None, :] & (offs_m < q_len)[:, None]
+        if CAUSAL:
+            visible = visible & (offs_n[None, :] <= q_pos[:, None])
+        if HAS_MASK:
+            keep = tl.load(MASK + b * sm_b + offs_n * sm_t, mask=nmask, other=0) != 0
+            visible = visible & keep[None, :]
+        if HAS_ALIBI:
+            if HAS_MASK:  # BLOOM's positions: valid keys before this one
+                kpos = tl.load(KPOS + b * skp_b + offs_n * skp_t, mask=nmask, other=0)
+            else:
+                kpos = offs_n
+            s = s + slope * kpos.to(tl.float32)[None, :]
+        s = tl.where(visible, s, float("-inf"))
+        v = tl.load(v_base + offs_n[:, None] * sv_t, mask=kvmask, other=0.0)
+        m, l, acc = _online_softmax_step(s, m, l, acc, v, F32)
+    out = acc / tl.where(l == 0.0, 1.0, l)[:, None]  # rows with no visible key: 0
+    tl.store(O + b * so_b + h * so_h + offs_m[:, None] * so_t + dims[None, :] * so_d,
+             out.to(O.dtype.element_ty), mask=qmask)
+
+
+def _prefill_config(q_len: int, kv_len: int, block_d: int, dtype: torch.dtype,
+                    device: torch.device):
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages). Tiles shrink to the sequence for tiny inputs
+    off the GPU (the interpreter pays per element of a padded tile); float32 tiles are smaller
+    so their shared memory (IEEE dots stage 4-byte operands) fits ~99 KB SMs (sm_86/89)."""
+    if device.type != "cuda":
+        return (max(16, min(64, triton.next_power_of_2(q_len))),
+                max(16, min(64, triton.next_power_of_2(kv_len))), 4, 1)
+    if dtype == torch.float32:
+        return (64, 32, 4, 1) if block_d <= 128 else (32, 32, 4, 1)
+    if block_d <= 64:
+        return 64, 64, 4, 3
+    return (128, 64, 8, 2) if block_d <= 128 else (64, 32, 8, 1)
+
+
+def _prefill_mask(key_padding_mask, alibi_slopes, batch, kv_len, device):
+    """(mask, key positions) for the kernel: uint8 [batch, kv_len] and int32 [batch, kv_len]
+    (the latter only for ALiBi with a mask), or None."""
+    if key_padding_mask is None:
+        return None, None
+    mask = key_padding_mask
+    mask = mask.view(torch.uint8) if mask.dtype == torch.bool else (mask != 0).view(torch.uint8)
+    kpos = None
+    if alibi_slopes is not None:
+        kpos = ref.alibi_key_positions(key_padding_mask, batch, kv_len, device).to(torch.int32)
+    return mask, kpos
+
+
+def attention_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True,
+                      key_padding_mask: torch.Tensor | None = None,
+                      alibi_slopes: torch.Tensor | None = None,
+                      scale: float | None = None) -> torch.Tensor:
+    """Flash-attention prefill; contract of the reference ``attention_prefill``.
+
+    q: [batch, q_heads, q_len, d]; k, v: [batch, kv_heads, kv_len, d] (any strides);
+    key_padding_mask [batch, kv_len]; alibi_slopes [q_heads]. Returns a contiguous
+    [batch, q_heads, q_len, d] in q.dtype.
+    """
+    group = ref.check_attention(q, k, v)
+    ref.check_prefill(q, k, causal, key_padding_mask, alibi_slopes)
+    batch, n_q, q_len, head_dim = q.shape
+    kv_len = k.shape[2]
+    block_d = _block_d(head_dim)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if out.numel() == 0:
+        return out
+    mask, kpos = _prefill_mask(key_padding_mask, alibi_slopes, batch, kv_len, q.device)
+    slopes = alibi_slopes.float().contiguous() if alibi_slopes is not None else None
+    block_m, block_n, warps, stages = _prefill_config(q_len, kv_len, block_d, q.dtype,
+                                                       q.device)
+    mask_strides = mask.stride() if mask is not None else (0, 0)
+    kpos_strides = kpos.stride() if kpos is not None else (0, 0)
+    _prefill_kernel[(batch * n_q, triton.cdiv(q_len, block_m))](
+        q, k, v, out, mask if mask is not None else q, kpos if kpos is not None else q,
+        slopes if slopes is not None else q, q_len, kv_len, n_q, group, head_dim,
+        head_dim ** -0.5 if scale is None else scale, *_strides(q), *_strides(k),
+        *_strides(v), *_strides(out), *mask_strides, *kpos_strides, CAUSAL=causal,
+        HAS_MASK=mask is not None, HAS_ALIBI=slopes is not None, F32=_dot_f32(q.dtype),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, num_warps=warps, num_stages=stages)
+    return out
+
+
+# ----- decode: split-K flash decoding ---------------------------------------------------------
+
+
+@triton.jit
+def _decode_split_kernel(Q, K, V, LEN, STARTS, SLOPES, M_OUT, L_OUT, ACC, max_tokens, group,
+                         head_dim, chunk, scale, sq_b, sq_h, sq_d, sk_b, sk_h, sk_t, sk_d,
+                         sv_b, sv_h, sv_t, sv_d, n_q, n_splits,
+                         HAS_STARTS: tl.constexpr, HAS_ALIBI: tl.constexpr, F32: tl.constexpr,
+                         BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Program (b, kv head, split): the ``group`` query heads of one kv head over cache tokens
+    [split * chunk, (split + 1) * chunk) ∩ [starts[b], lengths[b]). Writes the split's running
+    max m, sum l ([batch, q_heads, splits]) and unnormalized output ([batch, q_heads, splits,
+    d])."""
+    b = tl.program_id(0).to(tl.int64)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    length = tl.minimum(tl.load(LEN + b).to(tl.int32), max_tokens)  # never past the cache
+    start = split * chunk
+    if HAS_STARTS:  # never before the sequence's first valid token (nor before 0)
+        start = tl.maximum(start, tl.load(STARTS + b).to(tl.int32))
+    end = tl.minimum(split * chunk + chunk, length)
+    heads = kvh * group + tl.arange(0, BLOCK_H)  # [BLOCK_H] query heads; rows >= group: padding
+    hmask = tl.arange(0, BLOCK_H) < group
+    dims = tl.arange(0, BLOCK_D)
+    dmask = dims < head_dim
+    q = tl.load(Q + b * sq_b + heads[:, None] * sq_h + dims[None, :] * sq_d,
+                mask=hmask[:, None] & dmask[None, :], other=0.0)  # [BLOCK_H, BLOCK_D]
+    slope = tl.zeros([BLOCK_H], tl.float32)
+    if HAS_ALIBI:
+        slope = tl.load(SLOPES + heads, mask=hmask, other=0.0).to(tl.float32)
+    m = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    k_base = K + b * sk_b + kvh * sk_h + dims[None, :] * sk_d
+    v_base = V + b * sv_b + kvh * sv_h + dims[None, :] * sv_d
+    for n0 in range(start, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        nmask = offs_n < end  # positions >= length are never loaded
+        kvmask = nmask[:, None] & dmask[None, :]
+        k = tl.load(k_base + offs_n[:, None] * sk_t, mask=kvmask, other=0.0)
+        s = _dot(q, tl.trans(k), F32) * scale  # [BLOCK_H, BLOCK_N]
+        if HAS_ALIBI:
+            s = s + slope[:, None] * offs_n.to(tl.float32)[None, :]
+        s = tl.where(nmask[None, :], s, float("-inf"))
+        v = tl.load(v_base + offs_n[:, None] * sv_t, mask=kvmask, other=0.0)
+        m, l, acc = _online_softmax_step(s, m, l, acc, v, F32)
+    part = (b * n_q + heads) * n_splits + split  # [BLOCK_H] index into [batch, q_heads, splits]
+    tl.store(M_OUT + part, m, mask=hmask)
+    tl.store(L_OUT + part, l, mask=hmask)
+    tl.store(ACC + part[:, None] * head_dim + dims[None, :], acc,
+             mask=hmask[:, None] & dmask[None, :])
+
+
+@triton.jit
+def _decode_reduce_kernel(M_IN, L_IN, ACC, O, n_q, n_splits, head_dim, so_b, so_h, so_d,
+                          BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Program (b, q head): combine the splits' partial softmaxes into the output row."""
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    splits = tl.arange(0, BLOCK_S)
+    smask = splits < n_splits
+    dims = tl.arange(0, BLOCK_D)
+    dmask = dims < head_dim
+    part = (b * n_q + h) * n_splits + splits  # [BLOCK_S]
+    m = tl.load(M_IN + part, mask=smask, other=float("-inf"))
+    l = tl.load(L_IN + part, mask=smask, other=0.0)
+    m_max = tl.max(m, 0)
+    w = tl.exp(m - tl.where(m_max == float("-inf"), 0.0, m_max))  # empty splits: 0
+    acc = tl.load(ACC + part[:, None] * head_dim + dims[None, :],
+                  mask=smask[:, None] & dmask[None, :], other=0.0)
+    den = tl.sum(w * l, 0)
+    out = tl.sum(w[:, None] * acc, 0) / tl.where(den == 0.0, 1.0, den)  # length 0: zeros
+    tl.store(O + b * so_b + h * so_h + dims * so_d, out.to(O.dtype.element_ty), mask=dmask)
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def decode_splits(batch: int, kv_heads: int, max_tokens: int, block_n: int,
+                  device: torch.device, num_splits: int | None = None) -> tuple[int, int]:
+    """(splits, chunk): how many programs share each sequence's cache, and the cache tokens each
+    handles (a multiple of ``block_n``). Depends only on shapes, so a captured graph stays valid.
+
+    Aims at ``PROGRAMS_PER_SM`` programs per SM over batch x kv_heads x splits, with at least
+    ``MIN_SPLIT_TOKENS`` tokens a split; ``num_splits`` overrides (tests force several splits).
+    """
+    if num_splits is None:
+        sms = _sm_count(device.index or 0) if device.type == "cuda" else 4
+        want = triton.cdiv(PROGRAMS_PER_SM * sms, batch * kv_heads)
+        num_splits = min(want, triton.cdiv(max_tokens, max(MIN_SPLIT_TOKENS, block_n)))
+    num_splits = max(1, min(num_splits, triton.cdiv(max_tokens, block_n)))
+    chunk = triton.cdiv(triton.cdiv(max_tokens, num_splits), block_n) * block_n
+    return triton.cdiv(max_tokens, chunk), chunk
+
+
+def _decode_stages(dtype: torch.dtype, device: torch.device) -> int:
+    """Pipelining depth of the decode loop: float32 tiles stay single-buffered (shared memory)."""
+    return 2 if device.type == "cuda" and dtype != torch.float32 else 1
+
+
+def _decode_block_n(max_tokens: int, device: torch.device) -> int:
+    if device.type == "cuda":
+        return 64
+    return max(16, min(32, triton.next_power_of_2(max_tokens)))
+
+
+def attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     lengths: torch.Tensor, *, alibi_slopes: torch.Tensor | None = None,
+                     scale: float | None = None, starts: torch.Tensor | None = None,
+                     num_splits: int | None = None, block_n: int | None = None) -> torch.Tensor:
+    """Split-K decode attention; contract of the reference ``attention_decode``.
+
+    q: [batch, q_heads, 1, d]; k_cache, v_cache: [batch, kv_heads, max_tokens, d] (any
+    strides); lengths, starts: [batch] int32/int64 on the device (not checked, so no device
+    sync and it can be captured in a CUDA graph: positions outside max(starts, 0) ..
+    min(lengths, max_tokens) - 1 are simply not read). ``num_splits``/``block_n`` override the
+    split heuristic (:func:`decode_splits`) and the key tile. Returns [batch, q_heads, 1, d].
+    """
+    group = ref.check_decode(q, k_cache, v_cache, lengths, starts)
+    _same_device(q, lengths=lengths, starts=starts, k_cache=k_cache, v_cache=v_cache)
+    if alibi_slopes is not None and alibi_slopes.shape != (q.shape[1],):
+        raise KernelError(f"alibi_slopes must be [q_heads={q.shape[1]}], got "
+                          f"{tuple(alibi_slopes.shape)}")
+    batch, n_q, _, head_dim = q.shape
+    n_kv, max_tokens = k_cache.shape[1:3]
+    block_d = _block_d(head_dim)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if out.numel() == 0 or max_tokens == 0:
+        return out.zero_()
+    block_n = block_n or _decode_block_n(max_tokens, q.device)
+    splits, chunk = decode_splits(batch, n_kv, max_tokens, block_n, q.device, num_splits)
+    m = torch.empty(batch, n_q, splits, dtype=torch.float32, device=q.device)
+    l = torch.empty_like(m)
+    acc = torch.empty(batch, n_q, splits, head_dim, dtype=torch.float32, device=q.device)
+    slopes = alibi_slopes.float().contiguous() if alibi_slopes is not None else m
+    q_str = (q.stride(0), q.stride(1), q.stride(3))
+    _decode_split_kernel[(batch, n_kv, splits)](
+        q, k_cache, v_cache, lengths, starts if starts is not None else lengths, slopes, m, l,
+        acc, max_tokens, group, head_dim, chunk, head_dim ** -0.5 if scale is None else scale,
+        *q_str, *_strides(k_cache), *_strides(v_cache), n_q, splits,
+        HAS_STARTS=starts is not None, HAS_ALIBI=alibi_slopes is not None,
+        F32=_dot_f32(q.dtype), BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
+        BLOCK_D=block_d, num_warps=4, num_stages=_decode_stages(q.dtype, q.device))
+    _decode_reduce_kernel[(batch, n_q)](
+        m, l, acc, out, n_q, splits, head_dim, out.stride(0), out.stride(1), out.stride(3),
+        BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_d)
+    return out
+
+
+# ----- kv cache write -------------------------------------------------------------------------
+
+
+@triton.jit
+def _kv_write_kernel(KN, VN, KC, VC, POS, start, n_new, max_tokens, n_kv, head_dim,
+                     skn_b, skn_h, skn_t, skn_d, svn_b, svn_h, svn_t, svn_d,
+                     skc_b, skc_h, skc_t, skc_d, svc_b, svc_h, svc_t, svc_d,
+                     HAS_POS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Program (b * kv head, token tile): copy BLOCK_T new tokens of k and v into the caches.
+    Tokens that would land outside 0..max_tokens-1 are dropped (the host check raises first)."""
+    bh = tl.program_id(0).to(tl.int64)
+    b, h = bh // n_kv, bh % n_kv
+    t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
+    first = start
+    if HAS_POS:
+        first = tl.load(POS + b).to(tl.int64)
+    pos = first + t
+    ok = (t < n_new) & (pos >= 0) & (pos < max_tokens)
+    dims = tl.arange(0, BLOCK_D)
+    mask = ok[:, None] & (dims < head_dim)[None, :]
+    k = tl.load(KN + b * skn_b + h * skn_h + t[:, None] * skn_t + dims[None, :] * skn_d,
+                mask=mask)
+    v = tl.load(VN + b * svn_b + h * svn_h + t[:, None] * svn_t + dims[None, :] * svn_d,
+                mask=mask)
+    tl.store(KC + b * skc_b + h * skc_h + pos[:, None] * skc_t + dims[None, :] * skc_d,
+             k.to(KC.dtype.element_ty), mask=mask)
+    tl.store(VC + b * svc_b + h * svc_h + pos[:, None] * svc_t + dims[None, :] * svc_d,
+             v.to(VC.dtype.element_ty), mask=mask)
+
+
+def kv_cache_write(k_cache: torch.Tensor, v_cache: torch.Tensor, k_new: torch.Tensor,
+                   v_new: torch.Tensor, positions: int | torch.Tensor, *,
+                   check: bool = True) -> None:
+    """Write new keys/values into the caches in one launch; contract of the reference.
+
+    ``check=True`` raises KernelError for a write past the cache before writing anything (a
+    device sync when ``positions`` is a tensor); ``check=False`` skips that (graph capture) and
+    the kernel drops out-of-range tokens instead.
+    """
+    ref.check_cache_write(k_cache, v_cache, k_new, v_new)
+    _same_device(k_cache, v_cache=v_cache, k_new=k_new, v_new=v_new,
+                 positions=positions if isinstance(positions, torch.Tensor) else None)
+    batch, n_kv, max_tokens, head_dim = k_cache.shape
+    n_new = k_new.shape[2]
+    if check or not isinstance(positions, torch.Tensor):
+        ref.write_starts(positions, batch, n_new, max_tokens)  # ints: checked at no cost
+    if k_new.numel() == 0:
+        return
+    has_pos = isinstance(positions, torch.Tensor)
+    block_t = min(16, triton.next_power_of_2(n_new))
+    _kv_write_kernel[(batch * n_kv, triton.cdiv(n_new, block_t))](
+        k_new, v_new, k_cache, v_cache, positions if has_pos else k_new,
+        0 if has_pos else int(positions), n_new, max_tokens, n_kv, head_dim,
+        *_strides(k_new), *_strides(v_new), *_strides(k_cache), *_strides(v_cache),
+        HAS_POS=has_pos, BLOCK_T=block_t, BLOCK_D=triton.next_power_of_2(head_dim))
+
+
+OPS = {
+    "rotary": rotary,
+    "bias_gelu": bias_gelu,
+    "silu_and_mul": silu_and_mul,
+    "attention_prefill": attention_prefill,
+    "attention_decode": attention_decode,
+    "kv_cache_write": kv_cache_write,
+}
+#: Ops whose kernels hold one head per tile: they refuse head_dim > MAX_HEAD_DIM when resolved
+#: with ``head_dim=``.
+_HEAD_DIM_OPS = {"attention_prefill", "attention_decode"}
 
 
 def register(registry) -> None:
-    """Register this family's Triton kernels (none yet)."""
+    """Register the attention family's Triton kernels for CUDA in fp32/fp16/bf16."""
+    for op, fn in OPS.items():
+        registry.register(op, BACKEND, fn, dtypes=DTYPES, device_types=DEVICE_TYPES,
+                          supports=supports_head_dim if op in _HEAD_DIM_OPS else None)
