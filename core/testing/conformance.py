@@ -241,6 +241,8 @@ def _to_cpu(value: Any) -> Any:
     """A CPU copy (never the same tensor: in-place ops must not touch the device's inputs)."""
     if isinstance(value, torch.Tensor):
         return value.detach().cpu().clone()
+    if not isinstance(value, (tuple, list, dict)) and callable(getattr(value, "to", None)):
+        return value.to("cpu")  # e.g. a quantized weight: a bundle of tensors
     if isinstance(value, (tuple, list)):
         return type(value)(_to_cpu(v) for v in value)
     if isinstance(value, dict):
@@ -254,6 +256,7 @@ def check_kernel_parity(accelerator: Accelerator) -> None:
     None works in place: its tensor arguments are compared instead."""
     from ..kernel_registry import REFERENCE, registry
     from ..kernels.reference import examples
+    from ..kernels.reference.example import Example
 
     device, inputs = accelerator.device(), examples()
     for op in registry.ops():
@@ -261,10 +264,13 @@ def check_kernel_parity(accelerator: Accelerator) -> None:
                               f"in its shardwise.kernels.reference module")
         reference = registry.implementations(op)[REFERENCE]
         for dtype in accelerator.supported_dtypes:
-            args, kwargs = inputs[op](dtype, device)
-            impl = registry.resolve(op, accelerator, dtype)
+            ex = Example.of(inputs[op](dtype, device))
+            impl = registry.resolve(op, accelerator, dtype, **ex.resolve)
             what = f"{op} via backend {impl.backend!r} in {_dtype_name(dtype)}"
+            args, kwargs = ex.args, ex.kwargs
             ref_args, ref_kwargs = _to_cpu(args), _to_cpu(kwargs)
+            if ex.bind is not None:
+                args, ref_args = ex.bind(impl, args), ex.bind(reference, ref_args)
             try:
                 got = impl(*args, **kwargs)
             except Exception as exc:

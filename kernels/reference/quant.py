@@ -1,5 +1,355 @@
-"""quant ops (reference): filled in by the quant kernel work; registers nothing yet."""
+"""Weight-only quantization (reference): the format, its packing, and ``quant_linear``.
+
+Format (int8 and int4, group-wise, symmetric or asymmetric; activations stay in the compute dtype)
+--------------------------------------------------------------------------------------------------
+A float weight ``w [out, in]`` (``F.linear`` layout) is cut along ``in`` into groups of
+``group_size`` consecutive columns (``group_size == in`` is per output channel). Each
+(output row, group) has an fp32 ``scale`` and, when asymmetric, an fp32 ``zero``; every weight
+becomes a signed integer ``q`` in ``[-2**(bits-1), 2**(bits-1) - 1]`` and is read back as
+
+    w ≈ (q - zero) * scale                    (zero = 0 when symmetric)
+
+* symmetric:  ``scale = amax / (2**(bits-1) - 1)``, ``q = round(w / scale)``, so ``q`` lies in
+  ``[-127, 127]`` / ``[-7, 7]`` (-128 / -8 unused) and nothing is clipped.
+* asymmetric: ``scale = (max - min) / (2**bits - 1)``, ``zero = qmin - min / scale`` and
+  ``q = round(w / scale + zero)``: min maps to ``qmin`` and max to ``qmax`` exactly. ``zero`` is a
+  float in the integer domain (it may be fractional and lie outside the q range, e.g. for an
+  all-positive group); an integer zero point from a GPTQ/AWQ checkpoint is the special case of an
+  integral value, so those load without loss.
+
+Either way ``|w - dequantized| <= scale / 2`` (round to nearest), up to float32 rounding.
+
+Storage (:class:`QuantizedWeight`):
+
+* ``qweight``: bits 8 → ``int8 [out, in]`` holding ``q``;
+  bits 4 → ``uint8 [out, in // 2]``, two weights per byte holding ``q + 8`` (0..15):
+  **byte ``[n, j]`` = column ``2j`` in the low nibble (bits 0-3) | column ``2j + 1`` in the high
+  nibble (bits 4-7)**. ``in`` must be even for 4 bits.
+* ``scales``: ``float32 [out, in // group_size]``; ``zeros``: ``float32 [out, in // group_size]``
+  or ``None`` (symmetric).
+
+The ``quant_linear`` op and its prepack contract
+------------------------------------------------
+Backends need their own weight layouts, made once at load and never per call. So the op's
+implementation (``impl.fn`` of the resolved :class:`~shardwise.kernel_registry.KernelImpl`) is a
+:class:`QuantLinearKernel`: a callable with a ``prepack`` method, and both halves come from the
+same resolution, so a model always packs with the backend it runs::
+
+    impl = registry.resolve("quant_linear", accelerator, dtype, **qw.spec.as_shape())
+    packed = impl.fn.prepack(qw, device, dtype)   # once, at load (PackedQuantWeight)
+    y = impl(x, packed, bias)                      # per call: x [..., in] -> y [..., out]
+
+Backends claim a weight only when resolution is told its spec (bits, group_size, symmetric,
+in_features, out_features); without it they refuse and the reference is chosen. Calling a kernel
+with a weight packed by another backend, or with x in another dtype than it was packed for, is a
+:class:`~shardwise.KernelError`. The reference's packed form holds the :class:`QuantizedWeight`'s
+own tensors, and its ``quant_linear`` dequantizes then runs ``F.linear`` in ``x.dtype``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from shardwise.errors import KernelError
+
+from .example import Example
+
+BACKEND = "reference"
+ALLOWED_BITS = (4, 8)
+
+
+class QuantizationError(KernelError, ValueError):
+    """A weight cannot be quantized as asked (bad bits, group size, shape or values)."""
+
+
+# ----- format ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class QuantSpec:
+    """What a quantized weight is: enough for a backend to say whether it can run it."""
+
+    bits: int
+    group_size: int  # == in_features for per-output-channel scales
+    symmetric: bool
+    in_features: int
+    out_features: int
+
+    @property
+    def n_groups(self) -> int:
+        """Groups per output row: ``in_features // group_size``."""
+        return self.in_features // self.group_size
+
+    def as_shape(self) -> dict[str, Any]:
+        """Keyword arguments for ``registry.resolve("quant_linear", ...)``."""
+        return dict(bits=self.bits, group_size=self.group_size, symmetric=self.symmetric,
+                    in_features=self.in_features, out_features=self.out_features)
+
+
+@dataclass(frozen=True, eq=False)
+class QuantizedWeight:
+    """A quantized ``[out, in]`` weight in the reference format (module docstring).
+
+    qweight: int8 [out, in] (8 bits) or uint8 [out, in // 2] (4 bits, low nibble = even column);
+    scales: float32 [out, n_groups]; zeros: float32 [out, n_groups] or None (symmetric).
+    """
+
+    qweight: torch.Tensor
+    scales: torch.Tensor
+    zeros: torch.Tensor | None
+    bits: int
+    group_size: int
+
+    @property
+    def out_features(self) -> int:
+        return self.qweight.shape[0]
+
+    @property
+    def in_features(self) -> int:
+        return self.scales.shape[1] * self.group_size
+
+    @property
+    def symmetric(self) -> bool:
+        return self.zeros is None
+
+    @property
+    def spec(self) -> QuantSpec:
+        return QuantSpec(self.bits, self.group_size, self.symmetric, self.in_features,
+                         self.out_features)
+
+    def to(self, device: torch.device | str) -> "QuantizedWeight":
+        """The same weight with every tensor on ``device``."""
+        zeros = self.zeros.to(device) if self.zeros is not None else None
+        return QuantizedWeight(self.qweight.to(device), self.scales.to(device), zeros, self.bits,
+                               self.group_size)
+
+
+@dataclass(frozen=True, eq=False)
+class PackedQuantWeight:
+    """A weight in one backend's layout, made once by ``QuantLinearKernel.prepack``.
+
+    backend: the backend whose ``quant_linear`` consumes it; spec: the weight it holds; dtype: the
+    compute dtype (x.dtype) it was packed for, None when any; tensors: the backend's layout, named
+    and described in that backend's module; meta: non-tensor settings of that layout.
+    """
+
+    backend: str
+    spec: QuantSpec
+    dtype: torch.dtype | None
+    tensors: dict[str, torch.Tensor]
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the packed tensors (what a GEMV reads per call)."""
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+
+def _qrange(bits: int) -> tuple[int, int]:
+    """(qmin, qmax) of the signed ``bits``-bit integers."""
+    return -(1 << (bits - 1)), (1 << (bits - 1)) - 1
+
+
+def _check_args(w: torch.Tensor, bits: int, group_size: int | None) -> int:
+    """Validate quantize_weight's arguments; returns the group size (in_features when per
+    channel)."""
+    if bits not in ALLOWED_BITS:
+        raise QuantizationError(f"bits must be one of {ALLOWED_BITS}, got {bits!r}")
+    if w.dim() != 2 or not w.is_floating_point():
+        raise QuantizationError(f"expected a float weight [out, in], got {tuple(w.shape)} "
+                                f"{w.dtype}")
+    out_features, in_features = w.shape
+    if group_size is None or group_size == -1:
+        group_size = in_features
+    if not isinstance(group_size, int) or group_size <= 0 or in_features % group_size:
+        raise QuantizationError(f"group_size {group_size!r} does not divide in_features "
+                                f"{in_features}; use a divisor, or -1/None for one group per "
+                                "output channel")
+    if bits == 4 and in_features % 2:
+        raise QuantizationError(f"4-bit packing stores two columns per byte: in_features "
+                                f"{in_features} must be even")
+    if not bool(torch.isfinite(w).all()):
+        raise QuantizationError("weight holds NaN or inf values, which cannot be quantized")
+    return group_size
+
+
+def _symmetric_params(wg: torch.Tensor, bits: int) -> tuple[torch.Tensor, None]:
+    """wg: float32 [out, groups, group_size] → scales [out, groups], no zeros."""
+    amax = wg.abs().amax(-1)
+    return amax.clamp_min(torch.finfo(torch.float32).tiny) / _qrange(bits)[1], None
+
+
+def _asymmetric_params(wg: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """wg: float32 [out, groups, group_size] → (scales, zeros), each [out, groups]."""
+    qmin, qmax = _qrange(bits)
+    lo, hi = wg.amin(-1), wg.amax(-1)
+    scales = (hi - lo) / (qmax - qmin)
+    # A constant group has no range: any scale represents it; |value| / (qmax - qmin) keeps the
+    # zero point small (or 1e-8 / 15 for an all-zero group).
+    flat = hi.abs().clamp_min(1e-8) / (qmax - qmin)
+    scales = torch.where(scales > 0, scales, flat)
+    return scales, qmin - lo / scales
+
+
+def quantize_weight(w: torch.Tensor, bits: int = 8, group_size: int | None = -1,
+                    symmetric: bool = True) -> QuantizedWeight:
+    """Quantize a float weight ``w [out, in]`` to ``bits`` (4 or 8) bits.
+
+    ``group_size`` must divide ``in``; ``-1``/``None`` gives one scale per output channel. The
+    format, rounding and packing are described in this module's docstring. Raises
+    :class:`QuantizationError` (a ``ValueError`` and a ``KernelError``) naming the bad value;
+    the caller adds the layer name.
+    """
+    group_size = _check_args(w, bits, group_size)
+    out_features, in_features = w.shape
+    wg = w.detach().float().reshape(out_features, in_features // group_size, group_size)
+    params = _symmetric_params if symmetric else _asymmetric_params
+    scales, zeros = params(wg, bits)
+    q = wg / scales[..., None]
+    if zeros is not None:
+        q = q + zeros[..., None]
+    q = q.round_().clamp_(*_qrange(bits)).to(torch.int8).reshape(out_features, in_features)
+    qweight = pack_int4(q) if bits == 4 else q
+    return QuantizedWeight(qweight.contiguous(), scales.contiguous(),
+                           zeros.contiguous() if zeros is not None else None, bits, group_size)
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """int8 ``q [..., k]`` in [-8, 7] (k even) → uint8 ``[..., k // 2]``: byte j holds
+    ``q[2j] + 8`` in its low nibble and ``q[2j + 1] + 8`` in its high nibble."""
+    u = (q.to(torch.int16) + 8).to(torch.uint8)  # [..., k] in 0..15
+    return u[..., 0::2] | (u[..., 1::2] << 4)
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """uint8 ``[..., k // 2]`` → int8 ``q [..., k]`` in [-8, 7]; inverse of :func:`pack_int4`."""
+    lo = (packed & 0x0F).to(torch.int8) - 8  # even columns
+    hi = (packed >> 4).to(torch.int8) - 8  # odd columns
+    return torch.stack((lo, hi), dim=-1).flatten(-2)
+
+
+def int_weight(qw: QuantizedWeight) -> torch.Tensor:
+    """The signed integers ``q`` as int8 ``[out, in]`` (unpacked for 4 bits)."""
+    return unpack_int4(qw.qweight) if qw.bits == 4 else qw.qweight
+
+
+def dequantize_weight(qw: QuantizedWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``(q - zero) * scale`` as ``[out, in]``, computed in float32 and returned in ``dtype``."""
+    out_features, in_features = qw.out_features, qw.in_features
+    q = int_weight(qw).float().reshape(out_features, -1, qw.group_size)
+    if qw.zeros is not None:
+        q = q - qw.zeros[..., None]
+    w = (q * qw.scales[..., None]).reshape(out_features, in_features)
+    return w.to(dtype)
+
+
+# ----- the op -----------------------------------------------------------------------------------
+
+
+class QuantLinearKernel:
+    """One backend's ``quant_linear``: ``prepack`` once at load, then call per step.
+
+    Subclasses set ``backend`` and implement ``_pack(qw, device, dtype) -> (tensors, meta)`` and
+    ``_linear(x2 [rows, in], packed, bias) -> [rows, out]``; they may refuse a spec in
+    ``supports`` (the registry predicate), which ``prepack`` re-checks.
+    """
+
+    backend: str = BACKEND
+
+    def supports(self, *, device_type: str, dtype: torch.dtype, **shape: Any) -> bool:
+        """Registry predicate; the reference runs everything."""
+        return True
+
+    def prepack(self, qw: QuantizedWeight, device: torch.device | str | None = None,
+                dtype: torch.dtype | None = None) -> PackedQuantWeight:
+        """``qw`` in this backend's layout on ``device`` for inputs of ``dtype``: call once per
+        weight at load and keep the result; the call never repacks."""
+        device = torch.device(device) if device is not None else qw.qweight.device
+        if not self.supports(device_type=device.type, dtype=dtype, **qw.spec.as_shape()):
+            raise KernelError(f"quant_linear backend {self.backend!r} cannot run {qw.spec} for "
+                              f"{dtype} on {device.type}; pack with the implementation the "
+                              "registry resolves for this spec")
+        tensors, meta = self._pack(qw, device, dtype)
+        return PackedQuantWeight(self.backend, qw.spec, dtype, tensors, meta)
+
+    def __call__(self, x: torch.Tensor, packed: PackedQuantWeight,
+                 bias: torch.Tensor | None = None) -> torch.Tensor:
+        """``x [..., in]`` times the packed weight (+ bias) → ``[..., out]`` in ``x.dtype``."""
+        self._check_call(x, packed)
+        spec = packed.spec
+        y = self._linear(x.reshape(-1, spec.in_features), packed, bias)
+        return y.reshape(*x.shape[:-1], spec.out_features)
+
+    def _check_call(self, x: torch.Tensor, packed: PackedQuantWeight) -> None:
+        if not isinstance(packed, PackedQuantWeight) or packed.backend != self.backend:
+            got = getattr(packed, "backend", type(packed).__name__)
+            raise KernelError(f"quant_linear ({self.backend}) was given a weight packed for "
+                              f"{got!r}: pack with impl.fn.prepack of the implementation you "
+                              "call")
+        if x.shape[-1] != packed.spec.in_features:
+            raise KernelError(f"quant_linear: x has {x.shape[-1]} features, the weight "
+                              f"{packed.spec.in_features}")
+        if packed.dtype is not None and x.dtype != packed.dtype:
+            raise KernelError(f"quant_linear ({self.backend}): weight packed for "
+                              f"{packed.dtype}, x is {x.dtype}; prepack for the compute dtype")
+
+    def _pack(self, qw: QuantizedWeight, device: torch.device, dtype: torch.dtype | None):
+        """Reference layout: the QuantizedWeight's own tensors, moved to ``device``."""
+        qw = qw.to(device)
+        tensors = {"qweight": qw.qweight, "scales": qw.scales}
+        if qw.zeros is not None:
+            tensors["zeros"] = qw.zeros
+        return tensors, {}
+
+    def _linear(self, x2: torch.Tensor, packed: PackedQuantWeight,
+                bias: torch.Tensor | None) -> torch.Tensor:
+        """Dequantize (float32), round to x.dtype, then F.linear in x.dtype."""
+        w = dequantize_weight(unpacked(packed)).to(device=x2.device, dtype=x2.dtype)
+        bias = bias.to(device=x2.device, dtype=x2.dtype) if bias is not None else None
+        return F.linear(x2, w, bias)
+
+
+def unpacked(packed: PackedQuantWeight) -> QuantizedWeight:
+    """The QuantizedWeight a reference-packed weight holds."""
+    t = packed.tensors
+    return QuantizedWeight(t["qweight"], t["scales"], t.get("zeros"), packed.spec.bits,
+                           packed.spec.group_size)
+
+
+#: The reference implementation: ``quant_linear(x, packed, bias=None)`` plus ``.prepack``.
+quant_linear = QuantLinearKernel()
+
+
+def prepack(qw: QuantizedWeight, device: torch.device | str | None = None,
+            dtype: torch.dtype | None = None) -> PackedQuantWeight:
+    """The reference's packed form of ``qw`` (its own tensors on ``device``)."""
+    return quant_linear.prepack(qw, device, dtype)
 
 
 def register(registry) -> None:
-    """Register this family's ops (none yet)."""
+    """Define ``quant_linear`` with its reference implementation."""
+    registry.register("quant_linear", BACKEND, quant_linear)
+
+
+# ----- example inputs (conformance suite) ---------------------------------------------------------
+
+def _quant_linear_example(dtype: torch.dtype, device: torch.device) -> Example:
+    """int4, asymmetric, groups of 32: the weight is packed by whichever backend resolves."""
+    g = torch.Generator().manual_seed(11)
+    qw = quantize_weight(torch.randn(48, 64, generator=g), bits=4, group_size=32,
+                         symmetric=False)
+    x, bias = torch.randn(3, 64, generator=g), torch.randn(48, generator=g)
+
+    def bind(impl, args):  # each implementation runs on the weight packed its own way
+        x_, qw_, bias_ = args
+        return x_, impl.fn.prepack(qw_, x_.device, x_.dtype), bias_
+
+    return Example((x.to(device, dtype), qw.to(device), bias.to(device, dtype)), {},
+                   resolve=qw.spec.as_shape(), bind=bind)
+
+
+EXAMPLES = {"quant_linear": _quant_linear_example}

@@ -1,5 +1,374 @@
-"""quant ops as Triton kernels: filled in by the quant kernel work; registers nothing yet."""
+"""``quant_linear`` as Triton kernels (CUDA; fp16/bf16 activations): weight-only int8 / int4.
+
+Imported by ``shardwise.kernels.triton.register`` (so it imports triton), never by
+``import shardwise`` nor on a CPU-only run. Kernels compile on first launch.
+
+Two paths, chosen per call by the number of rows ``M`` of ``x [M, K]``:
+
+* GEMV (``M <= gemv_max_rows``, 8): a program owns ``BLOCK_N`` outputs for every row and walks
+  its share of K in ``BLOCK_K`` steps, loading the quantized tile ``[BLOCK_N, BLOCK_K]``,
+  dequantizing it in registers and reducing ``x[:, None, :] * w[None, :, :]`` over K. When the N
+  blocks alone are too few programs to fill the GPU, K is split over a second grid axis and the
+  float32 partials ``[split, M, N]`` are summed by torch (split-K).
+* GEMM (larger M): ``[BLOCK_M, BLOCK_N]`` output tiles, the K loop dequantizes the weight tile to
+  x.dtype and accumulates ``tl.dot`` in float32.
+
+Both dequantize as the reference does: ``w = q * scale + offset`` in float32 (``offset = -zero *
+scale``, absent when symmetric), rounded to x.dtype, then multiplied with float32 accumulation.
+int4 tiles are read as bytes ``[BLOCK_N, BLOCK_K / 2]``; the low nibble of byte ``j`` is column
+``2j`` and the high nibble column ``2j + 1`` (the reference layout), so the kernel multiplies the
+low nibbles with x's even columns and the high nibbles with its odd columns: no interleave.
+A group must therefore hold whole bytes (even ``group_size`` for 4 bits).
+
+Packed layout (``PackedQuantWeight.tensors``; made once by ``prepack`` on the GPU):
+``qweight`` int8 [N, K] or uint8 [N, K / 2] (the reference's, contiguous); ``scales`` float32
+[N, n_groups]; ``offsets`` float32 [N, n_groups] when asymmetric.
+
+Block sizes are defaults for an H100-class GPU, checked by compiling ahead of time for sm_90
+(GEMV 37-72 registers per thread, GEMM 138-175, no spills) but not yet timed on a GPU; the
+interpreter tests pass small ones.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+
+from shardwise.kernels.reference.quant import (PackedQuantWeight, QuantizedWeight,
+                                               QuantLinearKernel)
+
+BACKEND = "triton"
+DEVICE_TYPES = frozenset({"cuda"})
+DTYPES = frozenset({torch.float16, torch.bfloat16})
+
+
+def supports(*, device_type: str, dtype: torch.dtype | None, bits: int | None = None,
+             group_size: int | None = None, in_features: int | None = None,
+             device_types: frozenset[str] = DEVICE_TYPES, **_shape: Any) -> bool:
+    """Registry predicate: fp16/bf16 on CUDA, 8 bits, or 4 bits with even groups; needs the
+    weight spec and refuses without it."""
+    if device_type not in device_types or dtype not in DTYPES:
+        return False
+    if None in (bits, group_size, in_features):
+        return False
+    return bits == 8 or (bits == 4 and group_size % 2 == 0)
+
+
+# ----- kernels ----------------------------------------------------------------------------------
+#
+# Every program owns rows [n0, n0 + BLOCK_N) of the weight: W, S and Z arrive already offset to row
+# n0 (64-bit arithmetic once per program) and tiles index them with 32-bit offsets ``rn`` (0 ..
+# BLOCK_N). TILE_GROUP: group_size is a multiple of BLOCK_K, so a K tile lies in one group and
+# needs one scale (and offset) per row, a [BLOCK_N, 1] vector; otherwise they are gathered per
+# element.
+
+
+@triton.jit
+def _scale_offset(S, Z, rn, mask_n, k0, k, n_groups, group_size, HAS_ZERO: tl.constexpr,
+                  TILE_GROUP: tl.constexpr):
+    """Scale and offset (zeros when symmetric) for rows rn and columns k (k0: the tile's first
+    column): float32, [BLOCK_N, 1] with TILE_GROUP, else like ``k`` [1, BLOCK] broadcast."""
+    if TILE_GROUP:
+        idx = rn[:, None] * n_groups + k0 // group_size
+        mask = mask_n[:, None]
+    else:
+        idx = rn[:, None] * n_groups + k // group_size
+        mask = mask_n[:, None] & (k < n_groups * group_size)
+    s = tl.load(S + idx, mask=mask, other=0.0)
+    if HAS_ZERO:
+        z = tl.load(Z + idx, mask=mask, other=0.0)
+    else:
+        z = tl.zeros_like(s)
+    return s, z
+
+
+@triton.jit
+def _dequant8(W, S, Z, rn, mask_n, k0, offs_k, mask_k, K, n_groups, group_size,
+              HAS_ZERO: tl.constexpr, TILE_GROUP: tl.constexpr):
+    """int8 W [N, K] (from row n0) → float32 tile [BLOCK_N, BLOCK_K] of ``q * scale + offset``."""
+    mask = mask_n[:, None] & mask_k[None, :]
+    q = tl.load(W + rn[:, None] * K + offs_k[None, :], mask=mask, other=0).to(tl.float32)
+    s, z = _scale_offset(S, Z, rn, mask_n, k0, offs_k[None, :], n_groups, group_size, HAS_ZERO,
+                         TILE_GROUP)
+    return q * s + z
+
+
+@triton.jit
+def _dequant4(W, S, Z, rn, mask_n, k0, offs_j, mask_j, K, n_groups, group_size,
+              HAS_ZERO: tl.constexpr, TILE_GROUP: tl.constexpr):
+    """uint8 W [N, K / 2] (from row n0), byte j = column 2j (low nibble) | column 2j+1 (high
+    nibble) → float32 tiles [BLOCK_N, BLOCK_K / 2] of the even and of the odd columns."""
+    mask = mask_n[:, None] & mask_j[None, :]
+    b = tl.load(W + rn[:, None] * (K // 2) + offs_j[None, :], mask=mask, other=0).to(tl.int32)
+    s, z = _scale_offset(S, Z, rn, mask_n, k0, 2 * offs_j[None, :], n_groups, group_size,
+                         HAS_ZERO, TILE_GROUP)
+    lo = ((b & 15) - 8).to(tl.float32) * s + z
+    hi = ((b >> 4) - 8).to(tl.float32) * s + z
+    return lo, hi
+
+
+@triton.jit
+def _store(Y, B, acc, offs_m, offs_n, mask_m, mask_n, stride_ym, HAS_BIAS: tl.constexpr):
+    """acc [BLOCK_M, BLOCK_N] (+ bias) → Y in its dtype."""
+    if HAS_BIAS:
+        acc += tl.load(B + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+    ptrs = Y + offs_m[:, None] * stride_ym + offs_n[None, :]
+    tl.store(ptrs, acc.to(Y.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+
+@triton.jit
+def _gemv_kernel(X, W, S, Z, B, Y, P, M, N, K, n_groups, group_size, stride_xm, stride_ym,
+                 k_per_split, BITS: tl.constexpr, HAS_ZERO: tl.constexpr,
+                 HAS_BIAS: tl.constexpr, TILE_GROUP: tl.constexpr, SPLIT: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Y [M, N] = X [M, K] @ dequant(W)ᵀ for small M; with SPLIT > 1 program (n, s) writes its
+    K share's float32 partial to P [SPLIT, M, N] instead. The dequantized weights are rounded to
+    Y's dtype before the multiply, as the reference rounds its dequantized weight."""
+    pid_n, pid_s = tl.program_id(0), tl.program_id(1)
+    DT: tl.constexpr = Y.dtype.element_ty
+    n0 = pid_n * BLOCK_N
+    W += n0.to(tl.int64) * (K * BITS // 8)
+    S += n0.to(tl.int64) * n_groups
+    Z += n0.to(tl.int64) * n_groups
+    rn = tl.arange(0, BLOCK_N)
+    offs_n = n0 + rn
+    mask_n = offs_n < N
+    offs_m = tl.arange(0, BLOCK_M)
+    mask_m = offs_m < M
+    k_start = pid_s * k_per_split
+    k_end = tl.minimum(k_start + k_per_split, K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    x_rows = X + offs_m[:, None] * stride_xm
+    for k0 in range(k_start, k_end, BLOCK_K):
+        if BITS == 8:
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            mask_k = offs_k < k_end
+            x = tl.load(x_rows + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :],
+                        other=0.0).to(tl.float32)
+            w = _dequant8(W, S, Z, rn, mask_n, k0, offs_k, mask_k, K, n_groups, group_size,
+                          HAS_ZERO, TILE_GROUP).to(DT).to(tl.float32)
+            acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
+        else:
+            offs_j = k0 // 2 + tl.arange(0, BLOCK_K // 2)  # byte (column pair) index
+            mask_j = 2 * offs_j < k_end
+            xmask = mask_m[:, None] & mask_j[None, :]
+            xe = tl.load(x_rows + 2 * offs_j[None, :], mask=xmask, other=0.0).to(tl.float32)
+            xo = tl.load(x_rows + 2 * offs_j[None, :] + 1, mask=xmask, other=0.0).to(tl.float32)
+            lo, hi = _dequant4(W, S, Z, rn, mask_n, k0, offs_j, mask_j, K, n_groups, group_size,
+                               HAS_ZERO, TILE_GROUP)
+            acc += tl.sum(xe[:, None, :] * lo.to(DT).to(tl.float32)[None, :, :], axis=2)
+            acc += tl.sum(xo[:, None, :] * hi.to(DT).to(tl.float32)[None, :, :], axis=2)
+    if SPLIT == 1:
+        _store(Y, B, acc, offs_m, offs_n, mask_m, mask_n, stride_ym, HAS_BIAS)
+    else:
+        ptrs = P + pid_s * M * N + offs_m[:, None] * N + offs_n[None, :]
+        tl.store(ptrs, acc, mask=mask_m[:, None] & mask_n[None, :])
+
+
+@triton.jit
+def _dot(x, w, acc, DT: tl.constexpr, F32_DOT: tl.constexpr):
+    """acc + x [BLOCK_M, BK] @ wᵀ (w float32 [BLOCK_N, BK]) with w rounded to DT, float32 sums.
+
+    F32_DOT (the interpreter, whose dot mishandles bf16): multiply the same DT-rounded operands
+    as exact float32 ("ieee"), which equals a half-precision dot with float32 sums."""
+    if F32_DOT:
+        acc = tl.dot(x.to(tl.float32), tl.trans(w.to(DT).to(tl.float32)), acc,
+                     input_precision="ieee")
+    else:
+        acc = tl.dot(x, tl.trans(w.to(DT)), acc)
+    return acc
+
+
+@triton.jit
+def _gemm_kernel(X, W, S, Z, B, Y, M, N, K, n_groups, group_size, stride_xm, stride_ym,
+                 BITS: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr,
+                 TILE_GROUP: tl.constexpr, F32_DOT: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Y [M, N] = X [M, K] @ dequant(W)ᵀ with tl.dot, dequantization fused into the K loop."""
+    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    DT: tl.constexpr = Y.dtype.element_ty
+    n0 = pid_n * BLOCK_N
+    W += n0.to(tl.int64) * (K * BITS // 8)
+    S += n0.to(tl.int64) * n_groups
+    Z += n0.to(tl.int64) * n_groups
+    rn = tl.arange(0, BLOCK_N)
+    offs_n = n0 + rn
+    mask_n = offs_n < N
+    offs_m = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)  # int64: m * stride > 2**31
+    mask_m = offs_m < M
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    x_rows = X + offs_m[:, None] * stride_xm
+    for k0 in range(0, K, BLOCK_K):
+        if BITS == 8:
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            mask_k = offs_k < K
+            x = tl.load(x_rows + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :],
+                        other=0.0)
+            w = _dequant8(W, S, Z, rn, mask_n, k0, offs_k, mask_k, K, n_groups, group_size,
+                          HAS_ZERO, TILE_GROUP)
+            acc = _dot(x, w, acc, DT, F32_DOT)
+        else:
+            offs_j = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+            mask_j = 2 * offs_j < K
+            xmask = mask_m[:, None] & mask_j[None, :]
+            xe = tl.load(x_rows + 2 * offs_j[None, :], mask=xmask, other=0.0)
+            xo = tl.load(x_rows + 2 * offs_j[None, :] + 1, mask=xmask, other=0.0)
+            lo, hi = _dequant4(W, S, Z, rn, mask_n, k0, offs_j, mask_j, K, n_groups, group_size,
+                               HAS_ZERO, TILE_GROUP)
+            acc = _dot(xe, lo, acc, DT, F32_DOT)
+            acc = _dot(xo, hi, acc, DT, F32_DOT)
+    _store(Y, B, acc, offs_m, offs_n, mask_m, mask_n, stride_ym, HAS_BIAS)
+
+
+# ----- launchers --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    """GEMV tiles. ``block_k`` is for one row and shrinks as rows grow, keeping ``block_m *
+    block_k <= rows_x_k`` (the ``[M, N, K]`` product per program stays ``block_n * rows_x_k``
+    elements) down to ``min_block_k``; ``split_k`` None picks it from the SM count."""
+
+    block_n: int = 16
+    block_k: int = 256
+    rows_x_k: int = 256
+    min_block_k: int = 32
+    split_k: int | None = None
+    num_warps: int = 4
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    """GEMM tiles (each at least 16 for tl.dot; ``block_k`` at least 32 for 4 bits)."""
+
+    block_m: int = 64
+    block_n: int = 64
+    block_k: int = 64
+    num_warps: int = 8
+    num_stages: int = 3
+
+
+@functools.cache
+def _num_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+class TritonQuantLinear(QuantLinearKernel):
+    """``quant_linear`` with the Triton kernels above (module docstring).
+
+    ``device_types`` may add "cpu" to run the kernels on CPU tensors under
+    ``TRITON_INTERPRET=1`` (tests); the registered instance claims CUDA only.
+    """
+
+    backend = BACKEND
+
+    def __init__(self, gemv: GemvConfig = GemvConfig(), gemm: GemmConfig = GemmConfig(),
+                 gemv_max_rows: int = 8, device_types: frozenset[str] = DEVICE_TYPES) -> None:
+        self.gemv, self.gemm = gemv, gemm
+        self.gemv_max_rows, self.device_types = gemv_max_rows, frozenset(device_types)
+
+    def supports(self, **kwargs) -> bool:
+        return supports(device_types=self.device_types, **kwargs)
+
+    def _pack(self, qw: QuantizedWeight, device: torch.device, dtype: torch.dtype):
+        qw = qw.to(device)
+        tensors = {"qweight": qw.qweight.contiguous(), "scales": qw.scales.contiguous()}
+        if qw.zeros is not None:
+            tensors["offsets"] = (-qw.zeros * qw.scales).contiguous()
+        return tensors, {}
+
+    def _linear(self, x2: torch.Tensor, packed: PackedQuantWeight,
+                bias: torch.Tensor | None) -> torch.Tensor:
+        if x2.stride(-1) != 1:
+            x2 = x2.contiguous()
+        spec = packed.spec
+        y = torch.empty(x2.shape[0], spec.out_features, dtype=x2.dtype, device=x2.device)
+        if x2.shape[0] == 0:
+            return y
+        if bias is not None:
+            bias = bias.contiguous()
+        if x2.shape[0] <= self.gemv_max_rows:
+            return self._launch_gemv(x2, packed, bias, y)
+        return self._launch_gemm(x2, packed, bias, y)
+
+    def _common(self, x2, packed, bias, y):
+        """Arguments shared by both kernels (unused pointers get a placeholder tensor)."""
+        t, spec = packed.tensors, packed.spec
+        zeros = t.get("offsets", t["scales"])
+        return (x2, t["qweight"], t["scales"], zeros, bias if bias is not None else t["scales"],
+                y), dict(BITS=spec.bits, HAS_ZERO="offsets" in t, HAS_BIAS=bias is not None)
+
+    def _gemv_tiles(self, rows: int, spec, device: torch.device):
+        """(block_m, block_k, k_per_split, split) for a GEMV launch."""
+        cfg, n, k = self.gemv, spec.out_features, spec.in_features
+        block_m = triton.next_power_of_2(rows)
+        block_k = max(cfg.min_block_k, min(cfg.block_k, cfg.rows_x_k // block_m))
+        block_k = tile_k(block_k, spec.group_size, cfg.min_block_k)
+        k_blocks = triton.cdiv(k, block_k)
+        split = cfg.split_k
+        if split is None:
+            split = 1
+            if device.type == "cuda":
+                programs = triton.cdiv(n, cfg.block_n)
+                split = max(1, min(k_blocks // 4, triton.cdiv(2 * _num_sms(device.index or 0),
+                                                                programs)))
+        k_per_split = triton.cdiv(k_blocks, split) * block_k
+        return block_m, block_k, k_per_split, triton.cdiv(k, k_per_split)
+
+    def _launch_gemv(self, x2, packed, bias, y):
+        spec, cfg = packed.spec, self.gemv
+        m, n, k = x2.shape[0], spec.out_features, spec.in_features
+        block_m, block_k, k_per_split, split = self._gemv_tiles(m, spec, x2.device)
+        partial = y if split == 1 else torch.empty(split, m, n, dtype=torch.float32,
+                                                    device=y.device)
+        args, flags = self._common(x2, packed, bias, y)
+        _gemv_kernel[(triton.cdiv(n, cfg.block_n), split)](
+            *args, partial, m, n, k, spec.n_groups, spec.group_size, x2.stride(0), y.stride(0),
+            k_per_split, **flags, TILE_GROUP=spec.group_size % block_k == 0, SPLIT=split,
+            BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k, num_warps=cfg.num_warps)
+        if split == 1:
+            return y
+        out = partial.sum(0)
+        if bias is not None:
+            out += bias.float()
+        return out.to(y.dtype)
+
+    def _launch_gemm(self, x2, packed, bias, y):
+        spec, cfg = packed.spec, self.gemm
+        m, n = x2.shape[0], spec.out_features
+        block_m = min(cfg.block_m, max(16, triton.next_power_of_2(m)))
+        block_k = tile_k(cfg.block_k, spec.group_size, 32 if spec.bits == 4 else 16)
+        args, flags = self._common(x2, packed, bias, y)
+        grid = (triton.cdiv(m, block_m), triton.cdiv(n, cfg.block_n))
+        _gemm_kernel[grid](
+            *args, m, n, spec.in_features, spec.n_groups, spec.group_size, x2.stride(0),
+            y.stride(0), **flags, TILE_GROUP=spec.group_size % block_k == 0,
+            F32_DOT=x2.device.type == "cpu", BLOCK_M=block_m, BLOCK_N=cfg.block_n,
+            BLOCK_K=block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        return y
+
+
+def tile_k(block_k: int, group_size: int, min_k: int) -> int:
+    """The K tile: the largest power of two in [min_k, block_k] dividing ``group_size`` (one
+    scale per row per tile), else ``block_k`` (scales gathered per element)."""
+    k = block_k
+    while k >= min_k:
+        if group_size % k == 0:
+            return k
+        k //= 2
+    return block_k
+
+
+#: The implementation the registry hands out for CUDA.
+quant_linear = TritonQuantLinear()
 
 
 def register(registry) -> None:
-    """Register this family's Triton kernels (none yet)."""
+    """Register the Triton ``quant_linear`` for fp16/bf16 CUDA tensors."""
+    registry.register("quant_linear", BACKEND, quant_linear, dtypes=DTYPES,
+                      device_types=DEVICE_TYPES, supports=quant_linear.supports)
