@@ -8,22 +8,13 @@ records its own result or error, and each test asserts on one case.
 
 from __future__ import annotations
 
-import hashlib
-import os
-import time
-import traceback
-
 import pytest
 import torch
 from torch import nn
 
 import shardwise
-from distributed import run_ranks
 from models import prompt_ids, tiny_causal_lm
-
-TP = {"tensor_parallel": {"tp_size": 2}}
-NEW_TOKENS = 32
-ATOL = 1e-4  # fp32
+from tp_harness import ATOL, NEW_TOKENS, TP, case, digest, hf_case, run_cases, run_pair
 
 
 # ----- a model no heuristic or policy knows: odd names, no config ---------------------------------
@@ -71,72 +62,6 @@ def odd_net(seed: int = 0) -> OddNet:
 
 # ----- what each rank runs ------------------------------------------------------------------------
 
-def _digest(t: torch.Tensor) -> str:
-    return hashlib.sha256(t.detach().contiguous().numpy().tobytes()).hexdigest()[:16]
-
-
-def _expected_rank_bytes(ref: nn.Module, report) -> int:
-    """Whole-model bytes minus half of what the sharded modules split (row biases stay whole)."""
-    total = sum(p.numel() * p.element_size() for p in ref.parameters())
-    split, seen = 0, set()
-    for name, info in report.sharded.items():
-        for pname, p in ref.get_submodule(name).named_parameters(recurse=False):
-            if id(p) in seen or (pname == "bias" and info.role == "row"):
-                continue
-            seen.add(id(p))
-            split += p.numel() * p.element_size()
-    return total - split // 2
-
-
-def _with_random_biases(model: nn.Module) -> nn.Module:
-    """HF initialises biases to zero, which would hide a bias added twice or split wrongly."""
-    g = torch.Generator().manual_seed(7)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("bias"):
-                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
-    return model
-
-
-def _hf_case(rank: int, arch: str, injection_policy=None, even: bool = True,
-             attention: str | None = None) -> dict:
-    ref, model = (_with_random_biases(tiny_causal_lm(arch)) for _ in range(2))
-    if attention:  # eager attention reads num_key_value_groups; SDPA infers it from shapes
-        for m in (ref, model):
-            m.set_attn_implementation(attention)
-    vocab = ref.config.vocab_size
-    ids = prompt_ids(batch=2, length=8, vocab=vocab)
-    gen = dict(max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False,
-               pad_token_id=0)
-    with torch.no_grad():
-        ref_logits = ref(ids).logits
-        ref_tokens = ref.generate(ids, **gen)
-    engine = shardwise.init_inference(model, device="cpu", dtype=torch.float32,
-                                      injection_policy=injection_policy, **TP)
-    mine = ids if rank == 0 else torch.zeros_like(ids)  # the engine broadcasts rank 0's inputs
-    logits = engine(input_ids=mine).logits
-    tokens = engine.generate(mine, **gen)
-    with torch.no_grad():  # hooks live on the modules: the bare HF generate works too
-        module_tokens = model.generate(ids, **dict(gen, max_new_tokens=8, min_new_tokens=8))
-    sampled = engine.generate(mine, max_new_tokens=8, do_sample=True, pad_token_id=0)
-    report = engine.sharding
-    return dict(
-        max_abs=(logits - ref_logits).abs().max().item(), shape=list(logits.shape),
-        tokens_equal=torch.equal(tokens, ref_tokens),
-        module_tokens_equal=torch.equal(module_tokens, ref_tokens[:, :ids.shape[1] + 8]),
-        digest=_digest(logits), tokens=tokens.tolist(), sampled=sampled.tolist(),
-        source=report.source, roles=dict(report.roles()), heads=report.heads,
-        rank_bytes=report.rank_param_bytes, counted_bytes=sum(
-            p.numel() * p.element_size() for p in model.parameters()),
-        expected_bytes=_expected_rank_bytes(ref, report) if even else None,
-        tied=_tied(model), summary=report.summary())
-
-
-def _tied(model: nn.Module):
-    out, emb = model.get_output_embeddings(), model.get_input_embeddings()
-    return None if out is None else out.weight is emb.weight
-
-
 def _odd_case(rank: int) -> dict:
     ref, model = odd_net(), odd_net()
     ids = prompt_ids(batch=2, length=8)
@@ -145,7 +70,7 @@ def _odd_case(rank: int) -> dict:
     engine = shardwise.init_inference(model, device="cpu", dtype=torch.float32,
                                       injection_policy={OddBlock: ("squash", "narrow")}, **TP)
     out = engine(ids if rank == 0 else torch.zeros_like(ids))
-    return dict(max_abs=(out - expected).abs().max().item(), digest=_digest(out),
+    return dict(max_abs=(out - expected).abs().max().item(), digest=digest(out),
                 source=engine.sharding.source, roles=dict(engine.sharding.roles()),
                 squash_in=model.stack[0].squash.in_features)
 
@@ -165,15 +90,15 @@ def _cases(rank: int) -> dict:
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
     return {
-        "llama": lambda: _hf_case(rank, "llama"),
+        "llama": lambda: hf_case(rank, "llama"),
         # its 1 kv head is replicated on both ranks, so not half the bytes
-        "mistral": lambda: _hf_case(rank, "mistral", even=False, attention="eager"),
-        "qwen2": lambda: _hf_case(rank, "qwen2"),
-        "gpt2": lambda: _hf_case(rank, "gpt2"),
-        "opt": lambda: _hf_case(rank, "opt"),
-        "llama-7heads": lambda: _hf_case(rank, "llama-7heads", even=False),
-        "llama-gqa-6q3kv": lambda: _hf_case(rank, "llama-gqa-6q3kv", even=False),
-        "llama-injection-policy": lambda: _hf_case(
+        "mistral": lambda: hf_case(rank, "mistral", even=False, attention="eager"),
+        "qwen2": lambda: hf_case(rank, "qwen2"),
+        "gpt2": lambda: hf_case(rank, "gpt2"),
+        "opt": lambda: hf_case(rank, "opt"),
+        "llama-7heads": lambda: hf_case(rank, "llama-7heads", even=False),
+        "llama-gqa-6q3kv": lambda: hf_case(rank, "llama-gqa-6q3kv", even=False),
+        "llama-injection-policy": lambda: hf_case(
             rank, "llama", {LlamaDecoderLayer: ("self_attn.o_proj", "mlp.down_proj")}),
         "odd-injection-policy": lambda: _odd_case(rank),
         "missing-module": lambda: _missing_module_case(rank),
@@ -181,32 +106,12 @@ def _cases(rank: int) -> dict:
 
 
 def _run_all(rank: int) -> dict:
-    os.environ.pop("OMP_NUM_THREADS", None)  # let the accelerator split the cores between ranks,
-    shardwise.get_accelerator("cpu").configure_process(rank, 2)  # now: the references run first
-    out = {}
-    for name, case in _cases(rank).items():
-        start = time.perf_counter()
-        try:
-            out[name] = {"ok": True, **case(), "seconds": time.perf_counter() - start}
-        except Exception as exc:
-            out[name] = {"ok": False, "error": f"{type(exc).__name__}: {exc}",
-                         "trace": traceback.format_exc()}
-    return out
+    return run_cases(rank, _cases(rank))
 
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
-    results = run_ranks(_run_all, 2, tmp_path_factory.mktemp("tp"), deadline_s=240)
-    for res in results:
-        assert res["ok"], res.get("trace", res["error"])
-    return [res["value"] for res in results]
-
-
-def _case(ranks, name) -> tuple[dict, dict]:
-    r0, r1 = ranks[0][name], ranks[1][name]
-    for r in (r0, r1):
-        assert r["ok"], r.get("trace", r.get("error"))
-    return r0, r1
+    return run_pair(_run_all, tmp_path_factory.mktemp("tp"))
 
 
 # ----- the tests ----------------------------------------------------------------------------------
@@ -218,7 +123,7 @@ PARITY = ["llama", "mistral", "qwen2", "gpt2", "opt", "llama-7heads", "llama-gqa
 @pytest.mark.slow
 @pytest.mark.parametrize("name", PARITY)
 def test_tp2_matches_the_single_process_model(ranks, name):
-    r0, r1 = _case(ranks, name)
+    r0, r1 = case(ranks, name)
     for r in (r0, r1):
         assert r["max_abs"] < ATOL, f"{name}: logits differ by {r['max_abs']:.2e}\n{r['summary']}"
         assert r["tokens_equal"], f"{name}: {NEW_TOKENS} greedy tokens differ from HF's"
@@ -231,7 +136,7 @@ def test_tp2_matches_the_single_process_model(ranks, name):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["llama", "qwen2", "gpt2", "opt", "llama-injection-policy"])
 def test_each_rank_holds_half_of_the_sharded_weights(ranks, name):
-    r0, r1 = _case(ranks, name)
+    r0, r1 = case(ranks, name)
     assert r0["rank_bytes"] == r1["rank_bytes"]
     for rank, r in enumerate((r0, r1)):
         assert r["rank_bytes"][rank] == r["counted_bytes"]  # the report counts what is there
@@ -240,7 +145,7 @@ def test_each_rank_holds_half_of_the_sharded_weights(ranks, name):
 
 @pytest.mark.slow
 def test_plan_sources_roles_and_ties(ranks):
-    by = {name: _case(ranks, name)[0] for name in PARITY}
+    by = {name: case(ranks, name)[0] for name in PARITY}
     assert by["llama"]["source"] == "hf_tp_plan"
     assert by["gpt2"]["source"] == "policy:gpt2" and by["opt"]["source"] == "policy:opt"
     assert by["llama-injection-policy"]["source"] == "injection_policy"
@@ -249,15 +154,15 @@ def test_plan_sources_roles_and_ties(ranks):
     assert by["llama-injection-policy"]["roles"] == {"column": 10, "row": 4}  # blocks only
     assert by["gpt2"]["tied"] is True and by["opt"]["tied"] is True  # still one Parameter
     assert by["mistral"]["heads"] == [2, 1]  # one kv head, replicated; q heads split
-    heads = [_case(ranks, "llama-7heads")[r]["heads"] for r in (0, 1)]
+    heads = [case(ranks, "llama-7heads")[r]["heads"] for r in (0, 1)]
     assert heads == [[4, 4], [3, 3]]
-    gqa = [_case(ranks, "llama-gqa-6q3kv")[r]["heads"] for r in (0, 1)]
+    gqa = [case(ranks, "llama-gqa-6q3kv")[r]["heads"] for r in (0, 1)]
     assert gqa == [[4, 2], [2, 1]]  # whole kv groups: 2|1 kv heads, 4|2 q heads
 
 
 @pytest.mark.slow
 def test_user_plan_on_a_model_nothing_knows(ranks):
-    r0, r1 = _case(ranks, "odd-injection-policy")
+    r0, r1 = case(ranks, "odd-injection-policy")
     assert r0["max_abs"] < ATOL and r1["max_abs"] < ATOL
     assert r0["digest"] == r1["digest"]
     assert r0["roles"] == {"column": 8, "row": 4}
@@ -266,7 +171,7 @@ def test_user_plan_on_a_model_nothing_knows(ranks):
 
 @pytest.mark.slow
 def test_plan_naming_a_missing_module_fails_on_every_rank(ranks):
-    for r in _case(ranks, "missing-module"):
+    for r in case(ranks, "missing-module"):
         assert r["error"] and "'self_attn.o_prj'" in r["error"]
         assert "o_proj" in r["error"]  # lists the block's real linears
 

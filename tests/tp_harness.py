@@ -1,0 +1,123 @@
+"""Shared harness for tensor-parallel parity tests on 2 gloo ranks.
+
+``hf_case(rank, arch)`` runs one tiny HF architecture (tests/models.py) through init_inference with
+tp_size=2 on the calling rank and returns what the tests assert on: max logit difference against
+the single-process model, greedy/sampled tokens, digests to compare ranks, and the sharding report.
+``run_cases(rank, cases)`` runs a table of such cases in one process pair, each recording its own
+result or error; ``case(ranks, name)`` fetches one case's results from both ranks.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+import traceback
+
+import torch
+from torch import nn
+
+import shardwise
+from distributed import run_ranks
+from models import prompt_ids, tiny_causal_lm
+
+TP = {"tensor_parallel": {"tp_size": 2}}
+NEW_TOKENS = 32
+ATOL = 1e-4  # fp32
+
+
+def digest(t: torch.Tensor) -> str:
+    return hashlib.sha256(t.detach().contiguous().numpy().tobytes()).hexdigest()[:16]
+
+
+def _expected_rank_bytes(ref: nn.Module, report) -> int:
+    """Whole-model bytes minus half of what the sharded modules split (row biases stay whole)."""
+    total = sum(p.numel() * p.element_size() for p in ref.parameters())
+    split, seen = 0, set()
+    for name, info in report.sharded.items():
+        for pname, p in ref.get_submodule(name).named_parameters(recurse=False):
+            if id(p) in seen or (pname == "bias" and info.role == "row"):
+                continue
+            seen.add(id(p))
+            split += p.numel() * p.element_size()
+    return total - split // 2
+
+
+def _with_random_biases(model: nn.Module) -> nn.Module:
+    """HF initialises biases to zero, which would hide a bias added twice or split wrongly."""
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    return model
+
+
+def hf_case(rank: int, arch: str, injection_policy=None, even: bool = True,
+             attention: str | None = None) -> dict:
+    ref, model = (_with_random_biases(tiny_causal_lm(arch)) for _ in range(2))
+    if attention:  # eager attention reads num_key_value_groups; SDPA infers it from shapes
+        for m in (ref, model):
+            m.set_attn_implementation(attention)
+    vocab = ref.config.vocab_size
+    ids = prompt_ids(batch=2, length=8, vocab=vocab)
+    gen = dict(max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False,
+               pad_token_id=0)
+    with torch.no_grad():
+        ref_logits = ref(ids).logits
+        ref_tokens = ref.generate(ids, **gen)
+    engine = shardwise.init_inference(model, device="cpu", dtype=torch.float32,
+                                      injection_policy=injection_policy, **TP)
+    mine = ids if rank == 0 else torch.zeros_like(ids)  # the engine broadcasts rank 0's inputs
+    logits = engine(input_ids=mine).logits
+    tokens = engine.generate(mine, **gen)
+    with torch.no_grad():  # hooks live on the modules: the bare HF generate works too
+        module_tokens = model.generate(ids, **dict(gen, max_new_tokens=8, min_new_tokens=8))
+    sampled = engine.generate(mine, max_new_tokens=8, do_sample=True, pad_token_id=0)
+    report = engine.sharding
+    return dict(
+        max_abs=(logits - ref_logits).abs().max().item(), shape=list(logits.shape),
+        tokens_equal=torch.equal(tokens, ref_tokens),
+        module_tokens_equal=torch.equal(module_tokens, ref_tokens[:, :ids.shape[1] + 8]),
+        digest=digest(logits), tokens=tokens.tolist(), sampled=sampled.tolist(),
+        source=report.source, roles=dict(report.roles()), heads=report.heads,
+        rank_bytes=report.rank_param_bytes, counted_bytes=sum(
+            p.numel() * p.element_size() for p in model.parameters()),
+        expected_bytes=_expected_rank_bytes(ref, report) if even else None,
+        tied=_tied(model), summary=report.summary())
+
+
+def _tied(model: nn.Module):
+    out, emb = model.get_output_embeddings(), model.get_input_embeddings()
+    return None if out is None else out.weight is emb.weight
+
+
+def run_cases(rank: int, cases: dict) -> dict:
+    """Run every case (name -> zero-argument callable) on this rank; errors are recorded."""
+    os.environ.pop("OMP_NUM_THREADS", None)  # let the accelerator split the cores between ranks,
+    shardwise.get_accelerator("cpu").configure_process(rank, 2)  # now: the references run first
+    out = {}
+    for name, run in cases.items():
+        start = time.perf_counter()
+        try:
+            out[name] = {"ok": True, **run(), "seconds": time.perf_counter() - start}
+        except Exception as exc:
+            out[name] = {"ok": False, "error": f"{type(exc).__name__}: {exc}",
+                         "trace": traceback.format_exc()}
+    return out
+
+
+def run_pair(run_all, tmp_dir, deadline_s: float = 240) -> list[dict]:
+    """Run ``run_all(rank)`` on 2 gloo ranks; each rank's returned dict, in rank order."""
+    results = run_ranks(run_all, 2, tmp_dir, deadline_s=deadline_s)
+    for res in results:
+        assert res["ok"], res.get("trace", res["error"])
+    return [res["value"] for res in results]
+
+
+def case(ranks, name) -> tuple[dict, dict]:
+    """Results of case ``name`` on rank 0 and rank 1 (failing if either raised)."""
+    r0, r1 = ranks[0][name], ranks[1][name]
+    for r in (r0, r1):
+        assert r["ok"], r.get("trace", r.get("error"))
+    return r0, r1
