@@ -18,7 +18,6 @@ from shardwise.bench.compare import compare, format_compare
 from shardwise.bench.figures import add_figures, figures
 from shardwise.bench.plan import Cell, ModelSpec, Plan, check_tp, engine_options
 from shardwise.bench.presets import PRESETS, count_parameters, get_preset
-from shardwise.bench.worker import needed_env
 from shardwise.cli import build_parser, main
 from shardwise.errors import ConfigError
 
@@ -339,17 +338,14 @@ def test_variant_name_and_engine_kwargs():
 
 
 def test_launch_command_and_environment():
-    cmd = launch.launch_command("/s.json", 2)
-    assert cmd[:3] == [sys.executable, "-m", "torch.distributed.run"]
+    cmd = launch.launch_command("/s.json", 2, device="cpu")
+    assert cmd[:3] == [sys.executable, "-m", "shardwise.launch"] and "--device=cpu" in cmd
     assert "--nproc-per-node=2" in cmd and "--standalone" in cmd
     assert cmd[-4:] == ["-m", "shardwise.bench.worker", "--spec", "/s.json"]
     multi = launch.launch_command("/s.json", 4, nnodes=2, node_rank=1, master_addr="h0",
                                   master_port=1234)
     assert {"--node-rank=1", "--master-addr=h0", "--master-port=1234"} <= set(multi)
     assert "--standalone" not in multi
-    env = launch.launcher_env(CpuAccelerator(), 2, base={"PATH": "/bin"})
-    assert env["OMP_NUM_THREADS"] == CpuAccelerator().launch_env(0, 2)["OMP_NUM_THREADS"]
-    assert needed_env({"A": "1", "B": "2"}, {"A": "1"}) == {"B": "2"}
 
 
 def test_merge_ranks_takes_rank0_and_fails_runs_another_rank_failed():

@@ -1,5 +1,6 @@
-"""``--tp N``: run the shardwise variant on N ranks started through torch's elastic launcher
-(``python -m torch.distributed.run``), each rank running :mod:`shardwise.bench.worker`.
+"""``--tp N``: run the shardwise variant on N ranks started through ``shardwise launch`` (torch's
+elastic launcher with each rank set up by the accelerator), each rank running
+:mod:`shardwise.bench.worker`.
 
 The parent writes the plan to a spec file, launches the ranks, and reads back one result file
 per rank (``rank<R>.json``). Rank 0's samples are the figures (ranks of a tensor-parallel step
@@ -24,28 +25,20 @@ WORKER_MODULE = "shardwise.bench.worker"
 
 
 def launch_command(spec_path: str, nproc_per_node: int, nnodes: int = 1, node_rank: int = 0,
-                   master_addr: str | None = None, master_port: int | None = None) -> list[str]:
+                   master_addr: str | None = None, master_port: int | None = None,
+                   device: str | None = None) -> list[str]:
     """The launcher command line: standalone rendezvous on one node, static (node rank, master
     address and port) across several."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc_per_node}",
+    cmd = [sys.executable, "-m", "shardwise.launch", f"--nproc-per-node={nproc_per_node}",
            f"--nnodes={nnodes}"]
+    if device:
+        cmd.append(f"--device={device}")
     if nnodes == 1:
         cmd.append("--standalone")
     else:
         cmd += [f"--node-rank={node_rank}", f"--master-addr={master_addr or 'localhost'}",
                 f"--master-port={master_port or 29500}"]
     return [*cmd, "-m", WORKER_MODULE, "--spec", spec_path]
-
-
-def launcher_env(accelerator: Accelerator, nproc_per_node: int,
-                 base: dict[str, str] | None = None) -> dict[str, str]:
-    """The launcher's environment: ``base`` plus the accelerator's launch settings that are the
-    same for every local rank (e.g. OMP_NUM_THREADS, which the launcher would otherwise force
-    to 1). Settings that differ per rank are applied by each worker itself."""
-    env = dict(os.environ if base is None else base)
-    per_rank = [accelerator.launch_env(r, nproc_per_node) for r in range(nproc_per_node)]
-    env.update({k: v for k, v in per_rank[0].items() if all(e.get(k) == v for e in per_rank)})
-    return env
 
 
 def merge_ranks(per_rank: dict[int, list[dict]], plan: Plan, returncode: int) -> list[dict]:
@@ -81,7 +74,8 @@ def run_ranks(plan: Plan, accelerator: Accelerator, nproc_per_node: int,
         spec = Path(folder) / "spec.json"
         spec.write_text(json.dumps({"plan": plan.to_dict(), "out_dir": folder,
                                     "progress": show_progress}))
-        cmd = launch_command(str(spec), nproc_per_node, plan.nnodes, **(rendezvous or {}))
+        cmd = launch_command(str(spec), nproc_per_node, plan.nnodes, device=accelerator.name,
+                             **(rendezvous or {}))
         print(f"launching {plan.tp} ranks: {' '.join(cmd)}", file=sys.stderr, flush=True)
-        proc = subprocess.run(cmd, env=launcher_env(accelerator, nproc_per_node))
+        proc = subprocess.run(cmd)
         return merge_ranks(read_rank_files(folder), plan, proc.returncode)
