@@ -18,7 +18,18 @@ The applier (:mod:`shardwise.sharding.apply`) reads:
 ``attention_attrs``   attribute name → per-rank quantity (``q_heads``, ``kv_heads``, ``kv_groups``,
                       ``head_dim``, ``q_width``, ``kv_width``, ``qkv_width``), set on each attention
                       module *instance* so the unchanged HF forward runs on the rank's heads.
-``head_config``       which config attributes hold the head counts (tried in order).
+``attention_config_attrs`` config attribute → per-rank quantity, for forwards that read head
+                      counts from ``self.config`` (Phi-3): each attention instance gets its own
+                      :class:`~shardwise.sharding.apply.ConfigView` of the shared config with these
+                      attributes overridden; the model's config is untouched.
+``head_sliced_inputs`` pattern → :class:`~shardwise.sharding.inputs.HeadSlicedInput` s: forward
+                      arguments built above the module for all heads (BLOOM's ALiBi ``alibi``),
+                      narrowed to the rank's heads by an instance pre-hook on each matching module.
+``head_config``       which config attributes hold the head counts (tried in order); an entry may
+                      be an :class:`IfConfig` (a value that holds only for some configs).
+``injection``         an :class:`~shardwise.inject.InjectionSpec` (norm kind, positions, MLP kind,
+                      fused layouts, module names) read by the kernel injector
+                      (:mod:`shardwise.inject`); None: the family has no kernel injection.
 
 Patterns are dotted module names where ``*`` matches one name segment; they match a module's full
 name or its name below the base model (``layers.*.self_attn.q_proj`` matches
@@ -27,6 +38,8 @@ name or its name below the base model (``layers.*.self_attn.q_proj`` matches
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any, ClassVar, NamedTuple
 
 from .accelerator import PLUGIN_API_VERSION
@@ -50,11 +63,15 @@ class Policy:
         layouts: pattern → Layout of the split dimension of sharded modules.
         attention_modules: patterns of attention modules whose attributes follow the split.
         attention_attrs: attribute → head quantity (see :meth:`HeadPartition.quantity`).
+        attention_config_attrs: attribute of the attention module's ``config`` → head quantity,
+            overridden in a per-instance view of the shared config (empty: config untouched).
         require_attention_attrs: a listed attribute missing on an attention module is an error
             (True for family policies; the generic fallback sets only those present).
+        head_sliced_inputs: pattern → tuple of :class:`~shardwise.sharding.inputs.HeadSlicedInput`
+            (forward arguments holding every head's entry, narrowed to the rank's heads).
         head_config: ``num_heads`` / ``num_kv_heads`` / ``head_dim`` / ``hidden_size`` → config
-            attribute names tried in order. A missing kv count means multi-head attention; a
-            missing head_dim means hidden_size // num_heads.
+            attribute names (or :class:`IfConfig` values) tried in order. A missing kv count
+            means multi-head attention; a missing head_dim means hidden_size // num_heads.
     """
 
     plugin_api_version: ClassVar[int] = PLUGIN_API_VERSION
@@ -64,7 +81,11 @@ class Policy:
     layouts: ClassVar[dict[str, Layout]] = {}
     attention_modules: ClassVar[tuple[str, ...]] = ()
     attention_attrs: ClassVar[dict[str, str]] = {}
+    attention_config_attrs: ClassVar[dict[str, str]] = {}
+    head_sliced_inputs: ClassVar[dict[str, tuple]] = {}
     require_attention_attrs: ClassVar[bool] = True
+    #: kernel-injection data (a shardwise.inject.InjectionSpec), None when not supported
+    injection: ClassVar[Any] = None
     head_config: ClassVar[dict[str, tuple[str, ...]]] = {
         "num_heads": ("num_attention_heads",),
         "num_kv_heads": ("num_key_value_heads",),
@@ -93,8 +114,27 @@ class Policy:
         return f"<policy {self.name} for {', '.join(self.model_types) or 'any model'}>"
 
 
+@dataclass(frozen=True)
+class IfConfig:
+    """A ``head_config`` entry that is a value, used only when every config attribute in
+    ``when`` has the given value (else the next entry is tried): Falcon's older multi-query
+    layout has ONE kv head whatever ``num_kv_heads`` says, so its policy lists
+    ``IfConfig(1, {"multi_query": True, "new_decoder_architecture": False})`` before
+    ``"num_kv_heads"``."""
+
+    value: Any
+    when: Mapping[str, Any]
+
+    def applies(self, config: Any) -> bool:
+        return all(getattr(config, k, None) == v for k, v in self.when.items())
+
+
 def _first_attr(config: Any, names: tuple[str, ...]) -> Any:
     for name in names:
+        if isinstance(name, IfConfig):
+            if name.applies(config):
+                return name.value
+            continue
         value = getattr(config, name, None)
         if value is not None:
             return value

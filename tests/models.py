@@ -28,6 +28,52 @@ TINY_CONFIGS = {
     "llama-gqa-6q3kv": dict(cls="LlamaConfig", hidden_size=96, intermediate_size=128,
                             num_hidden_layers=2, num_attention_heads=6, num_key_value_heads=3,
                             vocab_size=256, max_position_embeddings=256),
+    # tensor-parallel families A: local/global attention, partial rotary + parallel attn/MLP,
+    # per-head interleaved fused qkv, fused [q|k|v] and [gate|up]
+    "gpt_neo": dict(cls="GPTNeoConfig", hidden_size=64, intermediate_size=128, num_layers=2,
+                    num_heads=4, attention_types=[[["global", "local"], 1]], window_size=4,
+                    vocab_size=256, max_position_embeddings=256, bos_token_id=0, eos_token_id=0),
+    "gptj": dict(cls="GPTJConfig", n_embd=64, n_inner=128, n_layer=2, n_head=4, rotary_dim=8,
+                 vocab_size=256, n_positions=256, bos_token_id=0, eos_token_id=0),
+    "gpt_neox": dict(cls="GPTNeoXConfig", hidden_size=64, intermediate_size=128,
+                     num_hidden_layers=2, num_attention_heads=4, rotary_pct=0.25,
+                     use_parallel_residual=True, vocab_size=256, max_position_embeddings=256),
+    "phi3": dict(cls="Phi3Config", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
+                 max_position_embeddings=256, pad_token_id=0, bos_token_id=1, eos_token_id=2),
+    # 7 heads of 16 (hidden 112) over 2 ranks: 4 | 3 whole [q, k, v] head blocks; vocab 257
+    "gpt_neox-7heads": dict(cls="GPTNeoXConfig", hidden_size=112, intermediate_size=128,
+                            num_hidden_layers=2, num_attention_heads=7, rotary_pct=0.25,
+                            use_parallel_residual=True, vocab_size=257,
+                            max_position_embeddings=256),
+    # tensor-parallel families B. BLOOM: fused per-head q|k|v, ALiBi (4 heads: slopes 1/4 … 1/256)
+    "bloom": dict(cls="BloomConfig", hidden_size=64, n_layer=2, n_head=4, vocab_size=256),
+    # Falcon, its layouts: new decoder architecture (grouped kv, two LayerNorms, biases here) …
+    "falcon": dict(cls="FalconConfig", hidden_size=64, num_hidden_layers=2,
+                   num_attention_heads=4, num_kv_heads=2, new_decoder_architecture=True,
+                   bias=True, vocab_size=256),
+    # … multi-query [q | k | v] with parallel attention (Falcon-7B) …
+    "falcon-mqa": dict(cls="FalconConfig", hidden_size=64, num_hidden_layers=2,
+                       num_attention_heads=4, multi_query=True, new_decoder_architecture=False,
+                       parallel_attn=True, vocab_size=256),
+    # … with uneven heads (7 over 2 ranks: 4 | 3, like Falcon-7B's 71) …
+    "falcon-7heads-mqa": dict(cls="FalconConfig", hidden_size=112, num_hidden_layers=2,
+                              num_attention_heads=7, multi_query=True,
+                              new_decoder_architecture=False, parallel_attn=True,
+                              vocab_size=256),
+    # … and multi-head [heads, 3, head_dim], sequential, ALiBi (Falcon-RW)
+    "falcon-alibi": dict(cls="FalconConfig", hidden_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, multi_query=False,
+                         new_decoder_architecture=False, parallel_attn=False, alibi=True,
+                         bias=True, vocab_size=256),
+    # the same with eager attention (Falcon cannot switch it after construction)
+    "falcon-alibi-eager": dict(cls="FalconConfig", hidden_size=64, num_hidden_layers=2,
+                               num_attention_heads=4, multi_query=False,
+                               new_decoder_architecture=False, parallel_attn=False, alibi=True,
+                               bias=True, vocab_size=256, attn_implementation="eager"),
+    # an encoder: build it with tiny_encoder, not tiny_causal_lm
+    "bert": dict(cls="BertConfig", hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 intermediate_size=128, vocab_size=256, max_position_embeddings=64),
 }
 
 
@@ -38,6 +84,17 @@ def tiny_causal_lm(arch: str = "llama", seed: int = 0, dtype: torch.dtype = torc
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
     return model.eval()
+
+
+def tiny_encoder(arch: str = "bert", seed: int = 0, head: str = "masked_lm",
+                 dtype: torch.dtype = torch.float32):
+    """A small encoder of ``arch`` with weights drawn from ``seed``: ``head="masked_lm"`` gives
+    ``AutoModelForMaskedLM`` (no pooler), ``head="base"`` the bare ``AutoModel`` (with pooler)."""
+    spec = dict(TINY_CONFIGS[arch])
+    config = getattr(transformers, spec.pop("cls"))(**spec)
+    auto = {"masked_lm": transformers.AutoModelForMaskedLM, "base": transformers.AutoModel}[head]
+    torch.manual_seed(seed)
+    return auto.from_config(config, dtype=dtype).eval()
 
 
 def prompt_ids(batch: int = 1, length: int = 8, vocab: int = 256, seed: int = 1) -> torch.Tensor:

@@ -271,3 +271,209 @@ def test_intermediate_size_that_cannot_split_fails_naming_the_module():
                                             r"features\) has size 130.*whole model, tp sizes "
                                             r"that would work: 1, 2$"):
         prepare_for(model, None, 4)
+
+
+# ----- per-instance config views: attention forwards that read head counts from self.config -----
+
+def _phi3_config():
+    return transformers.Phi3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                   num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
+                                   pad_token_id=0)
+
+
+def test_config_view_overrides_some_attributes_and_reads_the_rest_live():
+    import copy
+    import pickle
+
+    from shardwise.sharding.apply import ConfigView
+
+    config = _phi3_config()
+    view = ConfigView(config, {"num_attention_heads": 2})
+    assert view.num_attention_heads == 2 and config.num_attention_heads == 4
+    assert view.hidden_size == 64 and view._attn_implementation == config._attn_implementation
+    config.sliding_window = 7  # later changes to the shared config reach the view
+    assert view.sliding_window == 7
+    view.rope_scaling_marker = "x"  # writes of other attributes go to the shared config
+    assert config.rope_scaling_marker == "x"
+    view.num_attention_heads = 3  # an overridden attribute stays the view's own
+    assert (view.num_attention_heads, config.num_attention_heads) == (3, 4)
+    for clone in (copy.deepcopy(view), pickle.loads(pickle.dumps(view))):
+        assert isinstance(clone, ConfigView) and clone.num_attention_heads == 3
+        assert clone.hidden_size == 64
+    nested = ConfigView(view, {"num_key_value_heads": 1})  # flattened: one level over config
+    assert (nested.num_attention_heads, nested.num_key_value_heads) == (3, 1)
+    assert nested._shared is config
+    with pytest.raises(AttributeError):
+        view.no_such_attribute
+
+
+def _phi3_attention_output(model, x):
+    """Layer 0's attention on ``x`` [batch, seq, hidden] (causal, positions 0..seq-1)."""
+    positions = torch.arange(x.shape[1])[None]
+    cos_sin = model.model.rotary_emb(x, positions)
+    with torch.no_grad():
+        return model.model.layers[0].self_attn(x, cos_sin, None)[0]
+
+
+def test_phi3_attention_slices_on_each_rank_sum_to_the_whole():
+    """Fused [q | k | v] split by heads/kv heads, o_proj by heads, and the attention's config
+    view with the rank's head counts: the ranks' partial outputs (before the all-reduce) sum to
+    the unsharded attention output, and the model's own config is untouched."""
+    from shardwise.sharding.apply import ConfigView, set_attention_attrs
+
+    def model():
+        torch.manual_seed(0)
+        return transformers.AutoModelForCausalLM.from_config(_phi3_config()).eval()
+
+    x = torch.randn(2, 5, 64, generator=torch.Generator().manual_seed(3))
+    whole = _phi3_attention_output(model(), x)
+    parts = []
+    for rank in (0, 1):
+        m = model()
+        prepared = prepare_for(m, None, 2)
+        slice_all(prepared, rank)
+        attrs = set_attention_attrs(prepared, rank)
+        assert attrs["model.layers.0.self_attn"]["config.num_attention_heads"] == 2
+        attention = m.model.layers[0].self_attn
+        assert isinstance(attention.config, ConfigView)
+        assert attention.config.num_attention_heads == 2 and m.config.num_attention_heads == 4
+        parts.append(_phi3_attention_output(m, x))
+    assert torch.allclose(parts[0] + parts[1], whole, atol=1e-5)
+
+
+def test_policy_naming_a_config_attribute_the_attention_lacks_fails_naming_it():
+    from shardwise.policies.phi3 import Phi3Policy
+
+    class Broken(Phi3Policy):
+        attention_config_attrs = {"num_attention_heads": "q_heads", "num_q_heads": "q_heads"}
+
+    model = transformers.AutoModelForCausalLM.from_config(_phi3_config())
+    with pytest.raises(ShardingError, match=r"sets config\.num_q_heads on attention module "
+                                            r"'model\.layers\.0\.self_attn'"):
+        prepare_for(model, None, 2, policy=Broken())
+
+
+# ----- families B: Falcon's grouped q|k|v, head counts by config, BLOOM's ALiBi slices ------------
+
+def test_grouped_interleaved_keeps_each_ranks_q_heads_and_its_groups_k_v():
+    from shardwise.sharding import GroupedInterleaved
+
+    def ranges(q, kv, tp, hd=1):
+        return [GroupedInterleaved().ranges((q + 2 * kv) * hd, _ctx(r, q, kv, hd, tp), "qkv")
+                for r in range(tp)]
+
+    # [kv, (q per kv, k, v), head_dim], head_dim 1 so indices read as rows
+    assert ranges(4, 2, 2) == [[(0, 4)], [(4, 8)]]  # whole groups [q q k v] per rank
+    assert ranges(7, 1, 2) == [[(0, 4), (7, 9)], [(4, 9)]]  # multi-query: q 4|3, k v on both
+    assert ranges(4, 4, 2) == [[(0, 6)], [(6, 12)]]  # groups of one: [heads, (q, k, v)]
+    assert ranges(8, 2, 4) == [[(0, 2), (4, 6)], [(2, 6)], [(6, 8), (10, 12)], [(8, 12)]]
+    with pytest.raises(ShardingError, match=r"expects 8 \(2 kv heads × \(2 q heads \+ 2\)"):
+        GroupedInterleaved().ranges(12, _ctx(0, 4, 2, 1), "qkv")
+
+
+def _falcon(arch):
+    torch.manual_seed(0)
+    return tiny_causal_lm(arch)
+
+
+@pytest.mark.parametrize("arch,counts", [
+    ("falcon", (4, 2, 16)),  # new decoder architecture: num_kv_heads
+    ("falcon-mqa", (4, 1, 16)),  # multi-query: ONE kv head whatever num_kv_heads says (4)
+    ("falcon-7heads-mqa", (7, 1, 16)),
+    ("falcon-alibi", (4, 4, 16)),  # multi-head
+])
+def test_falcon_head_counts_follow_its_layout(arch, counts):
+    model = _falcon(arch)
+    assert tuple(find_policy("falcon").head_counts(model.config)) == counts
+
+
+def _falcon_attention_output(model, x):
+    """Layer 0's attention (rotary, causal, no mask) before any all-reduce."""
+    positions = torch.arange(x.shape[1])[None]
+    cos_sin = model.transformer.rotary_emb(x, position_ids=positions)
+    with torch.no_grad():
+        out, _ = model.transformer.h[0].self_attention(x, alibi=None, attention_mask=None,
+                                                       position_embeddings=cos_sin)
+    return out
+
+
+@pytest.mark.parametrize("arch", ["falcon", "falcon-mqa", "falcon-7heads-mqa"])
+def test_falcon_attention_slices_on_each_rank_sum_to_the_whole(arch):
+    from shardwise.sharding.apply import set_attention_attrs
+
+    width = _falcon(arch).config.hidden_size
+    x = torch.randn(2, 5, width, generator=torch.Generator().manual_seed(3))
+    whole = _falcon_attention_output(_falcon(arch), x)
+    parts = []
+    for rank in (0, 1):
+        model = _falcon(arch)
+        prepared = prepare_for(model, None, 2)
+        slice_all(prepared, rank)
+        set_attention_attrs(prepared, rank)
+        parts.append(_falcon_attention_output(model, x))  # row-parallel dense: partial sums
+    assert torch.allclose(parts[0] + parts[1], whole, atol=1e-5)
+
+
+def test_head_sliced_input_narrows_folded_and_plain_head_dims():
+    from shardwise.sharding import HeadSlicedInput
+
+    heads = HeadPartition.compute(4, 4, 16, 2, 1)  # rank 1: heads 2, 3
+    folded = torch.arange(2 * 4 * 3.0).view(8, 1, 3)  # [batch * heads, 1, seq], b * 4 + h
+    got = HeadSlicedInput("alibi", dim=0, folded=True).take(folded, heads)
+    assert torch.equal(got, folded.view(2, 4, 1, 3)[:, 2:].reshape(4, 1, 3))
+    plain = torch.randn(2, 4, 5, 5)  # [batch, heads, q, k]
+    assert torch.equal(HeadSlicedInput("mask").take(plain, heads), plain[:, 2:])
+    broadcast = torch.randn(2, 1, 5, 5)
+    assert HeadSlicedInput("mask").take(broadcast, heads) is broadcast
+    assert HeadSlicedInput("alibi").take(None, heads) is None
+    with pytest.raises(ShardingError, match=r"'alibi' has shape \(2, 3, 1, 5\); dimension 1 "
+                                            r"should hold 4 heads"):
+        HeadSlicedInput("alibi").take(torch.randn(2, 3, 1, 5), heads)
+
+
+def _bloom_attention_output(model, x, alibi, positional=False):
+    attention, residual = model.transformer.h[0].self_attention, torch.zeros_like(x)
+    with torch.no_grad():  # forward(hidden_states, residual, alibi, attention_mask, ...)
+        out, _ = (attention(x, residual, alibi, None) if positional
+                  else attention(x, residual, alibi=alibi, attention_mask=None))
+    return out
+
+
+def test_bloom_alibi_is_narrowed_to_each_ranks_heads_by_an_instance_hook():
+    from transformers.models.bloom.modeling_bloom import build_alibi_tensor
+
+    from shardwise.sharding.apply import set_attention_attrs
+    from shardwise.sharding.inputs import install_head_slicers
+
+    def bloom():
+        torch.manual_seed(0)
+        return tiny_causal_lm("bloom")
+
+    x = torch.randn(2, 6, 64, generator=torch.Generator().manual_seed(3))
+    alibi = build_alibi_tensor(torch.ones(2, 6), 4, torch.float32)  # every head: [8, 1, 6]
+    whole = _bloom_attention_output(bloom(), x, alibi)
+    parts = []
+    for rank in (0, 1):
+        model = bloom()
+        prepared = prepare_for(model, None, 2)
+        assert sorted(prepared.head_sliced) == ["transformer.h.0.self_attention",
+                                                "transformer.h.1.self_attention"]
+        slice_all(prepared, rank)
+        set_attention_attrs(prepared, rank)
+        install_head_slicers(prepared.head_sliced, prepared.heads[rank])
+        # the full alibi goes in, as a keyword (rank 0) or positionally (rank 1)
+        parts.append(_bloom_attention_output(model, x, alibi, positional=rank == 1))
+    assert torch.allclose(parts[0] + parts[1], whole, atol=1e-5)
+    fresh = bloom().transformer.h[0].self_attention  # the class is untouched
+    assert not fresh._forward_pre_hooks
+
+
+def test_head_sliced_argument_the_forward_lacks_fails_naming_it():
+    from shardwise.sharding import HeadSlicedInput
+
+    class Broken(type(find_policy("bloom"))):
+        head_sliced_inputs = {"h.*.mlp": (HeadSlicedInput("alibi"),)}  # BloomMLP has no alibi
+
+    with pytest.raises(ShardingError, match=r"slices argument\(s\) alibi of "
+                                            r"'transformer\.h\.0\.mlp' \(BloomMLP\)"):
+        prepare_for(tiny_causal_lm("bloom"), None, 2, policy=Broken())

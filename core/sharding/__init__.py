@@ -9,12 +9,14 @@ family :class:`~shardwise.policy.Policy`, or (last) a structural heuristic. Usab
     print(report.summary())
 
 Modules: :mod:`.roles` (roles and layouts), :mod:`.partition` (pure split arithmetic),
-:mod:`.plan` (plans and their sources), :mod:`.apply` (the applier), :mod:`.report`.
+:mod:`.plan` (plans and their sources), :mod:`.apply` (the applier), :mod:`.report`,
+:mod:`.inputs` (forward arguments narrowed to the rank's heads, e.g. BLOOM's ALiBi).
 """
 
 from .apply import (PreparedShards, ShardSpec, apply_shards, module_kind, prepare, prepare_for,
                     shard_model, slice_all, slice_module)
 from .errors import ShardingError
+from .inputs import HeadSlicedInput
 from .partition import HeadPartition, even_range, even_sizes, head_split_problem
 from .plan import (PlanRow, ShardingPlan, choose_plan, heuristic_plan, pattern_matches,
                    plan_from_hf, plan_from_injection_policy, plan_from_policy)
@@ -22,6 +24,7 @@ from .report import ShardedModule, ShardReport
 from .world import check_tp_world, tp_world_problem
 from .roles import (ColumnParallel, Even, Fused, Heads, Layout, PerHeadInterleaved, Replicated,
                     Role, RowParallel, ShardContext, VocabParallelEmbedding, VocabParallelHead)
+from .roles import GroupedInterleaved
 
 __all__ = [
     "PreparedShards", "ShardSpec", "apply_shards", "module_kind", "prepare", "prepare_for",
@@ -31,4 +34,5 @@ __all__ = [
     "ShardedModule", "ShardReport", "ColumnParallel", "Even", "Fused", "Heads", "Layout",
     "PerHeadInterleaved", "Replicated", "Role", "RowParallel", "ShardContext",
     "VocabParallelEmbedding", "VocabParallelHead", "check_tp_world", "tp_world_problem",
+    "GroupedInterleaved", "HeadSlicedInput",
 ]

@@ -24,6 +24,7 @@ from torch import nn
 from ..communicator import Communicator, LocalCommunicator
 from .. import policy as _policy  # module import: shardwise.policy imports this package
 from .errors import ShardingError
+from .inputs import head_sliced_modules, install_head_slicers
 from .partition import HeadPartition, Range
 from .plan import (ShardingPlan, _conv1d_class, base_prefix, choose_plan, first_match,
                    pattern_matches)
@@ -108,6 +109,9 @@ class PreparedShards:
     heads: list[HeadPartition] | None  # per rank; None when the head counts are unknown
     attention: dict[str, nn.Module]  # attention modules whose attributes follow the split
     notes: list[str] = field(default_factory=list)
+    #: modules whose forward arguments are narrowed to the rank's heads (policy
+    #: ``head_sliced_inputs``): name → (module, inputs, positions); see :mod:`.inputs`
+    head_sliced: dict[str, tuple] = field(default_factory=dict)
 
 
 def prepare(model: nn.Module, plan: ShardingPlan, tp_size: int,
@@ -139,10 +143,11 @@ def prepare(model: nn.Module, plan: ShardingPlan, tp_size: int,
                             f"{type(model).__name__}: nothing to shard")
     _check_ties(model, specs)
     attention = _attention_modules(model, policy, specs, prefix)
-    if attention and heads is None:
+    head_sliced = head_sliced_modules(model, policy, [s.name for s in specs], prefix)
+    if (attention or head_sliced) and heads is None:
         raise ShardingError(heads_error or "attention attributes need the model's head counts")
     return PreparedShards(model, plan, policy, tp_size, specs, roles, heads, attention,
-                          list(plan.notes))
+                          list(plan.notes), head_sliced=head_sliced)
 
 
 def _specs(planned: list[tuple[str, nn.Module, Role, Layout]], counts: HeadCounts | None,
@@ -228,14 +233,17 @@ def _attention_modules(model: nn.Module, policy: Policy, specs: list[ShardSpec],
                        prefix: str) -> dict[str, nn.Module]:
     """Attention modules (policy patterns) that contain a sharded module; their listed
     attributes must exist when the policy requires them."""
-    if not policy.attention_modules or not policy.attention_attrs:
+    if not policy.attention_modules or not (policy.attention_attrs
+                                            or policy.attention_config_attrs):
         return {}
     sharded = [s.name for s in specs]
     out = {}
     for name, module in model.named_modules():
         if name and any(pattern_matches(p, name, prefix) for p in policy.attention_modules) \
                 and any(s.startswith(name + ".") for s in sharded):
-            missing = [a for a in policy.attention_attrs if not hasattr(module, a)]
+            config = getattr(module, "config", None)
+            missing = [a for a in policy.attention_attrs if not hasattr(module, a)] + [
+                f"config.{a}" for a in policy.attention_config_attrs if not hasattr(config, a)]
             if missing and policy.require_attention_attrs:
                 raise ShardingError(f"policy {policy.name!r} sets {', '.join(missing)} on "
                                     f"attention module {name!r} ({type(module).__name__}), "
@@ -266,12 +274,34 @@ def slice_module(spec: ShardSpec, rank: int,
         cache[key] = nn.Parameter(take(module.weight, spec.dim, ranges), requires_grad=False)
     module.weight = cache[key]
     _slice_bias(module, spec, ranges, rank)
-    size = sum(b - a for a, b in ranges)
+    set_shard_sizes(spec, rank)
+
+
+def set_shard_sizes(spec: ShardSpec, rank: int) -> None:
+    """Update ``spec.module``'s size attributes (``out_features`` …, and ``padding_idx``) for
+    ``rank``'s slice, once its weight holds that slice (sliced here or read from a checkpoint)."""
+    module = spec.module
+    size = sum(b - a for a, b in spec.ranges[rank])
     attr = spec.kind.out_attr if spec.dim == spec.kind.out_dim else spec.kind.in_attr
     if hasattr(module, attr):
         setattr(module, attr, size)
     if isinstance(spec.role, VocabParallelEmbedding):
         module.padding_idx = None  # only affects gradients; a global index means nothing here
+
+
+def param_ranges(spec: ShardSpec, rank: int) -> dict[str, Any]:
+    """What ``rank`` keeps of each parameter of ``spec.module``, without touching it:
+    ``{"weight": (dim, ranges), "bias": (0, ranges) | "whole" | "zeros"}`` (a row-parallel bias
+    is kept whole on rank 0 and zero elsewhere, as :func:`slice_module` does). For loaders that
+    read only these slices from disk."""
+    ranges = spec.ranges[rank]
+    out: dict[str, Any] = {"weight": (spec.dim, ranges)}
+    if isinstance(getattr(spec.module, "bias", None), torch.Tensor):
+        if isinstance(spec.role, RowParallel):
+            out["bias"] = "whole" if rank == 0 else "zeros"
+        else:
+            out["bias"] = (0, ranges)  # bias [out]
+    return out
 
 
 def slice_all(prepared: "PreparedShards", rank: int) -> dict[str, tuple[tuple, tuple]]:
@@ -363,15 +393,64 @@ class _GatherLastDim:
         return full.index_select(-1, self.keep)
 
 
+class ConfigView:
+    """One module's view of a shared model config: the attributes in ``overrides`` read this
+    rank's values, every other attribute is read from (and written to) the shared config, live —
+    so a later change to the model's config (``set_attn_implementation`` …) still reaches the
+    module. It stands in for an attention module's ``config`` when its forward reads head counts
+    from the config (Phi-3: ``query_pos = self.config.num_attention_heads * self.head_dim``)
+    instead of from the module; see :attr:`Policy.attention_config_attrs
+    <shardwise.policy.Policy.attention_config_attrs>`. The model's own ``config`` (saved by
+    ``save_pretrained``) is untouched."""
+
+    __slots__ = ("_shared", "_overrides")
+
+    def __init__(self, shared: Any, overrides: Mapping[str, Any]) -> None:
+        if isinstance(shared, ConfigView):  # a view of a view: one level, later overrides win
+            overrides = {**shared._overrides, **overrides}
+            shared = shared._shared
+        object.__setattr__(self, "_shared", shared)
+        object.__setattr__(self, "_overrides", dict(overrides))
+
+    def __getattr__(self, name: str) -> Any:  # only names not found on the view itself
+        if name in ConfigView.__slots__:  # slots not set yet (copy/unpickle): no recursion
+            raise AttributeError(name)
+        if name in self._overrides:
+            return self._overrides[name]
+        return getattr(self._shared, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in self._overrides:
+            self._overrides[name] = value
+        else:
+            setattr(self._shared, name, value)
+
+    def __reduce__(self):  # copy / deepcopy / pickle rebuild the view, not the shared config
+        return ConfigView, (self._shared, self._overrides)
+
+    def __repr__(self) -> str:
+        return f"ConfigView({self._overrides} over {type(self._shared).__name__})"
+
+
 def set_attention_attrs(prepared: PreparedShards, rank: int) -> dict[str, dict[str, int]]:
-    """Set the policy's per-rank attributes (``num_heads`` …) on each attention instance."""
+    """Set the policy's per-rank attributes (``num_heads`` …) on each attention instance, and give
+    it a :class:`ConfigView` with the policy's ``attention_config_attrs`` overridden (reported
+    as ``config.<attr>``)."""
     out = {}
     heads = prepared.heads[rank] if prepared.heads else None
+    policy = prepared.policy
     for name, module in prepared.attention.items():
-        values = {attr: heads.quantity(qty) for attr, qty in prepared.policy.attention_attrs.items()
+        values = {attr: heads.quantity(qty) for attr, qty in policy.attention_attrs.items()
                   if hasattr(module, attr)}
         for attr, value in values.items():
             setattr(module, attr, value)
+        config = getattr(module, "config", None)
+        overrides = {attr: heads.quantity(qty)
+                     for attr, qty in policy.attention_config_attrs.items()
+                     if hasattr(config, attr)}
+        if overrides:
+            module.config = ConfigView(config, overrides)
+            values.update({f"config.{attr}": value for attr, value in overrides.items()})
         out[name] = values
     return out
 
@@ -381,20 +460,27 @@ def param_bytes(model: nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
-def apply_shards(prepared: PreparedShards, communicator: Communicator) -> ShardReport:
-    """Shard ``prepared.model`` in place for ``communicator.rank`` and return the report."""
+def apply_shards(prepared: PreparedShards, communicator: Communicator, *,
+                 sliced: Mapping[str, tuple[tuple, tuple]] | None = None,
+                 bytes_before: int | None = None) -> ShardReport:
+    """Shard ``prepared.model`` in place for ``communicator.rank`` and return the report.
+    ``sliced`` (module name → weight shape before, after) says the weights already hold this
+    rank's slices (a checkpoint loader read them), so only hooks and attributes are set;
+    ``bytes_before`` is then the whole model's parameter bytes."""
     model, rank = prepared.model, communicator.rank
     if communicator.world_size != prepared.tp_size:
         raise ShardingError(f"prepared for tp_size={prepared.tp_size} but the communicator has "
                             f"{communicator.world_size} ranks")
+    before = param_bytes(model) if bytes_before is None else bytes_before
     report = ShardReport(prepared.tp_size, rank, prepared.plan.source, prepared.policy.name,
-                         notes=prepared.notes, param_bytes_before=param_bytes(model))
-    shapes = slice_all(prepared, rank)
+                         notes=prepared.notes, param_bytes_before=before)
+    shapes = dict(sliced) if sliced is not None else slice_all(prepared, rank)
     for spec in prepared.specs:
         install_hooks(spec, rank, communicator)
         report.sharded[spec.name] = ShardedModule(spec.name, spec.role.name, spec.layout.describe(),
                                                   *shapes[spec.name])
     report.attention = set_attention_attrs(prepared, rank)
+    install_head_slicers(prepared.head_sliced, prepared.heads[rank] if prepared.heads else None)
     if prepared.heads:
         report.heads = (prepared.heads[rank].q_heads, prepared.heads[rank].kv_heads)
     report.replicated = _replicated(model, report.sharded)

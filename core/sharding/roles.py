@@ -26,6 +26,9 @@ here; the applier only ever asks for ranges.
   each part is split by its own unit and the rank keeps its slice of every part, in order.
 * ``PerHeadInterleaved(per_head=3)`` — [heads, per_head, head_dim] (BLOOM/GPT-NeoX
   ``query_key_value``): the rank keeps whole head blocks.
+* ``GroupedInterleaved(shared=2)`` — [kv_heads, q_per_kv + 2, head_dim] (Falcon
+  ``query_key_value``): per kv group its q heads then k, v; the rank keeps its q heads of each of
+  its groups and the groups' k, v.
 """
 
 from __future__ import annotations
@@ -178,6 +181,39 @@ class PerHeadInterleaved(Layout):
         _expect_size(size, total * block, what, f"{total} {self.unit} × {self.per_head} × "
                                                 f"head_dim {heads.head_dim}")
         return [(h0 * block, h1 * block)]
+
+
+@dataclass(frozen=True)
+class GroupedInterleaved(Layout):
+    """[kv_heads, q heads per kv head + ``shared``, head_dim] along the dimension: each kv group's
+    block holds its q heads, then ``shared`` heads the group's q heads all use (k and v).
+    Falcon's ``query_key_value`` in all three of its forms: kv groups (new decoder
+    architecture), one group ``[q heads | k | v]`` (multi-query, Falcon-7B), groups of one
+    ``[heads, (q, k, v), head_dim]`` (multi-head). The rank keeps, in each of its kv groups, the
+    rows of its own q heads and the group's shared rows; a group shared by several ranks (fewer
+    kv heads than ranks) gives each of them its shared rows and a share of its q heads."""
+
+    shared: int = 2
+
+    def describe(self):
+        return f"grouped[q_per_kv + {self.shared}]"
+
+    def ranges(self, size, ctx, what="dimension"):
+        heads = ctx.require_heads(what)
+        group, d = heads.num_heads // heads.num_kv_heads, heads.head_dim  # q heads per kv head
+        block = (group + self.shared) * d  # one kv group: [q_0 .. q_{group-1}, k, v] × head_dim
+        _expect_size(size, heads.num_kv_heads * block, what,
+                     f"{heads.num_kv_heads} kv heads × ({group} q heads + {self.shared}) × "
+                     f"head_dim {d}")
+        (q0, q1), out = heads.q_range, []
+        for kv in range(*heads.kv_range):
+            a, b = max(q0, kv * group) - kv * group, min(q1, (kv + 1) * group) - kv * group
+            start = kv * block
+            out += [(start + a * d, start + b * d), (start + group * d, start + block)]
+        merged = [out[0]]  # adjacent ranges (whole groups) as one, to copy in fewer pieces
+        for a, b in out[1:]:
+            merged[-1:] = [(merged[-1][0], b)] if merged[-1][1] == a else [merged[-1], (a, b)]
+        return merged
 
 
 def _expect_size(size: int, expected: int, what: str, formula: str) -> None:

@@ -1,0 +1,58 @@
+"""Falcon policy: fused ``query_key_value`` in its three layouts, rotary or ALiBi positions,
+parallel attention/MLP, tied ``word_embeddings`` / ``lm_head``; no HF tp_plan.
+
+``FalconAttention._split_heads`` reads ``query_key_value``'s output three ways, which are one
+layout — [kv groups, (q heads of the group, k, v), head_dim] (:class:`GroupedInterleaved`) —
+with three kv head counts:
+
+=============================  ======================================  ===================
+config                         output features                         kv heads
+=============================  ======================================  ===================
+``new_decoder_architecture``   [num_kv_heads, heads/kv + 2, head_dim]  ``num_kv_heads``
+``multi_query`` (Falcon-7B)    [heads + 2, head_dim] = [q | k | v]     1 (on every rank)
+neither                        [heads, 3, head_dim]                    ``num_attention_heads``
+=============================  ======================================  ===================
+
+so the rank keeps its q heads of each of its kv groups plus the groups' k, v, and the forward,
+given the rank's ``num_heads`` / ``num_kv_heads``, splits them the same way. Uneven head counts
+split by whole heads (Falcon-7B's 71 heads: 36 | 35 on 2 ranks, the single kv head on both).
+
+With ``alibi=True`` ``FalconModel.forward`` builds the bias for all heads and folds it into the
+4-D attention mask ([batch, heads, q, k]); both arrive at each attention as arguments and are
+narrowed to the rank's heads (``head_sliced_inputs``; a [batch, 1, q, k] causal mask of the
+rotary models passes through). ``parallel_attn`` needs nothing: the attention's ``dense`` and
+the MLP's ``dense_4h_to_h`` each all-reduce before they are added.
+"""
+
+from shardwise.policy import IfConfig, Policy
+from shardwise.sharding import HeadSlicedInput
+from shardwise.sharding.roles import (ColumnParallel, GroupedInterleaved, Heads, RowParallel,
+                                      VocabParallelEmbedding, VocabParallelHead)
+
+
+class FalconPolicy(Policy):
+    name = "falcon"
+    model_types = ("falcon",)
+    tp_plan = {
+        "word_embeddings": VocabParallelEmbedding(),
+        "h.*.self_attention.query_key_value": ColumnParallel(GroupedInterleaved(shared=2)),
+        "h.*.self_attention.dense": RowParallel(Heads("heads")),  # [hidden, heads × head_dim]
+        "h.*.mlp.dense_h_to_4h": ColumnParallel(),
+        "h.*.mlp.dense_4h_to_h": RowParallel(),
+        "lm_head": VocabParallelHead(),  # tied to word_embeddings: same slice, stays tied
+    }
+    attention_modules = ("h.*.self_attention",)
+    # _split_heads views with num_heads // num_kv_heads + 2 (or num_heads + 2, or num_heads × 3)
+    # and the outputs are reshaped with num_heads; hidden_size/split_size are not read.
+    attention_attrs = {"num_heads": "q_heads", "num_kv_heads": "kv_heads"}
+    # ALiBi: alibi [batch, heads, 1, seq] and the mask it is folded into [batch, heads, q, k]
+    head_sliced_inputs = {"h.*.self_attention": (HeadSlicedInput("alibi", dim=1),
+                                                 HeadSlicedInput("attention_mask", dim=1))}
+    head_config = {
+        "num_heads": ("num_attention_heads",),
+        # the kv heads query_key_value holds (see the table above)
+        "num_kv_heads": (IfConfig(1, {"multi_query": True, "new_decoder_architecture": False}),
+                         "num_kv_heads"),  # = num_attention_heads unless set (FalconConfig)
+        "head_dim": ("head_dim",),
+        "hidden_size": ("hidden_size",),
+    }
