@@ -131,3 +131,11 @@ class CpuAccelerator(Accelerator):
     def configure_process(self, local_rank: int, local_world_size: int) -> None:
         if "OMP_NUM_THREADS" not in os.environ:
             torch.set_num_threads(self.threads_per_rank(local_world_size))
+
+    def communicator_class(self):
+        """gloo plus a shared-memory all_reduce for ranks on one node (small tensors, chosen
+        automatically; ``SHARDWISE_CPU_SHM_ALLREDUCE=0`` disables it). See
+        :mod:`shardwise.accelerators.cpu_comm`."""
+        from shardwise.accelerators.cpu_comm import CpuCommunicator
+
+        return CpuCommunicator
