@@ -1,0 +1,26 @@
+"""Checkpoint loading shard by shard, and sharded checkpoint saving: ``shardwise.checkpoint``.
+
+A model larger than one machine's memory loads as: build it on the meta device (no memory), let
+the sharding plan compute every rank's slices, and have each rank read only its slices from disk,
+converting the dtype on the way and materialising straight on its device::
+
+    engine = shardwise.init_inference(None, checkpoint="path/to/hf_model_dir",
+                                      tensor_parallel={"tp_size": 2}, dtype=torch.bfloat16)
+    engine.save_checkpoint("ckpt_tp2")          # one file per rank + shardwise_checkpoint.json
+    # later, at any tp size: init_inference(None, checkpoint="ckpt_tp2", ...)
+
+Modules: :mod:`.description` (what a checkpoint consists of), :mod:`.sources` (headers, the key
+→ pieces index, the slice reader), :mod:`.build` (the meta skeleton from config.json),
+:mod:`.loader`, :mod:`.saver`, :mod:`.progress`.
+"""
+
+from .build import build_meta_model, skeleton
+from .description import DESCRIPTION_NAME, Description, describe
+from .errors import CheckpointError
+from .loader import LoadReport, default_dtype, load_checkpoint
+from .saver import save_checkpoint
+from .sources import build_index
+
+__all__ = ["build_meta_model", "skeleton", "DESCRIPTION_NAME", "Description", "describe",
+           "CheckpointError",
+           "LoadReport", "default_dtype", "load_checkpoint", "save_checkpoint", "build_index"]

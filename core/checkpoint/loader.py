@@ -1,0 +1,304 @@
+"""Materialise a model (on the meta device) from a checkpoint, each rank reading only its slices.
+
+:func:`load_checkpoint` is step 3 of ``init_inference`` and usable alone::
+
+    with torch.device("meta"):                       # or accelerate.init_empty_weights()
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
+    prepared = shardwise.sharding.prepare_for(model, None, tp_size)   # the slices, no weights
+    loaded = load_checkpoint(model, path, prepared=prepared, rank=rank, dtype=torch.bfloat16)
+
+Everything knowable from the files' headers (missing files, truncated headers, missing or
+unexpected keys, shapes that do not fit the config) is checked before any data is read. If
+reading fails half way, every parameter goes back to the meta device, so a half-loaded model can
+never run.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import time
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import torch
+from torch import nn
+
+from ..sharding.apply import PreparedShards, param_ranges, set_shard_sizes
+from .description import Description, describe
+from .errors import CheckpointError
+from .progress import Progress
+from .sources import CheckpointIndex, Reader, build_index
+
+log = logging.getLogger(__name__)
+
+#: unexpected checkpoint keys HF itself ignores for every model (moved / non-persistent buffers)
+_ALWAYS_IGNORED = (r"rotary_emb\.inv_freq", r"(^|\.)position_ids$", r"\.attn\.masked_bias$",
+                   r"\.attn\.bias$")
+
+
+@dataclass
+class Target:
+    """One model tensor to fill: every name it goes by (tied aliases), the checkpoint key it comes
+    from, and what this rank keeps of it (``(dim, ranges)``, "whole" or "zeros")."""
+
+    names: list[str]
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    key: str | None = None
+    keep: Any = "whole"
+    is_buffer: bool = False
+
+
+@dataclass
+class LoadReport:
+    """What a load did: the files, the bytes read by this rank, how long it took."""
+
+    source: str
+    files: int
+    bytes_read: int
+    seconds: float
+    tensors: int
+    rank: int = 0
+    sliced: dict[str, tuple[tuple, tuple]] = field(default_factory=dict)
+    bytes_before: int = 0  # the whole model's parameter bytes (for the shard report)
+
+    @property
+    def gb_per_s(self) -> float:
+        return self.bytes_read / max(self.seconds, 1e-9) / 1e9
+
+    def summary(self) -> str:
+        return (f"loaded {self.tensors} tensors from {self.files} file(s) of {self.source}: "
+                f"{self.bytes_read / 1e9:.3f} GB read by rank {self.rank} in "
+                f"{self.seconds:.2f} s ({self.gb_per_s:.2f} GB/s)")
+
+
+def load_checkpoint(model: nn.Module, checkpoint: "str | os.PathLike | Mapping | Description", *,
+                    prepared: PreparedShards | None = None, rank: int = 0,
+                    device: torch.device | str = "cpu", dtype: torch.dtype | None = None,
+                    base_dir: str | os.PathLike | None = None,
+                    progress: bool | None = None) -> LoadReport:
+    """Fill ``model``'s parameters and buffers from ``checkpoint``, in place.
+
+    Args:
+        model: the model, normally on the meta device (real weights are replaced).
+        checkpoint: a model directory, a description file or dict, or a :class:`Description`.
+        prepared: the tensor-parallel slices (``shardwise.sharding.prepare_for``); with it, this
+            rank reads and keeps only its slices, and module sizes follow the split.
+        rank: the rank whose slices to read.
+        device: where the tensors are materialised.
+        dtype: floating tensors are converted to it while read (None keeps the stored dtype).
+        base_dir: the folder the description's file names are relative to.
+        progress: show a progress bar (default: on a terminal, on rank 0).
+
+    Raises:
+        CheckpointError: a missing or corrupted file, missing or unexpected keys, or a shape
+            that does not match the model (named), before any data is read.
+    """
+    desc = checkpoint if isinstance(checkpoint, Description) else describe(checkpoint, base_dir)
+    index = build_index(desc)
+    targets = plan_targets(model, index, prepared, rank)
+    start = time.perf_counter()
+    bytes_before = sum(p.numel() * p.element_size() for p in model.parameters())
+    try:
+        with Reader(index, rank) as reader, Progress(desc, targets, index, rank, progress) as bar:
+            count = _materialise(model, targets, reader, torch.device(device), dtype, bar)
+            _fill_meta_buffers(model, torch.device(device))
+            bytes_read = reader.bytes_read
+    except BaseException:
+        _back_to_meta(model)
+        raise
+    sliced = _set_sizes(prepared, rank) if prepared is not None else {}
+    report = LoadReport(desc.source, len(desc.files), bytes_read, time.perf_counter() - start,
+                        count, rank, sliced, bytes_before)
+    if rank == 0:
+        log.info("shardwise: %s", report.summary())
+        Progress.summary(report.summary(), progress)
+    return report
+
+
+# ----- planning: every check before any data --------------------------------------------------
+
+def plan_targets(model: nn.Module, index: CheckpointIndex, prepared: PreparedShards | None,
+                 rank: int) -> list[Target]:
+    """Every persistent tensor of ``model`` with its checkpoint key and this rank's slice.
+    Raises :class:`CheckpointError` for missing/unexpected keys and wrong shapes."""
+    targets = _targets(model)
+    keep = _rank_slices(prepared, rank) if prepared is not None else {}
+    resolve = _key_resolver(model, index.keys())
+    missing = []
+    for t in targets:
+        t.key = next((k for k in map(resolve, t.names) if k is not None), None)
+        t.keep = next((keep[n] for n in t.names if n in keep), "whole")
+        if t.key is None and not _ignored(t.names[0], model, "missing"):
+            missing.append(t.names[0])
+    used = {t.key for t in targets}
+    unexpected = [k for k in index.keys() if k not in used and not _ignored(k, model, "unexpected")]
+    if missing or unexpected:
+        raise CheckpointError(_keys_message(missing, unexpected, model))
+    for t in targets:
+        if t.key is not None and tuple(index.shapes[t.key]) != t.shape:
+            raise CheckpointError(
+                f"tensor {t.key!r} has shape {list(index.shapes[t.key])} in the checkpoint but "
+                f"{list(t.shape)} in the model built from the config ({t.names[0]}); the "
+                f"checkpoint and the config do not belong together")
+    return [t for t in targets if t.key is not None]
+
+
+def _targets(model: nn.Module) -> list[Target]:
+    """Persistent parameters and buffers, tied aliases grouped (state_dict names, in order)."""
+    by_id: dict[int, Target] = {}
+    persistent = set(model.state_dict(keep_vars=True))
+    named = [(n, t, False) for n, t in model.named_parameters(remove_duplicate=False)]
+    named += [(n, t, True) for n, t in model.named_buffers(remove_duplicate=False)]
+    for name, tensor, is_buffer in named:
+        if name not in persistent or tensor is None:
+            continue
+        if id(tensor) in by_id:
+            by_id[id(tensor)].names.append(name)
+        else:
+            by_id[id(tensor)] = Target([name], tuple(tensor.shape), tensor.dtype,
+                                       is_buffer=is_buffer)
+    return list(by_id.values())
+
+
+def _rank_slices(prepared: PreparedShards, rank: int) -> dict[str, Any]:
+    """Parameter name → what ``rank`` keeps, from the sharding plan's own range computation."""
+    out = {}
+    for spec in prepared.specs:
+        for pname, keep in param_ranges(spec, rank).items():
+            out[f"{spec.name}.{pname}"] = keep
+    return out
+
+
+def _key_resolver(model: nn.Module, keys: list[str]):
+    """model name → checkpoint key: exact, then with/without the base-model prefix, after the
+    model's ``_checkpoint_conversion_mapping`` renames (regex → replacement) if it has any."""
+    renames = getattr(model, "_checkpoint_conversion_mapping", None) or {}
+    lookup = {}
+    for key in keys:
+        new = key
+        for pattern, repl in renames.items():
+            new = re.sub(pattern, repl, new)
+        lookup.setdefault(new, key)
+    prefix = getattr(model, "base_model_prefix", "") or ""
+
+    def resolve(name: str) -> str | None:
+        candidates = [name]
+        if prefix and name.startswith(prefix + "."):
+            candidates.append(name[len(prefix) + 1:])
+        elif prefix:
+            candidates.append(f"{prefix}.{name}")
+        return next((lookup[c] for c in candidates if c in lookup), None)
+    return resolve
+
+
+def _ignored(name: str, model: nn.Module, which: str) -> bool:
+    patterns = set(getattr(model, f"_keys_to_ignore_on_load_{which}", None) or ())
+    if which == "unexpected":
+        patterns |= set(_ALWAYS_IGNORED)
+    return any(re.search(p, name) for p in patterns)
+
+
+def _keys_message(missing: list[str], unexpected: list[str], model: nn.Module) -> str:
+    parts = [f"the checkpoint does not fit {type(model).__name__}:"]
+    if missing:
+        parts.append(f"missing keys ({len(missing)}): {', '.join(missing[:20])}"
+                     + (" …" if len(missing) > 20 else ""))
+    if unexpected:
+        parts.append(f"unexpected keys ({len(unexpected)}): {', '.join(unexpected[:20])}"
+                     + (" …" if len(unexpected) > 20 else ""))
+    parts.append("check that the checkpoint was saved from this architecture and config")
+    return " ".join(parts)
+
+
+# ----- materialising --------------------------------------------------------------------------
+
+@torch.no_grad()
+def _materialise(model: nn.Module, targets: list[Target], reader: Reader, device: torch.device,
+                 dtype: torch.dtype | None, bar: Progress) -> int:
+    for t in sorted(targets, key=lambda t: _first_file(reader.index, t.key)):
+        tensor = _read_target(t, reader, dtype)
+        value = tensor.to(device)
+        if not t.is_buffer:
+            value = nn.Parameter(value, requires_grad=False)
+        for name in t.names:
+            _assign(model, name, value, t.is_buffer)
+        bar.update(reader.bytes_read)
+    return len(targets)
+
+
+def _first_file(index: CheckpointIndex, key: str) -> str:
+    return str(index.pieces[key][0].info.file)
+
+
+def _read_target(t: Target, reader: Reader, dtype: torch.dtype | None) -> torch.Tensor:
+    if t.keep == "zeros":
+        return torch.zeros(t.shape, dtype=dtype if t.dtype.is_floating_point and dtype else t.dtype)
+    if t.keep == "whole":
+        return reader.read(t.key, None, None, dtype)
+    dim, ranges = t.keep
+    return reader.read(t.key, dim, ranges, dtype)
+
+
+def _assign(model: nn.Module, name: str, value: torch.Tensor, is_buffer: bool) -> None:
+    owner_name, _, attr = name.rpartition(".")
+    owner = model.get_submodule(owner_name)
+    if is_buffer:
+        owner._buffers[attr] = value
+    else:
+        owner._parameters[attr] = value
+
+
+def _fill_meta_buffers(model: nn.Module, device: torch.device) -> None:
+    """Non-persistent buffers still on the meta device (the model was built under
+    ``torch.device("meta")``) are recomputed by the model's own initialiser (HF's
+    ``_init_weights``, e.g. rotary ``inv_freq``); one it does not fill is an error, named."""
+    owners = {}
+    for name, buf in model.named_buffers():
+        if buf is not None and buf.is_meta:
+            owner_name, _, attr = name.rpartition(".")
+            owner = model.get_submodule(owner_name)
+            fill = float("nan") if buf.is_floating_point() else 0
+            owner._buffers[attr] = torch.full(buf.shape, fill, dtype=buf.dtype, device=device)
+            owners.setdefault(owner_name, (owner, []))[1].append(name)
+    init = getattr(model, "_init_weights", None)
+    for owner_name, (owner, names) in owners.items():
+        if callable(init):
+            init(owner)
+        bad = [n for n in names
+               if (b := model.get_buffer(n)).is_floating_point() and b.isnan().any()]
+        if bad or not callable(init):
+            raise CheckpointError(
+                f"buffer(s) {', '.join(bad or names)} are not in the checkpoint and the model "
+                f"cannot recompute them after meta-device construction; build the model with "
+                f"real buffers: `with accelerate.init_empty_weights(): model = ...` (parameters "
+                f"on meta, buffers real), or pass model=None")
+
+
+def _set_sizes(prepared: PreparedShards, rank: int) -> dict[str, tuple[tuple, tuple]]:
+    out = {}
+    for spec in prepared.specs:
+        before = list(spec.module.weight.shape)
+        before[spec.dim] = spec.size
+        set_shard_sizes(spec, rank)
+        out[spec.name] = (tuple(before), tuple(spec.module.weight.shape))
+    return out
+
+
+def _back_to_meta(model: nn.Module) -> None:
+    """After a failed load: every parameter and buffer back on meta, so nothing half-loaded
+    can run (``check_materialized`` refuses it)."""
+    for module in model.modules():
+        for store in (module._parameters, module._buffers):
+            for attr, t in store.items():
+                if t is not None and not t.is_meta:
+                    meta = torch.empty_like(t, device="meta")
+                    store[attr] = nn.Parameter(meta, requires_grad=False) \
+                        if isinstance(t, nn.Parameter) else meta
+
+
+def default_dtype(index: CheckpointIndex) -> torch.dtype:
+    """The checkpoint's floating dtype (its first floating tensor's), float32 if none."""
+    return next((d for d in index.dtypes.values() if d.is_floating_point), torch.float32)

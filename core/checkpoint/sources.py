@@ -1,0 +1,301 @@
+"""Where each checkpoint tensor lives: a key → pieces index over safetensors / .bin / rank files,
+and a reader that returns any index ranges of any dim of a tensor, converted to a dtype.
+
+Safetensors headers are parsed here (8-byte length + JSON) so a truncated or corrupted file, a
+missing tensor or a wrong shape fails before any weight is read. Data is read with positional
+reads (``os.preadv``) at the header's offsets, never through a memory map (:mod:`.preads`): a
+mapped file's pages count in the process's resident memory as soon as they are touched, and a
+column slice of a row-major weight touches every page of it. So a rank holds its own slices plus
+one bounded staging buffer, whatever it skips.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import struct
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .description import Description
+from .errors import CheckpointError
+from .preads import StagingBuffer, read_slice
+
+log = logging.getLogger(__name__)
+
+Range = tuple[int, int]
+_ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
+              "BF16": torch.bfloat16, "I64": torch.int64, "I32": torch.int32, "I16": torch.int16,
+              "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
+              "F8_E4M3": getattr(torch, "float8_e4m3fn", None),
+              "F8_E5M2": getattr(torch, "float8_e5m2", None)}
+_MAX_HEADER = 100 << 20
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One tensor stored in one file."""
+
+    file: Path
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    offset: int = -1  # byte offset of its data in a safetensors file (-1: a .bin tensor)
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Global indices [start, stop) of ``dim`` of a checkpoint key, stored at
+    [local, local + stop - start) of ``info``'s ``dim``; ``dim`` None: the whole tensor."""
+
+    info: TensorInfo
+    dim: int | None = None
+    start: int = 0
+    stop: int = 0
+    local: int = 0
+    owner: int = 0  # the saved rank whose file holds it
+
+
+# ----- headers ------------------------------------------------------------------------------------
+
+def safetensors_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
+    """(tensor name → info, ``__metadata__``) of a safetensors file, checked for truncation."""
+    size = path.stat().st_size
+    with open(path, "rb") as fh:
+        head = fh.read(8)
+        if len(head) < 8:
+            raise CheckpointError(f"{path} is not a safetensors file (only {size} bytes): "
+                                  f"truncated or corrupted; re-download or re-save it")
+        (n,) = struct.unpack("<Q", head)
+        if n > min(_MAX_HEADER, size - 8):
+            raise CheckpointError(f"{path} has a corrupted safetensors header (claims {n} bytes, "
+                                  f"file has {size}); re-download or re-save it")
+        try:
+            raw = json.loads(fh.read(n))
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise CheckpointError(f"{path} has a corrupted safetensors header ({exc}); "
+                                  f"re-download or re-save it") from None
+    meta = raw.pop("__metadata__", None) or {}
+    tensors, end = {}, 0
+    for name, entry in raw.items():
+        try:
+            dtype = _ST_DTYPES[entry["dtype"]]
+            begin, stop = entry["data_offsets"]
+            shape = tuple(int(d) for d in entry["shape"])
+        except (KeyError, TypeError, ValueError):
+            raise CheckpointError(f"{path}: header entry {name!r} is malformed "
+                                  f"({entry!r}); the file is corrupted") from None
+        if dtype is None:
+            raise CheckpointError(f"{path}: tensor {name!r} has dtype {entry['dtype']}, which "
+                                  f"this torch ({torch.__version__}) does not have")
+        if not (isinstance(begin, int) and isinstance(stop, int) and 0 <= begin <= stop
+                and stop - begin == math.prod(shape) * dtype.itemsize):
+            raise CheckpointError(f"{path}: header entry {name!r} is malformed ({entry!r}: its "
+                                  f"byte range does not fit its shape and dtype); the file is "
+                                  f"corrupted")
+        tensors[name] = TensorInfo(path, name, shape, dtype, 8 + n + begin)
+        end = max(end, stop)
+    if 8 + n + end > size:
+        raise CheckpointError(f"{path} is truncated: its header needs {8 + n + end} bytes, the "
+                              f"file has {size}; re-download or re-save it")
+    return tensors, meta
+
+
+def bin_tensors(path: Path) -> dict[str, torch.Tensor]:
+    """A ``pytorch_model*.bin`` state dict, memory-mapped (its tensors are read on use)."""
+    try:
+        state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+    except Exception as exc:  # torch raises RuntimeError/pickle errors/EOFError for bad files
+        raise CheckpointError(f"{path} cannot be read as a PyTorch checkpoint "
+                              f"({type(exc).__name__}: {exc}); it is truncated or corrupted")
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{path} does not hold a state dict (got {type(state).__name__})")
+    return state
+
+
+# ----- the index ----------------------------------------------------------------------------------
+
+@dataclass
+class CheckpointIndex:
+    """Checkpoint key → its pieces and full shape; plus open-file bookkeeping for reading."""
+
+    pieces: dict[str, list[Piece]]
+    shapes: dict[str, tuple[int, ...]]
+    dtypes: dict[str, torch.dtype]
+    bins: dict[Path, dict[str, torch.Tensor]]
+
+    def keys(self) -> list[str]:
+        return list(self.pieces)
+
+
+def build_index(desc: Description) -> CheckpointIndex:
+    """Read every file's header (never its data) and index the tensors of ``desc``."""
+    if desc.kind == "shardwise":
+        return _shardwise_index(desc)
+    index = CheckpointIndex({}, {}, {}, {})
+    bins = [f for f in desc.files if f.suffix == ".bin"]
+    if bins:
+        warnings.warn(f"{len(bins)} pytorch_model*.bin file(s): .bin files cannot be read slice by "
+                      f"slice, so every rank maps each one whole; convert the checkpoint to "
+                      f"safetensors (save_pretrained(..., safe_serialization=True)) to load only "
+                      f"each rank's slices", stacklevel=3)
+    for path in desc.files:
+        for name, info in _file_infos(path, index).items():
+            if name in index.pieces:
+                raise CheckpointError(f"tensor {name!r} is stored twice: in "
+                                      f"{index.pieces[name][0].info.file} and in {path}")
+            index.pieces[name] = [Piece(info)]
+            index.shapes[name], index.dtypes[name] = info.shape, info.dtype
+    return index
+
+
+def _file_infos(path: Path, index: CheckpointIndex) -> dict[str, TensorInfo]:
+    if path.suffix != ".bin":
+        return safetensors_header(path)[0]
+    state = bin_tensors(path)
+    index.bins[path] = state
+    return {k: TensorInfo(path, k, tuple(v.shape), v.dtype) for k, v in state.items()
+            if isinstance(v, torch.Tensor)}
+
+
+def _shardwise_index(desc: Description) -> CheckpointIndex:
+    headers = [safetensors_header(f) for f in desc.files]
+    _check_rank_files(desc, headers)
+    index = CheckpointIndex({}, {}, {}, {})
+    rank0 = headers[0][0]
+    for name, info in rank0.items():
+        if name not in desc.shards:
+            index.pieces[name], index.shapes[name] = [Piece(info)], info.shape
+            index.dtypes[name] = info.dtype
+    for name, entry in desc.shards.items():
+        dim, pieces = entry["dim"], []
+        for rank, ((tensors, _), ranges) in enumerate(zip(headers, entry["ranges"])):
+            local = 0
+            for a, b in ranges:
+                pieces.append(Piece(tensors[name], dim, a, b, local, rank))
+                local += b - a
+        shape = list(headers[0][0][name].shape)
+        shape[dim] = entry["size"]
+        index.pieces[name], index.shapes[name] = pieces, tuple(shape)
+        index.dtypes[name] = headers[0][0][name].dtype
+    return index
+
+
+def _check_rank_files(desc: Description, headers: list) -> None:
+    """Every rank file must come from the same save and hold its described slices."""
+    for rank, (path, (tensors, meta)) in enumerate(zip(desc.files, headers)):
+        if desc.save_id and meta.get("save_id") != desc.save_id:
+            raise CheckpointError(f"rank file {path} belongs to another save (save_id "
+                                  f"{meta.get('save_id')!r}, the description says "
+                                  f"{desc.save_id!r}): the rank files disagree; re-save the "
+                                  f"checkpoint from one run")
+        for name, entry in desc.shards.items():
+            info = tensors.get(name)
+            want = sum(b - a for a, b in entry["ranges"][rank])
+            if info is None or info.shape[entry["dim"]] != want:
+                got = "absent" if info is None else f"shape {list(info.shape)}"
+                raise CheckpointError(f"rank file {path} disagrees with the description: "
+                                      f"{name!r} is {got}, expected {want} along dim "
+                                      f"{entry['dim']}")
+            first = headers[0][0][name]
+            if (info.dtype, _others(info.shape, entry["dim"])) != \
+                    (first.dtype, _others(first.shape, entry["dim"])):
+                raise CheckpointError(f"rank files disagree on {name!r}: {desc.files[0]} has "
+                                      f"{first.dtype} {list(first.shape)}, {path} has "
+                                      f"{info.dtype} {list(info.shape)}")
+
+
+def _others(shape: tuple[int, ...], dim: int) -> tuple[int, ...]:
+    return shape[:dim] + shape[dim + 1:]
+
+
+# ----- reading ------------------------------------------------------------------------------------
+
+class Reader:
+    """Reads slices of indexed tensors; counts the bytes it reads. Close it (or use ``with``)."""
+
+    def __init__(self, index: CheckpointIndex, rank: int = 0) -> None:
+        self.index, self.rank = index, rank
+        self.bytes_read = 0
+        self._fds: dict[Path, int] = {}  # path → an open file descriptor (read with preadv)
+        self._stage = StagingBuffer()
+
+    def __enter__(self) -> "Reader":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+        self._stage.release()
+
+    def read(self, key: str, dim: int | None, ranges: list[Range] | None,
+             dtype: torch.dtype | None) -> torch.Tensor:
+        """``key``'s ``ranges`` along ``dim`` (None: the whole tensor), concatenated, as
+        ``dtype`` (floating tensors only; None keeps the stored dtype)."""
+        pieces = self.index.pieces[key]
+        if ranges is None:
+            if pieces[0].dim is None:
+                return self._slice(pieces[0].info, None, 0, 0, dtype)
+            dim, ranges = pieces[0].dim, [(0, self.index.shapes[key][pieces[0].dim])]
+        parts = [t for a, b in ranges for t in self._range(key, dim, a, b, dtype)]
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
+
+    def _range(self, key: str, dim: int, a: int, b: int,
+               dtype: torch.dtype | None) -> list[torch.Tensor]:
+        """[a, b) of ``dim``: from a whole tensor, or from the rank files' pieces (each index
+        once, this rank's own file first: replicated kv heads are in several)."""
+        pieces = sorted(self.index.pieces[key], key=lambda p: p.owner != self.rank)
+        if pieces[0].dim is None:
+            return [self._slice(pieces[0].info, dim, a, b, dtype)]
+        if pieces[0].dim != dim:  # saved split along another dim: assemble, then narrow
+            return [self.read(key, None, None, dtype).narrow(dim, a, b - a).clone()]
+        out, cursor = [], a
+        while cursor < b:
+            p = next((p for p in pieces if p.start <= cursor < p.stop), None)
+            if p is None:
+                raise CheckpointError(f"{key!r}: indices [{cursor}, {b}) of dim {dim} are in no "
+                                      f"rank file of the checkpoint")
+            hi = min(b, p.stop)
+            out.append(self._slice(p.info, dim, p.local + cursor - p.start,
+                                   p.local + hi - p.start, dtype))
+            cursor = hi
+        return out
+
+    def _slice(self, info: TensorInfo, dim: int | None, a: int, b: int,
+               dtype: torch.dtype | None) -> torch.Tensor:
+        """A fresh tensor (own memory, contiguous, in ``dtype``) holding [a, b) of ``dim`` of
+        ``info`` (``dim`` None: all of it). Safetensors data is read at its offsets straight into
+        the result (converting through a bounded staging buffer), never mapped."""
+        floating = info.dtype.is_floating_point
+        target = dtype if dtype is not None and floating else info.dtype
+        if info.file in self.index.bins:
+            view = self.index.bins[info.file][info.name]
+            if dim is not None:
+                view = view.narrow(dim, a, b - a)
+            out = torch.empty(view.shape, dtype=target).copy_(view)
+            del view
+        else:
+            out = read_slice(self._fd(info.file), info.offset, info.shape, info.dtype, dim, a, b,
+                             target, self._stage, info.file)
+        self.bytes_read += out.numel() * info.dtype.itemsize
+        return out
+
+    def _fd(self, path: Path) -> int:
+        fd = self._fds.get(path)
+        if fd is None:
+            fd = self._fds[path] = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        return fd
+
+
+def file_bytes(desc: Description) -> int:
+    return sum(os.path.getsize(f) for f in desc.files)
