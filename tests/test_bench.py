@@ -285,7 +285,13 @@ def test_end_to_end_tiny_preset_writes_json_with_every_sample(tmp_path, capsys):
         assert out.with_suffix(".png").stat().st_size > 1000
 
 
-def test_a_failing_variant_is_reported_and_the_others_finish(tmp_path, capsys):
+def test_a_failing_variant_is_reported_and_the_others_finish(tmp_path, capsys, monkeypatch):
+    from shardwise.errors import NotSupportedYetError
+
+    def refuse(*_args, **_kwargs):  # quantization has landed: simulate an engine that refuses
+        raise NotSupportedYetError("quant={'weight': {'num_bits': 8}} refused (simulated)")
+
+    monkeypatch.setattr(runner, "prepare_shardwise", refuse)
     out = tmp_path / "run.json"
     # the preset has 512 positions: the second prompt length fails that cell only
     argv = ["bench", "--preset", TINY, *FAST, "--prompt-len", "8", "600", "--quant", "int8",

@@ -54,6 +54,9 @@ class Plan:
     warmup: int = 1
     repeats: int = 3
     seed: int = 0
+    #: the HF baseline's dtype when it differs from ``dtype`` (``--baseline-dtype``); the model
+    #: is then loaded in it and the shardwise variant casts to ``dtype``.
+    baseline_dtype: str | None = None
 
     @property
     def variant(self) -> str:

@@ -60,7 +60,11 @@ def prefill_tflops(nonembedding_params: int, prompt_len: int, batch: int,
 def weight_bytes(model: nn.Module) -> int:
     """Bytes of the model's parameters, each shared (tied) parameter once: what one decode step
     reads. Under tensor parallelism, call it on a rank's module to get that rank's bytes."""
-    return sum(p.numel() * p.element_size() for p in model.parameters())
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    # quantized layers hold their weights as buffers (shardwise.quant.QuantLinear)
+    return params + sum(b.numel() * b.element_size() for m in model.modules()
+                        if getattr(m, "counts_buffers_as_weights", False)
+                        for b in m.buffers(recurse=False))
 
 
 def embedding_parameters(model: nn.Module) -> list[nn.Parameter]:
@@ -76,7 +80,13 @@ def nonembedding_parameters(model: nn.Module) -> int:
     """Parameters minus those of :func:`embedding_parameters` (each counted once): the ones a
     prompt token multiplies (generate computes the output head for the last token only)."""
     embedding_ids = {id(p) for p in embedding_parameters(model)}
-    return sum(p.numel() for p in model.parameters() if id(p) not in embedding_ids)
+    return sum(p.numel() for p in model.parameters() if id(p) not in embedding_ids) + sum(
+        m.in_features * m.out_features for m in model.modules()  # quantized layers' weights
+        if getattr(m, "counts_buffers_as_weights", False) and m is not _output(model))
+
+
+def _output(model: nn.Module):
+    return model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
 
 
 # ----- measuring the device --------------------------------------------------------------------------

@@ -172,16 +172,17 @@ def bench_model(spec: ModelSpec, plan: Plan, accelerator: Accelerator, variants:
     """Load ``spec`` once and run ``variants`` (``"hf"`` and/or the shardwise one) in order."""
     variants = list(variants)
     dtype = parse_dtype(plan.dtype)
+    base_dtype = parse_dtype(getattr(plan, "baseline_dtype", None)) or dtype
     progress.set_description(f"loading {spec.name}")
     try:
-        model, tokenizer = load(spec, dtype, plan.seed)
+        model, tokenizer = load(spec, base_dtype, plan.seed)
     except Exception as exc:
         progress.update((plan.warmup + plan.repeats) * len(plan.cells) * len(variants))
         return [record(spec, v, c, status="failed", error=f"loading failed: {error_text(exc)}")
                 for v in variants for c in plan.cells]
     records = []
     for variant in variants:
-        prepare = (partial(prepare_baseline, model, dtype, accelerator) if variant == BASELINE
+        prepare = (partial(prepare_baseline, model, base_dtype, accelerator) if variant == BASELINE
                    else partial(prepare_shardwise, model, plan, accelerator))
         records += run_variant(variant, prepare, model, tokenizer, spec, plan, accelerator,
                                progress)

@@ -61,6 +61,9 @@ def _add_variant_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--inject", action="store_true", help="kernel injection")
     g.add_argument("--graphs", action="store_true", help="graph capture")
     g.add_argument("--quant", choices=["int8", "int4"], help="weight quantization")
+    g.add_argument("--baseline-dtype", choices=["fp32", "fp16", "bf16", "auto"],
+                   help="dtype of the HF baseline only (default: --dtype), e.g. an fp32 "
+                        "baseline against --dtype bf16 --quant int8")
 
 
 def _add_output_options(p: argparse.ArgumentParser) -> None:
@@ -127,6 +130,7 @@ def _plan(args: argparse.Namespace):
                 cells=make_cells(args.batch, args.prompt_len, args.new_tokens),
                 device=accelerator.name, dtype=resolve_dtype_name(accelerator, args.dtype),
                 tp=args.tp, nnodes=args.nnodes,
+                baseline_dtype=resolve_dtype_name(accelerator, args.baseline_dtype),
                 engine_options=engine_options(args.inject, args.graphs, args.quant),
                 warmup=args.warmup, repeats=args.repeats, seed=args.seed)
     return plan, accelerator, nproc

@@ -1,0 +1,23 @@
+"""Weight-only quantization (int8 / int4, group-wise, symmetric or asymmetric): ``shardwise.quant``.
+
+``init_inference(model, quant={"weight": {"num_bits": 4}})`` (or ``dtype=torch.int8``) runs
+:func:`quantize_model` as step 6; it can also be called alone::
+
+    from shardwise.quant import quantize_model
+    report = quantize_model(model, {"weight": {"num_bits": 8}}, accelerator, torch.bfloat16)
+    print(report.summary())
+
+Modules: :mod:`.config` (the ``quant=`` dict, DeepSpeed MoQ mapping), :mod:`.modules`
+(:class:`QuantLinear`), :mod:`.transform` (:func:`quantize_model`, :class:`Quantizer` — the hook
+the checkpoint loader calls per tensor), :mod:`.checkpoint` (save/load without re-quantizing).
+"""
+
+from .checkpoint import load_quantized, save_quantized
+from .config import QuantConfig, parse_quant
+from .modules import QuantLinear
+from .transform import (AlreadyQuantizedError, QuantReport, Quantizer, model_bytes,
+                        quant_targets, quantize_model)
+
+__all__ = ["load_quantized", "save_quantized", "QuantConfig", "parse_quant", "QuantLinear",
+           "AlreadyQuantizedError", "QuantReport", "Quantizer", "model_bytes", "quant_targets",
+           "quantize_model"]

@@ -1,0 +1,202 @@
+"""The ``quant=`` config: parse and validate it, every key used or rejected by name.
+
+Accepted (shardwise's names and DeepSpeed-Inference's)::
+
+    quant = {
+        "enabled": True,                    # optional; False turns quantization off
+        "weight": {
+            "enabled": True,                # optional; False turns quantization off
+            "num_bits": 8,                  # 8 or 4
+            "group_size": 128,              # columns per scale; -1 = one scale per output row
+            "q_type": "symmetric",          # or "asymmetric" (adds a zero point per group)
+            "q_groups": 1,                  # DeepSpeed MoQ: groups per row (see below)
+            "mlp_extra_grouping": False,    # DeepSpeed MoQ: twice the groups in MLP layers
+        },
+        "lm_head": False,                   # also quantize the output head (off by default)
+        "activation": {"enabled": False},   # accepted only disabled: activations stay in the
+    }                                       # compute dtype
+
+``dtype=torch.int8`` (DeepSpeed's spelling) means ``quant={"weight": {"num_bits": 8}}`` with the
+accelerator's preferred compute dtype (bf16 on a CPU with native bf16, see
+:func:`shardwise.config.InferenceConfig`).
+
+Group size
+----------
+* ``group_size`` given: used for every quantized layer; it must divide each layer's input
+  features (the error names the layer).
+* neither ``group_size`` nor ``q_groups``: 8 bits → one scale per output row (per channel);
+  4 bits → groups of 128 columns, or of 64 / 32 where 128 does not divide a layer's input
+  features, else per channel (every default fits every layer).
+* DeepSpeed MoQ ``q_groups = G``: DeepSpeed splits a weight matrix into G blocks of whole rows,
+  each with one scale. shardwise always keeps one scale per output row, which is already at least
+  as fine as any row blocking, so G is mapped onto the other axis: **each row is cut into G groups
+  along the input features** (``group_size = in_features // G``; G=1 is per channel).
+  ``mlp_extra_grouping=True`` doubles G for the MLP layers (``in_features // (2 G)``), as
+  DeepSpeed doubles the MLP's groups. ``q_groups`` and ``group_size`` together are an error.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from ..errors import ConfigError, NotSupportedYetError
+
+ALLOWED_BITS = (4, 8)
+TOP_KEYS = ("enabled", "weight", "lm_head", "activation")
+WEIGHT_KEYS = ("enabled", "num_bits", "group_size", "q_type", "q_groups", "mlp_extra_grouping")
+#: DeepSpeed keys we know and do not support (rejected with this reason).
+_UNSUPPORTED = {
+    "qkv": "DeepSpeed's fused-qkv quantization switch (shardwise quantizes q/k/v like every "
+           "other planned linear)",
+    "quantized_initialization": "loading pre-quantized DeepSpeed checkpoints",
+    "post_init_quant": "DeepSpeed's post-init per-layer quantization table",
+}
+#: Default 4-bit group sizes, tried in order (the first dividing in_features wins).
+INT4_DEFAULT_GROUPS = (128, 64, 32)
+_MLP_NAME = re.compile(r"(^|\.)(mlp|ffn|feed_forward|fc1|fc2|c_fc|gate_proj|up_proj|down_proj|"
+                       r"dense_h_to_4h|dense_4h_to_h|w1|w2|w3)(\.|$)")
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    """A validated weight-quantization setting.
+
+    bits: 4 or 8; group_size: columns per scale (-1 per channel) or None for the default (module
+    docstring); q_groups: DeepSpeed MoQ groups per row (None unless given); mlp_extra_grouping:
+    double ``q_groups`` in MLP layers; symmetric: no zero points; lm_head: quantize the output
+    head too.
+    """
+
+    bits: int = 8
+    group_size: int | None = None
+    symmetric: bool = True
+    q_groups: int | None = None
+    mlp_extra_grouping: bool = False
+    lm_head: bool = False
+
+    def group_size_for(self, name: str, in_features: int) -> int:
+        """The group size of layer ``name`` with ``in_features`` inputs (module docstring);
+        raises :class:`ConfigError` naming the layer when the setting does not fit it."""
+        if self.q_groups is not None:
+            groups = self.q_groups * (2 if self.mlp_extra_grouping and is_mlp(name) else 1)
+            if in_features % groups:
+                raise ConfigError(
+                    f"q_groups={self.q_groups}{' (x2 for MLP: mlp_extra_grouping)' if groups != self.q_groups else ''}"
+                    f" does not divide layer {name!r}'s {in_features} input features into "
+                    f"equal groups; choose q_groups dividing it, or group_size")
+            return in_features // groups
+        if self.group_size is not None:
+            size = in_features if self.group_size == -1 else self.group_size
+            if in_features % size:
+                raise ConfigError(f"group_size={self.group_size} does not divide layer {name!r}'s "
+                                  f"{in_features} input features; use a divisor of it, or -1 "
+                                  f"(one scale per output row)")
+            return size
+        if self.bits == 4:
+            return next((g for g in INT4_DEFAULT_GROUPS if in_features % g == 0), in_features)
+        return in_features
+
+    def describe(self) -> str:
+        if self.q_groups is not None:
+            groups = f"q_groups={self.q_groups}" + (" (x2 MLP)" if self.mlp_extra_grouping else "")
+        elif self.group_size is None:
+            groups = "per-channel" if self.bits == 8 else "groups of 128 (64/32 where needed)"
+        else:
+            groups = "per-channel" if self.group_size == -1 else f"groups of {self.group_size}"
+        kind = "symmetric" if self.symmetric else "asymmetric"
+        return f"int{self.bits} {kind}, {groups}{', lm_head too' if self.lm_head else ''}"
+
+    def to_dict(self) -> dict[str, Any]:
+        """The ``quant=`` dict that builds this config again."""
+        weight: dict[str, Any] = {"num_bits": self.bits,
+                                  "q_type": "symmetric" if self.symmetric else "asymmetric"}
+        if self.group_size is not None:
+            weight["group_size"] = self.group_size
+        if self.q_groups is not None:
+            weight["q_groups"] = self.q_groups
+            weight["mlp_extra_grouping"] = self.mlp_extra_grouping
+        return {"weight": weight, "lm_head": self.lm_head}
+
+
+def is_mlp(name: str) -> bool:
+    """Whether module ``name`` is an MLP linear (by the names the families use)."""
+    return bool(_MLP_NAME.search(name))
+
+
+def _unknown(key: str, valid: tuple[str, ...], where: str) -> ConfigError:
+    if key in _UNSUPPORTED:
+        return NotSupportedYetError(f"{where} key {key!r} ({_UNSUPPORTED[key]}) is not supported "
+                                    f"by this version of shardwise; remove it")
+    close = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    return ConfigError(f"unknown {where} key {key!r}{hint} (valid: {', '.join(valid)})")
+
+
+def _bool(value: Any, name: str) -> bool:
+    if not isinstance(value, bool):
+        raise ConfigError(f"quant {name} must be true or false, got {value!r}")
+    return value
+
+
+def parse_quant(value: Any, *, default_bits: int | None = None) -> QuantConfig | None:
+    """A :class:`QuantConfig` from ``quant=`` (a dict, a QuantConfig, or None); None when
+    quantization is off. Every key is used or rejected by name (closest-name suggestion)."""
+    if value is None:
+        return QuantConfig(bits=default_bits) if default_bits else None
+    if isinstance(value, QuantConfig):
+        return value
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"quant must be a dict like {{'weight': {{'num_bits': 8}}}}, got "
+                          f"{type(value).__name__} {value!r}")
+    for key in value:
+        if key not in TOP_KEYS:
+            raise _unknown(key, TOP_KEYS, "quant")
+    if not _bool(value.get("enabled", True), "enabled"):
+        return None
+    activation = value.get("activation", {})
+    if not isinstance(activation, Mapping) or set(activation) - {"enabled", "num_bits", "q_type",
+                                                                "q_groups"}:
+        raise ConfigError(f"quant activation must be a dict like {{'enabled': False}}, got "
+                          f"{activation!r}")
+    if activation.get("enabled", False) is not False:
+        raise NotSupportedYetError("quant activation.enabled=True asks for activation "
+                                   "quantization, which shardwise does not do: weights are "
+                                   "quantized, activations stay in the compute dtype; remove it")
+    weight = value.get("weight", {})
+    if not isinstance(weight, Mapping):
+        raise ConfigError(f"quant weight must be a dict like {{'num_bits': 8}}, got {weight!r}")
+    for key in weight:
+        if key not in WEIGHT_KEYS:
+            raise _unknown(key, WEIGHT_KEYS, "quant weight")
+    if not _bool(weight.get("enabled", True), "weight.enabled"):
+        return None
+    bits = weight.get("num_bits", default_bits or 8)
+    if isinstance(bits, bool) or bits not in ALLOWED_BITS:
+        raise ConfigError(f"quant num_bits must be 4 or 8, got {bits!r}")
+    if default_bits is not None and bits != default_bits:
+        raise ConfigError(f"dtype=int8 asks for 8-bit weights but quant num_bits is {bits}; "
+                          f"drop dtype=int8 (give the compute dtype) or num_bits")
+    q_type = weight.get("q_type", "symmetric")
+    if q_type not in ("symmetric", "asymmetric"):
+        raise ConfigError(f"quant q_type must be 'symmetric' or 'asymmetric', got {q_type!r}")
+    group_size = weight.get("group_size")
+    if group_size is not None and (isinstance(group_size, bool) or not isinstance(group_size, int)
+                                   or (group_size <= 0 and group_size != -1)):
+        raise ConfigError(f"quant group_size must be a positive integer or -1 (per output row), "
+                          f"got {group_size!r}")
+    q_groups = weight.get("q_groups")
+    if q_groups is not None and (isinstance(q_groups, bool) or not isinstance(q_groups, int)
+                                 or q_groups < 1):
+        raise ConfigError(f"quant q_groups must be a positive integer, got {q_groups!r}")
+    if q_groups is not None and group_size is not None:
+        raise ConfigError("quant weight gives both group_size and q_groups (DeepSpeed's name for "
+                          "groups per row); give one")
+    extra = _bool(weight.get("mlp_extra_grouping", False), "mlp_extra_grouping")
+    if extra and q_groups is None:
+        q_groups = 1  # DeepSpeed's default q_groups, doubled for the MLP
+    return QuantConfig(bits=bits, group_size=group_size, symmetric=q_type == "symmetric",
+                       q_groups=q_groups, mlp_extra_grouping=extra,
+                       lm_head=_bool(value.get("lm_head", False), "lm_head"))

@@ -1,0 +1,161 @@
+"""``QuantLinear``: a drop-in for ``nn.Linear`` / transformers ``Conv1D`` holding a packed
+weight-only quantized weight and calling the resolved ``quant_linear`` kernel.
+
+The packed tensors (one backend's layout, made once by ``impl.fn.prepack``) are registered as
+buffers, so ``.to(device)``, ``state_dict()`` and ``load_state_dict()`` see them. They keep their
+dtypes under ``.to(dtype)`` / ``.half()`` (a packed layout is made for one compute dtype; casting
+its scales would change the numbers): cast a quantized model by re-quantizing it. The bias is an
+ordinary Parameter in the compute dtype.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..kernel_registry import KernelImpl, registry
+from shardwise.kernels.reference.quant import PackedQuantWeight, QuantSpec
+
+#: Hook dicts carried from the module a QuantLinear replaces (shared, so handles keep working).
+_HOOK_ATTRS = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called",
+               "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_backward_hooks",
+               "_backward_pre_hooks")
+
+
+class QuantLinear(nn.Module):
+    """``y = x @ dequant(W)ᵀ + bias`` with a packed quantized ``W [out, in]`` (F.linear layout
+    whatever the replaced module's layout was).
+
+    Attributes:
+        in_features, out_features: as ``nn.Linear``.
+        spec: the :class:`QuantSpec` (bits, group size, symmetric, shape).
+        backend: the kernel backend the weight is packed for (``"cpu"``, ``"triton"``,
+            ``"reference"``); compute_dtype: the activations' dtype it was packed for.
+        bias: Parameter [out] or None.
+    """
+
+    #: Lets byte counters (benchmark roofline, quant report) count these buffers as weights.
+    counts_buffers_as_weights = True
+
+    def __init__(self, packed: PackedQuantWeight, kernel: KernelImpl,
+                 bias: torch.Tensor | None = None, source: str = "linear") -> None:
+        super().__init__()
+        spec = packed.spec
+        self.in_features, self.out_features = spec.in_features, spec.out_features
+        self.spec: QuantSpec = spec
+        self.backend: str = packed.backend
+        self.compute_dtype: torch.dtype | None = packed.dtype
+        self.meta: dict[str, Any] = dict(packed.meta)
+        self.source = source  # "linear" or "conv1d": what it replaced
+        self.kernel = kernel
+        self._tensor_names = tuple(packed.tensors)
+        for name, tensor in packed.tensors.items():
+            self.register_buffer(name, tensor)
+        self.bias = nn.Parameter(bias.detach(), requires_grad=False) if bias is not None else None
+        self._packed: PackedQuantWeight | None = None
+
+    # ----- construction --------------------------------------------------------------------------
+
+    @classmethod
+    def empty_like(cls, spec: QuantSpec, backend: str, compute_dtype: torch.dtype | None,
+                   meta: dict, shapes: dict[str, tuple[list[int], str]], bias_shape, source,
+                   device: torch.device | str | None = None) -> "QuantLinear":
+        """A shell with uninitialised buffers of the given shapes/dtypes (for loading a saved
+        quantized state dict into); the kernel is ``backend``'s ``quant_linear``."""
+        tensors = {n: torch.empty(shape, dtype=getattr(torch, dt), device=device)
+                   for n, (shape, dt) in shapes.items()}
+        packed = PackedQuantWeight(backend, spec, compute_dtype, tensors, dict(meta))
+        bias = torch.empty(bias_shape, dtype=compute_dtype or torch.float32, device=device) \
+            if bias_shape is not None else None
+        return cls(packed, kernel_for_backend(backend), bias, source)
+
+    def describe_tensors(self) -> dict[str, tuple[list[int], str]]:
+        """name → (shape, dtype name) of the packed buffers (see :meth:`empty_like`)."""
+        return {n: (list(getattr(self, n).shape), str(getattr(self, n).dtype).removeprefix("torch."))
+                for n in self._tensor_names}
+
+    # ----- forward -------------------------------------------------------------------------------
+
+    @property
+    def packed(self) -> PackedQuantWeight:
+        """The packed weight over the current buffers (rebuilt after ``.to`` / loading)."""
+        if self._packed is None:
+            self._packed = PackedQuantWeight(self.backend, self.spec, self.compute_dtype,
+                                             {n: getattr(self, n) for n in self._tensor_names},
+                                             self.meta)
+        return self._packed
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.kernel(x, self.packed, self.bias)
+
+    @property
+    def weight_nbytes(self) -> int:
+        """Bytes of the packed weight (scales and zeros included), bias excluded."""
+        return sum(getattr(self, n).numel() * getattr(self, n).element_size()
+                   for n in self._tensor_names)
+
+    # ----- keeping the packed layout intact ----------------------------------------------------
+
+    def _apply(self, fn, recurse=True):
+        buffers, self._buffers = self._buffers, {}
+        try:
+            super()._apply(fn, recurse)  # the bias (and any child) as usual
+        finally:
+            self._buffers = buffers
+        for name, buf in buffers.items():
+            if buf is None:
+                continue
+            moved = fn(buf)
+            if moved.dtype != buf.dtype:  # a dtype cast: move only, never re-round the layout
+                moved = buf.to(moved.device)
+            buffers[name] = moved
+        self._packed = None
+        return self
+
+    def _load_from_state_dict(self, *args, **kwargs):
+        super()._load_from_state_dict(*args, **kwargs)
+        self._packed = None
+
+    def extra_repr(self) -> str:
+        s = self.spec
+        groups = "per-channel" if s.group_size == s.in_features else f"group={s.group_size}"
+        return (f"in_features={s.in_features}, out_features={s.out_features}, int{s.bits}, "
+                f"{groups}, {'sym' if s.symmetric else 'asym'}, backend={self.backend}, "
+                f"bias={self.bias is not None}")
+
+    def dequantized_weight(self) -> torch.Tensor:
+        """The float ``[out, in]`` weight, for inspection only (reference-packed weights; other
+        layouts are opaque): raises for other backends."""
+        from shardwise.kernels.reference.quant import dequantize_weight, unpacked
+
+        if self.backend != "reference":
+            raise TypeError(f"{self.backend} packed layouts are opaque; dequantize the "
+                            "QuantizedWeight before packing instead")
+        return dequantize_weight(unpacked(self.packed))
+
+
+def kernel_for_backend(backend: str) -> KernelImpl:
+    """``backend``'s ``quant_linear`` implementation (its module imported on demand)."""
+    error = registry.load_backend(backend)
+    impl = registry.implementations("quant_linear").get(backend)
+    if impl is None:
+        raise KeyError(f"quant_linear backend {backend!r} is not available here"
+                       f"{': ' + error if error else ''}")
+    return impl
+
+
+def carry_hooks(old: nn.Module, new: nn.Module) -> None:
+    """Make ``new`` run ``old``'s instance hooks (e.g. tensor parallelism's all-reduce after a
+    row-parallel linear): the hook dicts are shared, so existing handles still remove them."""
+    for attr in _HOOK_ATTRS:
+        if hasattr(old, attr):
+            setattr(new, attr, getattr(old, attr))
+
+
+def set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
+    """Replace the submodule called ``name`` (dotted) with ``module``."""
+    parent_name, _, child = name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    setattr(parent, child, module)

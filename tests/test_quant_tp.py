@@ -1,0 +1,63 @@
+"""Quantization under tensor parallelism (2 gloo ranks, one process pair for every case): each
+rank quantizes its own shards after sharding (scales follow their rows), the row-parallel
+all-reduce hooks keep working on the QuantLinear that replaced the module, both ranks compute the
+same logits, and parity with the fp32 single-process model holds within test_quant's bounds."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import shardwise
+from models import prompt_ids, tiny_causal_lm
+from test_quant import ARCHS, BOUNDS, parity
+from tp_harness import TP, case, digest, run_cases, run_pair
+
+CASES = [(arch, bits) for arch in ARCHS for bits in (8, 4)]
+
+
+def quant_case(rank: int, arch: str, bits: int) -> dict:
+    from shardwise.quant import QuantLinear
+
+    ref, model = tiny_causal_lm(arch), tiny_causal_lm(arch)
+    ids = prompt_ids(batch=2, length=16)
+    with torch.no_grad():
+        ref_logits = ref(ids).logits
+    engine = shardwise.init_inference(model, device="cpu", dtype=torch.bfloat16,
+                                      quant={"weight": {"num_bits": bits}}, **TP)
+    mine = ids if rank == 0 else torch.zeros_like(ids)
+    logits = engine(input_ids=mine).logits
+    rel, agree = parity(ref_logits, logits)
+    tokens = engine.generate(mine[:1, :8], max_new_tokens=6, min_new_tokens=6, do_sample=False,
+                             pad_token_id=0)
+    rows = [n for n, s in engine.sharding.sharded.items() if s.role == "row"]
+    row_quantized = [n for n in rows if isinstance(model.get_submodule(n), QuantLinear)]
+    row_hooked = [n for n in row_quantized if model.get_submodule(n)._forward_hooks]
+    report = engine.quantization
+    return dict(rel=rel, agree=agree, digest=digest(logits.float()), tokens=tokens.tolist(),
+                rows=len(rows), row_quantized=len(row_quantized), row_hooked=len(row_hooked),
+                layers=report.layers_quantized, backends=report.backends(),
+                bytes_before=report.bytes_before, bytes_after=report.bytes_after)
+
+
+def _run_all(rank: int) -> dict:
+    return run_cases(rank, {f"{a}-int{b}": (lambda a=a, b=b: quant_case(rank, a, b))
+                            for a, b in CASES})
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    return run_pair(_run_all, tmp_path_factory.mktemp("quant_tp"))
+
+
+@pytest.mark.parametrize("arch,bits", CASES)
+def test_tp2_quantized_parity(ranks, arch, bits):
+    r0, r1 = case(ranks, f"{arch}-int{bits}")
+    print(f"{arch} int{bits} tp2: rel {r0['rel']:.4f} agree {r0['agree']:.2f} "
+          f"bytes {r0['bytes_before']} -> {r0['bytes_after']} ({r0['seconds']:.1f} s)")
+    assert r0["digest"] == r1["digest"] and r0["tokens"] == r1["tokens"]  # ranks agree
+    max_rel, min_agree = BOUNDS[bits]
+    assert r0["rel"] <= max_rel and r0["agree"] >= min_agree, (r0["rel"], r0["agree"])
+    assert r0["rows"] > 0 and r0["row_quantized"] == r0["rows"] == r0["row_hooked"]
+    assert {b for kinds in r0["backends"].values() for b in kinds} == {"cpu"}
+    assert r0["bytes_after"] < r0["bytes_before"]
