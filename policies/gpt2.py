@@ -1,6 +1,7 @@
 """GPT-2 policy: fused ``c_attn`` Conv1D (weight [hidden, 3*hidden] = [q | k | v] on the output
 side), tied wte / lm_head, no HF tp_plan."""
 
+from shardwise.inject.spec import InjectionSpec
 from shardwise.policy import Policy
 from shardwise.sharding.roles import (ColumnParallel, Fused, Heads, RowParallel,
                                       VocabParallelEmbedding, VocabParallelHead)
@@ -24,3 +25,12 @@ class GPT2Policy(Policy):
     attention_attrs = {"num_heads": "q_heads", "split_size": "q_width", "embed_dim": "q_width"}
     head_config = {"num_heads": ("n_head",), "num_kv_heads": (), "head_dim": (),
                    "hidden_size": ("n_embd",)}
+    # Kernel injection: LayerNorm, learned positions (wpe), fused c_attn [q | k | v] Conv1D,
+    # bias+GELU MLP (the activation named by activation_function: gelu_new = tanh).
+    injection = InjectionSpec(
+        base_model="transformer", layers="h", embed="wte", final_norm="ln_f", norm="layer",
+        attn_norm="ln_1", mlp_norm="ln_2", qkv=("attn.c_attn",), out_proj="attn.c_proj",
+        positions="learned", pos_embed="wpe", mlp="plain", mlp_in=("mlp.c_fc",),
+        mlp_out="mlp.c_proj", activation_config=("activation_function",),
+        inverse_layer_scale_config="scale_attn_by_inverse_layer_idx",
+        unscaled_config="scale_attn_weights")

@@ -6,6 +6,7 @@ grouped-query attention split by whole heads/kv groups) and the attention attrib
 the split — and its own plan for when the HF one is absent.
 """
 
+from shardwise.inject.spec import InjectionSpec
 from shardwise.policy import Policy
 from shardwise.sharding.roles import (ColumnParallel, Heads, RowParallel, VocabParallelEmbedding,
                                       VocabParallelHead)
@@ -34,3 +35,12 @@ class LlamaPolicy(Policy):
     attention_modules = ("layers.*.self_attn",)
     # The HF forward reshapes with -1 heads; only repeat_kv's group count is stored.
     attention_attrs = {"num_key_value_groups": "kv_groups"}
+    # Kernel injection: RMSNorm, rotary "half" from the model's own rotary_emb (rope scaling
+    # included), SiLU-and-mul MLP, separate q/k/v (GQA read from the weight shapes).
+    injection = InjectionSpec(
+        base_model="model", layers="layers", embed="embed_tokens", final_norm="norm",
+        norm="rms", attn_norm="input_layernorm", mlp_norm="post_attention_layernorm",
+        qkv=("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+        out_proj="self_attn.o_proj", positions="rotary", rotary_module="rotary_emb",
+        rotary_style="half", mlp="gated", mlp_in=("mlp.gate_proj", "mlp.up_proj"),
+        mlp_out="mlp.down_proj", activation_config=("hidden_act",))

@@ -1,0 +1,98 @@
+"""Kernel injection composed with tensor parallelism on 2 gloo ranks: the injected layers run on
+the sharded weights and the row-parallel all-reduce still happens (through the sharding hooks and
+the engine's communicator), so TP=2 + injection gives HF's logits and tokens.
+
+All cases run in ONE pair of processes (module-scoped fixture). Tolerances as tests/test_inject.py
+(fp32: logits 1e-4 and identical greedy tokens; bf16: logits within 0.05 — the TP all-reduce
+sums partial products in bf16 in another order — and free-running greedy agreement ≥ 0.5: a near-tie can flip a token and its sequence's tail).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import shardwise
+from models import prompt_ids, tiny_causal_lm
+from tp_harness import TP, _with_random_biases, case, digest, run_cases, run_pair
+
+FP32_ATOL = 1e-4
+BF16_ATOL = 0.05
+BF16_MIN_AGREEMENT = 0.5
+NEW = 32
+FAMILIES = ["llama", "mistral", "qwen2", "gpt2"]
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def _inject_case(rank: int, arch: str, dtype: torch.dtype, graphs: str | None = None) -> dict:
+    from shardwise.accelerators.cpu import CpuAccelerator
+
+    original = CpuAccelerator.graph_strategy
+    if graphs == "replay":  # an accelerating strategy on CPU tensors (see test_inject.py)
+        from test_inject import ReplayOnCpu
+
+        CpuAccelerator.graph_strategy = lambda self: ReplayOnCpu()
+    try:
+        return _run_case(rank, arch, dtype, graphs)
+    finally:
+        CpuAccelerator.graph_strategy = original
+
+
+def _run_case(rank: int, arch: str, dtype: torch.dtype, graphs: str | None) -> dict:
+    from shardwise.inject import InjectedModel
+
+    ref = _with_random_biases(tiny_causal_lm(arch)).to(dtype)
+    model = _with_random_biases(tiny_causal_lm(arch))
+    ids = prompt_ids(batch=2, length=8, vocab=ref.config.vocab_size)
+    gen = dict(max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        ref_logits, ref_tokens = ref(ids).logits.float(), ref.generate(ids, **gen)
+    engine = shardwise.init_inference(model, device="cpu", dtype=dtype,
+                                      replace_with_kernel_inject=True,
+                                      enable_graph=graphs is not None, **TP)
+    mine = ids if rank == 0 else torch.zeros_like(ids)  # the engine broadcasts rank 0's inputs
+    logits = engine(input_ids=mine).logits.float()
+    tokens = engine.generate(mine, **gen)
+    return dict(max_abs=(logits - ref_logits).abs().max().item(),
+                agreement=(tokens[:, 8:] == ref_tokens[:, 8:]).float().mean().item(),
+                tokens_equal=torch.equal(tokens, ref_tokens), digest=digest(logits),
+                injected=isinstance(model.base_model, InjectedModel),
+                local_q_heads=model.base_model.get_submodule(
+                    "h.0" if arch == "gpt2" else "layers.0").q_heads,
+                graphs=model.base_model.graphs is not None)
+
+
+CASES = {f"{arch}-{name}": (arch, dtype, None) for arch in FAMILIES
+         for name, dtype in DTYPES.items()}
+CASES["llama-fp32-graphs-replay"] = ("llama", torch.float32, "replay")
+CASES["gpt2-fp32-graphs-noop"] = ("gpt2", torch.float32, "noop")
+
+
+def _run_all(rank: int) -> dict:
+    from functools import partial
+
+    return run_cases(rank, {name: partial(_inject_case, rank, *args)
+                            for name, args in CASES.items()})
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    return run_pair(_run_all, tmp_path_factory.mktemp("inject_tp"), deadline_s=240)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_tp2_injection_matches_hf(ranks, name):
+    r0, r1 = case(ranks, name)
+    arch, dtype, graphs = CASES[name]
+    assert r0["injected"] and r1["injected"]
+    heads = 4  # every tiny family has 4 query heads: 2 per rank
+    assert r0["local_q_heads"] == r1["local_q_heads"] == heads // 2
+    assert r0["digest"] == r1["digest"]  # every rank returns the same logits
+    if dtype == torch.float32:
+        assert r0["max_abs"] < FP32_ATOL, r0["max_abs"]
+        assert r0["tokens_equal"] and r1["tokens_equal"]
+    else:
+        print(f"{name}: max |logit diff| {r0['max_abs']:.4f}, agreement {r0['agreement']:.3f}")
+        assert r0["max_abs"] < BF16_ATOL
+        assert r0["agreement"] >= BF16_MIN_AGREEMENT
+    assert r0["graphs"] == (graphs == "replay")
