@@ -59,7 +59,9 @@ class InferenceConfig:
         base_dir: directory the checkpoint description's file names are relative to.
         save_mp_checkpoint_path: where to write the sharded checkpoint after loading.
         max_tokens: KV-cache capacity in tokens, prompt included (alias ``max_out_tokens``).
-        quant: weight-quantization settings, ``{"weight": {"num_bits": 8, ...}}``.
+        quant: weight-quantization settings, ``{"weight": {"num_bits": 8, ...}}`` (all keys and
+            DeepSpeed MoQ's mapping: :mod:`shardwise.quant.config`). ``dtype=torch.int8`` means
+            8-bit weights with the accelerator's preferred compute dtype (bf16 on CPU).
         comm_timeout: seconds before a collective gives up (default
             ``$SHARDWISE_COMM_TIMEOUT`` or 300).
     """
@@ -110,10 +112,13 @@ class InferenceConfig:
                                       or not isinstance(self.seed, int)):
             raise ConfigError(f"seed must be an integer or None, got {self.seed!r}")
         _check_type("injection_policy", self.injection_policy, (dict, type(None)))
+        _check_checkpoint_fields(self)
         if self.comm_timeout is not None and (
                 not isinstance(self.comm_timeout, (int, float)) or self.comm_timeout <= 0):
             raise ConfigError(f"comm_timeout must be positive seconds, got {self.comm_timeout!r}")
         _reject_unlanded(self)
+        _check_injection(self)
+        _check_quant(self)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain values (dtype as its short name), e.g. for a benchmark's provenance."""
@@ -214,14 +219,16 @@ def _check_type(name: str, value: Any, types: tuple[type, ...]) -> None:
 
 #: Fields whose feature has not landed yet: field → what it enables. A non-default value fails.
 NOT_YET_SUPPORTED: dict[str, str] = {
-    "replace_with_kernel_inject": "kernel injection",
-    "enable_graph": "graph capture",
-    "checkpoint": "checkpoint loading",
-    "base_dir": "checkpoint loading",
-    "save_mp_checkpoint_path": "sharded checkpoint saving",
-    "max_tokens": "the static KV cache",
-    "quant": "weight quantization",
 }
+
+
+def _check_checkpoint_fields(cfg: InferenceConfig) -> None:
+    _check_type("checkpoint", cfg.checkpoint, (str, os.PathLike, dict, type(None)))
+    for name in ("base_dir", "save_mp_checkpoint_path"):
+        _check_type(name, getattr(cfg, name), (str, os.PathLike, type(None)))
+    if cfg.base_dir is not None and cfg.checkpoint is None:
+        raise ConfigError("base_dir is where a checkpoint description's files are; it needs "
+                          "checkpoint=... (a description file or dict) as well")
 
 
 def _reject_unlanded(cfg: InferenceConfig) -> None:
@@ -231,6 +238,30 @@ def _reject_unlanded(cfg: InferenceConfig) -> None:
             raise NotSupportedYetError(
                 f"{name}={getattr(cfg, name)!r} asks for {feature}, which this version of "
                 f"shardwise does not support yet; remove it (it would not be silently ignored)")
-    if cfg.dtype == torch.int8:
-        raise NotSupportedYetError("dtype=int8 asks for weight quantization, which this version "
-                                   "of shardwise does not support yet; use fp32/fp16/bf16")
+
+
+def _check_quant(cfg: InferenceConfig) -> None:
+    """Validate ``quant`` (every key used or rejected by name, see :mod:`shardwise.quant.config`)
+    and map DeepSpeed's ``dtype=torch.int8`` onto it: 8-bit weights, compute dtype ``"auto"`` (the
+    accelerator's preferred one: bf16 on a CPU with native bf16, whose packed int8/int4 kernels
+    are bf16-only; fp16/bf16 on GPUs). ``quant`` is normalised to the dict the engine reads."""
+    from .quant.config import parse_quant
+
+    int8 = cfg.dtype == torch.int8
+    parsed = parse_quant(cfg.quant, default_bits=8 if int8 else None)
+    if int8:
+        cfg.dtype = "auto"
+    cfg.quant = parsed.to_dict() if parsed is not None else None
+
+
+def _check_injection(cfg: InferenceConfig) -> None:
+    """enable_graph and max_tokens act on the injected model: without injection they would do
+    nothing, so they are refused rather than ignored."""
+    if cfg.replace_with_kernel_inject:
+        return
+    if cfg.enable_graph:
+        raise ConfigError("enable_graph=True (enable_cuda_graph) captures the injected decode "
+                          "step; it needs replace_with_kernel_inject=True")
+    if cfg.max_tokens != InferenceConfig.max_tokens:
+        raise ConfigError(f"max_tokens={cfg.max_tokens!r} (max_out_tokens) sizes the static KV "
+                          f"cache of injected models; it needs replace_with_kernel_inject=True")

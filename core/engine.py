@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 import torch
@@ -13,7 +14,7 @@ from .communicator import Communicator, create_communicator
 from .config import InferenceConfig
 from .errors import ConfigError
 from .plugins import get_accelerator
-from . import sharding, transforms
+from . import checkpoint as _checkpoint, sharding, transforms
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +31,11 @@ class InferenceEngine:
         dtype: the compute dtype.
         sharding: the :class:`~shardwise.sharding.ShardReport` under tensor parallelism (what
             was sharded and how, what stayed replicated, each rank's parameter bytes), else None.
+        quantization: the :class:`~shardwise.quant.QuantReport` with ``quant=`` / ``dtype=int8``
+            (model bytes before/after, layers quantized, backend per layer kind), else None.
     """
+
+    quantization = None
 
     def __init__(self, module: nn.Module, config: InferenceConfig, accelerator: Accelerator,
                  communicator: Communicator, device: torch.device, dtype: torch.dtype,
@@ -54,6 +59,14 @@ class InferenceEngine:
         """``module.generate`` with tensor inputs moved to the engine's device (and broadcast
         from rank 0 under tensor parallelism)."""
         return self.module.generate(*self._inputs(args), **self._inputs(kwargs))
+
+    def save_checkpoint(self, path: str | os.PathLike) -> str:
+        """Write the loaded model as a sharded checkpoint (every rank calls it): one safetensors
+        file per rank plus ``shardwise_checkpoint.json``, loadable at any tp size with
+        ``init_inference(None, checkpoint=path, ...)``. Returns the description's path."""
+        prepared = getattr(self, "_prepared", None) if self.sharding is not None else None
+        return str(_checkpoint.save_checkpoint(self.module, path, prepared=prepared,
+                                               communicator=self.communicator))
 
     def _inputs(self, value: Any) -> Any:
         value = self._to_device(value)
@@ -126,7 +139,10 @@ def init_inference(model: nn.Module, config: InferenceConfig | dict | str | None
 
     Args:
         model: a Hugging Face ``PreTrainedModel`` (or any ``nn.Module``) with real weights. It is
-            transformed in place and available as ``engine.module``.
+            transformed in place and available as ``engine.module``. With ``checkpoint=...`` it
+            may be on the meta device (``with torch.device("meta"):`` or accelerate's
+            ``init_empty_weights()`` around ``from_config``) or None (built from the
+            checkpoint's config.json); each rank then reads only its slices of the checkpoint.
         config: an :class:`InferenceConfig`, a dict of its fields, or a JSON file path.
         **kwargs: config fields, DeepSpeed names included (``mp_size``, ``tensor_parallel``,
             ``enable_cuda_graph``, ``max_out_tokens``). A field given both here and in
@@ -144,22 +160,72 @@ def init_inference(model: nn.Module, config: InferenceConfig | dict | str | None
         UnsupportedDtypeError: a dtype the device cannot run.
     """
     cfg = InferenceConfig.build(config, **kwargs)
+    desc = _checkpoint.describe(cfg.checkpoint, cfg.base_dir) if cfg.checkpoint else None
+    if desc is not None:  # 3. (skeleton): the user's meta model or the checkpoint's config
+        model = _checkpoint.skeleton(model, desc, _build_dtype(cfg.dtype))
     if not isinstance(model, nn.Module):
         raise ConfigError(f"model must be a torch.nn.Module (e.g. from "
                           f"AutoModelForCausalLM.from_pretrained), got {type(model).__name__}")
     accelerator = get_accelerator(cfg.device)  # 1. resolve; it vetoes the dtype below
     dtype = transforms.resolve_dtype(accelerator, cfg.dtype, model)
-    transforms.check_materialized(model)
+    if desc is None:
+        transforms.check_materialized(model)
     prepared = _shard_step(model, cfg)  # 4. validated before any process group or weight work
     communicator = create_communicator(accelerator, cfg.comm_timeout)  # 2.
     device = accelerator.device(communicator.local_rank if accelerator.device_count() > 1 else None)
     _seed(cfg)
-    # 3. and 5. (checkpoint loading, injection) are rejected by the config until they land.
+    loaded = None
+    if desc is not None:  # 3. each rank reads only its slices, straight onto its device
+        loaded = _checkpoint.load_checkpoint(
+            model, desc, prepared=prepared if cfg.tp_size > 1 else None,
+            rank=communicator.rank, device=device, dtype=dtype)
     report = None
     if prepared is not None and cfg.tp_size > 1:
-        report = sharding.apply_shards(prepared, communicator)  # 4.
+        report = sharding.apply_shards(  # 4. (the loader already sliced the weights)
+            prepared, communicator, sliced=loaded.sliced if loaded else None,
+            bytes_before=loaded.bytes_before if loaded else None)
         if communicator.rank == 0:
             log.info("shardwise: %s", report.summary())
-    transforms.cast_and_move(model, device, dtype)  # 6.
+    injected = None
+    if cfg.replace_with_kernel_inject:  # 5. on the sharded weights (their hooks stay in use)
+        from .inject import inject_model
+
+        injected = inject_model(model, accelerator, dtype, cfg.max_tokens)
+    quant_report = _quantize_step(model, cfg, accelerator, dtype, device, prepared)  # 6.
+    if quant_report is None:
+        transforms.cast_and_move(model, device, dtype)  # 6.
+    if injected is not None:
+        injected.rebind()  # step 6 may have swapped linears (quantized) under the layers
+    if cfg.enable_graph:  # 7. (the config requires injection for it)
+        from .inject import enable_graphs
+
+        enable_graphs(model, accelerator)
     log.info("shardwise: %s on %s (%s)", type(model).__name__, device, dtype)
-    return InferenceEngine(model, cfg, accelerator, communicator, device, dtype, report)
+    engine = InferenceEngine(model, cfg, accelerator, communicator, device, dtype, report)
+    engine.quantization = quant_report
+    engine._prepared, engine.checkpoint_load = prepared, loaded
+    if cfg.save_mp_checkpoint_path:
+        engine.save_checkpoint(cfg.save_mp_checkpoint_path)
+    return engine
+
+
+def _quantize_step(model: nn.Module, cfg: InferenceConfig, accelerator: Accelerator,
+                   dtype: torch.dtype, device: torch.device,
+                   prepared: "sharding.PreparedShards | None"):
+    """Step 6 with ``quant``: quantize the plan's linears (each rank its own shards, after
+    sharding, so scales follow their rows) and cast/move the rest; None without ``quant``."""
+    if cfg.quant is None:
+        return None
+    from .quant import quantize_model
+
+    roles = prepared.roles if prepared is not None else None
+    report = quantize_model(model, cfg.quant, accelerator, dtype, device=device, roles=roles,
+                            injection_policy=cfg.injection_policy)
+    log.info("shardwise: %s", report.summary())
+    return report
+
+
+def _build_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
+    """The dtype a skeleton is built in: the requested one (``None``/``"auto"``: the
+    checkpoint's own, from its config)."""
+    return dtype if isinstance(dtype, torch.dtype) else None
