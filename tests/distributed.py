@@ -22,6 +22,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+#: Free ports handed to every rank, for tests that create several process groups in a row: a
+#: new group on the port of one just destroyed can meet the old store still closing.
+SPARE_PORTS_ENV = "SHARDWISE_TEST_SPARE_PORTS"
+
+
+def use_next_master_port() -> None:
+    """Point MASTER_PORT at the next spare port (every rank must call this in the same order)."""
+    spare = os.environ[SPARE_PORTS_ENV].split(",")
+    os.environ["MASTER_PORT"], os.environ[SPARE_PORTS_ENV] = spare[0], ",".join(spare[1:])
+
+
 def _entry(fn, rank: int, world_size: int, port: int, out_dir: str, args: tuple, env: dict):
     os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
                        "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1",
@@ -41,8 +52,9 @@ def run_ranks(fn, world_size: int, tmp_path, *args, deadline_s: float = 120.0,
     "error": "no result (exit code N)"}`` for a rank that died)."""
     ctx = mp.get_context("spawn")
     port = free_port()
+    env = {SPARE_PORTS_ENV: ",".join(str(free_port()) for _ in range(8)), **(env or {})}
     procs = [ctx.Process(target=_entry, args=(fn, r, world_size, port, str(tmp_path), args,
-                                              env or {}))
+                                              env))
              for r in range(world_size)]
     for p in procs:
         p.start()

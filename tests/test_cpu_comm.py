@@ -22,7 +22,7 @@ from shardwise.accelerators import cpu_comm
 from shardwise.accelerators.cpu import CpuAccelerator
 from shardwise.accelerators.cpu_comm import CpuCommunicator, ShmSegment
 from shardwise.communicator import create_communicator
-from distributed import run_ranks
+from distributed import run_ranks, use_next_master_port
 
 pytestmark = pytest.mark.skipif(not cpu_comm.memory_order_ok()[0] or not os.path.isdir("/dev/shm"),
                                 reason="the shared-memory path runs on x86-64 Linux only")
@@ -37,6 +37,8 @@ def _digest(t: torch.Tensor) -> str:
 
 def _comm(timeout_s=30):
     os.environ.pop("OMP_NUM_THREADS", None)
+    if not torch.distributed.is_initialized():
+        use_next_master_port()  # a fresh store for each new group (see tests/distributed.py)
     return create_communicator(shardwise.get_accelerator("cpu"), timeout_s=timeout_s)
 
 
@@ -188,8 +190,9 @@ def two_rank_results(tmp_path_factory):
     # a generous deadline: only a hang should reach it, not a loaded 2-core CI machine
     results = run_ranks(_two_rank_suite, 2, tmp_path_factory.mktemp("two_ranks"),
                         deadline_s=180)
-    for res in results:
-        assert res["ok"], res.get("trace", res["error"])
+    errors = [f"rank {r}: {res.get('trace', res.get('error'))}"
+              for r, res in enumerate(results) if not res["ok"]]
+    assert not errors, "\n".join(errors)
     return [res["value"] for res in results]
 
 
