@@ -105,7 +105,7 @@ def test_int4_without_a_fast_kernel_falls_back_with_one_log_line(caplog):
         report = quantize_model(model, {"weight": {"num_bits": 4}}, CPU, torch.float32)
     lines = [r for r in caplog.records if r.name.startswith("shardwise.quant")]
     assert len(lines) == 1, [r.getMessage() for r in lines]
-    assert "reference" in lines[0].getMessage() and "bf16" in lines[0].getMessage()
+    assert "reference" in lines[0].getMessage() and "take bfloat16: use that dtype" in lines[0].getMessage()
     assert report.fallback == lines[0].getMessage()
     assert report.backends() == {"attention": {"reference": 8}, "mlp": {"reference": 6}}
     # nothing dequantized at rest: the weights are int4 packed bytes

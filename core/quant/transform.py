@@ -277,13 +277,29 @@ class Quantizer:
             why = (f"no {'/'.join(kinds)} quant_linear kernel of backend(s) {', '.join(fast)} "
                    f"takes {dtype} activations with these shapes/group sizes on "
                    f"{self.device.type}")
-            if self.device.type == "cpu" and self.dtype != torch.bfloat16:
-                why += " (the CPU kernels are bf16-only: use dtype=bf16)"
+            better = self._dtypes_with_kernels(slow[0])
+            if better:
+                why += f" (this device's kernels take {'/'.join(better)}: use that dtype)"
         else:
             why = f"accelerator {self.accelerator.name!r} lists no kernel backend"
         return (f"shardwise quant: {len(slow)} of {len(self.layers)} quantized layers "
                 f"({'/'.join(kinds)}) run the torch reference kernel, which dequantizes each "
                 f"layer per call (correct but slow): {why}")
+
+    def _dtypes_with_kernels(self, layer: QuantizedLayer) -> list[str]:
+        """Other compute dtypes of the accelerator for which a fast backend takes ``layer``."""
+        shape = {"bits": layer.bits, "group_size": layer.group_size,
+                 "symmetric": self.config.symmetric, "out_features": layer.shape[0], "in_features": layer.shape[1]}
+        out = []
+        for dtype in self.accelerator.supported_dtypes:
+            try:
+                impl = registry.resolve("quant_linear", self.accelerator, dtype,
+                                        device_type=self.device.type, **shape)
+            except Exception:  # a backend predicate that needs more than these shape keys
+                continue
+            if dtype != self.dtype and impl.backend != REFERENCE:
+                out.append(str(dtype).removeprefix("torch."))
+        return out
 
     def finish(self, model: nn.Module, bytes_before: int | None = None) -> QuantReport:
         """Log the fallback line once, mark the model quantized, and return the report."""
