@@ -9,27 +9,14 @@ machine noise hits both alike, and the speed-up of the resolved backend over the
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
+from timing import median_us
 
 import shardwise
 from shardwise.kernel_registry import registry
 
 
-def median_us(fns, repeats: int, warmup: int = 20) -> list[float]:
-    """Median microseconds per call of each function, calls interleaved."""
-    for _ in range(warmup):
-        for f in fns:
-            f()
-    times: list[list[float]] = [[] for _ in fns]
-    for _ in range(repeats):
-        for i, f in enumerate(fns):
-            start = time.perf_counter()
-            f()
-            times[i].append(time.perf_counter() - start)
-    return [statistics.median(t) * 1e6 for t in times]
 
 
 def main() -> None:

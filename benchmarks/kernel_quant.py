@@ -24,10 +24,9 @@ The reference (dequantize + F.linear per call) took 50-59 ms: 0.06-0.16x.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
+from timing import median_us
 import torch.nn.functional as F
 
 import shardwise
@@ -42,18 +41,6 @@ QUANT = (("int8 per-channel", 8, -1, True), ("int8 g128", 8, 128, True),
          ("int4 g128 asym", 4, 128, False))
 
 
-def median_us(fns, repeats: int, warmup: int = 5) -> list[float]:
-    """Median microseconds per call of each function, calls interleaved."""
-    for _ in range(warmup):
-        for f in fns:
-            f()
-    times: list[list[float]] = [[] for _ in fns]
-    for _ in range(repeats):
-        for i, f in enumerate(fns):
-            start = time.perf_counter()
-            f()
-            times[i].append(time.perf_counter() - start)
-    return [statistics.median(t) * 1e6 for t in times]
 
 
 def variants(acc, dtype, batch, in_f, out_f):

@@ -28,3 +28,14 @@ def fresh_plugins():
     refresh_plugins()
     yield
     refresh_plugins()
+
+
+@pytest.fixture(scope="module")
+def triton_device() -> str:
+    """The device Triton kernels run on here: the GPU, else the CPU under TRITON_INTERPRET=1."""
+    pytest.importorskip("triton")
+    if torch.cuda.is_available():
+        return "cuda"
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return "cpu"
+    pytest.skip("no GPU and TRITON_INTERPRET is not set (conftest sets it before triton)")

@@ -15,7 +15,6 @@ Tolerances (``torch.testing.assert_close``: ``|a - b| <= atol + rtol * |b|``):
 from __future__ import annotations
 
 import logging
-import os
 import subprocess
 import sys
 
@@ -214,15 +213,9 @@ TRITON_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 
 @pytest.fixture(scope="module")
-def tri():
+def tri(triton_device):
     """The triton backend module, and the device its kernels run on here."""
-    pytest.importorskip("triton")
-    if torch.cuda.is_available():
-        device = "cuda"
-    elif os.environ.get("TRITON_INTERPRET") == "1":
-        device = "cpu"
-    else:
-        pytest.skip("no GPU and TRITON_INTERPRET is not set (conftest sets it before triton)")
+    device = triton_device
     from shardwise.kernels import triton as backend
 
     return backend, device

@@ -18,7 +18,6 @@ Tolerances (``assert_close``: ``|a - b| <= atol + rtol * |b|``):
 
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
@@ -467,15 +466,9 @@ def test_cpu_kv_cache_write(positions):
 
 
 @pytest.fixture(scope="module")
-def tri():
+def tri(triton_device):
     """The triton attention module, and the device its kernels run on here."""
-    pytest.importorskip("triton")
-    if torch.cuda.is_available():
-        device = "cuda"
-    elif os.environ.get("TRITON_INTERPRET") == "1":
-        device = "cpu"
-    else:
-        pytest.skip("no GPU and TRITON_INTERPRET is not set (conftest sets it before triton)")
+    device = triton_device
     from shardwise.kernels.triton import attention
 
     return attention, device

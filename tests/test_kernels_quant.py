@@ -347,17 +347,9 @@ def test_cpu_packs_once_and_calls_reuse_the_packed_weight(bits, monkeypatch):
 
 
 @pytest.fixture(scope="module")
-def tri():
+def tri(triton_device):
     """(module, kernels with small blocks that accept this device, device)."""
-    pytest.importorskip("triton")
-    import os
-
-    if torch.cuda.is_available():
-        device = "cuda"
-    elif os.environ.get("TRITON_INTERPRET") == "1":
-        device = "cpu"
-    else:
-        pytest.skip("no GPU and TRITON_INTERPRET is not set (conftest sets it before triton)")
+    device = triton_device
     from shardwise.kernels.triton import quant as tq
 
     gemv = tq.GemvConfig(block_n=32, block_k=32, rows_x_k=64, min_block_k=16, split_k=1)

@@ -14,7 +14,7 @@ from torch import nn
 
 import shardwise
 from models import prompt_ids, tiny_causal_lm
-from tp_harness import ATOL, NEW_TOKENS, TP, case, digest, hf_case, run_cases, run_pair
+from tp_harness import ATOL, TP, assert_parity, case, digest, hf_case, run_cases, run_pair
 
 
 # ----- a model no heuristic or policy knows: odd names, no config ---------------------------------
@@ -123,14 +123,7 @@ PARITY = ["llama", "mistral", "qwen2", "gpt2", "opt", "llama-7heads", "llama-gqa
 @pytest.mark.slow
 @pytest.mark.parametrize("name", PARITY)
 def test_tp2_matches_the_single_process_model(ranks, name):
-    r0, r1 = case(ranks, name)
-    for r in (r0, r1):
-        assert r["max_abs"] < ATOL, f"{name}: logits differ by {r['max_abs']:.2e}\n{r['summary']}"
-        assert r["tokens_equal"], f"{name}: {NEW_TOKENS} greedy tokens differ from HF's"
-        assert r["module_tokens_equal"], f"{name}: engine.module.generate differs from HF's"
-    assert r0["digest"] == r1["digest"], "ranks returned different logits"
-    assert r0["tokens"] == r1["tokens"]
-    assert r0["sampled"] == r1["sampled"], "sampling drew different tokens on the two ranks"
+    assert_parity(ranks, name)
 
 
 @pytest.mark.slow

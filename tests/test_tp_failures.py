@@ -4,7 +4,6 @@ within the collective timeout instead of hanging."""
 import os
 import time
 
-import torch
 
 import shardwise
 from distributed import run_ranks

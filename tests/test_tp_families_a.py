@@ -32,7 +32,7 @@ from models import tiny_causal_lm
 from shardwise.policies.gpt_neox import GPTNeoXPolicy
 from shardwise.policy import find_policy
 from shardwise.sharding import HeadPartition, PerHeadInterleaved, ShardContext, prepare_for
-from tp_harness import ATOL, NEW_TOKENS, case, hf_case, run_cases, run_pair
+from tp_harness import assert_parity, case, hf_case, run_cases, run_pair
 
 #: family → the policy class name registered for its model_type
 POLICIES = {"gpt_neo": "GPTNeoPolicy", "gptj": "GPTJPolicy", "gpt_neox": "GPTNeoXPolicy",
@@ -125,14 +125,7 @@ EVEN = ["gpt_neo", "gptj", "gpt_neox", "phi3", "gpt_neox-policy-plan"]
 @pytest.mark.slow
 @pytest.mark.parametrize("name", PARITY)
 def test_tp2_matches_the_single_process_model(ranks, name):
-    r0, r1 = case(ranks, name)
-    for r in (r0, r1):
-        assert r["max_abs"] < ATOL, f"{name}: logits differ by {r['max_abs']:.2e}\n{r['summary']}"
-        assert r["tokens_equal"], f"{name}: {NEW_TOKENS} greedy tokens differ from HF's"
-        assert r["module_tokens_equal"], f"{name}: engine.module.generate differs from HF's"
-    assert r0["digest"] == r1["digest"], "ranks returned different logits"
-    assert r0["tokens"] == r1["tokens"]
-    assert r0["sampled"] == r1["sampled"], "sampling drew different tokens on the two ranks"
+    assert_parity(ranks, name)
 
 
 @pytest.mark.slow

@@ -121,3 +121,16 @@ def case(ranks, name) -> tuple[dict, dict]:
     for r in (r0, r1):
         assert r["ok"], r.get("trace", r.get("error"))
     return r0, r1
+
+
+def assert_parity(ranks, name) -> None:
+    """Case ``name`` matches the single-process model on both ranks (logits within ATOL, greedy
+    tokens from engine.generate and module.generate), and the ranks agree bit for bit."""
+    r0, r1 = case(ranks, name)
+    for r in (r0, r1):
+        assert r["max_abs"] < ATOL, f"{name}: logits differ by {r['max_abs']:.2e}\n{r['summary']}"
+        assert r["tokens_equal"], f"{name}: {NEW_TOKENS} greedy tokens differ from HF's"
+        assert r["module_tokens_equal"], f"{name}: engine.module.generate differs from HF's"
+    assert r0["digest"] == r1["digest"], "ranks returned different logits"
+    assert r0["tokens"] == r1["tokens"]
+    assert r0["sampled"] == r1["sampled"], "sampling drew different tokens on the two ranks"

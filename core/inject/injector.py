@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from ..accelerator import Accelerator, GraphStrategy, dtype_name
-from ..errors import ConfigError, ShardwiseError
+from ..errors import ConfigError
 from ..kernel_registry import REFERENCE, registry
 from .cache import StaticKVCache
 from .layers import InjectedModel, Kernels

@@ -33,7 +33,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPastAndCrossAttenti
 
 from ..errors import ShardwiseError
 from .cache import KVBuffers, StaticKVCache
-from .spec import ACTIVATIONS, InjectionSpec
+from .spec import InjectionSpec
 
 log = logging.getLogger(__name__)
 
