@@ -12,8 +12,8 @@ from typing import Any, Callable
 import torch
 
 from shardwise.accelerator import (Accelerator, Availability, DeviceDtypes, GraphStrategy,
-                                   visible_device_for_rank)
-from shardwise.errors import AcceleratorUnavailableError, ConfigError, UnsupportedDtypeError
+                                   bind_device_per_rank, visible_device_for_rank)
+from shardwise.errors import UnsupportedDtypeError
 from shardwise.graphs import StaticGraph, static_copies, static_outputs
 
 # ----- CUDA ------------------------------------------------------------------------------------
@@ -177,16 +177,8 @@ class CudaAccelerator(Accelerator):
 
     def configure_process(self, local_rank: int, local_world_size: int) -> None:
         """Make GPU ``local_rank`` current, unless the process already sees exactly one GPU."""
-        count = torch.cuda.device_count()
-        if count == 0:
-            raise AcceleratorUnavailableError(f"rank {local_rank} sees no CUDA device "
-                                              f"({_visible_devices_note()})")
-        if count == 1:
-            return
-        if local_world_size > count:
-            raise ConfigError(f"{local_world_size} ranks on this node but only {count} GPUs are "
-                              f"visible: NCCL needs one GPU per rank; launch at most {count} ranks")
-        torch.cuda.set_device(local_rank % count)
+        bind_device_per_rank(torch.cuda.device_count(), local_rank, local_world_size,
+                             torch.cuda.set_device, "CUDA device", _visible_devices_note())
 
     def graph_strategy(self) -> CudaGraphStrategy:
         """CUDA graphs (:class:`CudaGraphStrategy`)."""

@@ -16,9 +16,9 @@ from typing import Any, Callable
 import torch
 
 from shardwise.accelerator import (Accelerator, Availability, DeviceDtypes, GraphStrategy,
-                                   visible_device_for_rank)
+                                   bind_device_per_rank, visible_device_for_rank)
 from shardwise.communicator import TorchDistCommunicator
-from shardwise.errors import AcceleratorUnavailableError, ConfigError, UnsupportedDtypeError
+from shardwise.errors import UnsupportedDtypeError
 from shardwise.graphs import StaticGraph, static_copies, static_outputs
 
 LAZY_MODE_ENV = "PT_HPU_LAZY_MODE"
@@ -239,17 +239,8 @@ class HpuAccelerator(Accelerator):
         """Register the "hccl" backend and select device ``local_rank`` when several are visible."""
         importlib.import_module("habana_frameworks.torch.distributed.hccl")  # registers "hccl"
         hthpu = _hthpu()
-        count = int(hthpu.device_count())
-        if count == 0:
-            raise AcceleratorUnavailableError(f"rank {local_rank} sees no Gaudi device "
-                                              f"({_visible_modules_note()})")
-        if count == 1:
-            return
-        if local_world_size > count:
-            raise ConfigError(f"{local_world_size} ranks on this node but only {count} Gaudi "
-                              f"devices are visible: Gaudi runs one process per device; launch at "
-                              f"most {count} ranks")
-        hthpu.set_device(local_rank % count)
+        bind_device_per_rank(int(hthpu.device_count()), local_rank, local_world_size,
+                             hthpu.set_device, "Gaudi device", _visible_modules_note())
 
     def communicator_class(self) -> type[HpuCommunicator]:
         """:class:`HpuCommunicator` (marks a lazy-mode step before each collective)."""

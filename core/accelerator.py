@@ -230,3 +230,23 @@ def visible_device_for_rank(env_name: str, local_rank: int, local_world_size: in
             f"{user_list!r} lists {len(devices)}: list at least {local_world_size} devices in "
             f"{env_name}, unset it, or launch fewer ranks per node")
     return devices[local_rank]
+
+
+def bind_device_per_rank(count: int, local_rank: int, local_world_size: int,
+                         set_device: Callable[[int], None], what: str, visible_note: str) -> None:
+    """Make device ``local_rank`` current for accelerators that run one rank per device.
+
+    ``count`` devices are visible; none is an error, one means the launcher already narrowed
+    visibility to this rank's device, and more ranks than devices on a node is refused.
+    ``what`` names the device in messages ("CUDA device"); ``visible_note`` says how to check.
+    """
+    from .errors import AcceleratorUnavailableError
+
+    if count == 0:
+        raise AcceleratorUnavailableError(f"rank {local_rank} sees no {what} ({visible_note})")
+    if count == 1:
+        return
+    if local_world_size > count:
+        raise ConfigError(f"{local_world_size} ranks on this node but only {count} {what}s are "
+                          f"visible: each rank needs its own; launch at most {count} ranks")
+    set_device(local_rank % count)

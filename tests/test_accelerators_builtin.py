@@ -158,7 +158,7 @@ def test_cuda_configure_process(fake_gpu):
     acc = CudaAccelerator()
     acc.configure_process(1, 2)
     assert fake_gpu["set_device"] == [1]
-    with pytest.raises(ConfigError, match="only 2 GPUs"):
+    with pytest.raises(ConfigError, match="only 2 CUDA devices are visible: each rank needs its own"):
         acc.configure_process(0, 4)
     fake_gpu["count"] = 1
     acc.configure_process(3, 4)  # already restricted to one GPU by the launcher
@@ -345,7 +345,7 @@ def test_hpu_configure_process(fake_habana):
     acc.configure_process(1, 2)
     assert "habana_frameworks.torch.distributed.hccl" in sys.modules
     assert fake_habana.hpu.set_device_calls == [1]
-    with pytest.raises(ConfigError, match="one process per device"):
+    with pytest.raises(ConfigError, match="only 2 Gaudi devices are visible: each rank needs its own"):
         acc.configure_process(0, 3)
 
 

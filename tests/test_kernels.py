@@ -21,7 +21,7 @@ import sys
 import pytest
 import torch
 
-import shardwise
+from gpu import cuda_accelerator
 from shardwise import Accelerator, KernelError
 from shardwise.accelerators.cpu import CpuAccelerator
 from shardwise.kernel_registry import KernelRegistry
@@ -286,14 +286,6 @@ def test_triton_empty_input(tri):
 # ----- (d) GPU: triton through registry resolution at model sizes -----------------------------
 
 
-def _cuda_accelerator(dtype):
-    """The installed cuda accelerator; skips when the GPU cannot run ``dtype`` (bf16 pre-Ampere)."""
-    accelerator = shardwise.get_accelerator("cuda")
-    if dtype not in accelerator.supported_dtypes:
-        pytest.skip(f"this GPU does not run {dtype}")
-    return accelerator
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("op", OPS)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -301,7 +293,7 @@ def _cuda_accelerator(dtype):
 @pytest.mark.parametrize("rows", [1, 7, 64])
 @pytest.mark.parametrize("with_residual", [True, False])
 def test_gpu_resolved_triton_matches_reference(op, dtype, hidden, rows, with_residual):
-    accelerator = _cuda_accelerator(dtype)
+    accelerator = cuda_accelerator(dtype)
     impl = KernelRegistry().resolve(op, accelerator, dtype, hidden=hidden)
     assert impl.backend == "triton", f"cuda resolved {op} to {impl.backend!r}"
     x, residual, weight, bias = _inputs((rows, hidden), dtype, device="cuda")
@@ -314,7 +306,7 @@ def test_gpu_resolved_triton_matches_reference(op, dtype, hidden, rows, with_res
 @pytest.mark.gpu
 @pytest.mark.parametrize("op", OPS)
 def test_gpu_resolved_triton_leading_dims(op):
-    accelerator = _cuda_accelerator(torch.bfloat16)
+    accelerator = cuda_accelerator(torch.bfloat16)
     impl = KernelRegistry().resolve(op, accelerator, torch.bfloat16, hidden=4096)
     x, residual, weight, bias = _inputs((2, 32, 4096), torch.bfloat16, device="cuda")
     _check(_call(impl, op, x, weight, bias, residual),

@@ -24,7 +24,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import shardwise
+from gpu import cuda_accelerator
 from shardwise import Accelerator, KernelError
 from shardwise.accelerators.cpu import CpuAccelerator
 from shardwise.kernel_registry import KernelRegistry
@@ -421,20 +421,13 @@ def test_triton_packed_layout(tri):
 # ----- (f) GPU: triton through registry resolution at model sizes -----------------------------
 
 
-def _cuda_accelerator(dtype):
-    accelerator = shardwise.get_accelerator("cuda")
-    if dtype not in accelerator.supported_dtypes:
-        pytest.skip(f"this GPU does not run {dtype}")
-    return accelerator
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", TRITON_DTYPES)
 @pytest.mark.parametrize("bits,symmetric", SPECS)
 @pytest.mark.parametrize("group_size", [128, -1])
 @pytest.mark.parametrize("rows", [1, 4, 16, 64])
 def test_gpu_resolved_triton_matches_reference(dtype, bits, symmetric, group_size, rows):
-    accelerator = _cuda_accelerator(dtype)
+    accelerator = cuda_accelerator(dtype)
     qw = quantize_weight(_weight(4096, 4096), bits, group_size, symmetric)
     impl = KernelRegistry().resolve("quant_linear", accelerator, dtype, **qw.spec.as_shape())
     assert impl.backend == "triton", f"cuda resolved quant_linear to {impl.backend!r}"
@@ -445,7 +438,7 @@ def test_gpu_resolved_triton_matches_reference(dtype, bits, symmetric, group_siz
 
 @pytest.mark.gpu
 def test_gpu_leading_dims_and_split_k():
-    accelerator = _cuda_accelerator(torch.bfloat16)
+    accelerator = cuda_accelerator(torch.bfloat16)
     qw = quantize_weight(_weight(11008, 4096), 4, 128, symmetric=False)
     impl = KernelRegistry().resolve("quant_linear", accelerator, torch.bfloat16,
                                     **qw.spec.as_shape())

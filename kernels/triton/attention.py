@@ -589,14 +589,7 @@ def kv_cache_write(k_cache: torch.Tensor, v_cache: torch.Tensor, k_new: torch.Te
         HAS_POS=has_pos, BLOCK_T=block_t, BLOCK_D=triton.next_power_of_2(head_dim))
 
 
-OPS = {
-    "rotary": rotary,
-    "bias_gelu": bias_gelu,
-    "silu_and_mul": silu_and_mul,
-    "attention_prefill": attention_prefill,
-    "attention_decode": attention_decode,
-    "kv_cache_write": kv_cache_write,
-}
+OPS = {name: globals()[name] for name in ref.OPS}  # one launcher per reference op, same name
 #: Ops whose kernels hold one head per tile: they refuse head_dim > MAX_HEAD_DIM when resolved
 #: with ``head_dim=``.
 _HEAD_DIM_OPS = {"attention_prefill", "attention_decode"}
