@@ -1,8 +1,9 @@
-"""The attention kernel family: rotary, bias_gelu, silu_and_mul, attention_prefill,
-attention_decode, kv_cache_write.
+"""The attention kernel family: rotary, bias_gelu, bias_relu, silu_and_mul, attention_prefill,
+attention_decode (both with sliding windows), kv_cache_write.
 
 (a) the references against independent oracles: HF's own rotary functions (Llama, GPT-NeoX
-partial, GPT-J interleaved partial), HF BLOOM's ALiBi attention, float64 formulas and float64
+partial, GPT-J interleaved partial), HF BLOOM's ALiBi attention, HF's sliding-window mask
+function and GPT-Neo's local-attention mask, float64 formulas and float64
 ``scaled_dot_product_attention``; (b) registry: every op defined, resolved per backend/dtype;
 (c) the ``cpu`` backend against the reference; (d) the Triton kernels under ``TRITON_INTERPRET=1``
 (or on a GPU) on tiny ragged shapes, several decode splits; (e) ``gpu``-marked tests: Triton
@@ -30,8 +31,8 @@ from shardwise.kernel_registry import KernelRegistry
 from shardwise.kernels.cpu import attention as cpu
 from shardwise.kernels.reference import attention as ref
 
-OPS = ("rotary", "bias_gelu", "silu_and_mul", "attention_prefill", "attention_decode",
-       "kv_cache_write")
+OPS = ("rotary", "bias_gelu", "bias_relu", "silu_and_mul", "attention_prefill",
+       "attention_decode", "kv_cache_write")
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float16: dict(atol=2e-3, rtol=2e-3),
        torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
 F64 = dict(atol=1e-5, rtol=1e-5)
@@ -74,6 +75,12 @@ def _positions(batch, seq, device="cpu"):
     """Ragged position ids [batch, seq]: sequence b starts at 5 * b (a decode offset)."""
     starts = 5 * torch.arange(batch, device=device)
     return torch.arange(seq, device=device)[None, :] + starts[:, None]
+
+
+def _window_starts(lengths, starts, window):
+    """The first cache position each sequence's new token sees under a sliding window."""
+    starts = starts or [0] * len(lengths)
+    return [max(s, n - window) if window else s for s, n in zip(starts, lengths)]
 
 
 def _garbage_cache(batch, kv_heads, max_tokens, d, lengths, dtype, device="cpu", starts=None):
@@ -168,6 +175,16 @@ def test_bias_gelu_matches_float64_formula(approximate):
     torch.testing.assert_close(ref.bias_gelu(x + bias, None, approximate).double(), want, **F64)
 
 
+def test_bias_relu_matches_float64_formula():
+    x, bias = _randn(3, 7, 33, scale=3), _randn(33, seed=1)
+    want = (x.double() + bias.double()).clamp_min(0)
+    torch.testing.assert_close(ref.bias_relu(x, bias).double(), want, **F64)
+    torch.testing.assert_close(ref.bias_relu(x + bias).double(), want, **F64)
+    assert want.eq(0).any() and want.gt(0).any()
+    xb, bb = x.bfloat16(), bias.bfloat16()  # one rounding: relu commutes with it
+    assert torch.equal(ref.bias_relu(xb, bb), (xb.float() + bb.float()).bfloat16().relu())
+
+
 def test_silu_and_mul_matches_float64_formula():
     x = _randn(2, 5, 2 * 24, scale=3)
     gate, up = x.double().chunk(2, -1)
@@ -216,6 +233,67 @@ def test_prefill_padding_mask_and_rows_without_keys():
     assert (~live).any() and out.transpose(1, 2)[~live].eq(0).all()  # pad queries: zeros
     # an int 0/1 mask means the same
     torch.testing.assert_close(ref.attention_prefill(q, k, v, key_padding_mask=mask.long()), out)
+
+
+def _hf_sliding_window(window, q_len, kv_len):
+    """HF's sliding-window causal mask [q_len, kv_len] (Mistral/Qwen2/Phi-3 ``sliding_window``)
+    for queries at the last q_len of kv_len positions."""
+    from transformers.masking_utils import sliding_window_causal_mask_function
+
+    q_idx = torch.arange(kv_len - q_len, kv_len)[:, None]
+    return sliding_window_causal_mask_function(window)(0, 0, q_idx, torch.arange(kv_len)[None])
+
+
+def test_hf_sliding_window_is_gpt_neo_local_attention():
+    """GPT-Neo's local layers mask ``tril(ones) ^ tril(ones, -window_size)``: the same keys."""
+    ones = torch.ones(10, 10, dtype=torch.bool)
+    for window in (1, 3, 10):
+        neo = torch.bitwise_xor(ones.tril(), ones.tril(-window))
+        assert torch.equal(_hf_sliding_window(window, 10, 10), neo)
+
+
+@pytest.mark.parametrize("window", [1, 3, 8, 20])  # 20: wider than the sequence
+@pytest.mark.parametrize("q_len,kv_len,kv_heads", [(9, 9, 4), (9, 9, 1), (3, 11, 2)])
+def test_prefill_sliding_window_matches_hf_mask(window, q_len, kv_len, kv_heads):
+    q, k, v = _qkv(2, 4, kv_heads, q_len, kv_len, 16)
+    visible = _hf_sliding_window(window, q_len, kv_len)
+    torch.testing.assert_close(ref.attention_prefill(q, k, v, window=window).double(),
+                               _sdpa64(q, k, v, visible), **F64)
+    if window >= kv_len:  # no key out of reach: plain causal attention
+        torch.testing.assert_close(ref.attention_prefill(q, k, v, window=window),
+                                   ref.attention_prefill(q, k, v), atol=0, rtol=0)
+
+
+def test_prefill_sliding_window_with_padding_and_alibi():
+    """Windows count positions (pads included, as HF's masks do), combined with the padding
+    mask and BLOOM's ALiBi bias; left-padding query rows stay zero."""
+    q, k, v = _qkv(3, 4, 2, 9, 9, 16)
+    mask, slopes = _padding_mask(3, 9), ref.alibi_slopes(4)
+    out = ref.attention_prefill(q, k, v, key_padding_mask=mask, alibi_slopes=slopes, window=4)
+    visible = _hf_sliding_window(4, 9, 9) & mask[:, None, None, :]  # [3, 1, 9, 9]
+    pos = ref.alibi_key_positions(mask, 3, 9, "cpu").double()  # BLOOM's, checked above
+    bias = slopes.double()[None, :, None, None] * pos[:, None, None, :]
+    bias = bias.masked_fill(~visible, float("-inf"))
+    live = visible.any(-1)[:, 0]  # [batch, q_len]
+    group = q.shape[1] // k.shape[1]
+    want = F.scaled_dot_product_attention(q.double(), *(t.double().repeat_interleave(group, 1)
+                                                         for t in (k, v)), attn_mask=bias)
+    torch.testing.assert_close(out.transpose(1, 2)[live].double(), want.transpose(1, 2)[live],
+                               **F64)
+    assert out.transpose(1, 2)[~live].eq(0).all()
+
+
+@pytest.mark.parametrize("impl", [ref, cpu], ids=["ref", "cpu"])
+def test_window_must_be_positive_and_causal(impl):
+    q, k, v = _qkv(1, 2, 2, 4, 4, 16)
+    for bad in (0, -3, 2.5, True):
+        with pytest.raises(KernelError, match="window"):
+            impl.attention_prefill(q, k, v, window=bad)
+    with pytest.raises(KernelError, match="causal"):
+        impl.attention_prefill(q, k, v, causal=False, window=2)
+    k_cache, v_cache = _garbage_cache(1, 2, 8, 16, [4], torch.float32)
+    with pytest.raises(KernelError, match="window"):
+        impl.attention_decode(q[:, :, :1], k_cache, v_cache, torch.tensor([4]), window=0)
 
 
 def _hf_bloom_attention(q, k, v, key_padding_mask):
@@ -298,6 +376,41 @@ def test_decode_alibi_equals_prefill_last_row():
     k_cache[:, :, :6], v_cache[:, :, :6] = k, v
     got = ref.attention_decode(q[:, :, -1:], k_cache, v_cache, torch.tensor([6]),
                                alibi_slopes=slopes)
+    torch.testing.assert_close(got, full[:, :, -1:], **F64)
+
+
+@pytest.mark.parametrize("window", [1, 5, 12])
+@pytest.mark.parametrize("starts", [None, [3, 0, 0, 5]])
+def test_decode_window_matches_float64_sdpa_and_ignores_garbage(window, starts):
+    """Only positions max(start, length - window) .. length - 1 are read (the rest is NaN)."""
+    lengths = [11, 1, 0, 16]
+    firsts = _window_starts(lengths, starts, window)
+    q = _heads(4, 4, 1, 16)
+    k_cache, v_cache = _garbage_cache(4, 2, 16, 16, lengths, torch.float32, starts=firsts)
+    out = ref.attention_decode(q, k_cache, v_cache, torch.tensor(lengths), window=window,
+                               starts=torch.tensor(starts) if starts else None)
+    assert torch.isfinite(out).all() and out[2].eq(0).all()
+    for b, (s, n) in enumerate(zip(firsts, lengths)):
+        if n:
+            want = _sdpa64(q[b:b + 1], k_cache[b:b + 1, :, s:n], v_cache[b:b + 1, :, s:n], None)
+            torch.testing.assert_close(out[b:b + 1].double(), want, **F64)
+
+
+@pytest.mark.parametrize("alibi", [False, True])
+@pytest.mark.parametrize("window", [2, 5, 9])
+def test_decode_window_equals_windowed_prefill_last_row(alibi, window):
+    """A left-padded prompt in the cache, decoded with ``starts`` and a window, gives the last
+    row of the windowed, padded prefill (pads count as positions in both)."""
+    q, k, v = _qkv(3, 4, 2, 7, 7, 16)
+    mask = _padding_mask(3, 7)  # pads 0, 3, 6
+    slopes = ref.alibi_slopes(4) if alibi else None
+    full = ref.attention_prefill(q, k, v, key_padding_mask=mask, alibi_slopes=slopes,
+                                 window=window)
+    k_cache, v_cache = _garbage_cache(3, 2, 12, 16, [7] * 3, torch.float32)
+    ref.kv_cache_write(k_cache, v_cache, k, v, 0)
+    got = ref.attention_decode(q[:, :, -1:], k_cache, v_cache, torch.tensor([7] * 3),
+                               starts=torch.tensor([0, 3, 6]), alibi_slopes=slopes,
+                               window=window)
     torch.testing.assert_close(got, full[:, :, -1:], **F64)
 
 
@@ -398,6 +511,14 @@ def test_cpu_bias_gelu(dtype, approximate, with_bias):
 
 
 @pytest.mark.parametrize("dtype", CPU_DTYPES)
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_cpu_bias_relu(dtype, with_bias):
+    x, bias = _randn(3, 5, 40, dtype=dtype, scale=3), _randn(40, dtype=dtype, seed=1)
+    bias = bias if with_bias else None
+    assert torch.equal(cpu.bias_relu(x, bias), ref.bias_relu(x, bias))  # the same roundings
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
 def test_cpu_silu_and_mul(dtype):
     x = _randn(3, 5, 2 * 36, dtype=dtype, scale=3)
     torch.testing.assert_close(cpu.silu_and_mul(x), ref.silu_and_mul(x), **TOL[dtype])
@@ -414,6 +535,14 @@ PREFILL_CASES = {  # name: (batch, q_heads, kv_heads, q_len, kv_len, kwargs)
     "alibi": (2, 4, 4, 13, 13, {"alibi_slopes": ref.alibi_slopes(4)}),
     "alibi-padding-gqa": (3, 4, 2, 13, 13, {"alibi_slopes": ref.alibi_slopes(4),
                                             "key_padding_mask": _padding_mask(3, 13)}),
+    "window-gqa": (2, 4, 2, 13, 13, {"window": 4}),
+    "window-1-mqa": (2, 4, 1, 13, 13, {"window": 1}),
+    "window-wide": (2, 4, 2, 13, 13, {"window": 13}),  # reaches every key: plain causal
+    "window-chunk": (2, 4, 2, 5, 13, {"window": 6}),
+    "window-chunk-long": (2, 4, 2, 5, 80, {"window": 8}),  # Triton skips the first key tile
+    "window-padding-alibi-gqa": (3, 4, 2, 13, 13, {"window": 5,
+                                                   "alibi_slopes": ref.alibi_slopes(4),
+                                                   "key_padding_mask": _padding_mask(3, 13)}),
 }
 
 
@@ -449,6 +578,26 @@ def test_cpu_decode_ignores_garbage(dtype, kv_heads, alibi, starts):
     kw["starts"] = torch.tensor([2] * 4)
     torch.testing.assert_close(cpu.attention_decode(q, k_cache, v_cache, same, **kw),
                                ref.attention_decode(q, k_cache, v_cache, same, **kw),
+                               **TOL[dtype])
+
+
+DECODE_WINDOW_CASES = [  # kv_heads, alibi, starts, window
+    (2, False, False, 8), (1, True, True, 20), (4, False, True, 1), (2, True, False, 100)]
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+@pytest.mark.parametrize("kv_heads,alibi,starts,window", DECODE_WINDOW_CASES)
+def test_cpu_decode_window_ignores_garbage(dtype, kv_heads, alibi, starts, window):
+    q = _heads(4, 4, 1, 24, dtype)
+    starts = DECODE_STARTS if starts else None
+    firsts = _window_starts(DECODE_LENGTHS, starts, window)  # garbage before them
+    k_cache, v_cache = _garbage_cache(4, kv_heads, 40, 24, DECODE_LENGTHS, dtype, starts=firsts)
+    kw = {"window": window, "alibi_slopes": ref.alibi_slopes(4) if alibi else None}
+    if starts:
+        kw["starts"] = torch.tensor(starts)
+    lengths = torch.tensor(DECODE_LENGTHS)
+    torch.testing.assert_close(cpu.attention_decode(q, k_cache, v_cache, lengths, **kw),
+                               ref.attention_decode(q, k_cache, v_cache, lengths, **kw),
                                **TOL[dtype])
 
 
@@ -508,6 +657,20 @@ def test_triton_bias_gelu(tri, dtype, approximate, with_bias):
 
 
 @pytest.mark.parametrize("dtype", TRITON_DTYPES)
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_triton_bias_relu(tri, dtype, with_bias):
+    backend, device = tri
+    x, bias = (_randn(2, 3, 1100, dtype=dtype, device=device, scale=3),  # 2 column blocks
+               _randn(1100, dtype=dtype, device=device, seed=1))
+    bias = bias if with_bias else None
+    got = backend.bias_relu(x, bias)
+    torch.testing.assert_close(got, ref.bias_relu(x, bias), **TOL[dtype])
+    assert got.eq(0).any() and got.shape == x.shape
+    strided = x[..., ::2]  # a non-unit column stride is copied first
+    torch.testing.assert_close(backend.bias_relu(strided), ref.bias_relu(strided), **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", TRITON_DTYPES)
 def test_triton_silu_and_mul(tri, dtype):
     backend, device = tri
     x = _randn(3, 2, 2 * 40, dtype=dtype, device=device, scale=3)
@@ -547,6 +710,52 @@ def test_triton_decode_splits_ignore_garbage(tri, dtype, kv_heads, alibi, starts
     got = backend.attention_decode(q, k_cache, v_cache, lengths, num_splits=3, block_n=16, **kw)
     torch.testing.assert_close(got, want, **TOL[dtype])
     assert got[2].eq(0).all()  # length 0
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_triton_prefill_window_skips_key_tiles(tri, dtype):
+    """Queries 75..79 with window 8 see keys 68..79: the key tile(s) before 64 are never read
+    (NaN there would poison P @ V), on the interpreter's tiles and on the GPU's."""
+    backend, device = tri
+    q, k, v = _qkv(2, 4, 2, 5, 80, 24, dtype, device)
+    want = ref.attention_prefill(q, k, v, window=8)
+    k, v = k.clone(), v.clone()
+    k[:, :, :64], v[:, :, :64] = float("nan"), float("nan")
+    got = backend.attention_prefill(q, k, v, window=8)
+    torch.testing.assert_close(got, want, **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kv_heads,alibi,starts,window", DECODE_WINDOW_CASES)
+def test_triton_decode_window_ignores_garbage(tri, dtype, kv_heads, alibi, starts, window):
+    """Window starts land mid-split (15, 20) or in the last split (32); positions before them
+    hold garbage; window 100 > max_tokens hides nothing."""
+    backend, device = tri
+    q = _heads(4, 4, 1, 24, dtype, device)
+    starts = DECODE_STARTS if starts else None
+    firsts = _window_starts(DECODE_LENGTHS, starts, window)
+    k_cache, v_cache = _garbage_cache(4, kv_heads, 40, 24, DECODE_LENGTHS, dtype, device, firsts)
+    lengths = torch.tensor(DECODE_LENGTHS, device=device, dtype=torch.int32)
+    kw = {"window": window, "alibi_slopes": ref.alibi_slopes(4, device) if alibi else None}
+    if starts:
+        kw["starts"] = torch.tensor(starts, device=device)
+    want = ref.attention_decode(q, k_cache, v_cache, lengths, **kw)
+    got = backend.attention_decode(q, k_cache, v_cache, lengths, num_splits=3, block_n=16, **kw)
+    torch.testing.assert_close(got, want, **TOL[dtype])
+    assert got[2].eq(0).all()  # length 0
+
+
+def test_triton_window_must_be_positive_and_causal(tri):
+    backend, device = tri
+    q, k, v = _qkv(1, 2, 2, 4, 4, 16, torch.float32, device)
+    with pytest.raises(KernelError, match="window"):
+        backend.attention_prefill(q, k, v, window=0)
+    with pytest.raises(KernelError, match="causal"):
+        backend.attention_prefill(q, k, v, causal=False, window=2)
+    k_cache, v_cache = _garbage_cache(1, 2, 8, 16, [4], torch.float32, device)
+    with pytest.raises(KernelError, match="window"):
+        backend.attention_decode(q[:, :, :1], k_cache, v_cache,
+                                 torch.tensor([4], device=device), window=-1)
 
 
 def test_triton_decode_default_split(tri):
@@ -624,16 +833,18 @@ GPU_DTYPES = [torch.float16, torch.bfloat16]
 @pytest.mark.parametrize("batch", [1, 4, 16])
 @pytest.mark.parametrize("kv_heads", [8, 1])
 @pytest.mark.parametrize("alibi", [False, True])
-def test_gpu_decode_4096(dtype, batch, kv_heads, alibi):
+@pytest.mark.parametrize("window", [None, 1000])
+def test_gpu_decode_4096(dtype, batch, kv_heads, alibi, window):
     impl = _cuda_impl("attention_decode", dtype)
     g = torch.Generator().manual_seed(batch)
     lengths = torch.randint(1, 4097, (batch,), generator=g).tolist()
     lengths[0] = 4096
     starts = [n // 3 if b % 2 else 0 for b, n in enumerate(lengths)]  # some left padding
     q = _heads(batch, 32, 1, 128, dtype, "cuda")
-    k_cache, v_cache = _garbage_cache(batch, kv_heads, 4096, 128, lengths, dtype, "cuda", starts)
+    firsts = _window_starts(lengths, starts, window)  # garbage before each window too
+    k_cache, v_cache = _garbage_cache(batch, kv_heads, 4096, 128, lengths, dtype, "cuda", firsts)
     lens = torch.tensor(lengths, device="cuda", dtype=torch.int32)
-    kw = {"starts": torch.tensor(starts, device="cuda")}
+    kw = {"starts": torch.tensor(starts, device="cuda"), "window": window}
     if alibi:
         kw["alibi_slopes"] = ref.alibi_slopes(32, "cuda")
     torch.testing.assert_close(impl(q, k_cache, v_cache, lens, **kw),
@@ -643,15 +854,19 @@ def test_gpu_decode_4096(dtype, batch, kv_heads, alibi):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", GPU_DTYPES)
 @pytest.mark.parametrize("seq", [1, 333, 2048])
-@pytest.mark.parametrize("case", ["causal-gqa", "padding-alibi", "encoder"])
+@pytest.mark.parametrize("case", ["causal-gqa", "padding-alibi", "encoder", "window-gqa",
+                                  "window-padding-alibi"])
 def test_gpu_prefill(dtype, seq, case):
     impl = _cuda_impl("attention_prefill", dtype)
     batch = 2
-    q, k, v = _qkv(batch, 32, 8 if case == "causal-gqa" else 32, seq, seq, 128, dtype, "cuda")
+    gqa = case.endswith("gqa")
+    q, k, v = _qkv(batch, 32, 8 if gqa else 32, seq, seq, 128, dtype, "cuda")
     kw = {"causal": case != "encoder"}
-    if case == "padding-alibi":
+    if "padding-alibi" in case:
         kw.update(key_padding_mask=_padding_mask(batch, seq, "cuda"),
                   alibi_slopes=ref.alibi_slopes(32, "cuda"))
+    if case.startswith("window"):  # 256 (Mistral-like, tile-aligned) and 100 (not aligned)
+        kw["window"] = 256 if gqa else 100
     torch.testing.assert_close(impl(q, k, v, **kw), ref.attention_prefill(q, k, v, **kw),
                                **TOL[dtype])
 
@@ -676,6 +891,9 @@ def test_gpu_activations_and_cache_write(dtype):
     for approximate in ("none", "tanh"):
         torch.testing.assert_close(_cuda_impl("bias_gelu", dtype)(x, bias, approximate),
                                    ref.bias_gelu(x, bias, approximate), **TOL[dtype])
+    for b in (bias, None):
+        torch.testing.assert_close(_cuda_impl("bias_relu", dtype)(x, b), ref.bias_relu(x, b),
+                                   **TOL[dtype])
     torch.testing.assert_close(_cuda_impl("silu_and_mul", dtype)(x), ref.silu_and_mul(x),
                                **TOL[dtype])
     caches = [_randn(16, 8, 4096, 128, dtype=dtype, device="cuda", seed=s) for s in (0, 1)]

@@ -1,22 +1,24 @@
 """The ``cpu`` backend's attention family: fewer passes and ATen's fused attention on CPU tensors.
 
 Contracts are those of ``shardwise.kernels.reference.attention`` (shapes, GQA, masks, ALiBi,
-zero rows). Only what measured faster than the reference is registered (``REGISTERED``), per
-dtype. Speed-ups: ``python benchmarks/kernel_attention.py --threads 1 --dtypes float32 bfloat16
-float16`` (median of interleaved calls; 1 thread of a shared 2-core AMD EPYC VM with AVX-512,
-torch 2.13; ~1B-Llama shapes: 32/4 heads of 64, 128-token prompts, decode over ~1-2k of a
-2048-token cache; ranges over repeated runs on a noisy machine):
+sliding windows, zero rows). Only what measured faster than the reference is registered
+(``REGISTERED``), per dtype. Speed-ups: ``python benchmarks/kernel_attention.py --threads 1
+--dtypes float32 bfloat16 float16`` (median of interleaved calls; 1 thread of a shared 2-core
+AMD EPYC VM with AVX-512, torch 2.13; ~1B-Llama shapes: 32/4 heads of 64, 128-token prompts,
+decode over ~1-2k of a 2048-token cache; ranges over repeated runs on a noisy machine):
 
 * attention_prefill (fp32, bf16): ``F.scaled_dot_product_attention`` (ATen's flash kernel for
   CPU, GQA via ``enable_gqa``, no [.., q_len, kv_len] float32 scores): fp32 1.9-3.3x, bf16
   1.2-5x (1.2-2.6x with ALiBi). fp16 is not registered: 0.6-1.3x at 128 tokens.
-  Causal without mask/ALiBi uses ``is_causal``; otherwise one additive float32 mask carries the
-  causal/padding ``-inf`` and the ALiBi bias. The bias is taken relative to the query's own key
-  position (softmax is shift-invariant per row, so this equals BLOOM's absolute bias) to keep it
-  small near the diagonal. Query rows with no visible key are computed unmasked, then zeroed.
+  Causal without mask/ALiBi/window uses ``is_causal``; otherwise one additive float32 mask
+  carries the causal/padding/sliding-window ``-inf`` and the ALiBi bias. The bias is taken
+  relative to the query's own key position (softmax is shift-invariant per row, so this equals
+  BLOOM's absolute bias) to keep it small near the diagonal. Query rows with no visible key are
+  computed unmasked, then zeroed. A sliding window of 32 keeps 2.2x fp32, 1.3x bf16.
 * attention_decode (fp32, bf16, fp16): the same kernel on each sequence's valid cache range
-  (one call when all ranges agree, else one per sequence), with the query heads of a kv head as
-  its query rows; positions outside a range are never read: 6-22x fp32, 6-19x bf16, 3-4x fp16.
+  (one call when all ranges agree, else one per sequence; a sliding window shortens the ranges),
+  with the query heads of a kv head as its query rows; positions outside a range are never
+  read: 6-22x fp32, 6-19x bf16, 3-4x fp16 (window 512: 3.1x fp32, 4x bf16).
 * rotary (fp32, bf16, fp16): out of place into one ``empty_like`` buffer with
   ``mul``/``addcmul_`` on views (fp32), or float32 math per half (bf16/fp16), no
   ``cat``/``stack`` temporaries: 1.3-3.8x fp32, 1.15-1.4x bf16 (1.15x for a decode step).
@@ -24,6 +26,11 @@ torch 2.13; ~1B-Llama shapes: 32/4 heads of 64, 128-token prompts, decode over ~
   gelu, as an HF ``Linear`` + ``gelu``; within 1 ulp): 1.25-1.4x for "none". "tanh" measured
   no faster (0.99-1.06x), so it runs the reference's code; fp32 (1.0x, the reference's own
   ops) and fp16 (0.9-0.97x) are not registered.
+* bias_relu (fp32, bf16, fp16): ``torch.add(x, bias).relu_()`` in the input dtype, one pass
+  and one buffer fewer (a bias of x's dtype gives exactly the reference's numbers: one rounded
+  add, and relu commutes with rounding): with a
+  bias 1.3-1.6x fp32, 1.15-1.7x bf16, 1.4-1.9x fp16 (OPT 8192-wide and 3072-wide MLPs, 8 and
+  128 rows); without one ``F.relu`` 1.0-1.3x fp32 (the same op), 1.7-1.9x bf16, 2.1-2.6x fp16.
 * silu_and_mul (fp32, bf16, fp16): ``F.silu(gate).mul_(up)`` in the input dtype (bf16/fp16
   round silu once before the multiply, as HF's MLP does): 1.14-1.5x fp32, 1.25-1.85x bf16.
 * kv_cache_write (fp32, bf16, fp16): one slice copy per cache when all sequences start at the
@@ -94,6 +101,14 @@ def bias_gelu(x: torch.Tensor, bias: torch.Tensor | None = None,
     return F.gelu(h, approximate=approximate)
 
 
+def bias_relu(x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``relu(x + bias)`` in x's dtype, the add's buffer reused; contract of the reference
+    ``bias_relu``: x [..., n], bias [n] or None."""
+    if bias is None:
+        return F.relu(x)
+    return torch.add(x, bias.to(x.dtype)).relu_()
+
+
 def silu_and_mul(x: torch.Tensor, up: torch.Tensor | None = None) -> torch.Tensor:
     """``silu(gate) * up`` in x's dtype; contract of the reference ``silu_and_mul``."""
     if up is None:
@@ -111,20 +126,25 @@ def silu_and_mul(x: torch.Tensor, up: torch.Tensor | None = None) -> torch.Tenso
 def attention_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True,
                       key_padding_mask: torch.Tensor | None = None,
                       alibi_slopes: torch.Tensor | None = None,
-                      scale: float | None = None) -> torch.Tensor:
+                      scale: float | None = None, window: int | None = None) -> torch.Tensor:
     """Prefill through ATen's fused attention; contract of the reference ``attention_prefill``.
 
     q: [batch, q_heads, q_len, d]; k, v: [batch, kv_heads, kv_len, d]; key_padding_mask
-    [batch, kv_len]; alibi_slopes [q_heads]. Returns [batch, q_heads, q_len, d].
+    [batch, kv_len]; alibi_slopes [q_heads]; window: sliding window or None. Returns
+    [batch, q_heads, q_len, d].
     """
     group = ref.check_attention(q, k, v)
-    ref.check_prefill(q, k, causal, key_padding_mask, alibi_slopes)
+    ref.check_prefill(q, k, causal, key_padding_mask, alibi_slopes, window)
     q_len, kv_len = q.shape[2], k.shape[2]
-    if key_padding_mask is None and alibi_slopes is None and (q_len == kv_len or not causal):
+    if window is not None and window >= kv_len:
+        window = None  # covers every key a causal query sees: no restriction
+    if key_padding_mask is None and alibi_slopes is None and window is None and (
+            q_len == kv_len or not causal):
         return _sdpa(q, k, v, None, causal and q_len > 1, scale, group)
-    visible = ref.visible_keys(q.shape[0], q_len, kv_len, causal, key_padding_mask, q.device)
+    visible = ref.visible_keys(q.shape[0], q_len, kv_len, causal, key_padding_mask, q.device,
+                               window)
     dead = ~visible.any(-1, keepdim=True)  # [batch, 1, q_len, 1]: rows that see no key
-    if key_padding_mask is not None:
+    if key_padding_mask is not None:  # (only a mask can hide a query's own key)
         visible = visible | dead  # computed unmasked (finite), zeroed below
     bias = torch.zeros(visible.shape, dtype=torch.float32, device=q.device)
     bias.masked_fill_(~visible, float("-inf"))
@@ -151,13 +171,14 @@ def _sdpa(q, k, v, mask, causal, scale, group):
 
 def attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      lengths: torch.Tensor, *, alibi_slopes: torch.Tensor | None = None,
-                     scale: float | None = None,
-                     starts: torch.Tensor | None = None) -> torch.Tensor:
+                     scale: float | None = None, starts: torch.Tensor | None = None,
+                     window: int | None = None) -> torch.Tensor:
     """Decode through ATen's fused attention on each valid cache range; contract of the
     reference ``attention_decode``: q [batch, q_heads, 1, d], caches [batch, kv_heads,
-    max_tokens, d], lengths and starts [batch]. Returns [batch, q_heads, 1, d]."""
+    max_tokens, d], lengths and starts [batch], window: sliding window or None. Returns
+    [batch, q_heads, 1, d]."""
     group = ref.check_decode(q, k_cache, v_cache, lengths, starts)
-    ranges = ref.decode_ranges(lengths, starts, k_cache.shape[2])
+    ranges = ref.decode_ranges(lengths, starts, k_cache.shape[2], ref.check_window(window))
     if ranges and len(set(ranges)) == 1 and ranges[0][1] > ranges[0][0]:  # one call for all
         return _decode_range(q, k_cache, v_cache, *ranges[0], alibi_slopes, scale, group)
     out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
@@ -214,6 +235,7 @@ def kv_cache_write(k_cache: torch.Tensor, v_cache: torch.Tensor, k_new: torch.Te
 REGISTERED = {
     "rotary": (rotary, DTYPES),
     "bias_gelu": (bias_gelu, frozenset({torch.bfloat16})),
+    "bias_relu": (bias_relu, DTYPES),
     "silu_and_mul": (silu_and_mul, DTYPES),
     "attention_prefill": (attention_prefill, frozenset({torch.float32, torch.bfloat16})),
     "attention_decode": (attention_decode, DTYPES),

@@ -13,10 +13,14 @@ Layouts (any strides are accepted; ``d`` = head_dim):
   left-padded prompt's pads in front) and anything (even NaN) outside them.
 * A query row that may see no key at all (e.g. a left-padding query under a padding mask, or a
   sequence of length 0) gives zeros, never NaN.
+* Sliding-window (local) attention, ``window=w``: the query at position ``p`` sees only keys
+  ``j`` with ``p - w < j <= p`` (its ``w`` latest positions, itself included; HF's
+  ``sliding_window``, GPT-Neo's local layers). Positions are cache/sequence indices, pads
+  included, as HF's masks count them.
 
-Ops (registered by :func:`register`): ``rotary``, ``bias_gelu``, ``silu_and_mul``,
-``attention_prefill``, ``attention_decode``, ``kv_cache_write``. Helpers (not ops):
-:func:`rotary_cos_sin`, :func:`alibi_slopes`, :func:`alibi_key_positions`.
+Ops (registered by :func:`register`): ``rotary``, ``bias_gelu``, ``bias_relu``,
+``silu_and_mul``, ``attention_prefill``, ``attention_decode``, ``kv_cache_write``. Helpers (not
+ops): :func:`rotary_cos_sin`, :func:`alibi_slopes`, :func:`alibi_key_positions`.
 """
 
 from __future__ import annotations
@@ -135,16 +139,34 @@ def check_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 
 
 def decode_ranges(lengths: torch.Tensor, starts: torch.Tensor | None, max_tokens: int,
-                  ) -> list[tuple[int, int]]:
-    """Each sequence's valid cache range ``(start, length)`` as host ints, checked to satisfy
-    ``0 <= start <= length <= max_tokens`` (KernelError otherwise)."""
+                  window: int | None = None) -> list[tuple[int, int]]:
+    """Each sequence's cache range ``(start, length)`` the new token attends to, as host ints.
+
+    Checked to satisfy ``0 <= start <= length <= max_tokens`` (KernelError otherwise); then a
+    sliding ``window`` raises each start to ``length - window`` (the query is at ``length - 1``).
+    """
     ends = [int(n) for n in lengths.tolist()]
     firsts = [int(s) for s in starts.tolist()] if starts is not None else [0] * len(ends)
     bad = [(s, n) for s, n in zip(firsts, ends) if not 0 <= s <= n <= max_tokens]
     if bad:
         raise KernelError(f"decode needs 0 <= starts <= lengths <= max_tokens={max_tokens}; "
                           f"got (start, length) {bad}")
+    if window is not None:
+        firsts = [max(s, n - window) for s, n in zip(firsts, ends)]
     return list(zip(firsts, ends))
+
+
+def check_window(window: int | None, causal: bool = True) -> int | None:
+    """Validate a sliding window (an int >= 1, only with causal attention); returns it."""
+    if window is None:
+        return None
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise KernelError(f"window must be an int >= 1 (keys a query sees, itself included) or "
+                          f"None, got {window!r}")
+    if not causal:
+        raise KernelError("a sliding window needs causal=True (it bounds how far back a query "
+                          "looks)")
+    return window
 
 
 def write_starts(positions: int | torch.Tensor, batch: int, n_new: int, max_tokens: int,
@@ -187,23 +209,29 @@ def _repeat_kv(x: torch.Tensor, group: int) -> torch.Tensor:
 
 
 def visible_keys(batch: int, q_len: int, kv_len: int, causal: bool,
-                 key_padding_mask: torch.Tensor | None, device) -> torch.Tensor:
+                 key_padding_mask: torch.Tensor | None, device,
+                 window: int | None = None) -> torch.Tensor:
     """Which keys each query may attend to, bool ``[batch, 1, q_len, kv_len]``.
 
     Causal alignment is bottom-right: query ``i`` sits at position ``kv_len - q_len + i`` (a
-    prompt chunk after ``kv_len - q_len`` earlier tokens) and sees keys ``j <= that``.
+    prompt chunk after ``kv_len - q_len`` earlier tokens) and sees keys ``j <= that``; with a
+    ``window`` (causal only) also ``j > that - window``.
     """
     visible = torch.ones(batch, 1, q_len, kv_len, dtype=torch.bool, device=device)
     if causal:
-        q_pos = torch.arange(q_len, device=device)[:, None] + (kv_len - q_len)
-        visible = visible & (torch.arange(kv_len, device=device)[None, :] <= q_pos)
+        q_pos = torch.arange(q_len, device=device)[:, None] + (kv_len - q_len)  # [q_len, 1]
+        k_pos = torch.arange(kv_len, device=device)[None, :]  # [1, kv_len]
+        visible = visible & (k_pos <= q_pos)
+        if window is not None:
+            visible = visible & (k_pos > q_pos - window)
     if key_padding_mask is not None:
         visible = visible & key_padding_mask.bool()[:, None, None, :]
     return visible
 
 
-def check_prefill(q, k, causal, key_padding_mask, alibi) -> None:
+def check_prefill(q, k, causal, key_padding_mask, alibi, window=None) -> None:
     """Validate the optional prefill arguments."""
+    check_window(window, causal)
     batch, q_heads, q_len = q.shape[:3]
     kv_len = k.shape[2]
     if causal and q_len > kv_len:
@@ -261,6 +289,13 @@ def bias_gelu(x: torch.Tensor, bias: torch.Tensor | None = None,
     return F.gelu(h, approximate=approximate).to(x.dtype)
 
 
+def bias_relu(x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``relu(x + bias)`` (OPT's fc1 activation): x [..., n], bias [n] or None. Returns [..., n]
+    in x.dtype."""
+    h = x.float() if bias is None else x.float() + bias.float()
+    return F.relu(h).to(x.dtype)
+
+
 def silu_and_mul(x: torch.Tensor, up: torch.Tensor | None = None) -> torch.Tensor:
     """SwiGLU's ``silu(gate) * up``.
 
@@ -281,7 +316,7 @@ def silu_and_mul(x: torch.Tensor, up: torch.Tensor | None = None) -> torch.Tenso
 def attention_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True,
                       key_padding_mask: torch.Tensor | None = None,
                       alibi_slopes: torch.Tensor | None = None,
-                      scale: float | None = None) -> torch.Tensor:
+                      scale: float | None = None, window: int | None = None) -> torch.Tensor:
     """Softmax attention over a prompt (or a prompt chunk after cached tokens).
 
     q: [batch, q_heads, q_len, d]; k, v: [batch, kv_heads, kv_len, d] with q_len <= kv_len when
@@ -289,10 +324,12 @@ def attention_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, caus
     docstring. key_padding_mask: [batch, kv_len] bool or 0/1 (true = a real token), or None.
     alibi_slopes: [q_heads] float or None; adds ``slope[h] * key_position`` to the scores, with
     key positions as BLOOM (:func:`alibi_key_positions`). scale: default ``d ** -0.5``.
+    window: int >= 1 or None, causal only: query at position p sees keys p - window < j <= p
+    (sliding-window attention; combines with the padding mask and ALiBi).
     Returns [batch, q_heads, q_len, d] in q.dtype; query rows that see no key are zero.
     """
     group = check_attention(q, k, v)
-    check_prefill(q, k, causal, key_padding_mask, alibi_slopes)
+    check_prefill(q, k, causal, key_padding_mask, alibi_slopes, window)
     batch, _, q_len, d = q.shape
     kv_len = k.shape[2]
     scale = d ** -0.5 if scale is None else scale
@@ -301,7 +338,7 @@ def attention_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, caus
     if alibi_slopes is not None:
         pos = alibi_key_positions(key_padding_mask, batch, kv_len, q.device).float()
         scores = scores + alibi_slopes.float()[None, :, None, None] * pos[:, None, None, :]
-    visible = visible_keys(batch, q_len, kv_len, causal, key_padding_mask, q.device)
+    visible = visible_keys(batch, q_len, kv_len, causal, key_padding_mask, q.device, window)
     probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
     probs = torch.where(visible.any(-1, keepdim=True), probs, 0.0)  # no key: 0, not NaN
     return (probs @ vf).to(q.dtype)
@@ -309,20 +346,22 @@ def attention_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, caus
 
 def attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      lengths: torch.Tensor, *, alibi_slopes: torch.Tensor | None = None,
-                     scale: float | None = None,
-                     starts: torch.Tensor | None = None) -> torch.Tensor:
+                     scale: float | None = None, starts: torch.Tensor | None = None,
+                     window: int | None = None) -> torch.Tensor:
     """One new query token per sequence attending over its cached keys/values.
 
     q: [batch, q_heads, 1, d]; k_cache, v_cache: [batch, kv_heads, max_tokens, d];
     lengths: [batch] int32/int64, the valid tokens of each sequence including the new one
     (already written with kv_cache_write). starts: [batch] int32/int64 or None (0): the first
     valid position, for a left-padded prompt written to the cache as is (its pads are
-    positions 0 .. starts[b] - 1). Only positions starts[b] .. lengths[b] - 1 are ever read.
+    positions 0 .. starts[b] - 1). window: int >= 1 or None, sliding-window attention: the
+    query (position lengths[b] - 1) sees positions from max(starts[b], lengths[b] - window).
+    Only positions from that first one to lengths[b] - 1 are ever read.
     alibi_slopes: [q_heads] or None (key position = cache index). scale: default ``d ** -0.5``.
     Returns [batch, q_heads, 1, d] in q.dtype; a sequence with no valid token gives zeros.
     """
     check_decode(q, k_cache, v_cache, lengths, starts)
-    ranges = decode_ranges(lengths, starts, k_cache.shape[2])
+    ranges = decode_ranges(lengths, starts, k_cache.shape[2], check_window(window))
     out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
     for b, (s, n) in enumerate(ranges):
         if n > s:  # slice the valid range: what lies outside it is never touched
@@ -355,6 +394,7 @@ def kv_cache_write(k_cache: torch.Tensor, v_cache: torch.Tensor, k_new: torch.Te
 OPS = {
     "rotary": rotary,
     "bias_gelu": bias_gelu,
+    "bias_relu": bias_relu,
     "silu_and_mul": silu_and_mul,
     "attention_prefill": attention_prefill,
     "attention_decode": attention_decode,
@@ -369,8 +409,8 @@ def register(registry) -> None:
 
 
 # ----- example inputs (conformance suite): op -> (dtype, device) -> (args, kwargs) ---------------
-# Small GQA shapes (4 query heads over 2 kv heads, head_dim 16) with ragged lengths, ALiBi and
-# padding, so a backend that mishandles any of them fails the suite.
+# Small GQA shapes (4 query heads over 2 kv heads, head_dim 16) with ragged lengths, ALiBi,
+# padding and sliding windows, so a backend that mishandles any of them fails the suite.
 
 def _randn(*shape: int, seed: int) -> torch.Tensor:
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
@@ -388,6 +428,11 @@ def _bias_gelu_example(dtype, device):
     return (x.to(device, dtype), b.to(device, dtype)), {"approximate": "tanh"}
 
 
+def _bias_relu_example(dtype, device):
+    x, b = _randn(3, 40, seed=24), _randn(40, seed=25)
+    return (x.to(device, dtype), b.to(device, dtype)), {}
+
+
 def _silu_and_mul_example(dtype, device):
     return (_randn(3, 2 * 24, seed=15).to(device, dtype),), {}
 
@@ -397,15 +442,18 @@ def _prefill_example(dtype, device):
     mask = torch.tensor([[1] * 6, [0, 0, 1, 1, 1, 1]], device=device)  # second sequence left-padded
     return ((q.to(device, dtype), k.to(device, dtype), v.to(device, dtype)),
             {"causal": True, "key_padding_mask": mask,
-             "alibi_slopes": alibi_slopes(4, device=device)})
+             "alibi_slopes": alibi_slopes(4, device=device),
+             "window": 4})  # queries 4, 5 of sequence 0 lose keys; sequence 1's lost are pads
 
 
 def _decode_example(dtype, device):
     q = _randn(2, 4, 1, 16, seed=19)
     k, v = _randn(2, 2, 12, 16, seed=20), _randn(2, 2, 12, 16, seed=21)
     k[1, :, 7:] = float("nan")  # past sequence 1's length: must never be read
+    k[0, :, :4] = float("nan")  # window 8: sequence 0 sees 4..11 only, sequence 1 all 7 tokens
     lengths = torch.tensor([12, 7], device=device)
-    return ((q.to(device, dtype), k.to(device, dtype), v.to(device, dtype), lengths), {})
+    return ((q.to(device, dtype), k.to(device, dtype), v.to(device, dtype), lengths),
+            {"window": 8})
 
 
 def _cache_write_example(dtype, device):
@@ -417,5 +465,6 @@ def _cache_write_example(dtype, device):
 
 
 EXAMPLES = {"rotary": _rotary_example, "bias_gelu": _bias_gelu_example,
-            "silu_and_mul": _silu_and_mul_example, "attention_prefill": _prefill_example,
-            "attention_decode": _decode_example, "kv_cache_write": _cache_write_example}
+            "bias_relu": _bias_relu_example, "silu_and_mul": _silu_and_mul_example,
+            "attention_prefill": _prefill_example, "attention_decode": _decode_example,
+            "kv_cache_write": _cache_write_example}

@@ -1,7 +1,8 @@
-"""Attention-family Triton kernels for CUDA: rotary, bias_gelu, silu_and_mul, attention_prefill
-(flash-attention style), attention_decode (split-K / flash-decoding) and kv_cache_write.
+"""Attention-family Triton kernels for CUDA: rotary, bias_gelu, bias_relu, silu_and_mul,
+attention_prefill (flash-attention style), attention_decode (split-K / flash-decoding) and
+kv_cache_write.
 
-Contracts (shapes, masks, GQA, ALiBi, zero rows) are those of
+Contracts (shapes, masks, GQA, ALiBi, sliding windows, zero rows) are those of
 ``shardwise.kernels.reference.attention``; every launcher validates with the reference's checks.
 Math is float32 inside the kernels; results are rounded to the input dtype once. Attention
 matmuls run on tensor cores in fp16/bf16 (the probabilities are rounded to the value dtype before
@@ -180,20 +181,25 @@ def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
 # ----- activations ----------------------------------------------------------------------------
 
 _ACT_BLOCK = 1024  # elements per program of the elementwise kernels
+#: ``ACT`` of :func:`_bias_act_kernel`: the activation applied after the bias add.
+_GELU, _GELU_TANH, _RELU = 0, 1, 2
 
 
 @triton.jit
-def _bias_gelu_kernel(X, B, O, n_cols, stride_x, stride_o, HAS_BIAS: tl.constexpr,
-                      TANH: tl.constexpr, BLOCK: tl.constexpr):
+def _bias_act_kernel(X, B, O, n_cols, stride_x, stride_o, HAS_BIAS: tl.constexpr,
+                     ACT: tl.constexpr, BLOCK: tl.constexpr):
+    """Program (row, column block): ``act(x + bias)`` of BLOCK columns of one row."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
     h = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_BIAS:
         h += tl.load(B + cols, mask=mask, other=0.0).to(tl.float32)
-    if TANH:  # 0.5 (1 + tanh(z)) == sigmoid(2z), z = sqrt(2/pi) (h + 0.044715 h³)
+    if ACT == 2:  # relu (NaN stays NaN, as torch's)
+        y = tl.where(h < 0.0, 0.0, h)
+    elif ACT == 1:  # gelu tanh: 0.5 (1 + tanh(z)) == sigmoid(2z), z = sqrt(2/pi) (h + 0.044715 h³)
         y = h * tl.sigmoid(1.5957691216057308 * (h + 0.044715 * h * h * h))
-    else:
+    else:  # gelu erf
         y = 0.5 * h * (1.0 + tl.math.erf(h * 0.7071067811865476))
     tl.store(O + row * stride_o + cols, y.to(O.dtype.element_ty), mask=mask)
 
@@ -220,21 +226,31 @@ def _act_grid(rows: int, cols: int) -> tuple[int, int]:
     return rows, triton.cdiv(cols, _ACT_BLOCK)
 
 
+def _bias_act(x: torch.Tensor, bias: torch.Tensor | None, act: int) -> torch.Tensor:
+    """``act(x + bias)`` in one launch: x [..., n], bias [n] or None. Returns [..., n]."""
+    n = x.shape[-1]
+    x2 = _as_rows(x, n)  # [rows, n]
+    out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+    if x2.numel():
+        b = bias.contiguous() if bias is not None else x2
+        _bias_act_kernel[_act_grid(*x2.shape)](
+            x2, b, out, n, x2.stride(0), out.stride(0), HAS_BIAS=bias is not None, ACT=act,
+            BLOCK=_ACT_BLOCK)
+    return out.view(x.shape)
+
+
 def bias_gelu(x: torch.Tensor, bias: torch.Tensor | None = None,
               approximate: str = "none") -> torch.Tensor:
     """``gelu(x + bias)`` fused; contract of the reference: x [..., n], bias [n] or None."""
     if approximate not in ref.GELU_APPROXIMATIONS:
         raise KernelError(f"approximate must be one of {ref.GELU_APPROXIMATIONS}, got "
                           f"{approximate!r}")
-    n = x.shape[-1]
-    x2 = _as_rows(x, n)  # [rows, n]
-    out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
-    if x2.numel():
-        b = bias.contiguous() if bias is not None else x2
-        _bias_gelu_kernel[_act_grid(*x2.shape)](
-            x2, b, out, n, x2.stride(0), out.stride(0), HAS_BIAS=bias is not None,
-            TANH=approximate == "tanh", BLOCK=_ACT_BLOCK)
-    return out.view(x.shape)
+    return _bias_act(x, bias, _GELU_TANH if approximate == "tanh" else _GELU)
+
+
+def bias_relu(x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``relu(x + bias)`` fused; contract of the reference: x [..., n], bias [n] or None."""
+    return _bias_act(x, bias, _RELU)
 
 
 def silu_and_mul(x: torch.Tensor, up: torch.Tensor | None = None) -> torch.Tensor:
@@ -266,12 +282,13 @@ def silu_and_mul(x: torch.Tensor, up: torch.Tensor | None = None) -> torch.Tenso
 
 @triton.jit
 def _prefill_kernel(Q, K, V, O, MASK, KPOS, SLOPES, q_len, kv_len, n_q, group, head_dim, scale,
-                    sq_b, sq_h, sq_t, sq_d, sk_b, sk_h, sk_t, sk_d, sv_b, sv_h, sv_t, sv_d,
-                    so_b, so_h, so_t, so_d, sm_b, sm_t, skp_b, skp_t,
+                    window, sq_b, sq_h, sq_t, sq_d, sk_b, sk_h, sk_t, sk_d, sv_b, sv_h, sv_t,
+                    sv_d, so_b, so_h, so_t, so_d, sm_b, sm_t, skp_b, skp_t,
                     CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, HAS_ALIBI: tl.constexpr,
-                    F32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_D: tl.constexpr):
-    """One program per (batch, q head) x BLOCK_M queries, streaming over key tiles."""
+                    HAS_WINDOW: tl.constexpr, F32: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    """One program per (batch, q head) x BLOCK_M queries, streaming over the key tiles its
+    queries may see: up to the last query (causal) and from the first query's window on."""
     bh = tl.program_id(0).to(tl.int64)
     b, h = bh // n_q, bh % n_q
     kvh = h // group
@@ -282,9 +299,13 @@ def _prefill_kernel(Q, K, V, O, MASK, KPOS, SLOPES, q_len, kv_len, n_q, group, h
     q = tl.load(Q + b * sq_b + h * sq_h + offs_m[:, None] * sq_t + dims[None, :] * sq_d,
                 mask=qmask, other=0.0)  # [BLOCK_M, BLOCK_D]
     q_pos = offs_m + (kv_len - q_len)  # causal: bottom-right aligned
+    lo = 0
     hi = kv_len
     if CAUSAL:
         hi = tl.minimum(kv_len, (tl.program_id(1) + 1) * BLOCK_M + kv_len - q_len)
+    if HAS_WINDOW:  # tiles wholly before the first query's window are skipped (tile-aligned)
+        lo = tl.maximum(0, tl.program_id(1) * BLOCK_M + kv_len - q_len - window + 1)
+        lo = (lo // BLOCK_N) * BLOCK_N
     slope = 0.0
     if HAS_ALIBI:
         slope = tl.load(SLOPES + h).to(tl.float32)
@@ -293,7 +314,7 @@ def _prefill_kernel(Q, K, V, O, MASK, KPOS, SLOPES, q_len, kv_len, n_q, group, h
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     k_base = K + b * sk_b + kvh * sk_h + dims[None, :] * sk_d
     v_base = V + b * sv_b + kvh * sv_h + dims[None, :] * sv_d
-    for n0 in range(0, hi, BLOCK_N):
+    for n0 in range(lo, hi, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         nmask = offs_n < kv_len
         kvmask = nmask[:, None] & dmask[None, :]
@@ -302,6 +323,8 @@ def _prefill_kernel(Q, K, V, O, MASK, KPOS, SLOPES, q_len, kv_len, n_q, group, h
         visible = nmask[None, :] & (offs_m < q_len)[:, None]
         if CAUSAL:
             visible = visible & (offs_n[None, :] <= q_pos[:, None])
+        if HAS_WINDOW:  # the query's window: keys q_pos - window < j
+            visible = visible & (offs_n[None, :] > q_pos[:, None] - window)
         if HAS_MASK:
             keep = tl.load(MASK + b * sm_b + offs_n * sm_t, mask=nmask, other=0) != 0
             visible = visible & keep[None, :]
@@ -350,17 +373,19 @@ def _prefill_mask(key_padding_mask, alibi_slopes, batch, kv_len, device):
 def attention_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True,
                       key_padding_mask: torch.Tensor | None = None,
                       alibi_slopes: torch.Tensor | None = None,
-                      scale: float | None = None) -> torch.Tensor:
+                      scale: float | None = None, window: int | None = None) -> torch.Tensor:
     """Flash-attention prefill; contract of the reference ``attention_prefill``.
 
     q: [batch, q_heads, q_len, d]; k, v: [batch, kv_heads, kv_len, d] (any strides);
-    key_padding_mask [batch, kv_len]; alibi_slopes [q_heads]. Returns a contiguous
+    key_padding_mask [batch, kv_len]; alibi_slopes [q_heads]; window: sliding window or None
+    (key tiles before a query tile's windows are not read). Returns a contiguous
     [batch, q_heads, q_len, d] in q.dtype.
     """
     group = ref.check_attention(q, k, v)
-    ref.check_prefill(q, k, causal, key_padding_mask, alibi_slopes)
+    ref.check_prefill(q, k, causal, key_padding_mask, alibi_slopes, window)
     batch, n_q, q_len, head_dim = q.shape
     kv_len = k.shape[2]
+    has_window = window is not None and window < kv_len  # else it hides no key
     block_d = _block_d(head_dim)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if out.numel() == 0:
@@ -374,10 +399,11 @@ def attention_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, caus
     _prefill_kernel[(batch * n_q, triton.cdiv(q_len, block_m))](
         q, k, v, out, mask if mask is not None else q, kpos if kpos is not None else q,
         slopes if slopes is not None else q, q_len, kv_len, n_q, group, head_dim,
-        head_dim ** -0.5 if scale is None else scale, *_strides(q), *_strides(k),
-        *_strides(v), *_strides(out), *mask_strides, *kpos_strides, CAUSAL=causal,
-        HAS_MASK=mask is not None, HAS_ALIBI=slopes is not None, F32=_dot_f32(q.dtype),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, num_warps=warps, num_stages=stages)
+        head_dim ** -0.5 if scale is None else scale, window if has_window else 0,
+        *_strides(q), *_strides(k), *_strides(v), *_strides(out), *mask_strides,
+        *kpos_strides, CAUSAL=causal, HAS_MASK=mask is not None, HAS_ALIBI=slopes is not None,
+        HAS_WINDOW=has_window, F32=_dot_f32(q.dtype), BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_D=block_d, num_warps=warps, num_stages=stages)
     return out
 
 
@@ -489,19 +515,35 @@ def _decode_block_n(max_tokens: int, device: torch.device) -> int:
     return max(16, min(32, triton.next_power_of_2(max_tokens)))
 
 
+def _window_starts(lengths: torch.Tensor, starts: torch.Tensor | None, window: int | None,
+                   max_tokens: int) -> torch.Tensor | None:
+    """The first cache position each sequence's new token sees, [batch] on the device:
+    ``max(starts, min(lengths, max_tokens) - window)`` (device ops only: no sync, graph-safe;
+    may be negative, the kernel starts at 0 then). ``starts`` as is without a window that
+    could hide a token (``window >= max_tokens``)."""
+    if window is None or window >= max_tokens:
+        return starts
+    first = lengths.clamp(max=max_tokens) - window  # [batch]: the query sits at lengths - 1
+    return first if starts is None else torch.maximum(starts, first)
+
+
 def attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      lengths: torch.Tensor, *, alibi_slopes: torch.Tensor | None = None,
                      scale: float | None = None, starts: torch.Tensor | None = None,
-                     num_splits: int | None = None, block_n: int | None = None) -> torch.Tensor:
+                     window: int | None = None, num_splits: int | None = None,
+                     block_n: int | None = None) -> torch.Tensor:
     """Split-K decode attention; contract of the reference ``attention_decode``.
 
     q: [batch, q_heads, 1, d]; k_cache, v_cache: [batch, kv_heads, max_tokens, d] (any
     strides); lengths, starts: [batch] int32/int64 on the device (not checked, so no device
     sync and it can be captured in a CUDA graph: positions outside max(starts, 0) ..
-    min(lengths, max_tokens) - 1 are simply not read). ``num_splits``/``block_n`` override the
-    split heuristic (:func:`decode_splits`) and the key tile. Returns [batch, q_heads, 1, d].
+    min(lengths, max_tokens) - 1 are simply not read). window: sliding window or None, applied
+    by raising the starts on the device (:func:`_window_starts`; splits wholly before a
+    window do no work). ``num_splits``/``block_n`` override the split heuristic
+    (:func:`decode_splits`) and the key tile. Returns [batch, q_heads, 1, d].
     """
     group = ref.check_decode(q, k_cache, v_cache, lengths, starts)
+    window = ref.check_window(window)
     _same_device(q, lengths=lengths, starts=starts, k_cache=k_cache, v_cache=v_cache)
     if alibi_slopes is not None and alibi_slopes.shape != (q.shape[1],):
         raise KernelError(f"alibi_slopes must be [q_heads={q.shape[1]}], got "
@@ -512,6 +554,7 @@ def attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if out.numel() == 0 or max_tokens == 0:
         return out.zero_()
+    starts = _window_starts(lengths, starts, window, max_tokens)
     block_n = block_n or _decode_block_n(max_tokens, q.device)
     splits, chunk = decode_splits(batch, n_kv, max_tokens, block_n, q.device, num_splits)
     m = torch.empty(batch, n_q, splits, dtype=torch.float32, device=q.device)
