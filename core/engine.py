@@ -190,7 +190,9 @@ def init_inference(model: nn.Module, config: InferenceConfig | dict | str | None
     if cfg.replace_with_kernel_inject:  # 5. on the sharded weights (their hooks stay in use)
         from .inject import inject_model
 
-        injected = inject_model(model, accelerator, dtype, cfg.max_tokens)
+        tp = (communicator.rank, communicator.world_size) if report is not None else (0, 1)
+        max_tokens = None if cfg.max_tokens == InferenceConfig.max_tokens else cfg.max_tokens
+        injected = inject_model(model, accelerator, dtype, max_tokens, tp=tp)
     quant_report = _quantize_step(model, cfg, accelerator, dtype, device, prepared)  # 6.
     if quant_report is None:
         transforms.cast_and_move(model, device, dtype)  # 6.

@@ -38,6 +38,7 @@ name or its name below the base model (``layers.*.self_attn.q_proj`` matches
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, NamedTuple
@@ -86,6 +87,9 @@ class Policy:
     require_attention_attrs: ClassVar[bool] = True
     #: kernel-injection data (a shardwise.inject.InjectionSpec), None when not supported
     injection: ClassVar[Any] = None
+    #: config-dependent variants of ``injection``: ``(when, changes)`` rows, applied in order to
+    #: the spec (``dataclasses.replace``) wherever every ``config.<attr> == value`` in ``when``
+    injection_overrides: ClassVar[tuple[tuple[Mapping[str, Any], Mapping[str, Any]], ...]] = ()
     head_config: ClassVar[dict[str, tuple[str, ...]]] = {
         "num_heads": ("num_attention_heads",),
         "num_kv_heads": ("num_key_value_heads",),
@@ -109,6 +113,14 @@ class Policy:
                 return None
             head_dim = hidden // num_heads
         return HeadCounts(int(num_heads), int(num_kv), int(head_dim))
+
+    def injection_spec(self, config: Any) -> Any:
+        """:attr:`injection` with the :attr:`injection_overrides` that ``config`` selects."""
+        spec = self.injection
+        for when, changes in self.injection_overrides:
+            if spec is not None and all(getattr(config, k, None) == v for k, v in when.items()):
+                spec = dataclasses.replace(spec, **changes)
+        return spec
 
     def __repr__(self) -> str:
         return f"<policy {self.name} for {', '.join(self.model_types) or 'any model'}>"

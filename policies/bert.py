@@ -14,8 +14,12 @@ Per layer (``nn.Linear`` weights are [out, in]):
 LayerNorm replicated); the MLM ``cls.predictions.decoder`` is tied to it and vocab-parallel too
 (its per-token bias is sliced with it); the pooler and the MLM transform are replicated.
 Attention is non-causal; nothing about masks changes (they broadcast over heads).
+
+Kernel injection (``injection``): the ``BertEncoder`` is replaced by shardwise's post-LayerNorm
+encoder (:mod:`shardwise.inject.encoder`); embeddings, pooler and heads stay HF's.
 """
 
+from shardwise.inject.encoder import EncoderInjectionSpec
 from shardwise.policy import Policy
 from shardwise.sharding.roles import (ColumnParallel, Heads, RowParallel, VocabParallelEmbedding,
                                       VocabParallelHead)
@@ -38,3 +42,13 @@ class BertPolicy(Policy):
     # Not read by the forward (it reshapes with -1 heads) but kept true for whoever inspects it.
     attention_attrs = {"num_attention_heads": "q_heads", "all_head_size": "q_width",
                        "attention_head_size": "head_dim"}
+    # Kernel injection: post-LayerNorm encoder layers, separate query/key/value, GELU MLP.
+    # transformers 5 BERT has absolute positions only; an older config asking for relative ones
+    # ("relative_key", "relative_key_query") is refused rather than silently run as absolute.
+    injection = EncoderInjectionSpec(
+        encoder="encoder", layers="layer",
+        qkv=("attention.self.query", "attention.self.key", "attention.self.value"),
+        out_proj="attention.output.dense", attn_norm="attention.output.LayerNorm",
+        mlp_in="intermediate.dense", mlp_out="output.dense", mlp_norm="output.LayerNorm",
+        activation_config=("hidden_act",),
+        require_config=(("position_embedding_type", "absolute"),))

@@ -4,6 +4,7 @@ sliding-window, attention per layer; the window mask is a per-module buffer over
 is unchanged by the head split), ``c_fc``/``c_proj`` nn.Linear MLP, learned position embeddings
 ``wpe`` (replicated), ``wte`` tied to ``lm_head``, no HF tp_plan."""
 
+from shardwise.inject.spec import InjectionSpec
 from shardwise.policy import Policy
 from shardwise.sharding.roles import (ColumnParallel, Heads, RowParallel, VocabParallelEmbedding,
                                       VocabParallelHead)
@@ -31,3 +32,13 @@ class GPTNeoPolicy(Policy):
     attention_attrs = {"num_heads": "q_heads", "embed_dim": "q_width"}
     head_config = {"num_heads": ("num_heads",), "num_kv_heads": (), "head_dim": (),
                    "hidden_size": ("hidden_size",)}
+    # Kernel injection: LayerNorm, learned positions (wpe), separate q/k/v, bias+GELU MLP; GPT-Neo
+    # does not scale attention scores, and its "local" layers attend over window_size tokens.
+    injection = InjectionSpec(
+        base_model="transformer", layers="h", embed="wte", final_norm="ln_f", norm="layer",
+        attn_norm="ln_1", mlp_norm="ln_2",
+        qkv=("attn.attention.q_proj", "attn.attention.k_proj", "attn.attention.v_proj"),
+        out_proj="attn.attention.out_proj", positions="learned", pos_embed="wpe", mlp="plain",
+        mlp_in=("mlp.c_fc",), mlp_out="mlp.c_proj", activation_config=("activation_function",),
+        attention_scale=1.0, window_config="window_size", layer_kinds_config="attention_layers",
+        windowed_kinds=("local",))

@@ -10,6 +10,7 @@ output would cut through heads whenever the head count does not divide by tp_siz
 own plan (also sharding ``embed_in``) is used where the HF plan is absent.
 """
 
+from shardwise.inject.spec import InjectionSpec
 from shardwise.policy import Policy
 from shardwise.sharding.roles import (ColumnParallel, Heads, PerHeadInterleaved, RowParallel,
                                       VocabParallelEmbedding, VocabParallelHead)
@@ -38,3 +39,12 @@ class GPTNeoXPolicy(Policy):
     # The forward views qkv as (..., -1, 3 * head_size): no head count is stored on the module;
     # head_size is the only size it reads, and the split leaves it unchanged.
     attention_attrs = {"head_size": "head_dim"}
+    # Kernel injection: fused qkv [heads, 3, head_dim] (the grouped layout with one q head per
+    # group), partial rotary from the model's rotary_emb, the residual form from the config.
+    injection = InjectionSpec(
+        base_model="gpt_neox", layers="layers", embed="embed_in", final_norm="final_layer_norm",
+        norm="layer", attn_norm="input_layernorm", mlp_norm="post_attention_layernorm",
+        qkv=("attention.query_key_value",), qkv_layout="grouped", out_proj="attention.dense",
+        positions="rotary", rotary_module="rotary_emb", mlp="plain",
+        mlp_in=("mlp.dense_h_to_4h",), mlp_out="mlp.dense_4h_to_h",
+        parallel_residual_config="use_parallel_residual")

@@ -4,6 +4,7 @@ and MLP in parallel from one LayerNorm (each ends in its own row-parallel all-re
 ``attn + mlp + residual`` is the full one), ``fc_in``/``fc_out`` MLP, untied ``lm_head`` with a
 bias (split with its vocabulary rows), no HF tp_plan."""
 
+from shardwise.inject.spec import InjectionSpec
 from shardwise.policy import Policy
 from shardwise.sharding.roles import (ColumnParallel, Heads, RowParallel, VocabParallelEmbedding,
                                       VocabParallelHead)
@@ -30,3 +31,13 @@ class GPTJPolicy(Policy):
     attention_attrs = {"num_attention_heads": "q_heads", "embed_dim": "q_width"}
     head_config = {"num_heads": ("n_head",), "num_kv_heads": (), "head_dim": (),
                    "hidden_size": ("n_embd",)}
+    # Kernel injection: one LayerNorm feeding attention and MLP in parallel, interleaved partial
+    # rotary over the first rotary_dim dims of each head (GPT-J has no rotary module: the table
+    # is built from rotary_dim), bias+GELU MLP.
+    injection = InjectionSpec(
+        base_model="transformer", layers="h", embed="wte", final_norm="ln_f", norm="layer",
+        attn_norm="ln_1", mlp_norm=None, parallel_residual=True,
+        qkv=("attn.q_proj", "attn.k_proj", "attn.v_proj"), out_proj="attn.out_proj",
+        positions="rotary", rotary_style="interleaved", rotary_dim_config="rotary_dim",
+        mlp="plain", mlp_in=("mlp.fc_in",), mlp_out="mlp.fc_out",
+        activation_config=("activation_function",))

@@ -43,4 +43,7 @@ class LlamaPolicy(Policy):
         qkv=("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
         out_proj="self_attn.o_proj", positions="rotary", rotary_module="rotary_emb",
         rotary_style="half", mlp="gated", mlp_in=("mlp.gate_proj", "mlp.up_proj"),
-        mlp_out="mlp.down_proj", activation_config=("hidden_act",))
+        mlp_out="mlp.down_proj", activation_config=("hidden_act",),
+        # Mistral: one window for every layer; Qwen2: the layers its layer_types mark sliding
+        window_config="sliding_window", layer_kinds_config="layer_types",
+        windowed_kinds=("sliding_attention",))

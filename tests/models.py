@@ -71,6 +71,15 @@ TINY_CONFIGS = {
                                num_attention_heads=4, multi_query=False,
                                new_decoder_architecture=False, parallel_attn=False, alibi=True,
                                bias=True, vocab_size=256, attn_implementation="eager"),
+    # sliding windows shorter than the test prompts: every layer (Mistral), the layers past
+    # max_window_layers (Qwen2's layer_types)
+    "mistral-sw4": dict(cls="MistralConfig", hidden_size=64, intermediate_size=128,
+                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                        sliding_window=4, vocab_size=256, max_position_embeddings=256),
+    "qwen2-sw4": dict(cls="Qwen2Config", hidden_size=64, intermediate_size=128,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      use_sliding_window=True, sliding_window=4, max_window_layers=1,
+                      vocab_size=256, max_position_embeddings=256),
     # an encoder: build it with tiny_encoder, not tiny_causal_lm
     "bert": dict(cls="BertConfig", hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                  intermediate_size=128, vocab_size=256, max_position_embeddings=64),

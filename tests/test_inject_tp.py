@@ -20,7 +20,8 @@ FP32_ATOL = 1e-4
 BF16_ATOL = 0.05
 BF16_MIN_AGREEMENT = 0.5
 NEW = 32
-FAMILIES = ["llama", "mistral", "qwen2", "gpt2"]
+FAMILIES = ["gpt2", "gpt_neo", "gptj", "gpt_neox", "opt", "bloom", "llama", "mistral", "qwen2",
+            "falcon", "falcon-mqa", "falcon-alibi", "phi3"]
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -40,6 +41,7 @@ def _inject_case(rank: int, arch: str, dtype: torch.dtype, graphs: str | None = 
 
 def _run_case(rank: int, arch: str, dtype: torch.dtype, graphs: str | None) -> dict:
     from shardwise.inject import InjectedModel
+    from shardwise.inject.injector import injected_stack
 
     ref = _with_random_biases(tiny_causal_lm(arch)).to(dtype)
     model = _with_random_biases(tiny_causal_lm(arch))
@@ -53,18 +55,23 @@ def _run_case(rank: int, arch: str, dtype: torch.dtype, graphs: str | None) -> d
     mine = ids if rank == 0 else torch.zeros_like(ids)  # the engine broadcasts rank 0's inputs
     logits = engine(input_ids=mine).logits.float()
     tokens = engine.generate(mine, **gen)
+    stack = injected_stack(model)
     return dict(max_abs=(logits - ref_logits).abs().max().item(),
                 agreement=(tokens[:, 8:] == ref_tokens[:, 8:]).float().mean().item(),
                 tokens_equal=torch.equal(tokens, ref_tokens), digest=digest(logits),
-                injected=isinstance(model.base_model, InjectedModel),
-                local_q_heads=model.base_model.get_submodule(
-                    "h.0" if arch == "gpt2" else "layers.0").q_heads,
-                graphs=model.base_model.graphs is not None)
+                injected=isinstance(stack, InjectedModel),
+                local_q_heads=stack.m.layers[0].q_heads,
+                graphs=stack.graphs is not None)
 
 
 CASES = {f"{arch}-{name}": (arch, dtype, None) for arch in FAMILIES
          for name, dtype in DTYPES.items()}
+# uneven heads (7 over 2 ranks: 4 | 3): per-head fused qkv, multi-query with its kv head on both
+for _arch in ("gpt_neox-7heads", "falcon-7heads-mqa", "llama-7heads"):
+    CASES[f"{_arch}-fp32"] = (_arch, torch.float32, None)
 CASES["llama-fp32-graphs-replay"] = ("llama", torch.float32, "replay")
+CASES["bloom-fp32-graphs-replay"] = ("bloom", torch.float32, "replay")  # ALiBi per rank
+CASES["gpt_neo-fp32-graphs-replay"] = ("gpt_neo", torch.float32, "replay")  # local windows
 CASES["gpt2-fp32-graphs-noop"] = ("gpt2", torch.float32, "noop")
 
 
@@ -85,8 +92,8 @@ def test_tp2_injection_matches_hf(ranks, name):
     r0, r1 = case(ranks, name)
     arch, dtype, graphs = CASES[name]
     assert r0["injected"] and r1["injected"]
-    heads = 4  # every tiny family has 4 query heads: 2 per rank
-    assert r0["local_q_heads"] == r1["local_q_heads"] == heads // 2
+    heads = 7 if "7heads" in arch else 4  # the rank's whole heads: 2 | 2 or 4 | 3
+    assert (r0["local_q_heads"], r1["local_q_heads"]) == ((heads + 1) // 2, heads // 2)
     assert r0["digest"] == r1["digest"]  # every rank returns the same logits
     if dtype == torch.float32:
         assert r0["max_abs"] < FP32_ATOL, r0["max_abs"]

@@ -5,14 +5,18 @@ replaces a model's decoder stack in place with shardwise's inference layers buil
 the accelerator resolves, over a static KV cache of ``max_tokens`` tokens
 (:class:`StaticKVCache`); :func:`enable_graphs` captures the decode step with the accelerator's
 graph strategy. The HF model stays the outer shell: ``generate()``/``pipeline()`` keep working.
+Encoder-only families (BERT) describe theirs with :class:`EncoderInjectionSpec`; the same
+:func:`inject_model` replaces their encoder (:class:`InjectedEncoder`, no KV cache).
 """
 
 from .cache import KVBuffers, MaxTokensError, StaleCacheError, StaticKVCache
 from .injector import (DecodeGraphs, InjectionError, enable_graphs, inject_model, injected_stack,
-                       resolve_kernels, supported_families)
+                       resolve_kernels, resolve_ops, supported_families)
+from .encoder import EncoderInjectionSpec, InjectedEncoder, inject_encoder, injected_encoder
 from .layers import InjectedLayer, InjectedModel
 from .spec import ACTIVATIONS, InjectionSpec
 
 __all__ = ["KVBuffers", "MaxTokensError", "StaleCacheError", "StaticKVCache", "DecodeGraphs",
            "InjectionError", "enable_graphs", "inject_model", "injected_stack", "resolve_kernels",
-           "supported_families", "InjectedLayer", "InjectedModel", "ACTIVATIONS", "InjectionSpec"]
+           "resolve_ops", "supported_families", "EncoderInjectionSpec", "InjectedEncoder",
+           "inject_encoder", "injected_encoder", "InjectedLayer", "InjectedModel", "ACTIVATIONS", "InjectionSpec"]

@@ -13,14 +13,21 @@ from typing import Any
 import torch
 from torch import nn
 
+from shardwise.kernels.reference.attention import alibi_slopes
+
 from ..accelerator import Accelerator, GraphStrategy, dtype_name
 from ..errors import ConfigError
 from ..kernel_registry import REFERENCE, registry
+from ..policy import HeadCounts
+from ..sharding.partition import HeadPartition
 from .cache import StaticKVCache
-from .layers import InjectedModel, Kernels
+from .layers import InjectedModel, Kernels, LayerSetup
 from .spec import ACTIVATIONS, InjectionSpec
 
 log = logging.getLogger(__name__)
+
+#: the static KV cache's capacity when none is given (DeepSpeed's max_out_tokens default)
+DEFAULT_MAX_TOKENS = 1024
 
 
 class InjectionError(ConfigError):
@@ -43,7 +50,7 @@ def _policy_and_spec(model: nn.Module, policy=None):
     from ..policy import policy_for
 
     policy = policy or policy_for(model)
-    spec = getattr(policy, "injection", None)
+    spec = policy.injection_spec(model.config) if policy is not None else None
     if spec is None:
         model_type = getattr(getattr(model, "config", None), "model_type", None)
         families = "; ".join(f"{n} ({', '.join(t)})" for n, t in supported_families().items())
@@ -54,9 +61,11 @@ def _policy_and_spec(model: nn.Module, policy=None):
             f"Families with kernel injection: {families or 'none installed'}. Without injection, "
             f"drop replace_with_kernel_inject (tensor_parallel={{'tp_size': N}} alone shards any "
             f"model with the HF layers)")
-    if not isinstance(spec, InjectionSpec):
-        raise InjectionError(f"policy {policy.name!r}: injection must be an InjectionSpec, got "
-                             f"{type(spec).__name__}")
+    from .encoder import EncoderInjectionSpec  # here: encoder.py imports this module
+
+    if not isinstance(spec, (InjectionSpec, EncoderInjectionSpec)):
+        raise InjectionError(f"policy {policy.name!r}: injection must be an InjectionSpec or an "
+                             f"EncoderInjectionSpec, got {type(spec).__name__}")
     return policy, spec
 
 
@@ -68,13 +77,11 @@ def _config_value(config: Any, names: tuple[str, ...]) -> Any:
     return None
 
 
-def resolve_kernels(accelerator: Accelerator, dtype: torch.dtype, spec: InjectionSpec,
-                    act_op: str) -> Kernels:
-    """Resolve every op the layer calls for ``dtype``; ops that only the reference can run
-    although the accelerator's backends implement them for other dtypes are logged in ONE line."""
-    ops = {"norm": "rms_norm" if spec.norm == "rms" else "layer_norm", "rotary": "rotary",
-           "act": act_op, "attention_prefill": "attention_prefill",
-           "attention_decode": "attention_decode", "kv_cache_write": "kv_cache_write"}
+def resolve_ops(accelerator: Accelerator, dtype: torch.dtype, ops: dict[str, str],
+                what: str = "kernel injection") -> tuple[dict[str, Any], dict[str, str]]:
+    """Resolve ``ops`` (slot → op name) for ``dtype``: (slot → function, op → backend). Ops that
+    only the reference can run although the accelerator's backends implement them for other
+    dtypes are logged in ONE line."""
     impls = {slot: registry.resolve(op, accelerator, dtype) for slot, op in ops.items()}
     fallen = []
     for slot, op in ops.items():
@@ -85,61 +92,134 @@ def resolve_kernels(accelerator: Accelerator, dtype: torch.dtype, spec: Injectio
         if others:
             fallen.append(f"{op} ({'/'.join(others)})")
     if fallen:
-        log.warning("shardwise: kernel injection on %s in %s: %s %s no kernel for this dtype "
-                    "in the listed backend; using the torch reference (same numbers, slower)",
+        log.warning("shardwise: %s on %s in %s: %s %s no kernel for this dtype in the listed "
+                    "backend; using the torch reference (same numbers, slower)", what,
                     accelerator.name, dtype_name(dtype), ", ".join(fallen),
                     "has" if len(fallen) == 1 else "have")
-    return Kernels(**{slot: impl.fn for slot, impl in impls.items()},
-                   backends={ops[slot]: impl.backend for slot, impl in impls.items()})
+    return ({slot: impl.fn for slot, impl in impls.items()},
+            {ops[slot]: impl.backend for slot, impl in impls.items()})
 
 
-def _check_config(model: nn.Module, spec: InjectionSpec, max_tokens: int) -> tuple[str, str]:
+def resolve_kernels(accelerator: Accelerator, dtype: torch.dtype, spec: InjectionSpec,
+                    act_op: str) -> Kernels:
+    """The decoder layer's kernels for ``dtype`` (see :func:`resolve_ops`)."""
+    ops = {"norm": "rms_norm" if spec.norm == "rms" else "layer_norm", "rotary": "rotary",
+           "act": act_op, "attention_prefill": "attention_prefill",
+           "attention_decode": "attention_decode", "kv_cache_write": "kv_cache_write"}
+    fns, backends = resolve_ops(accelerator, dtype, ops)
+    return Kernels(**fns, backends=backends)
+
+
+def _check_config(model: nn.Module, spec: InjectionSpec) -> tuple[str, str]:
+    """The (kernel op, GELU approximation) of the model's activation; refuses settings the
+    injected layer does not implement."""
     config = model.config
-    act = _config_value(config, spec.activation_config)
+    act = _config_value(config, spec.activation_config) or spec.activation
     if act not in ACTIVATIONS or (ACTIVATIONS[act][0] == "silu_and_mul") != (spec.mlp == "gated"):
         raise InjectionError(f"activation {act!r} of {type(model).__name__} is not supported by "
                              f"the injected {spec.mlp} MLP (supported: "
                              f"{', '.join(ACTIVATIONS)}); run without replace_with_kernel_inject")
-    window = getattr(config, "sliding_window", None)
-    if window and getattr(config, "use_sliding_window", True) and window < max_tokens:
-        raise InjectionError(f"{config.model_type} uses sliding-window attention of {window} "
-                             f"tokens, which the injected layers do not implement; set "
-                             f"max_tokens <= {window} so the window never applies, or run "
-                             f"without replace_with_kernel_inject")
+    for attr, value, what in spec.refuse_config:
+        if getattr(config, attr, None) == value:
+            raise InjectionError(f"{type(model).__name__} has {attr}={value!r} ({what}), a layer "
+                                 f"structure the injected layers do not implement; run without "
+                                 f"replace_with_kernel_inject (tensor_parallel alone works)")
     if getattr(config, "add_cross_attention", False):
         raise InjectionError("models with cross-attention are not supported by injection")
     return ACTIVATIONS[act]
 
 
-def _scales(model: nn.Module, spec: InjectionSpec, hf_layers: nn.ModuleList,
-            head_dim: int) -> list[float]:
-    config = model.config
+def _scale(config: Any, spec: InjectionSpec, layer: nn.Module, index: int,
+           head_dim: int) -> float:
+    """The attention score scale of decoder layer ``index``."""
+    if spec.attention_scale is not None:
+        return float(spec.attention_scale)
+    attn = layer.get_submodule(spec.out_proj.rpartition(".")[0]) if "." in spec.out_proj \
+        else layer
+    scale = getattr(attn, "scaling", None)
+    if scale is None:
+        scale = head_dim ** -0.5
+        if spec.unscaled_config and getattr(config, spec.unscaled_config, True) is False:
+            scale = 1.0
+        if spec.inverse_layer_scale_config and getattr(config, spec.inverse_layer_scale_config,
+                                                       False):
+            scale = scale / float(index + 1)
+    return float(scale)
+
+
+def _windows(config: Any, spec: InjectionSpec, n_layers: int,
+             max_tokens: int) -> list[int | None]:
+    """Each layer's sliding window (None: full causal attention, also for a window the static
+    cache is too short to ever apply: positions differ by at most max_tokens - 1)."""
+    window = getattr(config, spec.window_config, None) if spec.window_config else None
+    if not window or window >= max_tokens:
+        return [None] * n_layers
+    kinds = getattr(config, spec.layer_kinds_config, None) if spec.layer_kinds_config else None
+    if kinds is None:
+        return [int(window)] * n_layers
+    return [int(window) if kind in spec.windowed_kinds else None for kind in kinds[:n_layers]]
+
+
+def _local_heads(counts: HeadCounts, tp: tuple[int, int]) -> tuple[int, int, tuple[int, int]]:
+    """(q heads, kv heads, q head range) this rank holds: the sharding's own head split."""
+    rank, size = tp
+    if size == 1:
+        return counts.num_heads, counts.num_kv_heads, (0, counts.num_heads)
+    part = HeadPartition.compute(counts.num_heads, counts.num_kv_heads, counts.head_dim, size,
+                                 rank)
+    return part.q_heads, part.kv_heads, part.q_range
+
+
+def _setups(model: nn.Module, spec: InjectionSpec, hf_layers: nn.ModuleList, counts: HeadCounts,
+            tp: tuple[int, int], act: tuple[str, str], max_tokens: int) -> list[LayerSetup]:
+    config, d = model.config, counts.head_dim
+    q_heads, kv_heads, (h0, h1) = _local_heads(counts, tp)
+    slopes = alibi_slopes(counts.num_heads)[h0:h1] if spec.positions == "alibi" else None
+    parallel = (bool(getattr(config, spec.parallel_residual_config, False))
+                if spec.parallel_residual_config else spec.parallel_residual)
+    if not parallel and spec.mlp_norm is None:
+        raise InjectionError(f"{type(model).__name__}: the sequential residual form needs the "
+                             f"norm before the MLP, which the policy does not name")
     out = []
-    for i, layer in enumerate(hf_layers):
-        attn = layer.get_submodule(spec.out_proj.rpartition(".")[0]) if "." in spec.out_proj \
-            else layer
-        scale = getattr(attn, "scaling", None)
-        if scale is None:
-            scale = head_dim ** -0.5
-            if spec.unscaled_config and getattr(config, spec.unscaled_config, True) is False:
-                scale = 1.0
-            if spec.inverse_layer_scale_config and getattr(config,
-                                                           spec.inverse_layer_scale_config, False):
-                scale = scale / float(i + 1)
-        out.append(float(scale))
+    for i, (layer, window) in enumerate(zip(hf_layers, _windows(config, spec, len(hf_layers), max_tokens))):
+        scale = _scale(config, spec, layer, i, d)
+        alibi = None if slopes is None else slopes * (scale if spec.alibi_scaled else 1.0)
+        out.append(LayerSetup(q_heads, kv_heads, d, scale, window, alibi, act[1], parallel))
     return out
 
 
+def _rotary_dim(config: Any, spec: InjectionSpec, head_dim: int) -> int | None:
+    if spec.positions != "rotary" or spec.rotary_module:
+        return None
+    dim = getattr(config, spec.rotary_dim_config, None) if spec.rotary_dim_config else None
+    return int(dim or head_dim)
+
+
 def inject_model(model: nn.Module, accelerator: Accelerator, dtype: torch.dtype,
-                 max_tokens: int, policy=None) -> InjectedModel:
+                 max_tokens: int | None, policy=None, tp: tuple[int, int] = (0, 1)) -> nn.Module:
     """Replace ``model``'s decoder stack in place with shardwise's inference layers (run after
-    sharding: the layers use the sharded weights and their hooks). Returns the new stack.
+    sharding: the layers use the sharded weights and their hooks). Returns the new stack: an
+    :class:`InjectedModel`, or for an encoder-only family an ``InjectedEncoder``.
+
+    Args:
+        max_tokens: the static KV cache's capacity (decoders; None: :data:`DEFAULT_MAX_TOKENS`).
+            An encoder has no cache: a value for it is an error rather than ignored.
+        tp: (rank, tp_size) the model was sharded with (its head split, ALiBi slopes).
 
     Raises:
         InjectionError: no policy with injection data (the message lists the families that have
             one), or a model setting the injected layers do not implement.
     """
     policy, spec = _policy_and_spec(model, policy)
+    from .encoder import EncoderInjectionSpec, inject_encoder
+
+    if isinstance(spec, EncoderInjectionSpec):  # encoder-only (BERT): no KV cache
+        if max_tokens is not None:
+            raise InjectionError(f"max_tokens={max_tokens} (max_out_tokens) sizes the KV cache of "
+                                 f"decoders; {type(model).__name__} is an encoder and has none: "
+                                 f"drop it")
+        return inject_encoder(model, policy, spec, accelerator, dtype)
+    max_tokens = DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens
     parent_name, _, attr = spec.base_model.rpartition(".")
     parent = model.get_submodule(parent_name) if parent_name else model
     base = getattr(parent, attr, None)
@@ -148,15 +228,15 @@ def inject_model(model: nn.Module, accelerator: Accelerator, dtype: torch.dtype,
     if base is None:
         raise InjectionError(f"policy {policy.name!r}: {type(model).__name__} has no "
                              f"{spec.base_model!r}")
-    act = _check_config(model, spec, max_tokens)
+    act = _check_config(model, spec)
     counts = policy.head_counts(model.config)
     if counts is None:
         raise InjectionError(f"policy {policy.name!r} finds no head counts in the config")
     kernels = resolve_kernels(accelerator, dtype, spec, act[0])
     hf_layers = base.get_submodule(spec.layers)
-    q_share = counts.num_heads / (counts.num_heads + 2 * counts.num_kv_heads)
-    injected = InjectedModel(base, spec, kernels, max_tokens, counts.head_dim, q_share,
-                             _scales(model, spec, hf_layers, counts.head_dim), act)
+    injected = InjectedModel(base, spec, kernels, max_tokens,
+                             _setups(model, spec, hf_layers, counts, tp, act, max_tokens),
+                             _rotary_dim(model.config, spec, counts.head_dim))
     setattr(parent, attr, injected)
     log.info("shardwise: injected %d %s layers (kernels: %s), static KV cache of %d tokens",
              len(hf_layers), policy.name,
@@ -214,6 +294,12 @@ def enable_graphs(model: nn.Module, accelerator: Accelerator) -> GraphStrategy:
     """
     stack = injected_stack(model)
     if stack is None:
+        from .encoder import injected_encoder
+
+        if injected_encoder(model) is not None:
+            raise ConfigError(f"enable_graph captures the injected decode step, and "
+                              f"{type(model).__name__} is an encoder: it has no decode step "
+                              f"(one forward per batch). Run it with enable_graph=False")
         raise ConfigError("enable_graph captures the injected decode step: it needs "
                           "replace_with_kernel_inject=True")
     strategy = accelerator.graph_strategy()

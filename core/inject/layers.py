@@ -23,13 +23,15 @@ through the engine's communicator; head counts are read from the local weight sh
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers.modeling_outputs import BaseModelOutputWithPastAndCrossAttentions as StackOutput
+
+from shardwise.kernels.reference.attention import rotary_cos_sin
 
 from ..errors import ShardwiseError
 from .cache import KVBuffers, StaticKVCache
@@ -39,9 +41,12 @@ log = logging.getLogger(__name__)
 
 
 def out_width(module: nn.Module) -> int:
-    """Output features of a Linear or transformers Conv1D (weight [in, out])."""
+    """Output features of a Linear (or any module with ``out_features``, e.g. a quantized one)
+    or transformers Conv1D (weight [in, out])."""
     if isinstance(module, nn.Linear):
         return module.weight.shape[0]
+    if isinstance(getattr(module, "out_features", None), int):
+        return module.out_features
     if hasattr(module, "nf"):
         return module.weight.shape[1]
     raise ShardwiseError(f"cannot read the output width of {type(module).__name__}")
@@ -75,7 +80,32 @@ class StepContext:
     key_padding_mask: torch.Tensor | None = None
     graph_safe: bool = False  # decode step under graph capture: no host syncs
     write_index: torch.Tensor | None = None  # [1] int64, graph_safe only
-    visible: torch.Tensor | None = None  # [batch, 1, 1, max_tokens] bool, graph_safe only
+    masks: dict = field(default_factory=dict)  # graph_safe: (window, alibi id) → SDPA mask
+
+    def mask_for(self, layer: "InjectedLayer") -> torch.Tensor:
+        """Graph-safe decode: ``layer``'s SDPA mask over the whole cache, built once per step
+        for each distinct (window, ALiBi) — bool [batch, 1, 1, max_tokens], or with ALiBi the
+        float bias [batch, q_heads, 1, max_tokens] (-inf where a key is not visible)."""
+        window, slopes = layer.setup.window, layer.alibi_slopes
+        key = (window, None if slopes is None else id(slopes))
+        if key not in self.masks:
+            self.masks[key] = self._mask(window, slopes, self.cache.buffers.dtype)
+        return self.masks[key]
+
+    def _mask(self, window: int | None, slopes: torch.Tensor | None,
+              dtype: torch.dtype) -> torch.Tensor:
+        max_tokens = self.cache.buffers.max_tokens
+        slots = torch.arange(max_tokens, device=self.lengths.device)[None]  # [1, max_tokens]
+        first = self.starts[:, None]
+        if window is not None:
+            first = torch.maximum(first, self.lengths[:, None] - window)
+        visible = (slots >= first) & (slots < self.lengths[:, None])  # [batch, max_tokens]
+        if slopes is None:
+            return visible[:, None, None, :]
+        rel = (slots - (self.lengths[:, None] - 1)).float()  # key position - query position
+        bias = slopes.float()[None, :, None] * rel[:, None, :]  # [batch, heads, max]
+        bias = bias.masked_fill(~visible[:, None, :], float("-inf"))
+        return bias[:, :, None, :].to(dtype)
 
 
 class _Refs:
@@ -85,29 +115,55 @@ class _Refs:
         self.__dict__.update(modules)
 
 
+@dataclass(frozen=True)
+class LayerSetup:
+    """What one injected layer needs beyond its spec: this rank's head counts, the score scale,
+    the sliding window (None: none), this rank's ALiBi slopes ([q_heads] float32, already times
+    the scale where the family scales them; None: no ALiBi), the GELU approximation and the
+    residual form."""
+
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+    scale: float
+    window: int | None
+    alibi: torch.Tensor | None
+    approximate: str
+    parallel: bool
+
+
 class InjectedLayer(nn.Module):
     """One decoder layer: fused residual+norm, attention over the static cache, MLP."""
 
     def __init__(self, hf_layer: nn.Module, spec: InjectionSpec, kernels: Kernels, index: int,
-                 head_dim: int, q_share: float, scale: float, act: tuple[str, str]) -> None:
+                 setup: LayerSetup) -> None:
         super().__init__()
         for name, child in hf_layer.named_children():  # adopt: same names, same parameters
             self.add_module(name, child)
-        self.spec, self.k, self.index = spec, kernels, index
+        self.spec, self.k, self.index, self.setup = spec, kernels, index, setup
+        self.head_dim, self.scale = setup.head_dim, setup.scale
+        self.q_heads, self.kv_heads = setup.q_heads, setup.kv_heads
+        self.widths = [self.q_heads * self.head_dim, *[self.kv_heads * self.head_dim] * 2]
         self.rebind()
-        qkv = self.m.qkv
-        self.head_dim = head_dim
-        if len(qkv) == 1:
-            width = out_width(qkv[0])
-            q_width = round(width * q_share / head_dim) * head_dim
-            kv_width = (width - q_width) // 2
-            self.widths = [q_width, kv_width, kv_width]
-        else:
-            self.widths = [out_width(p) for p in qkv]
-        self.q_heads, self.kv_heads = self.widths[0] // head_dim, self.widths[1] // head_dim
-        self.scale = scale
-        self.approximate = act[1]
-        self.fused_qkv = len(qkv) == 1
+        self.fused_qkv = len(self.m.qkv) == 1
+        width = sum(out_width(p) for p in self.m.qkv)
+        if width != sum(self.widths):
+            raise ShardwiseError(f"layer {index}: the q/k/v projections give {width} features, "
+                                 f"not {self.q_heads} q + 2 × {self.kv_heads} kv heads of "
+                                 f"{self.head_dim}; the policy's head counts do not match the "
+                                 f"weights")
+        # [q_heads]: moves with the model (not saved: derived from the config)
+        self.register_buffer("alibi_slopes", setup.alibi, persistent=False)
+
+    @property
+    def attn_kw(self) -> dict[str, Any]:
+        """The attention kwargs every kernel call of this layer shares."""
+        kw: dict[str, Any] = {"scale": self.scale}
+        if self.setup.window is not None:
+            kw["window"] = self.setup.window
+        if self.alibi_slopes is not None:
+            kw["alibi_slopes"] = self.alibi_slopes
+        return kw
 
     def rebind(self) -> None:
         """(Re)read the adopted submodules named by the spec (after a transform replaced some,
@@ -128,89 +184,108 @@ class InjectedLayer(nn.Module):
     def forward(self, delta: torch.Tensor, residual: torch.Tensor | None, ctx: StepContext):
         h, residual = self._norm(self.m.norm1, delta, residual)
         a = self._attention(h, ctx)
-        if self.spec.parallel_residual:
+        if self.setup.parallel:
             h2 = h if self.m.norm2 is None else self._norm(self.m.norm2, residual, None)[0]
             return a + self._mlp(h2), residual
         h2, residual = self._norm(self.m.norm2, a, residual)
         return self._mlp(h2), residual
 
     def _mlp(self, h: torch.Tensor) -> torch.Tensor:
-        if self.spec.mlp == "gated":
-            gate, up = self.m.mlp_in
-            return self.m.mlp_out(self.k.act(gate(h), up(h)))
-        return self.m.mlp_out(self.k.act(self.m.mlp_in[0](h), None, self.approximate))
+        mlp_in = self.m.mlp_in
+        if self.spec.mlp == "gated":  # two projections, or one fused [gate | up]
+            up = mlp_in[1](h) if len(mlp_in) == 2 else None
+            return self.m.mlp_out(self.k.act(mlp_in[0](h), up))
+        if self.setup.approximate:
+            return self.m.mlp_out(self.k.act(mlp_in[0](h), None, self.setup.approximate))
+        return self.m.mlp_out(self.k.act(mlp_in[0](h), None))
+
+    def _qkv(self, h: torch.Tensor):
+        """q [b, s, q_heads, d], k and v [b, s, kv_heads, d] from the projection(s)."""
+        b, s, _ = h.shape
+        d, hq, hkv = self.head_dim, self.q_heads, self.kv_heads
+        if not self.fused_qkv:
+            q, k, v = (p(h) for p in self.m.qkv)
+        elif self.spec.qkv_layout == "blocks":  # [q | k | v]
+            q, k, v = self.m.qkv[0](h).split(self.widths, dim=-1)
+        else:  # grouped: [kv_heads, q_per_kv + 2, d]
+            g = hq // hkv
+            x = self.m.qkv[0](h).view(b, s, hkv, g + 2, d)
+            return x[..., :g, :].reshape(b, s, hq, d), x[..., g, :], x[..., g + 1, :]
+        return q.view(b, s, hq, d), k.view(b, s, hkv, d), v.view(b, s, hkv, d)
 
     def _attention(self, h: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         b, s, _ = h.shape
-        d, hq, hkv = self.head_dim, self.q_heads, self.kv_heads
-        if self.fused_qkv:
-            q, k, v = self.m.qkv[0](h).split(self.widths, dim=-1)
-        else:
-            q, k, v = (p(h) for p in self.m.qkv)
-        q = q.view(b, s, hq, d).transpose(1, 2)
-        k = k.view(b, s, hkv, d).transpose(1, 2)
-        v = v.view(b, s, hkv, d).transpose(1, 2)
+        q, k, v = (t.transpose(1, 2) for t in self._qkv(h))  # [b, heads, s, d]
         if ctx.cos is not None:
             q, k = self.k.rotary(q, k, ctx.cos, ctx.sin, style=self.spec.rotary_style)
-        cache = ctx.cache
+        cache, kw = ctx.cache, self.attn_kw
         if cache is None:
             o = self.k.attention_prefill(q, k, v, causal=True,
-                                         key_padding_mask=ctx.key_padding_mask, scale=self.scale)
+                                         key_padding_mask=ctx.key_padding_mask, **kw)
         else:
             kc, vc = cache.buffers.k[self.index], cache.buffers.v[self.index]
             if ctx.graph_safe:  # no host sync: index_copy_ at a device index, masked SDPA
                 kc.index_copy_(2, ctx.write_index, k)
                 vc.index_copy_(2, ctx.write_index, v)
-                o = F.scaled_dot_product_attention(q, kc, vc, attn_mask=ctx.visible,
-                                                   scale=self.scale, enable_gqa=hq != hkv)
+                o = F.scaled_dot_product_attention(q, kc, vc, attn_mask=ctx.mask_for(self),
+                                                   scale=self.scale,
+                                                   enable_gqa=self.q_heads != self.kv_heads)
             else:
                 self.k.kv_cache_write(kc, vc, k, v, ctx.write_pos)
                 if ctx.decode:
-                    o = self.k.attention_decode(q, kc, vc, ctx.lengths, scale=self.scale,
-                                                starts=ctx.starts)
+                    o = self.k.attention_decode(q, kc, vc, ctx.lengths, starts=ctx.starts, **kw)
                 elif ctx.past == 0:
                     o = self.k.attention_prefill(q, k, v, causal=True,
-                                                 key_padding_mask=ctx.key_padding_mask,
-                                                 scale=self.scale)
+                                                 key_padding_mask=ctx.key_padding_mask, **kw)
                 else:  # a prompt continued after cached tokens
                     n = ctx.past + s
                     o = self.k.attention_prefill(q, kc[:, :, :n], vc[:, :, :n], causal=True,
-                                                 key_padding_mask=ctx.key_padding_mask,
-                                                 scale=self.scale)
-        return self.m.out(o.transpose(1, 2).reshape(b, s, hq * d))
+                                                 key_padding_mask=ctx.key_padding_mask, **kw)
+        return self.m.out(o.transpose(1, 2).reshape(b, s, self.q_heads * self.head_dim))
 
 
 class InjectedModel(nn.Module):
     """The decoder stack that replaces the HF base model (see the module docstring)."""
 
     def __init__(self, hf_base: nn.Module, spec: InjectionSpec, kernels: Kernels,
-                 max_tokens: int, head_dim: int, q_share: float, scales: list[float],
-                 act: tuple[str, str]) -> None:
+                 max_tokens: int, setups: list[LayerSetup], rotary_dim: int | None) -> None:
         super().__init__()
         self.config = hf_base.config
-        self.spec, self.k, self.max_tokens, self.head_dim = spec, kernels, max_tokens, head_dim
+        self.spec, self.k, self.max_tokens = spec, kernels, max_tokens
+        self.rotary_dim = rotary_dim  # own rotary table (no rotary module): dims rotated per head
         hf_layers = hf_base.get_submodule(spec.layers)
-        layers = nn.ModuleList(InjectedLayer(layer, spec, kernels, i, head_dim, q_share,
-                                             scales[i], act)
-                               for i, layer in enumerate(hf_layers))
+        layers = nn.ModuleList(InjectedLayer(layer, spec, kernels, i, setup)
+                               for i, (layer, setup) in enumerate(zip(hf_layers, setups)))
         for name, child in hf_base.named_children():  # same names, same order
             self.add_module(name, layers if child is hf_layers else child)
         self._layers = [layers]  # unregistered handle (the ModuleList is registered above)
         self.rebind()
         self.kv_heads = layers[0].kv_heads if len(layers) else 0
+        self.head_dim = layers[0].head_dim if len(layers) else 0
         self._kv: KVBuffers | None = None
         self._cache_generation = 0
         self.graphs: Any = None  # a DecodeGraphs when graph capture is on
 
     def rebind(self) -> None:
         """(Re)read every adopted submodule the forward calls (see :meth:`InjectedLayer.rebind`)."""
-        spec, get = self.spec, self.get_submodule
+        spec = self.spec
         layers = self._layers[0]
         for layer in layers:
             layer.rebind()
-        self.m = _Refs(layers=layers, embed=get(spec.embed), final_norm=get(spec.final_norm),
-                       pos_embed=get(spec.pos_embed) if spec.pos_embed else None,
-                       rotary=get(spec.rotary_module) if spec.rotary_module else None)
+        self.m = _Refs(layers=layers, embed=self._optional(spec.embed),
+                       final_norm=self.get_submodule(spec.final_norm),
+                       pos_embed=self._optional(spec.pos_embed),
+                       rotary=self._optional(spec.rotary_module),
+                       embed_norm=self._optional(spec.embed_norm),
+                       project_in=self._optional(spec.project_in),
+                       project_out=self._optional(spec.project_out))
+
+    def _optional(self, name: str | None) -> nn.Module | None:
+        """The submodule ``name`` (None when the spec names none or the model has it unset)."""
+        if not name:
+            return None
+        parent, _, attr = name.rpartition(".")
+        return getattr(self.get_submodule(parent) if parent else self, attr, None)
 
     # HF helpers the shell delegates to its base model
     def get_input_embeddings(self) -> nn.Module:
@@ -272,9 +347,7 @@ class InjectedModel(nn.Module):
         past = cache.length if cache is not None else 0
         write_pos = cache.reserve(s) if cache is not None else 0
         decode = cache is not None and s == 1 and past > 0
-        if position_ids is None:
-            position_ids = torch.arange(past, past + s, device=ref.device)[None]
-        position_ids = position_ids.expand(b, s)
+        position_ids = self._position_ids(position_ids, attention_mask, past, b, s, ref.device)
         if decode and self.graphs is not None and input_ids is not None:
             hidden = self.graphs.run(self, cache, input_ids, position_ids, past)
             cache.length = past + 1
@@ -282,9 +355,8 @@ class InjectedModel(nn.Module):
         ctx = StepContext(cache, past, decode, write_pos=write_pos)
         self._padding(ctx, attention_mask, cache, past, s)
         x = self.m.embed(input_ids) if inputs_embeds is None else inputs_embeds.to(dtype)
-        x = self._positions(ctx, x, position_ids)
-        if token_type_ids is not None:
-            x = x + self.m.embed(token_type_ids.expand(b, s))
+        types = None if token_type_ids is None else self.m.embed(token_type_ids.expand(b, s))
+        x = self._embedded(ctx, x, position_ids, types)
         if decode:
             ctx.lengths = torch.full((b,), past + 1, dtype=torch.int64, device=x.device)
         hidden = self.run_layers(x, ctx)
@@ -292,25 +364,52 @@ class InjectedModel(nn.Module):
             cache.length = past + s
         return StackOutput(last_hidden_state=hidden, past_key_values=cache)
 
+    def _position_ids(self, position_ids: torch.Tensor | None, mask: torch.Tensor | None,
+                      past: int, b: int, s: int, device: torch.device) -> torch.Tensor:
+        """[b, s] positions: given, else counted from each sequence's first real token
+        (``positions_from_mask``, as OPT), else ``past + arange(s)``."""
+        if position_ids is None and mask is not None and self.spec.positions_from_mask:
+            mask = mask[:, :past + s].long()
+            position_ids = (mask.cumsum(-1) * mask - 1)[:, past:]
+        if position_ids is None:
+            position_ids = torch.arange(past, past + s, device=device)[None]
+        return position_ids.expand(b, s)
+
     def run_layers(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         delta, residual = x, None
         for layer in self.m.layers:
             delta, residual = layer(delta, residual, ctx)
-        return self._final_norm(delta, residual)
+        hidden = self._final_norm(delta, residual)
+        return hidden if self.m.project_out is None else self.m.project_out(hidden)
 
     def _final_norm(self, delta, residual):
         return self.m.layers[0]._norm(self.m.final_norm, delta, residual)[0] if len(
             self.m.layers) else self.m.final_norm(delta)
 
-    def _positions(self, ctx: StepContext, x: torch.Tensor,
-                   position_ids: torch.Tensor) -> torch.Tensor:
+    def _embedded(self, ctx: StepContext, x: torch.Tensor, position_ids: torch.Tensor,
+                  types: torch.Tensor | None = None) -> torch.Tensor:
+        """The first layer's input from the token embeddings ``x`` [b, s, hidden]: projected in,
+        positions added (learned) or their rotary tables put in ``ctx``, token-type embeddings
+        ``types`` added (GPT-2), normed (BLOOM)."""
+        if self.m.project_in is not None:
+            x = self.m.project_in(x)
         if self.spec.positions == "learned":
-            return x + self.m.pos_embed(position_ids)
-        probe = torch.empty(0, dtype=torch.float32, device=x.device)
+            pos = self.m.pos_embed.weight
+            x = x + F.embedding(position_ids + self.spec.pos_offset, pos).to(x.dtype)
+        elif self.spec.positions == "rotary":
+            ctx.cos, ctx.sin = self._rotary_table(position_ids)
+        if types is not None:
+            x = x + types
+        return x if self.m.embed_norm is None else self.m.embed_norm(x)
+
+    def _rotary_table(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) [b, s, rotary_dim // 2] float32 for the rotary kernel."""
+        if self.m.rotary is None:  # no HF rotary module (GPT-J): the plain table
+            return rotary_cos_sin(position_ids, self.rotary_dim, self.spec.rotary_base)
+        probe = torch.empty(0, dtype=torch.float32, device=position_ids.device)
         cos, sin = self.m.rotary(probe, position_ids)  # HF's own table: rope scaling included
         half = cos.shape[-1] // 2
-        ctx.cos, ctx.sin = cos[..., :half], sin[..., :half]
-        return x
+        return cos[..., :half], sin[..., :half]
 
     @staticmethod
     def _padding(ctx: StepContext, mask: torch.Tensor | None, cache: StaticKVCache | None,
@@ -344,9 +443,7 @@ class InjectedModel(nn.Module):
         """One decode step with static shapes and no host sync (what graph strategies capture):
         input_ids/position_ids [batch, 1], write_index [1], lengths/starts [batch] → hidden
         [batch, 1, hidden] after the final norm."""
-        ctx = StepContext(cache, past=-1, decode=True, graph_safe=True, write_index=write_index)
-        slots = torch.arange(cache.buffers.max_tokens, device=input_ids.device)
-        ctx.visible = ((slots[None] >= starts[:, None]) & (slots[None] < lengths[:, None])
-                       )[:, None, None, :]
-        x = self._positions(ctx, self.m.embed(input_ids), position_ids)
+        ctx = StepContext(cache, past=-1, decode=True, graph_safe=True, write_index=write_index,
+                          lengths=lengths, starts=starts)
+        x = self._embedded(ctx, self.m.embed(input_ids), position_ids)
         return self.run_layers(x, ctx)
