@@ -29,7 +29,7 @@ from shardwise.inject import InjectionError, inject_model
 from shardwise.inject.encoder import (EncoderInjectionSpec, InjectedEncoder, InjectedEncoderLayer,
                                       key_padding_mask)
 from models import TINY_CONFIGS, prompt_ids, tiny_encoder
-from tp_harness import TP, case, digest, run_cases, run_pair
+from tp_harness import TP, case, digest, table_fixture
 
 FP32_ATOL = 1e-4
 BF16_ATOL = 0.1
@@ -311,16 +311,7 @@ def _tp_case(rank: int, head: str, dtype: torch.dtype) -> dict:
                 local_heads=[layer.heads for layer in encoder.layer])
 
 
-def _run_all(rank: int) -> dict:
-    from functools import partial
-
-    return run_cases(rank, {name: partial(_tp_case, rank, *args)
-                            for name, args in TP_CASES.items()})
-
-
-@pytest.fixture(scope="module")
-def ranks(tmp_path_factory):
-    return run_pair(_run_all, tmp_path_factory.mktemp("inject_bert_tp"), deadline_s=240)
+ranks = table_fixture(_tp_case, TP_CASES, "inject_bert_tp")
 
 
 @pytest.mark.parametrize("name", list(TP_CASES))

@@ -14,7 +14,7 @@ import torch
 
 import shardwise
 from models import prompt_ids, tiny_causal_lm
-from tp_harness import TP, _with_random_biases, case, digest, run_cases, run_pair
+from tp_harness import TP, _with_random_biases, case, digest, table_fixture
 
 FP32_ATOL = 1e-4
 BF16_ATOL = 0.05
@@ -75,16 +75,7 @@ CASES["gpt_neo-fp32-graphs-replay"] = ("gpt_neo", torch.float32, "replay")  # lo
 CASES["gpt2-fp32-graphs-noop"] = ("gpt2", torch.float32, "noop")
 
 
-def _run_all(rank: int) -> dict:
-    from functools import partial
-
-    return run_cases(rank, {name: partial(_inject_case, rank, *args)
-                            for name, args in CASES.items()})
-
-
-@pytest.fixture(scope="module")
-def ranks(tmp_path_factory):
-    return run_pair(_run_all, tmp_path_factory.mktemp("inject_tp"), deadline_s=240)
+ranks = table_fixture(_inject_case, CASES, "inject_tp")
 
 
 @pytest.mark.parametrize("name", list(CASES))

@@ -13,7 +13,9 @@ import hashlib
 import os
 import time
 import traceback
+from functools import partial
 
+import pytest
 import torch
 from torch import nn
 
@@ -105,6 +107,21 @@ def run_cases(rank: int, cases: dict) -> dict:
             out[name] = {"ok": False, "error": f"{type(exc).__name__}: {exc}",
                          "trace": traceback.format_exc()}
     return out
+
+
+def run_table(rank: int, fn, table: dict) -> dict:
+    """:func:`run_cases` over a table of cases: name -> args, each run as ``fn(rank, *args)``."""
+    return run_cases(rank, {name: partial(fn, rank, *args) for name, args in table.items()})
+
+
+def table_fixture(fn, table: dict, tag: str, deadline_s: float = 240):
+    """A module-scoped fixture running every case of ``table`` (see :func:`run_table`) in ONE
+    pair of ranks; its value is each rank's results (read them with :func:`case`)."""
+    @pytest.fixture(scope="module")
+    def ranks(tmp_path_factory):
+        return run_pair(partial(run_table, fn=fn, table=table), tmp_path_factory.mktemp(tag),
+                        deadline_s=deadline_s)
+    return ranks
 
 
 def run_pair(run_all, tmp_dir, deadline_s: float = 240) -> list[dict]:
