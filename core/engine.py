@@ -63,7 +63,14 @@ class InferenceEngine:
     def save_checkpoint(self, path: str | os.PathLike) -> str:
         """Write the loaded model as a sharded checkpoint (every rank calls it): one safetensors
         file per rank plus ``shardwise_checkpoint.json``, loadable at any tp size with
-        ``init_inference(None, checkpoint=path, ...)``. Returns the description's path."""
+        ``init_inference(None, checkpoint=path, ...)``. Returns the description's path.
+
+        A quantized engine (``quant=`` / ``dtype=torch.int8``) saves its weights as they run:
+        each rank file holds that rank's packed weights, scales and zero points bit for bit plus
+        its layer manifest, and the description records the quant settings and compute dtype.
+        Such a checkpoint loads without re-quantizing, bit-identically, at the same tp size
+        only (packed layouts cannot be merged or split: to change the tp size, save an engine
+        built without ``quant=`` and quantize while loading)."""
         prepared = getattr(self, "_prepared", None) if self.sharding is not None else None
         return str(_checkpoint.save_checkpoint(self.module, path, prepared=prepared,
                                                communicator=self.communicator))
@@ -152,15 +159,32 @@ def init_inference(model: nn.Module, config: InferenceConfig | dict | str | None
     (``injection_policy``, else the model's HF tp_plan, a family policy, a heuristic; see
     :mod:`shardwise.sharding`); ``engine.sharding`` reports what was split.
 
+    Quantization and checkpoints (``engine.quantization`` reports either way):
+
+    * ``checkpoint=`` a full-precision checkpoint with ``quant=``: each quantized weight is
+      quantized as soon as this rank's slice of it is read, so the full-precision model never
+      sits in memory; the result is bit-identical to loading, then quantizing (kernel injection
+      then runs on the quantized linears).
+    * ``checkpoint=`` a quantized checkpoint (``engine.save_checkpoint`` of a quantized engine):
+      its packed weights are loaded as saved, never re-quantized. Without ``quant=`` the saved
+      settings are adopted (one log line); ``quant=`` equal to them is accepted; ``quant=`` with
+      other settings is a :class:`~shardwise.checkpoint.CheckpointError` (re-quantizing would
+      compound the rounding: quantize from the full-precision checkpoint instead). The tp size
+      and the compute dtype must be the saved ones (``dtype`` unset takes the saved one).
+
     Raises:
         ConfigError: an unknown or malformed field, or a feature not supported yet (named).
         ShardingError: tp_size does not fit the world, or the model cannot be split as planned
             (a ConfigError, raised before any process group or weight work).
         PluginError: an unknown, broken or unavailable device (with the reason).
         UnsupportedDtypeError: a dtype the device cannot run.
+        CheckpointError: a missing, corrupt or mismatched checkpoint, or a quantized one loaded
+            otherwise than saved (above); named, before any weight is read.
     """
     cfg = InferenceConfig.build(config, **kwargs)
     desc = _checkpoint.describe(cfg.checkpoint, cfg.base_dir) if cfg.checkpoint else None
+    if desc is not None and desc.quant is not None:
+        _saved_quant_settings(cfg, desc)  # before any model, process group or weight work
     if desc is not None:  # 3. (skeleton): the user's meta model or the checkpoint's config
         model = _checkpoint.skeleton(model, desc, _build_dtype(cfg.dtype))
     if not isinstance(model, nn.Module):
@@ -178,7 +202,8 @@ def init_inference(model: nn.Module, config: InferenceConfig | dict | str | None
     if desc is not None:  # 3. each rank reads only its slices, straight onto its device
         loaded = _checkpoint.load_checkpoint(
             model, desc, prepared=prepared if cfg.tp_size > 1 else None,
-            rank=communicator.rank, device=device, dtype=dtype)
+            rank=communicator.rank, device=device, dtype=dtype,
+            quantizer=_reading_quantizer(model, cfg, accelerator, dtype, device, prepared, desc))
     report = None
     if prepared is not None and cfg.tp_size > 1:
         report = sharding.apply_shards(  # 4. (the loader already sliced the weights)
@@ -193,9 +218,8 @@ def init_inference(model: nn.Module, config: InferenceConfig | dict | str | None
         tp = (communicator.rank, communicator.world_size) if report is not None else (0, 1)
         max_tokens = None if cfg.max_tokens == InferenceConfig.max_tokens else cfg.max_tokens
         injected = inject_model(model, accelerator, dtype, max_tokens, tp=tp)
-    quant_report = _quantize_step(model, cfg, accelerator, dtype, device, prepared)  # 6.
-    if quant_report is None:
-        transforms.cast_and_move(model, device, dtype)  # 6.
+    quant_report = _quantize_and_cast(model, cfg, accelerator, dtype, device, prepared,
+                                      loaded)  # 6.
     if injected is not None:
         injected.rebind()  # step 6 may have swapped linears (quantized) under the layers
     if cfg.enable_graph:  # 7. (the config requires injection for it)
@@ -209,6 +233,50 @@ def init_inference(model: nn.Module, config: InferenceConfig | dict | str | None
     if cfg.save_mp_checkpoint_path:
         engine.save_checkpoint(cfg.save_mp_checkpoint_path)
     return engine
+
+
+def _saved_quant_settings(cfg: InferenceConfig, desc: "_checkpoint.Description") -> None:
+    """A quantized checkpoint: refuse another tp size, and set ``cfg.quant`` to the saved
+    settings (adopted when ``quant=`` is not given; ``quant=`` with other settings is an error:
+    see :func:`shardwise.quant.checkpoint.adopt_saved_quant`)."""
+    from .quant.checkpoint import adopt_saved_quant
+
+    _checkpoint.check_quantized_load(desc, cfg.tp_size)
+    cfg.quant = adopt_saved_quant(desc.quant, cfg.quant, desc.source, _checkpoint.CheckpointError)
+
+
+def _reading_quantizer(model: nn.Module, cfg: InferenceConfig, accelerator: Accelerator,
+                       dtype: torch.dtype, device: torch.device,
+                       prepared: "sharding.PreparedShards | None",
+                       desc: "_checkpoint.Description"):
+    """Step 6 folded into step 3: with ``quant`` and a full-precision checkpoint, the
+    :class:`~shardwise.quant.Quantizer` the loader calls as each weight slice is read (the same
+    layers and settings step 6 would quantize). None when there is nothing to quantize while
+    reading. Kernel injection (step 5) then adopts the quantized linears as it adopts float
+    ones."""
+    if cfg.quant is None or desc.quant is not None:
+        return None
+    from .quant import Quantizer
+
+    roles = prepared.roles if prepared is not None else None
+    return Quantizer.for_model(model, cfg.quant, accelerator, dtype, device=device, roles=roles,
+                               injection_policy=cfg.injection_policy)
+
+
+def _quantize_and_cast(model: nn.Module, cfg: InferenceConfig, accelerator: Accelerator,
+                       dtype: torch.dtype, device: torch.device,
+                       prepared: "sharding.PreparedShards | None", loaded):
+    """Step 6: the loader's QuantReport when it quantized (or loaded quantized weights), else
+    :func:`_quantize_step`; the rest of the model is cast and moved either way."""
+    report = loaded.quantization if loaded is not None else None
+    if report is None:
+        report = _quantize_step(model, cfg, accelerator, dtype, device, prepared)
+        if report is not None:
+            return report  # quantize_model cast and moved the rest
+    else:
+        log.info("shardwise: %s", report.summary())
+    transforms.cast_and_move(model, device, dtype)
+    return report
 
 
 def _quantize_step(model: nn.Module, cfg: InferenceConfig, accelerator: Accelerator,

@@ -9,6 +9,10 @@ converting the dtype on the way and materialising straight on its device::
     engine.save_checkpoint("ckpt_tp2")          # one file per rank + shardwise_checkpoint.json
     # later, at any tp size: init_inference(None, checkpoint="ckpt_tp2", ...)
 
+With ``quant=`` the loader quantizes each weight as soon as its slice is read (the full-precision
+model never sits in memory), and a quantized engine's checkpoint holds its packed weights, loaded
+back as saved at the same tp size (:mod:`.loader`, :mod:`.saver`).
+
 Modules: :mod:`.description` (what a checkpoint consists of), :mod:`.sources` (headers, the key
 → pieces index, the slice reader), :mod:`.build` (the meta skeleton from config.json),
 :mod:`.loader`, :mod:`.saver`, :mod:`.progress`.
@@ -17,10 +21,10 @@ Modules: :mod:`.description` (what a checkpoint consists of), :mod:`.sources` (h
 from .build import build_meta_model, skeleton
 from .description import DESCRIPTION_NAME, Description, describe
 from .errors import CheckpointError
-from .loader import LoadReport, default_dtype, load_checkpoint
+from .loader import LoadReport, check_quantized_load, default_dtype, load_checkpoint
 from .saver import save_checkpoint
 from .sources import build_index
 
 __all__ = ["build_meta_model", "skeleton", "DESCRIPTION_NAME", "Description", "describe",
-           "CheckpointError",
-           "LoadReport", "default_dtype", "load_checkpoint", "save_checkpoint", "build_index"]
+           "CheckpointError", "LoadReport", "check_quantized_load", "default_dtype",
+           "load_checkpoint", "save_checkpoint", "build_index"]

@@ -14,7 +14,9 @@ A checkpoint is given as one of
   File names are relative to ``base_dir`` (the ``base_dir`` argument of ``init_inference``
   overrides the file's; default: the description file's folder). ``type: "shardwise"`` is what
   :func:`shardwise.checkpoint.save_checkpoint` writes: one file per rank plus the slicing
-  metadata ("shards") needed to merge or split them at another tp size.
+  metadata ("shards") needed to merge or split them at another tp size. A quantized model's
+  description adds ``"quant": {"format", "config", "dtype", "layers"}`` (its settings; each rank
+  file's metadata holds that rank's packed-layer manifest).
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ TYPES = {"ds_model": "flat", "hf": "flat", "huggingface": "flat", "bloom": "flat
 VERSIONS = {"flat": None, "shardwise": {1}}
 DESCRIPTION_NAME = "shardwise_checkpoint.json"
 _KEYS = {"type", "checkpoints", "version", "base_dir", "tp_size", "dtype", "parallelization",
-         "shards", "save_id", "config", "replicated", "format"}
+         "shards", "save_id", "config", "replicated", "format", "quant"}
 
 
 @dataclass
@@ -49,6 +51,9 @@ class Description:
         tp_size, dtype: as described (None when not said).
         shards: for ``shardwise``: parameter → ``{"dim", "size", "ranges"}`` (ranges per rank).
         save_id: for ``shardwise``: the id every rank file's metadata must carry.
+        quant: for a quantized ``shardwise`` save: its settings (``format``, ``config``: the
+            ``quant=`` dict, ``dtype``: the compute dtype, ``layers``: the quantized layers'
+            names); None for a full-precision checkpoint.
     """
 
     kind: str
@@ -59,6 +64,7 @@ class Description:
     shards: dict[str, dict] = field(default_factory=dict)
     save_id: str | None = None
     source: str = ""
+    quant: dict | None = None
 
 
 def describe(checkpoint: str | os.PathLike | Mapping, base_dir: str | os.PathLike | None = None
@@ -129,10 +135,23 @@ def _from_mapping(data: dict[str, Any], root: Path, where: str) -> Description:
     if tp_size is not None and (not isinstance(tp_size, int) or tp_size < 1):
         raise CheckpointError(f"{where}: tp_size must be a positive integer, got {tp_size!r}")
     desc = Description(kind, files, config_dir, tp_size, data.get("dtype"),
-                       dict(data.get("shards") or {}), data.get("save_id"), where)
+                       dict(data.get("shards") or {}), data.get("save_id"), where,
+                       data.get("quant"))
     if kind == "shardwise":
         _check_shardwise(desc, where)
+    if desc.quant is not None:
+        _check_quant(desc, where)
     return desc
+
+
+def _check_quant(desc: Description, where: str) -> None:
+    """A quantized checkpoint's ``quant`` entry is well-formed (before any file is read)."""
+    from ..quant.checkpoint import check_description_entry
+
+    if desc.kind != "shardwise":
+        raise CheckpointError(f"{where} has a 'quant' entry, which only shardwise-saved "
+                              f"checkpoints (type 'shardwise') carry; remove it")
+    check_description_entry(desc.quant, where, CheckpointError)
 
 
 def _kind(data: dict[str, Any], where: str) -> str:

@@ -17,13 +17,14 @@ import math
 import os
 import struct
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from .description import Description
+from .saver import QUANT_METADATA
 from .errors import CheckpointError
 from .preads import StagingBuffer, read_slice
 
@@ -123,21 +124,30 @@ def bin_tensors(path: Path) -> dict[str, torch.Tensor]:
 
 @dataclass
 class CheckpointIndex:
-    """Checkpoint key → its pieces and full shape; plus open-file bookkeeping for reading."""
+    """Checkpoint key → its pieces and full shape; plus open-file bookkeeping for reading.
+
+    For a quantized shardwise checkpoint, ``quant`` is the reading rank's manifest
+    (:func:`shardwise.quant.checkpoint.manifest`) and ``per_rank`` the keys of its packed
+    tensors, indexed from that rank's own file (whole: packed layouts are never merged or split).
+    """
 
     pieces: dict[str, list[Piece]]
     shapes: dict[str, tuple[int, ...]]
     dtypes: dict[str, torch.dtype]
     bins: dict[Path, dict[str, torch.Tensor]]
+    per_rank: set[str] = field(default_factory=set)
+    quant: dict | None = None
 
     def keys(self) -> list[str]:
         return list(self.pieces)
 
 
-def build_index(desc: Description) -> CheckpointIndex:
-    """Read every file's header (never its data) and index the tensors of ``desc``."""
+def build_index(desc: Description, rank: int = 0) -> CheckpointIndex:
+    """Read every file's header (never its data) and index the tensors of ``desc`` (for a
+    quantized shardwise checkpoint: as ``rank`` reads it; every rank file's manifest is checked
+    against its header)."""
     if desc.kind == "shardwise":
-        return _shardwise_index(desc)
+        return _shardwise_index(desc, rank)
     index = CheckpointIndex({}, {}, {}, {})
     bins = [f for f in desc.files if f.suffix == ".bin"]
     if bins:
@@ -164,13 +174,15 @@ def _file_infos(path: Path, index: CheckpointIndex) -> dict[str, TensorInfo]:
             if isinstance(v, torch.Tensor)}
 
 
-def _shardwise_index(desc: Description) -> CheckpointIndex:
+def _shardwise_index(desc: Description, rank: int = 0) -> CheckpointIndex:
     headers = [safetensors_header(f) for f in desc.files]
     _check_rank_files(desc, headers)
     index = CheckpointIndex({}, {}, {}, {})
+    if desc.quant is not None:
+        _index_quantized(desc, headers, rank, index)
     rank0 = headers[0][0]
     for name, info in rank0.items():
-        if name not in desc.shards:
+        if name not in desc.shards and name not in index.per_rank:
             index.pieces[name], index.shapes[name] = [Piece(info)], info.shape
             index.dtypes[name] = info.dtype
     for name, entry in desc.shards.items():
@@ -209,6 +221,63 @@ def _check_rank_files(desc: Description, headers: list) -> None:
                 raise CheckpointError(f"rank files disagree on {name!r}: {desc.files[0]} has "
                                       f"{first.dtype} {list(first.shape)}, {path} has "
                                       f"{info.dtype} {list(info.shape)}")
+
+
+def _index_quantized(desc: Description, headers: list, rank: int,
+                     index: CheckpointIndex) -> None:
+    """Check every rank file's quantization manifest against the description and the file's
+    header, then index ``rank``'s packed tensors from its own file."""
+    if not 0 <= rank < len(headers):
+        raise CheckpointError(f"{desc.source} is quantized and was saved at tp_size="
+                              f"{desc.tp_size}; rank {rank} has no file in it: load it at "
+                              f"tp_size={desc.tp_size}")
+    manifests = [_rank_manifest(desc, path, tensors, meta)
+                 for path, (tensors, meta) in zip(desc.files, headers)]
+    index.quant = manifests[rank]
+    own = headers[rank][0]
+    for name in _quant_names(index.quant):
+        info = own[name]
+        index.pieces[name] = [Piece(info, owner=rank)]
+        index.shapes[name], index.dtypes[name] = info.shape, info.dtype
+        index.per_rank.add(name)
+
+
+def _quant_names(manifest: dict) -> dict:
+    from ..quant.checkpoint import tensor_names
+
+    return tensor_names(manifest)
+
+
+def _rank_manifest(desc: Description, path: Path, tensors: dict[str, TensorInfo],
+                   meta: dict[str, str]) -> dict:
+    """``path``'s quantization manifest, checked: well-formed, the description's settings and
+    layers, and every packed tensor in the header with the manifest's shape and dtype."""
+    from ..quant.checkpoint import check_manifest
+
+    where = f"rank file {path}"
+    try:
+        manifest = json.loads(meta[QUANT_METADATA])
+    except (KeyError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"{where} has no readable quantization manifest ({type(exc).__name__}"
+                              f": {exc}) although the description says the checkpoint is "
+                              f"quantized; the rank files do not belong to it: re-save the "
+                              f"checkpoint") from None
+    check_manifest(manifest, where, CheckpointError)
+    said = desc.quant
+    if (sorted(manifest["layers"]), manifest.get("config"), manifest.get("dtype")) != \
+            (said["layers"], said.get("config"), said.get("dtype")):
+        raise CheckpointError(f"{where} disagrees with the description's 'quant' entry (other "
+                              f"quantized layers, settings or dtype): the rank files do not "
+                              f"belong to this description; re-save the checkpoint")
+    for name, (shape, dtype) in _quant_names(manifest).items():
+        info = tensors.get(name)
+        stored = None if info is None else str(info.dtype).removeprefix("torch.")
+        if info is None or list(info.shape) != shape or (dtype is not None and stored != dtype):
+            got = "absent" if info is None else f"{stored} {list(info.shape)}"
+            raise CheckpointError(f"{where}: quantized tensor {name!r} is {got}, its manifest "
+                                  f"says {dtype or 'floating'} {shape}; the file is corrupted "
+                                  f"or mixed up: re-save the checkpoint")
+    return manifest
 
 
 def _others(shape: tuple[int, ...], dim: int) -> tuple[int, ...]:

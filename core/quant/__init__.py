@@ -9,7 +9,8 @@
 
 Modules: :mod:`.config` (the ``quant=`` dict, DeepSpeed MoQ mapping), :mod:`.modules`
 (:class:`QuantLinear`), :mod:`.transform` (:func:`quantize_model`, :class:`Quantizer` — the hook
-the checkpoint loader calls per tensor), :mod:`.checkpoint` (save/load without re-quantizing).
+the checkpoint loader calls per tensor), :mod:`.checkpoint` (save/load without re-quantizing;
+the pieces ``engine.save_checkpoint`` and the sharded checkpoint loader use for quantized models).
 """
 
 from .checkpoint import load_quantized, save_quantized

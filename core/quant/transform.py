@@ -129,6 +129,12 @@ def _is_target_kind(module: nn.Module) -> bool:
     return isinstance(module, nn.Linear) or (conv1d is not None and isinstance(module, conv1d))
 
 
+def is_quantizable(module: nn.Module) -> bool:
+    """Whether ``module`` is a kind :class:`Quantizer` can quantize (``nn.Linear`` or
+    transformers ``Conv1D``)."""
+    return _is_target_kind(module)
+
+
 def layer_kind(name: str, lm_head_name: str | None) -> str:
     if name == lm_head_name:
         return "lm_head"
@@ -212,6 +218,15 @@ class Quantizer:
     def wants(self, module_name: str) -> bool:
         """Whether ``module_name`` is to be quantized."""
         return self.names is None or module_name in self.names
+
+    def check(self, module_name: str, in_features: int) -> None:
+        """Raise (naming the layer) unless the settings fit a layer with ``in_features`` inputs
+        (this rank's, under tensor parallelism): the group size divides them, 4 bits need an
+        even count. For validating every layer before any is quantized."""
+        self.config.group_size_for(module_name, in_features)
+        if self.config.bits == 4 and in_features % 2:
+            raise QuantizationError(f"layer {module_name!r}: 4-bit packing needs an even number "
+                                    f"of input features, got {in_features}")
 
     def quantize_tensor_for(self, module_name: str, weight: torch.Tensor,
                             bias: torch.Tensor | None = None, *, conv1d: bool = False
@@ -371,11 +386,7 @@ def quantize_model(model: nn.Module, spec: QuantConfig | Mapping, accelerator: A
         if not _is_target_kind(module):
             raise ConfigError(f"layer {name!r} is a {type(module).__name__}, not an nn.Linear or "
                               "transformers Conv1D; only those can be quantized")
-        in_features = module.weight.shape[1 if isinstance(module, nn.Linear) else 0]
-        config.group_size_for(name, in_features)
-        if config.bits == 4 and in_features % 2:
-            raise QuantizationError(f"layer {name!r}: 4-bit packing needs an even number of "
-                                    f"input features, got {in_features}")
+        quantizer.check(name, module.weight.shape[1 if isinstance(module, nn.Linear) else 0])
     bytes_before = bytes_in_dtype(model, dtype)
     for name in targets:
         quantizer.quantize_module(model, name)
