@@ -1,14 +1,24 @@
-"""The CPU accelerator: always available, gloo collectives, threads split between local ranks."""
+"""The CPU accelerator: always available, gloo collectives, threads split between local ranks,
+decode-step graphs through ``torch.compile`` (:class:`CpuCompileStrategy`)."""
 
 from __future__ import annotations
 
+import builtins
+import logging
 import os
 import platform
+import sys
+import types
+import weakref
+from contextlib import contextmanager
 from functools import cache
 
 import torch
 
-from shardwise.accelerator import Accelerator, Availability
+from shardwise.accelerator import Accelerator, Availability, GraphStrategy
+from shardwise.graphs import StaticGraph, static_copies, static_outputs
+
+log = logging.getLogger(__name__)
 
 
 @cache
@@ -48,6 +58,355 @@ def usable_cores() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
         return os.cpu_count() or 1
+
+
+# ----- graphs: torch.compile ----------------------------------------------------------------------
+
+#: How the CPU captures the decode step (``enable_graph=True``): ``SHARDWISE_CPU_GRAPHS`` is one of
+#: :data:`LINEAR_PACKINGS` (a :class:`CpuCompileStrategy` with that ``linear``; ``compile`` is
+#: the default ``cpp``) or ``eager`` (no capture: the documented no-op).
+CPU_GRAPHS_ENV = "SHARDWISE_CPU_GRAPHS"
+COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
+#: How a frozen step's linear weights are prepacked (see :class:`CpuCompileStrategy`).
+LINEAR_PACKINGS = ("cpp", "onednn", "inductor")
+
+
+class CpuCompileStrategy(GraphStrategy):
+    """Decode-step "graphs" on CPU: the step compiled once per shape by ``torch.compile``
+    (inductor: C++ built with the system compiler) with static shapes (``dynamic=False``) and
+    inductor *freezing*.
+
+    Why it helps: a decode step at small batch is a chain of matrix-vector products bound by
+    reading the weights. Freezing makes the parameters graph constants, so every linear weight
+    is prepacked once into a layout its kernel streams fast, and the elementwise work (norms,
+    residual adds, activations, rotary, the cache write) is fused into a few C++ loops instead of
+    one eager dispatch each. Measured (benchmarks/README.md, "CPU graphs"): the eager
+    ``F.linear`` of fp32 reads weights at ~16-17 GB/s on the development VM, the packed kernels
+    at 20-33 GB/s.
+
+    ``linear`` picks the packing of the linear weights:
+
+    * ``"cpp"`` (default): inductor's C++ GEMM template (``max_autotune_gemm`` restricted to
+      the ``CPP`` backend, so there is one candidate and nothing is benchmarked at capture):
+      weights packed into the template's blocked layout, read by AVX-512 micro-kernels. Fastest
+      measured (~31-32 GB/s per fp32 or bf16 GEMV here, ~100% of the copy bandwidth).
+    * ``"onednn"``: :class:`PackLinearWeights`, oneDNN's packed GEMV
+      (``mkldnn._linear_pointwise``, ~26-28 GB/s).
+    * ``"inductor"``: inductor's own choice (MKL's packed sgemm for fp32, oneDNN for bf16):
+      measured no faster than eager for fp32 GEMV on AMD EPYC; kept for comparison.
+
+    Freezing is valid only because inference weights do not change: **a weight changed in place
+    after capture is not seen by the compiled step** (capture again: drop the graphs with
+    ``engine.module.base_model.graphs.clear()``). Memory: the packed copies (about the linear
+    weights' bytes) live as long as the capture, on top of the parameters, which the prompt's
+    eager forward still reads; while capturing, inductor's freezing pass also packs each fp32
+    weight for MKL first (dropped once replaced), so the peak is ~2-2.5x the weights' bytes
+    above the model (measured: GPT-2-medium fp32 1.42 GB of weights, +3.5 GB peak, +1.5 GB
+    after; the 0.5B Llama 2.15 GB, +4.3 GB peak, +2.2 GB after). Each captured shape (batch
+    size) has its own copies, and capture takes tens of seconds for a real model (C++ builds,
+    cached on disk by inductor for the next process).
+
+    Numerics: the compiled step computes what the eager step does, in the same dtype (nothing
+    is downcast: fp32 stays fp32), summing in another order (packed GEMV kernels, vectorized
+    reductions), so results differ by rounding only (tests/test_cpu_graphs.py: fp32 logits
+    within 1e-5 of eager, identical greedy tokens).
+
+    Other options: ``mode`` ``"max-autotune-no-cudagraphs"`` benchmarks GEMM candidates at
+    capture (noisy on a shared machine; with ``linear="inductor"`` it picks the C++ template
+    over MKL, i.e. what ``cpp`` gives without benchmarking); ``freezing=False`` compiles with the
+    weights as inputs (fusion only: no packing, no extra memory, little gain); ``fullgraph``
+    (default True) makes a graph break (an op dynamo cannot trace) an error at capture instead
+    of a silently slower step.
+
+    Inductor settings are scoped to this strategy's compilations (patched around its traces and
+    calls, and passed to ``compile_fx``), never set globally. Each capture compiles a fresh copy
+    of the function's code, so it gets dynamo's full recompile budget, and its compiled code,
+    constants and packed weights are released with the captured callable (inductor would
+    otherwise keep every compiled module, and its frozen constants, for the process's life).
+    Compile errors are raised by :meth:`capture`, so ``enable_graph`` fails at init with them.
+    """
+
+    name = "cpu_compile"
+    accelerates = True
+
+    def __init__(self, linear: str = "cpp", mode: str = "default", freezing: bool = True,
+                 fullgraph: bool = True) -> None:
+        if linear not in LINEAR_PACKINGS:
+            raise ValueError(f"CpuCompileStrategy linear {linear!r} is not one of "
+                             f"{', '.join(LINEAR_PACKINGS)}")
+        if mode not in COMPILE_MODES:
+            raise ValueError(f"CpuCompileStrategy mode {mode!r} is not one of "
+                             f"{', '.join(COMPILE_MODES)}")
+        self.linear, self.mode, self.freezing, self.fullgraph = linear, mode, freezing, fullgraph
+        self.pack_pass = PackLinearWeights() if freezing and linear == "onednn" else None
+        #: graphs inductor compiled for this strategy (a replay that recompiles adds one)
+        self.compiles = 0
+        self._options: dict | None = None
+
+    def __repr__(self) -> str:
+        return (f"CpuCompileStrategy(linear={self.linear!r}, mode={self.mode!r}, "
+                f"freezing={self.freezing})")
+
+    def inductor_options(self) -> dict:
+        """The inductor config patches of this strategy's compilations."""
+        if self._options is None:
+            from torch._inductor import list_mode_options
+
+            options = {**list_mode_options(self.mode), "freezing": self.freezing}
+            if self.pack_pass is not None:  # our packing replaces inductor's (MKL for fp32)
+                options["post_grad_custom_pre_pass"] = self.pack_pass
+            elif self.freezing and self.linear == "cpp":  # the C++ GEMM template, alone
+                options.update({"max_autotune_gemm": True, "max_autotune_gemm_backends": "CPP"})
+            self._options = options
+        return self._options
+
+    @contextmanager
+    def _scope(self, options: dict):
+        """Where this strategy's code is traced and run: inference mode (grad off, as freezing
+        requires) with the inductor options patched. Dynamo reads ``freezing`` while *tracing*
+        (to make parameters graph constants), so patching inside the backend is not enough."""
+        import torch._inductor.config as inductor_config
+
+        with torch.inference_mode(), inductor_config.patch(options):
+            yield
+
+    def capture(self, fn, *example_args: torch.Tensor) -> StaticGraph:
+        """Compile ``fn`` for arguments shaped like ``example_args`` and run it once on copies
+        of them; returns a :class:`StaticGraph` (see the class docstring).
+
+        With ``linear="cpp"`` every matrix product must fit the C++ GEMM template (a constant
+        weight: all of a decode step's linears). A function with another product (e.g. of two
+        inputs) is compiled again with ATen's GEMMs as candidates too, which inductor then
+        benchmarks against the template at capture."""
+        inputs = static_copies(example_args, "cpu")
+        options = self.inductor_options()
+        try:
+            return self._capture(fn, inputs, options)
+        except _NoGemmChoice:
+            options = {**options, "max_autotune_gemm_backends": "CPP,ATEN"}
+            return self._capture(fn, inputs, options)
+
+    def _capture(self, fn, inputs: tuple[torch.Tensor, ...], options: dict) -> StaticGraph:
+        from torch._inductor.codecache import PyCodeCache
+        from torch._inductor.compile_fx import compile_fx
+
+        name = getattr(fn, "__name__", repr(fn))
+
+        def backend(gm: torch.fx.GraphModule, example_inputs):
+            self.compiles += 1
+            return compile_fx(gm, example_inputs, config_patches=options)
+
+        fresh = _fresh_code(fn)
+        compiled = torch.compile(fresh, backend=backend, dynamic=False, fullgraph=self.fullgraph)
+        before, loaded = self.compiles, len(PyCodeCache.modules)
+        try:
+            with self._scope(options):
+                outputs = static_outputs(compiled(*inputs))
+        except Exception as exc:
+            _release(fresh.__code__, PyCodeCache.modules[loaded:])
+            if "NoValidChoicesError" in str(exc) and "CPP" == options.get(
+                    "max_autotune_gemm_backends"):
+                raise _NoGemmChoice from exc
+            raise RuntimeError(
+                f"torch.compile of {name!r} on CPU failed: {type(exc).__name__}: "
+                f"{_first_line(exc)}{_where(exc)}. {_hint(exc)}; fix that, or run the step "
+                f"eagerly ({CPU_GRAPHS_ENV}=eager, or enable_graph=False)") from exc
+        if self.compiles == before:
+            raise RuntimeError(f"torch.compile ran {name!r} without compiling it (dynamo "
+                               f"skipped the frame); run the step eagerly ({CPU_GRAPHS_ENV}="
+                               f"eager, or enable_graph=False)")
+        compiled_at = self.compiles
+        single = isinstance(outputs, torch.Tensor)
+        # static outputs made outside inference mode (the caller's), written inside it on replay
+        outputs = outputs.clone() if single else tuple(o.clone() for o in outputs)
+
+        def replay() -> None:
+            nonlocal compiled_at
+            with self._scope(options):  # a recompile (some guard failed) compiles the same way
+                new = compiled(*inputs)
+                if single:
+                    outputs.copy_(new)
+                else:
+                    for static, value in zip(outputs, new):
+                        static.copy_(value)
+            if self.compiles != compiled_at:  # correct, but a capture's time spent again
+                compiled_at = self.compiles
+                log.warning("shardwise: the compiled CPU decode step %r was recompiled on "
+                            "replay (a dynamo guard failed); results are right, but each "
+                            "recompile costs a capture's time", name)
+
+        graph = StaticGraph(replay, inputs, outputs, compiled)
+        weakref.finalize(graph, _release, fresh.__code__, PyCodeCache.modules[loaded:])
+        return graph
+
+
+class _NoGemmChoice(Exception):
+    """A matrix product the C++ GEMM template cannot take (internal: capture retries)."""
+
+
+class PackLinearWeights:
+    """An inductor post-grad pass over a *frozen* graph (``linear="onednn"``): every matrix
+    product by a constant 2-d weight — inductor's MKL-packed fp32 linear
+    (``torch.ops.mkl._mkl_linear``, which its freezing pass makes of ``F.linear`` and
+    transformers' ``Conv1D``), or a plain ``mm(x, W)`` / ``addmm(b, x, W)`` it left alone —
+    becomes ``torch.ops.mkldnn._linear_pointwise`` on a copy of ``W`` reordered once
+    (``torch.ops.mkldnn._reorder_linear_weight``) into oneDNN's layout for the step's row count
+    (bf16/fp16 weights inductor already gives to oneDNN). MKL's packed sgemm measured no faster
+    than eager ``F.linear`` for a GEMV here (``benchmarks/cpu_linear.py``). Same product in the
+    same dtype, summed in another order. ``packed`` counts the products rewritten,
+    ``packed_bytes`` the bytes of the weights packed.
+
+    (Inductor's packing is left on, not disabled with ``cpp.weight_prepack=False``: its freezing
+    patterns are registered once per process with the setting of the first compilation, so
+    turning it off here would change what every later compilation in the process does.)"""
+
+    def __init__(self) -> None:
+        self.packed = 0
+        self.packed_bytes = 0
+
+    def uuid(self) -> str:  # inductor's cache key for custom passes
+        return "shardwise.cpu.PackLinearWeights/1"
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        aten = torch.ops.aten
+        mkl_linear = ((torch.ops.mkl._mkl_linear, torch.ops.mkl._mkl_linear.default)
+                      if torch._C.has_mkl else ())
+        gm = graph.owning_module
+        dropped: set[str] = set()
+        for node in list(graph.nodes):
+            if node.op != "call_function":
+                continue
+            if node.target in mkl_linear:  # inductor's own packing (fp32): (x, packed, w, b, rows)
+                x, mkl_packed, w, bias = node.args[:4]
+                weight = _constant(gm, w)  # [out, in]
+                weight = None if weight is None else weight.t()
+            elif node.target is aten.addmm.default:
+                if node.kwargs.get("beta", 1) != 1 or node.kwargs.get("alpha", 1) != 1:
+                    continue
+                bias, x, w = node.args[:3]
+                weight = _constant(gm, w)  # [in, out]
+            elif node.target is aten.mm.default:
+                bias, (x, w) = None, node.args[:2]
+                weight = _constant(gm, w)
+            else:
+                continue
+            if weight is None or not _packable(x, weight, bias):
+                continue
+            if node.target in mkl_linear and getattr(mkl_packed, "op", None) == "get_attr":
+                dropped.add(mkl_packed.target)
+            rows = x.meta["val"].shape[0]
+            packed = torch.ops.mkldnn._reorder_linear_weight(weight.t().contiguous(), rows)
+            name = _free_name(gm, "_shardwise_packed_w")
+            gm.register_buffer(name, packed)
+            with graph.inserting_before(node):
+                w_node = graph.get_attr(name)
+                new = graph.call_function(torch.ops.mkldnn._linear_pointwise.default,
+                                          (x, w_node, bias, "none", [], ""))
+            new.meta.update(node.meta)
+            node.replace_all_uses_with(new)
+            graph.erase_node(node)
+            self.packed += 1
+            self.packed_bytes += weight.numel() * weight.element_size()
+        graph.eliminate_dead_code()
+        used = {n.target for n in graph.nodes if n.op == "get_attr"}
+        for name in dropped - used:  # inductor's MKL-packed copies, now unused: free them
+            if hasattr(gm, name):
+                delattr(gm, name)
+
+
+def _constant(gm: torch.fx.GraphModule, node) -> torch.Tensor | None:
+    if not isinstance(node, torch.fx.Node) or node.op != "get_attr":
+        return None
+    value = getattr(gm, node.target, None)
+    return value if isinstance(value, torch.Tensor) and not value.is_mkldnn else None
+
+
+def _packable(x, weight: torch.Tensor, bias) -> bool:
+    from torch._inductor.utils import is_mkldnn_bf16_supported, is_mkldnn_fp16_supported
+
+    val = x.meta.get("val") if isinstance(x, torch.fx.Node) else None
+    if val is None or val.dim() != 2 or weight.dim() != 2 or val.dtype != weight.dtype:
+        return False
+    if val.device.type != "cpu" or weight.device.type != "cpu":
+        return False
+    if bias is not None:
+        b = bias.meta.get("val") if isinstance(bias, torch.fx.Node) else None
+        if b is None or b.dim() != 1 or b.shape[0] != weight.shape[1] or b.dtype != val.dtype:
+            return False
+    if weight.dtype == torch.float32:
+        return True
+    if weight.dtype == torch.bfloat16:
+        return is_mkldnn_bf16_supported("cpu")
+    if weight.dtype == torch.float16:
+        return is_mkldnn_fp16_supported("cpu")
+    return False
+
+
+def _free_name(gm: torch.fx.GraphModule, prefix: str) -> str:
+    i = 0
+    while hasattr(gm, f"{prefix}{i}"):
+        i += 1
+    return f"{prefix}{i}"
+
+
+def _fresh_code(fn):
+    """``fn`` behind a wrapper with its own code object and its own globals: dynamo keeps
+    compiled code and its recompile count per code object, and installs the compiled graph
+    (``__compiled_fn_*``) in the globals of the frame it compiles, so this gives each capture
+    its own of each, freed with the wrapper instead of living in this module for good."""
+
+    def call(*args):
+        return fn(*args)
+
+    scope = {"__builtins__": builtins, "__name__": f"{__name__}.<capture>"}
+    return types.FunctionType(call.__code__.replace(), scope, call.__name__, None,
+                              call.__closure__)
+
+
+def _release(code: types.CodeType, modules: list) -> None:
+    """Free what a released capture compiled: dynamo's cache entries on its code object (they
+    hold the compiled graph, its guards and cleanup hooks) and inductor's generated modules
+    (``PyCodeCache.modules`` and ``sys.modules`` would keep them, and the frozen constants —
+    packed weights — bound in their globals, alive for the process's life). Files on disk stay
+    (inductor's cache)."""
+    from torch._dynamo.eval_frame import reset_code
+    from torch._inductor.codecache import PyCodeCache
+
+    reset_code(code)
+    ids = {id(m) for m in modules}
+    PyCodeCache.modules[:] = [m for m in PyCodeCache.modules if id(m) not in ids]
+    for mod in modules:
+        if sys.modules.get(mod.__name__) is mod:
+            del sys.modules[mod.__name__]
+
+
+def _hint(exc: BaseException) -> str:
+    if isinstance(exc, (torch._dynamo.exc.Unsupported, torch._dynamo.exc.UserError)):
+        return ("dynamo cannot trace that op into one graph (a graph break): the step's code "
+                "must avoid it under torch.compiler.is_compiling()")
+    return ("inductor could not build the step: it needs a working C++ compiler (g++ on PATH, "
+            "or $CXX)")
+
+
+def _where(exc: BaseException) -> str:
+    """`` (at FILE:LINE)`` of the innermost user-code frame dynamo names in its message."""
+    frames = [line.strip() for line in str(exc).splitlines() if line.strip().startswith("File \"")]
+    if not frames:
+        return ""
+    parts = frames[-1].split('"')  # File "PATH", line N, in FUNC
+    line = frames[-1].split("line ")[-1].split(",")[0] if "line " in frames[-1] else "?"
+    return f" (at {parts[1]}:{line})" if len(parts) > 1 else ""
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def _distributed_world() -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 class CpuAccelerator(Accelerator):
@@ -131,6 +490,30 @@ class CpuAccelerator(Accelerator):
     def configure_process(self, local_rank: int, local_world_size: int) -> None:
         if "OMP_NUM_THREADS" not in os.environ:
             torch.set_num_threads(self.threads_per_rank(local_world_size))
+
+    def graph_strategy(self) -> GraphStrategy:
+        """:class:`CpuCompileStrategy` (inductor with freezing, C++ GEMM template), chosen by
+        ``SHARDWISE_CPU_GRAPHS`` (:data:`CPU_GRAPHS_ENV`): ``cpp``/``compile`` (default),
+        ``onednn``, ``inductor``, or ``eager`` for the documented no-op. Under tensor
+        parallelism (a process group of more than one rank) the step's collectives cannot be
+        traced by dynamo, so the step runs eagerly (the no-op) and one line says why."""
+        choice = os.environ.get(CPU_GRAPHS_ENV, "").strip().lower() or "compile"
+        if choice == "compile":
+            choice = "cpp"
+        if choice not in ("eager", *LINEAR_PACKINGS):
+            from shardwise.errors import ConfigError
+
+            raise ConfigError(f"{CPU_GRAPHS_ENV}={choice!r}: expected compile (= cpp), "
+                              f"{', '.join(LINEAR_PACKINGS)} or eager")
+        if choice == "eager":
+            return GraphStrategy()
+        world = _distributed_world()
+        if world > 1:
+            log.info("shardwise: CPU graphs compile the decode step with torch.compile, which "
+                     "cannot trace the step's collectives (tensor parallelism over %d ranks): "
+                     "the step runs eagerly", world)
+            return GraphStrategy()
+        return CpuCompileStrategy(linear=choice)
 
     def communicator_class(self):
         """gloo plus a shared-memory all_reduce for ranks on one node (small tensors, chosen

@@ -199,7 +199,8 @@ def test_dtype_fallback_logs_once(caplog):
 
 # ----- graphs -------------------------------------------------------------------------------------
 
-def test_enable_graph_on_cpu_is_a_documented_noop(caplog):
+def test_enable_graph_on_cpu_with_eager_graphs_is_a_documented_noop(caplog, monkeypatch):
+    monkeypatch.setenv("SHARDWISE_CPU_GRAPHS", "eager")  # the default compiles: test_cpu_graphs
     with caplog.at_level(logging.INFO, logger="shardwise"):
         ref, engine = _pair("llama", enable_graph=True)
     assert any("no-op" in r.getMessage() for r in caplog.records)

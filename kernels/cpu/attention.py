@@ -73,6 +73,8 @@ def _pairs(x: torch.Tensor, half: int, style: str) -> tuple[torch.Tensor, torch.
 
 def _rotate(x: torch.Tensor, c: torch.Tensor, s: torch.Tensor, style: str) -> torch.Tensor:
     """(x1, x2) → (x1 c - x2 s, x2 c + x1 s) written straight into the output's views."""
+    if torch.compiler.is_compiling():  # out= into strided views does not trace; the compiler
+        return ref._rotate(x, c, s, style)  # fuses the reference's plain form into one loop
     half = c.shape[-1]
     out = torch.empty_like(x)
     x1, x2 = _pairs(x, half, style)

@@ -1,0 +1,193 @@
+"""One decode step on CPU: plain HF vs the injected step eager vs the injected step compiled by
+the CPU graph strategy (CpuCompileStrategy variants), timed interleaved in one process.
+
+    python benchmarks/cpu_graphs.py --preset gpt2-24l-1024h --variants hf cpp --repeats 40
+    python benchmarks/cpu_graphs.py --preset gpt2-24l-1024h --variants hf cpp --head-in-step \
+        --max-tokens 192 --profile
+
+Each variant runs the same step (position ``prompt-len``, batch 1) including the output head
+(``lm_head``; run eagerly after the captured step, as ``generate`` does, unless
+``--head-in-step`` captures it with the step), so the times are per-token decode latencies
+without ``generate``'s own per-token overhead (~1-2 ms). Calls are interleaved (one of each
+variant per round) so that load from other processes on a shared machine hits every variant
+alike; the table shows medians, GB/s of weights read per step and % of the copy bandwidth
+measured in the same rounds. ``--max-tokens`` sizes the static KV cache (the captured step
+attends over all of it, masked; the engine's default is 1024). ``--profile`` prints where the
+last variant's step spends its time (torch.profiler, self time per step).
+
+Variants: ``hf`` (the plain model, DynamicCache cropped back after each step), ``eager``
+(the injected graph-safe step, not compiled), ``nofreeze`` (compiled, weights as graph inputs:
+fusion only), ``inductor`` (freezing, inductor's own packing: MKL sgemm for fp32), ``onednn``
+(freezing, oneDNN packing), ``cpp`` (freezing, inductor's C++ GEMM template: the default CPU
+strategy), ``autotune`` (freezing + mode max-autotune-no-cudagraphs with inductor's packing:
+MKL and the C++ template benchmarked per GEMM shape at capture).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import shardwise  # noqa: E402
+from shardwise.accelerators.cpu import CpuCompileStrategy  # noqa: E402
+from shardwise.accelerator import GraphStrategy  # noqa: E402
+from shardwise.bench.presets import build_preset  # noqa: E402
+from shardwise.bench.roofline import weight_bytes  # noqa: E402
+from shardwise.inject.injector import DecodeGraphs, injected_stack  # noqa: E402
+
+STRATEGIES = {
+    "eager": lambda: GraphStrategy(),
+    "nofreeze": lambda: CpuCompileStrategy(freezing=False),
+    "inductor": lambda: CpuCompileStrategy(linear="inductor"),
+    "onednn": lambda: CpuCompileStrategy(linear="onednn"),
+    "cpp": lambda: CpuCompileStrategy(linear="cpp"),
+    "autotune": lambda: CpuCompileStrategy(linear="inductor", mode="max-autotune-no-cudagraphs"),
+}
+
+
+def hf_step(model, ids: torch.Tensor, prompt_len: int):
+    """A callable running one HF decode step after the prompt (cache cropped back each time)."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    with torch.inference_mode():
+        model(ids, past_key_values=cache, use_cache=True)
+    nxt = ids[:, -1:]
+
+    def step():
+        with torch.inference_mode():
+            out = model(nxt, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+        cache.crop(-1)  # drop the step's token: every call decodes the same position
+        return out
+    return step
+
+
+def injected_steps(model, ids: torch.Tensor, variants: list[str], max_tokens: int | None,
+                   head_in_step: bool = False):
+    """``variant → callable`` of one injected decode step (+ lm_head) per strategy.
+
+    ``head_in_step``: capture the output head with the step (one compiled function from token
+    ids to logits) instead of running it eagerly after the captured step, as ``generate`` does
+    today: what moving the head into ``DecodeGraphs`` would give."""
+    kwargs = {"max_tokens": max_tokens} if max_tokens else {}
+    engine = shardwise.init_inference(model, device="cpu", replace_with_kernel_inject=True,
+                                      **kwargs)
+    stack = injected_stack(engine.module)
+    with torch.inference_mode():
+        out = engine.module(ids, use_cache=True)
+    cache = out.past_key_values
+    past = cache.length
+    nxt = ids[:, -1:]
+    pos = torch.full_like(nxt, past)
+    head = engine.module.get_output_embeddings()
+    steps = {}
+    for name in variants:
+        start = time.perf_counter()
+        if head_in_step:
+            strategy = STRATEGIES[name]()
+            args = (nxt, pos, torch.tensor([past]), torch.tensor([past + 1]), torch.zeros(1,
+                    dtype=torch.int64))
+
+            def to_logits(i, p, w, n, s, _cache=cache):
+                return head(stack.decode_step(_cache, i, p, w, n, s))
+            with torch.inference_mode():
+                graph = strategy.capture(to_logits, *args)
+
+            def step(graph=graph, args=args):
+                with torch.inference_mode():
+                    return graph(*args).clone()
+        else:
+            graphs = DecodeGraphs(STRATEGIES[name]())
+            with torch.inference_mode():
+                graphs.run(stack, cache, nxt, pos, past)
+
+            def step(graphs=graphs):
+                with torch.inference_mode():
+                    return head(graphs.run(stack, cache, nxt, pos, past))
+        print(f"  {name}: capture {time.perf_counter() - start:.1f} s", file=sys.stderr)
+        steps[name] = step
+    return steps
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", default="gpt2-24l-1024h")
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=30)
+    ap.add_argument("--variants", nargs="+", default=["hf", "eager", "onednn", "cpp"],
+                    choices=["hf", *STRATEGIES])
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--max-tokens", type=int, default=None,
+                    help="static KV cache capacity (default: the engine's, 1024); the captured "
+                         "step attends over all of it, masked")
+    ap.add_argument("--head-in-step", action="store_true",
+                    help="capture the output head with the step (see injected_steps)")
+    ap.add_argument("--profile", action="store_true",
+                    help="print where the last variant's step spends its time")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model = build_preset(args.preset)
+    nbytes = weight_bytes(model)
+    ids = torch.randint(0, model.config.vocab_size, (1, args.prompt_len),
+                        generator=torch.Generator().manual_seed(0))
+    fns = {}
+    if "hf" in args.variants:
+        fns["hf"] = hf_step(copy.deepcopy(model), ids, args.prompt_len)
+    fns.update(injected_steps(model, ids, [v for v in args.variants if v != "hf"],
+                              args.max_tokens, args.head_in_step))
+    logits = {k: f().float().reshape(-1) for k, f in fns.items()}
+    src = torch.ones(512 << 18)
+    dst = torch.empty_like(src)
+    fns_timed = {"copy": lambda: dst.copy_(src), **fns}
+    for f in fns_timed.values():
+        f()
+    times = {k: [] for k in fns_timed}
+    for _ in range(args.repeats):
+        for k, f in fns_timed.items():
+            start = time.perf_counter()
+            f()
+            times[k].append(time.perf_counter() - start)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    bw = 2 * src.numel() * 4 / med.pop("copy") / 1e9
+    ref = logits.get("eager", next(iter(logits.values())))
+    print(f"{args.preset}: {nbytes / 1e9:.2f} GB of weights; {torch.get_num_threads()} threads; "
+          f"copy bandwidth {bw:.1f} GB/s (median of {args.repeats}, interleaved)")
+    base = med.get("hf")
+    print(f"{'variant':<10} {'ms/step':>8} {'min':>7} {'GB/s':>6} {'% BW':>6} {'vs hf':>6} "
+          f"{'max|logit diff| vs eager':>25}")
+    for k, s in med.items():
+        gbps = nbytes / s / 1e9
+        vs = f"{base / s:.2f}x" if base else "-"
+        diff = (logits[k] - ref).abs().max().item()
+        print(f"{k:<10} {s * 1e3:>8.2f} {min(times[k]) * 1e3:>7.2f} {gbps:>6.1f} "
+              f"{100 * gbps / bw:>5.1f}% {vs:>6} {diff:>25.2e}")
+
+    if args.profile:
+        profile_step(args.variants[-1], fns[args.variants[-1]])
+
+
+def profile_step(name: str, step, steps: int = 10) -> None:
+    """The ops where ``step`` spends its time: self CPU time per step, largest first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            step()
+    events = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
+    total = sum(e.self_cpu_time_total for e in events) / steps / 1e3
+    print(f"{name}: profiled {total:.1f} ms/step of self time; largest:")
+    for e in events[:5]:
+        print(f"  {e.key[:60]:<60} {e.self_cpu_time_total / steps / 1e3:7.2f} ms/step")
+
+
+if __name__ == "__main__":
+    main()

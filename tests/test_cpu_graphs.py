@@ -1,0 +1,226 @@
+"""CPU decode-step graphs: :class:`CpuCompileStrategy` (``torch.compile``, inductor freezing,
+prepacked linear weights) against the eager decode step and plain HF.
+
+Parity (tiny random models, tests/models.py, fp32): every decode step's logits within
+``FP32_ATOL`` = 1e-5 of the injected model run eagerly (enable_graph=False), 32 greedy tokens
+identical to HF's. The compiled step sums in another order (packed GEMV kernels, vectorized
+reductions), never in another dtype. Each capture compiles C++ (seconds on tiny models), so the
+tests share engines and count compilations.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import shardwise
+from shardwise.accelerator import GraphStrategy
+from shardwise.accelerators import cpu as cpu_mod
+from shardwise.accelerators.cpu import CpuAccelerator, CpuCompileStrategy, PackLinearWeights
+from shardwise.errors import ConfigError
+from shardwise.graphs import StaticGraph
+from models import prompt_ids, tiny_causal_lm
+
+FP32_ATOL = 1e-5
+NEW = 32
+GREEDY = dict(max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False, pad_token_id=0)
+
+
+def _engine(arch: str, **kwargs):
+    return shardwise.init_inference(tiny_causal_lm(arch), device="cpu",
+                                    replace_with_kernel_inject=True, **kwargs)
+
+
+def _generate(engine, ids, **kwargs):
+    out = engine.generate(ids, output_logits=True, return_dict_in_generate=True,
+                          **{**GREEDY, **kwargs})
+    return out.sequences, torch.stack(out.logits).float()
+
+
+def _strategy(engine) -> CpuCompileStrategy:
+    strategy = engine.module.base_model.graphs.strategy
+    assert isinstance(strategy, CpuCompileStrategy)
+    return strategy
+
+
+@pytest.fixture(scope="module")
+def models():
+    """arch -> (HF reference, eager injected engine, compiled injected engine)."""
+    made = {}
+
+    def get(arch: str):
+        if arch not in made:
+            ref = tiny_causal_lm(arch)
+            made[arch] = (ref, _engine(arch), _engine(arch, enable_graph=True))
+        return made[arch]
+    yield get
+    made.clear()
+
+
+# ----- the decode step of tiny models -------------------------------------------------------------
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_compiled_decode_matches_eager_and_hf(models, arch):
+    ref, eager, compiled = models(arch)
+    strategy = _strategy(compiled)
+    assert strategy.compiles == 1  # the init trial (batch 1)
+    ids = prompt_ids(batch=1, length=8)
+    with torch.no_grad():
+        ref_tokens = ref.generate(ids, **GREEDY)
+    eager_tokens, eager_logits = _generate(eager, ids)
+    tokens, logits = _generate(compiled, ids)
+    assert torch.equal(tokens, ref_tokens) and torch.equal(eager_tokens, ref_tokens)
+    assert (logits - eager_logits).abs().max().item() < FP32_ATOL
+    assert strategy.compiles == 1  # generate reused the init graph: no recompile
+    assert torch._inductor.config.freezing is False  # the options stayed scoped
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_compiled_decode_batch_and_left_padding(models, arch):
+    ref, eager, compiled = models(arch)
+    strategy = _strategy(compiled)
+    ids = prompt_ids(batch=2, length=8)
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0  # left padding
+    with torch.no_grad():
+        ref_tokens = ref.generate(ids, attention_mask=mask, **GREEDY)
+    before = strategy.compiles
+    tokens, logits = _generate(compiled, ids, attention_mask=mask)
+    _, eager_logits = _generate(eager, ids, attention_mask=mask)
+    assert torch.equal(tokens, ref_tokens)
+    assert (logits - eager_logits).abs().max().item() < FP32_ATOL
+    assert strategy.compiles == before + 1  # one graph for batch 2
+
+
+def test_untraceable_kernel_fails_at_init_naming_it(monkeypatch):
+    from shardwise.kernels.cpu import attention as cpu_attention
+
+    real = cpu_attention._rotate
+
+    def breaks_the_graph(*args):  # what an op dynamo cannot trace does to the step
+        torch._dynamo.graph_break()
+        return real(*args)
+
+    monkeypatch.setattr(cpu_attention, "_rotate", breaks_the_graph)
+    with pytest.raises(ConfigError, match=r"cannot capture the decode step.*"
+                                          r"enable_graph=False"):
+        _engine("llama", enable_graph=True)
+
+
+def test_onednn_packing_rewrites_every_linear(monkeypatch):
+    monkeypatch.setenv(cpu_mod.CPU_GRAPHS_ENV, "onednn")
+    ref = tiny_causal_lm("gpt2")
+    engine = _engine("gpt2", enable_graph=True)
+    strategy = _strategy(engine)
+    assert strategy.linear == "onednn" and isinstance(strategy.pack_pass, PackLinearWeights)
+    assert strategy.pack_pass.packed == 8  # 2 layers x (qkv, out, fc, proj)
+    ids = prompt_ids(batch=1, length=8)
+    with torch.no_grad():
+        ref_tokens = ref.generate(ids, **GREEDY)
+    tokens, logits = _generate(engine, ids)
+    _, eager_logits = _generate(_engine("gpt2"), ids)
+    assert torch.equal(tokens, ref_tokens)
+    assert (logits - eager_logits).abs().max().item() < FP32_ATOL
+
+
+# ----- the strategy on a small function -----------------------------------------------------------
+
+class _Step(torch.nn.Module):
+    """A linear, a fused norm and an in-place write into a buffer at a tensor index: the shape of
+    a decode step (weights frozen, KV cache mutated in place)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(16, 32)
+        self.cache = torch.zeros(4, 32)
+
+    def forward(self, x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        h = F.layer_norm(self.proj(x), (32,))
+        self.cache.index_copy_(0, index, h)
+        return h.sum(0, keepdim=True) + self.cache.mean(0)
+
+
+def test_capture_replays_with_new_inputs_mutates_in_place_and_frees():
+    torch.manual_seed(0)
+    compiled_step, eager_step = _Step().eval(), _Step().eval()
+    eager_step.load_state_dict(compiled_step.state_dict())
+    strategy = CpuCompileStrategy()
+    gc.collect()
+    alive_before = _compiled_graphs_alive()
+    graph = strategy.capture(compiled_step, torch.randn(1, 16), torch.tensor([0]))
+    assert _compiled_graphs_alive() == alive_before + 1
+    assert isinstance(graph, StaticGraph) and strategy.compiles == 1
+    first = None
+    for i in range(4):
+        x, index = torch.randn(1, 16), torch.tensor([i])
+        got = graph(x, index)
+        with torch.no_grad():
+            want = eager_step(x, index)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        first = got if first is None else first
+        assert got is first  # static outputs, overwritten by each replay
+    torch.testing.assert_close(compiled_step.cache, eager_step.cache, rtol=1e-5, atol=1e-5)
+    assert strategy.compiles == 1
+    with pytest.raises(ValueError, match=r"expected shape \(1, 16\)"):
+        graph(torch.randn(2, 16), torch.tensor([0]))
+    del graph, got, first
+    gc.collect()
+    assert _compiled_graphs_alive() == alive_before  # its compiled code and constants are freed
+
+
+def _compiled_graphs_alive() -> int:
+    return sum(type(o).__name__ == "CompiledFxGraph" for o in gc.get_objects())
+
+
+def test_untraceable_function_fails_at_capture_with_the_way_out():
+    def data_dependent(x):
+        return x * 2 if x.sum().item() > 0 else x  # a host sync dynamo cannot keep in a graph
+
+    with pytest.raises(RuntimeError, match=r"torch.compile of 'data_dependent' on CPU failed.*"
+                                           r"graph break.*"
+                                           r"SHARDWISE_CPU_GRAPHS=eager.*enable_graph=False"):
+        CpuCompileStrategy().capture(data_dependent, torch.ones(3))
+
+
+class _BrokenCompiler(CpuCompileStrategy):
+    def inductor_options(self) -> dict:
+        return {**super().inductor_options(), "cpp.cxx": ("/nonexistent/g++",)}
+
+
+def test_compile_failure_is_an_init_error(monkeypatch):
+    monkeypatch.setattr(CpuAccelerator, "graph_strategy", lambda self: _BrokenCompiler())
+    with pytest.raises(ConfigError, match=r"cannot capture the decode step.*torch.compile.*"
+                                          r"C\+\+ compiler"):
+        _engine("gpt2", enable_graph=True)
+
+
+# ----- choosing the strategy ----------------------------------------------------------------------
+
+def test_strategy_choice(monkeypatch, caplog):
+    acc = CpuAccelerator()
+    monkeypatch.delenv(cpu_mod.CPU_GRAPHS_ENV, raising=False)
+    default = acc.graph_strategy()
+    assert isinstance(default, CpuCompileStrategy) and default.accelerates
+    assert (default.linear, default.mode, default.freezing) == ("cpp", "default", True)
+    for value, linear in (("compile", "cpp"), ("onednn", "onednn"), ("inductor", "inductor")):
+        monkeypatch.setenv(cpu_mod.CPU_GRAPHS_ENV, value)
+        assert acc.graph_strategy().linear == linear
+    monkeypatch.setenv(cpu_mod.CPU_GRAPHS_ENV, "eager")
+    eager = acc.graph_strategy()
+    assert type(eager) is GraphStrategy and not eager.accelerates
+    monkeypatch.setenv(cpu_mod.CPU_GRAPHS_ENV, "fast")
+    with pytest.raises(ConfigError, match="SHARDWISE_CPU_GRAPHS='fast'"):
+        acc.graph_strategy()
+    monkeypatch.delenv(cpu_mod.CPU_GRAPHS_ENV)
+    monkeypatch.setattr(cpu_mod, "_distributed_world", lambda: 2)
+    with caplog.at_level(logging.INFO, logger="shardwise"):
+        assert type(acc.graph_strategy()) is GraphStrategy  # collectives: eager under TP
+    assert any("tensor parallelism" in r.getMessage() for r in caplog.records)
+    with pytest.raises(ValueError, match="linear 'mkl'"):
+        CpuCompileStrategy(linear="mkl")
+    with pytest.raises(ValueError, match="mode 'reduce-overhead'"):
+        CpuCompileStrategy(mode="reduce-overhead")
