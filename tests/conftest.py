@@ -39,3 +39,13 @@ def triton_device() -> str:
     if os.environ.get("TRITON_INTERPRET") == "1":
         return "cpu"
     pytest.skip("no GPU and TRITON_INTERPRET is not set (conftest sets it before triton)")
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny models on a shared 2-core machine: one thread avoids oversubscription stalls (a
+    module opts in with ``pytestmark = pytest.mark.usefixtures("one_thread")``)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -62,13 +62,7 @@ def assert_parity(r: dict, atol: float = ATOL) -> None:
     assert r["tokens_equal"], f"{NEW} greedy tokens differ from the plain HF model's"
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models on a shared 2-core machine: one thread avoids oversubscription stalls."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # ----- one process --------------------------------------------------------------------------------

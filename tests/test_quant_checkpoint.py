@@ -40,13 +40,7 @@ ARCHS = ["llama", "gpt2"]  # nn.Linear and transformers Conv1D (tied head)
 GEN = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=0)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models on a shared 2-core machine: one thread avoids oversubscription stalls."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # ----- helpers (also run inside the ranks) --------------------------------------------------------
