@@ -100,11 +100,10 @@ class CpuCompileStrategy(GraphStrategy):
     ``engine.module.base_model.graphs.clear()``). Memory: the packed copies (about the linear
     weights' bytes) live as long as the capture, on top of the parameters, which the prompt's
     eager forward still reads; while capturing, inductor's freezing pass also packs each fp32
-    weight for MKL first (dropped once replaced), so the peak is ~2-2.5x the weights' bytes
-    above the model (measured: GPT-2-medium fp32 1.42 GB of weights, +3.5 GB peak, +1.5 GB
-    after; the 0.5B Llama 2.15 GB, +4.3 GB peak, +2.2 GB after). Each captured shape (batch
-    size) has its own copies, and capture takes tens of seconds for a real model (C++ builds,
-    cached on disk by inductor for the next process).
+    weight for MKL first (dropped once replaced), so the peak is up to ~2.5x the weights' bytes
+    above the model (measured: GPT-2-medium fp32, 1.42 GB of weights: +3.5 GB peak, +1.5 GB
+    after capture). Each captured shape (batch size) has its own copies, and capture takes tens
+    of seconds for a real model (C++ builds, cached on disk by inductor for the next process).
 
     Numerics: the compiled step computes what the eager step does, in the same dtype (nothing
     is downcast: fp32 stays fp32), summing in another order (packed GEMV kernels, vectorized
