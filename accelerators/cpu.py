@@ -257,14 +257,14 @@ class PackLinearWeights:
 
     (Inductor's packing is left on, not disabled with ``cpp.weight_prepack=False``: its freezing
     patterns are registered once per process with the setting of the first compilation, so
-    turning it off here would change what every later compilation in the process does.)"""
+    turning it off here would change what every later compilation in the process does. The pass
+    is deliberately a plain callable, not an inductor ``CustomGraphPass`` with a ``uuid``: it
+    adds constants to the graph module, which a hit in inductor's FX graph cache would skip, and
+    inductor bypasses that cache for plain-callable passes.)"""
 
     def __init__(self) -> None:
         self.packed = 0
         self.packed_bytes = 0
-
-    def uuid(self) -> str:  # inductor's cache key for custom passes
-        return "shardwise.cpu.PackLinearWeights/1"
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         aten = torch.ops.aten

@@ -287,8 +287,8 @@ class DecodeGraphs:
 def enable_graphs(model: nn.Module, accelerator: Accelerator) -> GraphStrategy:
     """Step 7: capture the injected decode step with the accelerator's graph strategy.
 
-    A strategy that does not accelerate (the base eager strategy, which the CPU uses) is a
-    documented no-op: the decode step runs eagerly and one line says so. An accelerating one is
+    A strategy that does not accelerate (the base eager strategy: e.g. the CPU's with
+    ``SHARDWISE_CPU_GRAPHS=eager`` or under tensor parallelism) is a documented no-op: the decode step runs eagerly and one line says so. An accelerating one is
     tried at once on a one-sequence step, so a strategy that cannot capture fails here, at init,
     with its reason — not in the middle of a generate.
     """
