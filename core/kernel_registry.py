@@ -39,6 +39,10 @@ class KernelImpl:
     dtypes: frozenset[torch.dtype] | None = None  # None: any dtype
     device_types: frozenset[str] | None = None  # None: any device type
     supports: Callable[..., bool] | None = None  # extra shape/argument predicate
+    #: may run inside the accelerator's graph capture although its contract takes per-sequence
+    #: tensors (decode ``lengths``/``starts``): it reads them on the device (no host sync) or is
+    #: an op the graph strategy treats as opaque; see :meth:`KernelRegistry.register`
+    capturable: bool = False
 
     def accepts(self, device_type: str, dtype: torch.dtype, **shape: Any) -> bool:
         if self.device_types is not None and device_type not in self.device_types:
@@ -71,12 +75,17 @@ class KernelRegistry:
     def register(self, op: str, backend: str, fn: Callable[..., Any], *,
                  dtypes: Iterable[torch.dtype] | None = None,
                  device_types: Iterable[str] | None = None,
-                 supports: Callable[..., bool] | None = None) -> None:
+                 supports: Callable[..., bool] | None = None,
+                 capturable: bool = False) -> None:
         """Register ``fn`` as ``backend``'s implementation of ``op``.
 
         ``op`` must be one of the ops the reference defines. ``dtypes``/``device_types`` limit
         what the implementation accepts; ``supports(device_type=, dtype=, **shape)`` can refuse
-        further (e.g. a hidden size too large for one block).
+        further (e.g. a hidden size too large for one block). ``capturable=True`` declares that
+        ``fn`` may be called inside the device's graph capture with device-side ``lengths`` /
+        ``starts`` (no host sync, no shape that depends on their values outside an opaque op):
+        the injected decode step then calls it in its captured form, and otherwise falls back
+        to a masked attention over the whole static cache.
         """
         self._ensure_reference()
         if backend != REFERENCE and op not in self._impls:
@@ -85,7 +94,7 @@ class KernelRegistry:
         impl = KernelImpl(op, backend, fn,
                           frozenset(dtypes) if dtypes is not None else None,
                           frozenset(device_types) if device_types is not None else None,
-                          supports)
+                          supports, capturable)
         self._impls.setdefault(op, {})[backend] = impl
 
     def ops(self) -> list[str]:

@@ -476,11 +476,50 @@ def test_cpu_resolution_follows_what_won(op, dtype):
     assert KernelRegistry().resolve(op, CpuAccelerator(), torch.float64).backend == "reference"
 
 
+def test_only_decode_attention_is_capturable():
+    """The injected step calls attention_decode inside graphs only where it says it may."""
+    reg = KernelRegistry()
+    for op in OPS:
+        cpu_impl = reg.resolve(op, CpuAccelerator(), torch.float32)
+        assert cpu_impl.capturable == (op == "attention_decode")
+        assert not reg.implementations(op)["reference"].capturable  # host-side lengths
+
+
+@pytest.mark.parametrize("window", [None, 4])
+@pytest.mark.parametrize("alibi", [False, True])
+def test_cpu_decode_compiles_as_an_opaque_op(window, alibi):
+    """Under torch.compile (fullgraph: no graph break) the cpu decode is its custom op: the
+    compiled function reads lengths/starts at run time, so new lengths need no recompile."""
+    q = _heads(3, 4, 1, 16)
+    slopes = ref.alibi_slopes(4) if alibi else None
+    compiles = []
+
+    def backend(gm, example_inputs):
+        compiles.append(gm)
+        return gm.forward
+
+    fn = torch.compile(lambda q, k, v, n, s: cpu.attention_decode(
+        q, k, v, n, starts=s, alibi_slopes=slopes, window=window), backend=backend,
+        fullgraph=True, dynamic=False)
+    for lengths, starts in (([11, 1, 16], [3, 0, 0]), ([16, 2, 5], [0, 1, 5])):
+        k_cache, v_cache = _garbage_cache(3, 2, 16, 16, lengths, torch.float32, starts=starts)
+        n, s = torch.tensor(lengths), torch.tensor(starts)
+        want = ref.attention_decode(q, k_cache, v_cache, n, starts=s, alibi_slopes=slopes,
+                                    window=window)
+        torch.testing.assert_close(fn(q, k_cache, v_cache, n, s), want, **TOL[torch.float32])
+    assert len(compiles) == 1
+    assert "shardwise.cpu_attention_decode" in str(compiles[0].graph)
+    torch.library.opcheck(torch.ops.shardwise.cpu_attention_decode,
+                          (q, k_cache, v_cache, n, s, slopes, 0.25, window))
+
+
 @pytest.mark.parametrize("op", OPS)
 def test_cuda_resolves_triton(op):
     pytest.importorskip("triton")
     reg = KernelRegistry()
-    assert reg.resolve(op, _FakeCuda(), torch.bfloat16, head_dim=128).backend == "triton"
+    impl = reg.resolve(op, _FakeCuda(), torch.bfloat16, head_dim=128)
+    assert impl.backend == "triton"
+    assert impl.capturable == (op == "attention_decode")  # reads lengths on the device
     assert reg.resolve(op, _FakeCuda(), torch.float64).backend == "reference"
     big = reg.resolve(op, _FakeCuda(), torch.float16, head_dim=512).backend
     assert big == ("reference" if op.startswith("attention") else "triton")

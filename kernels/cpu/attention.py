@@ -18,7 +18,11 @@ decode over ~1-2k of a 2048-token cache; ranges over repeated runs on a noisy ma
 * attention_decode (fp32, bf16, fp16): the same kernel on each sequence's valid cache range
   (one call when all ranges agree, else one per sequence; a sliding window shortens the ranges),
   with the query heads of a kv head as its query rows; positions outside a range are never
-  read: 6-22x fp32, 6-19x bf16, 3-4x fp16 (window 512: 3.1x fp32, 4x bf16).
+  read: 6-22x fp32, 6-19x bf16, 3-4x fp16 (window 512: 3.1x fp32, 4x bf16). Registered as
+  capturable: under ``torch.compile`` (the CPU graph strategy) it is the custom op
+  ``shardwise::cpu_attention_decode``, opaque to the compiler, so the compiled decode step still
+  reads each sequence's ranges from ``lengths``/``starts`` at run time instead of attending,
+  masked, over the whole static cache.
 * rotary (fp32, bf16, fp16): out of place into one ``empty_like`` buffer with
   ``mul``/``addcmul_`` on views (fp32), or float32 math per half (bf16/fp16), no
   ``cat``/``stack`` temporaries: 1.3-3.8x fp32, 1.15-1.4x bf16 (1.15x for a decode step).
@@ -178,7 +182,29 @@ def attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     """Decode through ATen's fused attention on each valid cache range; contract of the
     reference ``attention_decode``: q [batch, q_heads, 1, d], caches [batch, kv_heads,
     max_tokens, d], lengths and starts [batch], window: sliding window or None. Returns
-    [batch, q_heads, 1, d]."""
+    [batch, q_heads, 1, d]. Under ``torch.compile`` this is one opaque custom op (the ranges
+    are host ints read from ``lengths``/``starts``: a graph break if traced)."""
+    if torch.compiler.is_compiling():
+        return torch.ops.shardwise.cpu_attention_decode(q, k_cache, v_cache, lengths, starts,
+                                                        alibi_slopes, scale, window)
+    return _attention_decode(q, k_cache, v_cache, lengths, alibi_slopes, scale, starts, window)
+
+
+@torch.library.custom_op("shardwise::cpu_attention_decode", mutates_args=(), device_types="cpu")
+def _decode_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               lengths: torch.Tensor, starts: torch.Tensor | None,
+               alibi_slopes: torch.Tensor | None, scale: float | None,
+               window: int | None) -> torch.Tensor:
+    """:func:`attention_decode` as an op the compiler calls without tracing into it."""
+    return _attention_decode(q, k_cache, v_cache, lengths, alibi_slopes, scale, starts, window)
+
+
+@_decode_op.register_fake
+def _(q, k_cache, v_cache, lengths, starts, alibi_slopes, scale, window):
+    return q.new_empty(q.shape)  # contiguous [batch, q_heads, 1, d], as the real op returns
+
+
+def _attention_decode(q, k_cache, v_cache, lengths, alibi_slopes, scale, starts, window):
     group = ref.check_decode(q, k_cache, v_cache, lengths, starts)
     ranges = ref.decode_ranges(lengths, starts, k_cache.shape[2], ref.check_window(window))
     if ranges and len(set(ranges)) == 1 and ranges[0][1] > ranges[0][0]:  # one call for all
@@ -245,7 +271,12 @@ REGISTERED = {
 }
 
 
+#: ops whose implementation may run inside the CPU graph strategy's compiled step
+CAPTURABLE = frozenset({"attention_decode"})
+
+
 def register(registry) -> None:
     """Register the CPU implementations that beat the reference, each for the dtypes it won."""
     for op, (fn, dtypes) in REGISTERED.items():
-        registry.register(op, BACKEND, fn, dtypes=dtypes, device_types=DEVICE_TYPES)
+        registry.register(op, BACKEND, fn, dtypes=dtypes, device_types=DEVICE_TYPES,
+                          capturable=op in CAPTURABLE)

@@ -642,4 +642,5 @@ def register(registry) -> None:
     """Register the attention family's Triton kernels for CUDA in fp32/fp16/bf16."""
     for op, fn in OPS.items():
         registry.register(op, BACKEND, fn, dtypes=DTYPES, device_types=DEVICE_TYPES,
-                          supports=supports_head_dim if op in _HEAD_DIM_OPS else None)
+                          supports=supports_head_dim if op in _HEAD_DIM_OPS else None,
+                          capturable=op == "attention_decode")  # lengths read on the device
