@@ -2,17 +2,18 @@
 the CPU graph strategy (CpuCompileStrategy variants), timed interleaved in one process.
 
     python benchmarks/cpu_graphs.py --preset gpt2-24l-1024h --variants hf cpp --repeats 40
-    python benchmarks/cpu_graphs.py --preset gpt2-24l-1024h --variants hf cpp --head-in-step \
-        --max-tokens 192 --profile
+    python benchmarks/cpu_graphs.py --preset gpt2-24l-1024h --variants hf cpp --head-outside \
+        --profile
 
 Each variant runs the same step (position ``prompt-len``, batch 1) including the output head
-(``lm_head``; run eagerly after the captured step, as ``generate`` does, unless
-``--head-in-step`` captures it with the step), so the times are per-token decode latencies
+(``lm_head``; captured with the step, as ``enable_graph`` does, unless ``--head-outside`` runs
+it eagerly after the captured step), so the times are per-token decode latencies
 without ``generate``'s own per-token overhead (~1-2 ms). Calls are interleaved (one of each
 variant per round) so that load from other processes on a shared machine hits every variant
 alike; the table shows medians, GB/s of weights read per step and % of the copy bandwidth
-measured in the same rounds. ``--max-tokens`` sizes the static KV cache (the captured step
-attends over all of it, masked; the engine's default is 1024). ``--profile`` prints where the
+measured in the same rounds. ``--max-tokens`` sizes the static KV cache (the engine's default
+is 1024; the captured step reads only the filled part where the device's decode attention is
+capturable, as the CPU's is). ``--profile`` prints where the
 last variant's step spends its time (torch.profiler, self time per step).
 
 Variants: ``hf`` (the plain model, DynamicCache cropped back after each step), ``eager``
@@ -41,7 +42,7 @@ from shardwise.accelerators.cpu import CpuCompileStrategy  # noqa: E402
 from shardwise.accelerator import GraphStrategy  # noqa: E402
 from shardwise.bench.presets import build_preset  # noqa: E402
 from shardwise.bench.roofline import weight_bytes  # noqa: E402
-from shardwise.inject.injector import DecodeGraphs, injected_stack  # noqa: E402
+from shardwise.inject import DecodeGraphs, injected_stack  # noqa: E402
 
 STRATEGIES = {
     "eager": lambda: GraphStrategy(),
@@ -71,12 +72,12 @@ def hf_step(model, ids: torch.Tensor, prompt_len: int):
 
 
 def injected_steps(model, ids: torch.Tensor, variants: list[str], max_tokens: int | None,
-                   head_in_step: bool = False):
-    """``variant → callable`` of one injected decode step (+ lm_head) per strategy.
+                   head_outside: bool = False):
+    """``variant → callable`` of one injected decode step, output head included, per strategy.
 
-    ``head_in_step``: capture the output head with the step (one compiled function from token
-    ids to logits) instead of running it eagerly after the captured step, as ``generate`` does
-    today: what moving the head into ``DecodeGraphs`` would give."""
+    The head is captured with the step, as ``enable_graph`` does; ``head_outside`` runs it
+    eagerly after the captured step instead (what the engine did before the head moved into
+    the graph)."""
     kwargs = {"max_tokens": max_tokens} if max_tokens else {}
     engine = shardwise.init_inference(model, device="cpu", replace_with_kernel_inject=True,
                                       **kwargs)
@@ -91,27 +92,14 @@ def injected_steps(model, ids: torch.Tensor, variants: list[str], max_tokens: in
     steps = {}
     for name in variants:
         start = time.perf_counter()
-        if head_in_step:
-            strategy = STRATEGIES[name]()
-            args = (nxt, pos, torch.tensor([past]), torch.tensor([past + 1]), torch.zeros(1,
-                    dtype=torch.int64))
+        graphs = DecodeGraphs(STRATEGIES[name](), None if head_outside else head.forward)
 
-            def to_logits(i, p, w, n, s, _cache=cache):
-                return head(stack.decode_step(_cache, i, p, w, n, s))
+        def step(graphs=graphs):
             with torch.inference_mode():
-                graph = strategy.capture(to_logits, *args)
-
-            def step(graph=graph, args=args):
-                with torch.inference_mode():
-                    return graph(*args).clone()
-        else:
-            graphs = DecodeGraphs(STRATEGIES[name]())
-            with torch.inference_mode():
-                graphs.run(stack, cache, nxt, pos, past)
-
-            def step(graphs=graphs):
-                with torch.inference_mode():
-                    return head(graphs.run(stack, cache, nxt, pos, past))
+                hidden = graphs.run(stack, cache, nxt, pos, past)
+                logits = graphs.take_logits(hidden)
+                return head(hidden) if logits is None else logits
+        step()
         print(f"  {name}: capture {time.perf_counter() - start:.1f} s", file=sys.stderr)
         steps[name] = step
     return steps
@@ -128,8 +116,9 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=None,
                     help="static KV cache capacity (default: the engine's, 1024); the captured "
                          "step attends over all of it, masked")
-    ap.add_argument("--head-in-step", action="store_true",
-                    help="capture the output head with the step (see injected_steps)")
+    ap.add_argument("--head-outside", action="store_true",
+                    help="run the output head eagerly after the captured step (see "
+                         "injected_steps)")
     ap.add_argument("--profile", action="store_true",
                     help="print where the last variant's step spends its time")
     args = ap.parse_args()
@@ -143,7 +132,7 @@ def main() -> None:
     if "hf" in args.variants:
         fns["hf"] = hf_step(copy.deepcopy(model), ids, args.prompt_len)
     fns.update(injected_steps(model, ids, [v for v in args.variants if v != "hf"],
-                              args.max_tokens, args.head_in_step))
+                              args.max_tokens, args.head_outside))
     logits = {k: f().float().reshape(-1) for k, f in fns.items()}
     src = torch.ones(512 << 18)
     dst = torch.empty_like(src)

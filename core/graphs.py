@@ -28,7 +28,8 @@ def static_copies(example_args: Sequence[Any], device_type: str) -> tuple[torch.
                 f"graph capture argument {i} is on {arg.device}, not on a {device_type} device: "
                 f"ops on other devices are not captured and would silently go stale on replay; "
                 f"move the example arguments to {device_type} first")
-    return tuple(arg.detach().clone() for arg in example_args)
+    with torch.inference_mode(False):  # normal tensors: replays may run outside inference mode
+        return tuple(arg.detach().clone() for arg in example_args)
 
 
 def static_outputs(outputs: Any) -> torch.Tensor | tuple[torch.Tensor, ...]:

@@ -79,6 +79,27 @@ def test_compiled_decode_matches_eager_and_hf(models, arch):
     assert torch._inductor.config.freezing is False  # the options stayed scoped
 
 
+def _poisoned_step(engine, ids: torch.Tensor) -> torch.Tensor:
+    """Logits of one decode step after ``ids``, with every cache slot past the filled part
+    set to NaN first (a step that reads them, even masked, returns NaN)."""
+    with torch.no_grad():
+        cache = engine.module(ids, use_cache=True).past_key_values
+        for buf in (*cache.buffers.k, *cache.buffers.v):
+            buf[:, :, cache.length:] = float("nan")
+        nxt = ids[:, -1:]
+        return engine.module(nxt, past_key_values=cache, use_cache=True).logits
+
+
+def test_compiled_step_reads_only_the_filled_cache(models):
+    """The compiled step runs the capturable decode kernel (an opaque op reading lengths at
+    run time), not a masked attention over all max_tokens slots."""
+    ref, eager, compiled = models("llama")
+    ids = prompt_ids(batch=1, length=8)
+    logits = _poisoned_step(compiled, ids)
+    assert torch.isfinite(logits).all()
+    assert (logits - _poisoned_step(eager, ids)).abs().max().item() < FP32_ATOL
+
+
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])
 def test_compiled_decode_batch_and_left_padding(models, arch):
     ref, eager, compiled = models(arch)
@@ -117,7 +138,7 @@ def test_onednn_packing_rewrites_every_linear(monkeypatch):
     engine = _engine("gpt2", enable_graph=True)
     strategy = _strategy(engine)
     assert strategy.linear == "onednn" and isinstance(strategy.pack_pass, PackLinearWeights)
-    assert strategy.pack_pass.packed == 8  # 2 layers x (qkv, out, fc, proj)
+    assert strategy.pack_pass.packed == 9  # 2 layers x (qkv, out, fc, proj) + lm_head
     ids = prompt_ids(batch=1, length=8)
     with torch.no_grad():
         ref_tokens = ref.generate(ids, **GREEDY)

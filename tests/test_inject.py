@@ -238,24 +238,66 @@ class CannotCapture(GraphStrategy):
         raise NotImplementedError("this device has no graphs")
 
 
+@pytest.mark.parametrize("capturable", [True, False], ids=["kernel", "masked"])
 @pytest.mark.parametrize("arch", ["llama", "gpt2", "bloom", "gpt_neo", "falcon-alibi", "opt",
                                   "mistral-sw4"])
-def test_graph_safe_decode_step_matches(monkeypatch, arch):
+def test_graph_safe_decode_step_matches(monkeypatch, arch, capturable):
+    """The captured step (head included) with the capturable decode kernel, and with the masked
+    attention over the whole cache that devices without one get, gives HF's tokens."""
     from shardwise.accelerators.cpu import CpuAccelerator
 
     monkeypatch.setattr(CpuAccelerator, "graph_strategy", lambda self: ReplayOnCpu())
     ReplayOnCpu.captures = 0
     ref, engine = _pair(arch, enable_graph=True)
+    stack = injected_stack(engine.module)
+    assert stack.k.decode_capturable  # the cpu backend's attention_decode is
+    monkeypatch.setattr(stack.k, "decode_capturable", capturable)
+    head = engine.module.get_output_embeddings()
+    eager_heads = _count_calls(monkeypatch, head.forward, "original")
     ids = prompt_ids(batch=2, length=8)
     max_abs, ref_tokens, tokens = _compare(ref, engine, ids)
     assert max_abs < FP32_ATOL and torch.equal(tokens, ref_tokens)
     mask = torch.ones_like(ids)
     mask[0, :2] = 0
     with torch.no_grad():
+        eager_heads.clear()
         assert torch.equal(engine.generate(ids, attention_mask=mask, **GREEDY),
                            ref.generate(ids, attention_mask=mask, **GREEDY))
+        assert len(eager_heads) == 1  # the prompt's; every decode step's logits are the graph's
         assert torch.equal(engine.generate(ids[:1], **GREEDY), ref.generate(ids[:1], **GREEDY))
-    assert ReplayOnCpu.captures == 3  # the init trial (batch 1), batch 2, batch 1 again
+    assert ReplayOnCpu.captures == 2  # the init trial (batch 1, kept for batch 1), batch 2
+
+
+def _count_calls(monkeypatch, owner, name: str) -> list:
+    """Record each call of ``owner.name`` (a list of call numbers, clearable)."""
+    calls, real = [], getattr(owner, name)
+
+    def counted(*args, **kwargs):
+        calls.append(len(calls))
+        return real(*args, **kwargs)
+    monkeypatch.setattr(owner, name, counted)
+    return calls
+
+
+def test_graphs_are_kept_per_batch_size(monkeypatch):
+    """Alternating batch sizes replays each size's graph over its own kept cache buffers."""
+    from shardwise.accelerators.cpu import CpuAccelerator
+
+    monkeypatch.setattr(CpuAccelerator, "graph_strategy", lambda self: ReplayOnCpu())
+    ReplayOnCpu.captures = 0
+    ref, engine = _pair("llama", enable_graph=True)
+    stack = injected_stack(engine.module)
+    with torch.no_grad():
+        for batch in (2, 1, 2, 3, 1):
+            ids = prompt_ids(batch=batch, length=6)
+            assert torch.equal(engine.generate(ids, **GREEDY), ref.generate(ids, **GREEDY))
+    assert ReplayOnCpu.captures == 3  # batch 1 (init), 2, 3: none captured twice
+    assert sorted(stack._kv) == [1, 2, 3] == sorted(stack.graphs.batch_sizes())
+    stack.graphs.clear()  # dropping the graphs frees the other sizes' buffers at the next cache
+    with torch.no_grad():
+        engine.generate(prompt_ids(batch=2, length=6), max_new_tokens=2, do_sample=False)
+    assert sorted(stack._kv) == [2] == sorted(stack.graphs.batch_sizes())
+    assert ReplayOnCpu.captures == 4
 
 
 def test_graph_capture_failure_is_an_init_error(monkeypatch):

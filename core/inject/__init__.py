@@ -10,13 +10,14 @@ Encoder-only families (BERT) describe theirs with :class:`EncoderInjectionSpec`;
 """
 
 from .cache import KVBuffers, MaxTokensError, StaleCacheError, StaticKVCache
-from .injector import (DecodeGraphs, InjectionError, enable_graphs, inject_model, injected_stack,
-                       resolve_kernels, resolve_ops, supported_families)
+from .capture import DecodeGraphs, HeadFromGraph, enable_graphs
+from .injector import (InjectionError, inject_model, injected_stack, resolve_kernels, resolve_ops,
+                       supported_families)
 from .encoder import EncoderInjectionSpec, InjectedEncoder, inject_encoder, injected_encoder
 from .layers import InjectedLayer, InjectedModel
 from .spec import ACTIVATIONS, InjectionSpec
 
 __all__ = ["KVBuffers", "MaxTokensError", "StaleCacheError", "StaticKVCache", "DecodeGraphs",
-           "InjectionError", "enable_graphs", "inject_model", "injected_stack", "resolve_kernels",
+           "HeadFromGraph", "InjectionError", "enable_graphs", "inject_model", "injected_stack", "resolve_kernels",
            "resolve_ops", "supported_families", "EncoderInjectionSpec", "InjectedEncoder",
            "inject_encoder", "injected_encoder", "InjectedLayer", "InjectedModel", "ACTIVATIONS", "InjectionSpec"]

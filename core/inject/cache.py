@@ -36,8 +36,11 @@ class KVBuffers:
     def __init__(self, num_layers: int, batch: int, kv_heads: int, max_tokens: int,
                  head_dim: int, dtype: torch.dtype, device: torch.device) -> None:
         shape = (batch, kv_heads, max_tokens, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        # never inference tensors (even when the first forward runs in inference mode): those
+        # could not be written by a later forward under no_grad
+        with torch.inference_mode(False):
+            self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+            self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.batch, self.max_tokens = batch, max_tokens
         self.dtype, self.device = dtype, device
 

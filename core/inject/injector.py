@@ -2,7 +2,7 @@
 replaced in place by :class:`~shardwise.inject.layers.InjectedModel`; and decode-step graphs.
 
 ``inject_model(model, accelerator, dtype, max_tokens)`` is step 5 of ``init_inference`` and
-usable alone; ``enable_graphs(model, accelerator)`` is step 7.
+usable alone; step 7, ``enable_graphs(model, accelerator)``, is in :mod:`.capture`.
 """
 
 from __future__ import annotations
@@ -15,12 +15,11 @@ from torch import nn
 
 from shardwise.kernels.reference.attention import alibi_slopes
 
-from ..accelerator import Accelerator, GraphStrategy, dtype_name
+from ..accelerator import Accelerator, dtype_name
 from ..errors import ConfigError
 from ..kernel_registry import REFERENCE, registry
 from ..policy import HeadCounts
 from ..sharding.partition import HeadPartition
-from .cache import StaticKVCache
 from .layers import InjectedModel, Kernels, LayerSetup
 from .spec import ACTIVATIONS, InjectionSpec
 
@@ -107,7 +106,8 @@ def resolve_kernels(accelerator: Accelerator, dtype: torch.dtype, spec: Injectio
            "act": act_op, "attention_prefill": "attention_prefill",
            "attention_decode": "attention_decode", "kv_cache_write": "kv_cache_write"}
     fns, backends = resolve_ops(accelerator, dtype, ops)
-    return Kernels(**fns, backends=backends)
+    decode = registry.resolve("attention_decode", accelerator, dtype)
+    return Kernels(**fns, backends=backends, decode_capturable=decode.capturable)
 
 
 def _check_config(model: nn.Module, spec: InjectionSpec) -> tuple[str, str]:
@@ -250,82 +250,3 @@ def injected_stack(model: nn.Module) -> InjectedModel | None:
         if isinstance(module, InjectedModel):
             return module
     return None
-
-
-# ----- graphs -------------------------------------------------------------------------------------
-
-class DecodeGraphs:
-    """The decode step captured by the accelerator's graph strategy, one graph per batch size
-    (the batch-size buckets: a static cache is allocated per batch size, and its graph is reused
-    by every later ``generate`` with that batch size). Inputs of the captured step: input_ids
-    and position_ids [batch, 1], the write index [1], lengths and starts [batch]."""
-
-    def __init__(self, strategy: GraphStrategy) -> None:
-        self.strategy = strategy
-        self.graphs: dict[int, Any] = {}
-
-    def clear(self) -> None:
-        self.graphs.clear()
-
-    def run(self, stack: InjectedModel, cache: StaticKVCache, input_ids: torch.Tensor,
-            position_ids: torch.Tensor, past: int) -> torch.Tensor:
-        b = input_ids.shape[0]
-        device = input_ids.device
-        args = (input_ids.reshape(b, 1).to(torch.int64), position_ids.reshape(b, 1).to(torch.int64),
-                torch.full((1,), past, dtype=torch.int64, device=device),
-                torch.full((b,), past + 1, dtype=torch.int64, device=device),
-                cache.starts.to(torch.int64) if cache.starts is not None
-                else torch.zeros(b, dtype=torch.int64, device=device))
-        graph = self.graphs.get(b)
-        if graph is None:
-            def step(ids, pos, write_index, lengths, starts, _cache=cache):
-                return stack.decode_step(_cache, ids, pos, write_index, lengths, starts)
-            graph = self.graphs[b] = self.strategy.capture(step, *args)
-        return graph(*args).clone()  # static outputs are overwritten by the next replay
-
-
-def enable_graphs(model: nn.Module, accelerator: Accelerator) -> GraphStrategy:
-    """Step 7: capture the injected decode step with the accelerator's graph strategy.
-
-    A strategy that does not accelerate (the base eager strategy: e.g. the CPU's with
-    ``SHARDWISE_CPU_GRAPHS=eager`` or under tensor parallelism) is a documented no-op: the decode step runs eagerly and one line says so. An accelerating one is
-    tried at once on a one-sequence step, so a strategy that cannot capture fails here, at init,
-    with its reason — not in the middle of a generate.
-    """
-    stack = injected_stack(model)
-    if stack is None:
-        from .encoder import injected_encoder
-
-        if injected_encoder(model) is not None:
-            raise ConfigError(f"enable_graph captures the injected decode step, and "
-                              f"{type(model).__name__} is an encoder: it has no decode step "
-                              f"(one forward per batch). Run it with enable_graph=False")
-        raise ConfigError("enable_graph captures the injected decode step: it needs "
-                          "replace_with_kernel_inject=True")
-    strategy = accelerator.graph_strategy()
-    if not isinstance(strategy, GraphStrategy):
-        raise ConfigError(f"accelerator {accelerator.name!r} returned {strategy!r} as its graph "
-                          f"strategy, not a shardwise GraphStrategy")
-    if not strategy.accelerates:
-        log.info("shardwise: enable_graph on %s: its graph strategy %r runs the decode step "
-                 "eagerly (a documented no-op: nothing to capture on this device)",
-                 accelerator.name, strategy.name)
-        return strategy
-    graphs = DecodeGraphs(strategy)
-    weight = stack.m.final_norm.weight
-    try:
-        with torch.inference_mode():
-            cache = stack.new_cache(1, weight.dtype, weight.device)
-            cache.length = 1
-            ids = torch.zeros(1, 1, dtype=torch.int64, device=weight.device)
-            graphs.run(stack, cache, ids, ids, 0)
-    except Exception as exc:
-        raise ConfigError(
-            f"enable_graph: the {accelerator.name!r} graph strategy {strategy.name!r} cannot "
-            f"capture the decode step ({type(exc).__name__}: {exc}); run with "
-            f"enable_graph=False") from exc
-    finally:
-        stack._cache_generation += 1  # retire the trial cache
-    stack.graphs = graphs
-    log.info("shardwise: decode step captured with %s (one graph per batch size)", strategy.name)
-    return strategy

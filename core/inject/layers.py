@@ -63,6 +63,9 @@ class Kernels:
     attention_decode: Callable
     kv_cache_write: Callable
     backends: dict[str, str]
+    #: attention_decode may run in the captured decode step (it reads lengths/starts there);
+    #: else the step attends, masked, over the whole static cache
+    decode_capturable: bool = False
 
 
 @dataclass
@@ -224,12 +227,10 @@ class InjectedLayer(nn.Module):
                                          key_padding_mask=ctx.key_padding_mask, **kw)
         else:
             kc, vc = cache.buffers.k[self.index], cache.buffers.v[self.index]
-            if ctx.graph_safe:  # no host sync: index_copy_ at a device index, masked SDPA
+            if ctx.graph_safe:  # no host sync: index_copy_ at a device index
                 kc.index_copy_(2, ctx.write_index, k)
                 vc.index_copy_(2, ctx.write_index, v)
-                o = F.scaled_dot_product_attention(q, kc, vc, attn_mask=ctx.mask_for(self),
-                                                   scale=self.scale,
-                                                   enable_gqa=self.q_heads != self.kv_heads)
+                o = self._captured_decode(q, kc, vc, ctx)
             else:
                 self.k.kv_cache_write(kc, vc, k, v, ctx.write_pos)
                 if ctx.decode:
@@ -242,6 +243,17 @@ class InjectedLayer(nn.Module):
                     o = self.k.attention_prefill(q, kc[:, :, :n], vc[:, :, :n], causal=True,
                                                  key_padding_mask=ctx.key_padding_mask, **kw)
         return self.m.out(o.transpose(1, 2).reshape(b, s, self.q_heads * self.head_dim))
+
+    def _captured_decode(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor,
+                         ctx: StepContext) -> torch.Tensor:
+        """Decode attention inside a captured step: the capturable kernel (reads only each
+        sequence's valid cache range), else SDPA over all ``max_tokens`` slots, masked."""
+        if self.k.decode_capturable:
+            return self.k.attention_decode(q, kc, vc, ctx.lengths, starts=ctx.starts,
+                                           **self.attn_kw)
+        return F.scaled_dot_product_attention(q, kc, vc, attn_mask=ctx.mask_for(self),
+                                              scale=self.scale,
+                                              enable_gqa=self.q_heads != self.kv_heads)
 
 
 class InjectedModel(nn.Module):
@@ -262,7 +274,7 @@ class InjectedModel(nn.Module):
         self.rebind()
         self.kv_heads = layers[0].kv_heads if len(layers) else 0
         self.head_dim = layers[0].head_dim if len(layers) else 0
-        self._kv: KVBuffers | None = None
+        self._kv: dict[int, KVBuffers] = {}  # batch size → buffers (several only with graphs)
         self._cache_generation = 0
         self.graphs: Any = None  # a DecodeGraphs when graph capture is on
 
@@ -297,15 +309,26 @@ class InjectedModel(nn.Module):
     # ----- the cache -----------------------------------------------------------------------------
 
     def new_cache(self, batch: int, dtype: torch.dtype, device: torch.device) -> StaticKVCache:
-        """A fresh cache (retiring the previous one) over buffers for ``batch`` sequences."""
-        if self._kv is None or not self._kv.matches(batch, dtype, device):
-            self._kv = None
+        """A fresh cache (retiring the previous one) over buffers for ``batch`` sequences.
+
+        Buffers are allocated once per batch size and reused. The buffers of another batch size
+        are kept while a captured decode graph uses them (so alternating batch sizes replays
+        each size's graph instead of capturing it again), and freed otherwise; a new dtype or
+        device frees them all, graphs included."""
+        kv = self._kv.get(batch)
+        if kv is not None and not kv.matches(batch, dtype, device):
+            self._kv.clear()
             if self.graphs is not None:
                 self.graphs.clear()
-            self._kv = KVBuffers(len(self.m.layers), batch, self.kv_heads, self.max_tokens,
-                                      self.head_dim, dtype, device)
+            kv = None
+        captured = self.graphs.batch_sizes() if self.graphs is not None else set()
+        for other in [n for n in self._kv if n != batch and n not in captured]:
+            del self._kv[other]
+        if kv is None:
+            kv = self._kv[batch] = KVBuffers(len(self.m.layers), batch, self.kv_heads,
+                                             self.max_tokens, self.head_dim, dtype, device)
         self._cache_generation += 1
-        return StaticKVCache(self._kv, self, self._cache_generation)
+        return StaticKVCache(kv, self, self._cache_generation)
 
     def _cache_for(self, past: Any, batch: int, x: torch.Tensor,
                    use_cache: bool) -> StaticKVCache | None:

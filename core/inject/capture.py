@@ -1,0 +1,190 @@
+"""Step 7 of ``init_inference``: the injected decode step — and the output head — captured by
+the accelerator's graph strategy, one graph per batch size.
+
+What one graph holds: token ids → embeddings → every layer (the capturable decode attention
+reading each sequence's valid cache range, see ``KernelRegistry.register(capturable=)``) → final
+norm → the output head's own forward. The head is in the graph because at decode it is the
+largest single read (GPT-2-medium: 206 MB of 1.4 GB) and the strategy's kernels read it faster
+than eager ones. The Hugging Face shell still calls its head module (``lm_head``), so that call
+is answered from the graph: the head instance's ``forward`` is replaced, on that instance only,
+by :class:`HeadFromGraph`, which returns the logits the graph computed for exactly the hidden
+state it is given, and runs the original forward for anything else. The head's hooks (e.g. the
+tensor-parallel vocab all-gather) stay outside the graph and run on those logits as before.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from ..accelerator import Accelerator, GraphStrategy
+from ..errors import ConfigError
+from .cache import StaticKVCache
+from .layers import InjectedModel
+
+log = logging.getLogger(__name__)
+
+
+class DecodeGraphs:
+    """The decode step captured by a graph strategy, one graph per batch size (each with its own
+    static cache buffers, kept by the model while the graph exists, and reused by every later
+    ``generate`` with that batch size). Inputs of the captured step: input_ids and position_ids
+    [batch, 1], the write index [1], lengths and starts [batch].
+
+    ``head_forward``: the output head's forward (hooks excluded), captured with the step; its
+    logits are then kept for :meth:`take_logits` until the next step.
+    """
+
+    def __init__(self, strategy: GraphStrategy,
+                 head_forward: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+        self.strategy = strategy
+        self.head_forward = head_forward
+        self.graphs: dict[int, Any] = {}
+        self._pending: tuple[torch.Tensor, torch.Tensor] | None = None  # (hidden, logits)
+
+    def clear(self) -> None:
+        """Drop every captured graph (and, at the next new cache, the buffers they held)."""
+        self.graphs.clear()
+        self._pending = None
+
+    def batch_sizes(self) -> set[int]:
+        return set(self.graphs)
+
+    def run(self, stack: InjectedModel, cache: StaticKVCache, input_ids: torch.Tensor,
+            position_ids: torch.Tensor, past: int) -> torch.Tensor:
+        """One decode step (capturing this batch size's graph on first use): hidden
+        [batch, 1, hidden] after the final norm."""
+        b = input_ids.shape[0]
+        device = input_ids.device
+        args = (input_ids.reshape(b, 1).to(torch.int64), position_ids.reshape(b, 1).to(torch.int64),
+                torch.full((1,), past, dtype=torch.int64, device=device),
+                torch.full((b,), past + 1, dtype=torch.int64, device=device),
+                cache.starts.to(torch.int64) if cache.starts is not None
+                else torch.zeros(b, dtype=torch.int64, device=device))
+        graph = self.graphs.get(b)
+        if graph is None:
+            graph = self.graphs[b] = self.strategy.capture(self._step(stack, cache), *args)
+        out = graph(*args)  # static outputs, overwritten by the next replay: cloned
+        if self.head_forward is None:
+            return out.clone()
+        hidden, logits = out[0].clone(), out[1].clone()
+        self._pending = (hidden, logits)
+        return hidden
+
+    def _step(self, stack: InjectedModel, cache: StaticKVCache):
+        head = self.head_forward
+
+        def step(ids, pos, write_index, lengths, starts):
+            hidden = stack.decode_step(cache, ids, pos, write_index, lengths, starts)
+            return hidden if head is None else (hidden, head(hidden))
+        return step
+
+    def take_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """The captured head's logits when ``hidden`` is (a full view of) the last step's
+        hidden state, else None; each step's logits are handed out once."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return None
+        last, logits = pending
+        same = (hidden.data_ptr() == last.data_ptr() and hidden.shape == last.shape
+                and hidden.stride() == last.stride() and hidden.dtype == last.dtype)
+        return logits if same else None
+
+
+class HeadFromGraph:
+    """Instance-level ``forward`` of the output head while its forward is captured with the
+    decode step (see the module docstring). ``original`` is the forward it replaced."""
+
+    def __init__(self, original: Callable[..., torch.Tensor], graphs: DecodeGraphs) -> None:
+        self.original, self.graphs = original, graphs
+
+    def __call__(self, hidden: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        logits = None if args or kwargs else self.graphs.take_logits(hidden)
+        return self.original(hidden, *args, **kwargs) if logits is None else logits
+
+    def __repr__(self) -> str:
+        return f"HeadFromGraph({self.original!r})"
+
+
+def _head(model: nn.Module) -> nn.Module | None:
+    get = getattr(model, "get_output_embeddings", None)
+    head = get() if callable(get) else None
+    return head if isinstance(head, nn.Module) else None
+
+
+def _strategy(accelerator: Accelerator) -> GraphStrategy:
+    strategy = accelerator.graph_strategy()
+    if not isinstance(strategy, GraphStrategy):
+        raise ConfigError(f"accelerator {accelerator.name!r} returned {strategy!r} as its graph "
+                          f"strategy, not a shardwise GraphStrategy")
+    return strategy
+
+
+def _stack(model: nn.Module) -> InjectedModel:
+    from .injector import injected_stack
+
+    stack = injected_stack(model)
+    if stack is not None:
+        return stack
+    from .encoder import injected_encoder
+
+    if injected_encoder(model) is not None:
+        raise ConfigError(f"enable_graph captures the injected decode step, and "
+                          f"{type(model).__name__} is an encoder: it has no decode step "
+                          f"(one forward per batch). Run it with enable_graph=False")
+    raise ConfigError("enable_graph captures the injected decode step: it needs "
+                      "replace_with_kernel_inject=True")
+
+
+def enable_graphs(model: nn.Module, accelerator: Accelerator) -> GraphStrategy:
+    """Step 7: capture the injected decode step, with the output head, by the accelerator's
+    graph strategy (see the module docstring).
+
+    A strategy that does not accelerate (the base eager strategy: e.g. the CPU's with
+    ``SHARDWISE_CPU_GRAPHS=eager`` or under tensor parallelism) is a documented no-op: the
+    decode step runs eagerly and one line says so. An accelerating one is tried at once on a
+    one-sequence step (that graph is kept for batch size 1), so a strategy that cannot capture
+    fails here, at init, with its reason — not in the middle of a generate.
+    """
+    stack = _stack(model)
+    strategy = _strategy(accelerator)
+    if not strategy.accelerates:
+        log.info("shardwise: enable_graph on %s: its graph strategy %r runs the decode step "
+                 "eagerly (a documented no-op: nothing to capture on this device)",
+                 accelerator.name, strategy.name)
+        return strategy
+    head = _head(model)
+    original = None
+    if head is not None:
+        original = head.forward
+        original = original.original if isinstance(original, HeadFromGraph) else original
+    graphs = DecodeGraphs(strategy, original)
+    _trial_capture(stack, graphs, accelerator, strategy)
+    stack.graphs = graphs
+    if head is not None:
+        head.forward = HeadFromGraph(original, graphs)
+    log.info("shardwise: decode step%s captured with %s (one graph per batch size)",
+             " and output head" if head is not None else "", strategy.name)
+    return strategy
+
+
+def _trial_capture(stack: InjectedModel, graphs: DecodeGraphs, accelerator: Accelerator,
+                   strategy: GraphStrategy) -> None:
+    weight = stack.m.final_norm.weight
+    try:
+        with torch.inference_mode():
+            cache = stack.new_cache(1, weight.dtype, weight.device)
+            cache.length = 1
+            ids = torch.zeros(1, 1, dtype=torch.int64, device=weight.device)
+            graphs.run(stack, cache, ids, ids, 0)
+    except Exception as exc:
+        raise ConfigError(
+            f"enable_graph: the {accelerator.name!r} graph strategy {strategy.name!r} cannot "
+            f"capture the decode step ({type(exc).__name__}: {exc}); run with "
+            f"enable_graph=False") from exc
+    finally:
+        graphs._pending = None
+        stack._cache_generation += 1  # retire the trial cache
