@@ -88,6 +88,12 @@ def test_measure_bandwidth_on_cpu():
     d = bw.to_dict()
     assert d["bytes_moved_per_copy"] == 2 * d["bytes"] == 8 << 20
     assert d["gbps"] == pytest.approx(roofline.copy_gbps(4 << 20, stats.median(bw.samples_s)))
+    later = roofline.Bandwidth(4 << 20, [[1e-3, 2e-3, 3e-3]])  # 8.4 GB/s: slower
+    both = bw.add(later)
+    assert both.probe_gbps == [bw.gbps, pytest.approx(roofline.copy_gbps(4 << 20, 2e-3))]
+    assert both.gbps == max(bw.gbps, later.gbps) and len(both.samples_s) == 6
+    with pytest.raises(ValueError, match="bytes"):
+        bw.add(roofline.Bandwidth(8 << 20, [[1e-3]]))
 
 
 # ----- timing --------------------------------------------------------------------------------------

@@ -6,7 +6,9 @@ A result file is one JSON object::
      "command": "shardwise bench ...",          # the command that made it
      "provenance": {...},                       # see provenance()
      "plan": {...},                             # models, cells, variant options
-     "bandwidth": {"method": "copy", "bytes", "bytes_moved_per_copy", "samples_s", "gbps"},
+     "bandwidth": {"method": "copy", "bytes", "bytes_moved_per_copy", "samples_s",
+                   "probes_gbps" (each probe's GB/s: before and after the runs), "gbps" (their
+                   highest)},
      "runs": [{"model", "variant", "baseline", "batch", "prompt_len", "new_tokens",
                "status", "error", "dtype", "world_size", "weight_bytes",
                "nonembedding_params", "peak_memory_bytes",
@@ -180,10 +182,20 @@ def format_table(doc: dict) -> str:
     bw = doc["bandwidth"]
     prov = doc["provenance"]
     text = [f"device: {prov['device']} ({prov['device_name']}), {prov['threads']} threads; "
-            f"measured bandwidth {bw['gbps']:.1f} GB/s (copy of {bw['bytes'] / 2**20:.0f} MiB)",
+            f"measured bandwidth {bw['gbps']:.1f} GB/s (copy of {bw['bytes'] / 2**20:.0f} MiB"
+            f"{_probes(bw)})",
             format_grid(list(COLUMNS), rows)]
     text += [f"[{i}] {note}" for note, i in notes.items()]
     return "\n".join(text)
+
+
+def _probes(bw: dict) -> str:
+    """'; the higher of probes before and after the runs: a, b GB/s' (old documents: '')."""
+    probes = bw.get("probes_gbps") or []
+    if len(probes) < 2:
+        return ""
+    return f"; highest of the probes before and after the runs: " \
+           f"{', '.join(f'{g:.1f}' for g in probes)} GB/s"
 
 
 def command_line(argv: list[str]) -> str:

@@ -14,7 +14,8 @@ non-embedding parameter, so
 (attention's own FLOPs, quadratic in the prompt, are left out; for short prompts they are small).
 
 The device's bandwidth is measured here, on the device, by copying a large tensor:
-read + write = 2 × size bytes per copy.
+read + write = 2 × size bytes per copy, before and after the timed runs (the higher is used:
+see :class:`Bandwidth`).
 """
 
 from __future__ import annotations
@@ -93,20 +94,42 @@ def _output(model: nn.Module):
 
 @dataclass
 class Bandwidth:
-    """A measured device bandwidth: buffer size, copy times, and the median's GB/s."""
+    """A measured device bandwidth: buffer size and the copy times of one or more probes.
+
+    On a shared machine the bandwidth moves during a run (measured: 31 and 55 GB/s copies on the
+    development VM within minutes), so a run probes before and after its variants and
+    :attr:`gbps` is the highest probe's median: percentages of it are never flattered by a
+    probe that happened to run while the machine was slow."""
 
     nbytes: int
-    samples_s: list[float] = field(default_factory=list)
+    probes: list[list[float]] = field(default_factory=list)  # each probe's copy times
+
+    @property
+    def samples_s(self) -> list[float]:
+        """Every probe's copy times, in order."""
+        return [t for probe in self.probes for t in probe]
+
+    @property
+    def probe_gbps(self) -> list[float]:
+        """GB/s of each probe's median copy (read + write)."""
+        return [copy_gbps(self.nbytes, median(probe)) for probe in self.probes]
 
     @property
     def gbps(self) -> float:
-        """GB/s of the median copy (read + write)."""
-        return copy_gbps(self.nbytes, median(self.samples_s))
+        """The highest probe's GB/s (see the class docstring)."""
+        return max(self.probe_gbps)
+
+    def add(self, other: "Bandwidth") -> "Bandwidth":
+        """This measurement with ``other``'s probes (same buffer size) appended."""
+        if other.nbytes != self.nbytes:
+            raise ValueError(f"bandwidth probes of {self.nbytes} and {other.nbytes} bytes")
+        return Bandwidth(self.nbytes, self.probes + other.probes)
 
     def to_dict(self) -> dict:
         """Plain values for the JSON report."""
         return {"method": "copy", "bytes": self.nbytes, "bytes_moved_per_copy": 2 * self.nbytes,
-                "samples_s": list(self.samples_s), "gbps": self.gbps}
+                "samples_s": self.samples_s, "probes_gbps": self.probe_gbps,
+                "gbps": self.gbps}
 
 
 def probe_bytes(accelerator: Accelerator) -> int:
@@ -136,4 +159,4 @@ def measure_bandwidth(accelerator: Accelerator, nbytes: int | None = None,
         accelerator.synchronize()
         samples.append(time.perf_counter() - start)
     del src, dst
-    return Bandwidth(nbytes // 4 * 4, samples)
+    return Bandwidth(nbytes // 4 * 4, [samples])

@@ -28,7 +28,8 @@ def run_bench(plan: Plan, accelerator: Accelerator, *, command: str, options: di
               bandwidth_bytes: int | None = None, show_progress: bool = True) -> dict[str, Any]:
     """Run ``plan`` and return the result document (see :mod:`.report`).
 
-    The bandwidth probe runs first, on an otherwise idle device. With ``plan.tp > 1`` the
+    The bandwidth probe runs first and again last, on an otherwise idle device (the higher
+    is the bar for the % of bandwidth figures). With ``plan.tp > 1`` the
     baseline runs here on one device and the shardwise variant on ``plan.tp`` launched ranks.
     """
     bandwidth = measure_bandwidth(accelerator, bandwidth_bytes)
@@ -39,6 +40,8 @@ def run_bench(plan: Plan, accelerator: Accelerator, *, command: str, options: di
         runs = run_local(plan, accelerator, local_variants, progress)
     if plan.tp > 1:
         runs += run_ranks(plan, accelerator, nproc_per_node, rendezvous, show_progress)
+    release(accelerator)
+    bandwidth = bandwidth.add(measure_bandwidth(accelerator, bandwidth.nbytes))
     runs = add_figures(_ordered(runs, plan), bandwidth.gbps)
     return build_document(command, provenance(accelerator, options), plan.to_dict(),
                           bandwidth.to_dict(), runs)
