@@ -402,12 +402,6 @@ def _first_line(exc: BaseException) -> str:
     return text.splitlines()[0] if text else type(exc).__name__
 
 
-def _distributed_world() -> int:
-    import torch.distributed as dist
-
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-
-
 class CpuAccelerator(Accelerator):
     """Runs on the host CPU. fp32 and bf16; bf16 is preferred only with native bf16 support."""
 
@@ -494,8 +488,9 @@ class CpuAccelerator(Accelerator):
         """:class:`CpuCompileStrategy` (inductor with freezing, C++ GEMM template), chosen by
         ``SHARDWISE_CPU_GRAPHS`` (:data:`CPU_GRAPHS_ENV`): ``cpp``/``compile`` (default),
         ``onednn``, ``inductor``, or ``eager`` for the documented no-op. Under tensor
-        parallelism (a process group of more than one rank) the step's collectives cannot be
-        traced by dynamo, so the step runs eagerly (the no-op) and one line says why."""
+        parallelism the step's all-reduces are compiled as the opaque op
+        ``shardwise::cpu_all_reduce`` (see :class:`~shardwise.accelerators.cpu_comm.
+        CpuCommunicator`), so every rank compiles and replays its own step."""
         choice = os.environ.get(CPU_GRAPHS_ENV, "").strip().lower() or "compile"
         if choice == "compile":
             choice = "cpp"
@@ -505,12 +500,6 @@ class CpuAccelerator(Accelerator):
             raise ConfigError(f"{CPU_GRAPHS_ENV}={choice!r}: expected compile (= cpp), "
                               f"{', '.join(LINEAR_PACKINGS)} or eager")
         if choice == "eager":
-            return GraphStrategy()
-        world = _distributed_world()
-        if world > 1:
-            log.info("shardwise: CPU graphs compile the decode step with torch.compile, which "
-                     "cannot trace the step's collectives (tensor parallelism over %d ranks): "
-                     "the step runs eagerly", world)
             return GraphStrategy()
         return CpuCompileStrategy(linear=choice)
 

@@ -84,8 +84,10 @@ import os
 import platform
 import secrets
 import socket
+import itertools
 import threading
 import time
+import weakref
 from typing import Sequence
 
 import torch
@@ -663,6 +665,7 @@ class CpuCommunicator(TorchDistCommunicator):
         self.path_counts = {"shm": 0, "gloo": 0}
         self.last_path = ""
         self._shm, self.shm_reason = setup_shm_allreduce(self)
+        self.handle = _register(self)  # how the compiled-step op finds this communicator
 
     @property
     def shm_enabled(self) -> bool:
@@ -673,7 +676,13 @@ class CpuCommunicator(TorchDistCommunicator):
         return self._shm.slot_bytes if self._shm is not None else 0
 
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
-        """In place; through shared memory when the tensor fits (see the module notes)."""
+        """In place; through shared memory when the tensor fits (see the module notes).
+
+        Traced by ``torch.compile`` (the CPU graph strategy under tensor parallelism) it is the
+        opaque op ``shardwise::cpu_all_reduce``, which returns the reduced tensor instead (use
+        the return value, as the row-parallel hooks do)."""
+        if torch.compiler.is_compiling():
+            return torch.ops.shardwise.cpu_all_reduce(tensor, op, self.handle)
         _reduce_op(op)  # an unknown op is a ConfigError on either path
         shm = self._shm
         if shm is not None and shm.fits(tensor, op):
@@ -694,4 +703,36 @@ class CpuCommunicator(TorchDistCommunicator):
         if self._shm is not None:
             self._shm.close()
             self._shm = None
+        _COMMUNICATORS.pop(self.handle, None)
         super().close()
+
+
+# ----- the all-reduce inside a compiled step ---------------------------------------------------
+
+#: handle → live communicator, for the op below (an op's arguments cannot be Python objects)
+_COMMUNICATORS: "weakref.WeakValueDictionary[int, CpuCommunicator]" = weakref.WeakValueDictionary()
+_next_handle = itertools.count(1)
+
+
+def _register(comm: CpuCommunicator) -> int:
+    handle = next(_next_handle)
+    _COMMUNICATORS[handle] = comm
+    return handle
+
+
+@torch.library.custom_op("shardwise::cpu_all_reduce", mutates_args=(), device_types="cpu")
+def _all_reduce_op(tensor: torch.Tensor, op: str, handle: int) -> torch.Tensor:
+    """:meth:`CpuCommunicator.all_reduce` of a copy of ``tensor`` (the op is functional, so the
+    compiler may order and fuse around it; the copy is batch x hidden per call)."""
+    comm = _COMMUNICATORS.get(handle)
+    if comm is None:
+        raise CollectiveError(f"the compiled step's all-reduce uses communicator {handle}, which "
+                              f"is closed; capture the step again after init_inference")
+    out = tensor.clone(memory_format=torch.contiguous_format)
+    comm.all_reduce(out, op)
+    return out
+
+
+@_all_reduce_op.register_fake
+def _(tensor, op, handle):
+    return torch.empty(tensor.shape, dtype=tensor.dtype, device=tensor.device)

@@ -11,7 +11,6 @@ tests share engines and count compilations.
 from __future__ import annotations
 
 import gc
-import logging
 
 import pytest
 import torch
@@ -221,7 +220,7 @@ def test_compile_failure_is_an_init_error(monkeypatch):
 
 # ----- choosing the strategy ----------------------------------------------------------------------
 
-def test_strategy_choice(monkeypatch, caplog):
+def test_strategy_choice(monkeypatch):
     acc = CpuAccelerator()
     monkeypatch.delenv(cpu_mod.CPU_GRAPHS_ENV, raising=False)
     default = acc.graph_strategy()
@@ -236,11 +235,6 @@ def test_strategy_choice(monkeypatch, caplog):
     monkeypatch.setenv(cpu_mod.CPU_GRAPHS_ENV, "fast")
     with pytest.raises(ConfigError, match="SHARDWISE_CPU_GRAPHS='fast'"):
         acc.graph_strategy()
-    monkeypatch.delenv(cpu_mod.CPU_GRAPHS_ENV)
-    monkeypatch.setattr(cpu_mod, "_distributed_world", lambda: 2)
-    with caplog.at_level(logging.INFO, logger="shardwise"):
-        assert type(acc.graph_strategy()) is GraphStrategy  # collectives: eager under TP
-    assert any("tensor parallelism" in r.getMessage() for r in caplog.records)
     with pytest.raises(ValueError, match="linear 'mkl'"):
         CpuCompileStrategy(linear="mkl")
     with pytest.raises(ValueError, match="mode 'reduce-overhead'"):

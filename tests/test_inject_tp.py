@@ -61,7 +61,9 @@ def _run_case(rank: int, arch: str, dtype: torch.dtype, graphs: str | None) -> d
                 tokens_equal=torch.equal(tokens, ref_tokens), digest=digest(logits),
                 injected=isinstance(stack, InjectedModel),
                 local_q_heads=stack.m.layers[0].q_heads,
-                graphs=stack.graphs is not None)
+                graphs=stack.graphs is not None,
+                compiles=getattr(getattr(stack.graphs, "strategy", None), "compiles", None),
+                batch_sizes=sorted(stack.graphs.batch_sizes()) if stack.graphs else None)
 
 
 CASES = {f"{arch}-{name}": (arch, dtype, None) for arch in FAMILIES
@@ -72,7 +74,9 @@ for _arch in ("gpt_neox-7heads", "falcon-7heads-mqa", "llama-7heads"):
 CASES["llama-fp32-graphs-replay"] = ("llama", torch.float32, "replay")
 CASES["bloom-fp32-graphs-replay"] = ("bloom", torch.float32, "replay")  # ALiBi per rank
 CASES["gpt_neo-fp32-graphs-replay"] = ("gpt_neo", torch.float32, "replay")  # local windows
-CASES["gpt2-fp32-graphs-noop"] = ("gpt2", torch.float32, "noop")
+# the CPU graph strategy itself: each rank compiles its step, all-reduces as an opaque op
+CASES["gpt2-fp32-graphs-compiled"] = ("gpt2", torch.float32, "compiled")
+CASES["llama-fp32-graphs-compiled"] = ("llama", torch.float32, "compiled")
 
 
 ranks = table_fixture(_inject_case, CASES, "inject_tp")
@@ -93,4 +97,6 @@ def test_tp2_injection_matches_hf(ranks, name):
         print(f"{name}: max |logit diff| {r0['max_abs']:.4f}, agreement {r0['agreement']:.3f}")
         assert r0["max_abs"] < BF16_ATOL
         assert r0["agreement"] >= BF16_MIN_AGREEMENT
-    assert r0["graphs"] == (graphs == "replay")
+    assert r0["graphs"] == r1["graphs"] == (graphs is not None)
+    if graphs == "compiled":  # the init trial (batch 1) and batch 2; none as lengths grew
+        assert r0["compiles"] == r1["compiles"] == 2 and r0["batch_sizes"] == [1, 2]
