@@ -187,8 +187,16 @@ def test_config_rules():
         shardwise.init_inference(model, device="cpu", max_tokens=64)
 
 
-def test_dtype_fallback_logs_once(caplog):
-    # The cpu backend has bias_gelu for bf16 only: fp32 GPT-2 runs it on the reference.
+def test_dtype_fallback_logs_once(caplog, monkeypatch):
+    # A cpu backend whose bias_gelu takes bf16 only: fp32 GPT-2 runs it on the reference.
+    import dataclasses
+
+    from shardwise.kernel_registry import registry
+
+    assert registry.load_backend("cpu") == ""
+    impls = registry._impls["bias_gelu"]
+    monkeypatch.setitem(impls, "cpu", dataclasses.replace(impls["cpu"],
+                                                          dtypes=frozenset({torch.bfloat16})))
     with caplog.at_level(logging.WARNING, logger="shardwise"):
         ref, engine = _pair("gpt2")
         max_abs, ref_tokens, tokens = _compare(ref, engine, prompt_ids(batch=2, length=8))

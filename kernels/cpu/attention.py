@@ -28,8 +28,9 @@ decode over ~1-2k of a 2048-token cache; ranges over repeated runs on a noisy ma
   ``cat``/``stack`` temporaries: 1.3-3.8x fp32, 1.15-1.4x bf16 (1.15x for a decode step).
 * bias_gelu (bf16): ``F.gelu(x + bias)`` in the input dtype (the bias add is rounded before the
   gelu, as an HF ``Linear`` + ``gelu``; within 1 ulp): 1.25-1.4x for "none". "tanh" measured
-  no faster (0.99-1.06x), so it runs the reference's code; fp32 (1.0x, the reference's own
-  ops) and fp16 (0.9-0.97x) are not registered.
+  no faster (0.99-1.06x), nor did fp32 (1.0x, the reference's own ops) or fp16 (0.9-0.97x):
+  those run the reference's code, registered as the backend's choice for every dtype so that
+  injection does not report a fallback where there is nothing faster to fall back from.
 * bias_relu (fp32, bf16, fp16): ``torch.add(x, bias).relu_()`` in the input dtype, one pass
   and one buffer fewer (a bias of x's dtype gives exactly the reference's numbers: one rounded
   add, and relu commutes with rounding): with a
@@ -100,9 +101,11 @@ def _rotate(x: torch.Tensor, c: torch.Tensor, s: torch.Tensor, style: str) -> to
 
 def bias_gelu(x: torch.Tensor, bias: torch.Tensor | None = None,
               approximate: str = "none") -> torch.Tensor:
-    """``gelu(x + bias)`` in x's dtype (bf16/fp16); contract of the reference ``bias_gelu``."""
-    if approximate != "none":  # "tanh" is no faster this way (module docstring); bad values
-        return ref.bias_gelu(x, bias, approximate)  # raise the reference's error
+    """``gelu(x + bias)`` in x's dtype; contract of the reference ``bias_gelu``. Only bf16
+    "none" takes the fused path; the rest measured no faster than the reference's code, which
+    they run (bad values raise the reference's error)."""
+    if approximate != "none" or x.dtype != torch.bfloat16:
+        return ref.bias_gelu(x, bias, approximate)
     h = x if bias is None else x + bias.to(x.dtype)
     return F.gelu(h, approximate=approximate)
 
@@ -262,7 +265,7 @@ def kv_cache_write(k_cache: torch.Tensor, v_cache: torch.Tensor, k_new: torch.Te
 #: op → (implementation, dtypes it is registered for): only what measured faster.
 REGISTERED = {
     "rotary": (rotary, DTYPES),
-    "bias_gelu": (bias_gelu, frozenset({torch.bfloat16})),
+    "bias_gelu": (bias_gelu, DTYPES),
     "bias_relu": (bias_relu, DTYPES),
     "silu_and_mul": (silu_and_mul, DTYPES),
     "attention_prefill": (attention_prefill, frozenset({torch.float32, torch.bfloat16})),
