@@ -144,7 +144,7 @@ def enable_graphs(model: nn.Module, accelerator: Accelerator) -> GraphStrategy:
     graph strategy (see the module docstring).
 
     A strategy that does not accelerate (the base eager strategy: e.g. the CPU's with
-    ``SHARDWISE_CPU_GRAPHS=eager`` or under tensor parallelism) is a documented no-op: the
+    ``SHARDWISE_CPU_GRAPHS=eager``) is a documented no-op: the
     decode step runs eagerly and one line says so. An accelerating one is tried at once on a
     one-sequence step (that graph is kept for batch size 1), so a strategy that cannot capture
     fails here, at init, with its reason — not in the middle of a generate.
