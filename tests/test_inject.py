@@ -276,6 +276,32 @@ def test_graph_safe_decode_step_matches(monkeypatch, arch, capturable):
     assert ReplayOnCpu.captures == 2  # the init trial (batch 1, kept for batch 1), batch 2
 
 
+def test_head_answers_from_the_graph_only_for_the_unchanged_step_output(monkeypatch):
+    """HeadFromGraph returns the captured logits once, for the step's own hidden state; a
+    changed or different tensor gets the head's own forward."""
+    from shardwise.accelerators.cpu import CpuAccelerator
+
+    monkeypatch.setattr(CpuAccelerator, "graph_strategy", lambda self: ReplayOnCpu())
+    _, engine = _pair("llama", enable_graph=True)
+    stack, head = injected_stack(engine.module), engine.module.get_output_embeddings()
+    ids = prompt_ids(batch=1, length=6)
+    with torch.inference_mode():
+        cache = engine.module(ids, use_cache=True).past_key_values
+
+        def step():  # one captured decode step: (hidden, the logits the graph computed)
+            hidden = stack(ids[:, -1:], past_key_values=cache, use_cache=True).last_hidden_state
+            return hidden, stack.graphs._pending[-1]
+        hidden, captured = step()
+        assert head(hidden[:, -1:, :]) is captured  # a full view of it, as the HF shells slice
+        again = head(hidden)  # handed out once: recomputed, to the same values
+        assert again is not captured and torch.allclose(again, captured, atol=1e-5)
+        hidden, captured = step()
+        hidden.mul_(2)  # changed in place after the step: the graph's logits are stale
+        assert torch.equal(head(hidden), head.forward.original(hidden))
+        hidden, captured = step()
+        assert head(hidden.clone()) is not captured  # other memory: the head's own forward
+
+
 def _count_calls(monkeypatch, owner, name: str) -> list:
     """Record each call of ``owner.name`` (a list of call numbers, clearable)."""
     calls, real = [], getattr(owner, name)

@@ -43,7 +43,8 @@ class DecodeGraphs:
         self.strategy = strategy
         self.head_forward = head_forward
         self.graphs: dict[int, Any] = {}
-        self._pending: tuple[torch.Tensor, torch.Tensor] | None = None  # (hidden, logits)
+        #: (hidden, its version counter, logits) of the last replay, until taken
+        self._pending: tuple[torch.Tensor, int, torch.Tensor] | None = None
 
     def clear(self) -> None:
         """Drop every captured graph (and, at the next new cache, the buffers they held)."""
@@ -70,8 +71,9 @@ class DecodeGraphs:
         out = graph(*args)  # static outputs, overwritten by the next replay: cloned
         if self.head_forward is None:
             return out.clone()
-        hidden, logits = out[0].clone(), out[1].clone()
-        self._pending = (hidden, logits)
+        with torch.inference_mode(False):  # normal tensors: their version counter is tracked
+            hidden, logits = out[0].clone(), out[1].clone()
+        self._pending = (hidden, hidden._version, logits)
         return hidden
 
     def _step(self, stack: InjectedModel, cache: StaticKVCache):
@@ -84,13 +86,15 @@ class DecodeGraphs:
 
     def take_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """The captured head's logits when ``hidden`` is (a full view of) the last step's
-        hidden state, else None; each step's logits are handed out once."""
+        hidden state, unchanged since (no in-place op bumped its version), else None; each
+        step's logits are handed out once."""
         pending, self._pending = self._pending, None
         if pending is None:
             return None
-        last, logits = pending
+        last, version, logits = pending
         same = (hidden.data_ptr() == last.data_ptr() and hidden.shape == last.shape
-                and hidden.stride() == last.stride() and hidden.dtype == last.dtype)
+                and hidden.stride() == last.stride() and hidden.dtype == last.dtype
+                and hidden._version == version)
         return logits if same else None
 
 
