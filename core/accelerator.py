@@ -51,6 +51,15 @@ class GraphStrategy:
         """Return ``fn`` itself: eager execution needs no capture."""
         return fn
 
+    def batch_bucket(self, batch: int) -> int:
+        """The captured batch size that serves ``batch`` sequences (padded up to it), so a few
+        graphs serve every batch size: 1, 2, 4, 8, then multiples of 8. A device whose capture
+        is cheap, or whose step cost grows fast with the batch, may override it (returning
+        ``batch`` gives one graph per exact size)."""
+        if batch <= 8:
+            return 1 << max(0, batch - 1).bit_length()
+        return -(-batch // 8) * 8
+
 
 class Accelerator:
     """Base class of accelerator plugins.

@@ -313,8 +313,10 @@ def _count_calls(monkeypatch, owner, name: str) -> list:
     return calls
 
 
-def test_graphs_are_kept_per_batch_size(monkeypatch):
-    """Alternating batch sizes replays each size's graph over its own kept cache buffers."""
+def test_graphs_are_kept_per_batch_bucket(monkeypatch):
+    """Alternating batch sizes replays each bucket's graph over its own kept cache buffers; a
+    batch smaller than its bucket (3 in 4) runs that graph padded, left padding and beam
+    search included."""
     from shardwise.accelerators.cpu import CpuAccelerator
 
     monkeypatch.setattr(CpuAccelerator, "graph_strategy", lambda self: ReplayOnCpu())
@@ -322,16 +324,28 @@ def test_graphs_are_kept_per_batch_size(monkeypatch):
     ref, engine = _pair("llama", enable_graph=True)
     stack = injected_stack(engine.module)
     with torch.no_grad():
-        for batch in (2, 1, 2, 3, 1):
+        for batch in (2, 1, 2, 3, 1, 4):
             ids = prompt_ids(batch=batch, length=6)
             assert torch.equal(engine.generate(ids, **GREEDY), ref.generate(ids, **GREEDY))
-    assert ReplayOnCpu.captures == 3  # batch 1 (init), 2, 3: none captured twice
-    assert sorted(stack._kv) == [1, 2, 3] == sorted(stack.graphs.batch_sizes())
-    stack.graphs.clear()  # dropping the graphs frees the other sizes' buffers at the next cache
+        ids, mask = prompt_ids(batch=3, length=6), torch.ones(3, 6, dtype=torch.int64)
+        mask[1, :2] = 0
+        assert torch.equal(engine.generate(ids, attention_mask=mask, **GREEDY),
+                           ref.generate(ids, attention_mask=mask, **GREEDY))
+        beams = dict(max_new_tokens=6, num_beams=3, do_sample=False, pad_token_id=0)
+        assert torch.equal(engine.generate(ids[:1], **beams), ref.generate(ids[:1], **beams))
+    assert ReplayOnCpu.captures == 3  # buckets 1 (the init trial), 2 and 4: none twice
+    assert sorted(stack._kv) == [1, 2, 4] == sorted(stack.graphs.batch_sizes())
+    stack.graphs.clear()  # dropping the graphs frees the other buckets' buffers at next cache
     with torch.no_grad():
         engine.generate(prompt_ids(batch=2, length=6), max_new_tokens=2, do_sample=False)
     assert sorted(stack._kv) == [2] == sorted(stack.graphs.batch_sizes())
     assert ReplayOnCpu.captures == 4
+
+
+@pytest.mark.parametrize("batch,bucket", [(1, 1), (2, 2), (3, 4), (4, 4), (5, 8), (8, 8),
+                                          (9, 16), (17, 24), (64, 64)])
+def test_batch_buckets(batch, bucket):
+    assert GraphStrategy().batch_bucket(batch) == bucket
 
 
 def test_graph_capture_failure_is_an_init_error(monkeypatch):

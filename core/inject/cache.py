@@ -2,8 +2,9 @@
 
 :class:`KVBuffers` holds, per layer, ``k`` and ``v`` tensors ``[batch, kv_heads, max_tokens,
 head_dim]`` on the model's device (this rank's kv heads under tensor parallelism), allocated once
-per batch size and reused across ``generate`` calls, so decode shapes never change (which is what
-graph capture needs). :class:`StaticKVCache` is the ``transformers`` :class:`~transformers.Cache`
+per batch size (with graphs: per batch bucket, a cache then using its first ``batch`` rows) and
+reused across ``generate`` calls, so decode shapes never change (which is what graph capture
+needs). :class:`StaticKVCache` is the ``transformers`` :class:`~transformers.Cache`
 that ``generate`` carries between steps: a cursor (tokens written, the first valid position of each
 left-padded sequence) over the buffers. Only the newest cache object of a model is live: starting a
 new sequence (a forward without a shardwise cache) retires the previous one, and using a retired
@@ -62,9 +63,19 @@ class StaticKVCache(Cache):
 
     is_compileable = False  # generate must not build 4-d masks for it: the layers need none
 
-    def __init__(self, buffers: KVBuffers, owner: "object", generation: int) -> None:
+    def __init__(self, buffers: KVBuffers, owner: "object", generation: int,
+                 batch: int | None = None) -> None:
         super().__init__(layers=[])
         self.buffers = buffers
+        #: sequences this cache holds: the buffers' first ``batch`` rows (the buffers may have
+        #: more: a captured graph's batch bucket, the extra rows padding)
+        self.batch = buffers.batch if batch is None else batch
+        if not 0 < self.batch <= buffers.batch:
+            raise ShardwiseError(f"a cache of {self.batch} sequences over buffers of "
+                                 f"{buffers.batch}")
+        rows = slice(0, self.batch)
+        self.k = buffers.k if self.batch == buffers.batch else [t[rows] for t in buffers.k]
+        self.v = buffers.v if self.batch == buffers.batch else [t[rows] for t in buffers.v]
         self.length = 0  # tokens written (same for every sequence: left padding, not ragged)
         self.starts: torch.Tensor | None = None  # [batch] first real token, None: no padding
         self._owner, self._generation = owner, generation
@@ -94,7 +105,7 @@ class StaticKVCache(Cache):
         return len(self.buffers.k)
 
     def __repr__(self) -> str:
-        return (f"StaticKVCache(layers={len(self)}, batch={self.buffers.batch}, "
+        return (f"StaticKVCache(layers={len(self)}, batch={self.batch}, "
                 f"length={self.length}, max_tokens={self.buffers.max_tokens})")
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -109,7 +120,7 @@ class StaticKVCache(Cache):
 
     @property
     def max_batch_size(self) -> int:
-        return self.buffers.batch
+        return self.batch
 
     @property
     def is_initialized(self) -> bool:
@@ -134,7 +145,7 @@ class StaticKVCache(Cache):
         self.check_live()
         idx = beam_idx.to(self.buffers.device)
         n = self.length
-        for t in (*self.buffers.k, *self.buffers.v):
+        for t in (*self.k, *self.v):
             t[:, :, :n].copy_(t[:, :, :n].index_select(0, idx))
         if self.starts is not None:
             self.starts = self.starts.index_select(0, idx)

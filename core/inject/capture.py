@@ -1,5 +1,6 @@
 """Step 7 of ``init_inference``: the injected decode step — and the output head — captured by
-the accelerator's graph strategy, one graph per batch size.
+the accelerator's graph strategy, one graph per batch bucket (``GraphStrategy.batch_bucket``:
+1, 2, 4, 8, then multiples of 8; a smaller batch runs its bucket's graph, padded).
 
 What one graph holds: token ids → embeddings → every layer (the capturable decode attention
 reading each sequence's valid cache range, see ``KernelRegistry.register(capturable=)``) → final
@@ -29,10 +30,11 @@ log = logging.getLogger(__name__)
 
 
 class DecodeGraphs:
-    """The decode step captured by a graph strategy, one graph per batch size (each with its own
-    static cache buffers, kept by the model while the graph exists, and reused by every later
-    ``generate`` with that batch size). Inputs of the captured step: input_ids and position_ids
-    [batch, 1], the write index [1], lengths and starts [batch].
+    """The decode step captured by a graph strategy, one graph per batch bucket (each with its
+    own static cache buffers of that many rows, kept by the model while the graph exists, and
+    reused by every later ``generate`` whose batch size falls in the bucket). Inputs of the
+    captured step: input_ids and position_ids [rows, 1], the write index [1], lengths and
+    starts [rows].
 
     ``head_forward``: the output head's forward (hooks excluded), captured with the step; its
     logits are then kept for :meth:`take_logits` until the next step.
@@ -52,35 +54,34 @@ class DecodeGraphs:
         self._pending = None
 
     def batch_sizes(self) -> set[int]:
+        """The captured batch buckets (rows of their graphs)."""
         return set(self.graphs)
 
     def run(self, stack: InjectedModel, cache: StaticKVCache, input_ids: torch.Tensor,
             position_ids: torch.Tensor, past: int) -> torch.Tensor:
-        """One decode step (capturing this batch size's graph on first use): hidden
-        [batch, 1, hidden] after the final norm."""
-        b = input_ids.shape[0]
-        device = input_ids.device
-        args = (input_ids.reshape(b, 1).to(torch.int64), position_ids.reshape(b, 1).to(torch.int64),
-                torch.full((1,), past, dtype=torch.int64, device=device),
-                torch.full((b,), past + 1, dtype=torch.int64, device=device),
-                cache.starts.to(torch.int64) if cache.starts is not None
-                else torch.zeros(b, dtype=torch.int64, device=device))
-        graph = self.graphs.get(b)
+        """One decode step (capturing the graph of the cache's row count — its batch bucket —
+        on first use): hidden [batch, 1, hidden] after the final norm. A batch smaller than
+        the bucket is padded with rows that attend to their own (unused) cache rows; their
+        results are dropped."""
+        rows, b = cache.buffers.batch, cache.batch
+        args = _step_args(cache, input_ids.reshape(b, 1), position_ids.reshape(b, 1), past, rows)
+        graph = self.graphs.get(rows)
         if graph is None:
-            graph = self.graphs[b] = self.strategy.capture(self._step(stack, cache), *args)
-        out = graph(*args)  # static outputs, overwritten by the next replay: cloned
-        if self.head_forward is None:
-            return out.clone()
+            graph = self.graphs[rows] = self.strategy.capture(self._step(stack, cache), *args)
+        out = graph(*args)  # static outputs, overwritten by the next replay: copied
         with torch.inference_mode(False):  # normal tensors: their version counter is tracked
-            hidden, logits = out[0].clone(), out[1].clone()
+            if self.head_forward is None:
+                return out[:b].clone()
+            hidden, logits = out[0][:b].clone(), out[1][:b].clone()
         self._pending = (hidden, hidden._version, logits)
         return hidden
 
     def _step(self, stack: InjectedModel, cache: StaticKVCache):
         head = self.head_forward
+        every_row = StaticKVCache(cache.buffers, None, -1)  # the bucket's rows, padding included
 
         def step(ids, pos, write_index, lengths, starts):
-            hidden = stack.decode_step(cache, ids, pos, write_index, lengths, starts)
+            hidden = stack.decode_step(every_row, ids, pos, write_index, lengths, starts)
             return hidden if head is None else (hidden, head(hidden))
         return step
 
@@ -96,6 +97,23 @@ class DecodeGraphs:
                 and hidden.stride() == last.stride() and hidden.dtype == last.dtype
                 and hidden._version == version)
         return logits if same else None
+
+
+def _step_args(cache: StaticKVCache, ids: torch.Tensor, pos: torch.Tensor, past: int,
+               rows: int) -> tuple[torch.Tensor, ...]:
+    """The captured step's inputs for ``rows`` sequences: input_ids, position_ids [rows, 1],
+    the write index [1], lengths and starts [rows] (int64; padding rows: token 0 at ``past``,
+    no left padding)."""
+    device, pad = ids.device, rows - ids.shape[0]
+    starts = (cache.starts.to(torch.int64) if cache.starts is not None
+              else torch.zeros(ids.shape[0], dtype=torch.int64, device=device))
+    if pad:
+        ids = torch.cat([ids, ids.new_zeros(pad, 1)])
+        pos = torch.cat([pos, pos.new_full((pad, 1), past)])
+        starts = torch.cat([starts, starts.new_zeros(pad)])
+    return (ids.to(torch.int64), pos.to(torch.int64),
+            torch.full((1,), past, dtype=torch.int64, device=device),
+            torch.full((rows,), past + 1, dtype=torch.int64, device=device), starts)
 
 
 class HeadFromGraph:
@@ -170,7 +188,7 @@ def enable_graphs(model: nn.Module, accelerator: Accelerator) -> GraphStrategy:
     stack.graphs = graphs
     if head is not None:
         head.forward = HeadFromGraph(original, graphs)
-    log.info("shardwise: decode step%s captured with %s (one graph per batch size)",
+    log.info("shardwise: decode step%s captured with %s (one graph per batch bucket)",
              " and output head" if head is not None else "", strategy.name)
     return strategy
 

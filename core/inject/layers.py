@@ -226,7 +226,7 @@ class InjectedLayer(nn.Module):
             o = self.k.attention_prefill(q, k, v, causal=True,
                                          key_padding_mask=ctx.key_padding_mask, **kw)
         else:
-            kc, vc = cache.buffers.k[self.index], cache.buffers.v[self.index]
+            kc, vc = cache.k[self.index], cache.v[self.index]
             if ctx.graph_safe:  # no host sync: index_copy_ at a device index
                 kc.index_copy_(2, ctx.write_index, k)
                 vc.index_copy_(2, ctx.write_index, v)
@@ -311,31 +311,33 @@ class InjectedModel(nn.Module):
     def new_cache(self, batch: int, dtype: torch.dtype, device: torch.device) -> StaticKVCache:
         """A fresh cache (retiring the previous one) over buffers for ``batch`` sequences.
 
-        Buffers are allocated once per batch size and reused. The buffers of another batch size
-        are kept while a captured decode graph uses them (so alternating batch sizes replays
-        each size's graph instead of capturing it again), and freed otherwise; a new dtype or
-        device frees them all, graphs included."""
-        kv = self._kv.get(batch)
-        if kv is not None and not kv.matches(batch, dtype, device):
+        Buffers are allocated once per row count and reused: ``batch`` rows, or with graphs
+        the graph strategy's batch bucket (the graph of that bucket serves the batch, padded).
+        The buffers of another row count are kept while a captured decode graph uses them (so
+        alternating batch sizes replays their graphs instead of capturing again), and freed
+        otherwise; a new dtype or device frees them all, graphs included."""
+        rows = self.graphs.strategy.batch_bucket(batch) if self.graphs is not None else batch
+        kv = self._kv.get(rows)
+        if kv is not None and not kv.matches(rows, dtype, device):
             self._kv.clear()
             if self.graphs is not None:
                 self.graphs.clear()
             kv = None
         captured = self.graphs.batch_sizes() if self.graphs is not None else set()
-        for other in [n for n in self._kv if n != batch and n not in captured]:
+        for other in [n for n in self._kv if n != rows and n not in captured]:
             del self._kv[other]
         if kv is None:
-            kv = self._kv[batch] = KVBuffers(len(self.m.layers), batch, self.kv_heads,
-                                             self.max_tokens, self.head_dim, dtype, device)
+            kv = self._kv[rows] = KVBuffers(len(self.m.layers), rows, self.kv_heads,
+                                            self.max_tokens, self.head_dim, dtype, device)
         self._cache_generation += 1
-        return StaticKVCache(kv, self, self._cache_generation)
+        return StaticKVCache(kv, self, self._cache_generation, batch)
 
     def _cache_for(self, past: Any, batch: int, x: torch.Tensor,
                    use_cache: bool) -> StaticKVCache | None:
         if isinstance(past, StaticKVCache):
             past.check_live()
-            if past.buffers.batch != batch:
-                raise ShardwiseError(f"the cache holds {past.buffers.batch} sequences but the "
+            if past.batch != batch:
+                raise ShardwiseError(f"the cache holds {past.batch} sequences but the "
                                      f"input has {batch}")
             return past
         if past is not None and past.get_seq_length() > 0:
