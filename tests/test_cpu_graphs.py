@@ -99,11 +99,12 @@ def test_compiled_step_reads_only_the_filled_cache(models):
     assert (logits - _poisoned_step(eager, ids)).abs().max().item() < FP32_ATOL
 
 
-@pytest.mark.parametrize("arch", ["gpt2", "llama"])
-def test_compiled_decode_batch_and_left_padding(models, arch):
+@pytest.mark.parametrize("arch,batch", [("gpt2", 2), ("llama", 2), ("llama", 3)])
+def test_compiled_decode_batch_and_left_padding(models, arch, batch):
+    """Batches 2 and 3 (run in the graph of bucket 4, padded), with left padding."""
     ref, eager, compiled = models(arch)
     strategy = _strategy(compiled)
-    ids = prompt_ids(batch=2, length=8)
+    ids = prompt_ids(batch=batch, length=8)
     mask = torch.ones_like(ids)
     mask[1, :3] = 0  # left padding
     with torch.no_grad():
@@ -113,7 +114,7 @@ def test_compiled_decode_batch_and_left_padding(models, arch):
     _, eager_logits = _generate(eager, ids, attention_mask=mask)
     assert torch.equal(tokens, ref_tokens)
     assert (logits - eager_logits).abs().max().item() < FP32_ATOL
-    assert strategy.compiles == before + 1  # one graph for batch 2
+    assert strategy.compiles == before + 1  # one graph for the batch's bucket (2 or 4)
 
 
 def test_untraceable_kernel_fails_at_init_naming_it(monkeypatch):
