@@ -79,12 +79,12 @@ unmaps it.
 from __future__ import annotations
 
 import atexit
+import itertools
 import mmap
 import os
 import platform
 import secrets
 import socket
-import itertools
 import threading
 import time
 import weakref

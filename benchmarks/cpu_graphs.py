@@ -13,8 +13,9 @@ variant per round) so that load from other processes on a shared machine hits ev
 alike; the table shows medians, GB/s of weights read per step and % of the copy bandwidth
 measured in the same rounds. ``--max-tokens`` sizes the static KV cache (the engine's default
 is 1024; the captured step reads only the filled part where the device's decode attention is
-capturable, as the CPU's is). ``--profile`` prints where the
-last variant's step spends its time (torch.profiler, self time per step).
+capturable, as the CPU's is; ``--masked-attention`` attends over all of it instead).
+``--profile`` prints where the last variant's step spends its time (torch.profiler, self time
+per step).
 
 Variants: ``hf`` (the plain model, DynamicCache cropped back after each step), ``eager``
 (the injected graph-safe step, not compiled), ``nofreeze`` (compiled, weights as graph inputs:
@@ -72,16 +73,20 @@ def hf_step(model, ids: torch.Tensor, prompt_len: int):
 
 
 def injected_steps(model, ids: torch.Tensor, variants: list[str], max_tokens: int | None,
-                   head_outside: bool = False):
+                   head_outside: bool = False, masked_attention: bool = False):
     """``variant → callable`` of one injected decode step, output head included, per strategy.
 
     The head is captured with the step, as ``enable_graph`` does; ``head_outside`` runs it
-    eagerly after the captured step instead (what the engine did before the head moved into
-    the graph)."""
+    eagerly after the captured step instead. ``masked_attention`` makes the step attend, masked,
+    over all ``max_tokens`` cache slots (what a device without a capturable decode kernel gets)
+    instead of calling the cpu kernel. Together they reproduce the step as the engine ran it
+    before the head joined the graph and the cpu decode became capturable."""
     kwargs = {"max_tokens": max_tokens} if max_tokens else {}
     engine = shardwise.init_inference(model, device="cpu", replace_with_kernel_inject=True,
                                       **kwargs)
     stack = injected_stack(engine.module)
+    if masked_attention:
+        stack.k.decode_capturable = False
     with torch.inference_mode():
         out = engine.module(ids, use_cache=True)
     cache = out.past_key_values
@@ -119,6 +124,8 @@ def main() -> None:
     ap.add_argument("--head-outside", action="store_true",
                     help="run the output head eagerly after the captured step (see "
                          "injected_steps)")
+    ap.add_argument("--masked-attention", action="store_true",
+                    help="attend over the whole static cache, masked (see injected_steps)")
     ap.add_argument("--profile", action="store_true",
                     help="print where the last variant's step spends its time")
     args = ap.parse_args()
@@ -132,7 +139,8 @@ def main() -> None:
     if "hf" in args.variants:
         fns["hf"] = hf_step(copy.deepcopy(model), ids, args.prompt_len)
     fns.update(injected_steps(model, ids, [v for v in args.variants if v != "hf"],
-                              args.max_tokens, args.head_outside))
+                              args.max_tokens, args.head_outside,
+                              args.masked_attention))
     logits = {k: f().float().reshape(-1) for k, f in fns.items()}
     src = torch.ones(512 << 18)
     dst = torch.empty_like(src)

@@ -334,11 +334,11 @@ def test_graphs_are_kept_per_batch_bucket(monkeypatch):
         beams = dict(max_new_tokens=6, num_beams=3, do_sample=False, pad_token_id=0)
         assert torch.equal(engine.generate(ids[:1], **beams), ref.generate(ids[:1], **beams))
     assert ReplayOnCpu.captures == 3  # buckets 1 (the init trial), 2 and 4: none twice
-    assert sorted(stack._kv) == [1, 2, 4] == sorted(stack.graphs.batch_sizes())
+    assert sorted(stack._kv) == [1, 2, 4] == sorted(stack.graphs.buckets())
     stack.graphs.clear()  # dropping the graphs frees the other buckets' buffers at next cache
     with torch.no_grad():
         engine.generate(prompt_ids(batch=2, length=6), max_new_tokens=2, do_sample=False)
-    assert sorted(stack._kv) == [2] == sorted(stack.graphs.batch_sizes())
+    assert sorted(stack._kv) == [2] == sorted(stack.graphs.buckets())
     assert ReplayOnCpu.captures == 4
 
 

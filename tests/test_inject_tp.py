@@ -63,7 +63,7 @@ def _run_case(rank: int, arch: str, dtype: torch.dtype, graphs: str | None) -> d
                 local_q_heads=stack.m.layers[0].q_heads,
                 graphs=stack.graphs is not None,
                 compiles=getattr(getattr(stack.graphs, "strategy", None), "compiles", None),
-                batch_sizes=sorted(stack.graphs.batch_sizes()) if stack.graphs else None)
+                buckets=sorted(stack.graphs.buckets()) if stack.graphs else None)
 
 
 CASES = {f"{arch}-{name}": (arch, dtype, None) for arch in FAMILIES
@@ -99,4 +99,4 @@ def test_tp2_injection_matches_hf(ranks, name):
         assert r0["agreement"] >= BF16_MIN_AGREEMENT
     assert r0["graphs"] == r1["graphs"] == (graphs is not None)
     if graphs == "compiled":  # the init trial (batch 1) and batch 2; none as lengths grew
-        assert r0["compiles"] == r1["compiles"] == 2 and r0["batch_sizes"] == [1, 2]
+        assert r0["compiles"] == r1["compiles"] == 2 and r0["buckets"] == [1, 2]

@@ -18,6 +18,7 @@ from .layers import InjectedLayer, InjectedModel
 from .spec import ACTIVATIONS, InjectionSpec
 
 __all__ = ["KVBuffers", "MaxTokensError", "StaleCacheError", "StaticKVCache", "DecodeGraphs",
-           "HeadFromGraph", "InjectionError", "enable_graphs", "inject_model", "injected_stack", "resolve_kernels",
-           "resolve_ops", "supported_families", "EncoderInjectionSpec", "InjectedEncoder",
-           "inject_encoder", "injected_encoder", "InjectedLayer", "InjectedModel", "ACTIVATIONS", "InjectionSpec"]
+           "HeadFromGraph", "InjectionError", "enable_graphs", "inject_model", "injected_stack",
+           "resolve_kernels", "resolve_ops", "supported_families", "EncoderInjectionSpec",
+           "InjectedEncoder", "inject_encoder", "injected_encoder", "InjectedLayer",
+           "InjectedModel", "ACTIVATIONS", "InjectionSpec"]

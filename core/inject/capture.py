@@ -53,7 +53,7 @@ class DecodeGraphs:
         self.graphs.clear()
         self._pending = None
 
-    def batch_sizes(self) -> set[int]:
+    def buckets(self) -> set[int]:
         """The captured batch buckets (rows of their graphs)."""
         return set(self.graphs)
 

@@ -17,7 +17,7 @@ from shardwise.kernels.reference.attention import alibi_slopes
 
 from ..accelerator import Accelerator, dtype_name
 from ..errors import ConfigError
-from ..kernel_registry import REFERENCE, registry
+from ..kernel_registry import REFERENCE, KernelImpl, registry
 from ..policy import HeadCounts
 from ..sharding.partition import HeadPartition
 from .layers import InjectedModel, Kernels, LayerSetup
@@ -81,6 +81,18 @@ def resolve_ops(accelerator: Accelerator, dtype: torch.dtype, ops: dict[str, str
     """Resolve ``ops`` (slot → op name) for ``dtype``: (slot → function, op → backend). Ops that
     only the reference can run although the accelerator's backends implement them for other
     dtypes are logged in ONE line."""
+    return _split(_resolve_impls(accelerator, dtype, ops, what), ops)
+
+
+def _split(impls: dict[str, KernelImpl], ops: dict[str, str]):
+    """(slot → function, op → backend) of resolved implementations."""
+    return ({slot: impl.fn for slot, impl in impls.items()},
+            {ops[slot]: impl.backend for slot, impl in impls.items()})
+
+
+def _resolve_impls(accelerator: Accelerator, dtype: torch.dtype, ops: dict[str, str],
+                   what: str) -> dict[str, KernelImpl]:
+    """slot → the resolved implementation (see :func:`resolve_ops`, which logs the same way)."""
     impls = {slot: registry.resolve(op, accelerator, dtype) for slot, op in ops.items()}
     fallen = []
     for slot, op in ops.items():
@@ -95,8 +107,7 @@ def resolve_ops(accelerator: Accelerator, dtype: torch.dtype, ops: dict[str, str
                     "backend; using the torch reference (same numbers, slower)", what,
                     accelerator.name, dtype_name(dtype), ", ".join(fallen),
                     "has" if len(fallen) == 1 else "have")
-    return ({slot: impl.fn for slot, impl in impls.items()},
-            {ops[slot]: impl.backend for slot, impl in impls.items()})
+    return impls
 
 
 def resolve_kernels(accelerator: Accelerator, dtype: torch.dtype, spec: InjectionSpec,
@@ -105,9 +116,10 @@ def resolve_kernels(accelerator: Accelerator, dtype: torch.dtype, spec: Injectio
     ops = {"norm": "rms_norm" if spec.norm == "rms" else "layer_norm", "rotary": "rotary",
            "act": act_op, "attention_prefill": "attention_prefill",
            "attention_decode": "attention_decode", "kv_cache_write": "kv_cache_write"}
-    fns, backends = resolve_ops(accelerator, dtype, ops)
-    decode = registry.resolve("attention_decode", accelerator, dtype)
-    return Kernels(**fns, backends=backends, decode_capturable=decode.capturable)
+    impls = _resolve_impls(accelerator, dtype, ops, "kernel injection")
+    fns, backends = _split(impls, ops)
+    return Kernels(**fns, backends=backends,
+                   decode_capturable=impls["attention_decode"].capturable)
 
 
 def _check_config(model: nn.Module, spec: InjectionSpec) -> tuple[str, str]:

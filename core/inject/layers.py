@@ -274,7 +274,7 @@ class InjectedModel(nn.Module):
         self.rebind()
         self.kv_heads = layers[0].kv_heads if len(layers) else 0
         self.head_dim = layers[0].head_dim if len(layers) else 0
-        self._kv: dict[int, KVBuffers] = {}  # batch size → buffers (several only with graphs)
+        self._kv: dict[int, KVBuffers] = {}  # rows (batch, or its bucket) → buffers
         self._cache_generation = 0
         self.graphs: Any = None  # a DecodeGraphs when graph capture is on
 
@@ -323,7 +323,7 @@ class InjectedModel(nn.Module):
             if self.graphs is not None:
                 self.graphs.clear()
             kv = None
-        captured = self.graphs.batch_sizes() if self.graphs is not None else set()
+        captured = self.graphs.buckets() if self.graphs is not None else set()
         for other in [n for n in self._kv if n != rows and n not in captured]:
             del self._kv[other]
         if kv is None:
