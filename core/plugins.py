@@ -3,7 +3,13 @@
 Three groups exist (see DESIGN.md): ``shardwise.accelerators`` (Accelerator classes),
 ``shardwise.kernels`` (modules with a ``register(registry)`` function) and ``shardwise.policies``.
 Built-ins register through the same groups as third parties. A plugin that fails to import never
-breaks the others: its error is recorded and shown by ``shardwise accelerators``.
+breaks the others: its error (any exception, ``SystemExit`` included) is recorded and shown by
+``shardwise accelerators``.
+
+Two entry points of one group with the same name: the built-in one is kept, else the first found
+(``sys.path`` order); the others are not imported, and each is reported (a warning in the log, a
+``duplicates`` line under the kept plugin in ``shardwise accelerators``), so a third-party
+package can never silently replace a built-in such as ``cpu``.
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ import difflib
 import functools
 import importlib
 import importlib.metadata
+import logging
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,6 +35,8 @@ POLICY_GROUP = "shardwise.policies"
 ACCELERATOR_ENV = "SHARDWISE_ACCELERATOR"
 #: Distribution that ships the built-in plugins; every other distribution is a third party.
 BUILTIN_DISTRIBUTION = "shardwise"
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -47,7 +56,7 @@ class PluginRecord:
 
     @property
     def builtin(self) -> bool:
-        return self.package.split(" ")[0] == BUILTIN_DISTRIBUTION
+        return _is_builtin_package(self.package)
 
 
 @dataclass
@@ -56,9 +65,16 @@ class PluginSet:
 
     group: str
     records: dict[str, PluginRecord] = field(default_factory=dict)
+    #: name → entry points of that name that were ignored because another one was kept (not
+    #: imported; ``error`` says why each was ignored)
+    duplicates: dict[str, list[PluginRecord]] = field(default_factory=dict)
 
     def get(self, name: str) -> PluginRecord | None:
         return self.records.get(name)
+
+    def duplicate_notes(self, name: str) -> list[str]:
+        """One line per ignored entry point named ``name`` (empty when the name is unique)."""
+        return [dup.error for dup in self.duplicates.get(name, [])]
 
 
 @functools.cache
@@ -91,14 +107,54 @@ def _check_api_version(obj: Any, name: str, package: str) -> str:
     return ""
 
 
+def _is_builtin_package(package: str) -> bool:
+    return package.split(" ")[0] == BUILTIN_DISTRIBUTION
+
+
+def _split_duplicates(entry_points: list, group: str) -> tuple[list, dict[str, list[PluginRecord]]]:
+    """(entry points to load: one per name, the built-in where there is one, else the first
+    found), and name → records of the ignored others, each with its reason in ``error``."""
+    by_name: dict[str, list] = {}
+    for ep in entry_points:
+        by_name.setdefault(ep.name, []).append(ep)
+    kept, ignored = [], {}
+    for name, eps in by_name.items():
+        packages = [_package_of(ep) for ep in eps]
+        winner = next((i for i, p in enumerate(packages) if _is_builtin_package(p)), 0)
+        kept.append(eps[winner])
+        for i, ep in enumerate(eps):
+            if i == winner:
+                continue
+            why = (f"{packages[i]} also declares {group} entry point {name!r} ({ep.value}); it "
+                   f"is ignored and {packages[winner]}'s ({eps[winner].value}) is used"
+                   + (" (the built-in is always kept)" if _is_builtin_package(packages[winner])
+                      else " (first found on sys.path)")
+                   + f": uninstall {packages[i].split(' ')[0]} or have it register under "
+                     f"another name")
+            ignored.setdefault(name, []).append(
+                PluginRecord(name, group, ep.value, packages[i], error=why))
+    return kept, ignored
+
+
 class _IsolatingManager(ExtensionManager):
-    """stevedore re-raises AssertionError from a plugin's import, which would break every other
-    plugin; here it is recorded as that plugin's failure like any other exception."""
+    """stevedore re-raises AssertionError from a plugin's import and lets SystemExit through,
+    either of which would break every other plugin (a plugin calling ``sys.exit()`` at import
+    would end every shardwise command); here each is recorded as that plugin's failure like any
+    other exception. Entry points sharing a name are narrowed to one (:func:`_split_duplicates`)
+    before anything is imported; the ignored ones are in ``duplicates``."""
+
+    def __init__(self, namespace: str, **kwargs) -> None:
+        self.duplicates: dict[str, list[PluginRecord]] = {}
+        super().__init__(namespace=namespace, **kwargs)
+
+    def list_entry_points(self):
+        kept, self.duplicates = _split_duplicates(super().list_entry_points(), self.namespace)
+        return kept
 
     def _load_one_plugin(self, ep, *args, **kwargs):
         try:
             return super()._load_one_plugin(ep, *args, **kwargs)
-        except AssertionError as exc:
+        except (AssertionError, SystemExit) as exc:
             self._on_load_failure_callback(self, ep, exc)
             return None
 
@@ -110,7 +166,7 @@ def load_group(group: str) -> PluginSet:
     def on_failure(_manager, entry_point, exc) -> None:
         plugins.records[entry_point.name] = PluginRecord(
             entry_point.name, group, entry_point.value, _package_of(entry_point),
-            error=f"{type(exc).__name__}: {exc}")
+            error=_load_error_text(exc))
 
     manager = _IsolatingManager(namespace=group, invoke_on_load=False,
                                 on_load_failure_callback=on_failure)
@@ -122,7 +178,19 @@ def load_group(group: str) -> PluginSet:
             if not (isinstance(ext.plugin, type) and issubclass(ext.plugin, Accelerator)):
                 record.error = f"{ext.entry_point.value} is not a shardwise.Accelerator subclass"
         plugins.records[ext.name] = record
+    plugins.duplicates = manager.duplicates
+    for dups in plugins.duplicates.values():
+        for dup in dups:
+            log.warning("shardwise: %s", dup.error)
     return plugins
+
+
+def _load_error_text(exc: BaseException) -> str:
+    """What a failed import says, e.g. ``ImportError: libfoo.so: cannot open ...``."""
+    if isinstance(exc, SystemExit):
+        return (f"SystemExit({exc.code!r}): the plugin called sys.exit() while being imported; "
+                f"it is skipped (report this to its authors)")
+    return f"{type(exc).__name__}: {exc}"
 
 
 @functools.cache
@@ -161,8 +229,8 @@ def _availability(name: str) -> Availability:
     record = accelerator_plugins().get(name)
     try:
         return record.obj.availability()
-    except Exception as exc:  # a plugin's probe must not break discovery
-        return Availability(False, f"availability check raised {type(exc).__name__}: {exc}")
+    except (Exception, SystemExit) as exc:  # a plugin's probe must not break discovery
+        return Availability(False, f"availability check raised {_load_error_text(exc)}")
 
 
 def _installed_names() -> str:
@@ -233,7 +301,8 @@ def describe_accelerators() -> list[dict[str, Any]]:
     for name, record in sorted(accelerator_plugins().records.items()):
         row: dict[str, Any] = {"name": name, "package": record.package, "target": record.target,
                                "available": False, "reason": record.error, "devices": 0,
-                               "backend": "", "dtypes": "", "kernel_backends": "", "notes": ""}
+                               "backend": "", "dtypes": "", "kernel_backends": "", "notes": "",
+                               "duplicates": accelerator_plugins().duplicate_notes(name)}
         if record.loaded:
             cls = record.obj
             status = _availability(name)

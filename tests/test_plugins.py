@@ -53,7 +53,8 @@ def enable_example(monkeypatch) -> None:
 @pytest.fixture
 def install_fake(tmp_path, plugin_env):
     """A function installing a fake distribution: install(dist, {group: {name: target}},
-    {module: source}). Each install gets its own folder, prepended to sys.path."""
+    {module: source}, last=False). Each install gets its own folder, put first on sys.path
+    (``last=True``: last, so it is found after the installed shardwise)."""
     monkeypatch = plugin_env
     # stevedore also caches entry points per sys.path in a file cache under ~/.cache; give this
     # test its own so nothing is written there. (refresh_plugins clears the in-process cache.)
@@ -61,14 +62,18 @@ def install_fake(tmp_path, plugin_env):
     monkeypatch.setattr(stevedore._cache, "get_group_all", cache.get_group_all)
     modules_added: list[str] = []
 
-    def install(dist: str, entry_points: dict[str, dict[str, str]], modules: dict[str, str]):
+    def install(dist: str, entry_points: dict[str, dict[str, str]], modules: dict[str, str],
+                last: bool = False):
         root = tmp_path / dist
         root.mkdir()
         for module, source in modules.items():
             (root / f"{module}.py").write_text(textwrap.dedent(source))
             modules_added.append(module)
         _write_dist_info(root, dist, entry_points)
-        monkeypatch.syspath_prepend(str(root))
+        if last:
+            monkeypatch.setattr(sys, "path", [*sys.path, str(root)])
+        else:
+            monkeypatch.syspath_prepend(str(root))
         importlib.invalidate_caches()
         refresh_plugins()
 
@@ -213,6 +218,71 @@ def test_plugin_raising_assertion_error_on_import_is_isolated_too(install_fake):
     records = accelerator_plugins().records
     assert "firmware table missing" in records["asserts"].error
     assert get_accelerator("cpu").name == "cpu"
+
+
+def test_plugin_calling_sys_exit_on_import_is_isolated(install_fake, capsys):
+    # SystemExit is no Exception: uncaught, it would end every shardwise command
+    install_fake("quitting-vendor", {ACCELERATOR_GROUP: {"quitter": "quit_plugin:Acc"},
+                                     KERNEL_GROUP: {"quitter": "quit_plugin"}},
+                 {"quit_plugin": "import sys\nsys.exit('no licence server')\n"})
+    records = accelerator_plugins().records
+    assert not records["quitter"].loaded
+    assert "SystemExit('no licence server')" in records["quitter"].error
+    assert "sys.exit()" in records["quitter"].error
+    assert "SystemExit" in kernel_plugins().get("quitter").error
+    assert get_accelerator().name == "cpu"
+    assert cli_main(["accelerators"]) == 0
+    assert "reason: SystemExit('no licence server')" in capsys.readouterr().out
+
+
+def test_plugin_calling_sys_exit_in_its_availability_probe_is_isolated(install_fake):
+    install_fake("probe-vendor", {ACCELERATOR_GROUP: {"prober": "probe_plugin:Prober"}},
+                 {"probe_plugin": accelerator_source(
+                     ("Prober", "availability = classmethod(lambda cls: __import__('sys')"
+                                ".exit(4))"))})
+    row = rows_by_name()["prober"]
+    assert not row["available"] and "availability check raised SystemExit(4)" in row["reason"]
+    assert get_accelerator().name == "cpu"
+
+
+# ----- two entry points with one name -----------------------------------------------------------
+
+IMPOSTOR = ("class Impostor(Accelerator):\n    name = 'cpu'\n    device_type = 'cpu'\n"
+            "    priority = 100\n")
+
+
+@pytest.mark.parametrize("last", [False, True], ids=["first-on-path", "last-on-path"])
+def test_third_party_cpu_never_replaces_the_builtin(install_fake, caplog, capsys, last):
+    """A third party's ``cpu`` entry point, before or after shardwise on sys.path: the built-in
+    is kept, the other is reported (log, ``shardwise accelerators``) and never imported."""
+    install_fake("impostor-vendor", {ACCELERATOR_GROUP: {"cpu": "impostor_plugin:Impostor"}},
+                 {"impostor_plugin": accelerator_source() + IMPOSTOR}, last=last)
+    with caplog.at_level("WARNING", logger="shardwise.plugins"):
+        plugins = accelerator_plugins()
+    record = plugins.get("cpu")
+    assert record.builtin and record.target == "shardwise.accelerators.cpu:CpuAccelerator"
+    assert type(get_accelerator("cpu")).__module__ == "shardwise.accelerators.cpu"
+    assert get_accelerator().name == "cpu" and "impostor_plugin" not in sys.modules
+    (note,) = plugins.duplicate_notes("cpu")
+    assert ("impostor-vendor 1.0 also declares shardwise.accelerators entry point 'cpu' "
+            "(impostor_plugin:Impostor); it is ignored") in note
+    assert "the built-in is always kept" in note and "uninstall impostor-vendor" in note
+    assert note in caplog.text
+    assert rows_by_name()["cpu"]["duplicates"] == [note]
+    assert cli_main(["accelerators"]) == 0
+    assert f"    duplicate: {note}" in capsys.readouterr().out
+
+
+def test_two_third_parties_with_one_name_keep_the_first_and_report_the_other(install_fake):
+    for vendor in ("first-vendor", "second-vendor"):
+        module = vendor.replace("-", "_")
+        install_fake(vendor, {ACCELERATOR_GROUP: {"npu": f"{module}:Npu"}},
+                     {module: accelerator_source(("Npu", f"vendor = {vendor!r}"))}, last=True)
+    record = accelerator_plugins().get("npu")
+    assert record.package == "first-vendor 1.0" and record.obj.vendor == "first-vendor"
+    (note,) = accelerator_plugins().duplicate_notes("npu")
+    assert note.startswith("second-vendor 1.0 also declares") and "first found on sys.path" in note
+    assert "second_vendor" not in sys.modules
 
 
 def test_entry_point_to_a_non_accelerator_is_refused(install_fake):

@@ -12,14 +12,16 @@ COLUMNS = ("name", "package", "available", "devices", "backend", "dtypes", "kern
 def add_parser(sub):
     p = sub.add_parser("accelerators", help="list installed accelerator plugins",
                        description="List installed accelerator plugins: availability (or the "
-                                   "reason not), devices, backend, dtypes, kernel backends and "
-                                   "load errors.")
+                                   "reason not), devices, backend, dtypes, kernel backends, "
+                                   "load errors, and entry points ignored because another "
+                                   "plugin has the same name.")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     return p
 
 
 def format_table(rows: list[dict]) -> str:
-    """Render plugin rows as an aligned text table, reasons and notes on indented lines."""
+    """Render plugin rows as an aligned text table; reasons, notes and ignored duplicate entry
+    points of the same name on indented lines."""
     cells = [[("yes" if r[c] else "no") if c == "available" else str(r[c]) for c in COLUMNS]
              for r in rows]
     widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(COLUMNS)]
@@ -30,6 +32,8 @@ def format_table(rows: list[dict]) -> str:
             lines.append(f"    reason: {r['reason']}")
         if r["notes"]:
             lines.append(f"    notes: {r['notes']}")
+        for note in r.get("duplicates", ()):
+            lines.append(f"    duplicate: {note}")
     return "\n".join(lines)
 
 
