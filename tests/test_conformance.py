@@ -16,7 +16,8 @@ from shardwise.kernel_registry import registry
 from shardwise.kernels import reference
 from shardwise.plugins import accelerator_plugins
 from shardwise.kernels.reference import examples
-from shardwise.testing import (CHECKS, AcceleratorConformance, check_metadata,
+from shardwise.communicator import TorchDistCommunicator
+from shardwise.testing import (CHECKS, AcceleratorConformance, check_metadata, run_check,
                                run_conformance)
 
 EXAMPLE_ENV = "SHARDWISE_EXAMPLE_ENABLE"
@@ -118,14 +119,68 @@ BROKEN = {
 }
 
 
+#: every check but the 2-rank one (a process launch each time): the broken accelerators below
+#: break nothing it looks at, and the real plugins above run it
+IN_PROCESS = [name for name in CHECKS if name != "communicator_2_ranks"]
+
+
 @pytest.mark.parametrize("cls", BROKEN, ids=lambda cls: cls.__name__)
 def test_run_conformance_reports_broken_accelerator(cls):
-    results = run_conformance(cls())
-    assert [r.name for r in results] == list(CHECKS)
+    instance = cls()
+    results = [run_check(name, instance) for name in IN_PROCESS]
     failed = {r.name: r.message for r in results if not r.passed}
     assert set(failed) == set(BROKEN[cls]), f"expected exactly {set(BROKEN[cls])} to fail: {failed}"
     for check, fragment in BROKEN[cls].items():
         assert fragment in failed[check], f"{check}: {failed[check]}"
+
+
+class MixedUpCommunicator(TorchDistCommunicator):
+    """gloo collectives with three mistakes a plugin's communicator could make."""
+
+    def all_gather(self, tensor, dim=0):  # the ranks' parts in reverse order
+        return super().all_gather(tensor, dim).flip(dim)
+
+    def broadcast(self, tensor, src=0):  # always from rank 0
+        return super().broadcast(tensor, 0)
+
+    def all_reduce(self, tensor, op="sum"):  # returns a new tensor, leaving the input as it was
+        return super().all_reduce(tensor.clone(), op)
+
+
+class MixedUpCommCpu(CpuAccelerator):
+    def communicator_class(self):
+        return MixedUpCommunicator
+
+
+def test_two_rank_check_catches_a_wrong_communicator():
+    """Only on 2 ranks do these mistakes show (at world size 1 every collective is the
+    identity): the 2-rank check names each broken collective, and only those."""
+    assert run_check("communicator", MixedUpCommCpu()).passed  # world size 1 sees nothing
+    result = run_check("communicator_2_ranks", MixedUpCommCpu())
+    assert not result.passed
+    broken = {"all_gather(dim=0)", "all_gather(dim=1)", "broadcast(src=1)",
+              "all_reduce('sum') float32: the input tensor", "all_reduce('max') float32: the input"}
+    for fragment in broken:
+        assert fragment in result.message, (fragment, result.message)
+    for fine in ("broadcast(src=0)", "barrier", "all_to_all", "setting up"):
+        assert fine not in result.message, (fine, result.message)
+
+
+def test_two_rank_check_is_skipped_where_a_node_hosts_one_rank():
+    class OneRankCpu(CpuAccelerator):
+        def max_ranks_per_node(self):
+            return 1
+
+    result = run_check("communicator_2_ranks", OneRankCpu())
+    assert result.passed and result.message.startswith("skipped: one node hosts 1 rank")
+
+
+def test_two_rank_check_needs_an_accelerator_it_can_send_to_the_ranks():
+    class LocalCpu(CpuAccelerator):  # a class inside a function cannot be pickled
+        pass
+
+    result = run_check("communicator_2_ranks", LocalCpu())
+    assert not result.passed and "define its class at module level" in result.message
 
 
 def test_kernel_parity_catches_a_wrong_backend(monkeypatch, fresh_plugins):
@@ -142,7 +197,9 @@ def test_kernel_parity_catches_a_wrong_backend(monkeypatch, fresh_plugins):
     class SloppyKernelsCpu(CpuAccelerator):
         kernel_backends = ("sloppy",)
 
-    failed = {r.name: r.message for r in run_conformance(SloppyKernelsCpu()) if not r.passed}
+    sloppy = SloppyKernelsCpu()
+    results = [run_check(name, sloppy) for name in IN_PROCESS]
+    failed = {r.name: r.message for r in results if not r.passed}
     assert set(failed) == {"kernel_parity"}, failed
     assert "rms_norm via backend 'sloppy'" in failed["kernel_parity"]
 
@@ -215,6 +272,7 @@ def test_cli_passes_for_cpu(capsys):
 
 def test_cli_exits_1_on_a_failing_check(monkeypatch, capsys):
     monkeypatch.setattr(CpuAccelerator, "graph_strategy", lambda self: ScaledGraph())
+    monkeypatch.delitem(CHECKS, "communicator_2_ranks")  # test_cli_passes_for_cpu runs it
     assert cli_main(["conformance", "cpu"]) == 1
     out = capsys.readouterr().out
     assert "FAIL  graph_strategy: graph strategy 'scaled'" in out

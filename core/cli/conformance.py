@@ -18,7 +18,8 @@ def format_results(name: str, results) -> str:
     lines = []
     for result in results:
         if result.passed:
-            lines.append(f"PASS  {result.name}")
+            skipped = result.message.startswith("skipped")
+            lines.append(f"PASS  {result.name}" + (f" ({result.message})" if skipped else ""))
         else:
             lines.append(f"FAIL  {result.name}: {result.message}")
     passed = sum(r.passed for r in results)

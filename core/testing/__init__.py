@@ -12,7 +12,8 @@ mine`` on the command line). Importing this package does not import pytest.
 """
 
 from .conformance import (CHECKS, DTYPE_TOLERANCES, AcceleratorConformance,
-                          CheckResult, accelerator_under_test, check_communicator,
+                          CheckResult, CheckSkipped, accelerator_under_test, check_communicator,
+                          check_communicator_2_ranks,
                           check_device_round_trip, check_dtypes_compute, check_graph_strategy,
                           check_kernel_parity, check_launch_env, check_memory, check_metadata,
                           run_check, run_conformance)
@@ -20,7 +21,8 @@ from .conformance import (CHECKS, DTYPE_TOLERANCES, AcceleratorConformance,
 __all__ = [
     "CHECKS", "DTYPE_TOLERANCES", "AcceleratorConformance", "CheckResult",
     "accelerator_under_test",
-    "check_communicator", "check_device_round_trip", "check_dtypes_compute",
-    "check_graph_strategy", "check_kernel_parity", "check_launch_env", "check_memory",
-    "check_metadata", "run_check", "run_conformance",
+    "CheckSkipped", "check_communicator", "check_communicator_2_ranks",
+    "check_device_round_trip", "check_dtypes_compute", "check_graph_strategy",
+    "check_kernel_parity", "check_launch_env", "check_memory", "check_metadata", "run_check",
+    "run_conformance",
 ]

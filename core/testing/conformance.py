@@ -11,8 +11,9 @@ with a message saying what is wrong. Run them:
 * from code, with :func:`run_conformance` (a list of :class:`CheckResult`, never raises for a
   failing check), or from the shell with ``shardwise conformance mine``.
 
-Everything runs on small tensors and takes seconds. The suite needs no pytest unless the base
-class is used from pytest.
+Everything runs on small tensors and takes seconds; the 2-rank communicator check launches two
+processes once (their start-up dominates). The suite needs no pytest unless the base class is used
+from pytest.
 """
 
 from __future__ import annotations
@@ -198,6 +199,209 @@ def _check_local_collectives(comm, device: torch.device) -> None:
     assert torch.equal(exchanged.cpu(), x.cpu()), "all_to_all at world size 1 changed the tensor"
 
 
+#: Seconds the 2-rank communicator check gives its two processes (start-up and set-up included)
+#: before it fails as hung; each collective also times out after :data:`COLLECTIVE_TIMEOUT_S`.
+TWO_RANK_DEADLINE_S = 180.0
+COLLECTIVE_TIMEOUT_S = 60.0
+#: Elements of the large all_reduce case (8 MiB of fp32): communicators choose their path by size
+#: (the CPU's shared-memory all_reduce takes tensors up to a slot, gloo the rest).
+LARGE_NUMEL = 1 << 21
+
+
+class CheckSkipped(Exception):
+    """A check that cannot run on this machine (e.g. fewer devices than ranks); it passes with
+    the reason in its message."""
+
+
+def check_communicator_2_ranks(accelerator: Accelerator) -> None:
+    """The accelerator's own communicator on 2 ranks: two spawned processes (one launch for every
+    case) set up from torchrun-style variables on the accelerator's communication backend, with
+    collective timeouts. On each rank, ``all_reduce`` (every op; every supported dtype; a small
+    and a large tensor), ``all_gather`` (dims 0 and 1), ``broadcast`` (from each rank),
+    ``barrier`` and ``all_to_all`` must give the known results, and both ranks the same bytes.
+
+    Skipped (passing, with the reason) where one node cannot host 2 ranks
+    (``max_ranks_per_node() < 2``, e.g. one GPU). The accelerator is pickled into the processes:
+    define its class at module level."""
+    import multiprocessing as mp
+    import pickle
+    import socket
+
+    if accelerator.max_ranks_per_node() < 2:
+        raise CheckSkipped(f"one node hosts {accelerator.max_ranks_per_node()} rank(s) of "
+                           f"{accelerator.name!r}; the 2-rank check needs 2")
+    try:
+        pickle.dumps(accelerator)
+    except Exception as exc:
+        raise AssertionError(f"the accelerator cannot be sent to the rank processes "
+                             f"({type(exc).__name__}: {exc}); define its class at module "
+                             f"level") from None
+    with socket.socket() as sock:  # a free port for the rendezvous
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    ctx = mp.get_context("spawn")  # never fork a process that may hold a device context
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_communicator_rank, args=(accelerator, rank, port, results),
+                         daemon=True) for rank in range(2)]
+    for proc in procs:
+        proc.start()
+    reports = _collect(results, procs, TWO_RANK_DEADLINE_S)
+    problems = [f"rank {rank}: {p}" for rank, (problems, _) in sorted(reports.items())
+                for p in problems]
+    assert not problems, (f"the {accelerator.communicator_class().__name__} of "
+                          f"{accelerator.name!r} on 2 ranks ({accelerator.communication_backend})"
+                          f": " + "; ".join(problems))
+    digests = [reports[rank][1] for rank in (0, 1)]
+    differ = sorted(k for k, d in digests[0].items()
+                    if d is not None and d != digests[1].get(k))
+    assert not differ, f"the 2 ranks got different results from: {', '.join(differ)}"
+
+
+def _collect(results, procs, deadline_s: float) -> dict[int, tuple[list[str], dict]]:
+    """Each rank's (problems, result digests), waiting at most ``deadline_s`` in all; a rank
+    that died or hung is a problem of its own (hung ranks are killed)."""
+    import queue
+    import time
+
+    end, reports = time.monotonic() + deadline_s, {}
+    while len(reports) < len(procs) and time.monotonic() < end:
+        try:
+            rank, problems, digests = results.get(timeout=0.5)
+            reports[rank] = (problems, digests)
+        except queue.Empty:
+            if all(not p.is_alive() for p in procs) and results.empty():
+                break
+    for rank, proc in enumerate(procs):
+        proc.join(timeout=max(0.0, end - time.monotonic()) if rank in reports else 0)
+        hung = proc.is_alive()
+        if hung:
+            proc.kill()
+            proc.join()
+        if rank not in reports:
+            why = (f"still running after {deadline_s:g}s (a collective or the set-up hung)"
+                   if hung else f"died without a report (exit code {proc.exitcode})")
+            reports[rank] = ([why], {})
+    return reports
+
+
+def _communicator_rank(accelerator: Accelerator, rank: int, port: int, results) -> None:
+    """One rank of :func:`check_communicator_2_ranks`: puts ``(rank, problems, digests)``."""
+    os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
+                       "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": str(port)})
+    problems, digests, comm = [], {}, None
+    try:
+        from ..communicator import create_communicator
+
+        comm = create_communicator(accelerator, timeout_s=COLLECTIVE_TIMEOUT_S)
+        expected = accelerator.communicator_class()
+        if type(comm) is not expected:
+            problems.append(f"create_communicator built a {type(comm).__name__}, not the "
+                            f"accelerator's {expected.__name__}")
+        if (comm.rank, comm.world_size) != (rank, 2):
+            problems.append(f"communicator says rank {comm.rank} of {comm.world_size}, expected "
+                            f"rank {rank} of 2")
+        for what, check in _two_rank_cases(accelerator):
+            try:
+                digests[what] = check(comm, rank, accelerator.device())
+            except AssertionError as exc:
+                problems.append(f"{what}: {exc}")
+            except Exception as exc:
+                problems.append(f"{what} raised {type(exc).__name__}: {exc}")
+    except Exception as exc:
+        problems.append(f"setting up the communicator raised {type(exc).__name__}: {exc}")
+    finally:
+        if comm is not None:
+            try:
+                comm.close()
+            except Exception as exc:
+                problems.append(f"close() raised {type(exc).__name__}: {exc}")
+    results.put((rank, problems, digests))
+
+
+def _digest(t: torch.Tensor) -> str:
+    import hashlib
+
+    return hashlib.sha256(t.detach().cpu().contiguous().view(torch.uint8).numpy()).hexdigest()
+
+
+def _rank_input(rank: int, *shape: int, dtype=torch.float32) -> torch.Tensor:
+    """Rank ``rank``'s input (CPU): reproducible, different on each rank, never zero."""
+    return (_randn(*shape, seed=100 + rank) + 0.5).to(dtype)
+
+
+def _expect_reduce(op: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Oracle of a 2-rank all_reduce, in fp32 on CPU."""
+    a, b = a.float(), b.float()
+    return {"sum": a + b, "max": torch.maximum(a, b), "min": torch.minimum(a, b),
+            "avg": (a + b) / 2, "product": a * b}[op]
+
+
+def _all_reduce_case(op: str, dtype: torch.dtype, shape: tuple[int, ...]):
+    def run(comm, rank: int, device: torch.device) -> str:
+        x = _rank_input(rank, *shape, dtype=dtype).to(device)
+        out = comm.all_reduce(x, op=op)
+        want = _expect_reduce(op, _rank_input(0, *shape, dtype=dtype),
+                              _rank_input(1, *shape, dtype=dtype))
+        _assert_close(out, want, dtype, "the result")
+        assert out.dtype == dtype, f"returned {out.dtype}"
+        _assert_close(x, want, dtype, "the input tensor (all_reduce works in place)")
+        return _digest(out)
+    return run
+
+
+def _all_gather_case(dim: int):
+    def run(comm, rank: int, device: torch.device) -> str:
+        out = comm.all_gather(_rank_input(rank, 2, 3).to(device), dim=dim)
+        want = torch.cat([_rank_input(0, 2, 3), _rank_input(1, 2, 3)], dim=dim)
+        assert out.shape == want.shape, f"shape {tuple(out.shape)}, expected {tuple(want.shape)}"
+        assert torch.equal(out.cpu(), want), "not the ranks' tensors concatenated in rank order"
+        return _digest(out)
+    return run
+
+
+def _broadcast_case(src: int):
+    def run(comm, rank: int, device: torch.device) -> str:
+        x = _rank_input(rank, 4, 3).to(device)
+        out = comm.broadcast(x, src=src)
+        want = _rank_input(src, 4, 3)
+        assert torch.equal(out.cpu(), want), f"the result is not rank {src}'s tensor"
+        assert torch.equal(x.cpu(), want), f"the input tensor does not hold rank {src}'s tensor " \
+                                           f"(broadcast works in place)"
+        return _digest(out)
+    return run
+
+
+def _barrier_case(comm, rank: int, device: torch.device) -> str:
+    assert comm.barrier() is None, "barrier() should return None"
+    return "none"
+
+
+def _all_to_all_case(comm, rank: int, device: torch.device) -> None:
+    out = comm.all_to_all(_rank_input(rank, 4, 3).to(device))
+    # rank r receives chunk r (rows 2r, 2r + 1) of every rank, stacked in rank order
+    want = torch.cat([_rank_input(src, 4, 3)[2 * rank:2 * rank + 2] for src in (0, 1)])
+    assert out.shape == want.shape, f"shape {tuple(out.shape)}, expected {tuple(want.shape)}"
+    assert torch.equal(out.cpu(), want), (f"rank {rank} should get chunk {rank} of each rank, "
+                                          f"in rank order")
+    return None  # each rank gets its own chunks
+
+
+def _two_rank_cases(accelerator: Accelerator) -> list[tuple[str, Callable]]:
+    """(name, run(comm, rank, device) -> digest of the result, the same on both ranks, or None
+    where the ranks' results differ by design) for every 2-rank case."""
+    cases = [(f"all_reduce({op!r}) float32", _all_reduce_case(op, torch.float32, (4, 3)))
+             for op in ("sum", "max", "min", "avg", "product")]
+    cases += [(f"all_reduce('sum') {_dtype_name(d)}", _all_reduce_case("sum", d, (4, 3)))
+              for d in accelerator.supported_dtypes if d != torch.float32]
+    cases.append((f"all_reduce('sum') float32 of {LARGE_NUMEL} elements",
+                  _all_reduce_case("sum", torch.float32, (LARGE_NUMEL,))))
+    cases += [(f"all_gather(dim={d})", _all_gather_case(d)) for d in (0, 1)]
+    cases += [(f"broadcast(src={s})", _broadcast_case(s)) for s in (0, 1)]
+    cases += [("barrier", _barrier_case), ("all_to_all", _all_to_all_case)]
+    return cases
+
+
 def _graph_example(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.tanh(a @ b + b.sum(0)) * 2.0 - a.mean()
 
@@ -292,6 +496,7 @@ CHECKS: dict[str, Callable[[Accelerator], None]] = {
     "dtypes_compute": check_dtypes_compute,
     "memory": check_memory,
     "communicator": check_communicator,
+    "communicator_2_ranks": check_communicator_2_ranks,
     "graph_strategy": check_graph_strategy,
     "launch_env": check_launch_env,
     "kernel_parity": check_kernel_parity,
@@ -332,6 +537,8 @@ def run_check(name: str, accelerator: Accelerator) -> CheckResult:
     """Run one check by name; a failure (or crash) becomes a failed result, never an exception."""
     try:
         CHECKS[name](accelerator)
+    except CheckSkipped as exc:
+        return CheckResult(name, True, f"skipped: {exc}")
     except AssertionError as exc:
         return CheckResult(name, False, str(exc) or "assertion failed")
     except Exception as exc:  # a crashing check is a failing check
@@ -427,6 +634,14 @@ class AcceleratorConformance:
 
     def test_communicator(self) -> None:
         check_communicator(self.accelerator)
+
+    def test_communicator_2_ranks(self) -> None:
+        import pytest
+
+        try:
+            check_communicator_2_ranks(self.accelerator)
+        except CheckSkipped as exc:
+            pytest.skip(str(exc))
 
     def test_graph_strategy(self) -> None:
         check_graph_strategy(self.accelerator)

@@ -41,6 +41,10 @@ class ExampleAccelerator(Accelerator):
     def device_count(self) -> int:
         return 1
 
+    def max_ranks_per_node(self) -> int:
+        """Ranks share the host's cores (a real device: one rank per device, the default)."""
+        return os.cpu_count() or 1
+
     def total_memory(self, index: int = 0) -> int:
         """Host RAM stands in for device memory (a real plugin asks its runtime)."""
         return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
