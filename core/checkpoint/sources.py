@@ -15,6 +15,7 @@ import json
 import logging
 import math
 import os
+import pickle
 import struct
 import warnings
 from dataclasses import dataclass, field
@@ -66,7 +67,10 @@ class Piece:
 # ----- headers ------------------------------------------------------------------------------------
 
 def safetensors_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
-    """(tensor name → info, ``__metadata__``) of a safetensors file, checked for truncation."""
+    """(tensor name → info, ``__metadata__``) of a safetensors file, checked as the safetensors
+    format demands: a JSON object of well-formed entries whose byte ranges tile the data section
+    exactly (in bounds, no overlap, no gap, nothing after the last), each ``numel * itemsize``
+    bytes long."""
     size = path.stat().st_size
     with open(path, "rb") as fh:
         head = fh.read(8)
@@ -77,47 +81,115 @@ def safetensors_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str, str
         if n > min(_MAX_HEADER, size - 8):
             raise CheckpointError(f"{path} has a corrupted safetensors header (claims {n} bytes, "
                                   f"file has {size}); re-download or re-save it")
-        try:
-            raw = json.loads(fh.read(n))
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise CheckpointError(f"{path} has a corrupted safetensors header ({exc}); "
-                                  f"re-download or re-save it") from None
+        raw = _header_json(path, fh.read(n))
     meta = raw.pop("__metadata__", None) or {}
-    tensors, end = {}, 0
-    for name, entry in raw.items():
-        try:
-            dtype = _ST_DTYPES[entry["dtype"]]
-            begin, stop = entry["data_offsets"]
-            shape = tuple(int(d) for d in entry["shape"])
-        except (KeyError, TypeError, ValueError):
-            raise CheckpointError(f"{path}: header entry {name!r} is malformed "
-                                  f"({entry!r}); the file is corrupted") from None
-        if dtype is None:
-            raise CheckpointError(f"{path}: tensor {name!r} has dtype {entry['dtype']}, which "
-                                  f"this torch ({torch.__version__}) does not have")
-        if not (isinstance(begin, int) and isinstance(stop, int) and 0 <= begin <= stop
-                and stop - begin == math.prod(shape) * dtype.itemsize):
-            raise CheckpointError(f"{path}: header entry {name!r} is malformed ({entry!r}: its "
-                                  f"byte range does not fit its shape and dtype); the file is "
-                                  f"corrupted")
-        tensors[name] = TensorInfo(path, name, shape, dtype, 8 + n + begin)
-        end = max(end, stop)
-    if 8 + n + end > size:
-        raise CheckpointError(f"{path} is truncated: its header needs {8 + n + end} bytes, the "
-                              f"file has {size}; re-download or re-save it")
+    if not isinstance(meta, dict) or not all(isinstance(k, str) and isinstance(v, str)
+                                             for k, v in meta.items()):
+        raise CheckpointError(f"{path}: the header's __metadata__ must map strings to strings; "
+                              f"the file is corrupted")
+    tensors = {name: _tensor_info(path, name, entry, 8 + n) for name, entry in raw.items()}
+    _check_tiling(path, tensors, 8 + n, size)
     return tensors, meta
+
+
+def _header_json(path: Path, raw: bytes) -> dict:
+    try:
+        header = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{path} has a corrupted safetensors header ({exc}); "
+                              f"re-download or re-save it") from None
+    except RecursionError:
+        raise CheckpointError(f"{path} has a corrupted safetensors header (JSON nested too "
+                              f"deeply); re-download or re-save it") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path} has a corrupted safetensors header: the header is not a "
+                              f"JSON object (got {type(header).__name__}); re-download or "
+                              f"re-save it")
+    return header
+
+
+def _tensor_info(path: Path, name: str, entry: Any, data_start: int) -> TensorInfo:
+    """One header entry, checked: a known dtype, a shape of natural numbers, and a byte range
+    ``[begin, stop)`` of exactly ``numel * itemsize`` bytes."""
+    ok = isinstance(entry, dict) and isinstance(entry.get("dtype"), str) \
+        and isinstance(entry.get("shape"), list) and isinstance(entry.get("data_offsets"), list) \
+        and len(entry["data_offsets"]) == 2 \
+        and all(_natural(v) for v in [*entry["shape"], *entry["data_offsets"]])
+    if not ok or entry["dtype"] not in _ST_DTYPES:
+        raise CheckpointError(f"{path}: header entry {name!r} is malformed ({_short(entry)}); "
+                              f"the file is corrupted")
+    dtype, (begin, stop), shape = _ST_DTYPES[entry["dtype"]], entry["data_offsets"], \
+        tuple(entry["shape"])
+    if dtype is None:
+        raise CheckpointError(f"{path}: tensor {name!r} has dtype {entry['dtype']}, which "
+                              f"this torch ({torch.__version__}) does not have")
+    if not begin <= stop or stop - begin != math.prod(shape) * dtype.itemsize:
+        raise CheckpointError(f"{path}: header entry {name!r} is malformed ({_short(entry)}: its "
+                              f"byte range does not fit its shape and dtype); the file is "
+                              f"corrupted")
+    return TensorInfo(path, name, shape, dtype, data_start + begin)
+
+
+def _check_tiling(path: Path, tensors: dict[str, TensorInfo], data_start: int, size: int) -> None:
+    """The tensors' byte ranges, sorted, must follow each other exactly from the data section's
+    start to the end of the file (what the safetensors format requires): an overlap would alias
+    two tensors, a gap or trailing bytes mean the header does not describe the file."""
+    spans = sorted((info.offset - data_start, info.offset - data_start + _nbytes(info), name)
+                   for name, info in tensors.items())
+    cursor, last = 0, None
+    for begin, stop, name in spans:
+        if begin < cursor:
+            raise CheckpointError(f"{path}: tensor {name!r} (bytes [{begin}, {stop})) overlaps "
+                                  f"{last!r} (which ends at {cursor}); the file is corrupted")
+        if begin > cursor:
+            raise CheckpointError(f"{path}: a gap of {begin - cursor} bytes before tensor "
+                                  f"{name!r} (bytes [{begin}, {stop})): the header does not "
+                                  f"describe the file, it is corrupted")
+        cursor, last = stop, name
+    if data_start + cursor > size:
+        raise CheckpointError(f"{path} is truncated: its header needs {data_start + cursor} "
+                              f"bytes, the file has {size}; re-download or re-save it")
+    if data_start + cursor < size:
+        raise CheckpointError(f"{path} has {size - data_start - cursor} bytes after the last "
+                              f"tensor, which its header does not describe: the file is "
+                              f"corrupted; re-download or re-save it")
+
+
+def _nbytes(info: TensorInfo) -> int:
+    return math.prod(info.shape) * info.dtype.itemsize
+
+
+def _natural(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _short(value: Any, limit: int = 200) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "…"
 
 
 def bin_tensors(path: Path) -> dict[str, torch.Tensor]:
     """A ``pytorch_model*.bin`` state dict, memory-mapped (its tensors are read on use)."""
     try:
         state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
-    except Exception as exc:  # torch raises RuntimeError/pickle errors/EOFError for bad files
-        raise CheckpointError(f"{path} cannot be read as a PyTorch checkpoint "
-                              f"({type(exc).__name__}: {exc}); it is truncated or corrupted")
+    except pickle.UnpicklingError as exc:
+        if "weights only load failed" in str(exc).lower():  # torch's restricted unpickler
+            raise CheckpointError(
+                f"{path} refused: the file contains pickled objects other than tensors (never "
+                f"unpickled: loading it could run arbitrary code); if you trust its source, "
+                f"convert it to safetensors (from_pretrained(..., use_safetensors=False) then "
+                f"save_pretrained(..., safe_serialization=True)) and load that") from None
+        raise _unreadable_bin(path, exc) from None
+    except Exception as exc:  # torch raises RuntimeError/EOFError/... for bad files
+        raise _unreadable_bin(path, exc) from None
     if not isinstance(state, dict):
         raise CheckpointError(f"{path} does not hold a state dict (got {type(state).__name__})")
     return state
+
+
+def _unreadable_bin(path: Path, exc: Exception) -> CheckpointError:
+    return CheckpointError(f"{path} cannot be read as a PyTorch checkpoint ({type(exc).__name__}"
+                           f": {_short(str(exc))}); it is truncated or corrupted")
 
 
 # ----- the index ----------------------------------------------------------------------------------
@@ -209,6 +281,11 @@ def _check_rank_files(desc: Description, headers: list) -> None:
                                   f"checkpoint from one run")
         for name, entry in desc.shards.items():
             info = tensors.get(name)
+            if info is not None and entry["dim"] >= len(info.shape):
+                raise CheckpointError(f"{desc.source}: shard entry for {name!r} splits dim "
+                                      f"{entry['dim']}, which is out of range for its "
+                                      f"{len(info.shape)}-d tensor in {path}; the description "
+                                      f"is corrupted: re-save the checkpoint")
             want = sum(b - a for a, b in entry["ranges"][rank])
             if info is None or info.shape[entry["dim"]] != want:
                 got = "absent" if info is None else f"shape {list(info.shape)}"
