@@ -41,8 +41,8 @@ def check_materialized(model: nn.Module) -> None:
     if meta:
         raise ConfigError(
             f"the model has {len(meta)} parameters on the meta device (e.g. {meta[0]!r}); load "
-            f"real weights first (from_pretrained) — loading from a checkpoint into a meta model "
-            f"is not supported by this version of shardwise")
+            f"real weights first (from_pretrained), or pass checkpoint=... (a model directory "
+            f"or description) to have init_inference load them into the meta model")
 
 
 def cast_and_move(model: nn.Module, device: torch.device, dtype: torch.dtype) -> nn.Module:
