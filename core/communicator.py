@@ -9,8 +9,10 @@ timeout, so a dead rank makes the others fail with :class:`CollectiveError` inst
 from __future__ import annotations
 
 import datetime
+import math
 import os
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Mapping
 
 import torch
 import torch.distributed as dist
@@ -97,8 +99,9 @@ class TorchDistCommunicator(Communicator):
         self.owns_group = owns_group
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
-        self.local_rank = int(os.environ.get("LOCAL_RANK", self.rank))
-        self.local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size))
+        self.local_rank = _env_int("LOCAL_RANK", os.environ, default=self.rank)
+        self.local_world_size = _env_int("LOCAL_WORLD_SIZE", os.environ, default=self.world_size,
+                                         minimum=1)
 
     def before_collective(self) -> None:
         """Hook run before every collective (devices override; default: nothing)."""
@@ -143,18 +146,90 @@ class TorchDistCommunicator(Communicator):
             dist.destroy_process_group()
 
 
+def check_timeout(value, name: str = "comm_timeout") -> float:
+    """``value`` as seconds if it is a finite number > 0 (not a bool), else ConfigError."""
+    if (isinstance(value, bool) or not isinstance(value, (int, float))
+            or not math.isfinite(value) or value <= 0):
+        raise ConfigError(f"{name} must be a positive, finite number of seconds (e.g. 300), got "
+                          f"{value!r}")
+    return float(value)
+
+
 def resolve_timeout(timeout_s: float | None) -> float:
-    """The collective timeout: the argument, else ``$SHARDWISE_COMM_TIMEOUT``, else the default."""
-    if timeout_s is None:
-        timeout_s = float(os.environ.get(TIMEOUT_ENV, DEFAULT_TIMEOUT_S))
-    if timeout_s <= 0:
-        raise ConfigError(f"comm_timeout must be positive seconds, got {timeout_s}")
-    return float(timeout_s)
+    """The collective timeout: the argument, else ``$SHARDWISE_COMM_TIMEOUT``, else the default.
+    A bad argument or variable is a :class:`ConfigError` naming it and what is accepted."""
+    if timeout_s is not None:
+        return check_timeout(timeout_s)
+    raw = os.environ.get(TIMEOUT_ENV, "").strip()
+    if not raw:
+        return DEFAULT_TIMEOUT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = None
+    if value is None or not math.isfinite(value) or value <= 0:
+        raise ConfigError(f"{TIMEOUT_ENV}={os.environ[TIMEOUT_ENV]!r} must be a positive, finite "
+                          f"number of seconds (e.g. 300); set it so, or unset it for the "
+                          f"default of {DEFAULT_TIMEOUT_S:g}s")
+    return value
+
+
+@dataclass(frozen=True)
+class EnvWorld:
+    """The ranks torchrun's variables describe (``None`` where a variable is unset)."""
+
+    world_size: int
+    rank: int | None
+    local_rank: int | None
+    local_world_size: int | None
+
+
+def _env_int(name: str, environ: Mapping[str, str], default: int | None = None,
+             minimum: int = 0) -> int | None:
+    """Integer variable ``name`` (``default`` when unset); ConfigError if not an integer >=
+    ``minimum``."""
+    raw = environ.get(name)
+    if raw is None or not raw.strip():
+        return default
+    try:
+        value = int(raw.strip())
+    except ValueError:
+        value = None
+    if value is None or value < minimum:
+        raise ConfigError(f"{name}={raw!r} must be an integer >= {minimum} (torchrun and "
+                          f"`shardwise launch` set it for every rank); fix or unset it")
+    return value
+
+
+def env_world(environ: Mapping[str, str] | None = None) -> EnvWorld:
+    """WORLD_SIZE, RANK, LOCAL_RANK and LOCAL_WORLD_SIZE as torchrun sets them, checked against
+    each other (ConfigError naming the variable, its value and what is accepted). Without
+    WORLD_SIZE the process runs alone (world 1) and the rank variables are not read."""
+    environ = os.environ if environ is None else environ
+    world = _env_int("WORLD_SIZE", environ, minimum=1)
+    if world is None:
+        return EnvWorld(1, None, None, None)
+    rank = _env_int("RANK", environ)
+    local_rank = _env_int("LOCAL_RANK", environ)
+    local_world = _env_int("LOCAL_WORLD_SIZE", environ, minimum=1)
+    if rank is not None and rank >= world:
+        raise ConfigError(f"RANK={rank} is not a rank of WORLD_SIZE={world}: ranks are 0 .. "
+                          f"{world - 1}; start the ranks with torchrun or `shardwise launch`, "
+                          f"which set both")
+    if local_world is not None and local_world > world:
+        raise ConfigError(f"LOCAL_WORLD_SIZE={local_world} is more than WORLD_SIZE={world}: "
+                          f"a node cannot hold more ranks than the world")
+    if local_rank is not None and local_rank >= (local_world or world):
+        which = (f"LOCAL_WORLD_SIZE={local_world}" if local_world is not None
+                 else f"WORLD_SIZE={world}")
+        raise ConfigError(f"LOCAL_RANK={local_rank} is not a local rank of {which}: local "
+                          f"ranks are 0 .. {(local_world or world) - 1}")
+    return EnvWorld(world, rank, local_rank, local_world)
 
 
 def world_size_from_env() -> int:
-    """WORLD_SIZE as torchrun sets it (1 when absent)."""
-    return int(os.environ.get("WORLD_SIZE", "1"))
+    """WORLD_SIZE as torchrun sets it (1 when absent); the rank variables are checked too."""
+    return env_world().world_size
 
 
 def create_communicator(accelerator: "Accelerator", timeout_s: float | None = None) -> Communicator:
@@ -166,8 +241,9 @@ def create_communicator(accelerator: "Accelerator", timeout_s: float | None = No
         return LocalCommunicator()
     owns = not dist.is_initialized()
     if owns:
-        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+        env = env_world()
+        local_rank = env.local_rank if env.local_rank is not None else 0
+        local_world = env.local_world_size or env.world_size
         accelerator.configure_process(local_rank, local_world)
         dist.init_process_group(backend=accelerator.communication_backend,
                                 timeout=datetime.timedelta(seconds=timeout))

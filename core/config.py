@@ -18,6 +18,7 @@ from typing import Any, Mapping
 
 import torch
 
+from .communicator import check_timeout, resolve_timeout
 from .errors import ConfigError, NotSupportedYetError
 
 _DTYPES: dict[str, torch.dtype] = {
@@ -31,6 +32,8 @@ ALIASES = {"mp_size": "tp_size", "enable_cuda_graph": "enable_graph",
            "max_out_tokens": "max_tokens"}
 #: Keys accepted inside ``tensor_parallel={...}`` (DeepSpeed's DeepSpeedTPConfig names).
 _TP_KEYS = {"tp_size", "enabled"}
+#: The seeds ``torch.manual_seed`` accepts: any int64 or uint64 value.
+SEED_RANGE = (-0x8000_0000_0000_0000, 0xFFFF_FFFF_FFFF_FFFF)
 
 
 @dataclass
@@ -52,7 +55,8 @@ class InferenceConfig:
             ``{"module.pattern": role}``. Every name must exist in the model.
         seed: seeds torch's RNGs on every rank at ``init_inference`` so sampling in
             ``generate()`` draws the same tokens on all ranks. ``None`` (default) means 0 when
-            ``tp_size > 1`` and leaves the RNG alone otherwise.
+            ``tp_size > 1`` and leaves the RNG alone otherwise. An int in
+            [-2**63, 2**64 - 1] (what ``torch.manual_seed`` takes).
         enable_graph: capture the decode step with the accelerator's graph strategy
             (alias ``enable_cuda_graph``).
         checkpoint: checkpoint directory or description file (JSON path or dict).
@@ -62,8 +66,8 @@ class InferenceConfig:
         quant: weight-quantization settings, ``{"weight": {"num_bits": 8, ...}}`` (all keys and
             DeepSpeed MoQ's mapping: :mod:`shardwise.quant.config`). ``dtype=torch.int8`` means
             8-bit weights with the accelerator's preferred compute dtype (bf16 on CPU).
-        comm_timeout: seconds before a collective gives up (default
-            ``$SHARDWISE_COMM_TIMEOUT`` or 300).
+        comm_timeout: seconds before a collective gives up, a finite number > 0 (default
+            ``$SHARDWISE_COMM_TIMEOUT`` or 300; a malformed variable is a ConfigError here).
     """
 
     device: str | None = None
@@ -108,14 +112,10 @@ class InferenceConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
-        if self.seed is not None and (isinstance(self.seed, bool)
-                                      or not isinstance(self.seed, int)):
-            raise ConfigError(f"seed must be an integer or None, got {self.seed!r}")
+        _check_seed(self.seed)
         _check_type("injection_policy", self.injection_policy, (dict, type(None)))
         _check_checkpoint_fields(self)
-        if self.comm_timeout is not None and (
-                not isinstance(self.comm_timeout, (int, float)) or self.comm_timeout <= 0):
-            raise ConfigError(f"comm_timeout must be positive seconds, got {self.comm_timeout!r}")
+        _check_comm_timeout(self.comm_timeout)
         _reject_unlanded(self)
         _check_injection(self)
         _check_quant(self)
@@ -153,17 +153,47 @@ def _as_mapping(config: Any) -> dict[str, Any]:
         return {f: v for f, v in config.__dict__.items()
                 if v != getattr(InferenceConfig, f, dataclasses.MISSING)}
     if isinstance(config, (str, os.PathLike)):
-        try:
-            with open(config) as fh:
-                return json.load(fh)
-        except FileNotFoundError:
-            raise ConfigError(f"config file {os.fspath(config)!r} does not exist") from None
-        except json.JSONDecodeError as exc:
-            raise ConfigError(f"config file {os.fspath(config)!r} is not valid JSON: {exc}") from None
+        return _read_config_file(config)
     if isinstance(config, Mapping):
         return dict(config)
     raise ConfigError(f"config must be an InferenceConfig, a dict or a JSON file path, "
                       f"got {type(config).__name__}")
+
+
+def _read_config_file(path: str | os.PathLike) -> dict[str, Any]:
+    """The JSON object in ``path``; ConfigError when it is missing, unreadable, not JSON, or JSON
+    that is not an object of fields."""
+    shown = repr(os.fspath(path))
+    try:
+        with open(path, encoding="utf-8") as fh:
+            data = json.load(fh)
+    except FileNotFoundError:
+        raise ConfigError(f"config file {shown} does not exist") from None
+    except IsADirectoryError:
+        raise ConfigError(f"config file {shown} is a directory; give the path of a JSON "
+                          f"file") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"config file {shown} is not valid JSON: {exc}") from None
+    except OSError as exc:
+        raise ConfigError(f"config file {shown} cannot be read: {exc.strerror}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {shown} holds a JSON {_json_kind(data)}; it must hold "
+                          f"one object of config fields, e.g. {{\"dtype\": \"bf16\", "
+                          f"\"tensor_parallel\": {{\"tp_size\": 2}}}}")
+    return data
+
+
+def _json_kind(value: Any) -> str:
+    """The JSON name of a decoded value's type (``list`` → ``array``)."""
+    if isinstance(value, list):
+        return "array"
+    if isinstance(value, str):
+        return "string"
+    if isinstance(value, bool):
+        return "boolean"
+    if value is None:
+        return "null"
+    return "number"
 
 
 def _normalise(values: Mapping[str, Any], where: str) -> dict[str, Any]:
@@ -171,6 +201,9 @@ def _normalise(values: Mapping[str, Any], where: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     known = field_names()
     for key, value in values.items():
+        if not isinstance(key, str):
+            raise ConfigError(f"{where} field names must be strings, got {key!r} "
+                              f"(valid fields: {', '.join(known)})")
         if key == "tensor_parallel":
             items = _tp_items(value)
         elif key in ALIASES:
@@ -215,6 +248,25 @@ def _check_type(name: str, value: Any, types: tuple[type, ...]) -> None:
     if not isinstance(value, types):
         want = " or ".join("None" if t is type(None) else t.__name__ for t in types)
         raise ConfigError(f"{name} must be {want}, got {type(value).__name__} {value!r}")
+
+
+def _check_seed(seed: Any) -> None:
+    """None, or an int ``torch.manual_seed`` accepts (not a bool)."""
+    if seed is None:
+        return
+    low, high = SEED_RANGE
+    if isinstance(seed, bool) or not isinstance(seed, int) or not low <= seed <= high:
+        raise ConfigError(f"seed must be None or an integer from -2**63 to 2**64 - 1 (what "
+                          f"torch.manual_seed accepts), got {seed!r}")
+
+
+def _check_comm_timeout(value: Any) -> None:
+    """``comm_timeout`` a finite number of seconds > 0; when it is None, the variable it falls
+    back on must be well formed (checked now, not when the process group is created)."""
+    if value is None:
+        resolve_timeout(None)  # ConfigError naming $SHARDWISE_COMM_TIMEOUT and its value
+    else:
+        check_timeout(value, "comm_timeout")
 
 
 #: Fields whose feature has not landed yet: field → what it enables. A non-default value fails.

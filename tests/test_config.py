@@ -68,7 +68,7 @@ def test_config_and_kwarg_disagreeing_is_an_error(tmp_path):
 @pytest.mark.parametrize("kwargs,match", [
     ({"max_tokens": 0}, "positive integer"), ({"tp_size": 1.5}, "positive integer"),
     ({"enable_graph": "yes"}, "must be bool"), ({"device": 3}, "must be str or None"),
-    ({"comm_timeout": -1}, "positive seconds")])
+    ({"comm_timeout": -1}, "positive, finite number of seconds")])
 def test_malformed_values(kwargs, match):
     with pytest.raises(shardwise.ConfigError, match=match):
         InferenceConfig.build(**kwargs)
