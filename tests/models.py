@@ -109,3 +109,48 @@ def tiny_encoder(arch: str = "bert", seed: int = 0, head: str = "masked_lm",
 def prompt_ids(batch: int = 1, length: int = 8, vocab: int = 256, seed: int = 1) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, vocab, (batch, length), generator=g)
+
+
+
+#: The least teacher-forced agreement (:func:`teacher_forced_agreement`) a reduced-precision or
+#: tensor-parallel run may show against HF: every test uses this one bound.
+MIN_FORCED_AGREEMENT = 0.9
+
+
+def teacher_forced_agreement(ref_logits: torch.Tensor, logits: torch.Tensor,
+                             prompt_len: int) -> float:
+    """Teacher-forced greedy agreement: the fraction of positions where the model under test
+    picks the same next token as the reference given the same prefix.
+
+    ``ref_logits`` ``[batch, seq, vocab]``: the reference's ONE forward over its own greedy
+    continuation of a prompt of ``prompt_len`` tokens. ``logits``: the model under test fed the
+    same sequence, either in one forward (``[batch, seq, vocab]``) or step by step after the
+    prompt (:func:`forced_decode_logits`, ``[batch, seq - prompt_len + 1, vocab]``). Compared are
+    the positions from the prompt's last token on, those whose argmax chose each generated
+    token. Unlike free-running agreement, one near-tie costs one position, not the rest of its
+    sequence, so the bound can be tight.
+    """
+    batch, seq, vocab = ref_logits.shape
+    tail = seq - prompt_len + 1  # positions prompt_len - 1 … seq - 1
+    if not 1 <= prompt_len <= seq:
+        raise ValueError(f"prompt_len {prompt_len} outside the sequence of {seq}")
+    if logits.shape not in ((batch, seq, vocab), (batch, tail, vocab)):
+        raise ValueError(f"logits of shape {tuple(logits.shape)} vs reference {(batch, seq, vocab)}"
+                         f": run the model on the same sequence (whole, or its last {tail})")
+    picks = logits[:, -tail:].argmax(-1) == ref_logits[:, -tail:].argmax(-1)  # [batch, tail]
+    return picks.float().mean().item()
+
+
+def forced_decode_logits(model, tokens: torch.Tensor, prompt_len: int) -> torch.Tensor:
+    """Logits ``[batch, seq - prompt_len + 1, vocab]`` of ``model`` (an HF causal LM or an
+    engine's module) prefilled with ``tokens[:, :prompt_len]`` and then fed the rest of
+    ``tokens`` ``[batch, seq]`` one decode step at a time, through its KV cache: teacher forcing
+    that runs the decode step (and its captured graph, where there is one)."""
+    with torch.no_grad():
+        out = model(tokens[:, :prompt_len], use_cache=True)
+        steps = [out.logits[:, -1:].float()]
+        for pos in range(prompt_len, tokens.shape[1]):
+            out = model(tokens[:, pos:pos + 1], past_key_values=out.past_key_values,
+                        use_cache=True)
+            steps.append(out.logits[:, -1:].float())
+    return torch.cat(steps, dim=1)

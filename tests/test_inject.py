@@ -2,14 +2,16 @@
 one process: parity with the plain HF model per family and dtype, the static KV cache's limits,
 generate modes, errors. Tensor parallelism + injection: tests/test_inject_tp.py.
 
-Tolerances (tiny random models, tests/models.py, batch 2 × 8-token prompts):
-* fp32: logits within ``FP32_ATOL`` = 1e-4 of HF, 32 greedy tokens identical.
-* bf16: logits within ``BF16_ATOL`` = 0.05 of HF bf16 (the reference kernels do their math in fp32
-  and round once, HF rounds after every op). Teacher-forced next-token agreement along HF's
-  continuation ≥ ``BF16_MIN_FORCED`` = 0.9; free-running greedy agreement over 2 × 32 tokens ≥
-  ``BF16_MIN_AGREEMENT`` = 0.5. Measured (run with ``-s``): logits within 0.004 for every
-  family; teacher-forced ≥ 0.985; free-running 1.0 for most, 0.953 phi3, 0.625 qwen2, 0.562
-  gptj, 0.5 mistral-sw4 — one near-tie flips a token and the rest of that sequence follows it.
+Tolerances (tiny random models, tests/models.py, batch 2 × 8-token prompts), about 2× the max
+measured over every family on the cpu backend (``pytest -s`` prints each; measured under load,
+x86-64 AVX-512, torch 2.13):
+* fp32: logits within ``FP32_ATOL`` = 5e-7 of HF (measured ≤ 2.4e-7: qwen2, qwen2-sw4; opt 0;
+  the graph-safe decode step and the reference bias_gelu the same), 32 greedy tokens identical.
+* bf16: logits within ``BF16_ATOL`` = 0.016 of HF bf16 along HF's own greedy continuation
+  (measured ≤ 0.0078 = 1 bf16 ulp at |logit| in [1, 2), bloom; 0.0039 or 0 for the rest: the
+  kernels round once where HF rounds after every op), and teacher-forced next-token agreement
+  (tests/models.py ``teacher_forced_agreement``: both models fed HF's continuation in one
+  forward) ≥ ``MIN_FORCED_AGREEMENT`` = 0.9 (measured ≥ 0.985, i.e. at most 1 of 66 positions).
 """
 
 from __future__ import annotations
@@ -26,16 +28,15 @@ from shardwise.graphs import StaticGraph, static_copies, static_outputs
 from shardwise.inject.injector import injected_stack
 from shardwise.inject import (InjectedModel, InjectionError, MaxTokensError, StaleCacheError,
                               StaticKVCache)
-from models import prompt_ids, tiny_causal_lm
+from models import (MIN_FORCED_AGREEMENT, forced_decode_logits, prompt_ids,
+                    teacher_forced_agreement, tiny_causal_lm)
 
 #: every decoder family with injection data, and the config variants that change the layer:
 #: Falcon's three qkv layouts / residual forms / ALiBi, windows smaller than the prompt
 FAMILIES = ["gpt2", "gpt_neo", "gptj", "gpt_neox", "opt", "bloom", "llama", "mistral", "qwen2",
             "falcon", "falcon-mqa", "falcon-alibi", "phi3", "mistral-sw4", "qwen2-sw4"]
-FP32_ATOL = 1e-4
-BF16_ATOL = 0.05
-BF16_MIN_AGREEMENT = 0.5
-BF16_MIN_FORCED = 0.9
+FP32_ATOL = 5e-7
+BF16_ATOL = 0.016
 NEW = 32
 GREEDY = dict(max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False, pad_token_id=0)
 
@@ -61,7 +62,8 @@ def test_fp32_parity(arch):
     ref, engine = _pair(arch)
     assert isinstance(injected_stack(engine.module), InjectedModel)
     max_abs, ref_tokens, tokens = _compare(ref, engine, prompt_ids(batch=2, length=8))
-    assert max_abs < FP32_ATOL
+    print(f"{arch} fp32: max |logit diff| {max_abs:.2e}")
+    assert max_abs < FP32_ATOL, max_abs
     assert torch.equal(tokens, ref_tokens)
 
 
@@ -69,16 +71,38 @@ def test_fp32_parity(arch):
 def test_bf16_parity(arch):
     ref, engine = _pair(arch, torch.bfloat16)
     ids = prompt_ids(batch=2, length=8)
-    max_abs, ref_tokens, tokens = _compare(ref, engine, ids)
-    agreement = (tokens[:, 8:] == ref_tokens[:, 8:]).float().mean().item()
-    with torch.no_grad():  # teacher-forced: next-token argmax along HF's own continuation
-        forced = (engine(input_ids=ref_tokens).logits.argmax(-1)
-                  == ref(ref_tokens).logits.argmax(-1))[:, 7:].float().mean().item()
-    print(f"{arch} bf16: max |logit diff| {max_abs:.4f}, free-running agreement {agreement:.3f}, "
-          f"teacher-forced {forced:.3f}")
-    assert max_abs < BF16_ATOL
-    assert forced >= BF16_MIN_FORCED
-    assert agreement >= BF16_MIN_AGREEMENT
+    with torch.no_grad():  # both fed HF's own greedy continuation [2, 8 + 32] in one forward
+        ref_tokens = ref.generate(ids, **GREEDY)
+        ref_logits = ref(ref_tokens).logits.float()
+    logits = engine(input_ids=ref_tokens).logits.float()
+    max_abs = (logits - ref_logits).abs().max().item()
+    forced = teacher_forced_agreement(ref_logits, logits, ids.shape[1])
+    print(f"{arch} bf16: max |logit diff| {max_abs:.4f}, teacher-forced agreement {forced:.3f}")
+    assert max_abs < BF16_ATOL, max_abs
+    assert forced >= MIN_FORCED_AGREEMENT, forced
+
+def test_bf16_bound_rejects_a_model_a_little_off():
+    """The bf16 logit bound can fail: one attention projection moved by 5% (noise of 0.05 × its
+    own std) moves the logits by 0.024 (measured; logits here stay within ±0.63), past
+    ``BF16_ATOL`` (the bound of 0.05 it replaced let this through)."""
+    ref = tiny_causal_lm("llama", dtype=torch.bfloat16)
+    model = tiny_causal_lm("llama")
+    with torch.no_grad():
+        weight = model.model.layers[0].self_attn.o_proj.weight
+        weight.add_(torch.randn(weight.shape, generator=torch.Generator().manual_seed(3))
+                    * weight.std() * 0.05)
+    engine = shardwise.init_inference(model, device="cpu", dtype=torch.bfloat16,
+                                      replace_with_kernel_inject=True)
+    ids = prompt_ids(batch=2, length=8)
+    with torch.no_grad():
+        ref_tokens = ref.generate(ids, **GREEDY)
+        ref_logits = ref(ref_tokens).logits.float()
+    logits = engine(input_ids=ref_tokens).logits.float()
+    max_abs = (logits - ref_logits).abs().max().item()
+    print(f"5% off: max |logit diff| {max_abs:.4f}")
+    assert max_abs > BF16_ATOL
+    with pytest.raises(ValueError, match="same sequence"):
+        teacher_forced_agreement(ref_logits, logits[:, 1:-1], ids.shape[1])
 
 
 def test_state_dict_names_unchanged_and_hf_generate_works():
@@ -202,6 +226,7 @@ def test_dtype_fallback_logs_once(caplog, monkeypatch):
         max_abs, ref_tokens, tokens = _compare(ref, engine, prompt_ids(batch=2, length=8))
     lines = [r.getMessage() for r in caplog.records if "torch reference" in r.getMessage()]
     assert len(lines) == 1 and "bias_gelu" in lines[0]
+    print(f"reference bias_gelu fp32: max |logit diff| {max_abs:.2e}")
     assert max_abs < FP32_ATOL and torch.equal(tokens, ref_tokens)  # never wrong numbers
 
 
@@ -264,6 +289,7 @@ def test_graph_safe_decode_step_matches(monkeypatch, arch, capturable):
     eager_heads = _count_calls(monkeypatch, head.forward, "original")
     ids = prompt_ids(batch=2, length=8)
     max_abs, ref_tokens, tokens = _compare(ref, engine, ids)
+    print(f"{arch} graph step ({capturable=}) fp32: max |logit diff| {max_abs:.2e}")
     assert max_abs < FP32_ATOL and torch.equal(tokens, ref_tokens)
     mask = torch.ones_like(ids)
     mask[0, :2] = 0
@@ -368,8 +394,14 @@ def test_cuda_graph_decode(dtype):
     with torch.no_grad():
         ref_tokens = ref.generate(ids, **GREEDY)
     tokens = engine.generate(ids, **GREEDY)
-    agreement = (tokens == ref_tokens).float().mean().item()
-    assert agreement == 1.0 if dtype == torch.float32 else agreement >= BF16_MIN_AGREEMENT
+    if dtype == torch.float32:
+        assert torch.equal(tokens, ref_tokens)
+        return
+    with torch.no_grad():  # fp16: HF's continuation fed through the captured decode step
+        ref_logits = ref(ref_tokens).logits.float()
+    forced = teacher_forced_agreement(ref_logits,
+                                      forced_decode_logits(engine.module, ref_tokens, 8), 8)
+    assert forced >= MIN_FORCED_AGREEMENT, forced
 
 
 @pytest.mark.gpu
