@@ -100,6 +100,12 @@ def test_description_file_with_base_dir_argument(tmp_path):
     tp_form = {"type": "ds_model", "checkpoints": {"non_tp": files[:1], "tp": files[1:]},
                "base_dir": str(path)}
     desc.write_text(json.dumps(tp_form))
+    with pytest.raises(CheckpointError, match="outside the checkpoint folder"):
+        _load(desc)  # the description's own base_dir may not lead out of its folder …
+    assert_parity(parity(desc, base_dir=str(path), ref_dir=path))  # … the caller's may
+    shutil.copytree(path, desc.parent / "weights")
+    tp_form["base_dir"] = "weights"  # a subfolder of the description's is inside
+    desc.write_text(json.dumps(tp_form))
     assert_parity(parity(desc, ref_dir=path))
 
 
@@ -247,7 +253,7 @@ class _RankView(LocalCommunicator):
         self.rank, self.world_size = rank, world
 
     def broadcast(self, tensor, src=0):
-        return torch.tensor([0x5EED])
+        return torch.tensor([0x5EED, 1])  # the save id; the plain rank-file names are free
 
     def barrier(self):
         pass

@@ -8,9 +8,12 @@
     loaded = load_checkpoint(model, path, prepared=prepared, rank=rank, dtype=torch.bfloat16)
 
 Everything knowable from the files' headers (missing files, truncated headers, missing or
-unexpected keys, shapes that do not fit the config) is checked before any data is read. If
-reading fails half way, every parameter goes back to the meta device, so a half-loaded model can
-never run.
+unexpected keys, shapes that do not fit the config, a tensor whose dtype kind — bool, integer,
+floating, complex — differs from its parameter's) is checked before any data is read. If the
+load fails at any point, the loader undoes what it did to the model: every module it swapped
+(QuantLinear shells, linears quantized while reading) is put back, and every parameter and
+buffer goes back to the meta device, so a half-loaded model can never run and the same model can
+be loaded again. (What it changes only on success: module sizes under tensor parallelism.)
 
 Quantization, two ways:
 
@@ -113,8 +116,9 @@ def load_checkpoint(model: nn.Module, checkpoint: "str | os.PathLike | Mapping |
             the report's ``quantization`` is then its :class:`~shardwise.quant.QuantReport`.
 
     Raises:
-        CheckpointError: a missing or corrupted file, missing or unexpected keys, or a shape
-            that does not match the model (named), before any data is read; for a quantized
+        CheckpointError: a missing or corrupted file, missing or unexpected keys, a shape or a
+            dtype kind that does not match the model (named), before any data is read; a file
+            outside the checkpoint's folder (:mod:`.description`); for a quantized
             checkpoint also a corrupt or mismatched manifest, another tp size or dtype.
         ConfigError: quantization settings that do not fit a layer (named), before any read.
     """
@@ -126,16 +130,18 @@ def load_checkpoint(model: nn.Module, checkpoint: "str | os.PathLike | Mapping |
                              quantizer)
     index = build_index(desc, rank)
     bytes_before = sum(p.numel() * p.element_size() for p in model.parameters())
-    layers = _install_saved_quant(model, index, desc, prepared, rank)
-    targets = plan_targets(model, index, prepared, rank)
-    reads = _quant_reads(model, targets, quantizer) if quantizer is not None else None
-    start = time.perf_counter()
+    modules = _module_tree(model)  # to put back if the load fails (QuantLinears swapped in)
     try:
+        layers = _install_saved_quant(model, index, desc, prepared, rank)
+        targets = plan_targets(model, index, prepared, rank)
+        reads = _quant_reads(model, targets, quantizer) if quantizer is not None else None
+        start = time.perf_counter()
         with Reader(index, rank) as reader, Progress(desc, targets, index, rank, progress) as bar:
             count = _materialise(model, targets, reader, torch.device(device), dtype, bar, reads)
             _fill_meta_buffers(model, torch.device(device))
             bytes_read = reader.bytes_read
     except BaseException:
+        _restore_modules(modules)
         _back_to_meta(model)
         raise
     sliced = _set_sizes(prepared, rank) if prepared is not None else {}
@@ -175,7 +181,27 @@ def plan_targets(model: nn.Module, index: CheckpointIndex, prepared: PreparedSha
                 f"tensor {t.key!r} has shape {list(index.shapes[t.key])} in the checkpoint but "
                 f"{list(t.shape)} in the model built from the config ({t.names[0]}); the "
                 f"checkpoint and the config do not belong together")
+        if t.key is not None and not t.raw and _kind(index.dtypes[t.key]) != _kind(t.dtype):
+            raise CheckpointError(
+                f"tensor {t.key!r} is {_name(index.dtypes[t.key])} in the checkpoint but the "
+                f"model's {'buffer' if t.is_buffer else 'parameter'} {t.names[0]!r} is "
+                f"{_name(t.dtype)}: a {_kind(index.dtypes[t.key])} tensor is never converted to "
+                f"{_kind(t.dtype)}; the checkpoint does not belong to this model (or was saved "
+                f"with the wrong dtype): re-save it")
     return [t for t in targets if t.key is not None]
+
+
+def _kind(dtype: torch.dtype) -> str:
+    """bool, integer, floating or complex: what a dtype conversion must never cross."""
+    if dtype == torch.bool:
+        return "bool"
+    if dtype.is_complex:
+        return "complex"
+    return "floating" if dtype.is_floating_point else "integer"
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def _targets(model: nn.Module) -> list[Target]:
@@ -334,6 +360,20 @@ def _set_sizes(prepared: PreparedShards, rank: int) -> dict[str, tuple[tuple, tu
     return out
 
 
+def _module_tree(model: nn.Module) -> list[tuple[nn.Module, str, nn.Module]]:
+    """Every (parent, attribute, child) of ``model``: what a failed load puts back."""
+    return [(parent, name, child) for parent in model.modules()
+            for name, child in parent._modules.items()]
+
+
+def _restore_modules(tree: list[tuple[nn.Module, str, nn.Module]]) -> None:
+    """Undo the loader's module swaps (QuantLinear shells, quantized linears): each child back
+    under its parent as before the load."""
+    for parent, name, child in tree:
+        if parent._modules.get(name) is not child:
+            parent._modules[name] = child
+
+
 def _back_to_meta(model: nn.Module) -> None:
     """After a failed load: every parameter and buffer back on meta, so nothing half-loaded
     can run (``check_materialized`` refuses it)."""
@@ -443,7 +483,8 @@ def _quant_reads(model: nn.Module, targets: list[Target], quantizer: Any) -> _Qu
             raise ConfigError(f"layer {name!r}'s weight is tied to {weight.names[1:]}; a tied "
                               f"weight cannot be quantized (remove lm_head=True)")
         conv1d = not isinstance(modules[name], nn.Linear)
-        quantizer.check(name, _local_shape(weight)[0 if conv1d else 1])
+        shape = _local_shape(weight)  # [out, in]; Conv1D [in, out]
+        quantizer.check(name, shape[0 if conv1d else 1], shape[1 if conv1d else 0])
         bias = by_name.get(f"{name}.bias")
         reads.weights[id(weight)] = (name, bias, conv1d)
         if bias is not None:

@@ -5,14 +5,22 @@ replicated tensors (once). The description (``shardwise_checkpoint.json``, type 
 records, per sharded tensor, the dim split, its full size and every rank's index ranges, so
 :func:`~shardwise.checkpoint.load_checkpoint` can load it at any tp size: the same one reads each
 rank's own file, another merges or splits the pieces. ``config.json`` is written next to it.
+
+Saving is atomic per file (a temporary name, renamed into place) and the description is the
+commit point: it is renamed into place last, after every rank's file is complete, and a re-save
+never overwrites a rank file the old description names. So an interrupted save leaves the
+folder's previous checkpoint loadable; a completed one removes the rank files it replaced.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import re
+import shutil
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -33,31 +41,47 @@ VERSION = 1
 QUANT_METADATA = "shardwise_quant"
 
 
-def rank_file(rank: int, tp_size: int) -> str:
-    return f"rank{rank:02d}-of-{tp_size:02d}.safetensors"
+def rank_file(rank: int, tp_size: int, save_id: str | None = None) -> str:
+    """A rank file's name: ``rank00-of-02.safetensors``, or with the save id in it
+    (``rank00-of-02.<save_id>.safetensors``) when an older checkpoint in the folder still uses
+    the plain name."""
+    tag = f".{save_id}" if save_id else ""
+    return f"rank{rank:02d}-of-{tp_size:02d}{tag}.safetensors"
+
+
+#: what :func:`save_checkpoint` writes (and so may remove once no description names it)
+_RANK_FILE = re.compile(r"rank\d{2,}-of-\d{2,}(\.[0-9a-f]{16})?\.safetensors(\.tmp)?")
 
 
 def save_checkpoint(model: nn.Module, path: str | Path, *, prepared: PreparedShards | None = None,
                     communicator: Communicator | None = None) -> Path:
     """Write ``model`` (sharded by ``prepared`` across ``communicator``, or whole) to ``path``;
     every rank calls it. A quantized model is written as it is (module docstring). Returns the
-    description file's path."""
+    description file's path.
+
+    Re-saving into a folder that holds a checkpoint is atomic: every file is written under a
+    temporary name and renamed into place, rank files never take a name the old description
+    still uses (they get the save id in theirs), and rank 0 renames the description last, once
+    every rank's file is complete. An interrupted save leaves the old checkpoint loadable; a
+    complete one removes the rank files its description does not name."""
     comm = communicator or LocalCommunicator()
     tp = prepared.tp_size if prepared is not None else 1
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
-    save_id = _shared_id(comm)
+    save_id, plain = _shared_id(comm, out, tp)
+    names = [rank_file(r, tp, None if plain else save_id) for r in range(tp)]
     quant = _quant_manifest(model)
     per_rank = set(_qckpt().tensor_names(quant)) if quant else set()  # this rank's packed tensors
     shards = _shard_entries(prepared) if prepared is not None else {}
     shards = {k: v for k, v in shards.items() if k not in per_rank}
     if comm.rank < tp:
-        _write_rank_file(model, out / rank_file(comm.rank, tp), shards, per_rank, quant,
+        _write_rank_file(model, out / names[comm.rank], shards, per_rank, quant,
                          {"save_id": save_id, "rank": str(comm.rank), "tp_size": str(tp)})
     comm.barrier()
     description = out / DESCRIPTION_NAME
     if comm.rank == 0:  # last, so a description means every rank file is complete
-        _write_description(model, description, tp, save_id, shards, quant)
+        _write_description(model, description, tp, save_id, shards, quant, names)
+        _remove_stale(out, names)
     comm.barrier()
     return description
 
@@ -70,29 +94,77 @@ def _write_rank_file(model: nn.Module, file: Path, shards: dict, per_rank: set[s
     metadata = {"format": "pt", **metadata}
     if quant:
         metadata[QUANT_METADATA] = json.dumps(quant)
-    save_file(tensors, str(file), metadata=metadata)
+    _atomic(file, lambda tmp: save_file(tensors, str(tmp), metadata=metadata))
 
 
 def _write_description(model: nn.Module, description: Path, tp: int, save_id: str,
-                       shards: dict, quant: dict | None) -> None:
+                       shards: dict, quant: dict | None, names: list[str]) -> None:
     config = getattr(model, "config", None)
     if config is not None and hasattr(config, "save_pretrained"):
-        config.save_pretrained(description.parent)
+        _atomic(description.parent / "config.json", lambda tmp: _save_config(config, tmp))
     saved = set(_unique_state(model))
     body = {"type": "shardwise", "version": VERSION, "tp_size": tp,
             "dtype": (quant and quant.get("dtype")) or _dtype_name(model),
-            "save_id": save_id, "checkpoints": [rank_file(r, tp) for r in range(tp)],
+            "save_id": save_id, "checkpoints": names,
             "shards": {k: v for k, v in shards.items() if k in saved}}
     if quant:
         body["quant"] = _qckpt().description_entry(quant)
-    description.write_text(json.dumps(body, indent=1))
+    _atomic(description, lambda tmp: tmp.write_text(json.dumps(body, indent=1)))
 
 
-def _shared_id(comm: Communicator) -> str:
-    value = torch.tensor([uuid.uuid4().int & (2**62 - 1)], dtype=torch.int64)
+def _atomic(final: Path, write: Callable[[Path], Any]) -> None:
+    """``write(tmp)``, flush it to disk, then rename it to ``final`` (atomic on POSIX): a reader
+    sees the old ``final`` or the complete new one, never a partial file. An interrupted write
+    removes its temporary file."""
+    tmp = final.with_name(final.name + ".tmp")
+    try:
+        write(tmp)
+        _fsync(tmp)
+        os.replace(tmp, final)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    _fsync(final.parent)
+
+
+def _save_config(config: Any, tmp: Path) -> None:
+    """``config.save_pretrained`` (its checks included) into a scratch folder, moved to ``tmp``."""
+    scratch = tmp.with_name(tmp.name + ".d")
+    scratch.mkdir(exist_ok=True)
+    try:
+        config.save_pretrained(scratch)
+        os.replace(scratch / "config.json", tmp)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    except OSError:  # a directory on a filesystem that cannot sync one
+        pass
+    finally:
+        os.close(fd)
+
+
+def _remove_stale(out: Path, names: list[str]) -> None:
+    """After the new description is in place: rank files (and leftover temporary ones) of
+    earlier or interrupted saves, which it does not name."""
+    keep = set(names)
+    for f in out.iterdir():
+        if f.name not in keep and _RANK_FILE.fullmatch(f.name) and f.is_file():
+            f.unlink(missing_ok=True)
+
+
+def _shared_id(comm: Communicator, out: Path, tp: int) -> tuple[str, bool]:
+    """(the save id, whether the plain rank-file names are free in ``out``), as rank 0 sees
+    them, on every rank."""
+    plain = not any((out / rank_file(r, tp)).exists() for r in range(tp))
+    value = torch.tensor([uuid.uuid4().int & (2**62 - 1), int(plain)], dtype=torch.int64)
     if comm.world_size > 1:
         value = comm.broadcast(value, src=0)
-    return f"{int(value.item()):016x}"
+    return f"{int(value[0].item()):016x}", bool(value[1].item())
 
 
 def _shard_entries(prepared: PreparedShards) -> dict[str, dict[str, Any]]:
