@@ -33,7 +33,8 @@ bytes 0..63           header: magic, layout version, n, slot bytes, random token
                       adjacent-line prefetch pair): word 0 = flag (sequence number of the last
                       call whose data rank r has published; only ever grows), words 1-2 = the
                       call's metadata (numel, dtype, op) for parity 0 and 1, word 3 = state
-                      (0 running, 1 closed, 2 aborted after a failed call)
+                      (0 running, 1 closed, 2 aborted after a failed call), word 4 = 1 once
+                      rank r has mapped the segment (set-up's handshake)
 data (4 KiB aligned)  two buffers (parity 0/1) x n slots of ``slot bytes``; slot (p, r) is written
                       only by rank r, in calls whose sequence number has parity p
 ====================  ==========================================================================
@@ -68,12 +69,21 @@ before an earlier one and a lock's acquire/release are one-way barriers, not the
 protocol would need, so the shared-memory path is disabled there (gloo is used) until a native
 fence is available.
 
-Cleanup: rank 0 creates ``/dev/shm/shardwise-allreduce-<MASTER_PORT>-<random token>`` (exclusive
-create, so concurrent jobs never collide) and unlinks it as soon as every rank has mapped it: the
-memory then lives exactly as long as the mappings, and nothing is left in /dev/shm even if a rank
-is killed with SIGKILL later. If set-up fails half-way, rank 0 unlinks it at once, and an
-``atexit`` hook covers the window between creation and that point. :meth:`CpuCommunicator.close`
-unmaps it.
+Cleanup: rank 0 creates ``/dev/shm/shardwise-allreduce-<MASTER_PORT>-n<pid namespace>-p<pid>-
+s<start time>-<random token>`` (exclusive create, so concurrent jobs never collide; the creator's
+pid, its start time and its PID namespace are in the name) and unlinks it as soon as every rank
+has mapped it: the memory then lives exactly as long as the mappings, and nothing is left in
+/dev/shm even if a rank is killed with SIGKILL later. The name is visible only during a bounded
+handshake: each rank marks its line once it has mapped the segment, and rank 0 unlinks when
+every mark is there, when every rank has reported (through gloo) that it could not map it, or
+after ``min(timeout, 30 s)``, whichever comes first (a late rank then finds no file and every
+rank falls back to gloo). If set-up fails, rank 0 unlinks at once; an ``atexit`` hook covers an
+exception in between. What neither covers is rank 0 killed (SIGKILL, OOM killer) inside that
+window: the file would stay until reboot. So every creation first sweeps /dev/shm: a segment
+whose creator (same PID namespace) is gone, or whose pid now belongs to a process with another
+start time, is unlinked (:func:`sweep_dead_segments`). Segments of other PID namespaces
+(containers sharing /dev/shm) are left alone: their pids mean nothing here.
+:meth:`CpuCommunicator.close` unmaps the segment.
 """
 
 from __future__ import annotations
@@ -83,6 +93,7 @@ import itertools
 import mmap
 import os
 import platform
+import re
 import secrets
 import socket
 import threading
@@ -122,6 +133,16 @@ _STATE = 3  # word of a rank's line holding its state (the flag never goes backw
 # still spinning on it after the rank finished and closed must see the final value)
 _CLOSED = 1
 _ABORTED = 2
+_ATTACHED = 4  # word of a rank's line set to 1 once it has mapped the segment
+
+#: Name prefix of every segment in /dev/shm.
+SEGMENT_PREFIX = "shardwise-allreduce-"
+#: ``<prefix><tag>-n<pid namespace>-p<creator pid>-s<creator start time>-<token>``
+_SEGMENT_NAME = re.compile(re.escape(SEGMENT_PREFIX)
+                           + r"(?P<tag>.*)-n(?P<ns>\d+)-p(?P<pid>\d+)-s(?P<start>\d+)"
+                             r"-(?P<token>[0-9a-f]{16})$")
+#: Longest time the segment's name stays in /dev/shm while the ranks map it (see Cleanup).
+_ATTACH_WAIT_S = 30.0
 
 # Waiting policy: pure spinning for the first _SPIN_S (the peer is usually microseconds away),
 # then sched_yield (free when nothing else wants the core; lets an oversubscribed peer run), then
@@ -252,6 +273,49 @@ def process_alive(pid: int, start_time: int) -> bool:
     return fields[0] not in ("Z", "X") and int(fields[19]) == start_time
 
 
+def pid_namespace() -> int:
+    """Inode of this process's PID namespace (0 when /proc cannot say): equal pids mean the same
+    process only within one namespace."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
+
+
+def segment_name(tag: str, token: int, pid: int | None = None) -> str:
+    """The file name of a new segment: ``tag``, the creator's PID namespace, pid and start time
+    (0 where unknown), and the random ``token``."""
+    pid = os.getpid() if pid is None else pid
+    start = process_start_time(pid) or 0
+    return f"{SEGMENT_PREFIX}{tag}-n{pid_namespace()}-p{pid}-s{start}-{token:016x}"
+
+
+def sweep_dead_segments(directory: str = SHM_DIR) -> list[str]:
+    """Unlink the segments in ``directory`` whose creator has exited: same PID namespace as this
+    process, and its pid is gone, a zombie, or a new process (another start time). Segments of
+    live creators, of other namespaces, with an unknown start time or another naming scheme are
+    kept. Returns the paths removed."""
+    namespace = pid_namespace()
+    removed = []
+    try:
+        names = [n for n in os.listdir(directory) if n.startswith(SEGMENT_PREFIX)]
+    except OSError:
+        return removed
+    for name in names:
+        m = _SEGMENT_NAME.match(name)
+        if m is None or namespace == 0 or int(m["ns"]) != namespace or m["start"] == "0":
+            continue
+        if process_alive(int(m["pid"]), int(m["start"])):
+            continue
+        path = os.path.join(directory, name)
+        try:
+            os.unlink(path)
+        except OSError:  # gone already, or another user's (sticky /dev/shm)
+            continue
+        removed.append(path)
+    return removed
+
+
 # ----- the segment --------------------------------------------------------------------------------
 
 class ShmSegment:
@@ -286,14 +350,29 @@ class ShmSegment:
 
     @staticmethod
     def flag_index(rank: int) -> int:
-        """Index into ``words`` of rank ``rank``'s flag (metadata at +1 + parity, state at +3)."""
+        """Index into ``words`` of rank ``rank``'s flag (metadata at +1 + parity, state at +3,
+        the attached mark at +4)."""
         return (_HEADER_BYTES + _LINE_BYTES * rank) // 8
+
+    def mark_attached(self, rank: int) -> None:
+        """Tell the creator that ``rank`` has mapped the segment (set-up's handshake)."""
+        self.words[self.flag_index(rank) + _ATTACHED] = 1
+
+    def attached(self, rank: int) -> bool:
+        return self.words[self.flag_index(rank) + _ATTACHED] == 1
+
+    @property
+    def linked(self) -> bool:
+        """Whether this process created the segment and has not unlinked it yet."""
+        return self._linked
 
     @classmethod
     def create(cls, tag: str, world: int, slot_bytes: int) -> tuple["ShmSegment", int]:
-        """Create, size and map a new segment; returns it and its random token."""
+        """Create, size and map a new segment; returns it and its random token. Segments left by
+        creators that died before unlinking theirs are swept first (:func:`sweep_dead_segments`)."""
+        sweep_dead_segments()
         token = secrets.randbits(62)
-        path = os.path.join(SHM_DIR, f"shardwise-allreduce-{tag}-{token:016x}")
+        path = os.path.join(SHM_DIR, segment_name(tag, token))
         size = cls.size_for(world, slot_bytes)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
@@ -625,29 +704,55 @@ def setup_shm_allreduce(comm: TorchDistCommunicator) -> tuple[ShmAllReduce | Non
     if offer["path"] is None:
         return None, offer["error"]
 
-    # the others map it; everyone reports
+    # the others map it and mark their line; rank 0 unlinks the name as soon as every rank has
+    # mapped it or reported that it could not (bounded: see the module's Cleanup notes)
     error = ""
     if rank != 0:
         try:
             segment = ShmSegment.open(offer["path"], world, offer["slot_bytes"], offer["token"])
+            segment.mark_attached(rank)
         except (OSError, ValueError) as exc:
             error = f"{type(exc).__name__}: {exc}"
-    errors: list = [None] * world
-    comm._run("all_reduce set-up", dist.all_gather_object, errors, error)
-    failed = [(r, e) for r, e in enumerate(errors) if e]
-    if failed:
-        if segment is not None:
-            segment.close()  # the creator also unlinks
-        r, e = failed[0]
-        return None, f"rank {r} could not map {offer['path']}: {e}"
-    if rank == 0:
-        segment.unlink()  # every rank has mapped it: the name is no longer needed
-
     # peers this process can watch through /proc (same PID namespace, same start time)
     liveness = {r: (info["pid"], info["start"]) for r, info in enumerate(infos)
                 if r != rank and info["start"] is not None
                 and process_start_time(info["pid"]) == info["start"]}
+    failed_flags = [torch.zeros(1, dtype=torch.int32) for _ in range(world)]  # [1] per rank
+    work = comm._run("all_reduce set-up", dist.all_gather, failed_flags,
+                     torch.tensor([int(bool(error))], dtype=torch.int32), async_op=True)
+    if rank == 0:
+        _unlink_when_attached(segment, work, liveness, min(comm.timeout_s, _ATTACH_WAIT_S))
+    comm._run("all_reduce set-up", work.wait)
+    if any(int(f.item()) for f in failed_flags):
+        errors: list = [None] * world
+        comm._run("all_reduce set-up", dist.all_gather_object, errors, error)
+        if segment is not None:
+            segment.close()  # the creator also unlinks
+        r, e = next((r, e) for r, e in enumerate(errors) if e)
+        return None, f"rank {r} could not map {offer['path']}: {e}"
     return ShmAllReduce(segment, rank, comm.timeout_s, liveness), ""
+
+
+def _unlink_when_attached(segment: ShmSegment, work, liveness: dict[int, tuple[int, int]],
+                          wait_s: float) -> None:
+    """Rank 0's side of the handshake: unlink the segment's name once every peer has marked its
+    line, every rank has reported through gloo (``work`` done: some peer could not map it), a
+    watched peer (``liveness``: rank → (pid, start time)) has exited, or ``wait_s`` has passed,
+    whichever comes first. Unlinks even if this is interrupted."""
+    peers = range(1, segment.world)
+    start = time.monotonic()
+    next_liveness = start + _LIVENESS_EVERY_S
+    try:
+        while (now := time.monotonic()) < start + wait_s:
+            if all(segment.attached(r) for r in peers) or work.is_completed():
+                return
+            if now >= next_liveness:
+                next_liveness = now + _LIVENESS_EVERY_S
+                if not all(process_alive(*liveness[r]) for r in liveness):
+                    return
+            time.sleep(0 if now - start < _YIELD_S else 1e-3)
+    finally:
+        segment.unlink()
 
 
 # ----- the communicator ---------------------------------------------------------------------------

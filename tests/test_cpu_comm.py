@@ -10,7 +10,9 @@ import glob
 import hashlib
 import json
 import os
+import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -92,6 +94,77 @@ def test_segment_create_open_unlink():
     assert not os.path.exists(seg.path)
 
 
+def _my_segments() -> list[str]:
+    """Names in /dev/shm of segments this process created (its pid is in the name)."""
+    return [n for n in os.listdir("/dev/shm")
+            if n.startswith(cpu_comm.SEGMENT_PREFIX) and f"-p{os.getpid()}-" in n]
+
+
+def test_segment_name_holds_the_creator():
+    seg, token = ShmSegment.create("test", 2, 8192)
+    try:
+        name = os.path.basename(seg.path)
+        start = cpu_comm.process_start_time(os.getpid())
+        assert name == (f"shardwise-allreduce-test-n{cpu_comm.pid_namespace()}-p{os.getpid()}-"
+                        f"s{start}-{token:016x}")
+        assert _my_segments() == [name]
+        assert seg.path not in cpu_comm.sweep_dead_segments()  # its creator (we) is alive
+        assert os.path.exists(seg.path)
+    finally:
+        seg.close()
+    assert _my_segments() == []
+
+
+KILLED_CREATOR = """\
+import os, signal
+from shardwise.accelerators.cpu_comm import ShmSegment
+seg, _ = ShmSegment.create("test", 2, 8192)
+print(seg.path, flush=True)
+os.kill(os.getpid(), signal.SIGKILL)  # dies between creating and unlinking: no atexit runs
+"""
+
+
+def test_segment_of_a_killed_creator_is_swept_at_the_next_creation(tmp_path):
+    """Defect 11: a rank killed between creating the segment and unlinking it left 16 MiB in
+    /dev/shm forever; the next creation on the machine now removes it."""
+    proc = subprocess.run([sys.executable, "-c", KILLED_CREATOR], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    leaked = proc.stdout.strip()
+    assert leaked.startswith("/dev/shm/shardwise-allreduce-test-") and os.path.exists(leaked)
+    try:
+        seg, _ = ShmSegment.create("test", 2, 8192)
+        seg.close()
+        assert not os.path.exists(leaked), "the dead creator's segment was not swept"
+    finally:
+        if os.path.exists(leaked):
+            os.unlink(leaked)
+
+
+def test_sweep_judges_only_names_it_can_trust(tmp_path):
+    """In a scratch folder: dead creator (swept), pid reused by another process (swept), live
+    creator, another PID namespace, unknown start time, foreign names (all kept)."""
+    me, ns = os.getpid(), cpu_comm.pid_namespace()
+    start = cpu_comm.process_start_time(me)
+    child = subprocess.Popen(["true"])
+    child.wait()  # an exited, reaped pid
+    names = {
+        "dead": f"shardwise-allreduce-1-n{ns}-p{child.pid}-s123-{1:016x}",
+        "reused": f"shardwise-allreduce-1-n{ns}-p{me}-s{start + 1}-{2:016x}",
+        "alive": f"shardwise-allreduce-1-n{ns}-p{me}-s{start}-{3:016x}",
+        "other_ns": f"shardwise-allreduce-1-n{ns + 1}-p{child.pid}-s123-{4:016x}",
+        "no_start": f"shardwise-allreduce-1-n{ns}-p{child.pid}-s0-{5:016x}",
+        "old_scheme": f"shardwise-allreduce-29500-{6:016x}",
+        "not_ours": "psm_shm.1234",
+    }
+    for name in names.values():
+        (tmp_path / name).write_bytes(b"x")
+    removed = cpu_comm.sweep_dead_segments(str(tmp_path))
+    assert sorted(removed) == sorted(str(tmp_path / names[k]) for k in ("dead", "reused"))
+    assert sorted(os.listdir(tmp_path)) == sorted(
+        names[k] for k in ("alive", "other_ns", "no_start", "old_scheme", "not_ours"))
+
+
 def test_process_liveness_sees_exit_and_zombies():
     me = os.getpid()
     assert cpu_comm.process_alive(me, cpu_comm.process_start_time(me))
@@ -124,9 +197,12 @@ def _matches_gloo(rank):
     comm = _comm()
     assert comm.shm_enabled, comm.shm_reason
     seg_path = comm._shm.segment.path
+    # rank 0 (the creator) has unlinked the name before its set-up returned
+    names_after_setup = _my_segments() + ([seg_path] if rank == 0 and os.path.exists(seg_path)
+                                          else [])
     comm.all_reduce(torch.ones(1))  # after one call every rank is past rank 0's set-up (unlink)
     out = {"limit": comm.shm_max_bytes, "linked_after_setup": os.path.exists(seg_path),
-           "cases": {}}
+           "names_after_setup": names_after_setup, "cases": {}}
     for dtype in (torch.float32, torch.bfloat16):
         limit = comm.shm_max_bytes // dtype.itemsize
         for numel in (1, 7, 1024, 4096, limit, limit + 1):
@@ -220,6 +296,7 @@ def test_shm_all_reduce_matches_gloo_on_two_ranks(two_rank_results):
         assert v["after_mismatch"] == [2.0] * 3
         assert v["counts"]["shm"] > 200 and v["counts"]["gloo"] > 0
         assert not v["linked_after_setup"], "the segment should be unlinked once all mapped it"
+        assert v["names_after_setup"] == [], "set-up returned with the segment still named"
         assert not v["linked_after_close"] and v["port_files"] == []
 
 
