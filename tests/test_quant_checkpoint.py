@@ -91,11 +91,12 @@ def no_quantization():
         transform.quantize_weight = real
 
 
-def load_then_quantize(path, spec: dict, **kwargs) -> shardwise.InferenceEngine:
+def load_then_quantize(path, spec: dict, dtype: torch.dtype = BF16,
+                       **kwargs) -> shardwise.InferenceEngine:
     """The reference: load in full precision, then quantize (what step 6 does after loading)."""
-    engine = load(path, dtype=BF16, **kwargs)
+    engine = load(path, dtype=dtype, **kwargs)
     roles = engine._prepared.roles if engine._prepared is not None else None
-    engine.quantization = quantize_model(engine.module, spec, engine.accelerator, BF16,
+    engine.quantization = quantize_model(engine.module, spec, engine.accelerator, dtype,
                                          roles=roles)
     stack = injected_stack(engine.module)
     if stack is not None:
@@ -261,7 +262,7 @@ def _break_spec(manifest: dict) -> None:
 @pytest.mark.parametrize("corrupt, match", [
     (_edit_description("format", "gptq"), r"'quant' entry has format 'gptq'"),
     (_edit_description("config", {"weight": {"num_bits": 5}}),
-     r"'quant' settings are invalid \(quant num_bits must be 4 or 8"),
+     r"'quant' settings are invalid \(quant num_bits must be the integer 4 or 8"),
     (_drop_manifest, r"rank00-of-01.safetensors has no readable quantization manifest"),
     (_edit_manifest(_drop_layer), r"disagrees with the description's 'quant' entry"),
     (_edit_manifest(_break_spec), r"entry of layer 'model.layers.0.self_attn.q_proj' is "
@@ -316,7 +317,139 @@ def test_quant_settings_that_do_not_fit_fail_before_reading(tmp_path, monkeypatc
         with pytest.raises(ConfigError, match=r"group_size=48 does not divide layer "
                                               r"'model.layers.0.self_attn.q_proj'"):
             load(path, dtype=BF16, quant={"weight": {"num_bits": 8, "group_size": 48}})
+        with pytest.raises(ConfigError, match=r"int4 needs a group size that is a multiple of "
+                                              r"32 .* 'allow_slow_kernels': True"):
+            load(path, dtype=torch.float32, quant={"weight": {"num_bits": 4, "group_size": 16}})
     assert reads == []
+
+
+def test_an_fp32_model_quantized_while_reading_runs_bf16_kernels_and_round_trips(tmp_path):
+    """fp32 model, int4: the quantized layers are packed for the bf16 CPU kernels, biases and the
+    rest stay fp32, and the engine's checkpoint reloads bit for bit in fp32."""
+    path = save_hf("gpt2", tmp_path / "hf")  # biases: they stay fp32, added after the cast
+    spec = SPECS["int4-asym-g32"]
+    engine = load(path, dtype=torch.float32, quant=spec)
+    assert {layer.compute_dtype for layer in engine.quantization.layers.values()} == {BF16}
+    q = engine.module.transformer.h[0].attn.c_attn
+    assert isinstance(q, QuantLinear) and q.compute_dtype == BF16
+    assert q.bias.dtype == torch.float32
+    want = load_then_quantize(path, spec, dtype=torch.float32)
+    assert state_differences(want.module, engine.module) == []
+    engine.save_checkpoint(tmp_path / "q")
+    loaded = load(tmp_path / "q")
+    assert loaded.dtype == torch.float32 and state_differences(engine.module, loaded.module) == []
+    assert loaded.module.transformer.h[0].attn.c_attn.bias.dtype == torch.float32
+    ids = prompt_ids(batch=2, length=8)
+    assert torch.equal(loaded(input_ids=ids).logits, engine(input_ids=ids).logits)
+
+
+# ----- save_quantized / load_quantized files: safetensors + a JSON manifest, never a pickle -------
+
+def quantized_file(tmp_path: Path, arch: str = "llama") -> tuple[torch.nn.Module, Path]:
+    from shardwise.quant import save_quantized
+
+    model = _with_random_biases(tiny_causal_lm(arch))
+    quantize_model(model, SPECS["int4-asym-g32"], shardwise.get_accelerator("cpu"), torch.float32)
+    return model, Path(save_quantized(model, tmp_path / "q.safetensors"))
+
+
+def test_a_crafted_pickle_file_is_refused_and_its_code_never_runs(tmp_path):
+    """A torch.save file whose unpickling would run code (here: create a folder) is refused by
+    load_quantized without being unpickled; torch.load(weights_only=False) would run it."""
+    from shardwise.quant import load_quantized
+
+    marker = tmp_path / "code-ran"
+
+    class Payload:
+        def __reduce__(self):
+            import os
+
+            return os.makedirs, (str(marker),)
+
+    model = tiny_causal_lm("llama")
+    for name in ("q.pt", "q.safetensors"):  # whatever the suffix says
+        torch.save({"manifest": Payload(), "state_dict": {}}, tmp_path / name)
+        with pytest.raises(ConfigError, match=r"torch.save \(pickle\) file.*not loaded, because "
+                                              r"unpickling a file can run arbitrary code"):
+            load_quantized(model, tmp_path / name)
+        assert not marker.exists()
+    assert not any(isinstance(m, QuantLinear) for m in model.modules())
+    torch.load(tmp_path / "q.pt", weights_only=False)  # the payload is real: unpickling runs it
+    assert marker.exists()
+
+
+def _rewrite_file(path: Path, edit) -> None:
+    """``edit(tensors, metadata)`` on the safetensors file ``path``, written back."""
+    _rewrite_rank_file(path, edit)
+
+
+def _edit_header(key: str, change):
+    def apply(tensors, metadata):
+        value = json.loads(metadata[key])
+        value = change(value) or value
+        metadata[key] = json.dumps(value)
+    return apply
+
+
+def _layer(name: str, field: str, value):
+    def change(manifest):
+        manifest["layers"][name][field] = value
+    return _edit_header("manifest", change)
+
+
+Q = "model.layers.0.self_attn.q_proj"
+
+
+@pytest.mark.parametrize("edit, match", [
+    (lambda t, m: m.pop("manifest"), r"not a shardwise quantized file .*keys \['aliases', "
+                                     r"'format'\]"),
+    (lambda t, m: m.update(format="other"), r"not a shardwise quantized file \(format 'other'"),
+    (lambda t, m: m.update(manifest="{not json"), r"'manifest' header is not valid JSON"),
+    (_edit_header("manifest", lambda info: info.update(config={"weight": {"num_bits": "4"}})),
+     r"quantization settings are invalid \(quant num_bits must be the integer 4 or 8, got str"),
+    (_edit_header("manifest", lambda info: info.update(dtype="load")),
+     r"quantization settings are invalid"),
+    (_edit_header("manifest", lambda info: info.update(extra=1)),
+     r"unknown quantization manifest keys \['extra'\]"),
+    (_layer(Q, "spec", [4.0, 32, False, 64, 64]), r"layer '.*q_proj' is malformed \(spec"),
+    (_layer(Q, "spec", [4, 32, "no", 64, 64]), r"layer '.*q_proj' is malformed \(spec"),
+    (_layer(Q, "meta", {"kind": ["int4"]}), r"is malformed \(meta"),
+    (_layer(Q, "source", "pickle"), r"is malformed \(source 'pickle'\)"),
+    (_layer(Q, "compute_dtype", "load"), r"is malformed \(dtype or tensor entry"),
+    (_layer(Q, "tensors", {"qweight": [[64, 32], 7]}), r"is malformed \(tensor "),
+    (_layer(Q, "bias", [64.5]), r"is malformed \(bias shape"),
+    (lambda t, m: m.update(aliases=json.dumps({"lm_head.weight": "nowhere"})),
+     r"'aliases' must map state-dict keys to stored tensors"),
+    (lambda t, m: t.update({f"{Q}.qweight": t[f"{Q}.qweight"].to(torch.int8)}),
+     r"tensor '.*q_proj.qweight' is I8 .*manifest\) needs uint8"),
+    (lambda t, m: t.update({"model.norm.weight": torch.ones(63)}),
+     r"tensor 'model.norm.weight' is F32 \[63\], the model .* needs \[64\]"),
+    (lambda t, m: t.pop("model.norm.weight"), r"missing \['model.norm.weight'\]"),
+])
+def test_a_malformed_quantized_file_is_named_and_leaves_the_model_alone(tmp_path, edit, match):
+    from shardwise.quant import load_quantized
+
+    _, path = quantized_file(tmp_path)
+    _rewrite_file(path, edit)
+    model = tiny_causal_lm("llama")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ConfigError, match=match):
+        load_quantized(model, path)
+    assert not any(isinstance(m, QuantLinear) for m in model.modules())
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+def test_a_quantized_file_for_another_shape_is_refused_before_any_change(tmp_path):
+    from shardwise.quant import load_quantized
+
+    _, path = quantized_file(tmp_path)
+    other = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=256))
+    with pytest.raises(ConfigError, match=r"saved layer 'model.layers.0.mlp.gate_proj' is "
+                                          r"\[out, in\] = \[128, 64\], the model's is \[96, 64\]"):
+        load_quantized(other, path)
+    assert not any(isinstance(m, QuantLinear) for m in other.modules())
 
 
 def test_kernel_injection_runs_on_weights_quantized_while_reading(tmp_path, monkeypatch):

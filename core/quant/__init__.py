@@ -7,6 +7,10 @@
     report = quantize_model(model, {"weight": {"num_bits": 8}}, accelerator, torch.bfloat16)
     print(report.summary())
 
+``check_fits(model, quant, accelerator, dtype)`` raises whatever ``quantize_model`` would raise
+(bad settings, a group size that does not fit a layer, a layer only the slow reference kernel
+could run) without changing the model.
+
 Modules: :mod:`.config` (the ``quant=`` dict, DeepSpeed MoQ mapping), :mod:`.modules`
 (:class:`QuantLinear`), :mod:`.transform` (:func:`quantize_model`, :class:`Quantizer` — the hook
 the checkpoint loader calls per tensor), :mod:`.checkpoint` (save/load without re-quantizing;
@@ -16,9 +20,9 @@ the pieces ``engine.save_checkpoint`` and the sharded checkpoint loader use for 
 from .checkpoint import load_quantized, save_quantized
 from .config import QuantConfig, parse_quant
 from .modules import QuantLinear
-from .transform import (AlreadyQuantizedError, QuantReport, Quantizer, model_bytes,
+from .transform import (AlreadyQuantizedError, QuantReport, Quantizer, check_fits, model_bytes,
                         quant_targets, quantize_model)
 
 __all__ = ["load_quantized", "save_quantized", "QuantConfig", "parse_quant", "QuantLinear",
-           "AlreadyQuantizedError", "QuantReport", "Quantizer", "model_bytes", "quant_targets",
-           "quantize_model"]
+           "AlreadyQuantizedError", "QuantReport", "Quantizer", "check_fits", "model_bytes",
+           "quant_targets", "quantize_model"]

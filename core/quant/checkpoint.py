@@ -1,12 +1,21 @@
 """Saving a quantized model and loading it back without re-quantizing.
 
-``save_quantized(model, path)`` writes one file (``torch.save``) holding the model's
-``state_dict`` — packed quantized buffers included, bit for bit — and a manifest of every
-:class:`QuantLinear` (its spec, the backend whose layout the buffers are in, the compute dtype,
-the buffers' shapes and dtypes). ``load_quantized(model, path)`` takes a fresh model of the same
-architecture (under tensor parallelism: sharded the same way, on the same rank), puts empty
-QuantLinear shells where the manifest says and loads the state dict into them: no
-quantization happens, so the weights are bit-identical to the saved ones.
+``save_quantized(model, path)`` writes one **safetensors** file: every tensor of the model's
+``state_dict`` (packed quantized buffers included, bit for bit; a tensor tied to another, e.g. an
+output head tied to the embeddings, is stored once) and, in the file's JSON header, a manifest of
+every :class:`QuantLinear` (its spec, the backend whose layout the buffers are in, the compute
+dtype, the buffers' shapes and dtypes) with the ``quant=`` settings. Nothing is pickled: reading
+the file parses JSON and copies raw tensor bytes, so a crafted file cannot run code (a
+``torch.save`` file, e.g. from an older shardwise, is refused without being unpickled).
+``load_quantized(model, path)`` validates the header (a named :class:`ConfigError` for a missing
+key or a wrong type), takes a fresh model of the same architecture (under tensor parallelism:
+sharded the same way, on the same rank), puts empty QuantLinear shells where the manifest says,
+checks every stored tensor against them, and loads them: no quantization happens, so the
+weights are bit-identical to the saved ones.
+
+File layout (safetensors metadata, every value a JSON string): ``"format"``: :data:`FILE_FORMAT`;
+``"manifest"``: :func:`manifest`; ``"aliases"``: state-dict key → the stored key it shares its
+tensor with.
 
 The sharded checkpoint (``engine.save_checkpoint``, :mod:`shardwise.checkpoint`) is built from
 the same pieces: each rank file carries its rank's :func:`manifest` in its metadata, the
@@ -21,6 +30,7 @@ the full-precision checkpoint.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from typing import Any, Mapping
@@ -38,7 +48,12 @@ from .transform import QUANT_ATTR, QuantizedLayer, QuantReport, _refuse_twice, m
 log = logging.getLogger(__name__)
 
 FORMAT = "shardwise-quantized-v1"
+#: The ``"format"`` of a :func:`save_quantized` file's safetensors metadata.
+FILE_FORMAT = "shardwise-quantized-file-v2"
 _LAYER_KEYS = {"spec", "backend", "compute_dtype", "meta", "tensors", "source", "bias", "kind"}
+_FILE_KEYS = {"format", "manifest", "aliases"}
+#: The first bytes of the files torch.save writes (a zip archive, or a legacy raw pickle).
+_TORCH_SAVE_MAGIC = (b"PK\x03\x04", b"\x80\x02", b"\x80\x03", b"\x80\x04", b"\x80\x05")
 
 
 def _dtype_name(dtype: torch.dtype | None) -> str | None:
@@ -111,39 +126,203 @@ def check_manifest(info: Any, where: str, error: type[Exception] = ConfigError) 
 
 
 def _entry_problem(entry: Any) -> str | None:
-    """What is wrong with one manifest layer entry (None when it is well-formed)."""
+    """What is wrong with one manifest layer entry (None when it is well-formed): every key
+    present with its type, so nothing malformed reaches a kernel."""
     if not isinstance(entry, Mapping) or set(entry) != _LAYER_KEYS:
         return f"keys {sorted(entry) if isinstance(entry, Mapping) else entry!r}"
     spec = entry["spec"]
-    if not (isinstance(spec, list) and len(spec) == 5 and spec[0] in (4, 8)
-            and all(isinstance(v, int) and v > 0 for v in (spec[1], spec[3], spec[4]))):
+    if not (isinstance(spec, list) and len(spec) == 5 and _int(spec[0]) and spec[0] in (4, 8)
+            and isinstance(spec[2], bool)
+            and all(_int(v) and v > 0 for v in (spec[1], spec[3], spec[4]))):
         return f"spec {spec!r}"
+    if not isinstance(entry["backend"], str) or not entry["backend"]:
+        return f"backend {entry['backend']!r}"
+    if entry["source"] not in ("linear", "conv1d"):
+        return f"source {entry['source']!r}"
+    if entry["kind"] is not None and not isinstance(entry["kind"], str):
+        return f"kind {entry['kind']!r}"
+    bias = entry["bias"]
+    if bias is not None and not (isinstance(bias, list) and all(_int(d) and d >= 0
+                                                                for d in bias)):
+        return f"bias shape {bias!r}"
+    meta = entry["meta"]
+    if not isinstance(meta, Mapping) or not all(
+            isinstance(k, str) and (v is None or isinstance(v, (str, int, float, bool)))
+            for k, v in meta.items()):
+        return f"meta {meta!r}"
     tensors = entry["tensors"]
     if not isinstance(tensors, Mapping) or not tensors:
         return f"tensors {tensors!r}"
     try:
         _torch_dtype(entry["compute_dtype"])
-        for shape, dtype in tensors.values():
+        for tname, value in tensors.items():
+            if not (isinstance(tname, str) and isinstance(value, (list, tuple))
+                    and len(value) == 2 and isinstance(value[0], list)):
+                return f"tensor entry {tname!r}: {value!r}"
+            shape, dtype = value
+            if not isinstance(dtype, str):
+                return f"tensor {tname!r} dtype {dtype!r}"
             _torch_dtype(dtype)
-            if not all(isinstance(d, int) and d >= 0 for d in shape):
+            if not all(_int(d) and d >= 0 for d in shape):
                 return f"tensor shape {shape!r}"
     except (KeyError, TypeError, ValueError) as exc:
         return f"dtype or tensor entry {exc}"
     return None
 
 
+def _int(value: Any) -> bool:
+    """A JSON integer (not a bool, not a float)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def save_quantized(model: nn.Module, path: str | os.PathLike) -> str:
-    """Write ``model``'s quantized state (module docstring) to ``path``; returns the path."""
-    torch.save({"manifest": manifest(model), "state_dict": model.state_dict()}, path)
+    """Write ``model``'s quantized state to the safetensors file ``path`` (module docstring;
+    ``.safetensors`` is the usual suffix); returns the path."""
+    from safetensors.torch import save_file
+
+    info = manifest(model)
+    tensors, aliases = _unshared(model.state_dict())
+    metadata = {"format": FILE_FORMAT, "manifest": json.dumps(info),
+                "aliases": json.dumps(aliases)}
+    save_file(tensors, os.fspath(path), metadata=metadata)
     return os.fspath(path)
 
 
+def _unshared(state: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor],
+                                                           dict[str, str]]:
+    """(tensors to store, key → stored key it is tied to): safetensors stores no two tensors
+    sharing memory, so a tensor tied to an earlier one (same storage, offset, shape, strides
+    and dtype) is recorded as an alias; any other overlap is stored as a copy."""
+    tensors: dict[str, torch.Tensor] = {}
+    aliases: dict[str, str] = {}
+    seen: dict[tuple, str] = {}
+    storages: set[int] = set()
+    for key, tensor in state.items():
+        tensor = tensor.detach()
+        ident = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(),
+                 tuple(tensor.shape), tensor.stride(), tensor.dtype)
+        if ident in seen and tensor.numel():
+            aliases[key] = seen[ident]
+            continue
+        ptr = tensor.untyped_storage().data_ptr()
+        if ptr in storages or not tensor.is_contiguous():
+            tensor = tensor.clone(memory_format=torch.contiguous_format)
+        storages.add(ptr)
+        seen[ident] = key
+        tensors[key] = tensor.contiguous()
+    return tensors, aliases
+
+
+def _refuse_torch_save(path: str) -> None:
+    """A ``torch.save`` file (zip or raw pickle) is refused before anything parses it."""
+    with open(path, "rb") as fh:
+        head = fh.read(4)
+    if head.startswith(_TORCH_SAVE_MAGIC):
+        raise ConfigError(
+            f"{path!r} is a torch.save (pickle) file, e.g. written by an older shardwise; it is "
+            f"not loaded, because unpickling a file can run arbitrary code. Quantize the "
+            f"full-precision model again and save it with this shardwise's save_quantized "
+            f"(a safetensors file with a JSON manifest)")
+
+
+def read_quantized(path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, str], Any]:
+    """(manifest, aliases, open safetensors handle) of a :func:`save_quantized` file, every
+    header value validated (a named :class:`ConfigError` otherwise); parses JSON only."""
+    from safetensors import SafetensorError, safe_open
+
+    where = repr(os.fspath(path))
+    if not os.path.isfile(path):
+        raise ConfigError(f"{where} is not a file; pass the path save_quantized wrote")
+    _refuse_torch_save(os.fspath(path))
+    try:
+        handle = safe_open(os.fspath(path), "pt", device="cpu")
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise ConfigError(f"{where} is not a safetensors file ({exc}); save_quantized writes "
+                          "one") from None
+    meta = handle.metadata() or {}
+    if meta.get("format") != FILE_FORMAT or set(meta) != _FILE_KEYS:
+        raise ConfigError(f"{where} is not a shardwise quantized file (format "
+                          f"{meta.get('format')!r}, keys {sorted(meta)}; expected format "
+                          f"{FILE_FORMAT!r} with {sorted(_FILE_KEYS)}); re-save it with "
+                          f"save_quantized")
+    info, aliases = (_json(meta, key, where) for key in ("manifest", "aliases"))
+    check_manifest(info, where)
+    _check_settings(info, where)
+    keys = set(handle.keys())
+    if not isinstance(aliases, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) and v in keys and k not in keys
+            for k, v in aliases.items()):
+        raise ConfigError(f"{where}: 'aliases' must map state-dict keys to stored tensors, got "
+                          f"{aliases!r}; the file is corrupted: re-save it")
+    return info, aliases, handle
+
+
+def _json(meta: Mapping[str, str], key: str, where: str) -> Any:
+    try:
+        return json.loads(meta[key])
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{where}: its {key!r} header is not valid JSON ({exc}); the file is "
+                          "corrupted: re-save it") from None
+
+
+def _check_settings(info: Mapping[str, Any], where: str) -> None:
+    """The manifest's ``config`` (a ``quant=`` dict or None) and ``dtype`` (a dtype name or
+    None) are valid."""
+    extra = set(info) - {"format", "layers", "config", "dtype"}
+    if extra:
+        raise ConfigError(f"{where}: unknown quantization manifest keys {sorted(extra)}")
+    try:
+        if info.get("config") is not None:
+            parse_quant(info["config"])
+        dtype = info.get("dtype")
+        if dtype is not None and not isinstance(dtype, str):
+            raise KeyError(dtype)
+        _torch_dtype(dtype)
+    except (ConfigError, KeyError) as exc:
+        raise ConfigError(f"{where}: its quantization settings are invalid ({exc}); the file is "
+                          "corrupted: re-save it") from None
+
+
+def _check_stored(info: Mapping[str, Any], handle: Any, model: nn.Module,
+                  aliases: Mapping[str, str], where: str) -> None:
+    """The stored tensors (and aliases) are exactly the state dict the model will have once the
+    manifest's shells are in, each with its shape (and, for packed tensors, the manifest's
+    dtype) — checked from the header alone, before the model is changed."""
+    expected = {key: (list(t.shape), None) for key, t in model.state_dict().items()}
+    for layer in info["layers"]:
+        for key in (f"{layer}.weight", f"{layer}.bias"):
+            expected.pop(key, None)
+    expected.update(tensor_names(info))
+    names = set(handle.keys()) | set(aliases)
+    missing, unexpected = sorted(set(expected) - names), sorted(names - set(expected))
+    if missing or unexpected:
+        raise ConfigError(f"{where} does not match the model's state dict (missing "
+                          f"{missing[:5]}, unexpected {unexpected[:5]}); load it into the "
+                          "architecture (and tensor-parallel rank) it was saved from")
+    for key, (shape, dtype) in expected.items():
+        stored = handle.get_slice(aliases.get(key, key))
+        got_shape, got_dtype = list(stored.get_shape()), stored.get_dtype()
+        if got_shape != list(shape) or (
+                dtype is not None and _SAFETENSORS_DTYPES.get(got_dtype) != _torch_dtype(dtype)):
+            want = f"{dtype} {list(shape)}" if dtype is not None else f"{list(shape)}"
+            raise ConfigError(f"{where}: tensor {key!r} is {got_dtype} {got_shape}, the model "
+                              f"(or the file's manifest) needs {want}; load it into the model it "
+                              "was saved from")
+
+
+_SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
+                       "BF16": torch.bfloat16, "I64": torch.int64, "I32": torch.int32,
+                       "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+                       "BOOL": torch.bool}
+
+
 def install_shells(model: nn.Module, info: Mapping[str, Any], device: torch.device | str,
-                   source: str, error: type[Exception] = ConfigError
-                   ) -> dict[str, QuantizedLayer]:
+                   source: str, error: type[Exception] = ConfigError,
+                   bias_dtype: torch.dtype | None = None) -> dict[str, QuantizedLayer]:
     """Put an empty :class:`QuantLinear` (buffers uninitialised, on ``device``: "meta" for a
     loader that assigns them) wherever the manifest ``info`` says, carrying each replaced
-    module's hooks. Returns layer name → :class:`QuantizedLayer`. Raises ``error`` for a layer
+    module's hooks; biases are made in ``bias_dtype`` (the model's; default each layer's
+    compute dtype). Returns layer name → :class:`QuantizedLayer`. Raises ``error`` for a layer
     the model lacks or a backend that cannot run here."""
     modules = dict(model.named_modules())
     missing = [n for n in info["layers"] if n not in modules]
@@ -158,7 +337,7 @@ def install_shells(model: nn.Module, info: Mapping[str, Any], device: torch.devi
         try:
             shell = QuantLinear.empty_like(spec, entry["backend"], compute, entry["meta"],
                                            entry["tensors"], entry["bias"], entry["source"],
-                                           device=device)
+                                           device=device, bias_dtype=bias_dtype)
         except KeyError as exc:
             raise error(f"{source} holds weights packed for the {entry['backend']!r} kernel "
                         f"backend, which cannot run here ({exc.args[0]}); re-quantize from the "
@@ -167,7 +346,8 @@ def install_shells(model: nn.Module, info: Mapping[str, Any], device: torch.devi
         set_submodule(model, name, shell)
         layers[name] = QuantizedLayer(name, entry.get("kind") or "attention", entry["backend"],
                                       spec.bits, spec.group_size,
-                                      (spec.out_features, spec.in_features), shell.weight_nbytes)
+                                      (spec.out_features, spec.in_features), shell.weight_nbytes,
+                                      compute)
     return layers
 
 
@@ -193,17 +373,23 @@ def load_quantized(model: nn.Module, path: str | os.PathLike,
                    device: torch.device | str | None = None) -> QuantReport:
     """Load a :func:`save_quantized` file into ``model`` (same architecture, full precision or
     on the meta device) in place, on ``device`` (default: the accelerator's, else the CPU).
-    Returns a :class:`QuantReport` (bytes before = the saved model unquantized in its dtype)."""
+    Returns a :class:`QuantReport` (bytes before = the saved model unquantized in its dtype).
+
+    Nothing is unpickled (module docstring). Raises :class:`ConfigError` for a file that is not
+    one save_quantized wrote (a ``torch.save`` file included), a malformed header (naming the
+    key), or tensors that do not match the model — all before the model is changed."""
     _refuse_twice(model)
-    blob = torch.load(path, map_location="cpu", weights_only=False)
-    info, state = blob.get("manifest", {}), blob.get("state_dict")
-    if info.get("format") != FORMAT or state is None:
-        raise ConfigError(f"{os.fspath(path)!r} is not a shardwise quantized file "
-                          f"(format {info.get('format')!r})")
+    where = repr(os.fspath(path))
+    info, aliases, handle = read_quantized(path)
     if device is None:
         device = accelerator.device() if accelerator is not None else torch.device("cpu")
     device = torch.device(device)
-    layers = install_shells(model, info, device, repr(os.fspath(path)))
+    _check_fits_model(model, info, where)
+    _check_stored(info, handle, model, aliases, where)
+    layers = install_shells(model, info, device, where, bias_dtype=_torch_dtype(info.get("dtype")))
+    state = {key: handle.get_tensor(key) for key in handle.keys()}
+    for key, target in aliases.items():
+        state[key] = state[target]
     meta_model = any(p.is_meta for p in model.parameters())
     if not meta_model:
         model.to(device)
@@ -213,7 +399,27 @@ def load_quantized(model: nn.Module, path: str | os.PathLike,
         from ..transforms import cast_and_move
 
         cast_and_move(model, device, dtype)
-    return loaded_report(model, info, layers, device, f"loaded {path}")
+    return loaded_report(model, info, layers, device, f"loaded {os.fspath(path)}")
+
+
+def _check_fits_model(model: nn.Module, info: Mapping[str, Any], where: str) -> None:
+    """Each saved layer is a Linear/Conv1D of the model with the saved [out, in] (before any
+    shell is installed, so a mismatch leaves the model as it was)."""
+    from .transform import _weight_shape, is_quantizable
+
+    modules = dict(model.named_modules())
+    for name, entry in info["layers"].items():
+        module = modules.get(name)
+        if module is None or not is_quantizable(module):
+            raise ConfigError(f"{where}: saved quantized layer {name!r} is not a Linear/Conv1D of "
+                              f"{type(model).__name__}; load it into the architecture it was "
+                              "saved from")
+        want = list(_weight_shape(module))
+        if want != [entry["spec"][4], entry["spec"][3]]:
+            raise ConfigError(f"{where}: saved layer {name!r} is [out, in] = "
+                              f"{[entry['spec'][4], entry['spec'][3]]}, the model's is {want}; "
+                              "load it into the model (and tensor-parallel rank) it was saved "
+                              "from")
 
 
 # ----- the sharded checkpoint's quant settings ----------------------------------------------------

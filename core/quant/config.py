@@ -13,8 +13,28 @@ Accepted (shardwise's names and DeepSpeed-Inference's)::
             "mlp_extra_grouping": False,    # DeepSpeed MoQ: twice the groups in MLP layers
         },
         "lm_head": False,                   # also quantize the output head (off by default)
-        "activation": {"enabled": False},   # accepted only disabled: activations stay in the
-    }                                       # compute dtype
+        "activation": {"enabled": False},   # accepted only disabled: activations are not
+                                            # quantized
+        "allow_slow_kernels": False,        # opt in to layers no fast kernel can run (below)
+    }
+
+Values are type-checked: ``num_bits`` is the integer 4 or 8 (not ``8.0``, ``True`` or ``"8"``),
+switches are ``True``/``False``, sizes are integers; anything else is a named
+:class:`~shardwise.errors.ConfigError`.
+
+Kernels and the compute dtype
+-----------------------------
+Every quantized layer runs the first fast (non-reference) ``quant_linear`` kernel the
+accelerator's backends offer for its spec: in the model's dtype when one takes it, else in the
+first of the accelerator's dtypes (preferred first) that has one — e.g. an fp32 model on CPU runs
+its quantized linears in bf16 (torch's packed CPU kernels are bf16-only), the input cast to bf16
+and the output cast back to fp32 (see :class:`~shardwise.quant.QuantLinear`). A layer no fast
+kernel can run (e.g. int4 with a group size or ``out_features`` the device's kernel does not
+take) would run the torch reference, which dequantizes the weight on every call and is several
+times slower than the unquantized model: that is a :class:`ConfigError` naming the settings that
+would be fast, unless ``allow_slow_kernels=True`` accepts it (one log line then says which layers
+run the reference). ``allow_slow_kernels`` is a run-time permission, not a weight format: it is
+not compared when a saved quantized checkpoint's settings are matched against ``quant=``.
 
 ``dtype=torch.int8`` (DeepSpeed's spelling) means ``quant={"weight": {"num_bits": 8}}`` with the
 accelerator's preferred compute dtype (bf16 on a CPU with native bf16, see
@@ -38,14 +58,15 @@ Group size
 from __future__ import annotations
 
 import difflib
+import operator
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from ..errors import ConfigError, NotSupportedYetError
 
 ALLOWED_BITS = (4, 8)
-TOP_KEYS = ("enabled", "weight", "lm_head", "activation")
+TOP_KEYS = ("enabled", "weight", "lm_head", "activation", "allow_slow_kernels")
 WEIGHT_KEYS = ("enabled", "num_bits", "group_size", "q_type", "q_groups", "mlp_extra_grouping")
 #: DeepSpeed keys we know and do not support (rejected with this reason).
 _UNSUPPORTED = {
@@ -67,7 +88,9 @@ class QuantConfig:
     bits: 4 or 8; group_size: columns per scale (-1 per channel) or None for the default (module
     docstring); q_groups: DeepSpeed MoQ groups per row (None unless given); mlp_extra_grouping:
     double ``q_groups`` in MLP layers; symmetric: no zero points; lm_head: quantize the output
-    head too.
+    head too; allow_slow_kernels: let layers no fast kernel takes run the (slow) torch
+    reference instead of raising (module docstring; not part of equality: it is no weight
+    format). Built directly, the fields are checked as :func:`parse_quant` checks them.
     """
 
     bits: int = 8
@@ -76,6 +99,14 @@ class QuantConfig:
     q_groups: int | None = None
     mlp_extra_grouping: bool = False
     lm_head: bool = False
+    allow_slow_kernels: bool = field(default=False, compare=False)
+
+    def __post_init__(self) -> None:
+        _check_bits(self.bits)
+        _check_group_size(self.group_size)
+        _check_q_groups(self.q_groups)
+        for name in ("symmetric", "mlp_extra_grouping", "lm_head", "allow_slow_kernels"):
+            _bool(getattr(self, name), name)
 
     def group_size_for(self, name: str, in_features: int) -> int:
         """The group size of layer ``name`` with ``in_features`` inputs (module docstring);
@@ -118,7 +149,10 @@ class QuantConfig:
         if self.q_groups is not None:
             weight["q_groups"] = self.q_groups
             weight["mlp_extra_grouping"] = self.mlp_extra_grouping
-        return {"weight": weight, "lm_head": self.lm_head}
+        out: dict[str, Any] = {"weight": weight, "lm_head": self.lm_head}
+        if self.allow_slow_kernels:
+            out["allow_slow_kernels"] = True
+        return out
 
 
 def is_mlp(name: str) -> bool:
@@ -126,7 +160,10 @@ def is_mlp(name: str) -> bool:
     return bool(_MLP_NAME.search(name))
 
 
-def _unknown(key: str, valid: tuple[str, ...], where: str) -> ConfigError:
+def _unknown(key: Any, valid: tuple[str, ...], where: str) -> ConfigError:
+    if not isinstance(key, str):
+        return ConfigError(f"{where} keys are strings, got {type(key).__name__} {key!r} "
+                           f"(valid: {', '.join(valid)})")
     if key in _UNSUPPORTED:
         return NotSupportedYetError(f"{where} key {key!r} ({_UNSUPPORTED[key]}) is not supported "
                                     f"by this version of shardwise; remove it")
@@ -137,13 +174,72 @@ def _unknown(key: str, valid: tuple[str, ...], where: str) -> ConfigError:
 
 def _bool(value: Any, name: str) -> bool:
     if not isinstance(value, bool):
-        raise ConfigError(f"quant {name} must be true or false, got {value!r}")
+        raise ConfigError(f"quant {name} must be true or false, got "
+                          f"{type(value).__name__} {value!r}")
     return value
+
+
+def _is_int(value: Any) -> bool:
+    """A true integer: ``int`` (numpy integers included through ``__index__``), never a bool or
+    a float such as ``8.0``."""
+    if isinstance(value, bool) or isinstance(value, float):
+        return False
+    try:
+        operator.index(value)
+    except TypeError:
+        return False
+    return True
+
+
+def _check_bits(bits: Any) -> int:
+    if not _is_int(bits) or operator.index(bits) not in ALLOWED_BITS:
+        raise ConfigError(f"quant num_bits must be the integer 4 or 8, got "
+                          f"{type(bits).__name__} {bits!r}")
+    return operator.index(bits)
+
+
+def _check_group_size(group_size: Any) -> int | None:
+    if group_size is None:
+        return None
+    if not _is_int(group_size) or (operator.index(group_size) <= 0
+                                   and operator.index(group_size) != -1):
+        raise ConfigError(f"quant group_size must be a positive integer or -1 (per output row), "
+                          f"got {type(group_size).__name__} {group_size!r}")
+    return operator.index(group_size)
+
+
+def _check_q_groups(q_groups: Any) -> int | None:
+    if q_groups is None:
+        return None
+    if not _is_int(q_groups) or operator.index(q_groups) < 1:
+        raise ConfigError(f"quant q_groups must be a positive integer, got "
+                          f"{type(q_groups).__name__} {q_groups!r}")
+    return operator.index(q_groups)
+
+
+def _check_keys(value: Mapping, valid: tuple[str, ...], where: str) -> None:
+    for key in value:
+        if key not in valid or not isinstance(key, str):
+            raise _unknown(key, valid, where)
+
+
+def _check_activation(activation: Any) -> None:
+    """Activation quantization is refused: only ``{"enabled": False}`` (DeepSpeed's keys kept)."""
+    keys = ("enabled", "num_bits", "q_type", "q_groups")
+    if not isinstance(activation, Mapping):
+        raise ConfigError(f"quant activation must be a dict like {{'enabled': False}}, got "
+                          f"{type(activation).__name__} {activation!r}")
+    _check_keys(activation, keys, "quant activation")
+    if _bool(activation.get("enabled", False), "activation.enabled"):
+        raise NotSupportedYetError("quant activation.enabled=True asks for activation "
+                                   "quantization, which shardwise does not do: weights are "
+                                   "quantized, activations stay in floating point; remove it")
 
 
 def parse_quant(value: Any, *, default_bits: int | None = None) -> QuantConfig | None:
     """A :class:`QuantConfig` from ``quant=`` (a dict, a QuantConfig, or None); None when
-    quantization is off. Every key is used or rejected by name (closest-name suggestion)."""
+    quantization is off. Every key is used or rejected by name (closest-name suggestion) and
+    every value type-checked (module docstring), all as :class:`ConfigError`."""
     if value is None:
         return QuantConfig(bits=default_bits) if default_bits else None
     if isinstance(value, QuantConfig):
@@ -151,46 +247,27 @@ def parse_quant(value: Any, *, default_bits: int | None = None) -> QuantConfig |
     if not isinstance(value, Mapping):
         raise ConfigError(f"quant must be a dict like {{'weight': {{'num_bits': 8}}}}, got "
                           f"{type(value).__name__} {value!r}")
-    for key in value:
-        if key not in TOP_KEYS:
-            raise _unknown(key, TOP_KEYS, "quant")
+    _check_keys(value, TOP_KEYS, "quant")
     if not _bool(value.get("enabled", True), "enabled"):
         return None
-    activation = value.get("activation", {})
-    if not isinstance(activation, Mapping) or set(activation) - {"enabled", "num_bits", "q_type",
-                                                                "q_groups"}:
-        raise ConfigError(f"quant activation must be a dict like {{'enabled': False}}, got "
-                          f"{activation!r}")
-    if activation.get("enabled", False) is not False:
-        raise NotSupportedYetError("quant activation.enabled=True asks for activation "
-                                   "quantization, which shardwise does not do: weights are "
-                                   "quantized, activations stay in the compute dtype; remove it")
+    _check_activation(value.get("activation", {}))
     weight = value.get("weight", {})
     if not isinstance(weight, Mapping):
-        raise ConfigError(f"quant weight must be a dict like {{'num_bits': 8}}, got {weight!r}")
-    for key in weight:
-        if key not in WEIGHT_KEYS:
-            raise _unknown(key, WEIGHT_KEYS, "quant weight")
+        raise ConfigError(f"quant weight must be a dict like {{'num_bits': 8}}, got "
+                          f"{type(weight).__name__} {weight!r}")
+    _check_keys(weight, WEIGHT_KEYS, "quant weight")
     if not _bool(weight.get("enabled", True), "weight.enabled"):
         return None
-    bits = weight.get("num_bits", default_bits or 8)
-    if isinstance(bits, bool) or bits not in ALLOWED_BITS:
-        raise ConfigError(f"quant num_bits must be 4 or 8, got {bits!r}")
+    bits = _check_bits(weight.get("num_bits", default_bits or 8))
     if default_bits is not None and bits != default_bits:
         raise ConfigError(f"dtype=int8 asks for 8-bit weights but quant num_bits is {bits}; "
                           f"drop dtype=int8 (give the compute dtype) or num_bits")
     q_type = weight.get("q_type", "symmetric")
-    if q_type not in ("symmetric", "asymmetric"):
-        raise ConfigError(f"quant q_type must be 'symmetric' or 'asymmetric', got {q_type!r}")
-    group_size = weight.get("group_size")
-    if group_size is not None and (isinstance(group_size, bool) or not isinstance(group_size, int)
-                                   or (group_size <= 0 and group_size != -1)):
-        raise ConfigError(f"quant group_size must be a positive integer or -1 (per output row), "
-                          f"got {group_size!r}")
-    q_groups = weight.get("q_groups")
-    if q_groups is not None and (isinstance(q_groups, bool) or not isinstance(q_groups, int)
-                                 or q_groups < 1):
-        raise ConfigError(f"quant q_groups must be a positive integer, got {q_groups!r}")
+    if not isinstance(q_type, str) or q_type not in ("symmetric", "asymmetric"):
+        raise ConfigError(f"quant q_type must be 'symmetric' or 'asymmetric', got "
+                          f"{type(q_type).__name__} {q_type!r}")
+    group_size = _check_group_size(weight.get("group_size"))
+    q_groups = _check_q_groups(weight.get("q_groups"))
     if q_groups is not None and group_size is not None:
         raise ConfigError("quant weight gives both group_size and q_groups (DeepSpeed's name for "
                           "groups per row); give one")
@@ -199,4 +276,6 @@ def parse_quant(value: Any, *, default_bits: int | None = None) -> QuantConfig |
         q_groups = 1  # DeepSpeed's default q_groups, doubled for the MLP
     return QuantConfig(bits=bits, group_size=group_size, symmetric=q_type == "symmetric",
                        q_groups=q_groups, mlp_extra_grouping=extra,
-                       lm_head=_bool(value.get("lm_head", False), "lm_head"))
+                       lm_head=_bool(value.get("lm_head", False), "lm_head"),
+                       allow_slow_kernels=_bool(value.get("allow_slow_kernels", False),
+                                                "allow_slow_kernels"))

@@ -8,10 +8,18 @@ covers falls back to every Linear/Conv1D except the output head (noted in the re
 
 How: each weight is quantized in float32 on the target device (:func:`quantize_weight`, so under
 tensor parallelism each rank quantizes its own slice and the scales follow their rows), the
-``quant_linear`` kernel is resolved for its spec and compute dtype, ``impl.fn.prepack`` runs once,
-and a :class:`QuantLinear` replaces the module in place, carrying its forward hooks (the
-row-parallel all-reduce). Layers that resolve to the torch reference (which dequantizes per
-call) are announced in ONE log line per call; nothing is dequantized at rest.
+``quant_linear`` kernel is resolved for its spec (:meth:`Quantizer.resolve_kernel`: the first fast
+kernel in the model's dtype, else in another of the accelerator's dtypes, e.g. bf16 for an fp32
+model on CPU; the layer then casts its input to that dtype and its output back),
+``impl.fn.prepack`` runs once, and a :class:`QuantLinear` replaces the module in place, carrying
+its forward hooks (the row-parallel all-reduce). Nothing is dequantized at rest.
+
+Slow kernels are refused: a layer only the torch reference can run (it dequantizes the weight on
+every call, several times slower than the unquantized model) is a :class:`ConfigError` naming the
+settings that would be fast, raised while validating, before any layer is replaced — unless the
+config says ``allow_slow_kernels=True``; those layers are then announced in ONE log line.
+:func:`check_fits` runs every check without touching the model (``init_inference`` calls it before
+its first in-place transform).
 
 Checkpoint loading (``core/checkpoint``) quantizes while it reads, so the full-precision model
 never sits on the device: build a :class:`Quantizer` for the (meta) model, and for each module
@@ -32,12 +40,12 @@ from torch import nn
 
 from ..accelerator import Accelerator
 from ..errors import ConfigError
-from ..kernel_registry import REFERENCE, registry
+from ..kernel_registry import REFERENCE, KernelImpl, registry
 from ..sharding.plan import _conv1d_class, choose_plan
 from ..sharding.roles import ColumnParallel, RowParallel
 from .config import QuantConfig, is_mlp, parse_quant
 from .modules import QuantLinear, carry_hooks, set_submodule
-from shardwise.kernels.reference.quant import QuantizationError, quantize_weight
+from shardwise.kernels.reference.quant import QuantizationError, QuantSpec, quantize_weight
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +66,8 @@ class QuantizedLayer:
     group_size: int
     shape: tuple[int, int]  # (out, in)
     weight_bytes: int  # packed bytes
+    #: the activation dtype its kernel runs in (None: unknown, e.g. an old checkpoint)
+    compute_dtype: torch.dtype | None = None
 
 
 @dataclass
@@ -219,14 +229,112 @@ class Quantizer:
         """Whether ``module_name`` is to be quantized."""
         return self.names is None or module_name in self.names
 
-    def check(self, module_name: str, in_features: int) -> None:
+    def check(self, module_name: str, in_features: int, out_features: int | None = None) -> None:
         """Raise (naming the layer) unless the settings fit a layer with ``in_features`` inputs
-        (this rank's, under tensor parallelism): the group size divides them, 4 bits need an
-        even count. For validating every layer before any is quantized."""
-        self.config.group_size_for(module_name, in_features)
+        and ``out_features`` outputs (this rank's, under tensor parallelism): the group size
+        divides the inputs, 4 bits need an even count, and a fast kernel takes the layer (or
+        ``allow_slow_kernels`` is set; the kernel check needs ``out_features``). Pure: for
+        validating every layer before any is quantized."""
+        group_size = self.config.group_size_for(module_name, in_features)
         if self.config.bits == 4 and in_features % 2:
             raise QuantizationError(f"layer {module_name!r}: 4-bit packing needs an even number "
                                     f"of input features, got {in_features}")
+        if out_features is not None:
+            spec = QuantSpec(self.config.bits, group_size, self.config.symmetric, in_features,
+                             out_features)
+            self._refuse_slow(module_name, spec, self.resolve_kernel(spec)[0])
+
+    # ----- which kernel, in which dtype ---------------------------------------------------------
+
+    def compute_dtypes(self) -> list[torch.dtype]:
+        """The activation dtypes a quantized layer may run its kernel in, best first: the
+        model's dtype, then the accelerator's other dtypes (its preferred one first), those
+        with the model dtype's range before narrower ones (bf16 before fp16 for fp32)."""
+        others = [self.accelerator.preferred_dtype,
+                  *[d for d in self.accelerator.supported_dtypes]]
+        others = [d for i, d in enumerate(others) if d.is_floating_point and d != self.dtype
+                  and d not in others[:i]]
+        top = torch.finfo(self.dtype).max if self.dtype.is_floating_point else float("inf")
+        others.sort(key=lambda d: torch.finfo(d).max < top)  # stable: keeps the order otherwise
+        return [self.dtype, *others]
+
+    def resolve_kernel(self, spec: QuantSpec) -> tuple[KernelImpl, torch.dtype]:
+        """(the ``quant_linear`` implementation, the activation dtype it runs in) for a weight
+        of ``spec``: the first non-reference kernel over :meth:`compute_dtypes`, else the torch
+        reference in the model's dtype. Asks the registry only (never tests a device name)."""
+        for dtype in self.compute_dtypes():
+            impl = registry.resolve("quant_linear", self.accelerator, dtype,
+                                    device_type=self.device.type, **spec.as_shape())
+            if impl.backend != REFERENCE:
+                return impl, dtype
+        return registry.resolve("quant_linear", self.accelerator, self.dtype,
+                                device_type=self.device.type, **spec.as_shape()), self.dtype
+
+    def _is_fast(self, spec: QuantSpec) -> bool:
+        return self.resolve_kernel(spec)[0].backend != REFERENCE
+
+    def _refuse_slow(self, module_name: str, spec: QuantSpec, impl: KernelImpl) -> None:
+        """The ConfigError for a layer that would run the reference (module docstring)."""
+        if impl.backend != REFERENCE or self.config.allow_slow_kernels:
+            return
+        bits = f"int{spec.bits}"
+        where = f"the {self.accelerator.name!r} accelerator ({self.device})"
+        raise ConfigError(
+            f"quant {self.config.describe()}: layer {module_name!r} ([out, in] = "
+            f"[{spec.out_features}, {spec.in_features}], {bits}, group size {spec.group_size}) "
+            f"has no fast quant_linear kernel on {where}: {self._why_slow(spec)}. It would run "
+            f"the torch reference, which dequantizes the weight on every call (several times "
+            f"slower than not quantizing). {self._what_is_fast(spec)}; or accept the slow "
+            f"kernel explicitly with quant={{..., 'allow_slow_kernels': True}}")
+
+    def _why_slow(self, spec: QuantSpec) -> str:
+        """What each fast backend of the accelerator says about ``spec``."""
+        reasons = []
+        for backend in self.accelerator.ordered_kernel_backends():
+            if backend == REFERENCE:
+                continue
+            error = registry.load_backend(backend)
+            impl = None if error else registry.implementations("quant_linear").get(backend)
+            if impl is None:
+                reasons.append(f"backend {backend!r} has no quant_linear kernel here"
+                               f"{' (' + error + ')' if error else ''}")
+                continue
+            explain = getattr(impl.fn, "unsupported_reason", None)
+            dtypes = [d for d in self.compute_dtypes() if impl.dtypes is None or d in impl.dtypes]
+            if not dtypes:
+                names = "/".join(sorted(str(d).removeprefix("torch.") for d in impl.dtypes))
+                reasons.append(f"backend {backend!r} takes {names} activations, which this "
+                               f"accelerator does not run")
+                continue
+            why = explain(device_type=self.device.type, dtype=dtypes[0], **spec.as_shape()) \
+                if callable(explain) else None
+            reasons.append(f"backend {backend!r}: {why or 'refuses this weight'}")
+        if not reasons:
+            return (f"accelerator {self.accelerator.name!r} lists no kernel backend besides the "
+                    f"torch reference")
+        return "; ".join(reasons)
+
+    def _what_is_fast(self, spec: QuantSpec) -> str:
+        """The settings that would be fast for this layer, probed through the registry."""
+        fast = []
+        sizes = [g for g in (16, 32, 64, 128, 256, 512, 1024) if spec.in_features % g == 0]
+        for g in sizes + [spec.in_features]:
+            probe = QuantSpec(spec.bits, g, spec.symmetric, spec.in_features, spec.out_features)
+            if g != spec.group_size and self._is_fast(probe):
+                fast.append("-1 (per channel)" if g == spec.in_features else str(g))
+        other = 8 if spec.bits == 4 else 4
+        probe = QuantSpec(other, spec.in_features if other == 8 else spec.group_size,
+                          spec.symmetric, spec.in_features, spec.out_features)
+        hints = []
+        if fast:
+            hints.append(f"fast int{spec.bits} group sizes for this layer here: "
+                         f"{', '.join(dict.fromkeys(fast))}")
+        if self._is_fast(probe):
+            hints.append(f"num_bits={other} is fast for it")
+        if not hints:
+            return ("No int4/int8 setting has a fast kernel for this layer here: leave the "
+                    "model unquantized")
+        return "Choose a fast setting (" + "; ".join(hints) + ")"
 
     def quantize_tensor_for(self, module_name: str, weight: torch.Tensor,
                             bias: torch.Tensor | None = None, *, conv1d: bool = False
@@ -242,21 +350,24 @@ class Quantizer:
                                     f"{tuple(weight.shape)}")
         out_features, in_features = w.shape
         group_size = self.config.group_size_for(module_name, in_features)
+        spec = QuantSpec(self.config.bits, group_size, self.config.symmetric, in_features,
+                         out_features)
+        impl, kernel_dtype = self.resolve_kernel(spec)
+        self._refuse_slow(module_name, spec, impl)  # before the (costly) quantization
         try:
             qw = quantize_weight(w.to(self.device), bits=self.config.bits, group_size=group_size,
                                  symmetric=self.config.symmetric)
         except QuantizationError as exc:
             raise QuantizationError(f"layer {module_name!r}: {exc}") from None
-        impl = registry.resolve("quant_linear", self.accelerator, self.dtype,
-                                device_type=self.device.type, **qw.spec.as_shape())
-        packed = impl.fn.prepack(qw, self.device, self.dtype)
+        packed = impl.fn.prepack(qw, self.device, kernel_dtype)
         del qw
         if bias is not None:
             bias = bias.detach().to(device=self.device, dtype=self.dtype)
         module = QuantLinear(packed, impl, bias, source="conv1d" if conv1d else "linear")
         self.layers[module_name] = QuantizedLayer(
             module_name, layer_kind(module_name, self.lm_head_name), impl.backend,
-            self.config.bits, group_size, (out_features, in_features), module.weight_nbytes)
+            self.config.bits, group_size, (out_features, in_features), module.weight_nbytes,
+            kernel_dtype)
         return module
 
     def install(self, model: nn.Module, name: str, new: QuantLinear) -> None:
@@ -281,40 +392,19 @@ class Quantizer:
         return new
 
     def fallback_line(self) -> str | None:
-        """The one line saying which layers run the reference (None when none do)."""
+        """The one line saying which layers run the reference (None when none do; they can
+        only with ``allow_slow_kernels=True``)."""
         slow = [layer for layer in self.layers.values() if layer.backend == REFERENCE]
         if not slow:
             return None
         kinds = sorted({f"int{layer.bits}" for layer in slow})
-        fast = [b for b in self.accelerator.ordered_kernel_backends() if b != REFERENCE]
-        dtype = str(self.dtype).removeprefix("torch.")
-        if fast:
-            why = (f"no {'/'.join(kinds)} quant_linear kernel of backend(s) {', '.join(fast)} "
-                   f"takes {dtype} activations with these shapes/group sizes on "
-                   f"{self.device.type}")
-            better = self._dtypes_with_kernels(slow[0])
-            if better:
-                why += f" (this device's kernels take {'/'.join(better)}: use that dtype)"
-        else:
-            why = f"accelerator {self.accelerator.name!r} lists no kernel backend"
+        first = slow[0]
+        spec = QuantSpec(first.bits, first.group_size, self.config.symmetric, first.shape[1],
+                         first.shape[0])
         return (f"shardwise quant: {len(slow)} of {len(self.layers)} quantized layers "
                 f"({'/'.join(kinds)}) run the torch reference kernel, which dequantizes each "
-                f"layer per call (correct but slow): {why}")
-
-    def _dtypes_with_kernels(self, layer: QuantizedLayer) -> list[str]:
-        """Other compute dtypes of the accelerator for which a fast backend takes ``layer``."""
-        shape = {"bits": layer.bits, "group_size": layer.group_size,
-                 "symmetric": self.config.symmetric, "out_features": layer.shape[0], "in_features": layer.shape[1]}
-        out = []
-        for dtype in self.accelerator.supported_dtypes:
-            try:
-                impl = registry.resolve("quant_linear", self.accelerator, dtype,
-                                        device_type=self.device.type, **shape)
-            except Exception:  # a backend predicate that needs more than these shape keys
-                continue
-            if dtype != self.dtype and impl.backend != REFERENCE:
-                out.append(str(dtype).removeprefix("torch."))
-        return out
+                f"layer per call (correct but slow; allowed by allow_slow_kernels=True), e.g. "
+                f"{first.name!r}: {self._why_slow(spec)}")
 
     def finish(self, model: nn.Module, bytes_before: int | None = None) -> QuantReport:
         """Log the fallback line once, mark the model quantized, and return the report."""
@@ -338,6 +428,83 @@ def _refuse_twice(model: nn.Module) -> None:
             "quantized weights with shardwise.quant.load_quantized)")
 
 
+def _weight_shape(module: nn.Module) -> tuple[int, int]:
+    """(out_features, in_features) of a Linear or transformers Conv1D (weight ``[in, out]``)."""
+    out_features, in_features = module.weight.shape
+    return (out_features, in_features) if isinstance(module, nn.Linear) else \
+        (in_features, out_features)
+
+
+def _local_shapes(prepared: Any, rank: int) -> dict[str, tuple[int, int]]:
+    """Module name → this rank's (out, in) under the tensor-parallel ``prepared``
+    (:class:`~shardwise.sharding.PreparedShards`), for the modules it splits."""
+    out = {}
+    for spec in prepared.specs if prepared is not None else ():
+        module = spec.module
+        if not _is_target_kind(module):
+            continue
+        weight = list(module.weight.shape)  # [out, in]; Conv1D [in, out]
+        weight[spec.dim] = sum(b - a for a, b in spec.ranges[rank])
+        out[spec.name] = tuple(weight) if isinstance(module, nn.Linear) else tuple(weight[::-1])
+    return out
+
+
+def _validate_targets(model: nn.Module, quantizer: Quantizer, targets: Iterable[str],
+                      shapes: Mapping[str, tuple[int, int]] | None = None) -> None:
+    """Every check of every target layer, before any is touched: it exists, is a Linear/Conv1D
+    not yet quantized, and the settings fit it with a fast kernel (:meth:`Quantizer.check`).
+    ``shapes``: name → (out, in) overriding the module's own (this rank's slice)."""
+    modules = dict(model.named_modules())
+    for name in targets:
+        if name not in modules:
+            raise ConfigError(f"no module named {name!r} to quantize")
+        module = modules[name]
+        if isinstance(module, QuantLinear):
+            raise AlreadyQuantizedError(f"layer {name!r} is already quantized")
+        if not _is_target_kind(module):
+            raise ConfigError(f"layer {name!r} is a {type(module).__name__}, not an nn.Linear or "
+                              "transformers Conv1D; only those can be quantized")
+        out_features, in_features = (shapes or {}).get(name) or _weight_shape(module)
+        quantizer.check(name, in_features, out_features)
+
+
+def check_fits(model: nn.Module, spec: QuantConfig | Mapping | None, accelerator: Accelerator,
+               dtype: torch.dtype, *, roles: Mapping | None = None,
+               injection_policy: Mapping | None = None, prepared: Any = None, rank: int = 0,
+               device: torch.device | str | None = None) -> list[str]:
+    """Raise what :func:`quantize_model` would raise for these settings, without changing
+    ``model`` (nor quantizing anything): a malformed config, a model already quantized, a group
+    size that does not divide a layer's inputs, or a layer only the slow reference kernel could
+    run (unless ``allow_slow_kernels``), each a :class:`ConfigError` naming the layer. For
+    callers that must fail before their first in-place change (``init_inference``).
+
+    Args:
+        model: the model as it is now (real weights or on the meta device: only names, types
+            and shapes are read).
+        spec: the ``quant=`` dict or a :class:`QuantConfig` (None or disabled: nothing to check).
+        accelerator, dtype: where and in which model dtype it will run.
+        roles / injection_policy: as :func:`quant_targets` (which layers).
+        prepared, rank: a tensor-parallel :class:`~shardwise.sharding.PreparedShards` not yet
+            applied and this rank: the layers are checked with this rank's slice of them (the
+            roles default to ``prepared.roles``).
+        device: the device it will run on (default ``accelerator.device()``).
+
+    Returns:
+        the names of the layers that would be quantized.
+    """
+    config = spec if isinstance(spec, QuantConfig) else parse_quant(spec)
+    if config is None:
+        return []
+    if roles is None and prepared is not None:
+        roles = prepared.roles
+    quantizer = Quantizer.for_model(model, config, accelerator, dtype, device, roles,
+                                    injection_policy)
+    order = list(dict(model.named_modules()))
+    targets = sorted(quantizer.names, key=order.index)
+    _validate_targets(model, quantizer, targets, _local_shapes(prepared, rank))
+    return targets
+
+
 @torch.no_grad()
 def quantize_model(model: nn.Module, spec: QuantConfig | Mapping, accelerator: Accelerator,
                    dtype: torch.dtype, names: Iterable[str] | None = None, *,
@@ -349,7 +516,10 @@ def quantize_model(model: nn.Module, spec: QuantConfig | Mapping, accelerator: A
         model: a model with real weights (under tensor parallelism: this rank's shards).
         spec: a :class:`QuantConfig` or the ``quant=`` dict.
         accelerator: where it runs (its kernel backends are tried in order).
-        dtype: the compute dtype (activations, embeddings, norms, biases).
+        dtype: the model's dtype (embeddings, norms, biases, and the activations between
+            layers). A quantized layer runs its kernel in it when a fast kernel takes it, else
+            in the accelerator's dtype that has one (its input cast to that dtype, its output
+            back to ``dtype``; see the module docstring).
         names: module names to quantize; None picks them from the plan (module docstring).
         device: default ``accelerator.device()``.
         roles: module name → sharding role, e.g. from ``PreparedShards.roles``.
@@ -359,8 +529,10 @@ def quantize_model(model: nn.Module, spec: QuantConfig | Mapping, accelerator: A
 
     Raises:
         AlreadyQuantizedError: the model is already quantized.
-        QuantizationError / ConfigError: bad bits, a group size not dividing a layer's inputs
-            (naming the layer) — before any layer is replaced.
+        QuantizationError / ConfigError: bad bits, a group size not dividing a layer's inputs,
+            a layer no fast kernel takes without ``allow_slow_kernels`` (each naming the
+            layer) — all before any layer is replaced (:func:`check_fits` raises the same
+            without quantizing).
     """
     from ..transforms import cast_and_move
 
@@ -376,17 +548,7 @@ def quantize_model(model: nn.Module, spec: QuantConfig | Mapping, accelerator: A
         targets = list(names)
         quantizer = Quantizer(config, accelerator, dtype, device, targets, _output_name(model))
         quantizer.source = "names given"
-    modules = dict(model.named_modules())
-    for name in targets:  # validate every layer before touching any
-        if name not in modules:
-            raise ConfigError(f"no module named {name!r} to quantize")
-        module = modules[name]
-        if isinstance(module, QuantLinear):
-            raise AlreadyQuantizedError(f"layer {name!r} is already quantized")
-        if not _is_target_kind(module):
-            raise ConfigError(f"layer {name!r} is a {type(module).__name__}, not an nn.Linear or "
-                              "transformers Conv1D; only those can be quantized")
-        quantizer.check(name, module.weight.shape[1 if isinstance(module, nn.Linear) else 0])
+    _validate_targets(model, quantizer, targets)  # every layer before touching any
     bytes_before = bytes_in_dtype(model, dtype)
     for name in targets:
         quantizer.quantize_module(model, name)

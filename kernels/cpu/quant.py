@@ -74,24 +74,40 @@ def int4_kernel_group(group_size: int) -> int | None:
     return next((g for g in INT4_KERNEL_GROUPS if group_size % g == 0), None)
 
 
-def _spec_supported(bits: int, group_size: int, out_features: int) -> bool:
-    if bits == 8:
-        return has_int8()
-    if bits == 4:
-        return (has_int4() and int4_kernel_group(group_size) is not None
-                and out_features % INT4_N_MULTIPLE == 0)
-    return False
-
-
 def supports(*, device_type: str, dtype: torch.dtype | None, bits: int | None = None,
              group_size: int | None = None, in_features: int | None = None,
              out_features: int | None = None, **_shape: Any) -> bool:
     """Registry predicate (module docstring); needs the weight spec, refuses without it."""
-    if device_type not in DEVICE_TYPES or dtype not in DTYPES:
-        return False
+    return unsupported_reason(device_type=device_type, dtype=dtype, bits=bits,
+                              group_size=group_size, in_features=in_features,
+                              out_features=out_features) is None
+
+
+def unsupported_reason(*, device_type: str, dtype: torch.dtype | None, bits: int | None = None,
+                       group_size: int | None = None, in_features: int | None = None,
+                       out_features: int | None = None, **_shape: Any) -> str | None:
+    """Why :func:`supports` refuses (None when it accepts), naming what it would take."""
+    if device_type not in DEVICE_TYPES:
+        return f"it runs on {'/'.join(sorted(DEVICE_TYPES))} only, not {device_type}"
+    if dtype not in DTYPES:
+        return (f"it takes {'/'.join(str(d).removeprefix('torch.') for d in DTYPES)} "
+                f"activations only, not {str(dtype).removeprefix('torch.')}")
     if None in (bits, group_size, in_features, out_features):
-        return False
-    return _spec_supported(bits, group_size, out_features)
+        return "it needs the weight's spec (bits, group_size, in/out features) to decide"
+    if bits == 8:
+        return None if has_int8() else "this torch has no aten._weight_int8pack_mm"
+    if bits != 4:
+        return f"it runs 8 or 4 bits, not {bits}"
+    if not has_int4():
+        return "this torch has no aten._weight_int4pack_mm_for_cpu"
+    problems = []
+    if int4_kernel_group(group_size) is None:
+        sizes = ", ".join(map(str, reversed(INT4_KERNEL_GROUPS)))
+        problems.append(f"a group size that is a multiple of 32 ({sizes}, ..., or per channel "
+                        f"when in_features is one), not {group_size}")
+    if out_features % INT4_N_MULTIPLE:
+        problems.append(f"out_features divisible by {INT4_N_MULTIPLE}, not {out_features}")
+    return ("int4 needs " + " and ".join(problems)) if problems else None
 
 
 # ----- packing (once, at load) ------------------------------------------------------------------
@@ -167,6 +183,9 @@ class CpuQuantLinear(QuantLinearKernel):
 
     def supports(self, **kwargs) -> bool:
         return supports(**kwargs)
+
+    def unsupported_reason(self, **kwargs) -> str | None:
+        return unsupported_reason(**kwargs)
 
     def _pack(self, qw: QuantizedWeight, device: torch.device, dtype: torch.dtype):
         qw = qw.to(device)

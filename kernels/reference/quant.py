@@ -264,6 +264,16 @@ class QuantLinearKernel:
         """Registry predicate; the reference runs everything."""
         return True
 
+    def unsupported_reason(self, *, device_type: str, dtype: torch.dtype | None,
+                           **shape: Any) -> str | None:
+        """Why :meth:`supports` refuses these inputs, in words for an error message (None when
+        it takes them). Backends with constraints override it to name them (e.g. the group
+        sizes they take)."""
+        if self.supports(device_type=device_type, dtype=dtype, **shape):
+            return None
+        return (f"it does not take {shape} with {str(dtype).removeprefix('torch.')} "
+                f"activations on {device_type}")
+
     def prepack(self, qw: QuantizedWeight, device: torch.device | str | None = None,
                 dtype: torch.dtype | None = None) -> PackedQuantWeight:
         """``qw`` in this backend's layout on ``device`` for inputs of ``dtype``: call once per
