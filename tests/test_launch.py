@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import textwrap
@@ -18,6 +19,7 @@ import torch.distributed.run
 from shardwise.accelerator import Accelerator, visible_device_for_rank
 from shardwise.cli import main as cli_main
 from shardwise.errors import ConfigError
+import shardwise.launch as launch_mod
 from shardwise.launch import (RANK_ENTRY, build_parser, main as launch_main, resolve_nproc,
                               torchrun_args)
 from shardwise.launch.environment import (USER_ENV_MARKER, describe_ranks, rank_environment,
@@ -215,6 +217,20 @@ def no_ranks(monkeypatch):
     (["--nproc-per-node", "1", "--device", "no-such-device", "SCRIPT"],
      "unknown device 'no-such-device'; installed accelerator plugins:"),
     (["--nproc-per-node", "1", "-m", "no_such_module_here"], "module 'no_such_module_here'"),
+    # torchrun options torch's launcher answers with an assertion traceback or a hang
+    (["--nproc-per-node", "1", "--nnodes", "2:1", "SCRIPT"],
+     "--nnodes must be a number of nodes N >= 1 or a range MIN:MAX with 1 <= MIN <= MAX, got "
+     "'2:1'"),
+    (["--nproc-per-node", "1", "--nnodes", "0", "SCRIPT"], "--nnodes must be"),
+    (["--nproc-per-node", "1", "--nnodes", "1:2:3", "SCRIPT"], "--nnodes must be"),
+    (["--nproc-per-node", "1", "--max-restarts", "-1", "SCRIPT"],
+     "--max-restarts must be 0 or more, got -1"),
+    (["--nproc-per-node", "1", "--monitor-interval", "0", "SCRIPT"],
+     "--monitor-interval must be more than 0 seconds"),
+    (["--nproc-per-node", "1", "--nnodes", "2", "--node-rank", "5", "SCRIPT"],
+     "--node-rank 5 is not a node of --nnodes 2: node ranks are 0 .. 1"),
+    (["--nproc-per-node", "1", "--master-port", "70000", "SCRIPT"],
+     "--master-port must be a TCP port from 0 to 65535, got 70000"),
 ])
 def test_bad_input_exits_non_zero_before_starting_ranks(tmp_path, monkeypatch, capsys, no_ranks,
                                                          argv, message):
@@ -223,6 +239,53 @@ def test_bad_input_exits_non_zero_before_starting_ranks(tmp_path, monkeypatch, c
     assert cli_main(["launch", *[script if a == "SCRIPT" else a for a in argv]]) == 2
     err = capsys.readouterr().err
     assert err.startswith("shardwise launch: error: ") and message in err, err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--rdzv-backend", "nosuch"], "ValueError: The rendezvous backend 'nosuch' is not registered"),
+    (["--nnodes", "1", "--rdzv-endpoint", "localhost"], "port is missing in endpoint: localhost"),
+])
+def test_options_torch_refuses_are_one_line(tmp_path, monkeypatch, capsys, argv, message):
+    monkeypatch.chdir(tmp_path)
+    code = cli_main(["launch", "--nproc-per-node", "1", "--device", "cpu", *argv,
+                     _script(tmp_path)])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err
+    (line,) = [l for l in err.splitlines() if l.startswith("shardwise launch: ")]
+    assert line.startswith("shardwise launch: error: torch's launcher refused the options: ")
+    assert message in line
+
+
+def test_master_port_in_use_is_one_line_error(tmp_path):
+    """Defect 12: torch's EADDRINUSE traceback becomes one line saying what to do."""
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        proc = _run(["shardwise", "launch", "--nproc-per-node", "1", "--device", "cpu",
+                     "--master-addr", "127.0.0.1", "--master-port", str(port),
+                     _script(tmp_path)], tmp_path)
+    assert proc.returncode == 1, proc.stdout
+    assert "Traceback" not in proc.stdout and not list(tmp_path.glob("rank*.json"))
+    assert proc.stdout.strip().splitlines()[-1] == (
+        f"shardwise launch: error: --master-port {port} is in use on this host (another job, or "
+        f"a launcher that has not exited yet, holds it); pick another free port, or on a single "
+        f"node omit --master-port (a free one is then chosen)")
+
+
+def test_port_in_use_message_names_the_option(tmp_path):
+    parser = build_parser()
+    multi = parser.parse_args(["--nnodes", "2", "--nproc-per-node", "1", "s.py"])
+    assert launch_mod.port_in_use_message(multi, 29500).startswith(
+        "port 29500 (the default --master-port) is in use on this host")
+    c10d = parser.parse_args(["--rdzv-backend", "c10d", "--rdzv-endpoint", "h:29400",
+                              "--nproc-per-node", "1", "s.py"])
+    assert launch_mod.port_in_use_message(c10d, 29400).startswith(
+        "port 29400 of --rdzv-endpoint 'h:29400' is in use on this host")
+    assert launch_mod._port_in_use(RuntimeError(
+        "The server socket has failed to listen on any local network address. port: 29500, "
+        "useIpv6: false, code: -98, name: EADDRINUSE, message: address already in use")) == 29500
+    assert launch_mod._port_in_use(RuntimeError("connection reset")) is None
 
 
 def test_the_cpu_limit_says_why(tmp_path, monkeypatch, capsys, no_ranks):

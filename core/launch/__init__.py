@@ -20,7 +20,12 @@ This is torch's own elastic launcher (``torch.distributed.run``): its argument p
 * global rank 0 prints one line saying what each rank got.
 
 A rank that fails makes the launch exit non-zero with torch's failure report (the exception of the
-first rank that failed is in it); bad input exits with code 2 before any rank starts.
+first rank that failed is in it); bad input exits with code 2 before any rank starts. Options torch's
+launcher would reject with an assertion traceback (``--nnodes 2:1``, ``--max-restarts -1``,
+``--monitor-interval 0``) or wait forever on (``--node-rank`` outside ``--nnodes``) are refused up
+front; what torch's launcher still refuses (an unknown ``--rdzv-backend``, a bad endpoint) and a
+rendezvous port already in use (``EADDRINUSE``) are one-line errors saying what to do, never a
+traceback.
 """
 
 from __future__ import annotations
@@ -32,8 +37,10 @@ import importlib.machinery
 import importlib.util
 import inspect
 import os
+import re
 import shutil
 import sys
+import traceback
 from typing import Iterator
 
 from ..accelerator import Accelerator
@@ -141,9 +148,41 @@ def _check_modes(args: argparse.Namespace) -> None:
                           "rank its own device itself (the accelerator's launch settings)")
 
 
+def parse_nnodes(value: str) -> tuple[int, int]:
+    """``--nnodes N`` or ``MIN:MAX`` as (min, max) with 0 < min <= max, else ConfigError."""
+    parts = str(value).split(":")
+    try:
+        low, high = (int(parts[0]), int(parts[-1])) if len(parts) <= 2 else (0, 0)
+    except ValueError:
+        low, high = 0, 0
+    if not 0 < low <= high:
+        raise ConfigError(f"--nnodes must be a number of nodes N >= 1 or a range MIN:MAX with "
+                          f"1 <= MIN <= MAX, got {value!r}")
+    return low, high
+
+
+def check_torchrun_options(args: argparse.Namespace) -> None:
+    """Refuse the torchrun options torch's launcher would answer with an assertion traceback, or
+    (a node rank outside the nodes) by waiting forever for nodes that never come."""
+    _, max_nodes = parse_nnodes(args.nnodes)
+    if args.max_restarts < 0:
+        raise ConfigError(f"--max-restarts must be 0 or more, got {args.max_restarts}")
+    if not args.monitor_interval > 0:
+        raise ConfigError(f"--monitor-interval must be more than 0 seconds, got "
+                          f"{args.monitor_interval}")
+    if args.master_port is not None and not 0 <= args.master_port <= 65535:
+        raise ConfigError(f"--master-port must be a TCP port from 0 to 65535, got "
+                          f"{args.master_port}")
+    if args.rdzv_backend == "static" and not args.standalone \
+            and not 0 <= args.node_rank < max_nodes:
+        raise ConfigError(f"--node-rank {args.node_rank} is not a node of --nnodes "
+                          f"{args.nnodes}: node ranks are 0 .. {max_nodes - 1}")
+
+
 def validate(args: argparse.Namespace) -> tuple[Accelerator, int]:
     """Check everything cheap before any rank starts; the accelerator and ranks per node."""
     _check_modes(args)
+    check_torchrun_options(args)
     check_target(args)
     accelerator = get_accelerator(args.device)
     nproc = resolve_nproc(args.nproc_per_node, accelerator)
@@ -196,11 +235,60 @@ def _failure_exit_code(exc) -> int:
     return failure.exitcode if failure.exitcode > 0 else 1
 
 
+def _port_in_use(exc: BaseException) -> int | None:
+    """The port of a "server socket has failed to listen ... EADDRINUSE" error (-1 when the
+    message names none); None for any other error."""
+    text = str(exc)
+    if "EADDRINUSE" not in text and "address already in use" not in text.lower():
+        return None
+    found = re.search(r"port: (\d+)", text)
+    return int(found.group(1)) if found else -1
+
+
+def port_in_use_message(args: argparse.Namespace, port: int) -> str:
+    """What to do when the rendezvous port is taken, naming the option it came from."""
+    shown = port if port >= 0 else "the rendezvous port"
+    held = "another job, or a launcher that has not exited yet, holds it"
+    if args.rdzv_backend == "static" and not args.rdzv_endpoint:
+        if args.master_port is None:  # torch's default, 29500, on a multi-node launch
+            return (f"port {shown} (the default --master-port) is in use on this host ({held}); "
+                    f"pass --master-port with a free port, the same on every node")
+        return (f"--master-port {shown} is in use on this host ({held}); pick another free "
+                f"port, or on a single node omit --master-port (a free one is then chosen)")
+    return (f"port {shown} of --rdzv-endpoint {args.rdzv_endpoint!r} is in use on this host "
+            f"({held}); pick a free port in --rdzv-endpoint, or on a single node use "
+            f"--standalone, which picks one itself")
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else ""
+
+
+def _launcher_refusal(exc: BaseException) -> str:
+    """One line for an error torch's launcher raised on its options: its message, or where it
+    was raised when it has none (a bare ``AssertionError``)."""
+    text = _first_line(exc)
+    if not text:
+        frame = traceback.extract_tb(exc.__traceback__)[-1]
+        text = f"a check failed at {frame.filename}:{frame.lineno} ({frame.line})"
+    return f"torch's launcher refused the options: {type(exc).__name__}: {text}"
+
+
 def launch(args: argparse.Namespace, accelerator: Accelerator, nproc: int) -> int:
-    """Run torch's launcher over :data:`RANK_ENTRY`; the exit code (0 when every rank did)."""
+    """Run torch's launcher over :data:`RANK_ENTRY`; the exit code (0 when every rank did).
+
+    A rank that fails: its exit code (1 if killed) and torch's report. No rank started: one
+    line on stderr, ``shardwise launch: error: ...`` (exit 1 for a port in use or a failed
+    rendezvous, 2 for options torch's launcher refused)."""
+    from torch.distributed import DistError
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.run import run
+
+    def error(message: str, code: int) -> int:
+        print(f"shardwise launch: error: {message}", file=sys.stderr, flush=True)
+        return code
 
     with launcher_environment(accelerator, nproc):
         try:
@@ -210,10 +298,20 @@ def launch(args: argparse.Namespace, accelerator: Accelerator, nproc: int) -> in
                   f"report:\n{exc.format_msg()}", file=sys.stderr, flush=True)
             return _failure_exit_code(exc)
         except RendezvousError as exc:
-            print(f"shardwise launch: error: rendezvous failed ({type(exc).__name__}: {exc}); "
-                  f"check --nnodes, --rdzv-endpoint / --master-addr:--master-port and that "
-                  f"every node started", file=sys.stderr, flush=True)
-            return 1
+            return error(f"rendezvous failed ({type(exc).__name__}: {exc}); check --nnodes, "
+                         f"--rdzv-endpoint / --master-addr:--master-port and that every node "
+                         f"started", 1)
+        except (DistError, OSError) as exc:
+            port = _port_in_use(exc)
+            if port is not None:
+                return error(port_in_use_message(args, port), 1)
+            if isinstance(exc, DistError):  # the store / rendezvous between the nodes
+                return error(f"rendezvous failed ({type(exc).__name__}: {_first_line(exc)}); "
+                             f"check --nnodes, --rdzv-endpoint / --master-addr:--master-port "
+                             f"and that every node started", 1)
+            return error(f"torch's launcher failed: {type(exc).__name__}: {exc}", 1)
+        except (AssertionError, ValueError) as exc:
+            return error(_launcher_refusal(exc), 2)
     return 0
 
 
