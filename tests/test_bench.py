@@ -16,7 +16,8 @@ from shardwise.accelerators.cpu import CpuAccelerator
 from shardwise.bench import chart, launch, report, roofline, stats
 from shardwise.bench.compare import compare, format_compare
 from shardwise.bench.figures import add_figures, figures
-from shardwise.bench.plan import Cell, ModelSpec, Plan, check_tp, engine_options
+from shardwise.bench.plan import (Cell, ModelSpec, Plan, Variant, check_tp, default_variants,
+                                  dtype_short_name)
 from shardwise.bench.presets import PRESETS, count_parameters, get_preset
 from shardwise.cli import build_parser, main
 from shardwise.errors import ConfigError
@@ -267,11 +268,132 @@ def test_presets_are_named_by_shape_and_cover_the_required_shapes():
     assert not any(word in name for name in PRESETS for word in ("smol", "tinyllama", "qwen"))
 
 
+@pytest.mark.parametrize("argv, says", [
+    (["--graphs"], "--graphs captures the injected decode step: add --inject"),
+    (["--graphs", "--quant", "int8"], "add --inject"),
+    (["--plain", "--inject"], "--plain is the variant without optimising options"),
+    (["--master-port", "29999"], "--master-port need --nnodes > 1"),
+    (["--nnodes", "2", "--tp", "2", "--node-rank", "2"], "--node-rank 2 is not in 0..1"),
+    (["--prompt-len", "500", "--new-tokens", "20"], "exceed the 512 positions of " + TINY),
+    (["--output", "r.png"], "must end in .json"),
+    (["--list-presets", "--inject"], "--list-presets takes no other option; drop --preset, --inject"),
+    (["--compare", "a.json", "b.json"], "--compare takes no other option; drop --preset"),
+])
+def test_invalid_combinations_fail_in_one_line_before_anything_runs(no_heavy_work, capsys,
+                                                                     argv, says):
+    assert main(["bench", "--preset", TINY, *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert says in err and "\n" not in err, err
+
+
+def test_unwritable_output_is_found_before_the_runs(no_heavy_work, tmp_path, capsys):
+    (tmp_path / "a-file").write_text("")
+    unwritable = [tmp_path / "missing" / "r.json", tmp_path / "a-file" / "r.json",
+                  tmp_path]  # a folder, not a file
+    if sys.platform.startswith("linux"):
+        unwritable.append("/proc/shardwise-bench.json")  # read-only even for root
+    for output in unwritable:
+        assert main(["bench", "--preset", TINY, "--output", str(output)]) == 2, output
+        assert "--output" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == [tmp_path / "a-file"]  # the check left nothing behind
+    assert report.check_writable(tmp_path / "r.json") == tmp_path / "r.json"
+    assert list(tmp_path.iterdir()) == [tmp_path / "a-file"]
+
+
+# ----- the default variants -----------------------------------------------------------------------
+
+
+def _default_plan(argv=()):
+    from shardwise.cli.bench import _plan as cli_plan
+
+    return cli_plan(build_parser().parse_args(["bench", "--preset", TINY, *argv]))
+
+
+def test_default_run_is_injection_with_graphs_int8_and_int4_as_the_device_says():
+    from shardwise.kernel_registry import REFERENCE, registry
+
+    acc = CpuAccelerator()
+    plan, _, _, notes = _default_plan()
+    preferred = dtype_short_name(acc.preferred_dtype)
+    assert plan.variant_names == ["shardwise[inject,graphs]", "shardwise[inject,graphs,int8]",
+                                  "shardwise[inject,graphs,int4]"] and notes == []
+    assert plan.variants[0].dtype == preferred == plan.baseline_dtype  # HF in the same dtype
+    for variant, bits in zip(plan.variants[1:], (8, 4)):  # each in a dtype with a fast kernel
+        group = 128 if bits == 4 else 1024
+        impl = registry.resolve("quant_linear", acc, getattr(torch, variant.dtype), bits=bits,
+                                group_size=group, symmetric=True, in_features=1024,
+                                out_features=1024)
+        assert impl.backend != REFERENCE
+    # any variant option means the one variant it describes
+    plan, *_ = _default_plan(["--dtype", "fp32"])
+    assert plan.variants == [Variant("float32")] and plan.baseline_dtype == "float32"
+
+
+def test_default_variants_ask_the_accelerator_not_the_device_name():
+    from shardwise.accelerator import GraphStrategy
+
+    class Plain(CpuAccelerator):  # no graph strategy that accelerates, no kernel backend
+        kernel_backends = ()
+
+        def graph_strategy(self):
+            return GraphStrategy()
+
+    variants, notes = default_variants(Plain())
+    assert variants == [Variant(dtype_short_name(Plain().preferred_dtype), inject=True)]
+    assert [n.split(":")[0] for n in notes] == ["no int8 row", "no int4 row"]
+    assert all("fast" in n and "quant_linear" in n for n in notes)
+
+
+def test_loading_shows_no_progress_bar_of_its_own(monkeypatch, capsys):
+    """transformers' GGUF converter calls tqdm itself; inside the bench it stays silent, so
+    the bench's bar is the one display."""
+    import shardwise.models
+    from transformers import modeling_gguf_pytorch_utils as gguf
+    from transformers.utils import logging as hf_logging
+
+    def fake_load_model(path, dtype):
+        for _ in gguf.tqdm(range(3), desc="Converting and de-quantizing GGUF tensors..."):
+            pass
+        assert not hf_logging.is_progress_bar_enabled()
+        return tiny_causal_lm("llama"), None
+
+    monkeypatch.setattr(shardwise.models, "load_model", fake_load_model)
+    before = gguf.tqdm
+    runner.load(ModelSpec("path", "m.gguf", "m.gguf"), None, 0)
+    assert "Converting" not in capsys.readouterr().err
+    assert gguf.tqdm is before and hf_logging.is_progress_bar_enabled()
+
+
+def test_default_variants_end_to_end_on_a_tiny_preset(tmp_path, capsys, monkeypatch):
+    """The default set (graph capture off here to keep the test fast: the graph strategy is
+    eager, so the default asks for injection alone): one model load, every variant on its own
+    copy, each row with its speed-up and bandwidth share."""
+    monkeypatch.setenv("SHARDWISE_CPU_GRAPHS", "eager")
+    out = tmp_path / "run.json"
+    assert main(["bench", "--preset", TINY, *FAST, "--output", str(out)]) == 0
+    doc = report.read_json(out)
+    runs = doc["runs"]
+    assert [(r["variant"], r["status"]) for r in runs] == [
+        ("hf", "ok"), ("shardwise[inject]", "ok"), ("shardwise[inject,int8]", "ok"),
+        ("shardwise[inject,int4]", "ok")]
+    hf, full, int8, int4 = runs
+    assert int4["weight_bytes"] < int8["weight_bytes"] < full["weight_bytes"] \
+        == hf["weight_bytes"]  # each quantized its own copy; the baseline stayed whole
+    for rec in runs:
+        assert rec["figures"]["speedup"]["decode"] > 0 and rec["figures"]["bandwidth_pct"] > 0
+        assert rec["dtype"] == dtype_short_name(CpuAccelerator().preferred_dtype)
+    table = capsys.readouterr().out
+    assert "dtype" in table and "shardwise[inject,int4]" in table
+    if chart.plotting_available():
+        assert out.with_suffix(".png").stat().st_size > 1000
+
+
 # ----- running ------------------------------------------------------------------------------------------
 
 def test_end_to_end_tiny_preset_writes_json_with_every_sample(tmp_path, capsys):
     out = tmp_path / "run.json"
-    argv = ["bench", "--preset", TINY, "--batch", "1", "2", *FAST, "--output", str(out)]
+    argv = ["bench", "--preset", TINY, "--plain", "--batch", "1", "2", *FAST,
+            "--output", str(out)]
     assert main(argv) == 0
     doc = report.read_json(out)
     recorded = doc["command"].split()
@@ -291,21 +413,29 @@ def test_end_to_end_tiny_preset_writes_json_with_every_sample(tmp_path, capsys):
         assert out.with_suffix(".png").stat().st_size > 1000
 
 
-def test_a_failing_variant_is_reported_and_the_others_finish(tmp_path, capsys, monkeypatch):
+def test_a_failing_variant_is_reported_the_others_finish_and_the_exit_code_says_so(
+        tmp_path, capsys, monkeypatch):
     from shardwise.errors import NotSupportedYetError
 
     def refuse(*_args, **_kwargs):  # quantization has landed: simulate an engine that refuses
         raise NotSupportedYetError("quant={'weight': {'num_bits': 8}} refused (simulated)")
 
+    real_check = runner.check_positions
+
+    def fail_long(model, cell):  # a cell failing at run time, e.g. out of memory
+        if cell.prompt_len == 9:
+            raise RuntimeError("out of memory (simulated)")
+        real_check(model, cell)
+
     monkeypatch.setattr(runner, "prepare_shardwise", refuse)
+    monkeypatch.setattr(runner, "check_positions", fail_long)
     out = tmp_path / "run.json"
-    # the preset has 512 positions: the second prompt length fails that cell only
-    argv = ["bench", "--preset", TINY, *FAST, "--prompt-len", "8", "600", "--quant", "int8",
+    argv = ["bench", "--preset", TINY, *FAST, "--prompt-len", "8", "9", "--quant", "int8",
             "--output", str(out), "--no-chart"]
-    assert main(argv) == 0
+    assert main(argv) == 1  # every row printed and written, but a failed run is a failed bench
     runs = {(r["variant"], r["prompt_len"]): r for r in report.read_json(out)["runs"]}
     assert runs["hf", 8]["status"] == "ok" and runs["hf", 8]["figures"]["tokens_per_s"] > 0
-    assert "exceed the model's 512 positions" in runs["hf", 600]["error"]
+    assert "out of memory (simulated)" in runs["hf", 9]["error"]
     assert runs["shardwise[int8]", 8]["error"].startswith("NotSupportedYetError: quant=")
     text = capsys.readouterr().out
     assert text.count("FAILED [1]") == 2 and text.count("FAILED [2]") == 1  # one note per error
@@ -314,8 +444,8 @@ def test_a_failing_variant_is_reported_and_the_others_finish(tmp_path, capsys, m
 
 def test_without_matplotlib_the_bench_says_how_to_get_charts(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(chart, "plotting_available", lambda: False)
-    assert main(["bench", "--preset", TINY, *FAST, "--new-tokens", "2", "--repeats", "1",
-                 "--output", str(tmp_path / "r.json")]) == 0
+    assert main(["bench", "--preset", TINY, "--plain", *FAST, "--new-tokens", "2",
+                 "--repeats", "1", "--output", str(tmp_path / "r.json")]) == 0
     assert "pip install 'shardwise[plot]'" in capsys.readouterr().out
     assert not (tmp_path / "r.png").exists()
 
@@ -338,15 +468,18 @@ def test_recorded_command_parses_back_to_the_same_options():
 
 def _plan(tp=2):
     return Plan(models=[ModelSpec("preset", TINY)], cells=[Cell(1, 8, 4), Cell(2, 8, 4)],
-                device="cpu", tp=tp, engine_options=engine_options(quant="int8"))
+                device="cpu", tp=tp, variants=[Variant(quant="int8")])
 
 
 def test_variant_name_and_engine_kwargs():
     plan = _plan()
-    assert plan.variant == "shardwise[tp2,int8]"
-    assert plan.engine_kwargs()["tensor_parallel"] == {"tp_size": 2}
-    assert plan.engine_kwargs()["quant"] == {"weight": {"num_bits": 8}}
+    [variant] = plan.variants
+    assert plan.variant_names == ["shardwise[tp2,int8]"]
+    assert plan.engine_kwargs(variant)["tensor_parallel"] == {"tp_size": 2}
+    assert plan.engine_kwargs(variant)["quant"] == {"weight": {"num_bits": 8}}
     assert Plan.from_dict(json.loads(json.dumps(plan.to_dict()))) == plan
+    both = Variant("bfloat16", inject=True, graphs=True, quant="int4")
+    assert Plan([], [], "cpu", [both]).variant_names == ["shardwise[inject,graphs,int4]"]
 
 
 def test_launch_command_and_environment():
@@ -362,7 +495,7 @@ def test_launch_command_and_environment():
 
 def test_merge_ranks_takes_rank0_and_fails_runs_another_rank_failed():
     plan = _plan()
-    ok = [runner.record(m, plan.variant, c) for m in plan.models for c in plan.cells]
+    ok = [runner.record(m, plan.variant_names[0], c) for m in plan.models for c in plan.cells]
     bad = copy.deepcopy(ok)
     bad[1].update(status="failed", error="CollectiveError: timeout")
     merged = launch.merge_ranks({0: ok, 1: bad}, plan, 1)
@@ -379,7 +512,7 @@ def test_tp_launches_ranks_and_shards(tmp_path):
     if CpuAccelerator().max_ranks_per_node() < 2:
         pytest.skip("needs 2 usable cores for 2 ranks")
     out = tmp_path / "tp.json"
-    assert main(["bench", "--preset", TINY, *FAST, "--repeats", "1", "--tp", "2",
+    assert main(["bench", "--preset", TINY, "--plain", *FAST, "--repeats", "1", "--tp", "2",
                  "--output", str(out), "--no-chart"]) == 0
     runs = report.read_json(out)["runs"]
     assert [(r["variant"], r["status"], r["world_size"]) for r in runs] == [

@@ -1,4 +1,4 @@
-"""``--tp N``: run the shardwise variant on N ranks started through ``shardwise launch`` (torch's
+"""``--tp N``: run the shardwise variants on N ranks started through ``shardwise launch`` (torch's
 elastic launcher with each rank set up by the accelerator), each rank running
 :mod:`shardwise.bench.worker`.
 
@@ -49,8 +49,8 @@ def merge_ranks(per_rank: dict[int, list[dict]], plan: Plan, returncode: int) ->
                  f"their output is above")
         if returncode == 0 and per_rank:
             error = "rank 0 ran on another node (--node-rank 0): its figures are written there"
-        return [record(spec, plan.variant, cell, status="failed", error=error,
-                       world_size=plan.tp) for spec in plan.models for cell in plan.cells]
+        return [record(spec, name, cell, status="failed", error=error, world_size=plan.tp)
+                for spec in plan.models for name in plan.variant_names for cell in plan.cells]
     merged = [dict(r) for r in per_rank[0]]
     for rank, records in sorted(per_rank.items()):
         for mine, theirs in zip(merged, records):
@@ -69,7 +69,7 @@ def read_rank_files(folder: str | os.PathLike) -> dict[int, list[dict]]:
 
 def run_ranks(plan: Plan, accelerator: Accelerator, nproc_per_node: int,
               rendezvous: dict[str, Any] | None = None, show_progress: bool = True) -> list[dict]:
-    """Launch the ranks for the shardwise variant of every model and cell; their records."""
+    """Launch the ranks for the shardwise variants of every model and cell; their records."""
     with tempfile.TemporaryDirectory(prefix="shardwise-bench-") as folder:
         spec = Path(folder) / "spec.json"
         spec.write_text(json.dumps({"plan": plan.to_dict(), "out_dir": folder,

@@ -38,42 +38,75 @@ class Cell:
     new_tokens: int
 
 
+@dataclass(frozen=True)
+class Variant:
+    """One shardwise variant: what ``init_inference`` is asked for beyond the device and the
+    tensor-parallel size. ``dtype`` is a short torch name (None: the model's own); ``quant`` is
+    ``"int8"``, ``"int4"`` or None."""
+
+    dtype: str | None = None
+    inject: bool = False
+    graphs: bool = False
+    quant: str | None = None
+
+    def tags(self) -> list[str]:
+        """The options as the words of the variant's name (``inject``, ``graphs``, ``int8``)."""
+        return [t for t, on in (("inject", self.inject), ("graphs", self.graphs)) if on] + \
+            ([self.quant] if self.quant else [])
+
+    def engine_options(self) -> dict[str, Any]:
+        """The ``init_inference`` keywords of these options (dtype aside)."""
+        return engine_options(self.inject, self.graphs, self.quant)
+
+
 @dataclass
 class Plan:
-    """A validated benchmark run (see :func:`make_plan`). ``dtype`` is a short name or None for
-    each model's own dtype; ``engine_options`` are the shardwise variant's extra
-    ``init_inference`` keywords."""
+    """A validated benchmark run (built by ``shardwise bench``; see :func:`default_variants`).
+
+    The HF baseline runs in ``baseline_dtype`` (None: each model's own dtype; the model is
+    loaded in it), then each of ``variants`` runs ``init_inference`` on its own copy of the
+    model (the last one on the model itself)."""
 
     models: list[ModelSpec]
     cells: list[Cell]
     device: str
-    dtype: str | None = None
+    variants: list[Variant] = field(default_factory=lambda: [Variant()])
     tp: int = 1
     nnodes: int = 1
-    engine_options: dict[str, Any] = field(default_factory=dict)
     warmup: int = 1
     repeats: int = 3
     seed: int = 0
-    #: the HF baseline's dtype when it differs from ``dtype`` (``--baseline-dtype``); the model
-    #: is then loaded in it and the shardwise variant casts to ``dtype``.
     baseline_dtype: str | None = None
 
-    @property
-    def variant(self) -> str:
-        """The shardwise variant's name, its options in brackets (``shardwise[tp2,int8]``)."""
-        tags = [f"tp{self.tp}"] if self.tp > 1 else []
-        tags += [{"replace_with_kernel_inject": "inject", "enable_graph": "graphs"}.get(k, k)
-                 for k in self.engine_options if k != "quant"]
-        if "quant" in self.engine_options:
-            tags.append(f"int{self.engine_options['quant']['weight']['num_bits']}")
+    def variant_name(self, variant: Variant) -> str:
+        """A variant's name, its options in brackets (``shardwise[tp2,inject,graphs,int8]``)."""
+        tags = ([f"tp{self.tp}"] if self.tp > 1 else []) + variant.tags()
         return f"shardwise[{','.join(tags)}]" if tags else "shardwise"
 
-    def engine_kwargs(self) -> dict[str, Any]:
-        """Keywords of ``init_inference`` for the shardwise variant."""
-        kwargs = {"device": self.device, "dtype": self.dtype, **self.engine_options}
+    @property
+    def variant_names(self) -> list[str]:
+        """The names of the shardwise variants, in run order."""
+        return [self.variant_name(v) for v in self.variants]
+
+    def engine_kwargs(self, variant: Variant) -> dict[str, Any]:
+        """Keywords of ``init_inference`` for ``variant``."""
+        kwargs = {"device": self.device, "dtype": variant.dtype, **variant.engine_options()}
         if self.tp > 1:
             kwargs["tensor_parallel"] = {"tp_size": self.tp}
         return kwargs
+
+    def check_variants(self) -> None:
+        """Validate every variant's ``init_inference`` keywords with the engine's own config
+        (e.g. graphs without injection), so a bad combination fails before any model loads."""
+        from ..config import InferenceConfig
+
+        if not self.variants:
+            raise ConfigError("the plan has no shardwise variant to run")
+        for variant in self.variants:
+            try:
+                InferenceConfig.build(**self.engine_kwargs(variant))
+            except ConfigError as exc:
+                raise ConfigError(f"variant {self.variant_name(variant)}: {exc}") from None
 
     def to_dict(self) -> dict[str, Any]:
         """Plain values (for the JSON report and the per-rank workers)."""
@@ -85,6 +118,7 @@ class Plan:
         data = dict(data)
         data["models"] = [ModelSpec(**m) for m in data["models"]]
         data["cells"] = [Cell(**c) for c in data["cells"]]
+        data["variants"] = [Variant(**v) for v in data["variants"]]
         return cls(**data)
 
 
@@ -147,3 +181,81 @@ def make_cells(batches: list[int], prompt_lens: list[int], new_tokens: list[int]
         if any(v < 1 for v in values):
             raise ConfigError(f"{name} values must be positive integers, got {values}")
     return [Cell(b, p, n) for b in batches for p in prompt_lens for n in new_tokens]
+
+
+#: The weight the quant-kernel probe asks about: a square linear of a small model's width.
+PROBE_FEATURES = 1024
+
+
+def fast_quant_dtype(accelerator: Accelerator, quant: str,
+                     dtypes: list[str | None]) -> str | None:
+    """The first of ``dtypes`` (short names) in which a kernel backend of ``accelerator`` other
+    than the torch reference takes a ``quant`` weight (default settings, a
+    ``PROBE_FEATURES``-square linear), or None: the registry is asked, never a device name."""
+    from ..kernel_registry import REFERENCE, registry
+    from ..quant.config import parse_quant
+
+    config = parse_quant(QUANT_CONFIGS[quant])
+    group_size = config.group_size_for("probe", PROBE_FEATURES)
+    shape = dict(bits=config.bits, group_size=group_size, symmetric=config.symmetric,
+                 in_features=PROBE_FEATURES, out_features=PROBE_FEATURES)
+    for name in dict.fromkeys(d for d in dtypes if d is not None):
+        impl = registry.resolve("quant_linear", accelerator, parse_dtype(name), **shape)
+        if impl.backend != REFERENCE:
+            return name
+    return None
+
+
+def default_variants(accelerator: Accelerator) -> tuple[list[Variant], list[str]]:
+    """The variants ``shardwise bench`` runs without variant options: what shardwise does
+    fastest on this device, asked of the accelerator: kernel injection in its preferred dtype,
+    with graphs when its graph strategy accelerates anything; then int8 and int4 weights, each
+    in the first dtype (the preferred one first) that has a fast ``quant_linear`` kernel.
+    Returns ``(variants, notes)``; a note says why a quantized row is left out."""
+    dtype = dtype_short_name(accelerator.preferred_dtype)
+    graphs = accelerator.graph_strategy().accelerates
+    variants = [Variant(dtype, inject=True, graphs=graphs)]
+    notes = []
+    supported = [dtype_short_name(d) for d in accelerator.supported_dtypes]
+    for quant in QUANT_CONFIGS:
+        kernel_dtype = fast_quant_dtype(accelerator, quant, [dtype, *supported])
+        if kernel_dtype is None:
+            notes.append(f"no {quant} row: no kernel backend of {accelerator.name!r} has a fast "
+                         f"{quant} quant_linear kernel in {', '.join(supported)}")
+            continue
+        variants.append(Variant(kernel_dtype, inject=True, graphs=graphs, quant=quant))
+    return variants, notes
+
+
+def dtype_short_name(dtype) -> str:
+    """``torch.bfloat16`` → ``"bfloat16"`` (what the plan and records store)."""
+    return str(dtype).removeprefix("torch.")
+
+
+def model_positions(spec: ModelSpec) -> int | None:
+    """The position-table size of ``spec`` when it is cheap to know (a preset's config, a HF
+    directory's config.json); None for GGUF files and models that do not say."""
+    import json
+    from pathlib import Path
+
+    if spec.kind == "preset":
+        config = get_preset(spec.name).config
+    elif spec.path and Path(spec.path).is_dir():
+        try:
+            config = json.loads((Path(spec.path) / "config.json").read_text())
+        except (OSError, ValueError):
+            return None
+    else:
+        return None
+    return config.get("max_position_embeddings") or config.get("n_positions")
+
+
+def check_cells_fit(models: list[ModelSpec], cells: list[Cell]) -> None:
+    """Refuse cells longer (prompt + new tokens) than a model's positions, before any load."""
+    longest = max(cells, key=lambda c: c.prompt_len + c.new_tokens)
+    for spec in models:
+        limit = model_positions(spec)
+        if limit is not None and longest.prompt_len + longest.new_tokens > limit:
+            raise ConfigError(
+                f"--prompt-len {longest.prompt_len} + --new-tokens {longest.new_tokens} exceed "
+                f"the {limit} positions of {spec.name}; use shorter prompts or fewer tokens")

@@ -10,10 +10,12 @@ A result file is one JSON object::
                    "probes_gbps" (each probe's GB/s: before and after the runs), "gbps" (their
                    highest)},
      "runs": [{"model", "variant", "baseline", "batch", "prompt_len", "new_tokens",
-               "status", "error", "dtype", "world_size", "weight_bytes",
+               "status", "error", "dtype", "kernel_dtype" (the quantized layers' activation
+               dtype, when the engine reports one), "world_size", "weight_bytes",
                "nonembedding_params", "peak_memory_bytes",
                "samples": {"warmup": [...], "repeats": [{"prefill_s", "per_token_s"}]},
-               "figures": {...}}]}             # see figures.py
+               "figures": {...}}],             # see figures.py
+     "notes": [...]}                           # optional: e.g. why a default row is left out
 """
 
 from __future__ import annotations
@@ -84,10 +86,13 @@ def provenance(accelerator, options: dict[str, Any]) -> dict[str, Any]:
 # ----- the document -------------------------------------------------------------------------------
 
 def build_document(command: str, prov: dict, plan: dict, bandwidth: dict,
-                   runs: list[dict]) -> dict[str, Any]:
+                   runs: list[dict], notes: list[str] | None = None) -> dict[str, Any]:
     """The result document (see the module docstring)."""
-    return {"schema": SCHEMA, "command": command, "provenance": prov, "plan": plan,
-            "bandwidth": bandwidth, "runs": runs}
+    doc = {"schema": SCHEMA, "command": command, "provenance": prov, "plan": plan,
+           "bandwidth": bandwidth, "runs": runs}
+    if notes:
+        doc["notes"] = list(notes)
+    return doc
 
 
 def check_document(doc: Any, source: str = "document") -> dict[str, Any]:
@@ -113,6 +118,31 @@ def write_json(doc: dict, path: str | os.PathLike) -> Path:
     return path
 
 
+def check_writable(path: str | os.PathLike, what: str = "output") -> Path:
+    """Raise ConfigError unless a file can be written at ``path``: its folder exists and takes
+    a new file (tried for real: permission bits do not tell for root or read-only mounts), and
+    an existing ``path`` is a writable file. Leaves nothing behind."""
+    import tempfile
+
+    path = Path(path)
+    folder = path.parent if str(path.parent) else Path(".")
+    if not folder.is_dir():
+        raise ConfigError(f"{what} {str(path)!r}: folder {str(folder)!r} does not exist (or is "
+                          f"not a folder); create it first or write elsewhere")
+    if path.is_dir():
+        raise ConfigError(f"{what} {str(path)!r} is a folder; name a file")
+    try:
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".shardwise-write-check-"):
+            pass
+        if path.exists():
+            with open(path, "r+b"):
+                pass
+    except OSError as exc:
+        raise ConfigError(f"{what} {str(path)!r} cannot be written ({exc.strerror or exc}); "
+                          f"choose a writable folder") from None
+    return path
+
+
 def read_json(path: str | os.PathLike) -> dict:
     """A result document read from ``path`` and checked against the schema."""
     try:
@@ -126,8 +156,10 @@ def read_json(path: str | os.PathLike) -> dict:
 
 # ----- the table ----------------------------------------------------------------------------------
 
-COLUMNS = ("model", "variant", "batch", "prompt", "new", "prefill ms", "TFLOP/s", "ms/tok",
-           "p90", "tok/s", "speed-up", "GB/s", "% BW", "peak MiB", "status")
+COLUMNS = ("model", "variant", "dtype", "batch", "prompt", "new", "prefill ms", "TFLOP/s",
+           "ms/tok", "p90", "tok/s", "speed-up", "GB/s", "% BW", "peak MiB", "status")
+#: Short dtype names for the table.
+SHORT_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
 
 def _num(value: float | None, spec: str) -> str:
@@ -142,13 +174,27 @@ def _short(name: str, width: int = 28) -> str:
     return name if len(name) <= width else "…" + name[-(width - 1):]
 
 
+def dtype_text(rec: dict) -> str:
+    """The dtype a run computed in (``bf16``), with its quantized kernels' activation dtype
+    when that differs (``fp32 (kernels bf16)``); ``-`` when unknown (a run that failed early)."""
+    dtype = rec.get("dtype")
+    if dtype is None:
+        return "-"
+    text = SHORT_DTYPES.get(dtype, dtype)
+    kernels = rec.get("kernel_dtype")
+    if kernels and kernels != dtype:
+        text += f" (kernels {'/'.join(SHORT_DTYPES.get(k, k) for k in kernels.split('/'))})"
+    return text
+
+
 def table_row(rec: dict, note: int | None = None) -> list[str]:
     """One table row of a record (``note``: footnote number of a failure)."""
     f = rec.get("figures") or {}
     prefill, decode = f.get("prefill_ms", {}), f.get("decode_ms", {})
     peak = rec.get("peak_memory_bytes")
     status = "ok" if rec["status"] == "ok" else f"FAILED [{note}]"
-    return [_short(rec["model"]), rec["variant"], str(rec["batch"]), str(rec["prompt_len"]),
+    return [_short(rec["model"]), rec["variant"], dtype_text(rec), str(rec["batch"]),
+            str(rec["prompt_len"]),
             str(rec["new_tokens"]), _num(prefill.get("median"), ".1f"),
             _num(f.get("prefill_tflops"), ".3g"), _num(decode.get("median"), ".2f"),
             _num(decode.get("p90"), ".2f"), _num(f.get("tokens_per_s"), ".1f"),
@@ -184,8 +230,9 @@ def format_table(doc: dict) -> str:
     text = [f"device: {prov['device']} ({prov['device_name']}), {prov['threads']} threads; "
             f"measured bandwidth {bw['gbps']:.1f} GB/s (copy of {bw['bytes'] / 2**20:.0f} MiB"
             f"{_probes(bw)})",
-            format_grid(list(COLUMNS), rows)]
+            format_grid(list(COLUMNS), rows, text_columns=3)]
     text += [f"[{i}] {note}" for note, i in notes.items()]
+    text += [f"note: {line}" for line in doc.get("notes") or []]
     return "\n".join(text)
 
 

@@ -1,13 +1,17 @@
 """Running the matrix in this process: load each model once, time the plain Hugging Face
-baseline on it, then transform it in place with ``init_inference`` and time shardwise.
+baseline on it, then each shardwise variant: ``init_inference`` transforms a copy of the model
+in place (the last variant transforms the model itself), and shardwise is timed on it.
 
-The baseline runs first because shardwise transforms the model in place (injection replaces
-modules); both variants share one copy of the weights. Every failure (loading, the engine,
-a cell) becomes a ``failed`` record with its error, and the run goes on.
+The baseline runs first, on the loaded model, because shardwise transforms in place (injection
+replaces modules); with one shardwise variant both share one copy of the weights, with several
+at most two copies live at once. Every failure (loading, the engine, a cell) becomes a
+``failed`` record with its error, and the run goes on.
 """
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import gc
 import os
 from dataclasses import asdict
@@ -21,7 +25,7 @@ from ..accelerator import Accelerator
 from ..config import parse_dtype
 from ..generation import timed_generate
 from ..transforms import model_dtype
-from .plan import BASELINE, Cell, ModelSpec, Plan
+from .plan import BASELINE, Cell, ModelSpec, Plan, Variant
 from .presets import build_preset
 from .roofline import nonembedding_parameters, weight_bytes
 
@@ -40,7 +44,7 @@ def record(spec: ModelSpec, variant: str, cell: Cell, **fields: Any) -> dict[str
     """A run record: one variant on one cell of one model (raw samples, no figures yet)."""
     base = {"model": spec.name, "model_kind": spec.kind, "variant": variant,
             "baseline": variant == BASELINE, **asdict(cell), "status": "ok", "error": None,
-            "dtype": None, "world_size": 1, "weight_bytes": None, "nonembedding_params": None,
+            "dtype": None, "kernel_dtype": None, "world_size": 1, "weight_bytes": None, "nonembedding_params": None,
             "peak_memory_bytes": None, "samples": {"warmup": [], "repeats": []}}
     base.update(fields)
     return base
@@ -52,12 +56,54 @@ def error_text(exc: BaseException) -> str:
 
 
 def load(spec: ModelSpec, dtype: torch.dtype | None, seed: int):
-    """``(model, tokenizer)`` of ``spec`` in ``dtype`` (None: its own); presets have no tokenizer."""
+    """``(model, tokenizer)`` of ``spec`` in ``dtype`` (None: its own); presets have no tokenizer.
+    Loaders' own progress bars are silenced (the bench shows one display)."""
     if spec.kind == "preset":
         return build_preset(spec.name, dtype, seed), None
     from ..models import load_model
 
-    return load_model(spec.path, dtype)
+    gguf = str(spec.path).endswith(".gguf")
+    with quiet_loader_bars():
+        # a GGUF file is read in its own dtype and cast after: asked for another dtype,
+        # transformers warns about packed-weight kernels that the dequantizing path never uses
+        model, tokenizer = load_model(spec.path, None if gguf else dtype)
+    if gguf and dtype is not None:
+        model.to(dtype=dtype)
+    return model, tokenizer
+
+
+@contextlib.contextmanager
+def quiet_loader_bars():
+    """Silence transformers' progress bars while loading: its weight-loading bars (its own
+    switch) and the GGUF converter's, which calls tqdm directly (swapped for a disabled tqdm
+    in that module for the duration, then put back)."""
+    from functools import partial
+
+    from tqdm.auto import tqdm
+    from transformers.utils import logging as hf_logging
+
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    gguf = _gguf_module()
+    original = getattr(gguf, "tqdm", None)
+    if original is not None:
+        gguf.tqdm = partial(tqdm, disable=True)
+    try:
+        yield
+    finally:
+        if original is not None:
+            gguf.tqdm = original
+        if was_enabled:
+            hf_logging.enable_progress_bar()
+
+
+def _gguf_module():
+    """transformers' GGUF loading module, or None where this transformers has none."""
+    try:
+        from transformers import modeling_gguf_pytorch_utils
+    except ImportError:
+        return None
+    return modeling_gguf_pytorch_utils
 
 
 def make_inputs(tokenizer, vocab_size: int, cell: Cell, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -121,36 +167,50 @@ def measure_cell(generate_on: Any, model, inputs: dict, cell: Cell, plan: Plan,
 
 def prepare_baseline(model, dtype: torch.dtype | None, accelerator: Accelerator):
     """The plain HF model on the accelerator's device in ``dtype`` (the accelerator vetoes
-    dtypes it cannot run); returns ``(what to call generate on, module)``."""
+    dtypes it cannot run); returns ``(what to call generate on, module, extra record fields)``."""
     dtype = accelerator.check_dtype(dtype or model_dtype(model))
     model.to(device=accelerator.device(), dtype=dtype)
-    return model, model
+    return model, model, {}
 
 
-def prepare_shardwise(model, plan: Plan, accelerator: Accelerator):
-    """``init_inference`` on ``model`` (in place) with the plan's options; returns
-    ``(engine, engine.module)``."""
+def prepare_shardwise(model, plan: Plan, variant: Variant, accelerator: Accelerator):
+    """``init_inference`` on ``model`` (in place) with ``variant``'s options; returns
+    ``(engine.module, engine.module, extra record fields)``: generate runs on the engine's
+    module, as a user's code does (the inputs are already on the device, and every rank under
+    tensor parallelism builds the same ones)."""
     from ..engine import init_inference
 
-    engine = init_inference(model, **plan.engine_kwargs())
-    return engine, engine.module
+    engine = init_inference(model, **plan.engine_kwargs(variant))
+    return engine.module, engine.module, {"kernel_dtype": kernel_dtypes(engine)}
 
 
-def run_variant(variant: str, prepare: Callable, model, tokenizer, spec: ModelSpec, plan: Plan,
+def kernel_dtypes(engine: Any) -> str | None:
+    """The activation dtypes the quantized layers' kernels run in, when the engine reports
+    them (``engine.quantization``), as short names joined by ``/``; None otherwise."""
+    report = getattr(engine, "quantization", None)
+    layers = getattr(report, "layers", None) or {}
+    dtypes = {getattr(layer, "compute_dtype", None) for layer in layers.values()}
+    dtypes.discard(None)
+    return "/".join(sorted(str(d).removeprefix("torch.") for d in dtypes)) or None
+
+
+def run_variant(variant: str, prepare: Callable, tokenizer, spec: ModelSpec, plan: Plan,
                 accelerator: Accelerator, progress: Progress) -> list[dict]:
     """All cells of one variant of one model; a failure fails that cell (or, while preparing,
     every cell) and the rest go on."""
     steps = plan.warmup + plan.repeats
     world = _world_size()
+    progress.set_description(f"{spec.name} {variant}: preparing"
+                             + ("" if variant == BASELINE else " (init_inference)"))
     try:
-        generate_on, module = prepare()
+        generate_on, module, extra = prepare()
     except Exception as exc:  # the engine's or the device's error, reported per row
         progress.update(steps * len(plan.cells))
         return [record(spec, variant, c, status="failed", error=error_text(exc),
                        world_size=world) for c in plan.cells]
     facts = {"dtype": str(model_dtype(module)).removeprefix("torch."), "world_size": world,
              "weight_bytes": weight_bytes(module),
-             "nonembedding_params": nonembedding_parameters(module)}
+             "nonembedding_params": nonembedding_parameters(module), **extra}
     records = []
     for cell in plan.cells:
         progress.set_description(f"{spec.name} {variant} b{cell.batch} p{cell.prompt_len} "
@@ -167,36 +227,56 @@ def run_variant(variant: str, prepare: Callable, model, tokenizer, spec: ModelSp
     return records
 
 
-def bench_model(spec: ModelSpec, plan: Plan, accelerator: Accelerator, variants: Iterable[str],
-                progress: Progress) -> list[dict]:
-    """Load ``spec`` once and run ``variants`` (``"hf"`` and/or the shardwise one) in order."""
+def bench_model(spec: ModelSpec, plan: Plan, accelerator: Accelerator, baseline: bool,
+                variants: Iterable[Variant], progress: Progress) -> list[dict]:
+    """Load ``spec`` once and run the HF baseline (when ``baseline``) and then ``variants`` in
+    order, each shardwise variant on its own copy of the model (the last on the model itself)."""
     variants = list(variants)
-    dtype = parse_dtype(plan.dtype)
-    base_dtype = parse_dtype(getattr(plan, "baseline_dtype", None)) or dtype
+    names = ([BASELINE] if baseline else []) + [plan.variant_name(v) for v in variants]
+    base_dtype = parse_dtype(plan.baseline_dtype)
     progress.set_description(f"loading {spec.name}")
     try:
         model, tokenizer = load(spec, base_dtype, plan.seed)
     except Exception as exc:
-        progress.update((plan.warmup + plan.repeats) * len(plan.cells) * len(variants))
+        progress.update((plan.warmup + plan.repeats) * len(plan.cells) * len(names))
         return [record(spec, v, c, status="failed", error=f"loading failed: {error_text(exc)}")
-                for v in variants for c in plan.cells]
+                for v in names for c in plan.cells]
     records = []
-    for variant in variants:
-        prepare = (partial(prepare_baseline, model, base_dtype, accelerator) if variant == BASELINE
-                   else partial(prepare_shardwise, model, plan, accelerator))
-        records += run_variant(variant, prepare, model, tokenizer, spec, plan, accelerator,
-                               progress)
+    if baseline:
+        records += run_variant(BASELINE, partial(prepare_baseline, model, base_dtype, accelerator),
+                               tokenizer, spec, plan, accelerator, progress)
+    for i, variant in enumerate(variants):
+        last = i == len(variants) - 1
+        records += _run_on_copy(model if last else None, model, variant, tokenizer, spec, plan,
+                                accelerator, progress)
     del model
     release(accelerator)
     return records
 
 
-def run_local(plan: Plan, accelerator: Accelerator, variants: list[str],
+def _run_on_copy(own, pristine, variant: Variant, tokenizer, spec: ModelSpec, plan: Plan,
+                 accelerator: Accelerator, progress: Progress) -> list[dict]:
+    """Run ``variant`` on ``own`` (the model itself, transformed in place) or, when None, on a
+    deep copy of ``pristine`` that is dropped afterwards."""
+    name = plan.variant_name(variant)
+
+    def prepare():
+        target = own if own is not None else copy.deepcopy(pristine)
+        return prepare_shardwise(target, plan, variant, accelerator)
+
+    try:
+        return run_variant(name, prepare, tokenizer, spec, plan, accelerator, progress)
+    finally:
+        release(accelerator)
+
+
+def run_local(plan: Plan, accelerator: Accelerator, baseline: bool, variants: list[Variant],
               progress: Progress) -> list[dict]:
-    """Every model of ``plan`` with ``variants`` in this process."""
+    """Every model of ``plan`` with the baseline (when ``baseline``) and ``variants`` in this
+    process."""
     records = []
     for spec in plan.models:
-        records += bench_model(spec, plan, accelerator, variants, progress)
+        records += bench_model(spec, plan, accelerator, baseline, variants, progress)
     return records
 
 

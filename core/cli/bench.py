@@ -1,8 +1,14 @@
 """``shardwise bench``: time the plain Hugging Face model against shardwise on this device, over
 a matrix of models × batch sizes × prompt lengths × new tokens, with roofline figures.
 
+Without variant options (--inject, --graphs, --quant, --dtype, --plain) it runs what shardwise
+does fastest on this device, as the accelerator says: kernel injection with graphs in its
+preferred dtype, then the same with int8 and with int4 weights (where it has fast kernels),
+against the HF model in that dtype. With them it runs the one variant they describe.
+
 Writes a JSON file with every sample and its provenance, and a PNG chart next to it (with the
-``plot`` extra). ``--compare a.json b.json`` prints the ratios between two saved runs.
+``plot`` extra). ``--compare a.json b.json`` prints the ratios between two saved runs. Every
+option is checked before anything runs; the exit code is 0 only when every run succeeded.
 """
 
 from __future__ import annotations
@@ -45,7 +51,9 @@ def _add_matrix_options(p: argparse.ArgumentParser) -> None:
 
 
 def _add_variant_options(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("the shardwise variant (the baseline is the plain HF model)")
+    g = p.add_argument_group("the shardwise variant (the baseline is the plain HF model); none "
+                             "of --dtype/--inject/--graphs/--quant/--plain: the device's "
+                             "default set (injection + graphs, int8, int4)")
     g.add_argument("--device", help="accelerator plugin (default: $SHARDWISE_ACCELERATOR or "
                                     "detection)")
     g.add_argument("--dtype", choices=["fp32", "fp16", "bf16", "auto"],
@@ -59,8 +67,11 @@ def _add_variant_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--master-addr", metavar="HOST", help="node 0's address (--nnodes > 1)")
     g.add_argument("--master-port", type=int, metavar="PORT", help="rendezvous port (--nnodes > 1)")
     g.add_argument("--inject", action="store_true", help="kernel injection")
-    g.add_argument("--graphs", action="store_true", help="graph capture")
+    g.add_argument("--graphs", action="store_true", help="graph capture (needs --inject)")
     g.add_argument("--quant", choices=["int8", "int4"], help="weight quantization")
+    g.add_argument("--plain", action="store_true",
+                   help="one shardwise variant with no optimising option (init_inference only "
+                        "places and casts the model; with --tp it shards it)")
     g.add_argument("--baseline-dtype", choices=["fp32", "fp16", "bf16", "auto"],
                    help="dtype of the HF baseline only (default: --dtype), e.g. an fp32 "
                         "baseline against --dtype bf16 --quant int8")
@@ -69,8 +80,9 @@ def _add_variant_options(p: argparse.ArgumentParser) -> None:
 def _add_output_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("output")
     g.add_argument("--output", metavar="FILE.json",
-                   help="results file (default shardwise-bench-<date>.json); the chart is "
-                        "written next to it as .png")
+                   help="results file (default shardwise-bench-<date>.json in the current "
+                        "folder, which must exist and be writable); the chart is written next "
+                        "to it as .png")
     g.add_argument("--no-chart", action="store_true", help="skip the PNG chart")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
     g.add_argument("--bandwidth-mib", type=_positive, metavar="MiB",
@@ -116,24 +128,100 @@ def _options(args: argparse.Namespace) -> dict:
     return {k: v for k, v in vars(args).items() if not k.startswith("_") and k != "command"}
 
 
-def _plan(args: argparse.Namespace):
-    """Validate everything cheap (device, dtype, --tp, models, matrix) before heavy work."""
-    from ..bench.plan import (Plan, check_tp, engine_options, make_cells, resolve_dtype_name,
-                              resolve_models)
-    from ..plugins import get_accelerator
+#: Options that pick the shardwise variant; with none of them the device's default set runs.
+VARIANT_OPTIONS = ("dtype", "inject", "graphs", "quant", "plain")
+#: Options only a multi-node run (--nnodes > 1) reads.
+MULTI_NODE_OPTIONS = ("node_rank", "master_addr", "master_port")
+#: Modes that do something else than running, and take no run options.
+OTHER_MODES = ("compare", "list_presets")
 
+
+def _given(args: argparse.Namespace) -> list[str]:
+    """The dests of the options given with a non-default value."""
+    return [a.dest for a in (_PARSER._actions if _PARSER else []) if a.option_strings
+            and getattr(args, a.dest, None) not in (a.default, None)]
+
+
+def _flag(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
+
+
+def check_combinations(args: argparse.Namespace) -> None:
+    """Refuse option combinations that would be ignored or fail later: one ConfigError naming
+    the options, before any model, device or file is touched."""
+    given = _given(args)
+    modes = [d for d in OTHER_MODES if d in given]
+    if modes:
+        others = [d for d in given if d != modes[0]]
+        if others:
+            raise ConfigError(f"{_flag(modes[0])} takes no other option; drop "
+                              f"{', '.join(map(_flag, others))}")
+        return
+    if args.plain and (args.inject or args.graphs or args.quant):
+        raise ConfigError("--plain is the variant without optimising options; drop --plain or "
+                          "drop --inject/--graphs/--quant")
+    if args.graphs and not args.inject:
+        raise ConfigError("--graphs captures the injected decode step: add --inject (or drop "
+                          "--graphs; without variant options the bench runs both)")
     if args.warmup < 0:
         raise ConfigError(f"--warmup must be 0 or more, got {args.warmup}")
+    if args.nnodes == 1:
+        stray = [d for d in MULTI_NODE_OPTIONS if d in given]
+        if stray:
+            raise ConfigError(f"{', '.join(map(_flag, stray))} need --nnodes > 1")
+    elif not 0 <= args.node_rank < args.nnodes:
+        raise ConfigError(f"--node-rank {args.node_rank} is not in 0..{args.nnodes - 1} "
+                          f"(--nnodes {args.nnodes})")
+
+
+def output_path(args: argparse.Namespace) -> Path:
+    """The results file (``--output`` or ``shardwise-bench-<date>.json``), checked writable,
+    together with the chart next to it, before the runs: a ConfigError says what is wrong."""
+    from ..bench.report import check_writable
+
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    output = Path(args.output or f"shardwise-bench-{stamp}.json")
+    if output.suffix != ".json":
+        raise ConfigError(f"--output {str(output)!r} must end in .json (the chart is written "
+                          f"next to it as .png)")
+    check_writable(output, "--output")
+    if not args.no_chart:
+        check_writable(output.with_suffix(".png"), "the chart (next to --output)")
+    return output
+
+
+def _variants(args: argparse.Namespace, accelerator) -> tuple[list, str | None, list[str]]:
+    """``(variants, baseline dtype, notes)``: the one variant the variant options describe, or
+    the device's default set (see :func:`~shardwise.bench.plan.default_variants`), whose
+    baseline runs in the same preferred dtype as its first variant."""
+    from ..bench.plan import Variant, default_variants, resolve_dtype_name
+
+    dtype = resolve_dtype_name(accelerator, args.dtype)
+    baseline = resolve_dtype_name(accelerator, args.baseline_dtype)
+    if any(getattr(args, d) for d in VARIANT_OPTIONS):
+        return [Variant(dtype, args.inject, args.graphs, args.quant)], baseline or dtype, []
+    variants, notes = default_variants(accelerator)
+    return variants, baseline or variants[0].dtype, notes
+
+
+def _plan(args: argparse.Namespace):
+    """Validate everything cheap (options, device, dtypes, --tp, models, matrix, every
+    variant's engine config) before heavy work; returns ``(plan, accelerator, nproc, notes)``."""
+    from ..bench.plan import Plan, check_cells_fit, check_tp, make_cells, resolve_models
+    from ..plugins import get_accelerator
+
+    check_combinations(args)
     accelerator = get_accelerator(args.device)
     nproc = check_tp(accelerator, args.tp, args.nnodes)
+    variants, baseline_dtype, notes = _variants(args, accelerator)
     plan = Plan(models=resolve_models(args.model, args.preset),
                 cells=make_cells(args.batch, args.prompt_len, args.new_tokens),
-                device=accelerator.name, dtype=resolve_dtype_name(accelerator, args.dtype),
-                tp=args.tp, nnodes=args.nnodes,
-                baseline_dtype=resolve_dtype_name(accelerator, args.baseline_dtype),
-                engine_options=engine_options(args.inject, args.graphs, args.quant),
-                warmup=args.warmup, repeats=args.repeats, seed=args.seed)
-    return plan, accelerator, nproc
+                device=accelerator.name, variants=variants, tp=args.tp, nnodes=args.nnodes,
+                baseline_dtype=baseline_dtype, warmup=args.warmup, repeats=args.repeats,
+                seed=args.seed)
+    check_cells_fit(plan.models, plan.cells)
+    plan.check_variants()
+    return plan, accelerator, nproc, notes
 
 
 def _compare(paths: list[str]) -> int:
@@ -158,7 +246,10 @@ def _write_outputs(doc: dict, output: Path, chart: bool) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run ``shardwise bench``; exit code 1 when no run succeeded."""
+    """Run ``shardwise bench``; exit code 1 when any run failed (its row says why), 2 for bad
+    options (raised as ConfigError before anything runs)."""
+    if args.list_presets or args.compare:
+        check_combinations(args)
     if args.list_presets:
         from ..bench.presets import describe_presets
 
@@ -169,15 +260,14 @@ def run(args: argparse.Namespace) -> int:
     from ..bench.report import command_line, format_table
     from ..bench.session import run_bench
 
-    plan, accelerator, nproc = _plan(args)
-    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    output = Path(args.output or f"shardwise-bench-{stamp}.json")
+    plan, accelerator, nproc, notes = _plan(args)
+    output = output_path(args)
     rendezvous = {"node_rank": args.node_rank, "master_addr": args.master_addr,
                   "master_port": args.master_port} if args.nnodes > 1 else None
     doc = run_bench(plan, accelerator, command=command_line(command_argv(args)),
                     options=_options(args), nproc_per_node=nproc, rendezvous=rendezvous,
                     bandwidth_bytes=args.bandwidth_mib and args.bandwidth_mib * 2**20,
-                    show_progress=not args.no_progress)
+                    show_progress=not args.no_progress, notes=notes)
     print(format_table(doc))
     _write_outputs(doc, output, chart=not args.no_chart)
-    return 0 if any(r["status"] == "ok" for r in doc["runs"]) else 1
+    return 0 if all(r["status"] == "ok" for r in doc["runs"]) else 1
