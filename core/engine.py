@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from typing import Any
@@ -12,7 +13,8 @@ from torch import nn
 from .accelerator import Accelerator
 from .communicator import Communicator, create_communicator
 from .config import InferenceConfig
-from .errors import ConfigError
+from .errors import ConfigError, ShardwiseError
+from .ledger import Ledger
 from .plugins import get_accelerator
 from . import checkpoint as _checkpoint, sharding, transforms
 
@@ -33,9 +35,19 @@ class InferenceEngine:
             was sharded and how, what stayed replicated, each rank's parameter bytes), else None.
         quantization: the :class:`~shardwise.quant.QuantReport` with ``quant=`` / ``dtype=int8``
             (model bytes before/after, layers quantized, backend per layer kind), else None.
+
+    Threads: an injected model holds one static KV cache, so :meth:`generate` and
+    :meth:`__call__` of an injected engine run one thread at a time (callers wait); using
+    ``engine.module`` from several threads at once raises
+    :class:`~shardwise.inject.cache.ConcurrentUseError` rather than mixing their caches.
     """
 
     quantization = None
+    #: the record of the model as handed in (:meth:`close` restores it); None when not kept
+    _ledger: Ledger | None = None
+    #: why :meth:`close` cannot give the model back (None: it can)
+    _not_restorable: str | None = None
+    _closed = False
 
     def __init__(self, module: nn.Module, config: InferenceConfig, accelerator: Accelerator,
                  communicator: Communicator, device: torch.device, dtype: torch.dtype,
@@ -52,13 +64,70 @@ class InferenceEngine:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Run the module's forward on inputs moved to the engine's device (under tensor
         parallelism, rank 0's tensor inputs are broadcast so every rank computes the same)."""
-        return self.module(*self._inputs(args), **self._inputs(kwargs))
+        self._check_open()
+        with self._session():
+            return self.module(*self._inputs(args), **self._inputs(kwargs))
 
     @torch.inference_mode()
     def generate(self, *args: Any, **kwargs: Any) -> Any:
         """``module.generate`` with tensor inputs moved to the engine's device (and broadcast
-        from rank 0 under tensor parallelism)."""
-        return self.module.generate(*self._inputs(args), **self._inputs(kwargs))
+        from rank 0 under tensor parallelism). On an injected engine, calls from several
+        threads run one after another (the static KV cache serves one generate at a time)."""
+        self._check_open()
+        with self._session():
+            return self.module.generate(*self._inputs(args), **self._inputs(kwargs))
+
+    #: the injected decoder stack (its generate session serializes threads), if any
+    _stack = None
+
+    def _session(self) -> contextlib.AbstractContextManager:
+        """The injected stack's generate session (see :meth:`InjectedModel.session
+        <shardwise.inject.InjectedModel.session>`); a no-op context without one."""
+        return self._stack.session() if self._stack is not None else contextlib.nullcontext()
+
+    def close(self) -> nn.Module | None:
+        """End the engine and give the model back as it was handed to ``init_inference``.
+
+        What comes back (from the :class:`~shardwise.ledger.Ledger` opened before the first
+        change): every module the engine replaced (the injected stack gives way to the HF base
+        model), every hook, instance-level ``forward`` (graph capture's output head) and
+        attribute it set, the ``config`` values, and the parameters' and buffers' tensors — the
+        same objects, bit for bit. The engine's KV cache and captured graphs are dropped with
+        the injected stack. This costs no memory when the engine only added structure over the
+        weights as handed in (kernel injection, graphs, a checkpoint loaded into your meta
+        model, which comes back on meta), so the record is kept for exactly those engines.
+
+        Where ``init_inference`` replaced weights (sharding, quantization, a cast to another
+        dtype, a move to another device), the originals were released at init so memory holds
+        one copy of the model: ``close`` then raises :class:`NotRestorableError` and changes
+        nothing (``engine.module`` stays usable; reload the model to get the original).
+
+        Returns:
+            the model as handed in, or None for an engine built from a checkpoint with
+            ``model=None`` (nothing to give back; the engine is closed all the same). Calling
+            it again returns the same.
+        """
+        if self._closed:
+            return self._given_back
+        if self._ledger is None and self._not_restorable is not None:
+            raise NotRestorableError(f"engine.close() cannot give the model back: "
+                                     f"{self._not_restorable}")
+        given = None
+        if self._ledger is not None:
+            self._ledger.restore()
+            given = self._ledger.root
+            self._ledger.release()
+            self._ledger = None
+        self._closed, self._given_back = True, given
+        self._prepared = self.checkpoint_load = None
+        return given
+
+    _given_back: nn.Module | None = None
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ShardwiseError("this engine is closed (engine.close() gave the model back); "
+                                 "build a new one with shardwise.init_inference")
 
     def save_checkpoint(self, path: str | os.PathLike) -> str:
         """Write the loaded model as a sharded checkpoint (every rank calls it): one safetensors
@@ -71,6 +140,7 @@ class InferenceEngine:
         Such a checkpoint loads without re-quantizing, bit-identically, at the same tp size
         only (packed layouts cannot be merged or split: to change the tp size, save an engine
         built without ``quant=`` and quantize while loading)."""
+        self._check_open()
         prepared = getattr(self, "_prepared", None) if self.sharding is not None else None
         return str(_checkpoint.save_checkpoint(self.module, path, prepared=prepared,
                                                communicator=self.communicator))
@@ -96,6 +166,10 @@ class InferenceEngine:
         return (f"InferenceEngine({type(self.module).__name__} on {self.device}, "
                 f"dtype={str(self.dtype).removeprefix('torch.')}, "
                 f"world={self.communicator.world_size})")
+
+
+class NotRestorableError(ShardwiseError, RuntimeError):
+    """``engine.close()`` cannot give the model back as handed in (the reason is named)."""
 
 
 #: Most tensor dims ``_broadcast_tensors`` sends (the shape travels in a fixed-size tensor).
@@ -172,6 +246,13 @@ def init_inference(model: nn.Module, config: InferenceConfig | dict | str | None
       compound the rounding: quantize from the full-precision checkpoint instead). The tp size
       and the compute dtype must be the saved ones (``dtype`` unset takes the saved one).
 
+    Failure leaves the model as handed in: every transform's settings (sharding plan, ``quant``
+    against each layer, injection, the KV cache against the device's free memory) are checked
+    before the first in-place change, and a :class:`~shardwise.ledger.Ledger` opened before it
+    restores the model (modules, hooks, instance forwards, attributes, tensors) if any later
+    step fails, so a retry starts from the same model. ``engine.close()`` gives the model back
+    where that costs no memory (see :meth:`InferenceEngine.close`).
+
     Raises:
         ConfigError: an unknown or malformed field, or a feature not supported yet (named).
         ShardingError: tp_size does not fit the world, or the model cannot be split as planned
@@ -180,8 +261,22 @@ def init_inference(model: nn.Module, config: InferenceConfig | dict | str | None
         UnsupportedDtypeError: a dtype the device cannot run.
         CheckpointError: a missing, corrupt or mismatched checkpoint, or a quantized one loaded
             otherwise than saved (above); named, before any weight is read.
+        KVCacheMemoryError: (a ConfigError) the static KV cache of ``max_tokens`` for one
+            sequence exceeds the device's free memory (the message names the bytes, the free
+            memory and the ``max_tokens`` that would fit).
     """
     cfg = InferenceConfig.build(config, **kwargs)
+    if not isinstance(model, nn.Module):  # None (built from the checkpoint) or an error below
+        return _build_engine(model, cfg)
+    ledger = Ledger(model)  # before the first in-place change: a failure gives it all back
+    with ledger.rollback_on_error():
+        engine = _build_engine(model, cfg)
+    _keep_if_free(engine, ledger)
+    return engine
+
+
+def _build_engine(model: nn.Module | None, cfg: InferenceConfig) -> InferenceEngine:
+    """:func:`init_inference`'s steps: every check first, then the in-place transforms."""
     desc = _checkpoint.describe(cfg.checkpoint, cfg.base_dir) if cfg.checkpoint else None
     if desc is not None and desc.quant is not None:
         _saved_quant_settings(cfg, desc)  # before any model, process group or weight work
@@ -197,6 +292,9 @@ def init_inference(model: nn.Module, config: InferenceConfig | dict | str | None
     prepared = _shard_step(model, cfg)  # 4. validated before any process group or weight work
     communicator = create_communicator(accelerator, cfg.comm_timeout)  # 2.
     device = accelerator.device(communicator.local_rank if accelerator.device_count() > 1 else None)
+    sharded = prepared is not None and cfg.tp_size > 1
+    tp = (communicator.rank, communicator.world_size) if sharded else (0, 1)
+    _check_later_steps(model, cfg, accelerator, dtype, device, prepared, tp, desc)
     _seed(cfg)
     loaded = None
     if desc is not None:  # 3. each rank reads only its slices, straight onto its device
@@ -205,7 +303,7 @@ def init_inference(model: nn.Module, config: InferenceConfig | dict | str | None
             rank=communicator.rank, device=device, dtype=dtype,
             quantizer=_reading_quantizer(model, cfg, accelerator, dtype, device, prepared, desc))
     report = None
-    if prepared is not None and cfg.tp_size > 1:
+    if sharded:
         report = sharding.apply_shards(  # 4. (the loader already sliced the weights)
             prepared, communicator, sliced=loaded.sliced if loaded else None,
             bytes_before=loaded.bytes_before if loaded else None)
@@ -215,9 +313,7 @@ def init_inference(model: nn.Module, config: InferenceConfig | dict | str | None
     if cfg.replace_with_kernel_inject:  # 5. on the sharded weights (their hooks stay in use)
         from .inject import inject_model
 
-        tp = (communicator.rank, communicator.world_size) if report is not None else (0, 1)
-        max_tokens = None if cfg.max_tokens == InferenceConfig.max_tokens else cfg.max_tokens
-        injected = inject_model(model, accelerator, dtype, max_tokens, tp=tp)
+        injected = inject_model(model, accelerator, dtype, _max_tokens(cfg), tp=tp)
     quant_report = _quantize_and_cast(model, cfg, accelerator, dtype, device, prepared,
                                       loaded)  # 6.
     if injected is not None:
@@ -230,9 +326,51 @@ def init_inference(model: nn.Module, config: InferenceConfig | dict | str | None
     engine = InferenceEngine(model, cfg, accelerator, communicator, device, dtype, report)
     engine.quantization = quant_report
     engine._prepared, engine.checkpoint_load = prepared, loaded
+    engine._stack = injected if hasattr(injected, "session") else None
     if cfg.save_mp_checkpoint_path:
         engine.save_checkpoint(cfg.save_mp_checkpoint_path)
     return engine
+
+
+def _max_tokens(cfg: InferenceConfig) -> int | None:
+    """The static KV cache's capacity asked for (None: the injector's default)."""
+    return None if cfg.max_tokens == InferenceConfig.max_tokens else cfg.max_tokens
+
+
+def _check_later_steps(model: nn.Module, cfg: InferenceConfig, accelerator: Accelerator,
+                       dtype: torch.dtype, device: torch.device,
+                       prepared: "sharding.PreparedShards | None", tp: tuple[int, int],
+                       desc: "_checkpoint.Description | None") -> None:
+    """The settings of steps 5-6, checked before the first in-place change (step 4's
+    ``prepare`` and the loader's header checks check their own): ``quant`` against every
+    layer as each rank will hold it (all ranks' slices, so every rank fails alike), and
+    injection — policy, model settings, head counts, kernels and the static KV cache of one
+    sequence against the device's free memory."""
+    if cfg.quant is not None and (desc is None or desc.quant is None):
+        from .quant import check_fits
+
+        for rank in range(tp[1]):
+            check_fits(model, cfg.quant, accelerator, dtype, prepared=prepared, rank=rank,
+                       injection_policy=cfg.injection_policy, device=device)
+    if cfg.replace_with_kernel_inject:
+        from .inject.injector import check_injection
+
+        check_injection(model, accelerator, dtype, _max_tokens(cfg), device, tp=tp)
+
+
+def _keep_if_free(engine: InferenceEngine, ledger: Ledger) -> None:
+    """Keep ``ledger`` for :meth:`InferenceEngine.close` when it holds no weights the model no
+    longer does (only structure was added); else release it, noting why."""
+    held = ledger.held_bytes()["parameters"]
+    if held == 0:
+        engine._ledger = ledger
+        return
+    ledger.release()
+    engine._not_restorable = (
+        f"init_inference replaced the weights in place (sharded, quantized, cast to another "
+        f"dtype or moved to another device: {held} bytes of the originals), and keeping the "
+        f"originals would hold the model twice, so they were released. engine.module stays "
+        f"usable; reload the model to get the original")
 
 
 def _saved_quant_settings(cfg: InferenceConfig, desc: "_checkpoint.Description") -> None:

@@ -96,7 +96,8 @@ def timed_generate(model, inputs: dict[str, torch.Tensor],
 
     Args:
         model: a model with HF ``generate`` (e.g. ``engine.module``); ``inputs`` must already be
-            on its device.
+            on its device. An injected model is held for the whole call (its generate
+            session), so timed generates from several threads run one after another.
         inputs: ``input_ids`` and optionally ``attention_mask`` (a ``BatchEncoding`` works).
         synchronize: waits for the device before each timestamp (``accelerator.synchronize``),
             so asynchronous devices are timed honestly.
@@ -106,8 +107,11 @@ def timed_generate(model, inputs: dict[str, torch.Tensor],
     Returns:
         The output ids (prompt included, as ``generate`` returns them) and the timings.
     """
+    from .inject.layers import generation_session
+
     if synchronize is not None:
         synchronize()  # start from an idle device
     timer = TokenTimer(synchronize)
-    output = model.generate(**inputs, streamer=timer, **gen_kwargs)
+    with generation_session(model):  # an injected model's cache: one generate at a time
+        output = model.generate(**inputs, streamer=timer, **gen_kwargs)
     return output, timer.timings()

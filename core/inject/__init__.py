@@ -9,16 +9,19 @@ Encoder-only families (BERT) describe theirs with :class:`EncoderInjectionSpec`;
 :func:`inject_model` replaces their encoder (:class:`InjectedEncoder`, no KV cache).
 """
 
-from .cache import KVBuffers, MaxTokensError, StaleCacheError, StaticKVCache
+from .cache import (ConcurrentUseError, KVBuffers, KVCacheMemoryError, MaxTokensError,
+                    StaleCacheError, StaticKVCache)
 from .capture import DecodeGraphs, HeadFromGraph, enable_graphs
-from .injector import (InjectionError, inject_model, injected_stack, resolve_kernels, resolve_ops,
-                       supported_families)
+from .injector import (InjectionError, check_injection, inject_model, injected_stack,
+                       resolve_kernels, resolve_ops, supported_families)
 from .encoder import EncoderInjectionSpec, InjectedEncoder, inject_encoder, injected_encoder
 from .layers import InjectedLayer, InjectedModel
 from .spec import ACTIVATIONS, InjectionSpec
 
-__all__ = ["KVBuffers", "MaxTokensError", "StaleCacheError", "StaticKVCache", "DecodeGraphs",
-           "HeadFromGraph", "InjectionError", "enable_graphs", "inject_model", "injected_stack",
+__all__ = ["ConcurrentUseError", "KVBuffers", "KVCacheMemoryError", "MaxTokensError",
+           "StaleCacheError", "StaticKVCache", "DecodeGraphs",
+           "HeadFromGraph", "InjectionError", "check_injection", "enable_graphs", "inject_model",
+           "injected_stack",
            "resolve_kernels", "resolve_ops", "supported_families", "EncoderInjectionSpec",
            "InjectedEncoder", "inject_encoder", "injected_encoder", "InjectedLayer",
            "InjectedModel", "ACTIVATIONS", "InjectionSpec"]

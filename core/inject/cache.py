@@ -9,14 +9,28 @@ that ``generate`` carries between steps: a cursor (tokens written, the first val
 left-padded sequence) over the buffers. Only the newest cache object of a model is live: starting a
 new sequence (a forward without a shardwise cache) retires the previous one, and using a retired
 one is an error rather than silently reading overwritten keys.
+
+Threads: the one static cache is why two threads must not generate on one injected model at
+the same time (each would overwrite the other's keys). :class:`~shardwise.inject.InjectedModel`
+refuses overlapping forwards and a forward of another thread while a ``generate`` session is
+held (``engine.generate`` holds one, so engine calls from several threads run one after
+another), and a cache re-claimed by another thread's new sequence says so
+(:class:`ConcurrentUseError`): never silently wrong tokens.
+
+Memory: the cache's bytes (:func:`kv_cache_bytes`) are checked against the device's free memory
+at ``init_inference`` (one sequence) and before each allocation (the batch asked for), a
+:class:`KVCacheMemoryError` naming the ``max_tokens`` that would fit.
 """
 
 from __future__ import annotations
 
+import threading
+from typing import Callable
+
 import torch
 from transformers.cache_utils import Cache
 
-from ..errors import ShardwiseError
+from ..errors import ConfigError, ShardwiseError
 
 #: How users raise the capacity, quoted by every capacity error.
 RAISE_HINT = ("raise it with init_inference(..., max_tokens=N) (DeepSpeed alias max_out_tokens); "
@@ -29,6 +43,69 @@ class MaxTokensError(ShardwiseError, ValueError):
 
 class StaleCacheError(ShardwiseError, RuntimeError):
     """A shardwise cache from an earlier sequence was passed back after a new one started."""
+
+
+class ConcurrentUseError(ShardwiseError, RuntimeError):
+    """Two threads used one injected model (one static KV cache) at the same time."""
+
+
+#: What every concurrency error tells the user to do.
+THREADS_HINT = ("an injected model holds ONE static KV cache, so two threads cannot generate on "
+                "it at the same time: use one engine per thread, or call engine.generate (it "
+                "serializes callers), or hold a lock around each generate")
+
+
+class KVCacheMemoryError(ConfigError):
+    """The static KV cache would not fit the device's free memory."""
+
+
+def kv_cache_bytes(num_layers: int, batch: int, kv_heads: int, max_tokens: int, head_dim: int,
+                   dtype: torch.dtype) -> int:
+    """Bytes of a static cache: layers × 2 (k, v) × batch × kv heads × max_tokens × head_dim ×
+    the dtype's size (kv heads: this rank's under tensor parallelism)."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return num_layers * 2 * batch * kv_heads * max_tokens * head_dim * itemsize
+
+
+def free_memory_of(free_memory: Callable[[int], int] | None, device: torch.device) -> int | None:
+    """``free_memory(index)`` of ``device`` (an accelerator's method); None when it cannot say."""
+    if free_memory is None:
+        return None
+    try:
+        return int(free_memory(device.index or 0))
+    except NotImplementedError:  # a plugin without memory queries: nothing to check against
+        return None
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def check_kv_fits(need: int, free: int, *, batch: int, max_tokens: int, where: str) -> None:
+    """Raise :class:`KVCacheMemoryError` unless a cache of ``need`` bytes (``batch`` sequences of
+    ``max_tokens``) fits in ``free`` bytes."""
+    if need > free:
+        raise kv_memory_error(need, free, batch=batch, max_tokens=max_tokens, where=where)
+
+
+def kv_memory_error(need: int, free: int | None, *, batch: int, max_tokens: int, where: str,
+                    refused: bool = False) -> KVCacheMemoryError:
+    """The error for a cache of ``need`` bytes that does not fit (``refused``: the allocator
+    failed although ``free`` looked enough): the bytes, the free memory and the ``max_tokens``
+    that would fit."""
+    per_token = max(1, need // max_tokens)  # one token position over every layer and sequence
+    seqs = "one sequence" if batch == 1 else f"a batch of {batch}"
+    have = ("cannot tell its free memory" if free is None else
+            f"has {free} bytes free ({_gib(free)})")
+    fits = "" if free is None else (f"; at most max_tokens={free // per_token} would fit (less "
+                                    f"in practice: activations need room too)")
+    refusal = "the allocator refused it: " if refused else ""
+    return KVCacheMemoryError(
+        f"the static KV cache for {seqs} of max_tokens={max_tokens} needs {need} bytes "
+        f"({_gib(need)}: layers x 2 x kv heads x head_dim x max_tokens x batch x dtype size); "
+        f"{refusal}{where} {have}{fits}. Lower it with init_inference(..., max_tokens=N) "
+        f"(DeepSpeed alias max_out_tokens)"
+        + ("" if batch == 1 else " or generate with a smaller batch"))
 
 
 class KVBuffers:
@@ -79,11 +156,20 @@ class StaticKVCache(Cache):
         self.length = 0  # tokens written (same for every sequence: left padding, not ragged)
         self.starts: torch.Tensor | None = None  # [batch] first real token, None: no padding
         self._owner, self._generation = owner, generation
+        #: (ident, name) of the thread whose forward started this sequence
+        self.thread = (threading.get_ident(), threading.current_thread().name)
 
     # ----- shardwise ---------------------------------------------------------------------------
 
     def check_live(self) -> None:
         if getattr(self._owner, "_cache_generation", None) != self._generation:
+            newest = getattr(self._owner, "_cache_thread", None)
+            if newest is not None and newest[0] != self.thread[0]:
+                raise ConcurrentUseError(
+                    f"the KV cache of the sequence thread {self.thread[1]!r} is generating was "
+                    f"re-claimed by thread {newest[1]!r}, which started another sequence on "
+                    f"the same injected model; the keys this sequence needs are overwritten, so "
+                    f"it stops here rather than produce wrong tokens. {THREADS_HINT}")
             raise StaleCacheError(
                 "this shardwise KV cache belongs to an earlier sequence: an injected model keeps "
                 "one static cache, and a newer prompt has overwritten it. Start again from the "

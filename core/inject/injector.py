@@ -8,6 +8,7 @@ usable alone; step 7, ``enable_graphs(model, accelerator)``, is in :mod:`.captur
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -20,6 +21,7 @@ from ..errors import ConfigError
 from ..kernel_registry import REFERENCE, KernelImpl, registry
 from ..policy import HeadCounts
 from ..sharding.partition import HeadPartition
+from .cache import check_kv_fits, free_memory_of, kv_cache_bytes
 from .layers import InjectedModel, Kernels, LayerSetup
 from .spec import ACTIVATIONS, InjectionSpec
 
@@ -91,7 +93,7 @@ def _split(impls: dict[str, KernelImpl], ops: dict[str, str]):
 
 
 def _resolve_impls(accelerator: Accelerator, dtype: torch.dtype, ops: dict[str, str],
-                   what: str) -> dict[str, KernelImpl]:
+                   what: str, quiet: bool = False) -> dict[str, KernelImpl]:
     """slot → the resolved implementation (see :func:`resolve_ops`, which logs the same way)."""
     impls = {slot: registry.resolve(op, accelerator, dtype) for slot, op in ops.items()}
     fallen = []
@@ -102,7 +104,7 @@ def _resolve_impls(accelerator: Accelerator, dtype: torch.dtype, ops: dict[str, 
                   if b != REFERENCE and b in accelerator.ordered_kernel_backends()]
         if others:
             fallen.append(f"{op} ({'/'.join(others)})")
-    if fallen:
+    if fallen and not quiet:
         log.warning("shardwise: %s on %s in %s: %s %s no kernel for this dtype in the listed "
                     "backend; using the torch reference (same numbers, slower)", what,
                     accelerator.name, dtype_name(dtype), ", ".join(fallen),
@@ -111,12 +113,12 @@ def _resolve_impls(accelerator: Accelerator, dtype: torch.dtype, ops: dict[str, 
 
 
 def resolve_kernels(accelerator: Accelerator, dtype: torch.dtype, spec: InjectionSpec,
-                    act_op: str) -> Kernels:
+                    act_op: str, quiet: bool = False) -> Kernels:
     """The decoder layer's kernels for ``dtype`` (see :func:`resolve_ops`)."""
     ops = {"norm": "rms_norm" if spec.norm == "rms" else "layer_norm", "rotary": "rotary",
            "act": act_op, "attention_prefill": "attention_prefill",
            "attention_decode": "attention_decode", "kv_cache_write": "kv_cache_write"}
-    impls = _resolve_impls(accelerator, dtype, ops, "kernel injection")
+    impls = _resolve_impls(accelerator, dtype, ops, "kernel injection", quiet)
     fns, backends = _split(impls, ops)
     return Kernels(**fns, backends=backends,
                    decode_capturable=impls["attention_decode"].capturable)
@@ -207,30 +209,51 @@ def _rotary_dim(config: Any, spec: InjectionSpec, head_dim: int) -> int | None:
     return int(dim or head_dim)
 
 
-def inject_model(model: nn.Module, accelerator: Accelerator, dtype: torch.dtype,
-                 max_tokens: int | None, policy=None, tp: tuple[int, int] = (0, 1)) -> nn.Module:
-    """Replace ``model``'s decoder stack in place with shardwise's inference layers (run after
-    sharding: the layers use the sharded weights and their hooks). Returns the new stack: an
-    :class:`InjectedModel`, or for an encoder-only family an ``InjectedEncoder``.
+@dataclass
+class InjectionPlan:
+    """Everything :func:`inject_model` decides before it changes the model (decoders)."""
 
-    Args:
-        max_tokens: the static KV cache's capacity (decoders; None: :data:`DEFAULT_MAX_TOKENS`).
-            An encoder has no cache: a value for it is an error rather than ignored.
-        tp: (rank, tp_size) the model was sharded with (its head split, ALiBi slopes).
+    policy: Any
+    spec: InjectionSpec
+    parent: nn.Module  # the module holding the base model as attribute ``attr``
+    attr: str
+    base: nn.Module
+    kernels: Kernels
+    hf_layers: nn.ModuleList
+    setups: list[LayerSetup]
+    rotary_dim: int | None
+    max_tokens: int
 
-    Raises:
-        InjectionError: no policy with injection data (the message lists the families that have
-            one), or a model setting the injected layers do not implement.
-    """
+    @property
+    def kv_heads(self) -> int:
+        return self.setups[0].kv_heads if self.setups else 0
+
+    @property
+    def head_dim(self) -> int:
+        return self.setups[0].head_dim if self.setups else 0
+
+    def kv_bytes(self, dtype: torch.dtype, batch: int = 1) -> int:
+        """Bytes of the static KV cache for ``batch`` sequences (this rank's kv heads)."""
+        return kv_cache_bytes(len(self.hf_layers), batch, self.kv_heads, self.max_tokens,
+                              self.head_dim, dtype)
+
+
+def plan_injection(model: nn.Module, accelerator: Accelerator, dtype: torch.dtype,
+                   max_tokens: int | None, policy=None, tp: tuple[int, int] = (0, 1),
+                   quiet: bool = False):
+    """Every check :func:`inject_model` makes, and what it would build, without changing
+    ``model``: an :class:`InjectionPlan` for a decoder, None for an encoder (whose own checks
+    then run at :func:`inject_model`). Raises what :func:`inject_model` raises. ``quiet``:
+    the kernel fallback line is left to the injection itself."""
     policy, spec = _policy_and_spec(model, policy)
-    from .encoder import EncoderInjectionSpec, inject_encoder
+    from .encoder import EncoderInjectionSpec
 
     if isinstance(spec, EncoderInjectionSpec):  # encoder-only (BERT): no KV cache
         if max_tokens is not None:
             raise InjectionError(f"max_tokens={max_tokens} (max_out_tokens) sizes the KV cache of "
                                  f"decoders; {type(model).__name__} is an encoder and has none: "
                                  f"drop it")
-        return inject_encoder(model, policy, spec, accelerator, dtype)
+        return None
     max_tokens = DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens
     parent_name, _, attr = spec.base_model.rpartition(".")
     parent = model.get_submodule(parent_name) if parent_name else model
@@ -244,15 +267,63 @@ def inject_model(model: nn.Module, accelerator: Accelerator, dtype: torch.dtype,
     counts = policy.head_counts(model.config)
     if counts is None:
         raise InjectionError(f"policy {policy.name!r} finds no head counts in the config")
-    kernels = resolve_kernels(accelerator, dtype, spec, act[0])
+    kernels = resolve_kernels(accelerator, dtype, spec, act[0], quiet)
     hf_layers = base.get_submodule(spec.layers)
-    injected = InjectedModel(base, spec, kernels, max_tokens,
-                             _setups(model, spec, hf_layers, counts, tp, act, max_tokens),
-                             _rotary_dim(model.config, spec, counts.head_dim))
-    setattr(parent, attr, injected)
+    return InjectionPlan(policy, spec, parent, attr, base, kernels, hf_layers,
+                         _setups(model, spec, hf_layers, counts, tp, act, max_tokens),
+                         _rotary_dim(model.config, spec, counts.head_dim), max_tokens)
+
+
+def check_injection(model: nn.Module, accelerator: Accelerator, dtype: torch.dtype,
+                    max_tokens: int | None, device: torch.device, policy=None,
+                    tp: tuple[int, int] = (0, 1)) -> None:
+    """What :func:`inject_model` would refuse, raised without changing ``model``; and the static
+    KV cache of one sequence checked against ``device``'s free memory (as the accelerator
+    reports it), so an impossible ``max_tokens`` fails at init, not inside the allocator.
+
+    Raises:
+        InjectionError: as :func:`inject_model`.
+        KVCacheMemoryError: the cache for one sequence needs more than the free memory (the
+            message names the bytes, the free memory and the ``max_tokens`` that would fit).
+    """
+    plan = plan_injection(model, accelerator, dtype, max_tokens, policy, tp, quiet=True)
+    if plan is None:
+        return
+    free = free_memory_of(accelerator.free_memory, device)
+    if free is not None:
+        check_kv_fits(plan.kv_bytes(dtype), free, batch=1, max_tokens=plan.max_tokens,
+                      where=f"{accelerator.name} device {device}")
+
+
+def inject_model(model: nn.Module, accelerator: Accelerator, dtype: torch.dtype,
+                 max_tokens: int | None, policy=None, tp: tuple[int, int] = (0, 1)) -> nn.Module:
+    """Replace ``model``'s decoder stack in place with shardwise's inference layers (run after
+    sharding: the layers use the sharded weights and their hooks). Returns the new stack: an
+    :class:`InjectedModel`, or for an encoder-only family an ``InjectedEncoder``. The model
+    changes in one step, at the end: a failure before leaves it as it was.
+
+    Args:
+        max_tokens: the static KV cache's capacity (decoders; None: :data:`DEFAULT_MAX_TOKENS`).
+            An encoder has no cache: a value for it is an error rather than ignored.
+        tp: (rank, tp_size) the model was sharded with (its head split, ALiBi slopes).
+
+    Raises:
+        InjectionError: no policy with injection data (the message lists the families that have
+            one), or a model setting the injected layers do not implement.
+    """
+    plan = plan_injection(model, accelerator, dtype, max_tokens, policy, tp)
+    if plan is None:
+        from .encoder import inject_encoder
+
+        policy, spec = _policy_and_spec(model, policy)
+        return inject_encoder(model, policy, spec, accelerator, dtype)
+    injected = InjectedModel(plan.base, plan.spec, plan.kernels, plan.max_tokens, plan.setups,
+                             plan.rotary_dim)
+    injected.free_memory = accelerator.free_memory  # checked before each cache allocation
+    setattr(plan.parent, plan.attr, injected)
     log.info("shardwise: injected %d %s layers (kernels: %s), static KV cache of %d tokens",
-             len(hf_layers), policy.name,
-             ", ".join(f"{op}={b}" for op, b in kernels.backends.items()), max_tokens)
+             len(plan.hf_layers), plan.policy.name,
+             ", ".join(f"{op}={b}" for op, b in plan.kernels.backends.items()), plan.max_tokens)
     return injected
 
 

@@ -22,9 +22,12 @@ through the engine's communicator; head counts are read from the local weight sh
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
+import threading
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -34,7 +37,8 @@ from transformers.modeling_outputs import BaseModelOutputWithPastAndCrossAttenti
 from shardwise.kernels.reference.attention import rotary_cos_sin
 
 from ..errors import ShardwiseError
-from .cache import KVBuffers, StaticKVCache
+from .cache import (THREADS_HINT, ConcurrentUseError, KVBuffers, StaticKVCache, check_kv_fits,
+                    free_memory_of, kv_cache_bytes, kv_memory_error)
 from .spec import InjectionSpec
 
 log = logging.getLogger(__name__)
@@ -256,6 +260,79 @@ class InjectedLayer(nn.Module):
                                               enable_gqa=self.q_heads != self.kv_heads)
 
 
+def _thread_name(ident: int) -> str:
+    """``'name'`` of the live thread ``ident`` (for messages)."""
+    return next((repr(t.name) for t in threading.enumerate() if t.ident == ident), f"#{ident}")
+
+
+class ThreadGuard:
+    """Who is using an injected model right now: the thread running a forward, and the thread
+    holding a generate session (:meth:`InjectedModel.session`). State changes happen under one
+    short lock, so every interleaving of threads is either refused with
+    :class:`~shardwise.inject.cache.ConcurrentUseError` or safe. Copies (``deepcopy``, pickling)
+    get a fresh guard: locks are per live object."""
+
+    def __init__(self) -> None:
+        self.state = threading.Lock()  # held for a few instructions only
+        self.session_lock = threading.RLock()  # held for a whole generate; waited on
+        self.forward_thread: int | None = None
+        self.session_thread: int | None = None
+        #: (ident, name) of the thread that started the newest sequence (its cache is live)
+        self.cache_thread: tuple[int, str] | None = None
+
+    def __reduce__(self):
+        return ThreadGuard, ()
+
+    def enter_forward(self) -> None:
+        me = threading.get_ident()
+        with self.state:
+            holder, busy = self.session_thread, self.forward_thread
+            if holder is not None and holder != me:
+                raise ConcurrentUseError(
+                    f"thread {_thread_name(me)} called the injected model while thread "
+                    f"{_thread_name(holder)} is generating on it; {THREADS_HINT}")
+            if busy is not None:
+                raise ConcurrentUseError(
+                    f"thread {_thread_name(me)} called the injected model while thread "
+                    f"{_thread_name(busy)} is in the middle of a forward on it; {THREADS_HINT}")
+            self.forward_thread = me
+
+    def leave_forward(self) -> None:
+        with self.state:
+            self.forward_thread = None
+
+    @contextlib.contextmanager
+    def session(self) -> Iterator[None]:
+        me = threading.get_ident()
+        with self.session_lock:  # another thread's session: wait for it to end
+            with self.state:
+                busy = self.forward_thread
+                if busy is not None and busy != me:
+                    raise ConcurrentUseError(
+                        f"thread {_thread_name(me)} started a generate while thread "
+                        f"{_thread_name(busy)} is in the middle of a forward on the same injected "
+                        f"model outside engine.generate; {THREADS_HINT}")
+                outer, self.session_thread = self.session_thread, me
+            try:
+                yield
+            finally:
+                with self.state:
+                    self.session_thread = outer
+
+
+def _one_thread(forward: Callable) -> Callable:
+    """Run ``forward`` under the model's :class:`ThreadGuard` (refused while another thread
+    uses the model)."""
+    @functools.wraps(forward)
+    def guarded(self, *args: Any, **kwargs: Any) -> Any:
+        self._guard.enter_forward()
+        try:
+            return forward(self, *args, **kwargs)
+        finally:
+            self._guard.leave_forward()
+    return guarded
+
+
 class InjectedModel(nn.Module):
     """The decoder stack that replaces the HF base model (see the module docstring)."""
 
@@ -277,6 +354,23 @@ class InjectedModel(nn.Module):
         self._kv: dict[int, KVBuffers] = {}  # rows (batch, or its bucket) → buffers
         self._cache_generation = 0
         self.graphs: Any = None  # a DecodeGraphs when graph capture is on
+        self._guard = ThreadGuard()
+        #: the accelerator's ``free_memory(index)`` (set by inject_model): each cache
+        #: allocation is checked against it first
+        self.free_memory: Callable[[int], int] | None = None
+
+    @property
+    def _cache_thread(self) -> tuple[int, str] | None:
+        """(ident, name) of the thread that started the newest sequence."""
+        return self._guard.cache_thread
+
+    def session(self) -> contextlib.AbstractContextManager:
+        """A context that holds this model's static cache for one whole ``generate`` in this
+        thread: another thread's session waits until it ends (``engine.generate`` runs in
+        one, so engine calls from several threads are serialized), and another thread's bare
+        forward meanwhile raises :class:`~shardwise.inject.cache.ConcurrentUseError` instead of
+        overwriting the cache. Re-entrant."""
+        return self._guard.session()
 
     def rebind(self) -> None:
         """(Re)read every adopted submodule the forward calls (see :meth:`InjectedLayer.rebind`)."""
@@ -327,10 +421,28 @@ class InjectedModel(nn.Module):
         for other in [n for n in self._kv if n != rows and n not in captured]:
             del self._kv[other]
         if kv is None:
-            kv = self._kv[rows] = KVBuffers(len(self.m.layers), rows, self.kv_heads,
-                                            self.max_tokens, self.head_dim, dtype, device)
+            kv = self._kv[rows] = self._allocate(rows, dtype, device)
         self._cache_generation += 1
+        self._guard.cache_thread = (threading.get_ident(), threading.current_thread().name)
         return StaticKVCache(kv, self, self._cache_generation, batch)
+
+    def _allocate(self, rows: int, dtype: torch.dtype, device: torch.device) -> KVBuffers:
+        """New buffers for ``rows`` sequences, checked against the device's free memory first
+        (an allocator failure is reported the same way)."""
+        need = kv_cache_bytes(len(self.m.layers), rows, self.kv_heads, self.max_tokens,
+                              self.head_dim, dtype)
+        free = free_memory_of(self.free_memory, device)
+        where = f"device {device}"
+        if free is not None:
+            check_kv_fits(need, free, batch=rows, max_tokens=self.max_tokens, where=where)
+        try:
+            return KVBuffers(len(self.m.layers), rows, self.kv_heads, self.max_tokens,
+                             self.head_dim, dtype, device)
+        except (torch.OutOfMemoryError, RuntimeError) as exc:
+            if not isinstance(exc, torch.OutOfMemoryError) and "alloc" not in str(exc).lower():
+                raise
+            raise kv_memory_error(need, free_memory_of(self.free_memory, device), batch=rows,
+                                  max_tokens=self.max_tokens, where=where, refused=True) from exc
 
     def _cache_for(self, past: Any, batch: int, x: torch.Tensor,
                    use_cache: bool) -> StaticKVCache | None:
@@ -347,6 +459,7 @@ class InjectedModel(nn.Module):
 
     # ----- forward -----------------------------------------------------------------------------
 
+    @_one_thread
     def forward(self, input_ids: torch.Tensor | None = None, past_key_values: Any = None,
                 attention_mask: torch.Tensor | None = None,
                 token_type_ids: torch.Tensor | None = None,
@@ -472,3 +585,10 @@ class InjectedModel(nn.Module):
                           lengths=lengths, starts=starts)
         x = self._embedded(ctx, self.m.embed(input_ids), position_ids)
         return self.run_layers(x, ctx)
+
+
+def generation_session(model: nn.Module) -> contextlib.AbstractContextManager:
+    """The generate session (:meth:`InjectedModel.session`) of the injected decoder stack in
+    ``model``; a no-op context when it has none."""
+    stack = next((m for m in model.modules() if isinstance(m, InjectedModel)), None)
+    return stack.session() if stack is not None else contextlib.nullcontext()
