@@ -285,3 +285,44 @@ def test_failed_quantize_while_reading_gives_the_meta_model_back(tmp_path, monke
     assert torch.equal(engine(input_ids=ids).logits, fresh(input_ids=ids).logits)
     assert engine.close() is model and fingerprint(model) == before
     assert fresh.close() is None  # built from the checkpoint: nothing to give back
+
+
+def _tp_rollback(rank: int) -> dict:
+    """One rank: sharding, injection and quantization all ran, then the cast fails; the model
+    must be whole again (unsharded, no hooks), then a retry without quant runs at tp 2."""
+    model, before, weights, logits = _model_and_record()
+    real = transforms.cast_and_move
+
+    def cast_then_fail(*args):
+        real(*args)
+        raise RuntimeError("cast failed (injected by the test)")
+    transforms.cast_and_move = cast_then_fail
+    try:
+        shardwise.init_inference(model, device="cpu", tensor_parallel={"tp_size": 2},
+                                 replace_with_kernel_inject=True, quant=GOOD_QUANT)
+        raised = None
+    except RuntimeError as exc:
+        raised = str(exc)
+    finally:
+        transforms.cast_and_move = real
+    try:
+        assert_as_handed_in(model, before, weights, logits)
+        restored = "yes"
+    except AssertionError as exc:
+        restored = f"no: {exc}"
+    engine = shardwise.init_inference(model, device="cpu", tensor_parallel={"tp_size": 2},
+                                      replace_with_kernel_inject=True)
+    retry = (engine(input_ids=prompt_ids()).logits - logits).abs().max().item()
+    return {"raised": raised, "restored": restored, "retry_diff": retry}
+
+
+def test_tp2_failure_after_sharding_restores_each_ranks_model(tmp_path):
+    from distributed import run_ranks
+
+    results = run_ranks(_tp_rollback, 2, tmp_path, deadline_s=300)
+    for rank, result in enumerate(results):
+        assert result["ok"], result.get("trace", result.get("error"))
+        value = result["value"]
+        assert "injected by the test" in (value["raised"] or ""), (rank, value)
+        assert value["restored"] == "yes", (rank, value["restored"])
+        assert value["retry_diff"] < 1e-4, (rank, value["retry_diff"])
