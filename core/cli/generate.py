@@ -49,14 +49,19 @@ def run(args) -> int:
     config = _checked_config(args.device, args.dtype)
     gen_kwargs = generation_kwargs(args)
     prompt = read_prompt(args.prompt, args.prompt_file)
+    if path.is_dir():  # a prompt has at least one token: refuse what cannot fit before loading
+        check_new_tokens(args.max_new_tokens, 1, models.max_positions(models.read_config(path)))
 
     # Loading straight into the target dtype avoids a transient full-precision copy.
     model, tokenizer = models.load_model(args.model, dtype=config.dtype)
     if tokenizer is None:
         raise ConfigError(f"{path} has no tokenizer; save one next to the model with "
                           f"tokenizer.save_pretrained(DIR)")
+    inputs = encode_prompt(tokenizer, prompt)
+    check_new_tokens(args.max_new_tokens, inputs["input_ids"].shape[1],
+                     models.max_positions(getattr(model, "config", None)))
     engine = init_inference(model, config)
-    inputs = encode_prompt(tokenizer, prompt).to(engine.device)
+    inputs = inputs.to(engine.device)
     output, timings = timed_generate(engine.module, inputs, **gen_kwargs)
     new_ids = output[0, inputs["input_ids"].shape[1]:].tolist()
     text = tokenizer.decode(new_ids, skip_special_tokens=True)
@@ -109,6 +114,23 @@ def generation_kwargs(args) -> dict:
             raise ConfigError(f"--top-p must be in (0, 1], got {args.top_p}")
         kwargs["top_p"] = args.top_p
     return kwargs
+
+
+def check_new_tokens(max_new_tokens: int, prompt_tokens: int, positions: int | None) -> None:
+    """Refuse ``--max-new-tokens`` beyond the model's positions (``positions`` None: the model
+    declares no limit): prompt and new tokens together must fit."""
+    if positions is None or prompt_tokens + max_new_tokens <= positions:
+        return
+    room = positions - prompt_tokens
+    prompt = f"the prompt is {prompt_tokens} token{'s' if prompt_tokens != 1 else ''}" \
+        if prompt_tokens > 1 else "a prompt has at least 1 token"
+    if room < 1:
+        raise ConfigError(f"{prompt}, but the model takes at most {positions} positions "
+                          f"(max_position_embeddings), so no new token fits; shorten the prompt")
+    raise ConfigError(f"--max-new-tokens {max_new_tokens} does not fit: {prompt} and the model "
+                      f"takes at most {positions} positions (max_position_embeddings), so at most "
+                      f"{room} new tokens; pass --max-new-tokens {room} or less, or shorten the "
+                      f"prompt")
 
 
 def read_prompt(prompt: str | None, prompt_file: str | None) -> str:
