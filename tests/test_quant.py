@@ -192,6 +192,27 @@ def test_an_fp32_model_runs_the_fast_kernels_in_bf16_close_to_the_fp32_reference
     assert torch.equal(engine.generate(ids[:1, :8], **kwargs), ref.generate(ids[:1, :8], **kwargs))
 
 
+@pytest.mark.parametrize("bits", [8, 4])
+def test_a_quantized_linear_compiles_whole_and_never_recompiles(bits):
+    """What the CPU graphs (torch.compile of the decode step) need of a QuantLinear: one graph
+    (no break) and no guard on state its forward changes: its packed view is built eagerly,
+    never on the first call (that guard recompiled every captured step)."""
+    holder = nn.Sequential(nn.Linear(64, 48))
+    quantize_model(holder, {"weight": {"num_bits": bits}}, CPU, torch.float32, names=["0"])
+    q = holder[0]
+    x = torch.randn(2, 64)
+    with torch.no_grad():  # compiled before any eager call: the first call is traced
+        torch._dynamo.reset()
+        compiled = torch.compile(q, backend="eager", fullgraph=True, dynamic=False)
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            got = [compiled(x) for _ in range(3)]
+        want = q(x)
+    assert all(torch.equal(g, want) for g in got)
+    q.to("cpu")  # moving rebuilds the packed view over the moved buffers, eagerly
+    assert q.packed.tensors["qweight"] is q.qweight
+    torch._dynamo.reset()
+
+
 def test_check_fits_raises_what_quantize_model_would_without_touching_the_model():
     from shardwise.quant import check_fits
 

@@ -66,7 +66,7 @@ class QuantLinear(nn.Module):
         for name, tensor in packed.tensors.items():
             self.register_buffer(name, tensor)
         self.bias = nn.Parameter(bias.detach(), requires_grad=False) if bias is not None else None
-        self._packed: PackedQuantWeight | None = None
+        self._packed: PackedQuantWeight = self._view()
 
     # ----- construction --------------------------------------------------------------------------
 
@@ -95,12 +95,19 @@ class QuantLinear(nn.Module):
 
     @property
     def packed(self) -> PackedQuantWeight:
-        """The packed weight over the current buffers (rebuilt after ``.to`` / loading)."""
-        if self._packed is None:
-            self._packed = PackedQuantWeight(self.backend, self.spec, self.compute_dtype,
-                                             {n: getattr(self, n) for n in self._tensor_names},
-                                             self.meta)
+        """The packed weight over the current buffers. Rebuilt eagerly whenever they change
+        (``.to``, loading, assigning a buffer), never lazily in ``forward``: a compiled step
+        (CPU graphs) would otherwise guard on the cache being empty and recompile."""
         return self._packed
+
+    def _view(self) -> PackedQuantWeight:
+        return PackedQuantWeight(self.backend, self.spec, self.compute_dtype,
+                                 {n: getattr(self, n) for n in self._tensor_names}, self.meta)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        super().__setattr__(name, value)
+        if name in self.__dict__.get("_tensor_names", ()) and "_packed" in self.__dict__:
+            self._packed = self._view()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., in] → [..., out] in x.dtype (module docstring for another dtype than the
@@ -131,12 +138,12 @@ class QuantLinear(nn.Module):
             if moved.dtype != buf.dtype:  # a dtype cast: move only, never re-round the layout
                 moved = buf.to(moved.device)
             buffers[name] = moved
-        self._packed = None
+        self._packed = self._view()
         return self
 
     def _load_from_state_dict(self, *args, **kwargs):
         super()._load_from_state_dict(*args, **kwargs)
-        self._packed = None
+        self._packed = self._view()
 
     def extra_repr(self) -> str:
         s = self.spec
