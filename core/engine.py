@@ -119,7 +119,8 @@ class InferenceEngine:
             self._ledger.release()
             self._ledger = None
         self._closed, self._given_back = True, given
-        self._prepared = self.checkpoint_load = None
+        # the injected stack (its KV cache, captured graphs) is no longer the model's: let it go
+        self._prepared = self.checkpoint_load = self._stack = None
         return given
 
     _given_back: nn.Module | None = None

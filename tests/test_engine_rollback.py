@@ -5,6 +5,9 @@ Also the static KV cache checked against the device's free memory at init."""
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 from torch import nn
@@ -166,8 +169,11 @@ def test_close_gives_the_model_back():
     ids = prompt_ids()
     engine.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0)
     assert isinstance(model.model, InjectedModel)
+    stack = weakref.ref(model.model)
     assert engine.close() is model
     assert_as_handed_in(model, before, weights, logits)
+    gc.collect()
+    assert stack() is None  # the injected stack and its KV cache are freed
     assert engine.close() is model  # idempotent
     with pytest.raises(ShardwiseError, match="closed"):
         engine(input_ids=ids)
