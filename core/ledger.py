@@ -151,6 +151,12 @@ def _storage_key(t: torch.Tensor) -> tuple | None:
     return (str(t.device), storage.data_ptr())
 
 
+def _has_dict(obj: Any) -> bool:
+    """Whether ``obj`` has its own instance ``__dict__`` (not one a ``__getattr__`` forwards,
+    as sharding's slotted ``ConfigView`` does)."""
+    return type(obj).__dictoffset__ != 0
+
+
 def _module_tensors(module: nn.Module) -> Iterator[tuple[torch.Tensor, bool]]:
     """(tensor, is_parameter) of the module's own parameters, buffers and tensor attributes."""
     for p in module._parameters.values():
@@ -186,8 +192,7 @@ class Ledger:
                     tensors[id(t)] = _TensorState.of(t, is_param)
             for attr in CONFIG_ATTRS:
                 value = vars(module).get(attr)
-                if value is not None and not isinstance(value, nn.Module) and hasattr(
-                        value, "__dict__"):
+                if value is not None and not isinstance(value, nn.Module) and _has_dict(value):
                     self.track(value)
         self._tensors: list[_TensorState] = list(tensors.values())
 
@@ -202,7 +207,7 @@ class Ledger:
 
     def track(self, obj: Any) -> None:
         """Also record ``obj``'s ``__dict__`` (shallow), e.g. a config shared outside the tree."""
-        if not hasattr(obj, "__dict__"):
+        if not _has_dict(obj):
             raise TypeError(f"cannot record a {type(obj).__name__}: it has no __dict__")
         self._record(obj)
 
