@@ -62,6 +62,26 @@ def variants(acc, dtype, batch, in_f, out_f):
         packed = impl.fn.prepack(qw, dev, dtype)  # once, outside the timed calls
         rows.append((label, impl.backend, packed.nbytes,
                      lambda impl=impl, packed=packed: impl(x, packed)))
+    rows += fp32_model_rows(acc, w, x32)
+    return rows
+
+
+def fp32_model_rows(acc, w: torch.Tensor, x32: torch.Tensor):
+    """An fp32 model's quantized linear (``quantize_model(..., torch.float32)``): the
+    QuantLinear runs the fastest kernel in the dtype that has one (bf16 on CPU), casting the
+    fp32 input to it and the output back — the casts are part of what is timed."""
+    from torch import nn
+
+    from shardwise.quant import quantize_model
+
+    rows = []
+    for label, bits in (("int8/ch, fp32 model", 8), ("int4 g128, fp32 model", 4)):
+        holder = nn.Sequential(nn.Linear(w.shape[1], w.shape[0], bias=False))
+        holder[0].weight.data.copy_(w)
+        quantize_model(holder, {"weight": {"num_bits": bits}}, acc, torch.float32, names=["0"])
+        q = holder[0]
+        rows.append((label, f"{q.backend}/{str(q.compute_dtype)[6:]}", q.weight_nbytes,
+                     lambda q=q: q(x32)))
     return rows
 
 
@@ -86,11 +106,11 @@ def main() -> None:
             times = median_us([lambda f=f: (f(), acc.synchronize()) for *_, f in rows],
                               args.repeats)
             print(f"\n[{batch}, {in_f}] x [{in_f} -> {out_f}]")
-            print(f"  {'variant':22s} {'backend':9s} {'µs':>9s} {'vs fp32':>8s} "
+            print(f"  {'variant':22s} {'backend':13s} {'µs':>9s} {'vs fp32':>8s} "
                   f"{'weight MB':>9s} {'GB/s':>7s} {'% bw':>5s}")
             for (label, backend, nbytes, _), us in zip(rows, times):
                 gbps = nbytes / us / 1e3
-                print(f"  {label:22s} {backend:9s} {us:9.0f} {times[0] / us:7.2f}x "
+                print(f"  {label:22s} {backend:13s} {us:9.0f} {times[0] / us:7.2f}x "
                       f"{nbytes / 1e6:9.1f} {gbps:7.1f} {100 * gbps / bandwidth:4.0f}%")
 
 

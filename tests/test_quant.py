@@ -178,6 +178,8 @@ def test_an_fp32_model_runs_the_fast_kernels_in_bf16_close_to_the_fp32_reference
     report = engine.quantization
     assert {b for kinds in report.backends().values() for b in kinds} == {"cpu"}
     assert {layer.compute_dtype for layer in report.layers.values()} == {BF16}
+    assert report.kernel_dtypes() == ["bfloat16"] and "quantized layers in bfloat16" in \
+        report.summary()
     assert model.get_input_embeddings().weight.dtype == torch.float32
     ids = prompt_ids(batch=2, length=16)
     with torch.no_grad():

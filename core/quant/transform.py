@@ -100,12 +100,21 @@ class QuantReport:
             out.setdefault(layer.kind, Counter())[layer.backend] += 1
         return {k: dict(v) for k, v in out.items()}
 
+    def kernel_dtypes(self) -> list[str]:
+        """The activation dtypes the quantized layers' kernels run in (e.g. ``["bfloat16"]`` for
+        an fp32 model on CPU)."""
+        return sorted({str(layer.compute_dtype).removeprefix("torch.")
+                       for layer in self.layers.values() if layer.compute_dtype is not None})
+
     def summary(self) -> str:
         kinds = "; ".join(f"{k}: " + ", ".join(f"{n}x {b}" for b, n in v.items())
                           for k, v in self.backends().items())
         ratio = self.bytes_before / self.bytes_after if self.bytes_after else 0.0
+        model_dtype = str(self.dtype).removeprefix("torch.")
+        other = [d for d in self.kernel_dtypes() if d != model_dtype]
+        kernels = f", quantized layers in {'/'.join(other)}" if other else ""
         return (f"quantized {self.layers_quantized} layers ({self.config.describe()}, compute "
-                f"{str(self.dtype).removeprefix('torch.')} on {self.device}; {kinds}); model "
+                f"{model_dtype}{kernels} on {self.device}; {kinds}); model "
                 f"{self.bytes_before / 2**20:.1f} MiB -> {self.bytes_after / 2**20:.1f} MiB "
                 f"({ratio:.2f}x smaller)")
 
@@ -113,7 +122,8 @@ class QuantReport:
         return {"config": self.config.to_dict(), "dtype": str(self.dtype).removeprefix("torch."),
                 "device": self.device, "bytes_before": self.bytes_before,
                 "bytes_after": self.bytes_after, "layers_quantized": self.layers_quantized,
-                "backends": self.backends(), "source": self.source, "fallback": self.fallback,
+                "backends": self.backends(), "kernel_dtypes": self.kernel_dtypes(),
+                "source": self.source, "fallback": self.fallback,
                 "notes": list(self.notes)}
 
 
