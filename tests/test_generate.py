@@ -4,6 +4,7 @@ behaviour, and bad CLI input fails fast without loading a model."""
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 
@@ -52,15 +53,66 @@ def default_model():
     return shardwise.models.load_model(None)
 
 
-@pytest.mark.slow
-def test_default_model_knows_the_capital_of_france(default_model):
-    model, tokenizer = default_model
-    engine = shardwise.init_inference(model, device="cpu")
+def ask_capital_of_france(engine, tokenizer) -> tuple[str, torch.Tensor]:
+    """The engine's greedy answer to the chat question (at most 16 new tokens): (text, the new
+    token ids [1, n])."""
     chat = [{"role": "user", "content": "What is the capital of France?"}]
     inputs = tokenizer.apply_chat_template(chat, add_generation_prompt=True, return_dict=True,
                                            return_tensors="pt").to(engine.device)
     output = engine.module.generate(**inputs, max_new_tokens=16, do_sample=False)
-    answer = tokenizer.decode(output[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+    new = output[:, inputs["input_ids"].shape[1]:]
+    return tokenizer.decode(new[0], skip_special_tokens=True), new
+
+
+@pytest.fixture(scope="module")
+def plain_answer(default_model):
+    """The embedded model's answer through ``init_inference`` with no transform: HF's own
+    greedy tokens, which the transformed runs below are held to."""
+    model, tokenizer = default_model
+    return ask_capital_of_france(shardwise.init_inference(model, device="cpu"), tokenizer)
+
+
+@pytest.mark.slow
+def test_default_model_knows_the_capital_of_france(plain_answer):
+    answer, _ = plain_answer
+    assert "Paris" in answer, answer
+
+
+@pytest.mark.slow
+def test_default_model_answers_through_injection_and_graphs(default_model, plain_answer,
+                                                            monkeypatch):
+    """Injected kernels with every decode step a compiled graph (fp32): the same tokens as HF."""
+    from shardwise.inject import InjectedModel
+    from shardwise.inject.injector import injected_stack
+
+    model, tokenizer = copy.deepcopy(default_model[0]), default_model[1]
+    engine = shardwise.init_inference(model, device="cpu", replace_with_kernel_inject=True,
+                                      enable_graph=True)
+    stack = injected_stack(model)
+    assert isinstance(stack, InjectedModel) and stack.graphs.strategy.accelerates
+    steps = []  # each decode step run by a graph (instance-scoped patch)
+    run = stack.graphs.run
+    monkeypatch.setattr(stack.graphs, "run", lambda *a, **kw: steps.append(1) or run(*a, **kw))
+    answer, tokens = ask_capital_of_france(engine, tokenizer)
+    assert "Paris" in answer, answer
+    assert torch.equal(tokens, plain_answer[1]), (answer, plain_answer[0])
+    assert len(steps) == tokens.shape[1] - 1  # every token after the prompt's came from a graph
+    assert stack.graphs.buckets() == {1}
+
+
+@pytest.mark.slow
+def test_default_model_answers_with_int8_weights(default_model):
+    """8-bit weights under injected kernels, computing in bf16 (the CPU's int8 compute dtype:
+    about 3x faster to set up and run here than fp32 compute, measured under load)."""
+    from shardwise.quant import QuantLinear
+
+    model, tokenizer = copy.deepcopy(default_model[0]), default_model[1]
+    engine = shardwise.init_inference(model, device="cpu", dtype=torch.bfloat16,
+                                      replace_with_kernel_inject=True,
+                                      quant={"weight": {"num_bits": 8}})
+    quantized = sum(isinstance(m, QuantLinear) for m in model.modules())
+    assert engine.quantization.layers_quantized == quantized >= 7 * model.config.num_hidden_layers
+    answer, _ = ask_capital_of_france(engine, tokenizer)
     assert "Paris" in answer, answer
 
 
