@@ -446,8 +446,23 @@ def test_without_matplotlib_the_bench_says_how_to_get_charts(tmp_path, capsys, m
     monkeypatch.setattr(chart, "plotting_available", lambda: False)
     assert main(["bench", "--preset", TINY, "--plain", *FAST, "--new-tokens", "2",
                  "--repeats", "1", "--output", str(tmp_path / "r.json")]) == 0
-    assert "pip install 'shardwise[plot]'" in capsys.readouterr().out
+    assert "pip install 'matplotlib>=3.7'" in capsys.readouterr().out
     assert not (tmp_path / "r.png").exists()
+
+
+def test_the_readme_first_command_installs_what_the_default_chart_needs():
+    """The main job writes a chart by default: the README's first command installs the plot
+    extra, and the bench's hint names the same requirement."""
+    import pathlib
+    import re
+    import tomllib
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    extras = tomllib.loads((root / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"]
+    first = re.search(r"```bash\n(.*?)\n```", (root / "README.md").read_text(), re.S).group(1)
+    assert "shardwise bench" in first and "'.[plot]'" in first
+    assert extras["plot"] == ["matplotlib>=3.7"] and extras["plot"][0] in chart.PLOT_INSTALL
 
 
 def _options(argv: list[str]) -> dict:

@@ -1,6 +1,7 @@
 """A PNG chart of a result document: the variants side by side for every cell.
 
-Plotting is an optional extra (``pip install 'shardwise[plot]'``); without matplotlib,
+Plotting is the optional ``plot`` extra (matplotlib; ``pip install -e '.[plot]'`` from a clone,
+which the README's first command does); without matplotlib,
 :func:`write_chart` returns None and the caller says how to get charts.
 """
 
@@ -10,7 +11,8 @@ import importlib.util
 import os
 from pathlib import Path
 
-PLOT_INSTALL = "pip install 'shardwise[plot]'"
+#: How to get charts, from a clone or from an installed wheel alike (the plot extra's requirement).
+PLOT_INSTALL = "pip install 'matplotlib>=3.7'"
 
 #: (panel title, figure path, whisker path or None)
 PANELS = (("decode latency, ms/token (median, p90 whisker)", ("decode_ms", "median"),
