@@ -216,6 +216,11 @@ def test_compare_ratios_between_two_saved_runs(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "(2.00x)" in out and "(0.50x)" in out and "only in" in out
     assert "2.00x" in format_compare(a, b)
+    c = copy.deepcopy(b)
+    c["runs"][1]["dtype"] = "bfloat16"  # the same variant in another dtype is another run
+    rows = {(r["key"][1], r["key"][-1]): r for r in compare(a, c)}
+    assert rows["shardwise", None]["only_in"] == "a"
+    assert rows["shardwise", "bfloat16"]["only_in"] == "b"
 
 
 # ----- bad input -------------------------------------------------------------------------------------

@@ -1,11 +1,11 @@
 """``shardwise bench --compare a.json b.json``: the ratio b ÷ a of every figure of the runs the
-two files share (same model, variant and shape)."""
+two files share (same model, variant, shape and dtype)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from .report import format_grid
+from .report import SHORT_DTYPES, format_grid
 from .stats import ratio
 
 #: (column, path into a record) of the figures compared.
@@ -19,8 +19,10 @@ CONTEXT = ("device", "device_name", "threads", "versions", "git_revision")
 
 
 def run_key(rec: dict) -> tuple:
-    """What identifies a run across files: model, variant and shape."""
-    return rec["model"], rec["variant"], rec["batch"], rec["prompt_len"], rec["new_tokens"]
+    """What identifies a run across files: model, variant, shape and dtype (an fp32 and a bf16
+    run of the same variant are different runs, not one to compare)."""
+    return (rec["model"], rec["variant"], rec["batch"], rec["prompt_len"], rec["new_tokens"],
+            rec.get("dtype"))
 
 
 def _value(rec: dict, path: tuple[str, ...]) -> float | None:
@@ -57,16 +59,17 @@ def context_differences(a: dict, b: dict) -> list[str]:
 
 def format_compare(a: dict, b: dict, name_a: str = "a", name_b: str = "b") -> str:
     """The comparison as text: each figure as ``a → b (b/a)``, then what differs between runs."""
-    header = ["model", "variant", "batch", "prompt", "new", *(n for n, _ in FIGURES)]
+    header = ["model", "variant", "dtype", "batch", "prompt", "new", *(n for n, _ in FIGURES)]
     rows = []
     for row in compare(a, b):
-        model, variant, *shape = row["key"]
+        model, variant, *shape, dtype = row["key"]
         if "only_in" in row:
             cells = [f"only in {name_a if row['only_in'] == 'a' else name_b}"] * len(FIGURES)
         else:
             cells = [_cell(row["a"][n], row["b"][n], row["ratio"][n]) for n, _ in FIGURES]
-        rows.append([model[-28:], variant, *map(str, shape), *cells])
-    lines = [f"a = {name_a}\nb = {name_b}\nfigures as a → b (b/a):", format_grid(header, rows, last_is_text=False)]
+        rows.append([model[-28:], variant, SHORT_DTYPES.get(dtype, str(dtype or "-")),
+                     *map(str, shape), *cells])
+    lines = [f"a = {name_a}\nb = {name_b}\nfigures as a → b (b/a):", format_grid(header, rows, text_columns=3, last_is_text=False)]
     diffs = context_differences(a, b)
     lines.append("measured bandwidth, GB/s: " + _cell(
         a["bandwidth"]["gbps"], b["bandwidth"]["gbps"],
