@@ -14,9 +14,11 @@ from contextlib import contextmanager
 from functools import cache
 
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 from shardwise.accelerator import Accelerator, Availability, GraphStrategy
-from shardwise.graphs import StaticGraph, static_copies, static_outputs
+from shardwise.graphs import StaticGraph, cache_dir, static_copies, static_outputs
 
 log = logging.getLogger(__name__)
 
@@ -73,62 +75,63 @@ LINEAR_PACKINGS = ("cpp", "onednn", "inductor")
 
 class CpuCompileStrategy(GraphStrategy):
     """Decode-step "graphs" on CPU: the step compiled once per shape by ``torch.compile``
-    (inductor: C++ built with the system compiler) with static shapes (``dynamic=False``) and
-    inductor *freezing*.
+    (inductor: C++ built with the system compiler) with static shapes (``dynamic=False``).
 
     Why it helps: a decode step at small batch is a chain of matrix-vector products bound by
-    reading the weights. Freezing makes the parameters graph constants, so every linear weight
-    is prepacked once into a layout its kernel streams fast, and the elementwise work (norms,
-    residual adds, activations, rotary, the cache write) is fused into a few C++ loops instead of
-    one eager dispatch each. Measured (benchmarks/README.md, "CPU graphs"): the eager
-    ``F.linear`` of fp32 reads weights at ~16-17 GB/s on the development VM, the packed kernels
-    at 20-33 GB/s.
+    reading the weights. Inductor's C++ GEMM template streams a weight laid out in blocks of
+    :data:`BLOCK_N` columns at about the copy bandwidth (eager ``F.linear`` of fp32 reads
+    ~16-17 GB/s on the development VM, the template 20-33 GB/s: benchmarks/README.md, "CPU
+    graphs"), and the elementwise work (norms, residual adds, activations, rotary, the cache
+    write) is fused into a few C++ loops instead of one eager dispatch each.
 
-    ``linear`` picks the packing of the linear weights:
+    ``linear`` picks how the linear weights are read:
 
-    * ``"cpp"`` (default): inductor's C++ GEMM template (``max_autotune_gemm`` restricted to
-      the ``CPP`` backend, so there is one candidate and nothing is benchmarked at capture):
-      weights packed into the template's blocked layout, read by AVX-512 micro-kernels. Fastest
-      measured (~31-32 GB/s per fp32 or bf16 GEMV here, ~100% of the copy bandwidth).
-    * ``"onednn"``: :class:`PackLinearWeights`, oneDNN's packed GEMV
-      (``mkldnn._linear_pointwise``, ~26-28 GB/s).
-    * ``"inductor"``: inductor's own choice (MKL's packed sgemm for fp32, oneDNN for bf16):
-      measured no faster than eager for fp32 GEMV on AMD EPYC; kept for comparison.
+    * ``"cpp"`` (default, unfrozen): :meth:`share_weights` lays every fp32 linear weight out
+      once, in place, in the template's blocks (:func:`block_linear_weights`); the weights stay
+      graph *inputs*, and the linears are batched GEMMs over the blocks (:func:`blocked_matmul`)
+      that the template reads where they are. **One copy of the weights**, read by the compiled
+      step and by the eager prompt forward alike; with nothing frozen, inductor's FX-graph cache
+      (kept per user: :func:`inductor_cache_folder`) serves the next start of the same model.
+      Products the template cannot take (quantized or bf16 linears, weights not laid out) use
+      ATen's GEMMs (inductor then benchmarks both per shape at capture).
+    * ``freezing=True`` (``linear="cpp"``, the default before): the parameters become graph
+      constants and inductor prepacks its own copy of each linear weight. **That copy lives
+      beside the parameters** (the prompt's eager forward still reads them): about the linear
+      weights' bytes more for as long as the graph exists, up to ~2.5x while capturing (its
+      freezing pass packs each fp32 weight for MKL first), and frozen graphs are not served by
+      the FX-graph cache (their packed constants would be hashed by value). Kept for comparison
+      (``benchmarks/cpu_graphs.py --variants frozen``).
+    * ``"onednn"`` (frozen): :class:`PackLinearWeights`, oneDNN's packed GEMV
+      (``mkldnn._linear_pointwise``, ~26-28 GB/s), a copy as above.
+    * ``"inductor"`` (frozen): inductor's own choice (MKL's packed sgemm for fp32, oneDNN for
+      bf16): measured no faster than eager for fp32 GEMV on AMD EPYC; kept for comparison.
 
-    Freezing is valid only because inference weights do not change: **a weight changed in place
-    after capture is not seen by the compiled step** (capture again: drop the graphs with
-    ``engine.module.base_model.graphs.clear()``). Memory: the packed copies (about the linear
-    weights' bytes) live as long as the capture, on top of the parameters, which the prompt's
-    eager forward still reads; while capturing, inductor's freezing pass also packs each fp32
-    weight for MKL first (dropped once replaced), so the peak is up to ~2.5x the weights' bytes
-    above the model (measured: GPT-2-medium fp32, 1.42 GB of weights: +3.5 GB peak, +1.5 GB
-    after capture). Each captured shape (batch size) has its own copies, and capture takes tens
-    of seconds for a real model (C++ builds, cached on disk by inductor for the next process).
+    Frozen graphs do not see a weight changed in place after capture (capture again: drop the
+    graphs with ``engine.module.base_model.graphs.clear()``). Each captured shape (batch
+    bucket) is its own compilation; capture takes tens of seconds for a real model the first
+    time (C++ builds), and the next process loads it from the cache folder.
 
     Numerics: the compiled step computes what the eager step does, in the same dtype (nothing
-    is downcast: fp32 stays fp32), summing in another order (packed GEMV kernels, vectorized
+    is downcast: fp32 stays fp32), summing in another order (blocked GEMMs, vectorized
     reductions), so results differ by rounding only (tests/test_cpu_graphs.py: fp32 logits
     within 1e-5 of eager, identical greedy tokens).
 
     Other options: ``mode`` ``"max-autotune-no-cudagraphs"`` benchmarks GEMM candidates at
-    capture (noisy on a shared machine; with ``linear="inductor"`` it picks the C++ template
-    over MKL, i.e. what ``cpp`` gives without benchmarking); ``freezing=False`` compiles with the
-    weights as inputs (fusion only: no packing, no extra memory, little gain); ``fullgraph``
-    (default True) makes a graph break (an op dynamo cannot trace) an error at capture instead
-    of a silently slower step.
+    capture (noisy on a shared machine); ``fullgraph`` (default True) makes a graph break (an
+    op dynamo cannot trace) an error at capture instead of a silently slower step.
 
     Inductor settings are scoped to this strategy's compilations (patched around its traces and
     calls, and passed to ``compile_fx``), never set globally. Each capture compiles a fresh copy
-    of the function's code, so it gets dynamo's full recompile budget, and its compiled code,
-    constants and packed weights are released with the captured callable (inductor would
-    otherwise keep every compiled module, and its frozen constants, for the process's life).
-    Compile errors are raised by :meth:`capture`, so ``enable_graph`` fails at init with them.
+    of the function's code, so it gets dynamo's full recompile budget, and its compiled code and
+    constants are released with the captured callable (inductor would otherwise keep every
+    compiled module, and its constants, for the process's life). Compile errors are raised by
+    :meth:`capture`, so ``enable_graph`` fails at init with them.
     """
 
     name = "cpu_compile"
     accelerates = True
 
-    def __init__(self, linear: str = "cpp", mode: str = "default", freezing: bool = True,
+    def __init__(self, linear: str = "cpp", mode: str = "default", freezing: bool = False,
                  fullgraph: bool = True) -> None:
         if linear not in LINEAR_PACKINGS:
             raise ValueError(f"CpuCompileStrategy linear {linear!r} is not one of "
@@ -141,6 +144,9 @@ class CpuCompileStrategy(GraphStrategy):
         #: graphs inductor compiled for this strategy (a replay that recompiles adds one)
         self.compiles = 0
         self._options: dict | None = None
+        self._cache_folder: str | None = None  # inductor's cache folder, chosen at first capture
+        #: inductor's GEMM backends with ``linear="cpp"`` (see :meth:`_aten_gemms`)
+        self.gemm_backends = "CPP"
 
     def __repr__(self) -> str:
         return (f"CpuCompileStrategy(linear={self.linear!r}, mode={self.mode!r}, "
@@ -154,10 +160,31 @@ class CpuCompileStrategy(GraphStrategy):
             options = {**list_mode_options(self.mode), "freezing": self.freezing}
             if self.pack_pass is not None:  # our packing replaces inductor's (MKL for fp32)
                 options["post_grad_custom_pre_pass"] = self.pack_pass
-            elif self.freezing and self.linear == "cpp":  # the C++ GEMM template, alone
-                options.update({"max_autotune_gemm": True, "max_autotune_gemm_backends": "CPP"})
+            elif self.linear == "cpp":  # the C++ GEMM template (alone unless told otherwise)
+                options.update({"max_autotune_gemm": True,
+                                "max_autotune_gemm_backends": self.gemm_backends})
             self._options = options
         return self._options
+
+    def share_weights(self, linears: list, embedding=None) -> int:
+        """Unfrozen ``linear="cpp"`` (the default): lay the fp32 linear weights out in blocks
+        for the C++ GEMM template (:func:`block_linear_weights`), so the compiled step reads the
+        model's own parameters. A frozen strategy keeps its own prepacked copies instead (the
+        parameters stay as they are: the prompt's eager forward reads them)."""
+        if self.freezing or self.linear != "cpp":
+            return 0
+        blocked = block_linear_weights(linears, embedding)
+        gemms = sum(1 for m in linears if _gemm_like(m))
+        if blocked < gemms:  # e.g. quantized or bf16 linears: ATen's GEMMs are needed too
+            self._aten_gemms()
+        return blocked
+
+    def _aten_gemms(self) -> None:
+        """Let inductor use ATen's GEMMs beside the C++ template from now on (a product the
+        template cannot take: a weight not laid out by :meth:`share_weights`); inductor then
+        benchmarks the two per GEMM shape at capture."""
+        self.gemm_backends = "CPP,ATEN"
+        self._options = None
 
     @contextmanager
     def _scope(self, options: dict):
@@ -166,7 +193,10 @@ class CpuCompileStrategy(GraphStrategy):
         (to make parameters graph constants), so patching inside the backend is not enough."""
         import torch._inductor.config as inductor_config
 
-        with torch.inference_mode(), inductor_config.patch(options):
+        if self._cache_folder is None:
+            self._cache_folder = inductor_cache_folder()
+        with (torch.inference_mode(), inductor_config.patch(options),
+              inductor_cache_scope(self._cache_folder)):
             yield
 
     def capture(self, fn, *example_args: torch.Tensor) -> StaticGraph:
@@ -182,8 +212,8 @@ class CpuCompileStrategy(GraphStrategy):
         try:
             return self._capture(fn, inputs, options)
         except _NoGemmChoice:
-            options = {**options, "max_autotune_gemm_backends": "CPP,ATEN"}
-            return self._capture(fn, inputs, options)
+            self._aten_gemms()  # and for every later capture: no failed attempt each time
+            return self._capture(fn, inputs, self.inductor_options())
 
     def _capture(self, fn, inputs: tuple[torch.Tensor, ...], options: dict) -> StaticGraph:
         from torch._inductor.codecache import PyCodeCache
@@ -202,6 +232,7 @@ class CpuCompileStrategy(GraphStrategy):
             with self._scope(options):
                 outputs = static_outputs(compiled(*inputs))
         except Exception as exc:
+            self.compiles = before  # a failed attempt compiled nothing that is kept
             _release(fresh.__code__, PyCodeCache.modules[loaded:])
             if "NoValidChoicesError" in str(exc) and "CPP" == options.get(
                     "max_autotune_gemm_backends"):
@@ -235,8 +266,192 @@ class CpuCompileStrategy(GraphStrategy):
                             "recompile costs a capture's time", name)
 
         graph = StaticGraph(replay, inputs, outputs, compiled)
-        weakref.finalize(graph, _release, fresh.__code__, PyCodeCache.modules[loaded:])
+        graph.modules = tuple(PyCodeCache.modules[loaded:])  # inductor's, freed with the graph
+        weakref.finalize(graph, _release, fresh.__code__, graph.modules)
         return graph
+
+    @staticmethod
+    def constants(graph: StaticGraph) -> list[torch.Tensor]:
+        """The tensors a captured graph holds of its own: the constants bound in the modules
+        inductor generated for it (frozen and prepacked weights when ``freezing``; with the
+        weights as graph inputs, only small ones such as the rotary tables)."""
+        seen, out = set(), []
+        for module in getattr(graph, "modules", ()):
+            for value in vars(module).values():
+                if isinstance(value, torch.Tensor) and id(value) not in seen:
+                    seen.add(id(value))
+                    out.append(value)
+        return out
+
+
+# ----- one copy of the linear weights, laid out for the C++ GEMM template ------------------------
+
+#: Output columns per block of a weight laid out by :func:`block_weight` (two AVX-512 vectors of
+#: fp32: the C++ GEMM template's own ``block_n``, so its batched GEMM reads the blocks as they are).
+BLOCK_N = 32
+
+
+def block_weight(mat2: torch.Tensor, block: int = BLOCK_N) -> torch.Tensor:
+    """``mat2`` [K, N] (the right operand of ``x @ mat2``) as contiguous blocks of ``block``
+    columns, [ceil(N / block), K, block] (the last block zero-padded): block ``j`` is
+    ``mat2[:, j*block:(j+1)*block]``. A new tensor; ``mat2`` is left as it is."""
+    k, n = mat2.shape
+    pad = -n % block
+    if pad:
+        mat2 = F.pad(mat2, (0, pad))
+    return mat2.reshape(k, (n + pad) // block, block).transpose(0, 1).contiguous()
+
+
+def blocked_matmul(x: torch.Tensor, blocked: torch.Tensor, n: int) -> torch.Tensor:
+    """``x @ mat2`` for ``blocked = block_weight(mat2)``: x [..., K] → [..., n].
+
+    Compiled, one batched GEMM over the blocks (inductor's C++ template reads ``blocked`` in
+    place: the weight is a graph input, not a frozen copy). Eager, the same batched GEMM when
+    the row count is at most the block width (the rows repeated per block are then at most
+    the weight's size), else one GEMM on the weight put back together (a transient copy of
+    this one weight: prefill)."""
+    *lead, k = x.shape
+    rows = x.reshape(-1, k)  # [M, K]
+    nb, _, block = blocked.shape
+    m = rows.shape[0]
+    if torch.compiler.is_compiling() or m <= block:
+        out = torch.bmm(rows.unsqueeze(0).expand(nb, m, k), blocked)  # [Nb, M, block]
+        out = out.transpose(0, 1).reshape(m, nb * block)
+    else:
+        out = rows @ blocked.transpose(0, 1).reshape(k, nb * block)
+    return out[:, :n].reshape(*lead, n)
+
+
+class BlockedLinear:
+    """Instance-level ``forward`` of a linear layer (``nn.Linear``, or transformers' ``Conv1D``)
+    whose weight Parameter holds :func:`block_weight`'s layout: ``x @ W.T + b`` (``x @ W + b``
+    for ``Conv1D``), read from those blocks by eager and compiled code alike."""
+
+    def __init__(self, module: nn.Module, out_features: int) -> None:
+        self.module, self.out_features = module, out_features
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        module = self.module
+        out = blocked_matmul(x, module.weight, self.out_features)
+        return out if module.bias is None else out + module.bias
+
+    def __repr__(self) -> str:
+        return f"BlockedLinear(out_features={self.out_features})"
+
+
+class BlockedEmbedding:
+    """Instance-level ``forward`` of an ``nn.Embedding`` whose weight (tied to an output head
+    laid out by :func:`block_weight`) holds those blocks: row ``v`` is column ``v`` of the
+    head's ``mat2``, i.e. ``blocks[v // BLOCK_N, :, v % BLOCK_N]``."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        blocks = self.module.weight  # [Nb, K, block]
+        block = blocks.shape[-1]
+        return blocks[ids // block, :, ids % block]  # [..., K]
+
+    def __repr__(self) -> str:
+        return "BlockedEmbedding()"
+
+
+def _is_conv1d(module: nn.Module) -> bool:
+    return type(module).__name__ == "Conv1D" and type(module).__module__.startswith("transformers")
+
+
+def _gemm_like(module: nn.Module) -> bool:
+    """A module with a 2-d weight that is not an embedding table (a matrix product's operand)."""
+    w = getattr(module, "weight", None)
+    return (isinstance(w, torch.Tensor) and w.dim() == 2
+            and not isinstance(module, (nn.Embedding, nn.EmbeddingBag)))
+
+
+def _blockable(module: nn.Module) -> bool:
+    """A plain fp32 linear on the CPU, with no forward of its own (not already patched)."""
+    if "forward" in module.__dict__ or not (type(module) is nn.Linear or _is_conv1d(module)):
+        return False
+    w = getattr(module, "weight", None)
+    return (isinstance(w, torch.Tensor) and w.dim() == 2 and w.dtype == torch.float32
+            and w.device.type == "cpu")
+
+
+def block_linear_weights(linears: list[nn.Module], embedding: nn.Module | None = None) -> int:
+    """Lay out the weights of ``linears`` (the modules the decode step calls) for the C++ GEMM
+    template, in place and instance-scoped: each weight Parameter's data becomes
+    :func:`block_weight` of it and the module gets a :class:`BlockedLinear` forward. The old
+    layout is freed (unless something else holds it), so eager and compiled code read one copy.
+    ``embedding``: an ``nn.Embedding`` sharing its weight with one of ``linears`` (a tied output
+    head); it gets a :class:`BlockedEmbedding` forward, or, when it cannot, that linear is left
+    as it is. Modules that are not plain fp32 ``nn.Linear``/``Conv1D`` are left as they are.
+    Returns the number of linears laid out."""
+    tied = embedding.weight if embedding is not None else None
+    done = 0
+    for module in linears:
+        if not _blockable(module):
+            continue
+        w = module.weight
+        if tied is not None and w is tied and not _embedding_blockable(embedding, module):
+            continue
+        conv = _is_conv1d(module)
+        mat2 = w.detach() if conv else w.detach().t()  # [K, N]
+        n = mat2.shape[1]
+        with torch.no_grad():
+            w.data = block_weight(mat2)
+        module.forward = BlockedLinear(module, n)
+        if tied is not None and w is tied:
+            embedding.forward = BlockedEmbedding(embedding)
+        done += 1
+    return done
+
+
+def _embedding_blockable(embedding: nn.Module, head: nn.Module) -> bool:
+    return (type(embedding) is nn.Embedding and "forward" not in embedding.__dict__
+            and type(head) is nn.Linear and embedding.max_norm is None)
+
+
+#: Inductor's own cache-folder variable: where it keeps generated C++, built libraries and its
+#: FX-graph / AOT-autograd caches (its default is the shared ``/tmp/torchinductor_$USER``).
+INDUCTOR_CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
+
+
+def user_inductor_cache() -> str | None:
+    """The inductor cache folder the user chose (``TORCHINDUCTOR_CACHE_DIR``), or None. Inductor
+    writes its default into that variable the first time it compiles, so a value equal to the
+    default is inductor's, not the user's."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    chosen = os.environ.get(INDUCTOR_CACHE_ENV)
+    if not chosen or os.path.abspath(chosen) == os.path.abspath(default_cache_dir()):
+        return None
+    return chosen
+
+
+def inductor_cache_folder() -> str:
+    """Where this process's CPU captures keep inductor's caches: the user's
+    ``TORCHINDUCTOR_CACHE_DIR`` if set, else shardwise's per-user folder
+    (:func:`shardwise.graphs.cache_dir` ``/ "inductor"``, created here)."""
+    return user_inductor_cache() or str(cache_dir("inductor"))
+
+
+@contextmanager
+def inductor_cache_scope(ours: str):
+    """While a capture compiles (or a replay recompiles): inductor's caches in ``ours`` (see
+    :func:`inductor_cache_folder`), so the second start of the same model loads its compiled
+    step from there instead of compiling it again. Inductor reads the variable each time it
+    needs the folder; it is set back afterwards (a folder the user chose wins)."""
+    if user_inductor_cache() is not None:
+        yield
+        return
+    before = os.environ.get(INDUCTOR_CACHE_ENV)
+    os.environ[INDUCTOR_CACHE_ENV] = ours
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(INDUCTOR_CACHE_ENV, None)
+        else:
+            os.environ[INDUCTOR_CACHE_ENV] = before
 
 
 class _NoGemmChoice(Exception):
@@ -485,9 +700,10 @@ class CpuAccelerator(Accelerator):
             torch.set_num_threads(self.threads_per_rank(local_world_size))
 
     def graph_strategy(self) -> GraphStrategy:
-        """:class:`CpuCompileStrategy` (inductor with freezing, C++ GEMM template), chosen by
-        ``SHARDWISE_CPU_GRAPHS`` (:data:`CPU_GRAPHS_ENV`): ``cpp``/``compile`` (default),
-        ``onednn``, ``inductor``, or ``eager`` for the documented no-op. Under tensor
+        """:class:`CpuCompileStrategy`, chosen by ``SHARDWISE_CPU_GRAPHS`` (:data:`CPU_GRAPHS_ENV`):
+        ``cpp``/``compile`` (default: weights shared with the model, laid out for the C++ GEMM
+        template), ``onednn`` or ``inductor`` (frozen, prepacked copies), or ``eager`` for the
+        documented no-op. Under tensor
         parallelism the step's all-reduces are compiled as the opaque op
         ``shardwise::cpu_all_reduce`` (see :class:`~shardwise.accelerators.cpu_comm.
         CpuCommunicator`), so every rank compiles and replays its own step."""
@@ -501,7 +717,7 @@ class CpuAccelerator(Accelerator):
                               f"{', '.join(LINEAR_PACKINGS)} or eager")
         if choice == "eager":
             return GraphStrategy()
-        return CpuCompileStrategy(linear=choice)
+        return CpuCompileStrategy(linear=choice, freezing=choice != "cpp")
 
     def communicator_class(self):
         """gloo plus a shared-memory all_reduce for ranks on one node (small tensors, chosen

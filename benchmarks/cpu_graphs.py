@@ -18,10 +18,12 @@ capturable, as the CPU's is; ``--masked-attention`` attends over all of it inste
 per step).
 
 Variants: ``hf`` (the plain model, DynamicCache cropped back after each step), ``eager``
-(the injected graph-safe step, not compiled), ``nofreeze`` (compiled, weights as graph inputs:
-fusion only), ``inductor`` (freezing, inductor's own packing: MKL sgemm for fp32), ``onednn``
-(freezing, oneDNN packing), ``cpp`` (freezing, inductor's C++ GEMM template: the default CPU
-strategy), ``autotune`` (freezing + mode max-autotune-no-cudagraphs with inductor's packing:
+(the injected graph-safe step, not compiled), ``nofreeze`` (compiled, weights as graph inputs
+in their own layout: fusion only, ATen GEMMs), ``inductor`` (freezing, inductor's own packing:
+MKL sgemm for fp32), ``onednn`` (freezing, oneDNN packing), ``cpp`` (the default CPU strategy:
+weights as graph inputs, laid out once in blocks that inductor's C++ GEMM template reads in
+place; runs on its own copy of the model, since the layout changes it), ``frozen`` (freezing,
+the C++ GEMM template on its own prepacked copy: the default before), ``autotune`` (freezing + mode max-autotune-no-cudagraphs with inductor's packing:
 MKL and the C++ template benchmarked per GEMM shape at capture).
 """
 
@@ -47,11 +49,13 @@ from shardwise.inject import DecodeGraphs, injected_stack  # noqa: E402
 
 STRATEGIES = {
     "eager": lambda: GraphStrategy(),
-    "nofreeze": lambda: CpuCompileStrategy(freezing=False),
-    "inductor": lambda: CpuCompileStrategy(linear="inductor"),
-    "onednn": lambda: CpuCompileStrategy(linear="onednn"),
+    "nofreeze": lambda: CpuCompileStrategy(linear="inductor", freezing=False),
+    "inductor": lambda: CpuCompileStrategy(linear="inductor", freezing=True),
+    "onednn": lambda: CpuCompileStrategy(linear="onednn", freezing=True),
     "cpp": lambda: CpuCompileStrategy(linear="cpp"),
-    "autotune": lambda: CpuCompileStrategy(linear="inductor", mode="max-autotune-no-cudagraphs"),
+    "frozen": lambda: CpuCompileStrategy(linear="cpp", freezing=True),
+    "autotune": lambda: CpuCompileStrategy(linear="inductor", mode="max-autotune-no-cudagraphs",
+                                           freezing=True),
 }
 
 
@@ -82,24 +86,27 @@ def injected_steps(model, ids: torch.Tensor, variants: list[str], max_tokens: in
     instead of calling the cpu kernel. Together they reproduce the step as the engine ran it
     before the head joined the graph and the cpu decode became capturable."""
     kwargs = {"max_tokens": max_tokens} if max_tokens else {}
-    engine = shardwise.init_inference(model, device="cpu", replace_with_kernel_inject=True,
-                                      **kwargs)
-    stack = injected_stack(engine.module)
-    if masked_attention:
-        stack.k.decode_capturable = False
-    with torch.inference_mode():
-        out = engine.module(ids, use_cache=True)
-    cache = out.past_key_values
-    past = cache.length
-    nxt = ids[:, -1:]
-    pos = torch.full_like(nxt, past)
-    head = engine.module.get_output_embeddings()
+    shared = None  # (stack, cache, head) of the model as loaded, for the variants that keep it
+    strategies = {name: STRATEGIES[name]() for name in variants}
+    # a strategy that lays the weights out for itself gets its own copy of the model
+    copies = {name: copy.deepcopy(model) for name, s in strategies.items() if _relayouts(s)}
     steps = {}
-    for name in variants:
+    for name, strategy in strategies.items():
         start = time.perf_counter()
-        graphs = DecodeGraphs(STRATEGIES[name](), None if head_outside else head.forward)
+        if name in copies:
+            stack, cache, head = _prefilled(copies.pop(name), ids, kwargs, masked_attention,
+                                            strategy)
+        else:
+            if shared is None:
+                shared = _prefilled(model, ids, kwargs, masked_attention, None)
+            stack, cache, head = shared
+        past = cache.length
+        nxt = ids[:, -1:]
+        pos = torch.full_like(nxt, past)
+        graphs = DecodeGraphs(strategy, None if head_outside else head.forward)
 
-        def step(graphs=graphs):
+        def step(graphs=graphs, stack=stack, cache=cache, head=head, nxt=nxt, pos=pos,
+                 past=past):
             with torch.inference_mode():
                 hidden = graphs.run(stack, cache, nxt, pos, past)
                 logits = graphs.take_logits(hidden)
@@ -108,6 +115,30 @@ def injected_steps(model, ids: torch.Tensor, variants: list[str], max_tokens: in
         print(f"  {name}: capture {time.perf_counter() - start:.1f} s", file=sys.stderr)
         steps[name] = step
     return steps
+
+
+def _relayouts(strategy) -> bool:
+    """Whether ``strategy`` lays the model's weights out for its captured code."""
+    return isinstance(strategy, CpuCompileStrategy) and not strategy.freezing and \
+        strategy.linear == "cpp"
+
+
+def _prefilled(model, ids: torch.Tensor, kwargs: dict, masked_attention: bool, strategy):
+    """(injected stack, its cache after the prompt ``ids``, output head) of ``model``, its
+    weights laid out for ``strategy`` first when it does that (as ``enable_graph`` does)."""
+    from shardwise.inject.capture import _head, _share_weights
+
+    engine = shardwise.init_inference(model, device="cpu", replace_with_kernel_inject=True,
+                                      **kwargs)
+    stack = injected_stack(engine.module)
+    head = engine.module.get_output_embeddings()
+    if strategy is not None:
+        _share_weights(engine.module, _head(engine.module), strategy)
+    if masked_attention:
+        stack.k.decode_capturable = False
+    with torch.inference_mode():
+        out = engine.module(ids, use_cache=True)
+    return stack, out.past_key_values, head
 
 
 def main() -> None:

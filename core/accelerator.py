@@ -51,6 +51,15 @@ class GraphStrategy:
         """Return ``fn`` itself: eager execution needs no capture."""
         return fn
 
+    def share_weights(self, linears: list, embedding: Any = None) -> int:
+        """Called once before the first capture with the model's linear layers (and its input
+        embedding when an output head among them shares its weight): a strategy whose captured
+        code would otherwise keep its own copy of the weights (e.g. prepacked for its kernels)
+        lays them out here, in place and instance-scoped, the way its captured code reads them,
+        so captured and eager code share one copy. Returns the number of layers changed; the
+        base strategy changes none."""
+        return 0
+
     def batch_bucket(self, batch: int) -> int:
         """The captured batch size that serves ``batch`` sequences (padded up to it), so a few
         graphs serve every batch size: 1, 2, 4, 8, then multiples of 8. A device whose capture

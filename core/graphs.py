@@ -1,4 +1,5 @@
-"""Device-neutral pieces of graph capture: static input buffers and a replayable callable.
+"""Device-neutral pieces of graph capture: static input buffers, a replayable callable, the
+per-user folder where compiled artifacts are kept, and the progress line shown while capturing.
 
 A device's :class:`~shardwise.GraphStrategy` captures with its own runtime (CUDA graphs, HPU
 graphs) and wraps the result in :class:`StaticGraph`, so every strategy has the same contract.
@@ -6,11 +7,94 @@ graphs) and wraps the result in :class:`StaticGraph`, so every strategy has the 
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+import logging
+import os
+import sys
+import threading
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
 from .accelerator import dtype_name
+from .errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+#: Environment variable naming the folder where shardwise keeps compiled artifacts (default
+#: ``$XDG_CACHE_HOME/shardwise``, else ``~/.cache/shardwise``): see :func:`cache_dir`.
+CACHE_DIR_ENV = "SHARDWISE_CACHE_DIR"
+
+
+def cache_root() -> Path:
+    """The per-user folder of shardwise's compiled artifacts (not created here):
+    ``$SHARDWISE_CACHE_DIR``, else ``$XDG_CACHE_HOME/shardwise``, else ``~/.cache/shardwise``.
+    Never a shared temporary folder: another user could plant code there that this process
+    would load."""
+    chosen = os.environ.get(CACHE_DIR_ENV, "").strip()
+    if chosen:
+        return Path(chosen).expanduser().resolve()
+    xdg = os.environ.get("XDG_CACHE_HOME", "").strip()
+    base = Path(xdg).expanduser() if xdg and os.path.isabs(os.path.expanduser(xdg)) else (
+        Path.home() / ".cache")
+    return (base / "shardwise").resolve()
+
+
+def cache_dir(*parts: str) -> Path:
+    """``cache_root() / parts``, created (private to the user: mode 0700) if missing. A folder
+    that cannot be created or written is a :class:`~shardwise.errors.ConfigError` naming
+    :data:`CACHE_DIR_ENV`."""
+    path = cache_root().joinpath(*parts)
+    try:
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"cannot create the shardwise cache folder {str(path)!r} "
+                          f"({exc.strerror or exc}); set {CACHE_DIR_ENV} to a writable folder"
+                          ) from exc
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ConfigError(f"the shardwise cache folder {str(path)!r} is not writable; set "
+                          f"{CACHE_DIR_ENV} to a writable folder")
+    return path
+
+
+@contextmanager
+def progress(what: str, stream=None, interval: float = 0.5) -> Iterator[None]:
+    """Show that ``what`` (e.g. "compiling the decode step for batch bucket 4") is under way:
+    on a terminal, one line on stderr rewritten in place with the seconds elapsed and ended
+    with the total; elsewhere (logs, CI), an INFO log line at the start and one at the end."""
+    stream = sys.stderr if stream is None else stream
+    start = time.perf_counter()
+    tty = bool(getattr(stream, "isatty", lambda: False)())
+    if not tty:
+        log.info("shardwise: %s ...", what)
+        try:
+            yield
+        finally:
+            log.info("shardwise: %s: %.1f s", what, time.perf_counter() - start)
+        return
+    done = threading.Event()
+
+    def tick() -> None:
+        while not done.wait(interval):
+            stream.write(f"\rshardwise: {what} ... {time.perf_counter() - start:.0f} s")
+            stream.flush()
+
+    ticker = threading.Thread(target=tick, name="shardwise-progress", daemon=True)
+    stream.write(f"shardwise: {what} ...")
+    stream.flush()
+    ticker.start()
+    ok = False
+    try:
+        yield
+        ok = True
+    finally:
+        done.set()
+        ticker.join()
+        end = "done" if ok else "failed"
+        stream.write(f"\rshardwise: {what}: {end} in {time.perf_counter() - start:.1f} s\x1b[K\n")
+        stream.flush()
 
 
 def _shapes(tensors: Sequence[torch.Tensor]) -> str:

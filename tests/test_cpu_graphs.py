@@ -226,10 +226,11 @@ def test_strategy_choice(monkeypatch):
     monkeypatch.delenv(cpu_mod.CPU_GRAPHS_ENV, raising=False)
     default = acc.graph_strategy()
     assert isinstance(default, CpuCompileStrategy) and default.accelerates
-    assert (default.linear, default.mode, default.freezing) == ("cpp", "default", True)
+    assert (default.linear, default.mode, default.freezing) == ("cpp", "default", False)
     for value, linear in (("compile", "cpp"), ("onednn", "onednn"), ("inductor", "inductor")):
         monkeypatch.setenv(cpu_mod.CPU_GRAPHS_ENV, value)
-        assert acc.graph_strategy().linear == linear
+        chosen = acc.graph_strategy()
+        assert chosen.linear == linear and chosen.freezing == (linear != "cpp")
     monkeypatch.setenv(cpu_mod.CPU_GRAPHS_ENV, "eager")
     eager = acc.graph_strategy()
     assert type(eager) is GraphStrategy and not eager.accelerates
@@ -240,3 +241,161 @@ def test_strategy_choice(monkeypatch):
         CpuCompileStrategy(linear="mkl")
     with pytest.raises(ValueError, match="mode 'reduce-overhead'"):
         CpuCompileStrategy(mode="reduce-overhead")
+
+
+# ----- one copy of the weights --------------------------------------------------------------------
+
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+def _own_bytes(engine) -> tuple[int, int]:
+    """(bytes of the tensors the compiled graphs hold that share no storage with the model's
+    parameters and buffers, bytes of the model's parameters)."""
+    module = engine.module
+    model_storages = {_storage(t) for t in (*module.parameters(), *module.buffers())}
+    graphs = module.base_model.graphs
+    held = {}
+    for graph in graphs.graphs.values():
+        for t in CpuCompileStrategy.constants(graph):
+            if _storage(t) not in model_storages:
+                held[_storage(t)] = t.untyped_storage().nbytes()
+    params = sum(p.numel() * p.element_size() for p in module.parameters())
+    return sum(held.values()), params
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_compiled_step_holds_no_copy_of_the_weights(models, arch):
+    """The compiled step reads the model's own parameters (graph inputs, laid out once in
+    blocks for the C++ GEMM template), so graphs add no second copy of the weights."""
+    ref, eager, compiled = models(arch)
+    own, params = _own_bytes(compiled)
+    assert params > 0 and own <= 0.02 * params, (own, params)
+    eager_params = sum(p.numel() * p.element_size() for p in eager.module.parameters())
+    assert params <= 1.02 * eager_params  # blocked weights: the same bytes, padding aside
+    linears = [m for m in compiled.module.modules() if isinstance(m, torch.nn.Linear)
+               or type(m).__name__ == "Conv1D"]
+    forwards = [m.__dict__.get("forward") for m in linears]
+    forwards = [getattr(f, "original", f) for f in forwards]  # the head: HeadFromGraph(...)
+    assert linears and all(isinstance(f, cpu_mod.BlockedLinear) for f in forwards)
+
+
+def test_frozen_step_would_hold_a_copy(monkeypatch):
+    """What the check above guards against: a frozen strategy's graph holds its own prepacked
+    copy of the weights (about the linear weights' bytes)."""
+    monkeypatch.setattr(CpuAccelerator, "graph_strategy",
+                        lambda self: CpuCompileStrategy(freezing=True))
+    own, params = _own_bytes(_engine("gpt2", enable_graph=True))
+    assert own > 0.5 * params, (own, params)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 40])
+def test_blocked_matmul_matches_linear(rows):
+    """Eager ``blocked_matmul`` (batched over blocks up to 32 rows, one GEMM beyond) equals
+    ``F.linear``, with a width that is not a multiple of the block (padded)."""
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(48, 70)
+    x = torch.randn(2, rows, 48)
+    want = linear(x)
+    blocked = cpu_mod.block_weight(linear.weight.detach().t())
+    assert blocked.shape == (3, 48, cpu_mod.BLOCK_N)
+    got = cpu_mod.blocked_matmul(x, blocked, 70) + linear.bias
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_block_linear_weights_keeps_forward_and_tied_embedding():
+    from transformers.pytorch_utils import Conv1D
+
+    torch.manual_seed(0)
+    embed = torch.nn.Embedding(70, 16)
+    head = torch.nn.Linear(16, 70, bias=False)
+    head.weight = embed.weight  # tied
+    conv = Conv1D(24, 16)
+    bf16 = torch.nn.Linear(16, 8).to(torch.bfloat16)
+    x, ids = torch.randn(3, 16), torch.tensor([[0, 33, 69]])
+    want = (head(x), embed(ids), conv(x), bf16(x.bfloat16()))
+    assert cpu_mod.block_linear_weights([head, conv, bf16], embed) == 2
+    assert head.weight is embed.weight and head.weight.shape == (3, 16, cpu_mod.BLOCK_N)
+    assert "forward" not in bf16.__dict__  # not fp32: left as it is
+    got = (head(x), embed(ids), conv(x), bf16(x.bfloat16()))
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+
+
+# ----- no recompiles ------------------------------------------------------------------------------
+
+def test_replays_never_recompile(models):
+    """Generate after generate, batch sizes in and out of a bucket, with and without padding:
+    each bucket's step is compiled once and replayed (dynamo raises on any recompile)."""
+    ref, eager, compiled = models("llama")
+    strategy = _strategy(compiled)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for batch in (1, 2, 1, 2):
+            ids = prompt_ids(batch=batch, length=6 + batch)
+            mask = torch.ones_like(ids)
+            mask[0, :1] = 0
+            _generate(compiled, ids, attention_mask=mask, max_new_tokens=4, min_new_tokens=4)
+    assert strategy.compiles == len(compiled.module.base_model.graphs.buckets())
+
+
+# ----- the cache folder and the progress line -----------------------------------------------------
+
+def test_cache_root_follows_the_environment(monkeypatch, tmp_path):
+    from shardwise import graphs
+
+    monkeypatch.delenv(graphs.CACHE_DIR_ENV, raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert graphs.cache_root() == (tmp_path / "xdg" / "shardwise").resolve()
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert graphs.cache_root() == (tmp_path / "home" / ".cache" / "shardwise").resolve()
+    monkeypatch.setenv(graphs.CACHE_DIR_ENV, str(tmp_path / "mine"))
+    assert graphs.cache_dir("inductor") == (tmp_path / "mine" / "inductor").resolve()
+    assert (tmp_path / "mine" / "inductor").is_dir()
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    monkeypatch.setenv(graphs.CACHE_DIR_ENV, str(blocker))
+    with pytest.raises(ConfigError, match="SHARDWISE_CACHE_DIR"):
+        graphs.cache_dir("inductor")
+
+
+def _double(x):
+    return x * 2 + 1
+
+
+def test_compiled_code_goes_to_the_user_cache_folder(monkeypatch, tmp_path):
+    """Inductor's caches land in shardwise's per-user folder while a capture compiles (not the
+    shared /tmp default), the variable is set back afterwards, and a folder the user chose for
+    inductor wins."""
+    monkeypatch.setenv("SHARDWISE_CACHE_DIR", str(tmp_path / "ours"))
+    monkeypatch.delenv(cpu_mod.INDUCTOR_CACHE_ENV, raising=False)
+    CpuCompileStrategy().capture(_double, torch.ones(5))
+    assert any((tmp_path / "ours" / "inductor").rglob("*.py"))
+    # set back: unset, or inductor's default that torch itself writes there when it needs it
+    assert "ours" not in __import__("os").environ.get(cpu_mod.INDUCTOR_CACHE_ENV, "")
+    monkeypatch.setenv(cpu_mod.INDUCTOR_CACHE_ENV, str(tmp_path / "theirs"))
+    CpuCompileStrategy().capture(_double, torch.ones(6))
+    assert any((tmp_path / "theirs").rglob("*.py"))
+
+
+class _Terminal(__import__("io").StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_progress_line(caplog):
+    from shardwise.graphs import progress
+
+    out = _Terminal()
+    with progress("capturing the decode step for batch bucket 4", stream=out, interval=0.01):
+        __import__("time").sleep(0.05)
+    text = out.getvalue()
+    assert text.startswith("shardwise: capturing the decode step for batch bucket 4 ...")
+    assert "\rshardwise: capturing the decode step for batch bucket 4: done in" in text
+    assert text.endswith("\n") and text.count("\n") == 1  # one line, rewritten in place
+    caplog.set_level("INFO", logger="shardwise.graphs")
+    with progress("compiling x", stream=__import__("io").StringIO()):
+        pass
+    assert [r.getMessage() for r in caplog.records][-2:] == [
+        "shardwise: compiling x ...", caplog.records[-1].getMessage()]
+    assert caplog.records[-1].getMessage().startswith("shardwise: compiling x: ")

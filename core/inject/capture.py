@@ -23,6 +23,7 @@ from torch import nn
 
 from ..accelerator import Accelerator, GraphStrategy
 from ..errors import ConfigError
+from ..graphs import progress
 from .cache import StaticKVCache
 from .layers import InjectedModel
 
@@ -67,7 +68,10 @@ class DecodeGraphs:
         args = _step_args(cache, input_ids.reshape(b, 1), position_ids.reshape(b, 1), past, rows)
         graph = self.graphs.get(rows)
         if graph is None:
-            graph = self.graphs[rows] = self.strategy.capture(self._step(stack, cache), *args)
+            with progress(f"capturing the decode step for batch bucket {rows} with "
+                          f"{self.strategy.name}"):
+                graph = self.strategy.capture(self._step(stack, cache), *args)
+            self.graphs[rows] = graph
         out = graph(*args)  # static outputs, overwritten by the next replay: copied
         with torch.inference_mode(False):  # normal tensors: their version counter is tracked
             if self.head_forward is None:
@@ -179,6 +183,7 @@ def enable_graphs(model: nn.Module, accelerator: Accelerator) -> GraphStrategy:
                  accelerator.name, strategy.name)
         return strategy
     head = _head(model)
+    _share_weights(model, head, strategy)
     original = None
     if head is not None:
         original = head.forward
@@ -191,6 +196,27 @@ def enable_graphs(model: nn.Module, accelerator: Accelerator) -> GraphStrategy:
     log.info("shardwise: decode step%s captured with %s (one graph per batch bucket)",
              " and output head" if head is not None else "", strategy.name)
     return strategy
+
+
+def _share_weights(model: nn.Module, head: nn.Module | None, strategy: GraphStrategy) -> None:
+    """Let the strategy lay the model's linear weights out for its captured code (one copy
+    shared by eager and captured code; see ``GraphStrategy.share_weights``): every leaf module
+    with a weight once, and the input embedding when the head shares its weight."""
+    seen: set[int] = set()
+    leaves = []
+    for module in model.modules():
+        if id(module) not in seen and not next(module.children(), None) and \
+                isinstance(getattr(module, "weight", None), torch.Tensor):
+            seen.add(id(module))
+            leaves.append(module)
+    get = getattr(model, "get_input_embeddings", None)
+    embed = get() if callable(get) else None
+    tied = (embed if head is not None and isinstance(embed, nn.Module)
+            and getattr(embed, "weight", None) is getattr(head, "weight", False) else None)
+    changed = strategy.share_weights([m for m in leaves if m is not embed], tied)
+    if changed:
+        log.info("shardwise: %d linear weights laid out for %s (shared by eager and captured "
+                 "code)", changed, strategy.name)
 
 
 def _trial_capture(stack: InjectedModel, graphs: DecodeGraphs, accelerator: Accelerator,
