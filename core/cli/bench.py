@@ -51,14 +51,16 @@ def _add_matrix_options(p: argparse.ArgumentParser) -> None:
 
 
 def _add_variant_options(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("the shardwise variant (the baseline is the plain HF model); none "
-                             "of --dtype/--inject/--graphs/--quant/--plain: the device's "
-                             "default set (injection + graphs, int8, int4)")
+    g = p.add_argument_group(
+        "the shardwise variant",
+        "The baseline is the plain HF model. With none of --dtype, --inject, --graphs,\n"
+        "--quant, --plain: the device's default set (injection + graphs, then also int8 and\n"
+        "int4, in the device's preferred dtype, HF too); with any, the one variant they describe.")
     g.add_argument("--device", help="accelerator plugin (default: $SHARDWISE_ACCELERATOR or "
                                     "detection)")
     g.add_argument("--dtype", choices=["fp32", "fp16", "bf16", "auto"],
-                   help="dtype of both variants (default: the model's own; auto: the device's "
-                        "preferred)")
+                   help="dtype of the shardwise variant and the HF baseline (default: the "
+                        "model's own; auto: the device's preferred)")
     g.add_argument("--tp", type=int, default=1, metavar="N",
                    help="tensor-parallel ranks, started through torch.distributed.run")
     g.add_argument("--nnodes", type=int, default=1, metavar="N", help="nodes taking part in --tp")
