@@ -369,6 +369,36 @@ def test_loading_shows_no_progress_bar_of_its_own(monkeypatch, capsys):
     assert gguf.tqdm is before and hf_logging.is_progress_bar_enabled()
 
 
+def test_the_bar_is_the_one_display_on_a_terminal(monkeypatch):
+    """On a terminal, the graph capture's own progress line would draw a second display under
+    the bench's bar: inside the bar, stderr is not a terminal, so it takes its logged form, and
+    whatever else is written to stderr comes out above the bar, line by line."""
+    import io
+
+    from shardwise.graphs import progress
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    terminal = Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    with session.one_display(2) as bar:
+        assert not sys.stderr.isatty()
+        with progress("capturing the decode step for batch bucket 1"):
+            assert bar.postfix == "capturing the decode step for batch bucket 1"  # in the bar
+            bar.update(1)
+        assert not bar.postfix  # until it is done
+        sys.stderr.write("compiler: step 1\rcompiler: step 2\n")
+        print("a line from a library", file=sys.stderr)
+        sys.stderr.write("unfinished")
+    shown = terminal.getvalue()
+    assert "shardwise: capturing the decode step" not in shown  # no line of its own
+    assert "compiler: step 2\n" in shown and "compiler: step 1" not in shown
+    assert "a line from a library\n" in shown and "unfinished\n" in shown
+    assert sys.stderr is terminal
+
+
 def test_default_variants_end_to_end_on_a_tiny_preset(tmp_path, capsys, monkeypatch):
     """The default set (graph capture off here to keep the test fast: the graph strategy is
     eager, so the default asks for injection alone): one model load, every variant on its own

@@ -5,6 +5,7 @@ the result document."""
 from __future__ import annotations
 
 import contextlib
+import io
 import logging
 import sys
 from typing import Any
@@ -25,10 +26,45 @@ def progress_bar(total: int, enabled: bool = True):
     return tqdm(total=total, unit="gen", file=sys.stderr, disable=not enabled, leave=False)
 
 
+class AboveTheBar(io.TextIOBase):
+    """``sys.stderr`` while the bench's bar runs: each whole line written to it is printed above
+    the bar (``tqdm.write``), a line rewritten with carriage returns by its last state. It is not
+    a terminal, so other progress lines (the graph capture's, transformers') take their quiet,
+    logged form instead of drawing a second display."""
+
+    def __init__(self, real) -> None:
+        super().__init__()
+        self.real = real
+        self.pending = ""
+
+    def isatty(self) -> bool:
+        return False
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, text: str) -> int:
+        from tqdm import tqdm
+
+        *lines, self.pending = (self.pending + text).split("\n")
+        for line in lines:
+            tqdm.write(line.rsplit("\r", 1)[-1], file=self.real)
+        return len(text)
+
+    def flush(self) -> None:
+        self.real.flush()
+
+    def finish(self) -> None:
+        """Print what is left of an unfinished line."""
+        if self.pending.strip():
+            self.write("\n")
+
+
 @contextlib.contextmanager
 def one_display(total: int, enabled: bool = True):
     """The run's single progress display: a bar over ``total`` generate calls, with log
-    records and Python warnings written above it (through the bar) instead of through it."""
+    records, Python warnings and anything else written to ``sys.stderr`` printed above it
+    (:class:`AboveTheBar`) instead of through it."""
     from tqdm.contrib.logging import logging_redirect_tqdm
 
     with progress_bar(total, enabled) as progress:
@@ -36,11 +72,44 @@ def one_display(total: int, enabled: bool = True):
             yield progress
             return
         captured = logging.captureWarnings(True)
+        above = AboveTheBar(sys.stderr)
         try:
-            with logging_redirect_tqdm():
+            with logging_redirect_tqdm(), contextlib.redirect_stderr(above), \
+                    _steps_in_the_bar(progress):
                 yield progress
         finally:
+            above.finish()
             logging.captureWarnings(captured)
+
+
+#: Loggers whose INFO lines say which long step is under way (the graph capture's progress).
+STEP_LOGGERS = ("shardwise.graphs",)
+
+
+@contextlib.contextmanager
+def _steps_in_the_bar(progress):
+    """Show the INFO lines of :data:`STEP_LOGGERS` in the bar instead of printing them: a step
+    that starts ("capturing the decode step for batch bucket 1 ...") is the bar's postfix
+    until the line that ends it (": 41.3 s") clears it; their warnings pass."""
+    def into_the_bar(record: logging.LogRecord) -> bool:
+        if record.levelno >= logging.WARNING:
+            return True
+        text = record.getMessage().removeprefix("shardwise: ")
+        progress.set_postfix_str(text.removesuffix(" ...")[:60] if text.endswith("...") else "")
+        return False  # shown in the bar: not printed
+
+    loggers = [logging.getLogger(name) for name in STEP_LOGGERS]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.addFilter(into_the_bar)
+        if logger.getEffectiveLevel() > logging.INFO:
+            logger.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.removeFilter(into_the_bar)
+            logger.setLevel(level)
 
 
 def run_bench(plan: Plan, accelerator: Accelerator, *, command: str, options: dict[str, Any],
