@@ -9,12 +9,14 @@ so flat that ignoring the padding mask moves the outputs by only ~0.004 (0.6 aft
 Inputs: batch 4 × 16 tokens (plus token type ids) without a mask, right-padded and left-padded.
 
 Tolerances, on ``last_hidden_state`` and ``pooler_output`` (BertModel) or ``logits`` (heads), every
-position (padded ones included: HF computes them from the real keys too), magnitudes up to ~4:
-* fp32: within ``FP32_ATOL`` = 1e-4 (measured ≤ 2.1e-6 with the reference kernels; the cpu
-  backend's kernels are the same ATen ops as HF's and give 0).
-* bf16: within ``BF16_ATOL`` = 0.1 of HF run in bf16 (measured max 0.047 with the reference
-  kernels — about 1.5 bf16 ulps at magnitude 4: the reference kernels compute in fp32 and round
-  once, HF rounds after each op; 0 with the cpu backend; TP=2: see ``test_tp2_*``).
+position (padded ones included: HF computes them from the real keys too), magnitudes up to ~4;
+about 2× the max measured (``pytest -s`` prints each; under load, x86-64, torch 2.13):
+* fp32: within ``FP32_ATOL`` = 4e-6 (measured ≤ 1.85e-6 with the reference kernels, masked_lm;
+  TP=2 ≤ 1.79e-6; the cpu backend's kernels are the same ATen ops as HF's and give 0).
+* bf16: within ``BF16_ATOL`` = 0.07 of HF run in bf16 (measured max 0.035 with the reference
+  kernels, about 1 bf16 ulp at magnitude 4: they compute in fp32 and round once, HF rounds after
+  each op; 0 with the cpu backend); TP=2 within ``TP_BF16_ATOL`` = 0.094 (measured 0.047: the
+  row-parallel all-reduce adds bf16 partial sums).
 """
 
 from __future__ import annotations
@@ -31,12 +33,14 @@ from shardwise.inject.encoder import (EncoderInjectionSpec, InjectedEncoder, Inj
 from models import TINY_CONFIGS, prompt_ids, tiny_encoder
 from tp_harness import TP, case, digest, table_fixture
 
-FP32_ATOL = 1e-4
-BF16_ATOL = 0.1
+FP32_ATOL = 4e-6
+BF16_ATOL = 0.07
+TP_BF16_ATOL = 0.094
 HEADS = ["base", "masked_lm", "classifier"]
 MASKS = ["none", "right", "left"]
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 ATOL = {torch.float32: FP32_ATOL, torch.bfloat16: BF16_ATOL}
+TP_ATOL = {torch.float32: FP32_ATOL, torch.bfloat16: TP_BF16_ATOL}
 
 
 # ----- models and inputs --------------------------------------------------------------------------
@@ -323,4 +327,4 @@ def test_tp2_injection_matches_hf(ranks, name):
     assert r0["digests"] == r1["digests"]  # every rank returns the same outputs
     print(f"{name}: max |diff| {r0['max_abs']}")
     for r in (r0, r1):
-        assert max(r["max_abs"].values()) < ATOL[dtype], r["max_abs"]
+        assert max(r["max_abs"].values()) < TP_ATOL[dtype], r["max_abs"]

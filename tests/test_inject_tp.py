@@ -2,9 +2,14 @@
 the sharded weights and the row-parallel all-reduce still happens (through the sharding hooks and
 the engine's communicator), so TP=2 + injection gives HF's logits and tokens.
 
-All cases run in ONE pair of processes (module-scoped fixture). Tolerances as tests/test_inject.py
-(fp32: logits 1e-4 and identical greedy tokens; bf16: logits within 0.05 — the TP all-reduce
-sums partial products in bf16 in another order — and free-running greedy agreement ≥ 0.5: a near-tie can flip a token and its sequence's tail).
+All cases run in ONE pair of processes (module-scoped fixture). Tolerances about 2× the max
+measured over every case (``pytest -s`` prints each; under load, x86-64, torch 2.13):
+* fp32: logits within ``FP32_ATOL`` = 7e-7 of HF, on the prompt and along HF's 32-token greedy
+  continuation (measured ≤ 3.6e-7 and ≤ 4.2e-7, falcon-7heads-mqa: the row-parallel all-reduce
+  sums the two ranks' partial products), and identical greedy tokens.
+* bf16: logits along HF's continuation within ``BF16_ATOL`` = 0.016 of HF bf16 (measured ≤
+  0.0078, bloom; 0.0039 to 0.0059 for the rest) and teacher-forced agreement (tests/models.py)
+  ≥ ``MIN_FORCED_AGREEMENT`` = 0.9 (measured ≥ 0.97, gptj; 1.0 for the rest).
 """
 
 from __future__ import annotations
@@ -13,12 +18,11 @@ import pytest
 import torch
 
 import shardwise
-from models import prompt_ids, tiny_causal_lm
+from models import MIN_FORCED_AGREEMENT, prompt_ids, teacher_forced_agreement, tiny_causal_lm
 from tp_harness import TP, _with_random_biases, case, digest, table_fixture
 
-FP32_ATOL = 1e-4
-BF16_ATOL = 0.05
-BF16_MIN_AGREEMENT = 0.5
+FP32_ATOL = 7e-7
+BF16_ATOL = 0.016
 NEW = 32
 FAMILIES = ["gpt2", "gpt_neo", "gptj", "gpt_neox", "opt", "bloom", "llama", "mistral", "qwen2",
             "falcon", "falcon-mqa", "falcon-alibi", "phi3"]
@@ -55,9 +59,14 @@ def _run_case(rank: int, arch: str, dtype: torch.dtype, graphs: str | None) -> d
     mine = ids if rank == 0 else torch.zeros_like(ids)  # the engine broadcasts rank 0's inputs
     logits = engine(input_ids=mine).logits.float()
     tokens = engine.generate(mine, **gen)
+    with torch.no_grad():  # teacher forcing: HF's continuation [2, 8 + 32], one forward each
+        forced_ref = ref(ref_tokens).logits.float()
+    forced_in = ref_tokens if rank == 0 else torch.zeros_like(ref_tokens)
+    forced_logits = engine(input_ids=forced_in).logits.float()
     stack = injected_stack(model)
     return dict(max_abs=(logits - ref_logits).abs().max().item(),
-                agreement=(tokens[:, 8:] == ref_tokens[:, 8:]).float().mean().item(),
+                forced=teacher_forced_agreement(forced_ref, forced_logits, ids.shape[1]),
+                forced_max_abs=(forced_logits - forced_ref).abs().max().item(),
                 tokens_equal=torch.equal(tokens, ref_tokens), digest=digest(logits),
                 injected=isinstance(stack, InjectedModel),
                 local_q_heads=stack.m.layers[0].q_heads,
@@ -90,13 +99,15 @@ def test_tp2_injection_matches_hf(ranks, name):
     heads = 7 if "7heads" in arch else 4  # the rank's whole heads: 2 | 2 or 4 | 3
     assert (r0["local_q_heads"], r1["local_q_heads"]) == ((heads + 1) // 2, heads // 2)
     assert r0["digest"] == r1["digest"]  # every rank returns the same logits
+    print(f"{name}: max |logit diff| prompt {r0['max_abs']:.2e}, along HF's continuation "
+          f"{r0['forced_max_abs']:.2e}; teacher-forced agreement {r0['forced']:.3f}")
     if dtype == torch.float32:
         assert r0["max_abs"] < FP32_ATOL, r0["max_abs"]
+        assert r0["forced_max_abs"] < FP32_ATOL, r0["forced_max_abs"]
         assert r0["tokens_equal"] and r1["tokens_equal"]
     else:
-        print(f"{name}: max |logit diff| {r0['max_abs']:.4f}, agreement {r0['agreement']:.3f}")
-        assert r0["max_abs"] < BF16_ATOL
-        assert r0["agreement"] >= BF16_MIN_AGREEMENT
+        assert r0["forced_max_abs"] < BF16_ATOL, r0["forced_max_abs"]
+        assert r0["forced"] >= MIN_FORCED_AGREEMENT, r0["forced"]
     assert r0["graphs"] == r1["graphs"] == (graphs is not None)
     if graphs == "compiled":  # the init trial (batch 1) and batch 2; none as lengths grew
         assert r0["compiles"] == r1["compiles"] == 2 and r0["buckets"] == [1, 2]

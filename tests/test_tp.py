@@ -14,7 +14,11 @@ from torch import nn
 
 import shardwise
 from models import prompt_ids, tiny_causal_lm
-from tp_harness import ATOL, TP, assert_parity, case, digest, hf_case, run_cases, run_pair
+from tp_harness import TP, assert_parity, case, digest, hf_case, run_cases, run_pair
+
+
+#: OddNet's outputs (fp32, larger than the HF models' logits): measured ≤ 7.2e-7 at TP=2
+ODD_ATOL = 1.5e-6
 
 
 # ----- a model no heuristic or policy knows: odd names, no config ---------------------------------
@@ -156,7 +160,8 @@ def test_plan_sources_roles_and_ties(ranks):
 @pytest.mark.slow
 def test_user_plan_on_a_model_nothing_knows(ranks):
     r0, r1 = case(ranks, "odd-injection-policy")
-    assert r0["max_abs"] < ATOL and r1["max_abs"] < ATOL
+    print(f"odd-injection-policy TP=2 fp32: max |diff| {max(r0['max_abs'], r1['max_abs']):.2e}")
+    assert r0["max_abs"] < ODD_ATOL and r1["max_abs"] < ODD_ATOL
     assert r0["digest"] == r1["digest"]
     assert r0["roles"] == {"column": 8, "row": 4}
     assert r0["squash_in"] == 32

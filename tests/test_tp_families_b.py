@@ -35,6 +35,8 @@ from shardwise.sharding import HeadSlicedInput, shard_model
 from tp_harness import (ATOL, NEW_TOKENS, TP, _expected_rank_bytes, _with_random_biases, case,
                         digest, hf_case, run_cases, run_pair)
 
+#: BERT's hidden states and MLM logits (fp32): measured ≤ 4.8e-7 (bert-mlm last_hidden_state)
+BERT_ATOL = 1e-6
 CAUSAL = ["bloom", "falcon", "falcon-mqa", "falcon-7heads-mqa", "falcon-alibi",
           "falcon-alibi-eager"]
 POLICIES = {"bloom": "BloomPolicy", "falcon": "FalconPolicy", "bert": "BertPolicy"}
@@ -175,6 +177,7 @@ def test_policies_are_registered():
 @pytest.mark.parametrize("name", CAUSAL)
 def test_tp2_matches_the_single_process_model(ranks, name):
     r0, r1 = case(ranks, name)
+    print(f"{name} TP=2 fp32: max |logit diff| {max(r0['max_abs'], r1['max_abs']):.2e}")
     for r in (r0, r1):
         assert r["max_abs"] < ATOL, f"{name}: logits differ by {r['max_abs']:.2e}\n{r['summary']}"
         assert r["tokens_equal"], f"{name}: {NEW_TOKENS} greedy tokens differ from HF's"
@@ -231,6 +234,8 @@ def test_bloom_alibi_slopes_follow_each_ranks_heads(ranks):
     slopes = r0["all_slopes"]  # 4 heads: 1/4, 1/16, 1/64, 1/256
     assert r0["heads"] == r1["heads"] == 2
     assert r0["slopes"] == pytest.approx(slopes[:2]) and r1["slopes"] == pytest.approx(slopes[2:])
+    print(f"bloom-alibi TP=2 fp32 (left-padded): max |logit diff| "
+          f"{max(r0['max_abs'], r1['max_abs']):.2e}")
     for r in (r0, r1):  # padded batch: the alibi built from the mask is sliced too
         assert r["max_abs"] < ATOL
     assert r0["digest"] == r1["digest"]
@@ -247,9 +252,10 @@ def test_bloom_without_the_alibi_slice_fails_and_with_wrong_slopes_differs(ranks
 @pytest.mark.parametrize("name", ["bert-mlm", "bert-base"])
 def test_bert_outputs_match_the_single_process_model(ranks, name):
     r0, r1 = case(ranks, name)
+    print(f"{name} TP=2 fp32: max |diff| {r0['max_abs']} | {r1['max_abs']}")
     for r in (r0, r1):
         for what, diff in r["max_abs"].items():
-            assert diff < ATOL, f"{name}: {what} differs by {diff:.2e}\n{r['summary']}"
+            assert diff < BERT_ATOL, f"{name}: {what} differs by {diff:.2e}\n{r['summary']}"
         assert r["source"] == "policy:bert" and r["heads"] == [2, 2]
         assert r["attn"] == [2, 32, 16]  # num_attention_heads, all_head_size, head size
     assert r0["digest"] == r1["digest"], "ranks returned different outputs"

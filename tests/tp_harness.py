@@ -25,7 +25,10 @@ from models import prompt_ids, tiny_causal_lm
 
 TP = {"tensor_parallel": {"tp_size": 2}}
 NEW_TOKENS = 32
-ATOL = 1e-4  # fp32
+#: fp32 logits, TP=2 vs the single-process model: about 2× the max measured over every causal
+#: family in test_tp*.py (≤ 3.6e-7, falcon-7heads-mqa; the rest ≤ 3e-7: the all-reduce sums the
+#: ranks' partial products in another order; ``pytest -s`` prints each; under load, x86-64)
+ATOL = 7e-7
 
 
 def digest(t: torch.Tensor) -> str:
@@ -144,6 +147,7 @@ def assert_parity(ranks, name) -> None:
     """Case ``name`` matches the single-process model on both ranks (logits within ATOL, greedy
     tokens from engine.generate and module.generate), and the ranks agree bit for bit."""
     r0, r1 = case(ranks, name)
+    print(f"{name} TP=2 fp32: max |logit diff| {max(r0['max_abs'], r1['max_abs']):.2e}")
     for r in (r0, r1):
         assert r["max_abs"] < ATOL, f"{name}: logits differ by {r['max_abs']:.2e}\n{r['summary']}"
         assert r["tokens_equal"], f"{name}: {NEW_TOKENS} greedy tokens differ from HF's"
