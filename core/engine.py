@@ -369,7 +369,8 @@ def _keep_if_free(engine: InferenceEngine, ledger: Ledger) -> None:
     ledger.release()
     engine._not_restorable = (
         f"init_inference replaced the weights in place (sharded, quantized, cast to another "
-        f"dtype or moved to another device: {held} bytes of the originals), and keeping the "
+        f"dtype, moved to another device, or laid out for the graph strategy's kernels: "
+        f"{held} bytes of the originals), and keeping the "
         f"originals would hold the model twice, so they were released. engine.module stays "
         f"usable; reload the model to get the original")
 

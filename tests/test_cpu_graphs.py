@@ -399,3 +399,24 @@ def test_progress_line(caplog):
     assert [r.getMessage() for r in caplog.records][-2:] == [
         "shardwise: compiling x ...", caplog.records[-1].getMessage()]
     assert caplog.records[-1].getMessage().startswith("shardwise: compiling x: ")
+
+
+def test_failed_capture_gives_the_weights_back(monkeypatch):
+    """The weights are laid out before the first capture; a capture that then fails leaves the
+    model as handed in (original weight shapes, no instance forwards, the same logits)."""
+    def fails(self, fn, *args):
+        raise RuntimeError("no compiler (injected by the test)")
+
+    monkeypatch.setattr(CpuCompileStrategy, "capture", fails)
+    model = tiny_causal_lm("gpt2")
+    shapes = {n: p.shape for n, p in model.named_parameters()}
+    ids = prompt_ids(batch=1, length=8)
+    with torch.no_grad():
+        before = model(ids).logits
+    with pytest.raises(ConfigError, match="injected by the test"):
+        shardwise.init_inference(model, device="cpu", replace_with_kernel_inject=True,
+                                 enable_graph=True)
+    assert {n: p.shape for n, p in model.named_parameters()} == shapes
+    assert not any("forward" in m.__dict__ for m in model.modules())
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, before, rtol=0, atol=0)

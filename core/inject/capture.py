@@ -11,6 +11,12 @@ is answered from the graph: the head instance's ``forward`` is replaced, on that
 by :class:`HeadFromGraph`, which returns the logits the graph computed for exactly the hidden
 state it is given, and runs the original forward for anything else. The head's hooks (e.g. the
 tensor-parallel vocab all-gather) stay outside the graph and run on those logits as before.
+
+Before the first capture the strategy may lay the model's linear weights out for its captured
+code (``GraphStrategy.share_weights``; the CPU's: blocks its C++ GEMM template reads in place),
+so the graphs read the model's own parameters instead of keeping a copy of them beside it.
+While a graph is captured, one progress line on stderr (a log line when stderr is not a
+terminal) names the batch bucket being compiled (``shardwise.graphs.progress``).
 """
 
 from __future__ import annotations
