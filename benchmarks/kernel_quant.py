@@ -19,6 +19,20 @@ jobs sharing the machine (load average ~2): µs per call (speed-up over fp32 F.l
     1536 -> 8960  4      9652   1913 (5.1x)   1396 (6.9x)   2164 (4.5x)   800 (12.1x)
 
 The reference (dequantize + F.linear per call) took 50-59 ms: 0.06-0.16x.
+
+An fp32 model's quantized linear (rows "..., fp32 model": the QuantLinear casts the fp32 input to
+bf16 for the packed kernel and the output back) costs what the bf16 kernel costs: measured with
+``--threads 1 --batch 1 --repeats 30`` under load (load average ~7 on the 2 cores), µs per call
+(speed-up over fp32 F.linear):
+
+    shape         fp32   int8/channel  int8/ch, fp32 model  int4 g128    int4 g128, fp32 model
+    2048 -> 5632  6100    847 (7.2x)    776 (7.9x)           354 (17x)    360 (17x)
+    1536 -> 8960  3054   1075 (2.8x)   1053 (2.9x)           424 (7.2x)   467 (6.5x)
+
+(the fp32 F.linear of the first shape was slowed by the load more than the rest). Under such
+load, 2-thread runs of the packed int8/int4 kernels degrade far more than fp32 F.linear does
+(a thread descheduled stalls each call's parallel region): compare kernels at ``--threads 1``
+on a busy machine.
 """
 
 from __future__ import annotations
