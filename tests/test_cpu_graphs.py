@@ -231,6 +231,9 @@ def test_strategy_choice(monkeypatch):
         monkeypatch.setenv(cpu_mod.CPU_GRAPHS_ENV, value)
         chosen = acc.graph_strategy()
         assert chosen.linear == linear and chosen.freezing == (linear != "cpp")
+    monkeypatch.setenv(cpu_mod.CPU_GRAPHS_ENV, "frozen")
+    frozen = acc.graph_strategy()
+    assert (frozen.linear, frozen.freezing) == ("cpp", True)
     monkeypatch.setenv(cpu_mod.CPU_GRAPHS_ENV, "eager")
     eager = acc.graph_strategy()
     assert type(eager) is GraphStrategy and not eager.accelerates
