@@ -94,6 +94,10 @@ class CpuCompileStrategy(GraphStrategy):
       (kept per user: :func:`inductor_cache_folder`) serves the next start of the same model.
       Products the template cannot take (quantized or bf16 linears, weights not laid out) use
       ATen's GEMMs (inductor then benchmarks both per shape at capture).
+      Measured (gpt2-24l-1024h fp32, 1 thread, on a loaded 2-core VM): 48-49 ms/token against
+      43-44 with ``freezing=True`` and 76-78 for HF; peak RSS 2152 MiB against 4506 frozen and
+      2046 for injection without graphs. The prompt's forward reassembles each weight
+      transiently (one at a time): prefill measured ~12% slower than with plain weights.
     * ``freezing=True`` (``linear="cpp"``, the default before): the parameters become graph
       constants and inductor prepacks its own copy of each linear weight. **That copy lives
       beside the parameters** (the prompt's eager forward still reads them): about the linear
