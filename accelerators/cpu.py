@@ -306,6 +306,50 @@ def block_weight(mat2: torch.Tensor, block: int = BLOCK_N) -> torch.Tensor:
     return mat2.reshape(k, (n + pad) // block, block).transpose(0, 1).contiguous()
 
 
+def unblock_weight(blocked: torch.Tensor, n: int) -> torch.Tensor:
+    """:func:`block_weight`'s inverse: ``mat2`` [K, n] from its blocks [ceil(n / block), K,
+    block] (a new tensor)."""
+    nb, k, block = blocked.shape
+    return blocked.detach().transpose(0, 1).reshape(k, nb * block)[:, :n].contiguous()
+
+
+class PlainLayoutInStateDict:
+    """``state_dict`` post-hook of a module whose weight holds :func:`block_weight`'s layout
+    (instance-scoped, registered by :func:`block_linear_weights`): the ``weight`` entry is
+    given in the module's usual layout — [N, K] for ``nn.Linear``/``nn.Embedding``, [K, N] for
+    ``Conv1D`` — so ``save_pretrained`` and ``engine.save_checkpoint`` write what they would
+    without graphs. A weight tied between a head and an embedding is unblocked once per
+    ``state_dict`` call and both entries get the same tensor (the tie stays visible)."""
+
+    def __init__(self, n: int, transpose: bool) -> None:
+        self.n, self.transpose = n, transpose
+
+    def __call__(self, module: nn.Module, state_dict: dict, prefix: str, _meta: object) -> None:
+        key = prefix + "weight"
+        if key not in state_dict:
+            return
+        done = _unblocked_so_far(state_dict)  # id(Parameter) -> plain tensor
+        plain = done.get(id(module.weight))
+        if plain is None:
+            mat2 = unblock_weight(module.weight, self.n)  # [K, N]
+            plain = done[id(module.weight)] = mat2.t().contiguous() if self.transpose else mat2
+        state_dict[key] = plain
+
+
+def _unblocked_so_far(state_dict: dict) -> dict[int, torch.Tensor]:
+    """The weights this ``state_dict`` call already put back in their usual layout, kept on
+    the dict being built (torch's is an ``OrderedDict``, which takes attributes as it takes
+    ``_metadata``); a destination that takes none shares nothing."""
+    done = getattr(state_dict, "_shardwise_unblocked", None)
+    if done is None:
+        done = {}
+        try:
+            state_dict._shardwise_unblocked = done
+        except AttributeError:
+            pass
+    return done
+
+
 def blocked_matmul(x: torch.Tensor, blocked: torch.Tensor, n: int) -> torch.Tensor:
     """``x @ mat2`` for ``blocked = block_weight(mat2)``: x [..., K] → [..., n].
 
@@ -393,7 +437,9 @@ def block_linear_weights(linears: list[nn.Module], embedding: nn.Module | None =
     ``embedding``: an ``nn.Embedding`` sharing its weight with one of ``linears`` (a tied output
     head); it gets a :class:`BlockedEmbedding` forward, or, when it cannot, that linear is left
     as it is. Modules that are not plain fp32 ``nn.Linear``/``Conv1D`` are left as they are.
-    Returns the number of linears laid out."""
+    Each laid-out module gets a :class:`PlainLayoutInStateDict` hook, so its ``state_dict``
+    (and ``save_pretrained``) still holds the usual layout. Returns the number of linears laid
+    out."""
     tied = embedding.weight if embedding is not None else None
     done = 0
     for module in linears:
@@ -408,8 +454,10 @@ def block_linear_weights(linears: list[nn.Module], embedding: nn.Module | None =
         with torch.no_grad():
             w.data = block_weight(mat2)
         module.forward = BlockedLinear(module, n)
+        module.register_state_dict_post_hook(PlainLayoutInStateDict(n, transpose=not conv))
         if tied is not None and w is tied:
             embedding.forward = BlockedEmbedding(embedding)
+            embedding.register_state_dict_post_hook(PlainLayoutInStateDict(n, transpose=True))
         done += 1
     return done
 

@@ -325,6 +325,38 @@ def test_block_linear_weights_keeps_forward_and_tied_embedding():
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
 
 
+def test_block_linear_weights_keeps_the_usual_layout_in_state_dict():
+    """A laid-out weight (Linear [N, K], Conv1D [K, N], a head tied to an embedding) is given
+    back in its usual layout by ``state_dict``, bit for bit, and a tie stays one tensor."""
+    from transformers.pytorch_utils import Conv1D
+
+    torch.manual_seed(0)
+    model = torch.nn.ModuleDict({"embed": torch.nn.Embedding(70, 16),
+                                 "head": torch.nn.Linear(16, 70, bias=False),
+                                 "conv": Conv1D(24, 16)})
+    model["head"].weight = model["embed"].weight
+    want = {k: v.clone() for k, v in model.state_dict().items()}
+    assert cpu_mod.block_linear_weights([model["head"], model["conv"]], model["embed"]) == 2
+    got = model.state_dict()
+    assert got.keys() == want.keys()
+    for key in want:
+        assert torch.equal(got[key], want[key]), key
+    assert got["head.weight"] is got["embed.weight"]
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_save_pretrained_after_graphs_round_trips(models, arch, tmp_path):
+    """``save_pretrained`` of a model whose decode step is compiled (weights laid out in blocks)
+    writes HF's layout: reloaded, it equals the reference bit for bit."""
+    from transformers import AutoModelForCausalLM
+
+    ref, _, compiled = models(arch)
+    compiled.module.save_pretrained(tmp_path)
+    again = AutoModelForCausalLM.from_pretrained(tmp_path)
+    for key, value in ref.state_dict().items():
+        assert torch.equal(again.state_dict()[key], value), key
+
+
 # ----- no recompiles ------------------------------------------------------------------------------
 
 def test_replays_never_recompile(models):
