@@ -306,6 +306,29 @@ def block_weight(mat2: torch.Tensor, block: int = BLOCK_N) -> torch.Tensor:
     return mat2.reshape(k, (n + pad) // block, block).transpose(0, 1).contiguous()
 
 
+@cache
+def _malloc_trim():
+    """glibc's ``malloc_trim``, or None (another C library)."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return None
+
+
+def return_freed_memory() -> None:
+    """Give the heap memory freed tensors left behind back to the system. glibc keeps freed
+    chunks below its (adaptive, up to 32 MiB) mmap threshold in the heap: the CPU graphs'
+    re-laid-out weights left the freed old layout — the size of the model — in the process's
+    RSS (SmolLM2 fp32: 1574 MiB after init with graphs, 1162 MiB
+    after a trim, 1067 MiB injected without graphs)."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
 def unblock_weight(blocked: torch.Tensor, n: int) -> torch.Tensor:
     """:func:`block_weight`'s inverse: ``mat2`` [K, n] from its blocks [ceil(n / block), K,
     block] (a new tensor)."""
@@ -722,6 +745,10 @@ class CpuAccelerator(Accelerator):
         except OSError:
             pass
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+    def release_cached_memory(self) -> None:
+        """glibc's heap keeps freed tensors' chunks: see :func:`return_freed_memory`."""
+        return_freed_memory()
 
     def peak_memory(self, index: int = 0) -> int:
         """Peak resident set size of this process in bytes (VmHWM since the last

@@ -153,6 +153,10 @@ class Accelerator:
     def reset_peak_memory(self, index: int = 0) -> None:
         """Start a new peak-memory window."""
 
+    def release_cached_memory(self) -> None:
+        """Give memory that freed tensors left cached in this process back to the system
+        (called once ``init_inference`` has dropped the weights it replaced). Default: none."""
+
     # ----- dtypes -------------------------------------------------------------------------------
 
     @property

@@ -273,6 +273,7 @@ def init_inference(model: nn.Module, config: InferenceConfig | dict | str | None
     with ledger.rollback_on_error():
         engine = _build_engine(model, cfg)
     _keep_if_free(engine, ledger)
+    engine.accelerator.release_cached_memory()  # the replaced weights the ledger let go of
     return engine
 
 
