@@ -143,6 +143,9 @@ class CpuCompileStrategy(GraphStrategy):
         if mode not in COMPILE_MODES:
             raise ValueError(f"CpuCompileStrategy mode {mode!r} is not one of "
                              f"{', '.join(COMPILE_MODES)}")
+        # only "cpp" runs unfrozen (on weights laid out by share_weights); oneDNN's and
+        # inductor's own packings exist only for frozen weights
+        freezing = freezing or linear != "cpp"
         self.linear, self.mode, self.freezing, self.fullgraph = linear, mode, freezing, fullgraph
         self.pack_pass = PackLinearWeights() if freezing and linear == "onednn" else None
         #: graphs inductor compiled for this strategy (a replay that recompiles adds one)
@@ -804,7 +807,7 @@ class CpuAccelerator(Accelerator):
             return GraphStrategy()
         if choice == "frozen":  # the C++ template on its own prepacked copy: faster, 2x memory
             return CpuCompileStrategy(linear="cpp", freezing=True)
-        return CpuCompileStrategy(linear=choice, freezing=choice != "cpp")
+        return CpuCompileStrategy(linear=choice)
 
     def communicator_class(self):
         """gloo plus a shared-memory all_reduce for ranks on one node (small tensors, chosen

@@ -361,11 +361,6 @@ class ShmSegment:
     def attached(self, rank: int) -> bool:
         return self.words[self.flag_index(rank) + _ATTACHED] == 1
 
-    @property
-    def linked(self) -> bool:
-        """Whether this process created the segment and has not unlinked it yet."""
-        return self._linked
-
     @classmethod
     def create(cls, tag: str, world: int, slot_bytes: int) -> tuple["ShmSegment", int]:
         """Create, size and map a new segment; returns it and its random token. Segments left by

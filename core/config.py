@@ -18,7 +18,7 @@ from typing import Any, Mapping
 
 import torch
 
-from .communicator import check_timeout, resolve_timeout
+from .communicator import resolve_timeout
 from .errors import ConfigError, NotSupportedYetError
 
 _DTYPES: dict[str, torch.dtype] = {
@@ -115,7 +115,7 @@ class InferenceConfig:
         _check_seed(self.seed)
         _check_type("injection_policy", self.injection_policy, (dict, type(None)))
         _check_checkpoint_fields(self)
-        _check_comm_timeout(self.comm_timeout)
+        resolve_timeout(self.comm_timeout)  # the field, or the variable it falls back on
         _reject_unlanded(self)
         _check_injection(self)
         _check_quant(self)
@@ -258,15 +258,6 @@ def _check_seed(seed: Any) -> None:
     if isinstance(seed, bool) or not isinstance(seed, int) or not low <= seed <= high:
         raise ConfigError(f"seed must be None or an integer from -2**63 to 2**64 - 1 (what "
                           f"torch.manual_seed accepts), got {seed!r}")
-
-
-def _check_comm_timeout(value: Any) -> None:
-    """``comm_timeout`` a finite number of seconds > 0; when it is None, the variable it falls
-    back on must be well formed (checked now, not when the process group is created)."""
-    if value is None:
-        resolve_timeout(None)  # ConfigError naming $SHARDWISE_COMM_TIMEOUT and its value
-    else:
-        check_timeout(value, "comm_timeout")
 
 
 #: Fields whose feature has not landed yet: field → what it enables. A non-default value fails.

@@ -185,10 +185,11 @@ def load_group(group: str) -> PluginSet:
     return plugins
 
 
-def _load_error_text(exc: BaseException) -> str:
-    """What a failed import says, e.g. ``ImportError: libfoo.so: cannot open ...``."""
+def _load_error_text(exc: BaseException, during: str = "while being imported") -> str:
+    """What a failed import (or ``during`` another call) says, e.g. ``ImportError: libfoo.so:
+    cannot open ...``."""
     if isinstance(exc, SystemExit):
-        return (f"SystemExit({exc.code!r}): the plugin called sys.exit() while being imported; "
+        return (f"SystemExit({exc.code!r}): the plugin called sys.exit() {during}; "
                 f"it is skipped (report this to its authors)")
     return f"{type(exc).__name__}: {exc}"
 
@@ -230,7 +231,8 @@ def _availability(name: str) -> Availability:
     try:
         return record.obj.availability()
     except (Exception, SystemExit) as exc:  # a plugin's probe must not break discovery
-        return Availability(False, f"availability check raised {_load_error_text(exc)}")
+        return Availability(False, f"availability check raised "
+                                   f"{_load_error_text(exc, 'in its availability check')}")
 
 
 def _installed_names() -> str:

@@ -17,7 +17,7 @@ from shardwise.bench import chart, launch, report, roofline, stats
 from shardwise.bench.compare import compare, format_compare
 from shardwise.bench.figures import add_figures, figures
 from shardwise.bench.plan import (Cell, ModelSpec, Plan, Variant, check_tp, default_variants,
-                                  dtype_short_name)
+                                  dtype_name)
 from shardwise.bench.presets import PRESETS, count_parameters, get_preset
 from shardwise.cli import build_parser, main
 from shardwise.errors import ConfigError
@@ -319,7 +319,7 @@ def test_default_run_is_injection_with_graphs_int8_and_int4_as_the_device_says()
 
     acc = CpuAccelerator()
     plan, _, _, notes = _default_plan()
-    preferred = dtype_short_name(acc.preferred_dtype)
+    preferred = dtype_name(acc.preferred_dtype)
     assert plan.variant_names == ["shardwise[inject,graphs]", "shardwise[inject,graphs,int8]",
                                   "shardwise[inject,graphs,int4]"] and notes == []
     assert plan.variants[0].dtype == preferred == plan.baseline_dtype  # HF in the same dtype
@@ -344,7 +344,7 @@ def test_default_variants_ask_the_accelerator_not_the_device_name():
             return GraphStrategy()
 
     variants, notes = default_variants(Plain())
-    assert variants == [Variant(dtype_short_name(Plain().preferred_dtype), inject=True)]
+    assert variants == [Variant(dtype_name(Plain().preferred_dtype), inject=True)]
     assert [n.split(":")[0] for n in notes] == ["no int8 row", "no int4 row"]
     assert all("fast" in n and "quant_linear" in n for n in notes)
 
@@ -416,7 +416,7 @@ def test_default_variants_end_to_end_on_a_tiny_preset(tmp_path, capsys, monkeypa
         == hf["weight_bytes"]  # each quantized its own copy; the baseline stayed whole
     for rec in runs:
         assert rec["figures"]["speedup"]["decode"] > 0 and rec["figures"]["bandwidth_pct"] > 0
-        assert rec["dtype"] == dtype_short_name(CpuAccelerator().preferred_dtype)
+        assert rec["dtype"] == dtype_name(CpuAccelerator().preferred_dtype)
     table = capsys.readouterr().out
     assert "dtype" in table and "shardwise[inject,int4]" in table
     if chart.plotting_available():

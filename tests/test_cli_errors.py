@@ -14,7 +14,7 @@ import shardwise.models
 from shardwise.cli import main
 from shardwise.cli.generate import check_new_tokens
 from shardwise.errors import ConfigError
-from shardwise.models import ModelFileError, check_model_path
+from shardwise.models import check_model_path
 
 from models import tiny_causal_lm
 from test_generate import tiny_tokenizer
@@ -185,6 +185,3 @@ def test_new_token_bounds():
     with pytest.raises(ConfigError, match="no new token fits; shorten the prompt"):
         check_new_tokens(1, 256, 256)
 
-
-def test_model_file_error_is_a_config_error():
-    assert issubclass(ModelFileError, ConfigError)

@@ -176,7 +176,8 @@ def test_engine_generate_from_two_threads_is_serialized(engine, expected, monkey
     b = Worker(lambda: engine.generate(expected["b"], **GEN), "B")
     b.start()
     assert b_waiting.wait(WAIT)
-    assert b.result is None and b.error is None  # A holds the session: B cannot have run
+    b.join(0.3)  # A holds the session: B must still be waiting for it, not running or failed
+    assert b.is_alive() and b.result is None and b.error is None
     pause.go.set()
     a.finish(), b.finish()
     assert a.error is None and b.error is None, (a.error, b.error)

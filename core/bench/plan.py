@@ -8,10 +8,11 @@ from dataclasses import dataclass, field
 from importlib.util import find_spec
 from typing import Any
 
-from ..accelerator import Accelerator
+from ..accelerator import Accelerator, dtype_name
 from ..config import parse_dtype
 from ..errors import ConfigError
-from ..models import DEFAULT_MODEL_NAME, check_model_path, default_model_path
+from ..models import (DEFAULT_MODEL_NAME, check_model_path, default_model_path, max_positions,
+                      read_config)
 from .presets import get_preset
 
 #: ``--quant`` choice → the ``quant=`` argument of ``init_inference``.
@@ -212,11 +213,11 @@ def default_variants(accelerator: Accelerator) -> tuple[list[Variant], list[str]
     with graphs when its graph strategy accelerates anything; then int8 and int4 weights, each
     in the first dtype (the preferred one first) that has a fast ``quant_linear`` kernel.
     Returns ``(variants, notes)``; a note says why a quantized row is left out."""
-    dtype = dtype_short_name(accelerator.preferred_dtype)
+    dtype = dtype_name(accelerator.preferred_dtype)
     graphs = accelerator.graph_strategy().accelerates
     variants = [Variant(dtype, inject=True, graphs=graphs)]
     notes = []
-    supported = [dtype_short_name(d) for d in accelerator.supported_dtypes]
+    supported = [dtype_name(d) for d in accelerator.supported_dtypes]
     for quant in QUANT_CONFIGS:
         kernel_dtype = fast_quant_dtype(accelerator, quant, [dtype, *supported])
         if kernel_dtype is None:
@@ -227,27 +228,19 @@ def default_variants(accelerator: Accelerator) -> tuple[list[Variant], list[str]
     return variants, notes
 
 
-def dtype_short_name(dtype) -> str:
-    """``torch.bfloat16`` → ``"bfloat16"`` (what the plan and records store)."""
-    return str(dtype).removeprefix("torch.")
-
-
 def model_positions(spec: ModelSpec) -> int | None:
     """The position-table size of ``spec`` when it is cheap to know (a preset's config, a HF
     directory's config.json); None for GGUF files and models that do not say."""
-    import json
     from pathlib import Path
 
     if spec.kind == "preset":
-        config = get_preset(spec.name).config
-    elif spec.path and Path(spec.path).is_dir():
+        return max_positions(get_preset(spec.name).config)
+    if spec.path and Path(spec.path).is_dir():
         try:
-            config = json.loads((Path(spec.path) / "config.json").read_text())
-        except (OSError, ValueError):
+            return max_positions(read_config(Path(spec.path)))
+        except ConfigError:  # an unreadable config.json is named when the model loads
             return None
-    else:
-        return None
-    return config.get("max_position_embeddings") or config.get("n_positions")
+    return None
 
 
 def check_cells_fit(models: list[ModelSpec], cells: list[Cell]) -> None:

@@ -21,7 +21,7 @@ from typing import Any, Callable, Iterable
 import torch
 import torch.distributed as dist
 
-from ..accelerator import Accelerator
+from ..accelerator import Accelerator, dtype_name
 from ..config import parse_dtype
 from ..generation import timed_generate
 from ..transforms import model_dtype
@@ -83,12 +83,12 @@ def quiet_loader_bars():
     from transformers.utils import logging as hf_logging
 
     was_enabled = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()
     gguf = _gguf_module()
     original = getattr(gguf, "tqdm", None)
-    if original is not None:
-        gguf.tqdm = partial(tqdm, disable=True)
     try:
+        hf_logging.disable_progress_bar()
+        if original is not None:
+            gguf.tqdm = partial(tqdm, disable=True)
         yield
     finally:
         if original is not None:
@@ -132,8 +132,9 @@ def generation_kwargs(model, new_tokens: int) -> dict[str, Any]:
 
 def check_positions(model, cell: Cell) -> None:
     """Refuse a cell longer than the model's position table (it would fail mid-run)."""
-    config = getattr(model, "config", None)
-    limit = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    from ..models import max_positions
+
+    limit = max_positions(getattr(model, "config", None))
     if limit is not None and cell.prompt_len + cell.new_tokens > limit:
         raise ValueError(f"prompt {cell.prompt_len} + new tokens {cell.new_tokens} exceed the "
                          f"model's {limit} positions; use shorter --prompt-len/--new-tokens")
@@ -190,10 +191,7 @@ def kernel_dtypes(engine: Any) -> str | None:
     """The activation dtypes the quantized layers' kernels run in, when the engine reports
     them (``engine.quantization``), as short names joined by ``/``; None otherwise."""
     report = getattr(engine, "quantization", None)
-    layers = getattr(report, "layers", None) or {}
-    dtypes = {getattr(layer, "compute_dtype", None) for layer in layers.values()}
-    dtypes.discard(None)
-    return "/".join(sorted(str(d).removeprefix("torch.") for d in dtypes)) or None
+    return "/".join(report.kernel_dtypes()) or None if report is not None else None
 
 
 def run_variant(variant: str, prepare: Callable, tokenizer, spec: ModelSpec, plan: Plan,
@@ -210,7 +208,7 @@ def run_variant(variant: str, prepare: Callable, tokenizer, spec: ModelSpec, pla
         progress.update(steps * len(plan.cells))
         return [record(spec, variant, c, status="failed", error=error_text(exc),
                        world_size=world) for c in plan.cells]
-    facts = {"dtype": str(model_dtype(module)).removeprefix("torch."), "world_size": world,
+    facts = {"dtype": dtype_name(model_dtype(module)), "world_size": world,
              "weight_bytes": weight_bytes(module),
              "nonembedding_params": nonembedding_parameters(module), **extra}
     records = []

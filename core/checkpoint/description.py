@@ -57,8 +57,8 @@ class Description:
         kind: ``"hf_dir"`` (a model directory), ``"flat"`` (a list of files, each holding whole
             tensors) or ``"shardwise"`` (per-rank files from :func:`save_checkpoint`).
         files: the weight files, in order (for ``shardwise``: rank 0's first).
-        config_dir: a folder with the model's ``config.json`` (None when there is none).
-        config_file: that ``config.json`` (its real path, checked to lie inside the folder).
+        config_file: the model's ``config.json`` (its real path, checked to lie inside the
+            folder; None when there is none).
         tp_size, dtype: as described (None when not said).
         shards: for ``shardwise``: parameter → ``{"dim", "size", "ranges"}`` (ranges per rank).
         save_id: for ``shardwise``: the id every rank file's metadata must carry.
@@ -69,7 +69,6 @@ class Description:
 
     kind: str
     files: list[Path]
-    config_dir: Path | None = None
     tp_size: int | None = None
     dtype: str | None = None
     shards: dict[str, dict] = field(default_factory=dict)
@@ -196,7 +195,7 @@ def _from_hf_dir(path: Path, folder: Folder) -> Description:
                               f", model.safetensors.index.json or pytorch_model*.bin)")
     _require_files(files, where)
     config = folder.config(where)
-    return Description("hf_dir", files, path if config else None, source=str(path),
+    return Description("hf_dir", files, source=str(path),
                        config_file=config)
 
 
@@ -235,9 +234,8 @@ def _from_mapping(data: dict[str, Any], root: Folder, where: str) -> Description
     if shards is not None and not isinstance(shards, Mapping):
         raise CheckpointError(f"{where}: shards must be an object (tensor name → {{dim, size, "
                               f"ranges}}), got {type(shards).__name__}")
-    desc = Description(kind, files, root.shown if config else None, tp_size, data.get("dtype"),
-                       dict(shards or {}), data.get("save_id"), where, data.get("quant"),
-                       config_file=config)
+    desc = Description(kind, files, tp_size, data.get("dtype"), dict(shards or {}),
+                       data.get("save_id"), where, data.get("quant"), config_file=config)
     if kind == "shardwise":
         _check_shardwise(desc, where)
     if desc.quant is not None:
