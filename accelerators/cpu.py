@@ -69,7 +69,9 @@ def usable_cores() -> int:
 #: the default ``cpp``) or ``eager`` (no capture: the documented no-op).
 CPU_GRAPHS_ENV = "SHARDWISE_CPU_GRAPHS"
 COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
-#: How a frozen step's linear weights are prepacked (see :class:`CpuCompileStrategy`).
+#: How the step's linear weights reach their GEMMs: ``cpp`` (inductor's C++ template; unfrozen on
+#: weights laid out by ``share_weights``, or frozen on its own packed copy), ``onednn`` and
+#: ``inductor`` (frozen packings only). See :class:`CpuCompileStrategy`.
 LINEAR_PACKINGS = ("cpp", "onednn", "inductor")
 
 
