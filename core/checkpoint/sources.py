@@ -32,7 +32,7 @@ from .preads import StagingBuffer, read_slice
 log = logging.getLogger(__name__)
 
 Range = tuple[int, int]
-_ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
+SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
               "BF16": torch.bfloat16, "I64": torch.int64, "I32": torch.int32, "I16": torch.int16,
               "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
               "F8_E4M3": getattr(torch, "float8_e4m3fn", None),
@@ -115,10 +115,10 @@ def _tensor_info(path: Path, name: str, entry: Any, data_start: int) -> TensorIn
         and isinstance(entry.get("shape"), list) and isinstance(entry.get("data_offsets"), list) \
         and len(entry["data_offsets"]) == 2 \
         and all(_natural(v) for v in [*entry["shape"], *entry["data_offsets"]])
-    if not ok or entry["dtype"] not in _ST_DTYPES:
+    if not ok or entry["dtype"] not in SAFETENSORS_DTYPES:
         raise CheckpointError(f"{path}: header entry {name!r} is malformed ({_short(entry)}); "
                               f"the file is corrupted")
-    dtype, (begin, stop), shape = _ST_DTYPES[entry["dtype"]], entry["data_offsets"], \
+    dtype, (begin, stop), shape = SAFETENSORS_DTYPES[entry["dtype"]], entry["data_offsets"], \
         tuple(entry["shape"])
     if dtype is None:
         raise CheckpointError(f"{path}: tensor {name!r} has dtype {entry['dtype']}, which "

@@ -39,6 +39,7 @@ import torch
 from torch import nn
 
 from ..accelerator import Accelerator
+from ..checkpoint.sources import SAFETENSORS_DTYPES
 from ..errors import ConfigError
 from shardwise.kernels.reference.quant import QuantSpec
 from .config import parse_quant
@@ -303,17 +304,11 @@ def _check_stored(info: Mapping[str, Any], handle: Any, model: nn.Module,
         stored = handle.get_slice(aliases.get(key, key))
         got_shape, got_dtype = list(stored.get_shape()), stored.get_dtype()
         if got_shape != list(shape) or (
-                dtype is not None and _SAFETENSORS_DTYPES.get(got_dtype) != _torch_dtype(dtype)):
+                dtype is not None and SAFETENSORS_DTYPES.get(got_dtype) != _torch_dtype(dtype)):
             want = f"{dtype} {list(shape)}" if dtype is not None else f"{list(shape)}"
             raise ConfigError(f"{where}: tensor {key!r} is {got_dtype} {got_shape}, the model "
                               f"(or the file's manifest) needs {want}; load it into the model it "
                               "was saved from")
-
-
-_SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
-                       "BF16": torch.bfloat16, "I64": torch.int64, "I32": torch.int32,
-                       "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-                       "BOOL": torch.bool}
 
 
 def install_shells(model: nn.Module, info: Mapping[str, Any], device: torch.device | str,
