@@ -442,10 +442,16 @@ def _is_conv1d(module: nn.Module) -> bool:
 
 
 def _gemm_like(module: nn.Module) -> bool:
-    """A module with a 2-d weight that is not an embedding table (a matrix product's operand)."""
+    """A module whose forward is a matrix product: a 2-d weight that is not an embedding table,
+    or a linear of another kind (e.g. a quantized one: ``in_features``/``out_features`` and a
+    packed weight, lowered by inductor through its GEMM selection like any ``mm``)."""
+    if isinstance(module, (nn.Embedding, nn.EmbeddingBag)):
+        return False
     w = getattr(module, "weight", None)
-    return (isinstance(w, torch.Tensor) and w.dim() == 2
-            and not isinstance(module, (nn.Embedding, nn.EmbeddingBag)))
+    if isinstance(w, torch.Tensor) and w.dim() == 2:
+        return True
+    return (isinstance(getattr(module, "in_features", None), int)
+            and isinstance(getattr(module, "out_features", None), int))
 
 
 def _blockable(module: nn.Module) -> bool:

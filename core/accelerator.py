@@ -52,7 +52,8 @@ class GraphStrategy:
         return fn
 
     def share_weights(self, linears: list, embedding: Any = None) -> int:
-        """Called once before the first capture with the model's linear layers (and its input
+        """Called once before the first capture with the model's leaf layers that hold tensors
+        (linears of every kind, quantized ones included, norms; and its input
         embedding when an output head among them shares its weight): a strategy whose captured
         code would otherwise keep its own copy of the weights (e.g. prepacked for its kernels)
         lays them out here, in place and instance-scoped, the way its captured code reads them,

@@ -468,3 +468,22 @@ def test_init_gives_freed_weights_back_to_the_system(monkeypatch):
     trim = cpu_mod._malloc_trim()
     assert trim is not None  # glibc (this project's CI): the release is not a no-op
     cpu_mod.return_freed_memory()
+
+
+def test_quantized_step_compiles_once_per_bucket(monkeypatch):
+    """A quantized model's step is compiled with ATen's GEMMs among the candidates from the
+    first attempt (inductor lowers ``_weight_int8pack_mm`` through its GEMM selection, which the
+    C++ template alone cannot serve): no failed compile first, on every start."""
+    attempts = []
+    real = CpuCompileStrategy._capture
+
+    def counted(self, fn, inputs, options):
+        attempts.append(options.get("max_autotune_gemm_backends"))
+        return real(self, fn, inputs, options)
+
+    monkeypatch.setattr(CpuCompileStrategy, "_capture", counted)
+    engine = _engine("llama", enable_graph=True, quant={"weight": {"num_bits": 8}})
+    strategy = _strategy(engine)
+    assert strategy.gemm_backends == "CPP,ATEN"
+    assert attempts == ["CPP,ATEN"] * len(engine.module.base_model.graphs.buckets())
+    assert strategy.compiles == len(attempts)

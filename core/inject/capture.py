@@ -207,12 +207,15 @@ def enable_graphs(model: nn.Module, accelerator: Accelerator) -> GraphStrategy:
 def _share_weights(model: nn.Module, head: nn.Module | None, strategy: GraphStrategy) -> None:
     """Let the strategy lay the model's linear weights out for its captured code (one copy
     shared by eager and captured code; see ``GraphStrategy.share_weights``): every leaf module
-    with a weight once, and the input embedding when the head shares its weight."""
+    holding tensors once (a quantized linear holds its weight packed, as a buffer, and the
+    strategy must know it is there too), and the input embedding when the head shares its
+    weight."""
     seen: set[int] = set()
     leaves = []
     for module in model.modules():
-        if id(module) not in seen and not next(module.children(), None) and \
-                isinstance(getattr(module, "weight", None), torch.Tensor):
+        if id(module) not in seen and not next(module.children(), None) and (
+                next(module.parameters(recurse=False), None) is not None
+                or next(module.buffers(recurse=False), None) is not None):
             seen.add(id(module))
             leaves.append(module)
     get = getattr(model, "get_input_embeddings", None)
