@@ -270,7 +270,7 @@ def init_inference(model: nn.Module, config: InferenceConfig | dict | str | None
     if not isinstance(model, nn.Module):  # None (built from the checkpoint) or an error below
         return _build_engine(model, cfg)
     ledger = Ledger(model)  # before the first in-place change: a failure gives it all back
-    with ledger.rollback_on_error():
+    with ledger.rollback_on_error(), ledger.recording():
         engine = _build_engine(model, cfg)
     _keep_if_free(engine, ledger)
     engine.accelerator.release_cached_memory()  # the replaced weights the ledger let go of

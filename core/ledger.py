@@ -37,6 +37,7 @@ Usage::
 from __future__ import annotations
 
 import contextlib
+import contextvars
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
@@ -47,6 +48,58 @@ from .errors import ShardwiseError
 
 #: attributes of a module holding a plain (non-module) object the ledger also snapshots
 CONFIG_ATTRS = ("config", "generation_config")
+
+
+#: the ledger the transforms running now record into (``Ledger.recording``); None: a transform
+#: called alone by a user, with nothing to record into
+_ACTIVE: contextvars.ContextVar["Ledger | None"] = contextvars.ContextVar("shardwise_ledger",
+                                                                         default=None)
+
+
+def active() -> "Ledger | None":
+    """The ledger recording the transforms that run now (None outside ``init_inference``)."""
+    return _ACTIVE.get()
+
+
+def record(what: str, undo: Callable[[], None]) -> None:
+    """Record a change just made, with the call that undoes it, in the active ledger (a no-op
+    when none is active: a transform called alone leaves undoing to its caller). ``what`` names
+    the change in a :class:`RestoreError`. Undo calls run newest first."""
+    ledger = _ACTIVE.get()
+    if ledger is not None:
+        ledger.on_restore(what, undo)
+
+
+def set_forward(module: nn.Module, forward: Callable, what: str = "forward") -> None:
+    """Give ``module`` an instance-level ``forward`` (instance-scoped: its class is untouched),
+    recorded so that undoing removes it again (or puts back the instance forward it had)."""
+    had = "forward" in vars(module)
+    previous = vars(module).get("forward")
+    module.forward = forward
+
+    def undo() -> None:
+        if had:
+            module.forward = previous
+        else:
+            vars(module).pop("forward", None)
+    record(f"{what} of {type(module).__name__}", undo)
+
+
+def add_hook(handle: Any, what: str = "hook") -> Any:
+    """Record a hook just registered (``handle`` as ``register_forward_hook`` and its kin
+    return it): undoing removes it. Returns ``handle``."""
+    record(what, handle.remove)
+    return handle
+
+
+def replace_module(parent: nn.Module, name: str, new: nn.Module, what: str = "module") -> None:
+    """Put ``new`` at ``parent.<name>``, recorded: undoing puts the old module back."""
+    old = parent._modules[name]
+    parent._modules[name] = new
+
+    def undo() -> None:
+        parent._modules[name] = old
+    record(f"{what} {name!r} ({type(old).__name__} -> {type(new).__name__})", undo)
 
 
 class RestoreError(ShardwiseError, RuntimeError):
@@ -261,6 +314,16 @@ class Ledger:
     def release(self) -> None:
         """Forget the record (and the references it holds); :meth:`restore` then does nothing."""
         self._objects, self._tensors, self._undo, self._seen = [], [], [], set()
+
+    @contextlib.contextmanager
+    def recording(self) -> Iterator["Ledger"]:
+        """Within the block, :func:`record`, :func:`set_forward`, :func:`add_hook` and
+        :func:`replace_module` record into this ledger (this thread and context only)."""
+        token = _ACTIVE.set(self)
+        try:
+            yield self
+        finally:
+            _ACTIVE.reset(token)
 
     @contextlib.contextmanager
     def rollback_on_error(self) -> Iterator["Ledger"]:

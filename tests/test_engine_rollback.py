@@ -332,3 +332,26 @@ def test_tp2_failure_after_sharding_restores_each_ranks_model(tmp_path):
         assert "injected by the test" in (value["raised"] or ""), (rank, value)
         assert value["restored"] == "yes", (rank, value["restored"])
         assert value["retry_diff"] < 1e-4, (rank, value["retry_diff"])
+
+
+def test_recorded_patches_are_undone_newest_first():
+    """Changes recorded as they are made (set_forward, add_hook, replace_module, record) are
+    undone newest first by restore; outside ``recording()`` nothing is recorded."""
+    from shardwise import ledger as ledger_mod
+
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU())
+    ledger = Ledger(model)
+    order = []
+    with ledger.recording():
+        assert ledger_mod.active() is ledger
+        ledger_mod.set_forward(model[0], lambda x: x)
+        ledger_mod.add_hook(model[1].register_forward_hook(lambda *a: None))
+        ledger_mod.replace_module(model, "1", torch.nn.Tanh())
+        ledger_mod.record("first", lambda: order.append("first"))
+        ledger_mod.record("second", lambda: order.append("second"))
+    assert ledger_mod.active() is None
+    ledger_mod.record("ignored", lambda: order.append("ignored"))  # no active ledger
+    ledger.restore()
+    assert order == ["second", "first"]
+    assert "forward" not in vars(model[0]) and type(model[1]) is torch.nn.ReLU
+    assert not model[1]._forward_hooks
