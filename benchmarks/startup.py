@@ -9,9 +9,7 @@ and the later ones show what the cache saves::
     python benchmarks/startup.py                     # fp32, 3 starts
     python benchmarks/startup.py --quant int8 --starts 2
 
-Measured on the 2-core development VM, idle, 2 threads (``--starts 2``): fp32 81.3 s then
-8.6 s; int8 52.6 s then 21.0 s (the quantized step's first compiled frame misses inductor's
-FX-graph cache on every start); loading the model 17-21 s each time.
+Figures measured on the development VM: benchmarks/README.md, "Start-up".
 """
 
 from __future__ import annotations
