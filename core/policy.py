@@ -41,17 +41,10 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar, NamedTuple
+from typing import Any, ClassVar
 
 from .accelerator import PLUGIN_API_VERSION
-from .sharding.errors import ShardingError
-from .sharding.roles import Heads, Layout, Role
-
-
-class HeadCounts(NamedTuple):
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
+from .layout import HeadCounts, Heads, Layout, Role, ShardingError  # leaf: no sharding import
 
 
 class Policy:

@@ -1,256 +1,41 @@
-"""The one generic applier: a resolved plan → weights sliced in place + instance-scoped hooks.
+"""Sharding, applying half: what :mod:`.specs` planned, done to this rank's model in place.
 
-:func:`prepare` resolves a plan against a model and computes every rank's slices without touching
-anything (so all errors come before any weight changes, and it runs without processes);
-:func:`apply_shards` then slices this rank's weights, installs forward hooks for the collectives
-(through the engine's :class:`~shardwise.Communicator`) and updates attention attributes from the
-policy's data; :func:`shard_model` does both. Nothing is patched on a class: hooks, attributes and
-parameters belong to module instances.
+:func:`apply_shards` slices this rank's weights (:func:`slice_all`), installs forward hooks for
+the collectives (through the engine's :class:`~shardwise.Communicator`), sets the policy's
+per-rank attention attributes (and :class:`ConfigView` s) and the head slicers of
+:mod:`.inputs`; :func:`shard_model` plans and applies in one call. Nothing is patched on a class:
+hooks, attributes and parameters belong to module instances.
 
-Weight layouts per module type (:data:`MODULE_KINDS`): ``nn.Linear`` weight is [out, in];
-transformers' ``Conv1D`` (GPT-2) is [in, out]; ``nn.Embedding`` is [vocab, dim].
+Every change is recorded in the active :mod:`ledger <shardwise.ledger>` (inside
+``init_inference``) with its undo: hooks are removed, attributes and configs put back, and each
+sliced weight is all-gathered back to the whole weight through the communicator (so the model
+can be given back un-sharded without a second copy of it held meanwhile; every rank must undo,
+as every rank runs ``engine.close()``).
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 from torch import nn
 
 from ..communicator import Communicator, LocalCommunicator
-from .. import policy as _policy  # module import: shardwise.policy imports this package
-from .errors import ShardingError
-from .inputs import head_sliced_modules, install_head_slicers
-from .partition import HeadPartition, Range
-from .plan import (ShardingPlan, _conv1d_class, base_prefix, choose_plan, first_match,
-                   pattern_matches)
+from ..layout import (Range, RowParallel, ShardingError, VocabParallelEmbedding,
+                      VocabParallelHead)
+from ..ledger import add_hook, record
+from .inputs import install_head_slicers
+from .plan import ShardingPlan
 from .report import ShardedModule, ShardReport
-from .roles import (ColumnParallel, Even, Layout, Role, RowParallel, ShardContext,
-                    VocabParallelEmbedding, VocabParallelHead)
+from .specs import SHARDED_ATTR, PreparedShards, ShardSpec, prepare_for
+from .specs import module_kind, param_ranges, prepare  # noqa: F401 (their old home)
 
 if TYPE_CHECKING:
-    from ..policy import HeadCounts, Policy
+    from ..policy import Policy
 
 log = logging.getLogger(__name__)
-
-#: Attribute set on a sharded model (holds its ShardReport); sharding twice is refused.
-SHARDED_ATTR = "_shardwise_shard_report"
-
-
-# ----- module kinds -------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class WeightKind:
-    """Where a module type keeps its features: the weight dims of output / input features and
-    the attributes that hold their sizes (updated after slicing)."""
-
-    out_dim: int
-    in_dim: int
-    out_attr: str
-    in_attr: str
-
-
-LINEAR = WeightKind(out_dim=0, in_dim=1, out_attr="out_features", in_attr="in_features")
-CONV1D = WeightKind(out_dim=1, in_dim=0, out_attr="nf", in_attr="nx")  # weight [in, out]
-EMBEDDING = WeightKind(out_dim=0, in_dim=1, out_attr="num_embeddings", in_attr="embedding_dim")
-
-
-def module_kind(module: nn.Module) -> WeightKind | None:
-    """The :class:`WeightKind` of a shardable module (None for anything else)."""
-    if isinstance(module, nn.Linear):
-        return LINEAR
-    if isinstance(module, nn.Embedding):
-        return EMBEDDING
-    conv1d = _conv1d_class()
-    if conv1d is not None and isinstance(module, conv1d):
-        return CONV1D
-    return None
-
-
-#: role → (module kinds it accepts, which weight dim it splits: "out" or "in")
-ROLE_TARGETS: dict[type[Role], tuple[tuple[WeightKind, ...], str]] = {
-    ColumnParallel: ((LINEAR, CONV1D), "out"),
-    RowParallel: ((LINEAR, CONV1D), "in"),
-    VocabParallelEmbedding: ((EMBEDDING,), "out"),
-    VocabParallelHead: ((LINEAR,), "out"),
-}
-
-
-# ----- prepare: resolve and validate, touching nothing --------------------------------------------
-
-@dataclass
-class ShardSpec:
-    """One module to shard: its role and layout, the weight dim split, and every rank's ranges."""
-
-    name: str
-    module: nn.Module
-    role: Role
-    layout: Layout
-    kind: WeightKind
-    dim: int  # weight dim that is split
-    size: int  # full size of that dim
-    ranges: list[list[Range]]  # ranges[rank] = the [start, stop) ranges rank keeps
-
-
-@dataclass
-class PreparedShards:
-    """A plan resolved against a model for ``tp_size`` ranks, every slice computed."""
-
-    model: nn.Module
-    plan: ShardingPlan
-    policy: Policy
-    tp_size: int
-    specs: list[ShardSpec]
-    roles: dict[str, Role]
-    heads: list[HeadPartition] | None  # per rank; None when the head counts are unknown
-    attention: dict[str, nn.Module]  # attention modules whose attributes follow the split
-    notes: list[str] = field(default_factory=list)
-    #: modules whose forward arguments are narrowed to the rank's heads (policy
-    #: ``head_sliced_inputs``): name → (module, inputs, positions); see :mod:`.inputs`
-    head_sliced: dict[str, tuple] = field(default_factory=dict)
-
-
-def prepare(model: nn.Module, plan: ShardingPlan, tp_size: int,
-            policy: Policy | None = None) -> PreparedShards:
-    """Resolve ``plan`` on ``model`` and compute all ``tp_size`` ranks' slices, without modifying
-    anything. Raises :class:`ShardingError` for any module that cannot be sharded as planned."""
-    if getattr(model, SHARDED_ATTR, None) is not None:
-        raise ShardingError(f"{type(model).__name__} is already sharded; build a fresh model")
-    policy = policy or _policy.GenericPolicy()
-    roles = plan.resolve(model)
-    counts = policy.head_counts(getattr(model, "config", None))
-    prefix = base_prefix(model)
-    modules = dict(model.named_modules())
-    planned = [(name, modules[name], role,
-                role.layout or first_match(policy.layouts, name, prefix) or Even())
-               for name, role in roles.items() if role.shards]
-    for name, module, role, _ in planned:
-        _check_kind(name, module, role)
-    try:
-        heads, heads_error, specs = _specs(planned, counts, tp_size)
-    except ShardingError as exc:
-        sizes = [n for n in range(1, 65) if _fits(planned, counts, n)]
-        if not sizes:
-            raise
-        raise ShardingError(f"{exc}. For the whole model, tp sizes that would work: "
-                            f"{', '.join(map(str, sizes))}") from None
-    if not specs:
-        raise ShardingError(f"the {plan.source} plan shards no module of "
-                            f"{type(model).__name__}: nothing to shard")
-    _check_ties(model, specs)
-    attention = _attention_modules(model, policy, specs, prefix)
-    head_sliced = head_sliced_modules(model, policy, [s.name for s in specs], prefix)
-    if (attention or head_sliced) and heads is None:
-        raise ShardingError(heads_error or "attention attributes need the model's head counts")
-    return PreparedShards(model, plan, policy, tp_size, specs, roles, heads, attention,
-                          list(plan.notes), head_sliced=head_sliced)
-
-
-def _specs(planned: list[tuple[str, nn.Module, Role, Layout]], counts: HeadCounts | None,
-           tp_size: int) -> tuple[list[HeadPartition] | None, str, list[ShardSpec]]:
-    heads, heads_error = _head_partitions(counts, tp_size)
-    specs = [_spec(name, module, role, layout, tp_size, heads, heads_error)
-             for name, module, role, layout in planned]
-    return heads, heads_error, specs
-
-
-def _fits(planned: list[tuple[str, nn.Module, Role, Layout]], counts: HeadCounts | None,
-          tp_size: int) -> bool:
-    """Whether every planned module splits over ``tp_size`` (for the error message)."""
-    distinct = {(type(m), m.weight.shape, role, layout): (n, m, role, layout)
-                for n, m, role, layout in planned}
-    try:
-        _specs(list(distinct.values()), counts, tp_size)
-    except ShardingError:
-        return False
-    return True
-
-
-def _head_partitions(counts: HeadCounts | None, tp_size: int
-                     ) -> tuple[list[HeadPartition] | None, str]:
-    if counts is None:
-        return None, ""
-    try:
-        return [HeadPartition.compute(*counts, tp_size, r) for r in range(tp_size)], ""
-    except ShardingError as exc:  # raised only if something actually splits by heads
-        return None, str(exc)
-
-
-def _check_kind(name: str, module: nn.Module, role: Role) -> None:
-    if type(role) not in ROLE_TARGETS:
-        raise ShardingError(f"plan gives {name!r} the role {type(role).__name__}, which the "
-                            f"applier does not implement")
-    kinds, _ = ROLE_TARGETS[type(role)]
-    if module_kind(module) not in kinds:
-        raise ShardingError(f"module {name!r} is a {type(module).__name__}; the {role.name} role "
-                            f"applies to {', '.join(_kind_names(kinds))}")
-
-
-def _spec(name: str, module: nn.Module, role: Role, layout: Layout, tp_size: int,
-          heads: list[HeadPartition] | None, heads_error: str) -> ShardSpec:
-    _, which = ROLE_TARGETS[type(role)]
-    kind = module_kind(module)
-    dim = kind.out_dim if which == "out" else kind.in_dim
-    size = module.weight.shape[dim]
-    what = f"{name} ({role.name}, {'output' if which == 'out' else 'input'} features)"
-    ranges = []
-    for rank in range(tp_size):
-        ctx = ShardContext(tp_size, rank, heads[rank] if heads else None, heads_error)
-        ranges.append(layout.ranges(size, ctx, what))
-    return ShardSpec(name, module, role, layout, kind, dim, size, ranges)
-
-
-def _kind_names(kinds: tuple[WeightKind, ...]) -> list[str]:
-    names = {LINEAR: "nn.Linear", CONV1D: "transformers Conv1D", EMBEDDING: "nn.Embedding"}
-    return [names[k] for k in kinds]
-
-
-def _check_ties(model: nn.Module, specs: list[ShardSpec]) -> None:
-    """Tied weights (one Parameter in several modules, e.g. GPT-2's wte and lm_head) must be
-    sliced identically everywhere, so they stay one tied Parameter."""
-    by_module = {id(s.module): s for s in specs}
-    users: dict[int, list[tuple[str, Any]]] = {}
-    for name, module in model.named_modules(remove_duplicate=False):
-        weight = getattr(module, "weight", None)
-        if isinstance(weight, nn.Parameter):
-            spec = by_module.get(id(module))
-            key = (spec.dim, spec.ranges) if spec else "replicated"
-            users.setdefault(id(weight), []).append((name, key))
-    for entries in users.values():
-        keys = {repr(k) for _, k in entries}
-        if len(keys) > 1:
-            names = ", ".join(n for n, _ in entries)
-            raise ShardingError(f"tied weight shared by {names} would be sliced differently "
-                                f"(or sharded in one and replicated in another); give the tied "
-                                f"modules matching roles (e.g. vocab_embedding + vocab_head)")
-
-
-def _attention_modules(model: nn.Module, policy: Policy, specs: list[ShardSpec],
-                       prefix: str) -> dict[str, nn.Module]:
-    """Attention modules (policy patterns) that contain a sharded module; their listed
-    attributes must exist when the policy requires them."""
-    if not policy.attention_modules or not (policy.attention_attrs
-                                            or policy.attention_config_attrs):
-        return {}
-    sharded = [s.name for s in specs]
-    out = {}
-    for name, module in model.named_modules():
-        if name and any(pattern_matches(p, name, prefix) for p in policy.attention_modules) \
-                and any(s.startswith(name + ".") for s in sharded):
-            config = getattr(module, "config", None)
-            missing = [a for a in policy.attention_attrs if not hasattr(module, a)] + [
-                f"config.{a}" for a in policy.attention_config_attrs if not hasattr(config, a)]
-            if missing and policy.require_attention_attrs:
-                raise ShardingError(f"policy {policy.name!r} sets {', '.join(missing)} on "
-                                    f"attention module {name!r} ({type(module).__name__}), "
-                                    f"which has no such attribute; fix the policy's "
-                                    f"attention_attrs")
-            out[name] = module
-    return out
 
 
 # ----- apply: slice this rank's weights, install hooks --------------------------------------------
@@ -279,41 +64,112 @@ def slice_module(spec: ShardSpec, rank: int,
 
 def set_shard_sizes(spec: ShardSpec, rank: int) -> None:
     """Update ``spec.module``'s size attributes (``out_features`` …, and ``padding_idx``) for
-    ``rank``'s slice, once its weight holds that slice (sliced here or read from a checkpoint)."""
+    ``rank``'s slice, once its weight holds that slice (sliced here or read from a checkpoint).
+    Recorded: undoing puts the whole model's values back."""
     module = spec.module
     size = sum(b - a for a, b in spec.ranges[rank])
     attr = spec.kind.out_attr if spec.dim == spec.kind.out_dim else spec.kind.in_attr
+    changes = {}
     if hasattr(module, attr):
-        setattr(module, attr, size)
+        changes[attr] = size
     if isinstance(spec.role, VocabParallelEmbedding):
-        module.padding_idx = None  # only affects gradients; a global index means nothing here
+        changes["padding_idx"] = None  # only affects gradients; a global index means nothing here
+    set_recorded(module, changes, f"shard sizes of {spec.name}")
 
 
-def param_ranges(spec: ShardSpec, rank: int) -> dict[str, Any]:
-    """What ``rank`` keeps of each parameter of ``spec.module``, without touching it:
-    ``{"weight": (dim, ranges), "bias": (0, ranges) | "whole" | "zeros"}`` (a row-parallel bias
-    is kept whole on rank 0 and zero elsewhere, as :func:`slice_module` does). For loaders that
-    read only these slices from disk."""
-    ranges = spec.ranges[rank]
-    out: dict[str, Any] = {"weight": (spec.dim, ranges)}
-    if isinstance(getattr(spec.module, "bias", None), torch.Tensor):
-        if isinstance(spec.role, RowParallel):
-            out["bias"] = "whole" if rank == 0 else "zeros"
-        else:
-            out["bias"] = (0, ranges)  # bias [out]
-    return out
+def set_recorded(obj: Any, values: Mapping[str, Any], what: str) -> None:
+    """``setattr(obj, name, value)`` for each of ``values``, recorded: undoing sets the previous
+    values back (or deletes an attribute ``obj`` did not have)."""
+    missing = object()
+    previous = {name: getattr(obj, name, missing) for name in values}
+    for name, value in values.items():
+        setattr(obj, name, value)
+
+    def undo() -> None:
+        for name, value in previous.items():
+            if value is missing:
+                delattr(obj, name)
+            else:
+                setattr(obj, name, value)
+    if values:
+        record(what, undo)
 
 
-def slice_all(prepared: "PreparedShards", rank: int) -> dict[str, tuple[tuple, tuple]]:
+def slice_all(prepared: "PreparedShards", rank: int,
+              communicator: Communicator | None = None) -> dict[str, tuple[tuple, tuple]]:
     """Slice every planned module for ``rank`` (tied weights stay one Parameter); returns
-    module name → (weight shape before, after). No hooks: see :func:`install_hooks`."""
+    module name → (weight shape before, after). No hooks: see :func:`install_hooks`.
+
+    With ``communicator`` (this rank's tensor-parallel group) each slice is recorded in the
+    active ledger with an undo that all-gathers the whole weight back (:func:`gather_whole`)."""
     cache: dict[tuple, nn.Parameter] = {}
+    whole: dict[int, nn.Parameter] = {}  # undo: tied slices gathered once, tied again
     shapes = {}
     for spec in prepared.specs:
         before = tuple(spec.module.weight.shape)
+        grad = (spec.module.weight.requires_grad,
+                getattr(getattr(spec.module, "bias", None), "requires_grad", False))
         slice_module(spec, rank, cache)
         shapes[spec.name] = (before, tuple(spec.module.weight.shape))
+        if communicator is not None:
+            record(f"sharded weight of {spec.name} (all-gathered back)",
+                   _unslice(spec, rank, communicator, whole, grad))
     return shapes
+
+
+def gather_whole(local: torch.Tensor, dim: int, ranges: list[list[Range]], size: int,
+                 comm: Communicator) -> torch.Tensor:
+    """The whole tensor whose ``dim`` has ``size`` entries, from every rank's ``local`` slice
+    (rank r holds the concatenation of ``ranges[r]`` along ``dim``): one all-gather, slices
+    padded to the largest so uneven splits gather too. Ranks sharing entries (kv heads
+    replicated over ranks) hold the same values, so either copy is kept."""
+    widths = [sum(b - a for a, b in r) for r in ranges]
+    width = max(widths)
+    pad = width - local.shape[dim]
+    if pad:
+        shape = list(local.shape)
+        shape[dim] = pad
+        local = torch.cat([local, local.new_zeros(shape)], dim=dim)
+    parts = comm.all_gather(local.contiguous(), dim=dim)  # [.., tp_size * width, ..]
+    shape = list(local.shape)
+    shape[dim] = size
+    out = local.new_empty(shape)
+    covered = torch.zeros(size, dtype=torch.bool)
+    for r, rank_ranges in enumerate(ranges):
+        offset = r * width
+        for a, b in rank_ranges:
+            out.narrow(dim, a, b - a).copy_(parts.narrow(dim, offset, b - a))
+            covered[a:b] = True
+            offset += b - a
+    if not bool(covered.all()):
+        raise ShardingError(f"the ranks' slices cover {int(covered.sum())} of {size} entries; "
+                            f"the whole tensor cannot be gathered back")
+    return out
+
+
+def _unslice(spec: ShardSpec, rank: int, comm: Communicator, whole: dict[int, nn.Parameter],
+             grad: tuple[bool, bool]) -> Callable[[], None]:
+    """The undo of :func:`slice_module` for ``spec`` on ``rank``: rebuild the whole weight (and
+    bias) from what every rank now holds. Runs on every rank (collectives); a weight already
+    whole (the ledger's record put it back) is left alone, on every rank alike."""
+    def undo() -> None:
+        module = spec.module
+        weight = module.weight
+        if weight.shape[spec.dim] == spec.size:  # whole already: on every rank alike (each
+            return  # keeps all of it, or the record put every rank's original back)
+        if id(weight) not in whole:
+            whole[id(weight)] = nn.Parameter(
+                gather_whole(weight.detach(), spec.dim, spec.ranges, spec.size, comm),
+                requires_grad=grad[0])
+        module.weight = whole[id(weight)]
+        bias = getattr(module, "bias", None)
+        if isinstance(bias, torch.Tensor):
+            if isinstance(spec.role, RowParallel):  # whole on rank 0, zeros elsewhere
+                full = comm.broadcast(bias.detach().clone(), src=0)
+            else:  # bias [out], split like the weight's out dim
+                full = gather_whole(bias.detach(), 0, spec.ranges, spec.size, comm)
+            module.bias = nn.Parameter(full, requires_grad=grad[1])
+    return undo
 
 
 def _slice_bias(module: nn.Module, spec: ShardSpec, ranges: list[Range], rank: int) -> None:
@@ -332,16 +188,17 @@ def install_hooks(spec: ShardSpec, rank: int, comm: Communicator) -> list:
     module or a vocab-parallel embedding (after masking foreign ids), all-gather after a
     vocab-parallel head. Returns the hook handles."""
     module, role = spec.module, spec.role
+    what = f"{role.name} hook of {spec.name}"
     if isinstance(role, RowParallel):
-        return [module.register_forward_hook(_all_reduce_hook(comm))]
+        return [add_hook(module.register_forward_hook(_all_reduce_hook(comm)), what)]
     if isinstance(role, VocabParallelEmbedding):
         [(start, stop)] = spec.ranges[rank]
         mask = _VocabMask(start, stop, comm)
-        return [module.register_forward_pre_hook(mask.before, with_kwargs=True),
-                module.register_forward_hook(mask.after)]
+        return [add_hook(module.register_forward_pre_hook(mask.before, with_kwargs=True), what),
+                add_hook(module.register_forward_hook(mask.after), what)]
     if isinstance(role, VocabParallelHead):
         sizes = [sum(b - a for a, b in r) for r in spec.ranges]
-        return [module.register_forward_hook(_GatherLastDim(sizes, comm))]
+        return [add_hook(module.register_forward_hook(_GatherLastDim(sizes, comm)), what)]
     return []
 
 
@@ -435,21 +292,21 @@ class ConfigView:
 def set_attention_attrs(prepared: PreparedShards, rank: int) -> dict[str, dict[str, int]]:
     """Set the policy's per-rank attributes (``num_heads`` …) on each attention instance, and give
     it a :class:`ConfigView` with the policy's ``attention_config_attrs`` overridden (reported
-    as ``config.<attr>``)."""
+    as ``config.<attr>``). Both recorded: undoing puts the whole model's values back."""
     out = {}
     heads = prepared.heads[rank] if prepared.heads else None
     policy = prepared.policy
     for name, module in prepared.attention.items():
         values = {attr: heads.quantity(qty) for attr, qty in policy.attention_attrs.items()
                   if hasattr(module, attr)}
-        for attr, value in values.items():
-            setattr(module, attr, value)
+        set_recorded(module, values, f"per-rank attention attributes of {name}")
         config = getattr(module, "config", None)
         overrides = {attr: heads.quantity(qty)
                      for attr, qty in policy.attention_config_attrs.items()
                      if hasattr(config, attr)}
         if overrides:
-            module.config = ConfigView(config, overrides)
+            set_recorded(module, {"config": ConfigView(config, overrides)},
+                         f"per-rank config view of {name}")
             values.update({f"config.{attr}": value for attr, value in overrides.items()})
         out[name] = values
     return out
@@ -474,7 +331,7 @@ def apply_shards(prepared: PreparedShards, communicator: Communicator, *,
     before = param_bytes(model) if bytes_before is None else bytes_before
     report = ShardReport(prepared.tp_size, rank, prepared.plan.source, prepared.policy.name,
                          notes=prepared.notes, param_bytes_before=before)
-    shapes = dict(sliced) if sliced is not None else slice_all(prepared, rank)
+    shapes = dict(sliced) if sliced is not None else slice_all(prepared, rank, communicator)
     for spec in prepared.specs:
         install_hooks(spec, rank, communicator)
         report.sharded[spec.name] = ShardedModule(spec.name, spec.role.name, spec.layout.describe(),
@@ -487,7 +344,7 @@ def apply_shards(prepared: PreparedShards, communicator: Communicator, *,
     report.param_bytes = param_bytes(model)
     mine = torch.tensor([report.param_bytes], dtype=torch.int64)
     report.rank_param_bytes = communicator.all_gather(mine, dim=0).tolist()
-    setattr(model, SHARDED_ATTR, report)
+    set_recorded(model, {SHARDED_ATTR: report}, "shard report")
     return report
 
 
@@ -523,19 +380,3 @@ def shard_model(model: nn.Module, plan: ShardingPlan | Mapping | None = None,
     return apply_shards(prepared, communicator)
 
 
-def prepare_for(model: nn.Module, plan: ShardingPlan | Mapping | None, tp_size: int,
-                policy: Policy | None = None) -> PreparedShards:
-    """:func:`prepare` after resolving ``plan`` (see :func:`shard_model`) and the policy."""
-    from .plan import plan_from_injection_policy
-
-    found = policy or _policy.policy_for(model)
-    if isinstance(plan, Mapping):
-        plan = plan_from_injection_policy(model, plan)
-    elif plan is None:
-        plan = choose_plan(model, policy=found)
-    prepared = prepare(model, plan, tp_size, found)
-    if found is None:
-        model_type = getattr(getattr(model, "config", None), "model_type", None)
-        prepared.notes.append(f"no policy registered for model_type {model_type!r}: generic "
-                              f"layouts (HF-standard q/k/v/o names, else contiguous slices)")
-    return prepared

@@ -1,11 +1,9 @@
 """The error sharding raises: a :class:`~shardwise.ConfigError`, so it is raised before any heavy
-work and callers catching bad configuration catch it too."""
+work and callers catching bad configuration catch it too. Defined in the leaf
+:mod:`shardwise.layout` (so :mod:`shardwise.policy` raises it without importing this package)."""
 
 from __future__ import annotations
 
-from ..errors import ConfigError
+from ..layout import ShardingError
 
-
-class ShardingError(ConfigError):
-    """A tensor-parallel plan cannot be applied: a size that does not split, a module a plan names
-    that does not exist, a model with nothing to shard, a world size that does not fit."""
+__all__ = ["ShardingError"]
