@@ -55,6 +55,7 @@ from typing import Any
 
 import torch
 
+from shardwise import _torch_private as private
 from shardwise.kernels.reference.quant import (PackedQuantWeight, QuantizedWeight,
                                                QuantLinearKernel, int_weight)
 
@@ -64,18 +65,16 @@ DTYPES = frozenset({torch.bfloat16})
 #: Group sizes ``_weight_int4pack_mm_for_cpu`` accepts, largest first.
 INT4_KERNEL_GROUPS = (256, 128, 64, 32)
 INT4_N_MULTIPLE = 16
-_ATEN = torch.ops.aten
 
 
 def has_int8() -> bool:
     """Whether this torch has the packed int8 weight-only matmul."""
-    return hasattr(_ATEN, "_weight_int8pack_mm")
+    return private.has_int8_mm()
 
 
 def has_int4() -> bool:
     """Whether this torch has the CPU int4 packing and matmul."""
-    return (hasattr(_ATEN, "_weight_int4pack_mm_for_cpu")
-            and hasattr(_ATEN, "_convert_weight_to_int4pack_for_cpu"))
+    return private.has_int4_mm()
 
 
 def int4_kernel_group(group_size: int) -> int | None:
@@ -124,7 +123,7 @@ def unsupported_reason(*, device_type: str, dtype: torch.dtype | None, bits: int
 
 def _convert_int4(u: torch.Tensor) -> torch.Tensor:
     """int32 [N, K] in 0..15 → torch's CPU int4 layout (a seam for tests to count packs)."""
-    return _ATEN._convert_weight_to_int4pack_for_cpu(u, 1)
+    return private.int4_pack(u, 1)
 
 
 def _offsets(qw: QuantizedWeight) -> torch.Tensor | None:
@@ -167,7 +166,7 @@ def _grouped_int8mm(x2: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> 
     size = q.shape[2]
     out = torch.zeros(x2.shape[0], q.shape[1], dtype=torch.float32, device=x2.device)
     for g in range(q.shape[0]):
-        out += _ATEN._weight_int8pack_mm(x2[:, g * size:(g + 1) * size], q[g], scales[g])
+        out += private.int8_mm(x2[:, g * size:(g + 1) * size], q[g], scales[g])
     return out
 
 
@@ -207,11 +206,11 @@ class CpuQuantLinear(QuantLinearKernel):
                 bias: torch.Tensor | None) -> torch.Tensor:
         x2, t = x2.contiguous(), packed.tensors
         if packed.meta["kind"] == "int4":
-            y = _ATEN._weight_int4pack_mm_for_cpu(x2, t["qweight"], packed.meta["kernel_group"],
-                                                  t["scales_and_zeros"])
+            y = private.int4_mm(x2, t["qweight"], packed.meta["kernel_group"],
+                                t["scales_and_zeros"])
             return _epilogue(y, x2, None, bias)
         if t["qweight"].dim() == 2:
-            y = _ATEN._weight_int8pack_mm(x2, t["qweight"], t["scales"])
+            y = private.int8_mm(x2, t["qweight"], t["scales"])
         else:
             y = _grouped_int8mm(x2, t["qweight"], t["scales"])
         return _epilogue(y, x2, t.get("offsets"), bias)

@@ -1,0 +1,265 @@
+"""Every private torch API shardwise uses, in one place, behind a version check.
+
+Torch's underscore names (``torch._inductor``, ``torch._dynamo`` internals, ``torch._C``,
+``aten._*`` and ``mkldnn._*`` ops, inductor's config keys) carry no compatibility promise: any
+torch release may move, rename or drop them. The rest of the package calls the small named
+functions below and never spells a private name itself, so a torch upgrade is checked (and, if
+need be, fixed) here alone.
+
+* :data:`CHECKED_TORCH` names the torch releases (major, minor; first and last, inclusive) these
+  functions were checked against. Importing this module on another torch warns once per process
+  (:class:`UntestedTorchWarning`, naming this module): the CPU decode-step graphs and the CPU
+  quantized kernels may then fail or misbehave.
+* A private name that this torch does not have is a :class:`TorchInternalsError` (naming it, the
+  torch version and the way out) at the call that needs it, not an ``AttributeError`` deep in a
+  capture.
+
+Nothing here imports ``torch._inductor`` or ``torch._dynamo`` at import time (``import shardwise``
+stays free of them); each function imports what it needs when called.
+
+Users: :mod:`shardwise.accelerators.cpu_graphs` (the CPU graph strategy and its FX packing pass)
+and the CPU kernels' int8/int4 matrix products.
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+import sys
+import warnings
+from typing import Any, Callable, Sequence
+
+import torch
+
+from .errors import ShardwiseError
+
+#: The torch releases (major, minor), first and last inclusive, whose private APIs this module
+#: was checked against (2.13.0 installed when it was written).
+CHECKED_TORCH: tuple[tuple[int, int], tuple[int, int]] = ((2, 13), (2, 13))
+
+
+class UntestedTorchWarning(UserWarning):
+    """The installed torch is outside :data:`CHECKED_TORCH` (warned once per process)."""
+
+
+class TorchInternalsError(ShardwiseError, RuntimeError):
+    """A private torch API shardwise needs is not in the installed torch."""
+
+
+# ----- the version check --------------------------------------------------------------------------
+
+def torch_version(text: str | None = None) -> tuple[int, int]:
+    """(major, minor) of ``text`` (default: ``torch.__version__``; ``"2.13.0+cpu"`` → (2, 13)).
+    A version string without them (a source build's odd tag) gives (0, 0): outside any range."""
+    m = re.match(r"\s*(\d+)\.(\d+)", str(torch.__version__ if text is None else text))
+    return (int(m[1]), int(m[2])) if m else (0, 0)
+
+
+def checked_range_text() -> str:
+    first, last = CHECKED_TORCH
+    if first == last:
+        return f"torch {first[0]}.{first[1]}"
+    return f"torch {first[0]}.{first[1]} to {last[0]}.{last[1]}"
+
+
+def version_checked(text: str | None = None) -> bool:
+    """Whether torch ``text`` (default: the installed one) is within :data:`CHECKED_TORCH`."""
+    first, last = CHECKED_TORCH
+    return first <= torch_version(text) <= last
+
+
+_warned = False
+
+
+def check_torch_version() -> bool:
+    """Warn once per process (:class:`UntestedTorchWarning`) when the installed torch is outside
+    :data:`CHECKED_TORCH`. Returns whether it is within. Run when this module is imported."""
+    global _warned
+    if version_checked():
+        return True
+    if not _warned:
+        _warned = True
+        warnings.warn(
+            f"{__name__}: torch {torch.__version__} is outside the releases shardwise's use of "
+            f"private torch APIs was checked against ({checked_range_text()}). The CPU "
+            f"decode-step graphs (enable_graph=True on CPU) and the CPU int8/int4 kernels may "
+            f"fail or misbehave: install {checked_range_text()}, or run the decode step eagerly "
+            f"(SHARDWISE_CPU_GRAPHS=eager) if they do.", UntestedTorchWarning, stacklevel=2)
+    return False
+
+
+def _missing(what: str, exc: BaseException) -> TorchInternalsError:
+    return TorchInternalsError(
+        f"torch {torch.__version__} has no {what} ({type(exc).__name__}: {exc}); shardwise uses "
+        f"it through {__name__}, checked against {checked_range_text()}. Install that torch, "
+        f"or run the decode step eagerly (SHARDWISE_CPU_GRAPHS=eager, or enable_graph=False)")
+
+
+def _lookup(module: str, name: str) -> Any:
+    """``module.name`` (importing ``module``), or a :class:`TorchInternalsError` naming it."""
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as exc:
+        raise _missing(f"{module}.{name}", exc) from exc
+
+
+# ----- inductor: options and compilation ----------------------------------------------------------
+
+#: inductor's config key naming the GEMM backends it may choose from (e.g. ``"CPP"``,
+#: ``"CPP,ATEN"``)
+GEMM_BACKENDS_OPTION = "max_autotune_gemm_backends"
+
+
+def inductor_options(mode: str, *, freezing: bool, post_grad_pass: Callable | None = None,
+                     gemm_backends: str | None = None) -> dict:
+    """Inductor config patches for a compilation in ``mode`` (``torch.compile``'s mode names):
+    ``freezing`` (parameters become constants), an optional custom post-grad pass over the FX
+    graph (run before inductor's own), and the GEMM backends max-autotune picks from (None:
+    inductor's choice)."""
+    options = {**_lookup("torch._inductor", "list_mode_options")(mode), "freezing": freezing}
+    if post_grad_pass is not None:
+        options["post_grad_custom_pre_pass"] = post_grad_pass
+    if gemm_backends is not None:
+        options.update({"max_autotune_gemm": True, GEMM_BACKENDS_OPTION: gemm_backends})
+    return options
+
+
+def inductor_config_patch(options: dict):
+    """A context manager with inductor's config patched by ``options`` (set back afterwards)."""
+    import torch._inductor.config as inductor_config
+
+    return inductor_config.patch(options)
+
+
+def compile_fx(gm: torch.fx.GraphModule, example_inputs: Sequence, options: dict) -> Callable:
+    """Inductor's compiler as a ``torch.compile`` backend body, with ``options`` patched in."""
+    return _lookup("torch._inductor.compile_fx", "compile_fx")(gm, example_inputs,
+                                                               config_patches=options)
+
+
+def inductor_default_cache_dir() -> str:
+    """The cache folder inductor uses when ``TORCHINDUCTOR_CACHE_DIR`` is not set."""
+    return _lookup("torch._inductor.runtime.cache_dir_utils", "default_cache_dir")()
+
+
+def no_valid_gemm_choice(exc: BaseException) -> bool:
+    """Whether ``exc`` is inductor's "no GEMM backend could take this product" failure
+    (``NoValidChoicesError``, which reaches the caller wrapped, so it is matched by name)."""
+    return "NoValidChoicesError" in str(exc)
+
+
+def is_graph_break_error(exc: BaseException) -> bool:
+    """Whether ``exc`` is dynamo refusing to trace the code into one graph (a graph break under
+    ``fullgraph=True``, or code it does not support)."""
+    dynamo_exc = sys.modules.get("torch._dynamo.exc")
+    if dynamo_exc is None:  # dynamo never ran: the error cannot be one of its
+        return False
+    kinds = tuple(k for k in (getattr(dynamo_exc, "Unsupported", None),
+                              getattr(dynamo_exc, "UserError", None)) if k is not None)
+    return bool(kinds) and isinstance(exc, kinds)
+
+
+# ----- inductor's generated modules and dynamo's per-code caches ----------------------------------
+
+def _py_code_cache():
+    return _lookup("torch._inductor.codecache", "PyCodeCache")
+
+
+def inductor_module_count() -> int:
+    """How many generated Python modules inductor has loaded so far in this process (a mark:
+    :func:`inductor_modules_since` gives the ones loaded after it)."""
+    return len(_py_code_cache().modules)
+
+
+def inductor_modules_since(mark: int) -> list:
+    """The generated modules inductor loaded since :func:`inductor_module_count` returned
+    ``mark``."""
+    return list(_py_code_cache().modules[mark:])
+
+
+def forget_compiled(code, modules: Sequence) -> None:
+    """Free what dynamo and inductor keep of a compiled function: dynamo's cache entries on its
+    ``code`` object (compiled graph, guards, cleanup hooks) and inductor's generated ``modules``
+    (kept in its module cache and ``sys.modules``, with the constants bound in their globals,
+    for the process's life otherwise). Files on disk stay (inductor's cache)."""
+    _lookup("torch._dynamo.eval_frame", "reset_code")(code)
+    cache = _py_code_cache()
+    ids = {id(m) for m in modules}
+    cache.modules[:] = [m for m in cache.modules if id(m) not in ids]
+    for mod in modules:
+        if sys.modules.get(mod.__name__) is mod:
+            del sys.modules[mod.__name__]
+
+
+# ----- MKL and oneDNN (mkldnn) ops of the frozen-graph packing pass -------------------------------
+
+def mkl_linear_targets() -> tuple:
+    """The FX targets of inductor's MKL-packed fp32 linear (``mkl._mkl_linear``, the packet and
+    its default overload; args ``(x, packed, weight [out, in], bias, rows)``), or () when torch
+    was built without MKL."""
+    if not torch._C.has_mkl:
+        return ()
+    op = torch.ops.mkl._mkl_linear
+    return (op, op.default)
+
+
+def mkldnn_supports(dtype: torch.dtype) -> bool:
+    """Whether oneDNN computes ``dtype`` matrix products on this CPU (fp32 always)."""
+    if dtype == torch.float32:
+        return True
+    if dtype == torch.bfloat16:
+        return _lookup("torch._inductor.utils", "is_mkldnn_bf16_supported")("cpu")
+    if dtype == torch.float16:
+        return _lookup("torch._inductor.utils", "is_mkldnn_fp16_supported")("cpu")
+    return False
+
+
+def mkldnn_pack_linear_weight(weight: torch.Tensor, rows: int) -> torch.Tensor:
+    """``weight`` [out, in] reordered once into oneDNN's layout for products of ``rows`` rows
+    (an opaque tensor for :func:`mkldnn_linear_target`)."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight, rows)
+
+
+def mkldnn_linear_target():
+    """The FX target of oneDNN's linear on a packed weight: args ``(x [M, in], packed, bias,
+    "none", [], "")`` → [M, out]."""
+    return torch.ops.mkldnn._linear_pointwise.default
+
+
+# ----- ATen's packed int8 / int4 matrix products on CPU -------------------------------------------
+
+_ATEN = torch.ops.aten
+
+
+def has_int8_mm() -> bool:
+    """Whether this torch has ``aten._weight_int8pack_mm``."""
+    return hasattr(_ATEN, "_weight_int8pack_mm")
+
+
+def has_int4_mm() -> bool:
+    """Whether this torch has the CPU int4 pair (``aten._convert_weight_to_int4pack_for_cpu``
+    and ``aten._weight_int4pack_mm_for_cpu``)."""
+    return (hasattr(_ATEN, "_weight_int4pack_mm_for_cpu")
+            and hasattr(_ATEN, "_convert_weight_to_int4pack_for_cpu"))
+
+
+def int8_mm(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """x [M, K] @ (q int8 [N, K] * scales [N] per row)ᵀ → [M, N]
+    (``aten._weight_int8pack_mm``)."""
+    return _ATEN._weight_int8pack_mm(x, q, scales)
+
+
+def int4_pack(u: torch.Tensor, inner_k_tiles: int) -> torch.Tensor:
+    """int32 [N, K] of values 0..15 → uint8, ATen's opaque CPU int4 layout
+    (``aten._convert_weight_to_int4pack_for_cpu``)."""
+    return _ATEN._convert_weight_to_int4pack_for_cpu(u, inner_k_tiles)
+
+
+def int4_mm(x: torch.Tensor, packed: torch.Tensor, group: int,
+            scales_and_zeros: torch.Tensor) -> torch.Tensor:
+    """x [M, K] @ the int4 weight of :func:`int4_pack` (groups of ``group`` along K, scale and
+    zero point per group and row) → [M, N] (``aten._weight_int4pack_mm_for_cpu``)."""
+    return _ATEN._weight_int4pack_mm_for_cpu(x, packed, group, scales_and_zeros)
+
+
+check_torch_version()
