@@ -41,7 +41,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import shardwise  # noqa: E402
-from shardwise.accelerators.cpu import CpuCompileStrategy  # noqa: E402
+from shardwise.accelerators.cpu_graphs import CpuCompileStrategy  # noqa: E402
 from shardwise.accelerator import GraphStrategy  # noqa: E402
 from shardwise.bench.presets import build_preset  # noqa: E402
 from shardwise.bench.roofline import weight_bytes  # noqa: E402
@@ -135,7 +135,7 @@ def _prefilled(model, ids: torch.Tensor, kwargs: dict, masked_attention: bool, s
     if strategy is not None:
         _share_weights(engine.module, _head(engine.module), strategy)
     if masked_attention:
-        stack.k.decode_capturable = False
+        stack.kernels.decode_capturable = False
     with torch.inference_mode():
         out = engine.module(ids, use_cache=True)
     return stack, out.past_key_values, head

@@ -70,7 +70,7 @@ def variants(x: torch.Tensor, weights: list[torch.Tensor], compile_it: bool):
             print(f"  (mkl prepacked unavailable: {type(exc).__name__}: {exc})")
             out.pop("mkl prepacked", None)
     if compile_it:
-        from shardwise.accelerators.cpu import CpuCompileStrategy
+        from shardwise.accelerators.cpu_graphs import CpuCompileStrategy
 
         module = torch.nn.ModuleList(torch.nn.Linear(w.shape[1], w.shape[0], bias=False,
                                                      dtype=w.dtype) for w in weights)

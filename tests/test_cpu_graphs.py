@@ -19,7 +19,10 @@ import torch.nn.functional as F
 import shardwise
 from shardwise.accelerator import GraphStrategy
 from shardwise.accelerators import cpu as cpu_mod
-from shardwise.accelerators.cpu import CpuAccelerator, CpuCompileStrategy, PackLinearWeights
+from shardwise.accelerators import cpu_blocked_layout as layout
+from shardwise.accelerators import cpu_graphs
+from shardwise.accelerators.cpu import CpuAccelerator
+from shardwise.accelerators.cpu_graphs import CpuCompileStrategy, PackLinearWeights
 from shardwise.errors import ConfigError
 from shardwise.graphs import StaticGraph
 from models import prompt_ids, tiny_causal_lm
@@ -133,7 +136,7 @@ def test_untraceable_kernel_fails_at_init_naming_it(monkeypatch):
 
 
 def test_onednn_packing_rewrites_every_linear(monkeypatch):
-    monkeypatch.setenv(cpu_mod.CPU_GRAPHS_ENV, "onednn")
+    monkeypatch.setenv(cpu_graphs.CPU_GRAPHS_ENV, "onednn")
     ref = tiny_causal_lm("gpt2")
     engine = _engine("gpt2", enable_graph=True)
     strategy = _strategy(engine)
@@ -223,21 +226,21 @@ def test_compile_failure_is_an_init_error(monkeypatch):
 
 def test_strategy_choice(monkeypatch):
     acc = CpuAccelerator()
-    monkeypatch.delenv(cpu_mod.CPU_GRAPHS_ENV, raising=False)
+    monkeypatch.delenv(cpu_graphs.CPU_GRAPHS_ENV, raising=False)
     default = acc.graph_strategy()
     assert isinstance(default, CpuCompileStrategy) and default.accelerates
     assert (default.linear, default.mode, default.freezing) == ("cpp", "default", False)
     for value, linear in (("compile", "cpp"), ("onednn", "onednn"), ("inductor", "inductor")):
-        monkeypatch.setenv(cpu_mod.CPU_GRAPHS_ENV, value)
+        monkeypatch.setenv(cpu_graphs.CPU_GRAPHS_ENV, value)
         chosen = acc.graph_strategy()
         assert chosen.linear == linear and chosen.freezing == (linear != "cpp")
-    monkeypatch.setenv(cpu_mod.CPU_GRAPHS_ENV, "frozen")
+    monkeypatch.setenv(cpu_graphs.CPU_GRAPHS_ENV, "frozen")
     frozen = acc.graph_strategy()
     assert (frozen.linear, frozen.freezing) == ("cpp", True)
-    monkeypatch.setenv(cpu_mod.CPU_GRAPHS_ENV, "eager")
+    monkeypatch.setenv(cpu_graphs.CPU_GRAPHS_ENV, "eager")
     eager = acc.graph_strategy()
     assert type(eager) is GraphStrategy and not eager.accelerates
-    monkeypatch.setenv(cpu_mod.CPU_GRAPHS_ENV, "fast")
+    monkeypatch.setenv(cpu_graphs.CPU_GRAPHS_ENV, "fast")
     with pytest.raises(ConfigError, match="SHARDWISE_CPU_GRAPHS='fast'"):
         acc.graph_strategy()
     with pytest.raises(ValueError, match="linear 'mkl'"):
@@ -280,7 +283,7 @@ def test_compiled_step_holds_no_copy_of_the_weights(models, arch):
                or type(m).__name__ == "Conv1D"]
     forwards = [m.__dict__.get("forward") for m in linears]
     forwards = [getattr(f, "original", f) for f in forwards]  # the head: HeadFromGraph(...)
-    assert linears and all(isinstance(f, cpu_mod.BlockedLinear) for f in forwards)
+    assert linears and all(isinstance(f, layout.BlockedLinear) for f in forwards)
 
 
 def test_frozen_step_would_hold_a_copy(monkeypatch):
@@ -300,9 +303,9 @@ def test_blocked_matmul_matches_linear(rows):
     linear = torch.nn.Linear(48, 70)
     x = torch.randn(2, rows, 48)
     want = linear(x)
-    blocked = cpu_mod.block_weight(linear.weight.detach().t())
-    assert blocked.shape == (3, 48, cpu_mod.BLOCK_N)
-    got = cpu_mod.blocked_matmul(x, blocked, 70) + linear.bias
+    blocked = layout.block_weight(linear.weight.detach().t())
+    assert blocked.shape == (3, 48, layout.BLOCK_N)
+    got = layout.blocked_matmul(x, blocked, 70) + linear.bias
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
@@ -317,8 +320,8 @@ def test_block_linear_weights_keeps_forward_and_tied_embedding():
     bf16 = torch.nn.Linear(16, 8).to(torch.bfloat16)
     x, ids = torch.randn(3, 16), torch.tensor([[0, 33, 69]])
     want = (head(x), embed(ids), conv(x), bf16(x.bfloat16()))
-    assert cpu_mod.block_linear_weights([head, conv, bf16], embed) == 2
-    assert head.weight is embed.weight and head.weight.shape == (3, 16, cpu_mod.BLOCK_N)
+    assert layout.block_linear_weights([head, conv, bf16], embed) == 2
+    assert head.weight is embed.weight and head.weight.shape == (3, 16, layout.BLOCK_N)
     assert "forward" not in bf16.__dict__  # not fp32: left as it is
     got = (head(x), embed(ids), conv(x), bf16(x.bfloat16()))
     for g, w in zip(got, want):
@@ -336,12 +339,123 @@ def test_block_linear_weights_keeps_the_usual_layout_in_state_dict():
                                  "conv": Conv1D(24, 16)})
     model["head"].weight = model["embed"].weight
     want = {k: v.clone() for k, v in model.state_dict().items()}
-    assert cpu_mod.block_linear_weights([model["head"], model["conv"]], model["embed"]) == 2
+    assert layout.block_linear_weights([model["head"], model["conv"]], model["embed"]) == 2
     got = model.state_dict()
     assert got.keys() == want.keys()
     for key in want:
         assert torch.equal(got[key], want[key]), key
     assert got["head.weight"] is got["embed.weight"]
+
+
+def _blockable_model() -> torch.nn.ModuleDict:
+    """A head tied to an embedding, a Conv1D, a linear with bias and a bf16 one (left as it is)."""
+    from transformers.pytorch_utils import Conv1D
+
+    torch.manual_seed(0)
+    model = torch.nn.ModuleDict({"embed": torch.nn.Embedding(70, 16),
+                                 "head": torch.nn.Linear(16, 70, bias=False),
+                                 "conv": Conv1D(24, 16), "proj": torch.nn.Linear(16, 40),
+                                 "bf16": torch.nn.Linear(16, 8).to(torch.bfloat16)})
+    model["head"].weight = model["embed"].weight
+    return model
+
+
+def _outputs(model, x: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    return (model["head"](x), model["embed"](ids), model["conv"](x), model["proj"](x),
+            model["bf16"](x.bfloat16()))
+
+
+def _patches(model) -> dict[str, tuple]:
+    """Per module: its instance-level forward (None when it has none) and state_dict hooks."""
+    return {name: (vars(m).get("forward"), dict(m._state_dict_hooks))
+            for name, m in model.named_modules()}
+
+
+def _weights(model) -> dict[str, tuple]:
+    """Per parameter: (the Parameter object, shape, stride, contiguous, a copy of its values)."""
+    return {name: (p, p.shape, p.stride(), p.is_contiguous(), p.detach().clone())
+            for name, p in model.named_parameters(remove_duplicate=False)}
+
+
+def _assert_given_back(model, patches, weights, outputs, x, ids, scale: float = 1.0) -> None:
+    assert _patches(model) == patches  # no instance forward, no hook left behind
+    now = _weights(model)
+    assert now.keys() == weights.keys()
+    for name, (param, shape, stride, contiguous, values) in weights.items():
+        p, *_ = now[name]
+        assert p is param, name  # the same Parameter objects: optimizers, ties keep working
+        assert (p.shape, p.stride(), p.is_contiguous()) == (shape, stride, contiguous), name
+        want = values * scale if name != "bf16.weight" and name.endswith("weight") else values
+        assert torch.equal(p.detach(), want), name
+    assert model["head"].weight is model["embed"].weight  # the tie holds
+    if scale == 1.0:
+        for got, want in zip(_outputs(model, x, ids), outputs):
+            assert torch.equal(got, want)
+
+
+def test_block_linear_weights_records_an_exact_undo_in_the_ledger():
+    """Inside ``Ledger(model).recording()`` (as init_inference runs it), laying weights out
+    records the instance forwards, the state_dict hooks and each weight's layout; restoring gives
+    back the forwards, hooks, Parameter objects, shapes, strides and values (bit for bit) and so
+    the outputs exactly."""
+    from shardwise.ledger import Ledger
+
+    model = _blockable_model()
+    x, ids = torch.randn(3, 16), torch.tensor([[0, 33, 69]])
+    patches, weights = _patches(model), _weights(model)
+    with torch.no_grad():
+        outputs = _outputs(model, x, ids)
+    ledger = Ledger(model)
+    with ledger.recording():
+        assert layout.block_linear_weights(
+            [model["head"], model["conv"], model["proj"], model["bf16"]], model["embed"]) == 3
+    assert model["proj"].weight.shape == (2, 16, layout.BLOCK_N)
+    assert isinstance(vars(model["embed"])["forward"], layout.BlockedEmbedding)
+    ledger.restore()
+    with torch.no_grad():
+        _assert_given_back(model, patches, weights, outputs, x, ids)
+    ledger.restore()  # a second restore changes nothing
+    with torch.no_grad():
+        _assert_given_back(model, patches, weights, outputs, x, ids)
+
+
+def test_blocked_layout_undo_rebuilds_from_the_blocked_weights_alone():
+    """The recorded undo needs no copy of the weights as they were: with a ledger that holds no
+    snapshot of the model (one opened on an empty module), restoring still gives every weight
+    back in its plain layout, rebuilt from what the model holds by then (scaled in place here,
+    so a saved copy would show)."""
+    from shardwise.ledger import Ledger
+
+    model = _blockable_model()
+    x, ids = torch.randn(3, 16), torch.tensor([[0, 33, 69]])
+    patches, weights = _patches(model), _weights(model)
+    with torch.no_grad():
+        outputs = _outputs(model, x, ids)
+    ledger = Ledger(torch.nn.Module())  # records the undo calls only
+    with ledger.recording():
+        layout.block_linear_weights([model["head"], model["conv"], model["proj"], model["bf16"]],
+                                    model["embed"])
+    assert ledger.held_bytes() == {"parameters": 0, "buffers": 0}
+    with torch.no_grad():
+        for name in ("head", "conv", "proj"):
+            model[name].weight.mul_(2)  # in the blocked layout: padding stays zero
+    ledger.restore()
+    _assert_given_back(model, patches, weights, outputs, x, ids, scale=2.0)
+    with torch.no_grad():
+        for name in ("head", "conv", "proj"):
+            model[name].weight.div_(2)
+        _assert_given_back(model, patches, weights, outputs, x, ids)
+
+
+def test_block_linear_weights_alone_records_nothing():
+    """Called outside init_inference (no ledger recording), it patches and records nothing:
+    undoing is then its caller's business, as before."""
+    from shardwise import ledger
+
+    model = _blockable_model()
+    assert ledger.active() is None
+    assert layout.block_linear_weights([model["proj"]]) == 1
+    assert isinstance(vars(model["proj"])["forward"], layout.BlockedLinear)
 
 
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])
@@ -355,6 +469,108 @@ def test_save_pretrained_after_graphs_round_trips(models, arch, tmp_path):
     again = AutoModelForCausalLM.from_pretrained(tmp_path)
     for key, value in ref.state_dict().items():
         assert torch.equal(again.state_dict()[key], value), key
+
+
+# ----- private torch APIs behind a version check ----------------------------------------------
+
+def test_private_torch_apis_warn_once_outside_the_checked_versions(monkeypatch):
+    """The one module using torch's private APIs names the torch releases it was checked
+    against; on another torch it warns once per process, naming itself."""
+    from shardwise import _torch_private as private
+
+    first, last = private.CHECKED_TORCH
+    assert first <= private.torch_version() <= last  # the installed torch (2.13) is checked
+    assert private.torch_version("2.13.0+cpu") == (2, 13)
+    assert private.torch_version("2.9.1") == (2, 9) and private.torch_version("nightly") == (0, 0)
+    monkeypatch.setattr(private, "_warned", False)
+    monkeypatch.setattr(torch, "__version__", f"{last[0]}.{last[1] + 1}.0")
+    with pytest.warns(private.UntestedTorchWarning,
+                      match=rf"shardwise._torch_private: torch {last[0]}.{last[1] + 1}.0 is "
+                            r"outside .*checked against.*SHARDWISE_CPU_GRAPHS=eager"):
+        assert private.check_torch_version() is False
+    with __import__("warnings").catch_warnings():
+        __import__("warnings").simplefilter("error")
+        assert private.check_torch_version() is False  # once per process: no second warning
+    monkeypatch.setattr(torch, "__version__", f"{first[0]}.{first[1]}.0")
+    monkeypatch.setattr(private, "_warned", False)
+    with __import__("warnings").catch_warnings():
+        __import__("warnings").simplefilter("error")
+        assert private.check_torch_version() is True  # a checked torch: silent
+
+
+def test_a_missing_private_torch_api_is_a_named_error(monkeypatch):
+    """A private name this torch lacks is a TorchInternalsError naming it and the way out, and
+    a capture that needs it fails at init as a ConfigError (not an AttributeError mid-step)."""
+    from shardwise import _torch_private as private
+    import torch._inductor.codecache as codecache
+
+    monkeypatch.delattr(codecache, "PyCodeCache")
+    with pytest.raises(private.TorchInternalsError,
+                       match=r"no torch._inductor.codecache.PyCodeCache .*shardwise._torch_private"
+                             r".*SHARDWISE_CPU_GRAPHS=eager"):
+        private.inductor_module_count()
+    assert issubclass(private.TorchInternalsError, shardwise.ShardwiseError)
+    with pytest.raises(ConfigError, match=r"cannot capture the decode step \(TorchInternalsError: "
+                                          r"torch .* has no torch._inductor.codecache.PyCodeCache"):
+        _engine("gpt2", enable_graph=True)
+
+
+def test_the_package_spells_no_private_torch_name_outside_its_one_module():
+    """Every private torch name the package uses — a ``torch._*`` module or attribute,
+    ``torch._C``, a private op (``torch.ops.aten._*``, ``mkldnn._*``, ``mkl._*``), also through
+    a module-level alias — goes through shardwise._torch_private (found in the code's syntax
+    tree: docstrings and messages may still name them)."""
+    from pathlib import Path
+
+    root = Path(shardwise.__file__).resolve().parent.parent
+    offenders = []
+    for folder in ("core", "accelerators", "kernels"):
+        for path in sorted((root / folder).rglob("*.py")):
+            if path.name != "_torch_private.py":
+                offenders += [f"{path.relative_to(root)}:{line}: {name}"
+                              for line, name in _private_torch_names(path.read_text())]
+    assert not offenders, "\n".join(offenders)
+
+
+def _dotted(node) -> str | None:
+    """``a.b.c`` of a Name/Attribute chain (None for anything else)."""
+    import ast
+
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    if not isinstance(node, ast.Name):
+        return None
+    return ".".join([node.id, *reversed(parts)])
+
+
+def _private_torch_names(source: str) -> list[tuple[int, str]]:
+    """(line, name) of each private torch name the code uses (``torch.x._y``, ``from torch._x
+    import``, ``ALIAS._y`` where ``ALIAS = torch...`` at module level)."""
+    import ast
+
+    tree = ast.parse(source)
+    aliases = {t.id: _dotted(n.value) for n in tree.body if isinstance(n, ast.Assign)
+               for t in n.targets if isinstance(t, ast.Name) and _dotted(n.value)
+               and _dotted(n.value).startswith("torch.")}
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            names = [node.module or ""] if isinstance(node, ast.ImportFrom) else \
+                [a.name for a in node.names]
+            found += [(node.lineno, n) for n in names if n.startswith("torch._")]
+        elif isinstance(node, ast.Attribute) and (name := _dotted(node)) is not None:
+            head, _, rest = name.partition(".")
+            full = f"{aliases[head]}.{rest}" if head in aliases else name
+            parts = full.split(".")
+            if parts[0] == "torch" and any(p.startswith("_") and not p.startswith("__")
+                                           for p in parts[1:]):
+                found.append((node.lineno, full))
+    # an attribute chain is walked once per prefix: keep the longest per line
+    return sorted({(line, n) for line, n in found
+                   if not any(o != n and o.startswith(n + ".") and ol == line
+                              for ol, o in found)})
 
 
 # ----- no recompiles ------------------------------------------------------------------------------
@@ -403,12 +619,12 @@ def test_compiled_code_goes_to_the_user_cache_folder(monkeypatch, tmp_path):
     shared /tmp default), the variable is set back afterwards, and a folder the user chose for
     inductor wins."""
     monkeypatch.setenv("SHARDWISE_CACHE_DIR", str(tmp_path / "ours"))
-    monkeypatch.delenv(cpu_mod.INDUCTOR_CACHE_ENV, raising=False)
+    monkeypatch.delenv(cpu_graphs.INDUCTOR_CACHE_ENV, raising=False)
     CpuCompileStrategy().capture(_double, torch.ones(5))
     assert any((tmp_path / "ours" / "inductor").rglob("*.py"))
     # set back: unset, or inductor's default that torch itself writes there when it needs it
-    assert "ours" not in __import__("os").environ.get(cpu_mod.INDUCTOR_CACHE_ENV, "")
-    monkeypatch.setenv(cpu_mod.INDUCTOR_CACHE_ENV, str(tmp_path / "theirs"))
+    assert "ours" not in __import__("os").environ.get(cpu_graphs.INDUCTOR_CACHE_ENV, "")
+    monkeypatch.setenv(cpu_graphs.INDUCTOR_CACHE_ENV, str(tmp_path / "theirs"))
     CpuCompileStrategy().capture(_double, torch.ones(6))
     assert any((tmp_path / "theirs").rglob("*.py"))
 

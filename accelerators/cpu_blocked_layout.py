@@ -1,0 +1,245 @@
+"""The CPU decode-step graphs' weight layout: one copy of each fp32 linear weight, laid out in
+the column blocks the C++ GEMM template of inductor reads in place (:func:`block_weight`), read by
+the compiled step and the eager forward alike.
+
+:func:`block_linear_weights` lays a model's linears out, in place and instance-scoped (a
+:class:`BlockedLinear` forward, a :class:`PlainLayoutInStateDict` hook so ``state_dict`` still
+gives the usual layout). Inside ``init_inference`` each change is recorded in the ledger
+(:mod:`shardwise.ledger`), the weights' undo re-laying the plain layout from the blocked tensor
+(:func:`unblock_weight`), so giving the model back needs no second copy of the weights.
+Used by :class:`~shardwise.accelerators.cpu_graphs.CpuCompileStrategy`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shardwise.ledger import add_hook, record, set_forward
+
+#: Output columns per block of a weight laid out by :func:`block_weight` (two AVX-512 vectors of
+#: fp32: the C++ GEMM template's own ``block_n``, so its batched GEMM reads the blocks as they are).
+BLOCK_N = 32
+
+
+def block_weight(mat2: torch.Tensor, block: int = BLOCK_N) -> torch.Tensor:
+    """``mat2`` [K, N] (the right operand of ``x @ mat2``) as contiguous blocks of ``block``
+    columns, [ceil(N / block), K, block] (the last block zero-padded): block ``j`` is
+    ``mat2[:, j*block:(j+1)*block]``. A new tensor; ``mat2`` is left as it is."""
+    k, n = mat2.shape
+    pad = -n % block
+    if pad:
+        mat2 = F.pad(mat2, (0, pad))
+    return mat2.reshape(k, (n + pad) // block, block).transpose(0, 1).contiguous()
+
+
+def unblock_weight(blocked: torch.Tensor, n: int) -> torch.Tensor:
+    """:func:`block_weight`'s inverse: ``mat2`` [K, n] from its blocks [ceil(n / block), K,
+    block] (a new tensor)."""
+    nb, k, block = blocked.shape
+    return blocked.detach().transpose(0, 1).reshape(k, nb * block)[:, :n].contiguous()
+
+
+class PlainLayoutInStateDict:
+    """``state_dict`` post-hook of a module whose weight holds :func:`block_weight`'s layout
+    (instance-scoped, registered by :func:`block_linear_weights`): the ``weight`` entry is
+    given in the module's usual layout — [N, K] for ``nn.Linear``/``nn.Embedding``, [K, N] for
+    ``Conv1D`` — so ``save_pretrained`` and ``engine.save_checkpoint`` write what they would
+    without graphs. A weight tied between a head and an embedding is unblocked once per
+    ``state_dict`` call and both entries get the same tensor (the tie stays visible)."""
+
+    def __init__(self, n: int, transpose: bool) -> None:
+        self.n, self.transpose = n, transpose
+
+    def __call__(self, module: nn.Module, state_dict: dict, prefix: str, _meta: object) -> None:
+        key = prefix + "weight"
+        if key not in state_dict:
+            return
+        done = _unblocked_so_far(state_dict)  # id(Parameter) -> plain tensor
+        plain = done.get(id(module.weight))
+        if plain is None:
+            mat2 = unblock_weight(module.weight, self.n)  # [K, N]
+            plain = done[id(module.weight)] = mat2.t().contiguous() if self.transpose else mat2
+        state_dict[key] = plain
+
+
+def _unblocked_so_far(state_dict: dict) -> dict[int, torch.Tensor]:
+    """The weights this ``state_dict`` call already put back in their usual layout, kept on
+    the dict being built (torch's is an ``OrderedDict``, which takes attributes as it takes
+    ``_metadata``); a destination that takes none shares nothing."""
+    done = getattr(state_dict, "_shardwise_unblocked", None)
+    if done is None:
+        done = {}
+        try:
+            state_dict._shardwise_unblocked = done
+        except AttributeError:
+            pass
+    return done
+
+
+def blocked_matmul(x: torch.Tensor, blocked: torch.Tensor, n: int) -> torch.Tensor:
+    """``x @ mat2`` for ``blocked = block_weight(mat2)``: x [..., K] → [..., n].
+
+    Compiled, one batched GEMM over the blocks (inductor's C++ template reads ``blocked`` in
+    place: the weight is a graph input, not a frozen copy). Eager, the same batched GEMM when
+    the row count is at most the block width (the rows repeated per block are then at most
+    the weight's size), else one GEMM on the weight put back together (a transient copy of
+    this one weight: prefill)."""
+    *lead, k = x.shape
+    rows = x.reshape(-1, k)  # [M, K]
+    nb, _, block = blocked.shape
+    m = rows.shape[0]
+    if torch.compiler.is_compiling() and m == 1:
+        # inductor lowers a one-row bmm to a plain reduction loop, not the C++ GEMM template
+        # (measured ~30% slower for a whole GPT-2 step): a second, discarded row keeps the
+        # template, which still reads each weight once
+        rows = F.pad(rows, (0, 0, 0, 1))
+    if torch.compiler.is_compiling() or m <= block:
+        out = torch.bmm(rows.unsqueeze(0).expand(nb, rows.shape[0], k), blocked)  # [Nb, M', b]
+        out = out[:, :m].transpose(0, 1).reshape(m, nb * block)
+    else:
+        out = rows @ blocked.transpose(0, 1).reshape(k, nb * block)
+    return out[:, :n].reshape(*lead, n)
+
+
+class BlockedLinear:
+    """Instance-level ``forward`` of a linear layer (``nn.Linear``, or transformers' ``Conv1D``)
+    whose weight Parameter holds :func:`block_weight`'s layout: ``x @ W.T + b`` (``x @ W + b``
+    for ``Conv1D``), read from those blocks by eager and compiled code alike."""
+
+    def __init__(self, module: nn.Module, out_features: int) -> None:
+        self.module, self.out_features = module, out_features
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        module = self.module
+        out = blocked_matmul(x, module.weight, self.out_features)
+        return out if module.bias is None else out + module.bias
+
+    def __repr__(self) -> str:
+        return f"BlockedLinear(out_features={self.out_features})"
+
+
+class BlockedEmbedding:
+    """Instance-level ``forward`` of an ``nn.Embedding`` whose weight (tied to an output head
+    laid out by :func:`block_weight`) holds those blocks: row ``v`` is column ``v`` of the
+    head's ``mat2``, i.e. ``blocks[v // BLOCK_N, :, v % BLOCK_N]``."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        blocks = self.module.weight  # [Nb, K, block]
+        block = blocks.shape[-1]
+        return blocks[ids // block, :, ids % block]  # [..., K]
+
+    def __repr__(self) -> str:
+        return "BlockedEmbedding()"
+
+
+def _is_conv1d(module: nn.Module) -> bool:
+    return type(module).__name__ == "Conv1D" and type(module).__module__.startswith("transformers")
+
+
+def gemm_like(module: nn.Module) -> bool:
+    """A module whose forward is a matrix product: a 2-d weight that is not an embedding table,
+    or a linear of another kind (e.g. a quantized one: ``in_features``/``out_features`` and a
+    packed weight, lowered by inductor through its GEMM selection like any ``mm``)."""
+    if isinstance(module, (nn.Embedding, nn.EmbeddingBag)):
+        return False
+    w = getattr(module, "weight", None)
+    if isinstance(w, torch.Tensor) and w.dim() == 2:
+        return True
+    return (isinstance(getattr(module, "in_features", None), int)
+            and isinstance(getattr(module, "out_features", None), int))
+
+
+def _blockable(module: nn.Module) -> bool:
+    """A plain fp32 linear on the CPU, with no forward of its own (not already patched)."""
+    if "forward" in module.__dict__ or not (type(module) is nn.Linear or _is_conv1d(module)):
+        return False
+    w = getattr(module, "weight", None)
+    return (isinstance(w, torch.Tensor) and w.dim() == 2 and w.dtype == torch.float32
+            and w.device.type == "cpu")
+
+
+def block_linear_weights(linears: list[nn.Module], embedding: nn.Module | None = None) -> int:
+    """Lay out the weights of ``linears`` (the modules the decode step calls) for the C++ GEMM
+    template, in place and instance-scoped: each weight Parameter's data becomes
+    :func:`block_weight` of it and the module gets a :class:`BlockedLinear` forward. The old
+    layout is freed (unless something else holds it), so eager and compiled code read one copy.
+    ``embedding``: an ``nn.Embedding`` sharing its weight with one of ``linears`` (a tied output
+    head); it gets a :class:`BlockedEmbedding` forward, or, when it cannot, that linear is left
+    as it is. Modules that are not plain fp32 ``nn.Linear``/``Conv1D`` are left as they are.
+    Each laid-out module gets a :class:`PlainLayoutInStateDict` hook, so its ``state_dict``
+    (and ``save_pretrained``) still holds the usual layout. Returns the number of linears laid
+    out.
+
+    Inside ``init_inference`` (a ledger recording: :mod:`shardwise.ledger`) every change is
+    recorded — the forwards, the hooks, and each weight's new layout with an undo that lays the
+    plain one out again from the blocked tensor (:func:`relay_plain_weight`) — so undoing needs
+    no copy of the weights as they were."""
+    tied = embedding.weight if embedding is not None else None
+    done = 0
+    for module in linears:
+        if not _blockable(module):
+            continue
+        w = module.weight
+        if tied is not None and w is tied and not _embedding_blockable(embedding, module):
+            continue
+        conv = _is_conv1d(module)
+        n = _lay_out_blocked(w, conv)
+        set_forward(module, BlockedLinear(module, n), "blocked-layout forward")
+        hook = PlainLayoutInStateDict(n, transpose=not conv)
+        add_hook(module.register_state_dict_post_hook(hook),
+                 f"plain-layout state_dict hook of {type(module).__name__}")
+        if tied is not None and w is tied:
+            set_forward(embedding, BlockedEmbedding(embedding), "blocked-layout forward")
+            add_hook(embedding.register_state_dict_post_hook(
+                PlainLayoutInStateDict(n, transpose=True)),
+                "plain-layout state_dict hook of Embedding")
+        done += 1
+    return done
+
+
+def _lay_out_blocked(weight: nn.Parameter, conv: bool) -> int:
+    """Re-point ``weight``'s data to :func:`block_weight` of its product operand (``Conv1D``'s
+    [K, N] as it is, a linear's [N, K] transposed), recorded with the undo that lays the plain
+    layout out again from what the weight then holds. Returns N (the output width)."""
+    mat2 = weight.detach() if conv else weight.detach().t()  # [K, N]
+    n = mat2.shape[1]
+    with torch.no_grad():
+        weight.data = block_weight(mat2)
+    blocked = (weight.data_ptr(), tuple(weight.shape))  # no reference: the undo holds no tensor
+    record(f"weight [{n}, {mat2.shape[0]}] laid out in blocks of {BLOCK_N} columns (undone from "
+           f"the blocked tensor, exactly)",
+           lambda: relay_plain_weight(weight, n, conv, blocked))
+    return n
+
+
+def relay_plain_weight(weight: nn.Parameter, n: int, conv: bool,
+                       blocked: tuple[int, tuple[int, ...]] | None = None) -> bool:
+    """:func:`block_linear_weights`'s undo for one weight: its data laid out plainly again —
+    [K, N] for ``Conv1D``, [N, K] (contiguous) for a linear or a tied embedding — from the
+    blocks it holds (bit for bit: the layout moves values, it never computes them). The blocked
+    tensor is freed as the plain one replaces it: at most one weight's two layouts exist at
+    once. ``blocked``: (data pointer, shape) the weight held once laid out; if it holds anything
+    else by now (something restored it already), it is left as it is. Returns whether it was
+    re-laid."""
+    if blocked is not None and (weight.data_ptr(), tuple(weight.shape)) != blocked:
+        return False
+    if conv:
+        plain = unblock_weight(weight.data, n)  # [K, N]
+    else:
+        nb, k, block = weight.shape
+        plain = weight.detach().transpose(1, 2).reshape(nb * block, k)[:n]  # [N, K], contiguous
+    with torch.no_grad():
+        weight.data = plain
+    return True
+
+
+def _embedding_blockable(embedding: nn.Module, head: nn.Module) -> bool:
+    return (type(embedding) is nn.Embedding and "forward" not in embedding.__dict__
+            and type(head) is nn.Linear and embedding.max_norm is None)
+
+

@@ -1,0 +1,453 @@
+"""The CPU accelerator's decode-step graphs: :class:`CpuCompileStrategy` (the step compiled by
+``torch.compile``/inductor to C++), its FX packing pass for frozen graphs
+(:class:`PackLinearWeights`) and where inductor keeps its caches (:func:`inductor_cache_folder`).
+
+The fp32 linear weights the compiled step reads in place are laid out by
+:mod:`shardwise.accelerators.cpu_blocked_layout`; every private torch API used here goes through
+:mod:`shardwise._torch_private`. Chosen by :meth:`CpuAccelerator.graph_strategy
+<shardwise.accelerators.cpu.CpuAccelerator.graph_strategy>`, which imports this module when a
+graph strategy is asked for (``import shardwise`` imports none of inductor).
+"""
+
+from __future__ import annotations
+
+import builtins
+import logging
+import os
+import types
+import weakref
+from contextlib import contextmanager
+
+import torch
+
+from shardwise import _torch_private as private
+from shardwise.accelerator import GraphStrategy
+from shardwise.accelerators.cpu_blocked_layout import block_linear_weights, gemm_like
+from shardwise.graphs import StaticGraph, cache_dir, static_copies, static_outputs
+
+log = logging.getLogger(__name__)
+
+
+#: How the CPU captures the decode step (``enable_graph=True``): ``SHARDWISE_CPU_GRAPHS`` is one of
+#: :data:`LINEAR_PACKINGS` (a :class:`CpuCompileStrategy` with that ``linear``; ``compile`` is
+#: the default ``cpp``) or ``eager`` (no capture: the documented no-op).
+CPU_GRAPHS_ENV = "SHARDWISE_CPU_GRAPHS"
+COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
+#: How the step's linear weights reach their GEMMs: ``cpp`` (inductor's C++ template; unfrozen on
+#: weights laid out by ``share_weights``, or frozen on its own packed copy), ``onednn`` and
+#: ``inductor`` (frozen packings only). See :class:`CpuCompileStrategy`.
+LINEAR_PACKINGS = ("cpp", "onednn", "inductor")
+
+
+def strategy_from_env() -> GraphStrategy:
+    """The CPU's graph strategy as ``SHARDWISE_CPU_GRAPHS`` (:data:`CPU_GRAPHS_ENV`) asks:
+    ``compile``/``cpp`` (the default), ``onednn``, ``inductor``, ``frozen`` (``cpp`` on its own
+    prepacked copy) or ``eager`` (the base strategy: no capture). Anything else is a
+    ``ConfigError`` naming the choices."""
+    choice = os.environ.get(CPU_GRAPHS_ENV, "").strip().lower() or "compile"
+    if choice == "compile":
+        choice = "cpp"
+    if choice not in ("eager", "frozen", *LINEAR_PACKINGS):
+        from shardwise.errors import ConfigError
+
+        raise ConfigError(f"{CPU_GRAPHS_ENV}={choice!r}: expected compile (= cpp), "
+                          f"{', '.join(LINEAR_PACKINGS)}, frozen or eager")
+    if choice == "eager":
+        return GraphStrategy()
+    if choice == "frozen":  # the C++ template on its own prepacked copy: faster, 2x memory
+        return CpuCompileStrategy(linear="cpp", freezing=True)
+    return CpuCompileStrategy(linear=choice)
+
+
+class CpuCompileStrategy(GraphStrategy):
+    """Decode-step "graphs" on CPU: the step compiled once per shape by ``torch.compile``
+    (inductor: C++ built with the system compiler) with static shapes (``dynamic=False``).
+
+    Why it helps: a decode step at small batch is a chain of matrix-vector products bound by
+    reading the weights. Inductor's C++ GEMM template streams a weight laid out in blocks of
+    :data:`~shardwise.accelerators.cpu_blocked_layout.BLOCK_N` columns at about the copy
+    bandwidth (eager ``F.linear`` of fp32 reads ~16-17 GB/s on the development VM, the template
+    20-33 GB/s: benchmarks/README.md, "CPU graphs"), and the elementwise work (norms, residual
+    adds, activations, rotary, the cache write) is fused into a few C++ loops instead of one
+    eager dispatch each.
+
+    ``linear`` picks how the linear weights are read:
+
+    * ``"cpp"`` (default, unfrozen): :meth:`share_weights` lays every fp32 linear weight out
+      once, in place, in the template's blocks (:func:`block_linear_weights`); the weights stay
+      graph *inputs*, and the linears are batched GEMMs over the blocks (:func:`blocked_matmul`)
+      that the template reads where they are. **One copy of the weights**, read by the compiled
+      step and by the eager prompt forward alike; with nothing frozen, inductor's FX-graph cache
+      (kept per user: :func:`inductor_cache_folder`) serves the next start of the same model.
+      Products the template cannot take (quantized or bf16 linears, weights not laid out) use
+      ATen's GEMMs (inductor then benchmarks both per shape at capture).
+      Measured (gpt2-24l-1024h fp32, 1 thread, on a loaded 2-core VM): 48-49 ms/token against
+      43-44 with ``freezing=True`` and 76-78 for HF; peak RSS 2152 MiB against 4506 frozen and
+      2046 for injection without graphs. The prompt's forward reassembles each weight
+      transiently (one at a time): prefill measured ~12% slower than with plain weights.
+    * ``freezing=True`` (``linear="cpp"``, the default before): the parameters become graph
+      constants and inductor prepacks its own copy of each linear weight. **That copy lives
+      beside the parameters** (the prompt's eager forward still reads them): about the linear
+      weights' bytes more for as long as the graph exists, up to ~2.5x while capturing (its
+      freezing pass packs each fp32 weight for MKL first), and frozen graphs are not served by
+      the FX-graph cache (their packed constants would be hashed by value). Kept for comparison
+      (``benchmarks/cpu_graphs.py --variants frozen``).
+    * ``"onednn"`` (frozen): :class:`PackLinearWeights`, oneDNN's packed GEMV
+      (``mkldnn._linear_pointwise``, ~26-28 GB/s), a copy as above.
+    * ``"inductor"`` (frozen): inductor's own choice (MKL's packed sgemm for fp32, oneDNN for
+      bf16): measured no faster than eager for fp32 GEMV on AMD EPYC; kept for comparison.
+
+    Frozen graphs do not see a weight changed in place after capture (capture again: drop the
+    graphs with ``engine.module.base_model.graphs.clear()``). Each captured shape (batch
+    bucket) is its own compilation; capture takes tens of seconds for a real model the first
+    time (C++ builds), and the next process loads it from the cache folder.
+
+    Numerics: the compiled step computes what the eager step does, in the same dtype (nothing
+    is downcast: fp32 stays fp32), summing in another order (blocked GEMMs, vectorized
+    reductions), so results differ by rounding only (tests/test_cpu_graphs.py: fp32 logits
+    within 1e-5 of eager, identical greedy tokens).
+
+    Other options: ``mode`` ``"max-autotune-no-cudagraphs"`` benchmarks GEMM candidates at
+    capture (noisy on a shared machine); ``fullgraph`` (default True) makes a graph break (an
+    op dynamo cannot trace) an error at capture instead of a silently slower step.
+
+    Inductor settings are scoped to this strategy's compilations (patched around its traces and
+    calls, and passed to ``compile_fx``), never set globally. Each capture compiles a fresh copy
+    of the function's code, so it gets dynamo's full recompile budget, and its compiled code and
+    constants are released with the captured callable (inductor would otherwise keep every
+    compiled module, and its constants, for the process's life). Compile errors are raised by
+    :meth:`capture`, so ``enable_graph`` fails at init with them.
+    """
+
+    name = "cpu_compile"
+    accelerates = True
+
+    def __init__(self, linear: str = "cpp", mode: str = "default", freezing: bool = False,
+                 fullgraph: bool = True) -> None:
+        if linear not in LINEAR_PACKINGS:
+            raise ValueError(f"CpuCompileStrategy linear {linear!r} is not one of "
+                             f"{', '.join(LINEAR_PACKINGS)}")
+        if mode not in COMPILE_MODES:
+            raise ValueError(f"CpuCompileStrategy mode {mode!r} is not one of "
+                             f"{', '.join(COMPILE_MODES)}")
+        # only "cpp" runs unfrozen (on weights laid out by share_weights); oneDNN's and
+        # inductor's own packings exist only for frozen weights
+        freezing = freezing or linear != "cpp"
+        self.linear, self.mode, self.freezing, self.fullgraph = linear, mode, freezing, fullgraph
+        self.pack_pass = PackLinearWeights() if freezing and linear == "onednn" else None
+        #: graphs inductor compiled for this strategy (a replay that recompiles adds one)
+        self.compiles = 0
+        self._options: dict | None = None
+        self._cache_folder: str | None = None  # inductor's cache folder, chosen at first capture
+        #: inductor's GEMM backends with ``linear="cpp"`` (see :meth:`_aten_gemms`)
+        self.gemm_backends = "CPP"
+
+    def __repr__(self) -> str:
+        return (f"CpuCompileStrategy(linear={self.linear!r}, mode={self.mode!r}, "
+                f"freezing={self.freezing})")
+
+    def inductor_options(self) -> dict:
+        """The inductor config patches of this strategy's compilations."""
+        if self._options is None:
+            # our packing replaces inductor's (MKL for fp32); "cpp": the C++ GEMM template
+            # (alone unless told otherwise)
+            self._options = private.inductor_options(
+                self.mode, freezing=self.freezing, post_grad_pass=self.pack_pass,
+                gemm_backends=self.gemm_backends if self.pack_pass is None
+                and self.linear == "cpp" else None)
+        return self._options
+
+    def share_weights(self, linears: list, embedding=None) -> int:
+        """Unfrozen ``linear="cpp"`` (the default): lay the fp32 linear weights out in blocks
+        for the C++ GEMM template (:func:`block_linear_weights`), so the compiled step reads the
+        model's own parameters. A frozen strategy keeps its own prepacked copies instead (the
+        parameters stay as they are: the prompt's eager forward reads them)."""
+        if self.freezing or self.linear != "cpp":
+            return 0
+        blocked = block_linear_weights(linears, embedding)
+        gemms = sum(1 for m in linears if gemm_like(m))
+        if blocked < gemms:  # e.g. quantized or bf16 linears: ATen's GEMMs are needed too
+            self._aten_gemms()
+        return blocked
+
+    def _aten_gemms(self) -> None:
+        """Let inductor use ATen's GEMMs beside the C++ template from now on (a product the
+        template cannot take: a weight not laid out by :meth:`share_weights`); inductor then
+        benchmarks the two per GEMM shape at capture."""
+        self.gemm_backends = "CPP,ATEN"
+        self._options = None
+
+    @contextmanager
+    def _scope(self, options: dict):
+        """Where this strategy's code is traced and run: inference mode (grad off, as freezing
+        requires) with the inductor options patched. Dynamo reads ``freezing`` while *tracing*
+        (to make parameters graph constants), so patching inside the backend is not enough."""
+        if self._cache_folder is None:
+            self._cache_folder = inductor_cache_folder()
+        with (torch.inference_mode(), private.inductor_config_patch(options),
+              inductor_cache_scope(self._cache_folder)):
+            yield
+
+    def capture(self, fn, *example_args: torch.Tensor) -> StaticGraph:
+        """Compile ``fn`` for arguments shaped like ``example_args`` and run it once on copies
+        of them; returns a :class:`StaticGraph` (see the class docstring).
+
+        With ``linear="cpp"`` every matrix product must fit the C++ GEMM template (a constant
+        weight: all of a decode step's linears). A function with another product (e.g. of two
+        inputs) is compiled again with ATen's GEMMs as candidates too, which inductor then
+        benchmarks against the template at capture."""
+        inputs = static_copies(example_args, "cpu")
+        options = self.inductor_options()
+        try:
+            return self._capture(fn, inputs, options)
+        except _NoGemmChoice:
+            self._aten_gemms()  # and for every later capture: no failed attempt each time
+            return self._capture(fn, inputs, self.inductor_options())
+
+    def _capture(self, fn, inputs: tuple[torch.Tensor, ...], options: dict) -> StaticGraph:
+        name = getattr(fn, "__name__", repr(fn))
+
+        def backend(gm: torch.fx.GraphModule, example_inputs):
+            self.compiles += 1
+            return private.compile_fx(gm, example_inputs, options)
+
+        fresh = _fresh_code(fn)
+        compiled = torch.compile(fresh, backend=backend, dynamic=False, fullgraph=self.fullgraph)
+        before, loaded = self.compiles, private.inductor_module_count()
+        try:
+            with self._scope(options):
+                outputs = static_outputs(compiled(*inputs))
+        except Exception as exc:
+            self.compiles = before  # a failed attempt compiled nothing that is kept
+            private.forget_compiled(fresh.__code__, private.inductor_modules_since(loaded))
+            if private.no_valid_gemm_choice(exc) and "CPP" == options.get(
+                    private.GEMM_BACKENDS_OPTION):
+                raise _NoGemmChoice from exc
+            raise RuntimeError(
+                f"torch.compile of {name!r} on CPU failed: {type(exc).__name__}: "
+                f"{_first_line(exc)}{_where(exc)}. {_hint(exc)}; fix that, or run the step "
+                f"eagerly ({CPU_GRAPHS_ENV}=eager, or enable_graph=False)") from exc
+        if self.compiles == before:
+            raise RuntimeError(f"torch.compile ran {name!r} without compiling it (dynamo "
+                               f"skipped the frame); run the step eagerly ({CPU_GRAPHS_ENV}="
+                               f"eager, or enable_graph=False)")
+        compiled_at = self.compiles
+        single = isinstance(outputs, torch.Tensor)
+        # static outputs made outside inference mode (the caller's), written inside it on replay
+        outputs = outputs.clone() if single else tuple(o.clone() for o in outputs)
+
+        def replay() -> None:
+            nonlocal compiled_at
+            with self._scope(options):  # a recompile (some guard failed) compiles the same way
+                new = compiled(*inputs)
+                if single:
+                    outputs.copy_(new)
+                else:
+                    for static, value in zip(outputs, new):
+                        static.copy_(value)
+            if self.compiles != compiled_at:  # correct, but a capture's time spent again
+                compiled_at = self.compiles
+                log.warning("shardwise: the compiled CPU decode step %r was recompiled on "
+                            "replay (a dynamo guard failed); results are right, but each "
+                            "recompile costs a capture's time", name)
+
+        graph = StaticGraph(replay, inputs, outputs, compiled)
+        # inductor's generated modules, freed with the graph
+        graph.modules = tuple(private.inductor_modules_since(loaded))
+        weakref.finalize(graph, private.forget_compiled, fresh.__code__, graph.modules)
+        return graph
+
+    @staticmethod
+    def constants(graph: StaticGraph) -> list[torch.Tensor]:
+        """The tensors a captured graph holds of its own: the constants bound in the modules
+        inductor generated for it (frozen and prepacked weights when ``freezing``; with the
+        weights as graph inputs, only small ones such as the rotary tables)."""
+        seen, out = set(), []
+        for module in getattr(graph, "modules", ()):
+            for value in vars(module).values():
+                if isinstance(value, torch.Tensor) and id(value) not in seen:
+                    seen.add(id(value))
+                    out.append(value)
+        return out
+
+
+
+#: Inductor's own cache-folder variable: where it keeps generated C++, built libraries and its
+#: FX-graph / AOT-autograd caches (its default is the shared ``/tmp/torchinductor_$USER``).
+INDUCTOR_CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
+
+
+def user_inductor_cache() -> str | None:
+    """The inductor cache folder the user chose (``TORCHINDUCTOR_CACHE_DIR``), or None. Inductor
+    writes its default into that variable the first time it compiles, so a value equal to the
+    default is inductor's, not the user's."""
+    chosen = os.environ.get(INDUCTOR_CACHE_ENV)
+    if not chosen or os.path.abspath(chosen) == os.path.abspath(
+            private.inductor_default_cache_dir()):
+        return None
+    return chosen
+
+
+def inductor_cache_folder() -> str:
+    """Where this process's CPU captures keep inductor's caches: the user's
+    ``TORCHINDUCTOR_CACHE_DIR`` if set, else shardwise's per-user folder
+    (:func:`shardwise.graphs.cache_dir` ``/ "inductor"``, created here)."""
+    return user_inductor_cache() or str(cache_dir("inductor"))
+
+
+@contextmanager
+def inductor_cache_scope(ours: str):
+    """While a capture compiles (or a replay recompiles): inductor's caches in ``ours`` (see
+    :func:`inductor_cache_folder`), so the second start of the same model loads its compiled
+    step from there instead of compiling it again. Inductor reads the variable each time it
+    needs the folder; it is set back afterwards (a folder the user chose wins)."""
+    if user_inductor_cache() is not None:
+        yield
+        return
+    before = os.environ.get(INDUCTOR_CACHE_ENV)
+    os.environ[INDUCTOR_CACHE_ENV] = ours
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(INDUCTOR_CACHE_ENV, None)
+        else:
+            os.environ[INDUCTOR_CACHE_ENV] = before
+
+
+class _NoGemmChoice(Exception):
+    """A matrix product the C++ GEMM template cannot take (internal: capture retries)."""
+
+
+class PackLinearWeights:
+    """An inductor post-grad pass over a *frozen* graph (``linear="onednn"``): every matrix
+    product by a constant 2-d weight — inductor's MKL-packed fp32 linear
+    (``torch.ops.mkl._mkl_linear``, which its freezing pass makes of ``F.linear`` and
+    transformers' ``Conv1D``), or a plain ``mm(x, W)`` / ``addmm(b, x, W)`` it left alone —
+    becomes ``torch.ops.mkldnn._linear_pointwise`` on a copy of ``W`` reordered once
+    (``torch.ops.mkldnn._reorder_linear_weight``) into oneDNN's layout for the step's row count
+    (bf16/fp16 weights inductor already gives to oneDNN). MKL's packed sgemm measured no faster
+    than eager ``F.linear`` for a GEMV here (``benchmarks/cpu_linear.py``). Same product in the
+    same dtype, summed in another order. ``packed`` counts the products rewritten,
+    ``packed_bytes`` the bytes of the weights packed.
+
+    (Inductor's packing is left on, not disabled with ``cpp.weight_prepack=False``: its freezing
+    patterns are registered once per process with the setting of the first compilation, so
+    turning it off here would change what every later compilation in the process does. The pass
+    is deliberately a plain callable, not an inductor ``CustomGraphPass`` with a ``uuid``: it
+    adds constants to the graph module, which a hit in inductor's FX graph cache would skip, and
+    inductor bypasses that cache for plain-callable passes.)"""
+
+    def __init__(self) -> None:
+        self.packed = 0
+        self.packed_bytes = 0
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        aten = torch.ops.aten
+        mkl_linear = private.mkl_linear_targets()
+        gm = graph.owning_module
+        dropped: set[str] = set()
+        for node in list(graph.nodes):
+            if node.op != "call_function":
+                continue
+            if node.target in mkl_linear:  # inductor's own packing (fp32): (x, packed, w, b, rows)
+                x, mkl_packed, w, bias = node.args[:4]
+                weight = _constant(gm, w)  # [out, in]
+                weight = None if weight is None else weight.t()
+            elif node.target is aten.addmm.default:
+                if node.kwargs.get("beta", 1) != 1 or node.kwargs.get("alpha", 1) != 1:
+                    continue
+                bias, x, w = node.args[:3]
+                weight = _constant(gm, w)  # [in, out]
+            elif node.target is aten.mm.default:
+                bias, (x, w) = None, node.args[:2]
+                weight = _constant(gm, w)
+            else:
+                continue
+            if weight is None or not _packable(x, weight, bias):
+                continue
+            if node.target in mkl_linear and getattr(mkl_packed, "op", None) == "get_attr":
+                dropped.add(mkl_packed.target)
+            rows = x.meta["val"].shape[0]
+            packed = private.mkldnn_pack_linear_weight(weight.t().contiguous(), rows)
+            name = _free_name(gm, "_shardwise_packed_w")
+            gm.register_buffer(name, packed)
+            with graph.inserting_before(node):
+                w_node = graph.get_attr(name)
+                new = graph.call_function(private.mkldnn_linear_target(),
+                                          (x, w_node, bias, "none", [], ""))
+            new.meta.update(node.meta)
+            node.replace_all_uses_with(new)
+            graph.erase_node(node)
+            self.packed += 1
+            self.packed_bytes += weight.numel() * weight.element_size()
+        graph.eliminate_dead_code()
+        used = {n.target for n in graph.nodes if n.op == "get_attr"}
+        for name in dropped - used:  # inductor's MKL-packed copies, now unused: free them
+            if hasattr(gm, name):
+                delattr(gm, name)
+
+
+def _constant(gm: torch.fx.GraphModule, node) -> torch.Tensor | None:
+    if not isinstance(node, torch.fx.Node) or node.op != "get_attr":
+        return None
+    value = getattr(gm, node.target, None)
+    return value if isinstance(value, torch.Tensor) and not value.is_mkldnn else None
+
+
+def _packable(x, weight: torch.Tensor, bias) -> bool:
+    val = x.meta.get("val") if isinstance(x, torch.fx.Node) else None
+    if val is None or val.dim() != 2 or weight.dim() != 2 or val.dtype != weight.dtype:
+        return False
+    if val.device.type != "cpu" or weight.device.type != "cpu":
+        return False
+    if bias is not None:
+        b = bias.meta.get("val") if isinstance(bias, torch.fx.Node) else None
+        if b is None or b.dim() != 1 or b.shape[0] != weight.shape[1] or b.dtype != val.dtype:
+            return False
+    return private.mkldnn_supports(weight.dtype)
+
+
+def _free_name(gm: torch.fx.GraphModule, prefix: str) -> str:
+    i = 0
+    while hasattr(gm, f"{prefix}{i}"):
+        i += 1
+    return f"{prefix}{i}"
+
+
+def _fresh_code(fn):
+    """``fn`` behind a wrapper with its own code object and its own globals: dynamo keeps
+    compiled code and its recompile count per code object, and installs the compiled graph
+    (``__compiled_fn_*``) in the globals of the frame it compiles, so this gives each capture
+    its own of each, freed with the wrapper instead of living in this module for good."""
+
+    def call(*args):
+        return fn(*args)
+
+    scope = {"__builtins__": builtins, "__name__": f"{__name__}.<capture>"}
+    return types.FunctionType(call.__code__.replace(), scope, call.__name__, None,
+                              call.__closure__)
+
+
+def _hint(exc: BaseException) -> str:
+    if private.is_graph_break_error(exc):
+        return ("dynamo cannot trace that op into one graph (a graph break): the step's code "
+                "must avoid it under torch.compiler.is_compiling()")
+    return ("inductor could not build the step: it needs a working C++ compiler (g++ on PATH, "
+            "or $CXX)")
+
+
+def _where(exc: BaseException) -> str:
+    """`` (at FILE:LINE)`` of the innermost user-code frame dynamo names in its message."""
+    frames = [line.strip() for line in str(exc).splitlines() if line.strip().startswith("File \"")]
+    if not frames:
+        return ""
+    parts = frames[-1].split('"')  # File "PATH", line N, in FUNC
+    line = frames[-1].split("line ")[-1].split(",")[0] if "line " in frames[-1] else "?"
+    return f" (at {parts[1]}:{line})" if len(parts) > 1 else ""
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
