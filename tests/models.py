@@ -1,94 +1,23 @@
-"""Tiny Hugging Face models with fixed-seed random weights, for tests (no hub access)."""
+"""Tiny Hugging Face models with fixed-seed random weights, for tests (no hub access), built from
+the registry of test families (tests/families.py); the inputs, tokenizer and parity measures the
+test files share."""
 
 from __future__ import annotations
 
 import torch
 import transformers
+from tokenizers import Tokenizer, models as tok_models, pre_tokenizers
 
-#: architecture → config kwargs for a small model (a few layers, hidden 64).
-TINY_CONFIGS = {
-    "llama": dict(cls="LlamaConfig", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
-                  max_position_embeddings=256),
-    "gpt2": dict(cls="GPT2Config", n_embd=64, n_layer=2, n_head=4, vocab_size=256, n_positions=256,
-                 bos_token_id=0, eos_token_id=0),
-    "opt": dict(cls="OPTConfig", hidden_size=64, ffn_dim=128, num_hidden_layers=2,
-                num_attention_heads=4, vocab_size=256, max_position_embeddings=256,
-                word_embed_proj_dim=64),
-    # tensor-parallel coverage: multi-query (1 kv head), q/k/v biases, uneven heads and vocab
-    "mistral": dict(cls="MistralConfig", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                    num_attention_heads=4, num_key_value_heads=1, head_dim=16, vocab_size=256,
-                    max_position_embeddings=256),
-    "qwen2": dict(cls="Qwen2Config", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
-                  max_position_embeddings=256),
-    "llama-7heads": dict(cls="LlamaConfig", hidden_size=112, intermediate_size=128,
-                         num_hidden_layers=2, num_attention_heads=7, num_key_value_heads=7,
-                         vocab_size=257, max_position_embeddings=256),
-    "llama-gqa-6q3kv": dict(cls="LlamaConfig", hidden_size=96, intermediate_size=128,
-                            num_hidden_layers=2, num_attention_heads=6, num_key_value_heads=3,
-                            vocab_size=256, max_position_embeddings=256),
-    # tensor-parallel families A: local/global attention, partial rotary + parallel attn/MLP,
-    # per-head interleaved fused qkv, fused [q|k|v] and [gate|up]
-    "gpt_neo": dict(cls="GPTNeoConfig", hidden_size=64, intermediate_size=128, num_layers=2,
-                    num_heads=4, attention_types=[[["global", "local"], 1]], window_size=4,
-                    vocab_size=256, max_position_embeddings=256, bos_token_id=0, eos_token_id=0),
-    "gptj": dict(cls="GPTJConfig", n_embd=64, n_inner=128, n_layer=2, n_head=4, rotary_dim=8,
-                 vocab_size=256, n_positions=256, bos_token_id=0, eos_token_id=0),
-    "gpt_neox": dict(cls="GPTNeoXConfig", hidden_size=64, intermediate_size=128,
-                     num_hidden_layers=2, num_attention_heads=4, rotary_pct=0.25,
-                     use_parallel_residual=True, vocab_size=256, max_position_embeddings=256),
-    "phi3": dict(cls="Phi3Config", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                 num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
-                 max_position_embeddings=256, pad_token_id=0, bos_token_id=1, eos_token_id=2),
-    # 7 heads of 16 (hidden 112) over 2 ranks: 4 | 3 whole [q, k, v] head blocks; vocab 257
-    "gpt_neox-7heads": dict(cls="GPTNeoXConfig", hidden_size=112, intermediate_size=128,
-                            num_hidden_layers=2, num_attention_heads=7, rotary_pct=0.25,
-                            use_parallel_residual=True, vocab_size=257,
-                            max_position_embeddings=256),
-    # tensor-parallel families B. BLOOM: fused per-head q|k|v, ALiBi (4 heads: slopes 1/4 … 1/256)
-    "bloom": dict(cls="BloomConfig", hidden_size=64, n_layer=2, n_head=4, vocab_size=256),
-    # Falcon, its layouts: new decoder architecture (grouped kv, two LayerNorms, biases here) …
-    "falcon": dict(cls="FalconConfig", hidden_size=64, num_hidden_layers=2,
-                   num_attention_heads=4, num_kv_heads=2, new_decoder_architecture=True,
-                   bias=True, vocab_size=256),
-    # … multi-query [q | k | v] with parallel attention (Falcon-7B) …
-    "falcon-mqa": dict(cls="FalconConfig", hidden_size=64, num_hidden_layers=2,
-                       num_attention_heads=4, multi_query=True, new_decoder_architecture=False,
-                       parallel_attn=True, vocab_size=256),
-    # … with uneven heads (7 over 2 ranks: 4 | 3, like Falcon-7B's 71) …
-    "falcon-7heads-mqa": dict(cls="FalconConfig", hidden_size=112, num_hidden_layers=2,
-                              num_attention_heads=7, multi_query=True,
-                              new_decoder_architecture=False, parallel_attn=True,
-                              vocab_size=256),
-    # … and multi-head [heads, 3, head_dim], sequential, ALiBi (Falcon-RW)
-    "falcon-alibi": dict(cls="FalconConfig", hidden_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, multi_query=False,
-                         new_decoder_architecture=False, parallel_attn=False, alibi=True,
-                         bias=True, vocab_size=256),
-    # the same with eager attention (Falcon cannot switch it after construction)
-    "falcon-alibi-eager": dict(cls="FalconConfig", hidden_size=64, num_hidden_layers=2,
-                               num_attention_heads=4, multi_query=False,
-                               new_decoder_architecture=False, parallel_attn=False, alibi=True,
-                               bias=True, vocab_size=256, attn_implementation="eager"),
-    # sliding windows shorter than the test prompts: every layer (Mistral), the layers past
-    # max_window_layers (Qwen2's layer_types)
-    "mistral-sw4": dict(cls="MistralConfig", hidden_size=64, intermediate_size=128,
-                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                        sliding_window=4, vocab_size=256, max_position_embeddings=256),
-    "qwen2-sw4": dict(cls="Qwen2Config", hidden_size=64, intermediate_size=128,
-                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                      use_sliding_window=True, sliding_window=4, max_window_layers=1,
-                      vocab_size=256, max_position_embeddings=256),
-    # an encoder: build it with tiny_encoder, not tiny_causal_lm
-    "bert": dict(cls="BertConfig", hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                 intermediate_size=128, vocab_size=256, max_position_embeddings=64),
-}
+from families import FAMILIES, family
+
+#: family name → config kwargs (``cls``: the transformers config class), read from the one registry
+#: of test families (tests/families.py: what each family is and which tests cover it)
+TINY_CONFIGS = {name: fam.config for name, fam in FAMILIES.items()}
 
 
 def tiny_causal_lm(arch: str = "llama", seed: int = 0, dtype: torch.dtype = torch.float32):
     """A small ``AutoModelForCausalLM`` of ``arch`` with weights drawn from ``seed``."""
-    spec = dict(TINY_CONFIGS[arch])
+    spec = dict(family(arch).config)
     config = getattr(transformers, spec.pop("cls"))(**spec)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
@@ -99,7 +28,7 @@ def tiny_encoder(arch: str = "bert", seed: int = 0, head: str = "masked_lm",
                  dtype: torch.dtype = torch.float32):
     """A small encoder of ``arch`` with weights drawn from ``seed``: ``head="masked_lm"`` gives
     ``AutoModelForMaskedLM`` (no pooler), ``head="base"`` the bare ``AutoModel`` (with pooler)."""
-    spec = dict(TINY_CONFIGS[arch])
+    spec = dict(family(arch).config)
     config = getattr(transformers, spec.pop("cls"))(**spec)
     auto = {"masked_lm": transformers.AutoModelForMaskedLM, "base": transformers.AutoModel}[head]
     torch.manual_seed(seed)
@@ -110,6 +39,25 @@ def prompt_ids(batch: int = 1, length: int = 8, vocab: int = 256, seed: int = 1)
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, vocab, (batch, length), generator=g)
 
+
+def tiny_tokenizer() -> transformers.PreTrainedTokenizerFast:
+    """A word-level tokenizer over the tiny models' 256 ids: ``"t7"`` is id 7; ids 0–2 are
+    ``<unk>``, ``<s>``, ``</s>`` (tiny Llama's bos/eos ids)."""
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"t{i}": i for i in range(3, 256)}}
+    backend = Tokenizer(tok_models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>",
+                                                bos_token="<s>", eos_token="</s>")
+
+
+def logit_parity(ref_logits: torch.Tensor, logits: torch.Tensor) -> tuple[float, float]:
+    """(relative error ``‖logits - ref‖ / ‖ref‖``, fraction of positions whose argmax agrees) of
+    two logit tensors of one shape, e.g. ``[batch, seq, vocab]``; compared in fp32. The bounds
+    a quantized model is held to: ``families.QUANT_BOUNDS``."""
+    ref_logits, logits = ref_logits.float(), logits.float()
+    rel = ((logits - ref_logits).norm() / ref_logits.norm()).item()
+    agree = (logits.argmax(-1) == ref_logits.argmax(-1)).float().mean().item()
+    return rel, agree
 
 
 #: The least teacher-forced agreement (:func:`teacher_forced_agreement`) a reduced-precision or

@@ -16,8 +16,7 @@ from shardwise.cli.generate import check_new_tokens
 from shardwise.errors import ConfigError
 from shardwise.models import check_model_path
 
-from models import tiny_causal_lm
-from test_generate import tiny_tokenizer
+from models import tiny_causal_lm, tiny_tokenizer
 
 POSITIONS = 256  # the tiny Llama's max_position_embeddings
 

@@ -11,33 +11,25 @@ import re
 import pytest
 import torch
 import transformers
-from tokenizers import Tokenizer, models as tok_models, pre_tokenizers
-from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+from transformers import AutoModelForCausalLM
 
 import shardwise
 import shardwise.models
 from shardwise.cli import main
 from shardwise.generation import TokenTimer, TokenTimings, timed_generate
 
-from models import TINY_CONFIGS, prompt_ids, tiny_causal_lm
+from families import families
+from models import prompt_ids, tiny_causal_lm, tiny_tokenizer
 
-ARCHS = sorted(TINY_CONFIGS)
+#: every registered family: the engine with no transform is HF's model (bert: HF's
+#: BertLMHeadModel, what AutoModelForCausalLM builds of it)
+ARCHS = sorted(families())
 #: Max abs logit difference allowed between the engine and the plain HF model, per dtype. The
 #: engine runs HF's own modules today, so both are expected to be exact; bf16 leaves room for
 #: about 4 ulps at |logit| ~ 1 for when fused kernels are injected.
 LOGIT_ATOL = {torch.float32: 1e-6, torch.bfloat16: 3e-2}
 TIMING_LINE = re.compile(r"prefill [\d.]+ ms \| decode [\d.]+ ms/token \(median of \d+\) "
                          r"\| [\d.]+ tokens/s")
-
-
-def tiny_tokenizer() -> PreTrainedTokenizerFast:
-    """A word-level tokenizer over the tiny models' 256 ids: ``"t7"`` is id 7; ids 0–2 are
-    ``<unk>``, ``<s>``, ``</s>`` (tiny Llama's bos/eos ids)."""
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"t{i}": i for i in range(3, 256)}}
-    backend = Tokenizer(tok_models.WordLevel(vocab, unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>",
-                                   bos_token="<s>", eos_token="</s>")
 
 
 def greedy(model, input_ids: torch.Tensor, new_tokens: int = 16) -> torch.Tensor:
