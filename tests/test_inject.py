@@ -24,10 +24,10 @@ import torch
 import shardwise
 from shardwise.accelerator import GraphStrategy
 from shardwise.errors import ConfigError
-from shardwise.graphs import StaticGraph, static_copies, static_outputs
 from shardwise.inject.injector import injected_stack
 from shardwise.inject import (InjectedModel, InjectionError, MaxTokensError, StaleCacheError,
                               StaticKVCache)
+from graph_doubles import ReplayOnCpu
 from models import (MIN_FORCED_AGREEMENT, forced_decode_logits, prompt_ids,
                     teacher_forced_agreement, tiny_causal_lm)
 
@@ -239,28 +239,6 @@ def test_enable_graph_on_cpu_with_eager_graphs_is_a_documented_noop(caplog, monk
     assert any("no-op" in r.getMessage() for r in caplog.records)
     _, ref_tokens, tokens = _compare(ref, engine, prompt_ids(batch=2, length=8))
     assert torch.equal(tokens, ref_tokens)
-
-
-class ReplayOnCpu(GraphStrategy):
-    """An accelerating strategy on CPU tensors: it replays by calling the function on the static
-    inputs, so the graph-safe decode step (static cache, index_copy_, masked SDPA, static
-    buffers per batch size) is exercised without a GPU."""
-
-    name = "replay_on_cpu"
-    accelerates = True
-    captures = 0
-
-    def capture(self, fn, *example_args):
-        inputs = static_copies(example_args, "cpu")
-        outputs = static_outputs(fn(*inputs))
-        type(self).captures += 1
-
-        def replay():
-            new = fn(*inputs)
-            for static, value in zip((outputs,) if isinstance(outputs, torch.Tensor) else outputs,
-                                     (new,) if isinstance(new, torch.Tensor) else new):
-                static.copy_(value)
-        return StaticGraph(replay, inputs, outputs)
 
 
 class CannotCapture(GraphStrategy):

@@ -34,7 +34,7 @@ def _inject_case(rank: int, arch: str, dtype: torch.dtype, graphs: str | None = 
 
     original = CpuAccelerator.graph_strategy
     if graphs == "replay":  # an accelerating strategy on CPU tensors (see test_inject.py)
-        from test_inject import ReplayOnCpu
+        from graph_doubles import ReplayOnCpu
 
         CpuAccelerator.graph_strategy = lambda self: ReplayOnCpu()
     try:
