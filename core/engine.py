@@ -15,6 +15,7 @@ from .communicator import Communicator, create_communicator
 from .config import InferenceConfig
 from .errors import ConfigError, ShardwiseError
 from .ledger import Ledger
+from .plan import Plan, build_plan
 from .plugins import get_accelerator
 from . import checkpoint as _checkpoint, sharding, transforms
 
@@ -35,6 +36,10 @@ class InferenceEngine:
             was sharded and how, what stayed replicated, each rank's parameter bytes), else None.
         quantization: the :class:`~shardwise.quant.QuantReport` with ``quant=`` / ``dtype=int8``
             (model bytes before/after, layers quantized, backend per layer kind), else None.
+        plan: the :class:`~shardwise.plan.Plan` the engine was built with, resolved once at the
+            start of ``init_inference``: the world and per parallel dimension (tp; pp, dp, ep
+            reserved) its size, this rank's coordinate and process group; the policy; the head
+            counts and this rank's head partition; the roles of every linear.
 
     Threads: an injected model holds one static KV cache, so :meth:`generate` and
     :meth:`__call__` of an injected engine run one thread at a time (callers wait); using
@@ -51,7 +56,8 @@ class InferenceEngine:
 
     def __init__(self, module: nn.Module, config: InferenceConfig, accelerator: Accelerator,
                  communicator: Communicator, device: torch.device, dtype: torch.dtype,
-                 sharding: "sharding.ShardReport | None" = None) -> None:
+                 sharding: "sharding.ShardReport | None" = None,
+                 plan: Plan | None = None) -> None:
         self.module = module
         self.config = config
         self.accelerator = accelerator
@@ -59,6 +65,7 @@ class InferenceEngine:
         self.device = device
         self.dtype = dtype
         self.sharding = sharding
+        self.plan = plan
 
     @torch.inference_mode()
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -142,7 +149,7 @@ class InferenceEngine:
         only (packed layouts cannot be merged or split: to change the tp size, save an engine
         built without ``quant=`` and quantize while loading)."""
         self._check_open()
-        prepared = getattr(self, "_prepared", None) if self.sharding is not None else None
+        prepared = self.plan.sharding if self.sharding is not None and self.plan else None
         return str(_checkpoint.save_checkpoint(self.module, path, prepared=prepared,
                                                communicator=self.communicator))
 
@@ -200,13 +207,11 @@ def _broadcast_tensors(value: Any, comm: Communicator) -> Any:
     return value
 
 
-def _shard_step(model: nn.Module, cfg: InferenceConfig) -> "sharding.PreparedShards | None":
-    """Step 4, the part before any process group exists: check the world fits ``tp_size``,
-    choose the plan and compute every rank's slices (all errors surface here)."""
-    sharding.check_tp_world(cfg.tp_size)
-    if cfg.tp_size == 1 and not cfg.injection_policy:
-        return None
-    return sharding.prepare_for(model, cfg.injection_policy, cfg.tp_size)
+def _plan_step(model: nn.Module, cfg: InferenceConfig) -> Plan:
+    """Step 2, before any process group or weight work: the :class:`~shardwise.plan.Plan` —
+    the world's dimensions checked against ``tp_size``, the policy looked up, the heads split,
+    the sharding plan chosen and every rank's slices computed (all errors surface here)."""
+    return build_plan(model, tp_size=cfg.tp_size, injection_policy=cfg.injection_policy)
 
 
 def _seed(cfg: InferenceConfig) -> None:
@@ -282,7 +287,7 @@ def _build_engine(model: nn.Module | None, cfg: InferenceConfig) -> InferenceEng
     desc = _checkpoint.describe(cfg.checkpoint, cfg.base_dir) if cfg.checkpoint else None
     if desc is not None and desc.quant is not None:
         _saved_quant_settings(cfg, desc)  # before any model, process group or weight work
-    if desc is not None:  # 3. (skeleton): the user's meta model or the checkpoint's config
+    if desc is not None:  # 4. (skeleton): the user's meta model or the checkpoint's config
         model = _checkpoint.skeleton(model, desc, _build_dtype(cfg.dtype))
     if not isinstance(model, nn.Module):
         raise ConfigError(f"model must be a torch.nn.Module (e.g. from "
@@ -291,41 +296,42 @@ def _build_engine(model: nn.Module | None, cfg: InferenceConfig) -> InferenceEng
     dtype = transforms.resolve_dtype(accelerator, cfg.dtype, model)
     if desc is None:
         transforms.check_materialized(model)
-    prepared = _shard_step(model, cfg)  # 4. validated before any process group or weight work
-    communicator = create_communicator(accelerator, cfg.comm_timeout)  # 2.
+    plan = _plan_step(model, cfg)  # 2. every split decided and checked, before any group
+    communicator = create_communicator(accelerator, cfg.comm_timeout)  # 3.
+    plan.bind(communicator)
     device = accelerator.device(communicator.local_rank if accelerator.device_count() > 1 else None)
-    sharded = prepared is not None and cfg.tp_size > 1
-    tp = (communicator.rank, communicator.world_size) if sharded else (0, 1)
-    _check_later_steps(model, cfg, accelerator, dtype, device, prepared, tp, desc)
+    _check_later_steps(model, cfg, accelerator, dtype, device, plan, desc)
     _seed(cfg)
+    prepared = plan.sharding if plan.sharded else None  # every rank's slices under TP
     loaded = None
-    if desc is not None:  # 3. each rank reads only its slices, straight onto its device
+    if desc is not None:  # 4. each rank reads only its slices, straight onto its device
         loaded = _checkpoint.load_checkpoint(
-            model, desc, prepared=prepared if cfg.tp_size > 1 else None,
-            rank=communicator.rank, device=device, dtype=dtype,
-            quantizer=_reading_quantizer(model, cfg, accelerator, dtype, device, prepared, desc))
+            model, desc, prepared=prepared, rank=communicator.rank, device=device, dtype=dtype,
+            quantizer=_reading_quantizer(model, cfg, accelerator, dtype, device, plan, desc))
     report = None
-    if sharded:
-        report = sharding.apply_shards(  # 4. (the loader already sliced the weights)
+    if prepared is not None:
+        report = sharding.apply_shards(  # 5. (the loader already sliced the weights)
             prepared, communicator, sliced=loaded.sliced if loaded else None,
             bytes_before=loaded.bytes_before if loaded else None)
         if communicator.rank == 0:
             log.info("shardwise: %s", report.summary())
     injected = None
-    if cfg.replace_with_kernel_inject:  # 5. on the sharded weights (their hooks stay in use)
+    if cfg.replace_with_kernel_inject:  # 7. on the sharded weights (their hooks stay in use)
         from .inject import inject_model
 
-        injected = inject_model(model, accelerator, dtype, _max_tokens(cfg), tp=tp)
-    quant_report = _quantize_and_cast(model, cfg, accelerator, dtype, device, prepared,
+        injected = inject_model(model, accelerator, dtype, _max_tokens(cfg),
+                                policy=plan.found_policy, heads=_injected_heads(plan))
+    quant_report = _quantize_and_cast(model, cfg, accelerator, dtype, device, plan,
                                       loaded)  # 6.
     if injected is not None:
         injected.rebind()  # step 6 may have swapped linears (quantized) under the layers
-    if cfg.enable_graph:  # 7. (the config requires injection for it)
+    if cfg.enable_graph:  # 8. (the config requires injection for it)
         from .inject import enable_graphs
 
         enable_graphs(model, accelerator)
     log.info("shardwise: %s on %s (%s)", type(model).__name__, device, dtype)
-    engine = InferenceEngine(model, cfg, accelerator, communicator, device, dtype, report)
+    engine = InferenceEngine(model, cfg, accelerator, communicator, device, dtype, report,
+                             plan=plan)
     engine.quantization = quant_report
     engine._prepared, engine.checkpoint_load = prepared, loaded
     engine._stack = injected if hasattr(injected, "session") else None
@@ -339,9 +345,13 @@ def _max_tokens(cfg: InferenceConfig) -> int | None:
     return None if cfg.max_tokens == InferenceConfig.max_tokens else cfg.max_tokens
 
 
+def _injected_heads(plan: Plan):
+    """The head partition the injected layers hold: the plan's under TP, all heads else."""
+    return plan.heads if plan.sharded else None
+
+
 def _check_later_steps(model: nn.Module, cfg: InferenceConfig, accelerator: Accelerator,
-                       dtype: torch.dtype, device: torch.device,
-                       prepared: "sharding.PreparedShards | None", tp: tuple[int, int],
+                       dtype: torch.dtype, device: torch.device, plan: Plan,
                        desc: "_checkpoint.Description | None") -> None:
     """The settings of steps 5-6, checked before the first in-place change (step 4's
     ``prepare`` and the loader's header checks check their own): ``quant`` against every
@@ -351,13 +361,15 @@ def _check_later_steps(model: nn.Module, cfg: InferenceConfig, accelerator: Acce
     if cfg.quant is not None and (desc is None or desc.quant is None):
         from .quant import check_fits
 
-        for rank in range(tp[1]):
+        prepared = plan.sharding if plan.sharded else None
+        for rank in range(plan.tp.size):
             check_fits(model, cfg.quant, accelerator, dtype, prepared=prepared, rank=rank,
-                       injection_policy=cfg.injection_policy, device=device)
+                       roles=plan.roles, injection_policy=cfg.injection_policy, device=device)
     if cfg.replace_with_kernel_inject:
         from .inject.injector import check_injection
 
-        check_injection(model, accelerator, dtype, _max_tokens(cfg), device, tp=tp)
+        check_injection(model, accelerator, dtype, _max_tokens(cfg), device,
+                        policy=plan.found_policy, heads=_injected_heads(plan))
 
 
 def _keep_if_free(engine: InferenceEngine, ledger: Ledger) -> None:
@@ -387,8 +399,7 @@ def _saved_quant_settings(cfg: InferenceConfig, desc: "_checkpoint.Description")
 
 
 def _reading_quantizer(model: nn.Module, cfg: InferenceConfig, accelerator: Accelerator,
-                       dtype: torch.dtype, device: torch.device,
-                       prepared: "sharding.PreparedShards | None",
+                       dtype: torch.dtype, device: torch.device, plan: Plan,
                        desc: "_checkpoint.Description"):
     """Step 6 folded into step 3: with ``quant`` and a full-precision checkpoint, the
     :class:`~shardwise.quant.Quantizer` the loader calls as each weight slice is read (the same
@@ -399,19 +410,17 @@ def _reading_quantizer(model: nn.Module, cfg: InferenceConfig, accelerator: Acce
         return None
     from .quant import Quantizer
 
-    roles = prepared.roles if prepared is not None else None
-    return Quantizer.for_model(model, cfg.quant, accelerator, dtype, device=device, roles=roles,
-                               injection_policy=cfg.injection_policy)
+    return Quantizer.for_model(model, cfg.quant, accelerator, dtype, device=device,
+                               roles=plan.roles, injection_policy=cfg.injection_policy)
 
 
 def _quantize_and_cast(model: nn.Module, cfg: InferenceConfig, accelerator: Accelerator,
-                       dtype: torch.dtype, device: torch.device,
-                       prepared: "sharding.PreparedShards | None", loaded):
+                       dtype: torch.dtype, device: torch.device, plan: Plan, loaded):
     """Step 6: the loader's QuantReport when it quantized (or loaded quantized weights), else
     :func:`_quantize_step`; the rest of the model is cast and moved either way."""
     report = loaded.quantization if loaded is not None else None
     if report is None:
-        report = _quantize_step(model, cfg, accelerator, dtype, device, prepared)
+        report = _quantize_step(model, cfg, accelerator, dtype, device, plan)
         if report is not None:
             return report  # quantize_model cast and moved the rest
     else:
@@ -421,17 +430,15 @@ def _quantize_and_cast(model: nn.Module, cfg: InferenceConfig, accelerator: Acce
 
 
 def _quantize_step(model: nn.Module, cfg: InferenceConfig, accelerator: Accelerator,
-                   dtype: torch.dtype, device: torch.device,
-                   prepared: "sharding.PreparedShards | None"):
+                   dtype: torch.dtype, device: torch.device, plan: Plan):
     """Step 6 with ``quant``: quantize the plan's linears (each rank its own shards, after
     sharding, so scales follow their rows) and cast/move the rest; None without ``quant``."""
     if cfg.quant is None:
         return None
     from .quant import quantize_model
 
-    roles = prepared.roles if prepared is not None else None
-    report = quantize_model(model, cfg.quant, accelerator, dtype, device=device, roles=roles,
-                            injection_policy=cfg.injection_policy)
+    report = quantize_model(model, cfg.quant, accelerator, dtype, device=device,
+                            roles=plan.roles, injection_policy=cfg.injection_policy)
     log.info("shardwise: %s", report.summary())
     return report
 

@@ -18,7 +18,8 @@ import torch
 from torch import nn
 
 import shardwise
-from models import TINY_CONFIGS, prompt_ids, tiny_causal_lm
+from families import QUANT_BOUNDS as BOUNDS, families
+from models import logit_parity as parity, prompt_ids, tiny_causal_lm
 from shardwise.errors import ConfigError, NotSupportedYetError
 from shardwise.kernels.reference import quant as ref_quant
 from shardwise.quant import (AlreadyQuantizedError, QuantLinear, load_quantized, parse_quant,
@@ -26,16 +27,7 @@ from shardwise.quant import (AlreadyQuantizedError, QuantLinear, load_quantized,
 
 CPU = shardwise.get_accelerator("cpu")
 BF16 = torch.bfloat16
-BOUNDS = {8: (0.03, 0.90), 4: (0.25, 0.60)}  # bits → (max relative error, min agreement)
-ARCHS = ["gpt2", "opt", "llama"] + (["falcon"] if "falcon" in TINY_CONFIGS else [])
-
-
-def parity(ref_logits: torch.Tensor, logits: torch.Tensor) -> tuple[float, float]:
-    """(relative error, fraction of positions whose argmax agrees)."""
-    ref_logits, logits = ref_logits.float(), logits.float()
-    rel = ((logits - ref_logits).norm() / ref_logits.norm()).item()
-    agree = (logits.argmax(-1) == ref_logits.argmax(-1)).float().mean().item()
-    return rel, agree
+ARCHS = families(quant_bits=True)  # the families whose int8/int4 parity is checked
 
 
 @pytest.mark.parametrize("bits", [8, 4])
@@ -169,7 +161,7 @@ FP32_MIXED_MAX_REL = 0.01
 
 
 @pytest.mark.parametrize("bits", [8, 4])
-@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+@pytest.mark.parametrize("arch", families(core=True))
 def test_an_fp32_model_runs_the_fast_kernels_in_bf16_close_to_the_fp32_reference(arch, bits):
     ref = fp32_reference_model(arch, bits)
     model = tiny_causal_lm(arch)
@@ -410,7 +402,7 @@ def test_saved_quantized_weights_reload_bit_identically(tmp_path, bits, q_type, 
         load_quantized(fresh, path, CPU)
 
 
-@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+@pytest.mark.parametrize("arch", families(core=True))
 def test_quantization_under_kernel_injection(arch):
     ref, model = tiny_causal_lm(arch), tiny_causal_lm(arch)
     ids = prompt_ids(batch=2, length=16)

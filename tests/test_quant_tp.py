@@ -1,7 +1,8 @@
 """Quantization under tensor parallelism (2 gloo ranks, one process pair for every case): each
 rank quantizes its own shards after sharding (scales follow their rows), the row-parallel
 all-reduce hooks keep working on the QuantLinear that replaced the module, both ranks compute the
-same logits, and parity with the fp32 single-process model holds within test_quant's bounds."""
+same logits, and parity with the fp32 single-process model holds within families.QUANT_BOUNDS
+(test_quant's bounds at TP=1)."""
 
 from __future__ import annotations
 
@@ -9,11 +10,11 @@ import pytest
 import torch
 
 import shardwise
-from models import prompt_ids, tiny_causal_lm
-from test_quant import ARCHS, BOUNDS, parity
+from families import QUANT_BOUNDS as BOUNDS, families, family
+from models import logit_parity as parity, prompt_ids, tiny_causal_lm
 from tp_harness import TP, case, digest, run_cases, run_pair
 
-CASES = [(arch, bits) for arch in ARCHS for bits in (8, 4)]
+CASES = [(arch, bits) for arch in families(quant_bits=True) for bits in family(arch).quant_bits]
 
 
 def quant_case(rank: int, arch: str, bits: int) -> dict:

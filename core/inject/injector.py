@@ -174,20 +174,20 @@ def _windows(config: Any, spec: InjectionSpec, n_layers: int,
     return [int(window) if kind in spec.windowed_kinds else None for kind in kinds[:n_layers]]
 
 
-def _local_heads(counts: HeadCounts, tp: tuple[int, int]) -> tuple[int, int, tuple[int, int]]:
-    """(q heads, kv heads, q head range) this rank holds: the sharding's own head split."""
-    rank, size = tp
-    if size == 1:
+def _local_heads(counts: HeadCounts, heads: HeadPartition | None
+                 ) -> tuple[int, int, tuple[int, int]]:
+    """(q heads, kv heads, q head range) this rank holds: ``heads``, the plan's head split
+    (:attr:`shardwise.plan.Plan.heads`); None: all of them (one rank)."""
+    if heads is None:
         return counts.num_heads, counts.num_kv_heads, (0, counts.num_heads)
-    part = HeadPartition.compute(counts.num_heads, counts.num_kv_heads, counts.head_dim, size,
-                                 rank)
-    return part.q_heads, part.kv_heads, part.q_range
+    return heads.q_heads, heads.kv_heads, heads.q_range
 
 
 def _setups(model: nn.Module, spec: InjectionSpec, hf_layers: nn.ModuleList, counts: HeadCounts,
-            tp: tuple[int, int], act: tuple[str, str], max_tokens: int) -> list[LayerSetup]:
+            heads: HeadPartition | None, act: tuple[str, str], max_tokens: int
+            ) -> list[LayerSetup]:
     config, d = model.config, counts.head_dim
-    q_heads, kv_heads, (h0, h1) = _local_heads(counts, tp)
+    q_heads, kv_heads, (h0, h1) = _local_heads(counts, heads)
     slopes = alibi_slopes(counts.num_heads)[h0:h1] if spec.positions == "alibi" else None
     parallel = (bool(getattr(config, spec.parallel_residual_config, False))
                 if spec.parallel_residual_config else spec.parallel_residual)
@@ -239,7 +239,7 @@ class InjectionPlan:
 
 
 def plan_injection(model: nn.Module, accelerator: Accelerator, dtype: torch.dtype,
-                   max_tokens: int | None, policy=None, tp: tuple[int, int] = (0, 1),
+                   max_tokens: int | None, policy=None, heads: HeadPartition | None = None,
                    quiet: bool = False):
     """Every check :func:`inject_model` makes, and what it would build, without changing
     ``model``: an :class:`InjectionPlan` for a decoder, None for an encoder (whose own checks
@@ -270,13 +270,13 @@ def plan_injection(model: nn.Module, accelerator: Accelerator, dtype: torch.dtyp
     kernels = resolve_kernels(accelerator, dtype, spec, act[0], quiet)
     hf_layers = base.get_submodule(spec.layers)
     return InjectionPlan(policy, spec, parent, attr, base, kernels, hf_layers,
-                         _setups(model, spec, hf_layers, counts, tp, act, max_tokens),
+                         _setups(model, spec, hf_layers, counts, heads, act, max_tokens),
                          _rotary_dim(model.config, spec, counts.head_dim), max_tokens)
 
 
 def check_injection(model: nn.Module, accelerator: Accelerator, dtype: torch.dtype,
                     max_tokens: int | None, device: torch.device, policy=None,
-                    tp: tuple[int, int] = (0, 1)) -> None:
+                    heads: HeadPartition | None = None) -> None:
     """What :func:`inject_model` would refuse, raised without changing ``model``; and the static
     KV cache of one sequence checked against ``device``'s free memory (as the accelerator
     reports it), so an impossible ``max_tokens`` fails at init, not inside the allocator.
@@ -286,7 +286,7 @@ def check_injection(model: nn.Module, accelerator: Accelerator, dtype: torch.dty
         KVCacheMemoryError: the cache for one sequence needs more than the free memory (the
             message names the bytes, the free memory and the ``max_tokens`` that would fit).
     """
-    plan = plan_injection(model, accelerator, dtype, max_tokens, policy, tp, quiet=True)
+    plan = plan_injection(model, accelerator, dtype, max_tokens, policy, heads, quiet=True)
     if plan is None:
         return
     free = free_memory_of(accelerator.free_memory, device)
@@ -296,7 +296,8 @@ def check_injection(model: nn.Module, accelerator: Accelerator, dtype: torch.dty
 
 
 def inject_model(model: nn.Module, accelerator: Accelerator, dtype: torch.dtype,
-                 max_tokens: int | None, policy=None, tp: tuple[int, int] = (0, 1)) -> nn.Module:
+                 max_tokens: int | None, policy=None, heads: HeadPartition | None = None
+                 ) -> nn.Module:
     """Replace ``model``'s decoder stack in place with shardwise's inference layers (run after
     sharding: the layers use the sharded weights and their hooks). Returns the new stack: an
     :class:`InjectedModel`, or for an encoder-only family an ``InjectedEncoder``. The model
@@ -305,13 +306,15 @@ def inject_model(model: nn.Module, accelerator: Accelerator, dtype: torch.dtype,
     Args:
         max_tokens: the static KV cache's capacity (decoders; None: :data:`DEFAULT_MAX_TOKENS`).
             An encoder has no cache: a value for it is an error rather than ignored.
-        tp: (rank, tp_size) the model was sharded with (its head split, ALiBi slopes).
+        policy: the model's policy (``init_inference`` passes its plan's; None: looked up).
+        heads: this rank's head partition the model was sharded with (its heads, ALiBi
+            slopes): ``init_inference`` passes its plan's; None: one rank, every head.
 
     Raises:
         InjectionError: no policy with injection data (the message lists the families that have
             one), or a model setting the injected layers do not implement.
     """
-    plan = plan_injection(model, accelerator, dtype, max_tokens, policy, tp)
+    plan = plan_injection(model, accelerator, dtype, max_tokens, policy, heads)
     if plan is None:
         from .encoder import inject_encoder
 

@@ -1,0 +1,288 @@
+"""The resolved plan: every decision about how the model is split, made once, at the start of
+``init_inference`` (docs/architecture.md, "One plan").
+
+A :class:`Plan` is a plain object in the spirit of torchtitan's ``ParallelDims``: the world and,
+per parallel dimension (:class:`Dim`: ``tp`` now; ``pp``, ``dp`` and ``ep`` reserved), its size,
+this rank's coordinate and its process group; the model's policy (looked up once), its head
+counts and this rank's head / kv-head partition; the roles of every linear (the sharding plan's
+rows resolved against the model) and, under tensor parallelism, every rank's slices. Sharding,
+checkpoint loading, injection and quantization read it; none of them looks the policy up,
+chooses a plan or splits heads again. ``engine.plan`` is the plan an engine was built with.
+
+The dimensions and their checks (:func:`check_dims`), made before any process group exists:
+
+* world = pp × tp × dp; ranks are laid out tp fastest, then dp, then pp (Megatron's order), so
+  ``rank = (pp_coord × dp + dp_coord) × tp + tp_coord``;
+* the expert-parallel group is carved out of one pipeline stage's tp × dp ranks (as Megatron
+  and vLLM do): ep divides tp × dp, and ``ep_coord = (dp_coord × tp + tp_coord) mod ep``;
+* ``tp_size=1`` in a larger world (each rank runs the whole model alone, as before) is dp =
+  world with no collectives between the replicas; data-parallel replicas of a TP group, and pp
+  or ep other than 1, are :class:`ParallelismNotSupportedError` ("not supported yet").
+
+Process groups: at world 1 none; under TP the default group (the engine's communicator, bound by
+:meth:`Plan.bind`); a group per other dimension only when that dimension is > 1 would need one
+(none can be yet).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any, Mapping
+
+import torch.distributed as dist
+from torch import nn
+
+from .communicator import env_world
+from .errors import ConfigError, NotSupportedYetError
+from .layout import HeadCounts, HeadPartition, Role, ShardingError, divisors
+from .policy import GenericPolicy, Policy, policy_for
+from .sharding import plan as _plans
+from .sharding.specs import HeadSplit, PreparedShards, no_policy_note, prepare, resolve_plan
+from .sharding.world import tp_world_problem
+
+if TYPE_CHECKING:
+    from .communicator import Communicator
+
+#: the dimensions, in rank-layout order (slowest first): pipeline, data, tensor; experts within
+DIM_NAMES = ("pp", "dp", "tp", "ep")
+
+
+class ParallelismNotSupportedError(ShardingError, NotSupportedYetError):
+    """A parallel dimension this version does not run yet (pipeline stages, expert parallelism,
+    data-parallel replicas of a tensor-parallel group): the sizes are valid, the feature is not
+    there yet."""
+
+
+@dataclass(frozen=True)
+class Dim:
+    """One parallel dimension.
+
+    Attributes:
+        name: ``tp``, ``pp``, ``dp`` or ``ep``.
+        size: how many ranks the dimension spans (1: not split along it).
+        coord: this rank's coordinate along it, ``0 .. size - 1``.
+        group: the :class:`~shardwise.Communicator` over the ranks that share every other
+            coordinate with this one (None while the dimension needs no collectives: size 1,
+            replicas that never talk, or before :meth:`Plan.bind`).
+    """
+
+    name: str
+    size: int = 1
+    coord: int = 0
+    group: Any = None
+
+    @property
+    def enabled(self) -> bool:
+        """Whether the model is split along this dimension (size > 1)."""
+        return self.size > 1
+
+    def __repr__(self) -> str:
+        bound = ", group bound" if self.group is not None else ""
+        return f"{self.name}={self.size}" + (f" (coord {self.coord}{bound})"
+                                             if self.size > 1 else "")
+
+
+def check_dims(world: int, rank: int, tp: int = 1, pp: int = 1, dp: int | None = None,
+               ep: int = 1) -> dict[str, Dim]:
+    """The dimensions for ``world`` ranks as name → :class:`Dim` (this ``rank``'s coordinates),
+    after every check, before any process group exists. ``dp`` None: the world's remainder
+    (``world // (pp × tp)``).
+
+    Raises:
+        ShardingError: sizes that do not multiply to the world, or an ep that does not divide
+            tp × dp (each naming the sizes that would work).
+        ParallelismNotSupportedError: pp, ep or explicit dp other than 1, or data-parallel
+            replicas of a tensor-parallel group (not supported yet).
+        ConfigError: a size that is not a positive integer.
+    """
+    for name, size in (("world", world), ("tp_size", tp), ("pp_size", pp), ("ep_size", ep),
+                       ("dp_size", 1 if dp is None else dp)):
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ConfigError(f"{name} must be an integer >= 1, got {size!r}")
+    if not 0 <= rank < world:
+        raise ConfigError(f"rank {rank} is not a rank of a world of {world}")
+    if pp == 1 and dp is None:
+        problem = tp_world_problem(tp, world)  # the tensor-parallel messages users know
+        if problem and tp > 1 and world > tp and world % tp == 0:  # dp replicas of a TP group
+            raise ParallelismNotSupportedError(problem)
+        if problem:
+            fits = f"; tp sizes that fit a world of {world}: " if world > 1 else ""
+            raise ShardingError(problem + (fits + ", ".join(map(str, divisors(world)))
+                                           if fits else ""))
+    if world % (pp * tp):
+        raise ShardingError(
+            f"world = pp × tp × dp: pp_size={pp} × tp_size={tp} does not divide the world of "
+            f"{world} ranks; tp sizes that would (with pp_size={pp}): "
+            f"{', '.join(map(str, divisors(world // pp) if world % pp == 0 else [])) or 'none'}")
+    dp_size = world // (pp * tp) if dp is None else dp
+    if pp * tp * dp_size != world:
+        raise ShardingError(
+            f"world = pp × tp × dp: {pp} × {tp} × {dp_size} = {pp * tp * dp_size}, not the "
+            f"world of {world} ranks; with pp_size={pp} and tp_size={tp}, dp_size would be "
+            f"{world // (pp * tp)}")
+    if (tp * dp_size) % ep:
+        raise ShardingError(
+            f"ep_size={ep} must divide tp × dp = {tp * dp_size} (the expert-parallel group is "
+            f"carved out of one pipeline stage's tp × dp ranks); ep sizes that would work: "
+            f"{', '.join(map(str, divisors(tp * dp_size)))}")
+    for name, size, what in (("pp_size", pp, "pipeline parallelism"),
+                             ("ep_size", ep, "expert parallelism"),
+                             ("dp_size", 1 if dp is None else dp, "data parallelism")):
+        if size != 1:
+            raise ParallelismNotSupportedError(
+                f"{what} ({name}={size}) is not supported yet; run with {name}=1")
+    tp_coord = rank % tp
+    dp_coord = (rank // tp) % dp_size
+    pp_coord = rank // (tp * dp_size)
+    return {"pp": Dim("pp", pp, pp_coord), "dp": Dim("dp", dp_size, dp_coord),
+            "tp": Dim("tp", tp, tp_coord), "ep": Dim("ep", ep, (dp_coord * tp + tp_coord) % ep)}
+
+
+def current_world() -> tuple[int, int]:
+    """(world size, rank) of this process: the initialised default group, else torchrun's
+    variables (checked), else (1, 0)."""
+    if dist.is_initialized():
+        return dist.get_world_size(), dist.get_rank()
+    env = env_world()
+    return env.world_size, env.rank or 0
+
+
+@dataclass
+class Plan:
+    """Every decision about how the model is split, made once (see the module docstring).
+
+    Attributes:
+        world, rank: the world size and this process's rank in it.
+        tp, pp, dp, ep: the :class:`Dim` s (size, this rank's coordinate, process group).
+        policy: the model's :class:`~shardwise.policy.Policy` (the
+            :class:`~shardwise.policy.GenericPolicy` when none is registered for its
+            ``model_type``: see ``policy_registered``).
+        policy_registered: whether a registered policy claims the model.
+        head_counts: the model's :class:`~shardwise.layout.HeadCounts` (None: unknown).
+        heads: this rank's :class:`~shardwise.layout.HeadPartition` (its q / kv head ranges;
+            every head at tp 1); None when the head counts are unknown or do not split (then
+            nothing may split by heads: ``sharding`` checked that).
+        head_split: every tp rank's partition (:class:`~shardwise.sharding.HeadSplit`).
+        sharding: every rank's slices (:class:`~shardwise.sharding.PreparedShards`) under
+            tensor parallelism or with a user ``injection_policy``; else None.
+        roles: module name → :class:`~shardwise.layout.Role` for every module the sharding
+            plan's rows name (the linears quantization picks from); None when no plan fits the
+            model (quantization then takes every linear but the head).
+        roles_source: where the roles came from (``injection_policy``, ``hf_tp_plan``,
+            ``policy:<name>``, ``heuristic``), or why there are none.
+        notes: remarks (a plan source not used, no registered policy).
+    """
+
+    world: int
+    rank: int
+    tp: Dim
+    pp: Dim
+    dp: Dim
+    ep: Dim
+    policy: Policy
+    policy_registered: bool
+    head_counts: HeadCounts | None
+    heads: HeadPartition | None
+    head_split: HeadSplit
+    sharding: PreparedShards | None = None
+    roles: dict[str, Role] | None = None
+    roles_source: str = ""
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def dims(self) -> dict[str, Dim]:
+        """Name → :class:`Dim`, in rank-layout order."""
+        return {name: getattr(self, name) for name in DIM_NAMES}
+
+    @property
+    def found_policy(self) -> Policy | None:
+        """The registered policy (None when the model's type has none)."""
+        return self.policy if self.policy_registered else None
+
+    @property
+    def sharded(self) -> bool:
+        """Whether the model's weights are split across ranks (tp > 1)."""
+        return self.tp.enabled
+
+    def bind(self, communicator: "Communicator") -> None:
+        """Give each dimension that needs collectives its group: under tensor parallelism the
+        tp group is the default group, i.e. ``communicator`` (world == tp: checked). No other
+        dimension > 1 runs yet, so no other group is created."""
+        if self.tp.enabled:
+            if communicator.world_size != self.tp.size:
+                raise ShardingError(f"the plan's tp_size={self.tp.size} needs a communicator of "
+                                    f"that many ranks, got {communicator.world_size}")
+            self.tp = replace(self.tp, group=communicator)
+
+    def __repr__(self) -> str:
+        dims = ", ".join(repr(d) for d in self.dims.values())
+        policy = self.policy.name + ("" if self.policy_registered else " (none registered)")
+        lines = [f"Plan(world={self.world}, rank={self.rank}: {dims}",
+                 f"  policy: {policy}"]
+        if self.heads is not None:
+            h = self.heads
+            lines.append(f"  heads: {h.q_heads} of {h.num_heads} q [{h.q_range[0]}, "
+                         f"{h.q_range[1]}), {h.kv_heads} of {h.num_kv_heads} kv "
+                         f"[{h.kv_range[0]}, {h.kv_range[1]}), head_dim {h.head_dim}")
+        elif self.head_counts is not None:
+            lines.append(f"  heads: {self.head_counts} (do not split: {self.head_split.error})")
+        if self.roles is not None:
+            counts: dict[str, int] = {}
+            for role in self.roles.values():
+                counts[role.name] = counts.get(role.name, 0) + 1
+            lines.append(f"  roles from {self.roles_source}: "
+                         + ", ".join(f"{n} {r}" for r, n in sorted(counts.items())))
+        else:
+            lines.append(f"  roles: none ({self.roles_source})")
+        if self.sharding is not None:
+            lines.append(f"  sharding: {len(self.sharding.specs)} modules split over "
+                         f"{self.sharding.tp_size} ranks")
+        lines += [f"  note: {n}" for n in self.notes]
+        return "\n".join(lines) + ")"
+
+
+def build_plan(model: nn.Module, *, tp_size: int = 1,
+               injection_policy: Mapping | None = None, world: int | None = None,
+               rank: int | None = None, pp_size: int = 1, dp_size: int | None = None,
+               ep_size: int = 1) -> Plan:
+    """The :class:`Plan` for ``model`` in this process's world (``world`` / ``rank`` given:
+    that world instead, e.g. to check every rank's plan on one process). Touches nothing.
+
+    Raises:
+        ShardingError: the sizes do not fit the world, or the model cannot be split as planned
+            (a :class:`~shardwise.ConfigError`; named, with the sizes that would work).
+        ParallelismNotSupportedError: a dimension not supported yet (:func:`check_dims`).
+    """
+    if world is None or rank is None:
+        env_size, env_rank = current_world()
+        world = env_size if world is None else world
+        rank = env_rank if rank is None else rank
+    dims = check_dims(world, rank, tp=tp_size, pp=pp_size, dp=dp_size, ep=ep_size)
+    tp = dims["tp"]
+    found = policy_for(model)  # the one lookup: everything below reads the plan
+    policy = found or GenericPolicy()
+    counts = policy.head_counts(getattr(model, "config", None))
+    split = HeadSplit.compute(counts, tp.size)
+    heads = split.partitions[tp.coord] if split.partitions else None
+    plan = Plan(world, rank, tp, dims["pp"], dims["dp"], dims["ep"], policy, found is not None,
+                counts, heads, split)
+    if tp.enabled or injection_policy:
+        plan.sharding = prepare(model, resolve_plan(model, injection_policy, found), tp.size,
+                                policy, heads=split)
+        if found is None:
+            plan.sharding.notes.append(no_policy_note(model))
+        plan.roles, plan.roles_source = plan.sharding.roles, plan.sharding.plan.source
+        plan.notes = list(plan.sharding.notes)
+    else:
+        _roles_at_one_rank(plan, model, found)
+    return plan
+
+
+def _roles_at_one_rank(plan: Plan, model: nn.Module, found: Policy | None) -> None:
+    """On one rank nothing is sharded, but quantization still picks the plan's linears: the
+    plan ``init_inference`` would shard with, resolved; none when no plan fits the model."""
+    try:
+        rows = _plans.choose_plan(model, policy=found)
+        plan.roles, plan.roles_source = rows.resolve(model), rows.source
+    except ShardingError as exc:
+        plan.roles, plan.roles_source = None, f"no tensor-parallel plan fits the model: {exc}"
