@@ -20,13 +20,14 @@ import pytest
 import torch
 
 import shardwise
-from shardwise.accelerators import cpu_comm
+from shardwise.accelerators import cpu_shm_protocol as shm
 from shardwise.accelerators.cpu import CpuAccelerator
-from shardwise.accelerators.cpu_comm import CpuCommunicator, ShmSegment
+from shardwise.accelerators.cpu_comm import CpuCommunicator
+from shardwise.accelerators.cpu_shm_protocol import ShmSegment
 from shardwise.communicator import create_communicator
 from distributed import run_ranks, use_next_master_port
 
-pytestmark = pytest.mark.skipif(not cpu_comm.memory_order_ok()[0] or not os.path.isdir("/dev/shm"),
+pytestmark = pytest.mark.skipif(not shm.memory_order_ok()[0] or not os.path.isdir("/dev/shm"),
                                 reason="the shared-memory path runs on x86-64 Linux only")
 
 SLOT = 1 << 20  # slot size the multi-rank tests ask for: 262144 fp32 elements
@@ -51,29 +52,29 @@ def test_cpu_accelerator_picks_the_cpu_communicator():
 
 
 def test_env_settings(monkeypatch):
-    monkeypatch.delenv(cpu_comm.ENABLE_ENV, raising=False)
-    assert cpu_comm.env_setting() is True
+    monkeypatch.delenv(shm.ENABLE_ENV, raising=False)
+    assert shm.env_setting() is True
     for off in ("0", "off", "False"):
-        monkeypatch.setenv(cpu_comm.ENABLE_ENV, off)
-        assert cpu_comm.env_setting() is False
-        assert cpu_comm.ENABLE_ENV in cpu_comm.local_refusal()
-    monkeypatch.setenv(cpu_comm.ENABLE_ENV, "maybe")
-    with pytest.raises(shardwise.ConfigError, match=cpu_comm.ENABLE_ENV):
-        cpu_comm.env_setting()
-    monkeypatch.setenv(cpu_comm.SLOT_BYTES_ENV, "5000")
-    assert cpu_comm.slot_bytes_setting() == 8192  # rounded up to whole pages
-    monkeypatch.setenv(cpu_comm.SLOT_BYTES_ENV, "lots")
-    with pytest.raises(shardwise.ConfigError, match=cpu_comm.SLOT_BYTES_ENV):
-        cpu_comm.slot_bytes_setting()
-    monkeypatch.delenv(cpu_comm.SLOT_BYTES_ENV)
-    assert cpu_comm.slot_bytes_setting() is None
+        monkeypatch.setenv(shm.ENABLE_ENV, off)
+        assert shm.env_setting() is False
+        assert shm.ENABLE_ENV in shm.local_refusal()
+    monkeypatch.setenv(shm.ENABLE_ENV, "maybe")
+    with pytest.raises(shardwise.ConfigError, match=shm.ENABLE_ENV):
+        shm.env_setting()
+    monkeypatch.setenv(shm.SLOT_BYTES_ENV, "5000")
+    assert shm.slot_bytes_setting() == 8192  # rounded up to whole pages
+    monkeypatch.setenv(shm.SLOT_BYTES_ENV, "lots")
+    with pytest.raises(shardwise.ConfigError, match=shm.SLOT_BYTES_ENV):
+        shm.slot_bytes_setting()
+    monkeypatch.delenv(shm.SLOT_BYTES_ENV)
+    assert shm.slot_bytes_setting() is None
 
 
 def test_default_slot_shrinks_to_fit_dev_shm():
-    assert cpu_comm.default_slot_bytes(2, 24 << 30) == 4 << 20
+    assert shm.default_slot_bytes(2, 24 << 30) == 4 << 20
     # a container's 64 MiB /dev/shm and 8 ranks: 2 x 8 x slot <= 16 MiB
-    assert cpu_comm.default_slot_bytes(8, 64 << 20) == 1 << 20
-    assert cpu_comm.default_slot_bytes(8, 1 << 20) == 64 << 10  # floor
+    assert shm.default_slot_bytes(8, 64 << 20) == 1 << 20
+    assert shm.default_slot_bytes(8, 1 << 20) == 64 << 10  # floor
 
 
 def test_segment_create_open_unlink():
@@ -97,18 +98,18 @@ def test_segment_create_open_unlink():
 def _my_segments() -> list[str]:
     """Names in /dev/shm of segments this process created (its pid is in the name)."""
     return [n for n in os.listdir("/dev/shm")
-            if n.startswith(cpu_comm.SEGMENT_PREFIX) and f"-p{os.getpid()}-" in n]
+            if n.startswith(shm.SEGMENT_PREFIX) and f"-p{os.getpid()}-" in n]
 
 
 def test_segment_name_holds_the_creator():
     seg, token = ShmSegment.create("test", 2, 8192)
     try:
         name = os.path.basename(seg.path)
-        start = cpu_comm.process_start_time(os.getpid())
-        assert name == (f"shardwise-allreduce-test-n{cpu_comm.pid_namespace()}-p{os.getpid()}-"
+        start = shm.process_start_time(os.getpid())
+        assert name == (f"shardwise-allreduce-test-n{shm.pid_namespace()}-p{os.getpid()}-"
                         f"s{start}-{token:016x}")
         assert _my_segments() == [name]
-        assert seg.path not in cpu_comm.sweep_dead_segments()  # its creator (we) is alive
+        assert seg.path not in shm.sweep_dead_segments()  # its creator (we) is alive
         assert os.path.exists(seg.path)
     finally:
         seg.close()
@@ -117,7 +118,7 @@ def test_segment_name_holds_the_creator():
 
 KILLED_CREATOR = """\
 import os, signal
-from shardwise.accelerators.cpu_comm import ShmSegment
+from shardwise.accelerators.cpu_shm_protocol import ShmSegment
 seg, _ = ShmSegment.create("test", 2, 8192)
 print(seg.path, flush=True)
 os.kill(os.getpid(), signal.SIGKILL)  # dies between creating and unlinking: no atexit runs
@@ -144,8 +145,8 @@ def test_segment_of_a_killed_creator_is_swept_at_the_next_creation(tmp_path):
 def test_sweep_judges_only_names_it_can_trust(tmp_path):
     """In a scratch folder: dead creator (swept), pid reused by another process (swept), live
     creator, another PID namespace, unknown start time, foreign names (all kept)."""
-    me, ns = os.getpid(), cpu_comm.pid_namespace()
-    start = cpu_comm.process_start_time(me)
+    me, ns = os.getpid(), shm.pid_namespace()
+    start = shm.process_start_time(me)
     child = subprocess.Popen(["true"])
     child.wait()  # an exited, reaped pid
     names = {
@@ -159,7 +160,7 @@ def test_sweep_judges_only_names_it_can_trust(tmp_path):
     }
     for name in names.values():
         (tmp_path / name).write_bytes(b"x")
-    removed = cpu_comm.sweep_dead_segments(str(tmp_path))
+    removed = shm.sweep_dead_segments(str(tmp_path))
     assert sorted(removed) == sorted(str(tmp_path / names[k]) for k in ("dead", "reused"))
     assert sorted(os.listdir(tmp_path)) == sorted(
         names[k] for k in ("alive", "other_ns", "no_start", "old_scheme", "not_ours"))
@@ -167,16 +168,16 @@ def test_sweep_judges_only_names_it_can_trust(tmp_path):
 
 def test_process_liveness_sees_exit_and_zombies():
     me = os.getpid()
-    assert cpu_comm.process_alive(me, cpu_comm.process_start_time(me))
-    assert not cpu_comm.process_alive(me, cpu_comm.process_start_time(me) + 1)  # pid reused
+    assert shm.process_alive(me, shm.process_start_time(me))
+    assert not shm.process_alive(me, shm.process_start_time(me) + 1)  # pid reused
     child = subprocess.Popen(["sleep", "30"])
-    start = cpu_comm.process_start_time(child.pid)
-    assert cpu_comm.process_alive(child.pid, start)
+    start = shm.process_start_time(child.pid)
+    assert shm.process_alive(child.pid, start)
     child.kill()
     time.sleep(0.2)  # exited but not reaped: a zombie, which kill(pid, 0) would call alive
-    assert not cpu_comm.process_alive(child.pid, start)
+    assert not shm.process_alive(child.pid, start)
     child.wait()
-    assert not cpu_comm.process_alive(child.pid, start)
+    assert not shm.process_alive(child.pid, start)
 
 
 def test_reduce_order_is_rank_order():
@@ -184,16 +185,16 @@ def test_reduce_order_is_rank_order():
     slots = [torch.tensor([256.0], dtype=torch.bfloat16), torch.tensor([1.0], dtype=torch.bfloat16),
              torch.tensor([1.0], dtype=torch.bfloat16)]
     out = torch.empty(1, dtype=torch.bfloat16)
-    cpu_comm._reduce_into(out, slots, "sum")
+    shm.reduce_into(out, slots, "sum")
     assert out.item() == 258.0  # bf16 chain: (256 + 1) rounds to 256, + 1 -> 256 again
-    cpu_comm._reduce_into(out, slots, "max")
+    shm.reduce_into(out, slots, "max")
     assert out.item() == 256.0
 
 
 # ----- on 2 ranks ---------------------------------------------------------------------------------
 
 def _matches_gloo(rank):
-    os.environ[cpu_comm.SLOT_BYTES_ENV] = str(SLOT)
+    os.environ[shm.SLOT_BYTES_ENV] = str(SLOT)
     comm = _comm()
     assert comm.shm_enabled, comm.shm_reason
     seg_path = comm._shm.segment.path
@@ -301,14 +302,14 @@ def test_shm_all_reduce_matches_gloo_on_two_ranks(two_rank_results):
 
 
 def _fallbacks(rank):
-    os.environ.pop(cpu_comm.SLOT_BYTES_ENV, None)
-    os.environ[cpu_comm.ENABLE_ENV] = "0"
+    os.environ.pop(shm.SLOT_BYTES_ENV, None)
+    os.environ[shm.ENABLE_ENV] = "0"
     off = _comm()
     x = off.all_reduce(torch.ones(8))
     out = {"off_reason": off.shm_reason, "off_enabled": off.shm_enabled,
            "off_path": off.last_path, "off_sum": x.tolist(), "off_counts": dict(off.path_counts)}
     # enabled again, but rank 1 cannot map the segment: everyone falls back, nothing is left
-    os.environ[cpu_comm.ENABLE_ENV] = "1"
+    os.environ[shm.ENABLE_ENV] = "1"
     real_open = ShmSegment.open
     if rank == 1:
         def broken_open(*args, **kwargs):
@@ -377,7 +378,7 @@ def _three_rank_suite(rank, out_dir):
     """3 ranks on 2 cores (the waits must yield): correctness, then a silent rank, then a dead
     one, in one set of processes (each spawn costs seconds of imports). Results are written to
     ``out_dir`` as they come, since rank 2 ends by dying."""
-    os.environ[cpu_comm.SLOT_BYTES_ENV] = str(SLOT)
+    os.environ[shm.SLOT_BYTES_ENV] = str(SLOT)
     out = {}
 
     def save():
