@@ -27,14 +27,14 @@ from shardwise.errors import ConfigError
 from shardwise.inject.injector import injected_stack
 from shardwise.inject import (InjectedModel, InjectionError, MaxTokensError, StaleCacheError,
                               StaticKVCache)
+from families import families
 from graph_doubles import ReplayOnCpu
 from models import (MIN_FORCED_AGREEMENT, forced_decode_logits, prompt_ids,
                     teacher_forced_agreement, tiny_causal_lm)
 
 #: every decoder family with injection data, and the config variants that change the layer:
 #: Falcon's three qkv layouts / residual forms / ALiBi, windows smaller than the prompt
-FAMILIES = ["gpt2", "gpt_neo", "gptj", "gpt_neox", "opt", "bloom", "llama", "mistral", "qwen2",
-            "falcon", "falcon-mqa", "falcon-alibi", "phi3", "mistral-sw4", "qwen2-sw4"]
+FAMILIES = families(kind="causal", inject=1)  # tests/families.py
 FP32_ATOL = 5e-7
 BF16_ATOL = 0.016
 NEW = 32
@@ -250,8 +250,7 @@ class CannotCapture(GraphStrategy):
 
 
 @pytest.mark.parametrize("capturable", [True, False], ids=["kernel", "masked"])
-@pytest.mark.parametrize("arch", ["llama", "gpt2", "bloom", "gpt_neo", "falcon-alibi", "opt",
-                                  "mistral-sw4"])
+@pytest.mark.parametrize("arch", families(graph_step=True))
 def test_graph_safe_decode_step_matches(monkeypatch, arch, capturable):
     """The captured step (head included) with the capturable decode kernel, and with the masked
     attention over the whole cache that devices without one get, gives HF's tokens."""

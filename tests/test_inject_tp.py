@@ -18,14 +18,14 @@ import pytest
 import torch
 
 import shardwise
+from families import families
 from models import MIN_FORCED_AGREEMENT, prompt_ids, teacher_forced_agreement, tiny_causal_lm
 from tp_harness import TP, _with_random_biases, case, digest, table_fixture
 
 FP32_ATOL = 7e-7
 BF16_ATOL = 0.016
 NEW = 32
-FAMILIES = ["gpt2", "gpt_neo", "gptj", "gpt_neox", "opt", "bloom", "llama", "mistral", "qwen2",
-            "falcon", "falcon-mqa", "falcon-alibi", "phi3"]
+FAMILIES = families(kind="causal", inject=2, uneven_heads=False)  # tests/families.py
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -78,7 +78,7 @@ def _run_case(rank: int, arch: str, dtype: torch.dtype, graphs: str | None) -> d
 CASES = {f"{arch}-{name}": (arch, dtype, None) for arch in FAMILIES
          for name, dtype in DTYPES.items()}
 # uneven heads (7 over 2 ranks: 4 | 3): per-head fused qkv, multi-query with its kv head on both
-for _arch in ("gpt_neox-7heads", "falcon-7heads-mqa", "llama-7heads"):
+for _arch in families(inject=2, uneven_heads=True):
     CASES[f"{_arch}-fp32"] = (_arch, torch.float32, None)
 CASES["llama-fp32-graphs-replay"] = ("llama", torch.float32, "replay")
 CASES["bloom-fp32-graphs-replay"] = ("bloom", torch.float32, "replay")  # ALiBi per rank
