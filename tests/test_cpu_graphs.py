@@ -25,6 +25,7 @@ from shardwise.accelerators.cpu import CpuAccelerator
 from shardwise.accelerators.cpu_graphs import CpuCompileStrategy, PackLinearWeights
 from shardwise.errors import ConfigError
 from shardwise.graphs import StaticGraph
+from families import families
 from models import prompt_ids, tiny_causal_lm
 
 FP32_ATOL = 1e-5
@@ -65,7 +66,7 @@ def models():
 
 # ----- the decode step of tiny models -------------------------------------------------------------
 
-@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+@pytest.mark.parametrize("arch", families(core=True))
 def test_compiled_decode_matches_eager_and_hf(models, arch):
     ref, eager, compiled = models(arch)
     strategy = _strategy(compiled)
@@ -270,7 +271,7 @@ def _own_bytes(engine) -> tuple[int, int]:
     return sum(held.values()), params
 
 
-@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+@pytest.mark.parametrize("arch", families(core=True))
 def test_compiled_step_holds_no_copy_of_the_weights(models, arch):
     """The compiled step reads the model's own parameters (graph inputs, laid out once in
     blocks for the C++ GEMM template), so graphs add no second copy of the weights."""
@@ -458,7 +459,7 @@ def test_block_linear_weights_alone_records_nothing():
     assert isinstance(vars(model["proj"])["forward"], layout.BlockedLinear)
 
 
-@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+@pytest.mark.parametrize("arch", families(core=True))
 def test_save_pretrained_after_graphs_round_trips(models, arch, tmp_path):
     """``save_pretrained`` of a model whose decode step is compiled (weights laid out in blocks)
     writes HF's layout: reloaded, it equals the reference bit for bit."""
