@@ -1,4 +1,5 @@
-"""Attention-family kernels on CPU: the torch reference vs the ``cpu`` backend's implementation.
+"""Rotary, activation, attention and KV-cache kernels on CPU: the torch reference vs the ``cpu``
+backend's implementation (each op's two implementations as the registry holds them).
 
     python benchmarks/kernel_attention.py --threads 2 --repeats 50
 
@@ -19,8 +20,8 @@ import torch
 
 from shardwise.accelerators.cpu import CpuAccelerator
 from shardwise.kernel_registry import registry
-from shardwise.kernels.cpu import attention as cpu
-from shardwise.kernels.reference import attention as ref
+from shardwise.kernels.reference.attention import alibi_slopes
+from shardwise.kernels.reference.rotary import rotary_cos_sin
 
 sys.path.insert(0, str(Path(__file__).parent))
 from kernel_norms import median_us  # noqa: E402
@@ -43,13 +44,13 @@ def _cases(dtype):
     """(op, label, args, kwargs) for every benchmarked call."""
     g = torch.Generator().manual_seed(0)
     q, k, v = _qkv(1, 128, dtype)
-    cos, sin = ref.rotary_cos_sin(torch.arange(128), HEAD_DIM)
+    cos, sin = rotary_cos_sin(torch.arange(128), HEAD_DIM)
     qd, kd, _ = _qkv(8, 1, dtype)
-    cos_d, sin_d = ref.rotary_cos_sin(torch.randint(0, 2000, (8, 1), generator=g), HEAD_DIM)
+    cos_d, sin_d = rotary_cos_sin(torch.randint(0, 2000, (8, 1), generator=g), HEAD_DIM)
     mask = torch.ones(2, 128, dtype=torch.bool)
     mask[1, :40] = False  # a left-padded second prompt
     q2, k2, v2 = _qkv(2, 128, dtype)
-    slopes = ref.alibi_slopes(Q_HEADS)
+    slopes = alibi_slopes(Q_HEADS)
     caches = [torch.randn(8, KV_HEADS, MAX_TOKENS, HEAD_DIM, dtype=dtype) for _ in range(2)]
     ragged = torch.randint(1000, 2000, (8,), generator=g)
     mlp = torch.randn(128, 2 * 5632, dtype=dtype)
@@ -94,10 +95,14 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     acc = CpuAccelerator()
+    error = registry.load_backend("cpu")
+    if error:
+        sys.exit(f"the cpu kernel backend did not load: {error}")
     print(f"threads={torch.get_num_threads()} torch {torch.__version__}")
     for dtype in (getattr(torch, name) for name in args.dtypes):
         for op, label, call_args, kwargs in _cases(dtype):
-            fns = [getattr(m, op) for m in (ref, cpu)]
+            impls = registry.implementations(op)
+            fns = [impls["reference"].fn, impls["cpu"].fn]
             t_ref, t_cpu = median_us([lambda f=f: f(*call_args, **kwargs) for f in fns],
                                      args.repeats, warmup=3)
             resolved = registry.resolve(op, acc, dtype).backend

@@ -122,15 +122,15 @@ def test_compiled_decode_batch_and_left_padding(models, arch, batch):
 
 
 def test_untraceable_kernel_fails_at_init_naming_it(monkeypatch):
-    from shardwise.kernels.cpu import attention as cpu_attention
+    from shardwise.kernels.cpu import rotary as cpu_rotary
 
-    real = cpu_attention._rotate
+    real = cpu_rotary._rotate
 
     def breaks_the_graph(*args):  # what an op dynamo cannot trace does to the step
         torch._dynamo.graph_break()
         return real(*args)
 
-    monkeypatch.setattr(cpu_attention, "_rotate", breaks_the_graph)
+    monkeypatch.setattr(cpu_rotary, "_rotate", breaks_the_graph)
     with pytest.raises(ConfigError, match=r"cannot capture the decode step.*"
                                           r"enable_graph=False"):
         _engine("llama", enable_graph=True)

@@ -19,6 +19,7 @@ Tolerances (``assert_close``: ``|a - b| <= atol + rtol * |b|``):
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -28,8 +29,25 @@ import shardwise
 from shardwise import Accelerator, KernelError
 from shardwise.accelerators.cpu import CpuAccelerator
 from shardwise.kernel_registry import KernelRegistry
-from shardwise.kernels.cpu import attention as cpu
-from shardwise.kernels.reference import attention as ref
+from shardwise.kernels.cpu import activations as _cpu_act, attention as _cpu_att
+from shardwise.kernels.cpu import kv_cache as _cpu_kv, rotary as _cpu_rot
+from shardwise.kernels.reference import activations as _ref_act, attention as _ref_att
+from shardwise.kernels.reference import kv_cache as _ref_kv, rotary as _ref_rot
+
+
+def _merged(*modules):
+    """One namespace over the per-family modules (public names; ``OPS``/``REGISTERED`` merged)."""
+    names = {}
+    for m in modules:
+        names.update({k: v for k, v in vars(m).items() if not k.startswith("__")})
+    for table in ("OPS", "REGISTERED"):
+        if any(hasattr(m, table) for m in modules):
+            names[table] = {k: v for m in modules for k, v in getattr(m, table, {}).items()}
+    return SimpleNamespace(**names)
+
+
+cpu = _merged(_cpu_rot, _cpu_act, _cpu_att, _cpu_kv)
+ref = _merged(_ref_rot, _ref_act, _ref_att, _ref_kv)
 
 OPS = ("rotary", "bias_gelu", "bias_relu", "silu_and_mul", "attention_prefill",
        "attention_decode", "kv_cache_write")
@@ -657,9 +675,9 @@ def test_cpu_kv_cache_write(positions):
 def tri(triton_device):
     """The triton attention module, and the device its kernels run on here."""
     device = triton_device
-    from shardwise.kernels.triton import attention
+    from shardwise.kernels.triton import activations, attention, kv_cache, rotary
 
-    return attention, device
+    return _merged(rotary, activations, attention, kv_cache), device
 
 
 TRITON_DTYPES = [torch.float32, torch.bfloat16, torch.float16]

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.modeling_outputs import BaseModelOutputWithPastAndCrossAttentions as StackOutput
 
-from shardwise.kernels.reference.attention import rotary_cos_sin
+from shardwise.kernels.reference.rotary import rotary_cos_sin
 
 from ..errors import ShardwiseError
 from .cache import (THREADS_HINT, ConcurrentUseError, KVBuffers, StaticKVCache, check_kv_fits,

@@ -1,11 +1,11 @@
-"""The ``cpu`` backend's attention family: fewer passes and ATen's fused attention on CPU tensors.
+"""The ``cpu`` backend's attention: ATen's fused attention on CPU tensors.
 
-Contracts are those of ``shardwise.kernels.reference.attention`` (shapes, GQA, masks, ALiBi,
-sliding windows, zero rows). Only what measured faster than the reference is registered
-(``REGISTERED``), per dtype. Speed-ups: ``python benchmarks/kernel_attention.py --threads 1
---dtypes float32 bfloat16 float16`` (median of interleaved calls; 1 thread of a shared 2-core
-AMD EPYC VM with AVX-512, torch 2.13; ~1B-Llama shapes: 32/4 heads of 64, 128-token prompts,
-decode over ~1-2k of a 2048-token cache; ranges over repeated runs on a noisy machine):
+Contracts are those of ``shardwise.kernels.reference.attention`` (shapes, GQA, masks, ALiBi, sliding
+windows, zero rows). Only what measured faster than the reference is registered (``REGISTERED``),
+per dtype. Speed-ups: ``python benchmarks/kernel_attention.py --threads 1 --dtypes float32 bfloat16
+float16`` (median of interleaved calls; 1 thread of a shared 2-core AMD EPYC VM with AVX-512, torch
+2.13; ~1B-Llama shapes: 32/4 heads of 64, 128-token prompts, decode over ~1-2k of a 2048-token
+cache; ranges over repeated runs on a noisy machine):
 
 * attention_prefill (fp32, bf16): ``F.scaled_dot_product_attention`` (ATen's flash kernel for
   CPU, GQA via ``enable_gqa``, no [.., q_len, kv_len] float32 scores): fp32 1.9-3.3x, bf16
@@ -23,23 +23,6 @@ decode over ~1-2k of a 2048-token cache; ranges over repeated runs on a noisy ma
   ``shardwise::cpu_attention_decode``, opaque to the compiler, so the compiled decode step still
   reads each sequence's ranges from ``lengths``/``starts`` at run time instead of attending,
   masked, over the whole static cache.
-* rotary (fp32, bf16, fp16): out of place into one ``empty_like`` buffer with
-  ``mul``/``addcmul_`` on views (fp32), or float32 math per half (bf16/fp16), no
-  ``cat``/``stack`` temporaries: 1.3-3.8x fp32, 1.15-1.4x bf16 (1.15x for a decode step).
-* bias_gelu (bf16): ``F.gelu(x + bias)`` in the input dtype (the bias add is rounded before the
-  gelu, as an HF ``Linear`` + ``gelu``; within 1 ulp): 1.25-1.4x for "none". "tanh" measured
-  no faster (0.99-1.06x), nor did fp32 (1.0x, the reference's own ops) or fp16 (0.9-0.97x):
-  those run the reference's code, registered as the backend's choice for every dtype so that
-  injection does not report a fallback where there is nothing faster to fall back from.
-* bias_relu (fp32, bf16, fp16): ``torch.add(x, bias).relu_()`` in the input dtype, one pass
-  and one buffer fewer (a bias of x's dtype gives exactly the reference's numbers: one rounded
-  add, and relu commutes with rounding): with a
-  bias 1.3-1.6x fp32, 1.15-1.7x bf16, 1.4-1.9x fp16 (OPT 8192-wide and 3072-wide MLPs, 8 and
-  128 rows); without one ``F.relu`` 1.0-1.3x fp32 (the same op), 1.7-1.9x bf16, 2.1-2.6x fp16.
-* silu_and_mul (fp32, bf16, fp16): ``F.silu(gate).mul_(up)`` in the input dtype (bf16/fp16
-  round silu once before the multiply, as HF's MLP does): 1.14-1.5x fp32, 1.25-1.85x bf16.
-* kv_cache_write (fp32, bf16, fp16): one slice copy per cache when all sequences start at the
-  same position, else one ``index_put_``: 7x (same position), 1.9x (ragged), 1.2x (a prompt).
 """
 
 from __future__ import annotations
@@ -49,87 +32,9 @@ import torch.nn.functional as F
 
 from shardwise.kernels.reference import attention as ref
 
+from . import DEVICE_TYPES, DTYPES
+
 BACKEND = "cpu"
-DEVICE_TYPES = frozenset({"cpu"})
-DTYPES = frozenset({torch.float32, torch.bfloat16, torch.float16})
-
-
-# ----- rotary ---------------------------------------------------------------------------------
-
-
-def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *,
-           style: str = "half") -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotary embedding without temporaries; contract of the reference ``rotary``.
-
-    q: [batch, q_heads, seq, d]; k: [batch, kv_heads, seq, d]; cos, sin: [batch | 1, seq,
-    rotary_dim/2] or [seq, rotary_dim/2]. Returns (q_out, k_out) in the inputs' layouts.
-    """
-    ref.check_rotary(q, k, cos, sin, style)
-    c, s = (t.float()[..., None, :, :] for t in (cos, sin))  # [batch|1, 1, seq, rotary_dim/2]
-    return _rotate(q, c, s, style), _rotate(k, c, s, style)
-
-
-def _pairs(x: torch.Tensor, half: int, style: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Views of the two members of each rotated pair: [..., half] each."""
-    if style == "half":
-        return x[..., :half], x[..., half:2 * half]
-    return x[..., 0:2 * half:2], x[..., 1:2 * half:2]
-
-
-def _rotate(x: torch.Tensor, c: torch.Tensor, s: torch.Tensor, style: str) -> torch.Tensor:
-    """(x1, x2) → (x1 c - x2 s, x2 c + x1 s) written straight into the output's views."""
-    if torch.compiler.is_compiling():  # out= into strided views does not trace; the compiler
-        return ref._rotate(x, c, s, style)  # fuses the reference's plain form into one loop
-    half = c.shape[-1]
-    out = torch.empty_like(x)
-    x1, x2 = _pairs(x, half, style)
-    o1, o2 = _pairs(out, half, style)
-    if x.dtype == torch.float32:
-        torch.mul(x1, c, out=o1).addcmul_(x2, s, value=-1.0)
-        torch.mul(x2, c, out=o2).addcmul_(x1, s)
-    else:  # float32 math, one rounding per output, like the reference
-        x1f, x2f = x1.float(), x2.float()
-        o1.copy_(torch.mul(x1f, c).addcmul_(x2f, s, value=-1.0))
-        o2.copy_(x2f.mul_(c).addcmul_(x1f, s))
-    if 2 * half < x.shape[-1]:
-        out[..., 2 * half:] = x[..., 2 * half:]
-    return out
-
-
-# ----- activations ----------------------------------------------------------------------------
-
-
-def bias_gelu(x: torch.Tensor, bias: torch.Tensor | None = None,
-              approximate: str = "none") -> torch.Tensor:
-    """``gelu(x + bias)`` in x's dtype; contract of the reference ``bias_gelu``. Only bf16
-    "none" takes the fused path; the rest measured no faster than the reference's code, which
-    they run (bad values raise the reference's error)."""
-    if approximate != "none" or x.dtype != torch.bfloat16:
-        return ref.bias_gelu(x, bias, approximate)
-    h = x if bias is None else x + bias.to(x.dtype)
-    return F.gelu(h, approximate=approximate)
-
-
-def bias_relu(x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``relu(x + bias)`` in x's dtype, the add's buffer reused; contract of the reference
-    ``bias_relu``: x [..., n], bias [n] or None."""
-    if bias is None:
-        return F.relu(x)
-    return torch.add(x, bias.to(x.dtype)).relu_()
-
-
-def silu_and_mul(x: torch.Tensor, up: torch.Tensor | None = None) -> torch.Tensor:
-    """``silu(gate) * up`` in x's dtype; contract of the reference ``silu_and_mul``."""
-    if up is None:
-        if x.shape[-1] % 2:
-            return ref.silu_and_mul(x)  # raises the reference's error
-        x, up = x.chunk(2, dim=-1)
-    elif up.shape != x.shape:
-        return ref.silu_and_mul(x, up)
-    return F.silu(x).mul_(up)
-
-
-# ----- attention ------------------------------------------------------------------------------
 
 
 def attention_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True,
@@ -239,47 +144,17 @@ def _decode_range(q, k_cache, v_cache, s, n, alibi_slopes, scale, group):
     return out.view(batch, q_heads, 1, d)
 
 
-def kv_cache_write(k_cache: torch.Tensor, v_cache: torch.Tensor, k_new: torch.Tensor,
-                   v_new: torch.Tensor, positions: int | torch.Tensor, *,
-                   check: bool = True) -> None:
-    """Write new keys/values into the caches in place with one op per cache; contract of the
-    reference ``kv_cache_write`` (always checked: on CPU the check costs no device sync)."""
-    ref.check_cache_write(k_cache, v_cache, k_new, v_new)
-    n_new = k_new.shape[2]
-    starts = ref.write_starts(positions, k_cache.shape[0], n_new, k_cache.shape[2])
-    if not starts:
-        return
-    if min(starts) == max(starts):
-        k_cache[:, :, starts[0]:starts[0] + n_new] = k_new
-        v_cache[:, :, starts[0]:starts[0] + n_new] = v_new
-        return
-    # rows [batch, 1], cols [batch, n_new]: advanced indices on dims 0 and 2 put them first, so
-    # the indexed view is [batch, n_new, kv_heads, d]
-    rows = torch.arange(len(starts), device=k_cache.device)[:, None]
-    cols = torch.tensor(starts, device=k_cache.device)[:, None] + torch.arange(
-        n_new, device=k_cache.device)
-    k_cache[rows, :, cols] = k_new.transpose(1, 2)
-    v_cache[rows, :, cols] = v_new.transpose(1, 2)
-
-
 #: op → (implementation, dtypes it is registered for): only what measured faster.
 REGISTERED = {
-    "rotary": (rotary, DTYPES),
-    "bias_gelu": (bias_gelu, DTYPES),
-    "bias_relu": (bias_relu, DTYPES),
-    "silu_and_mul": (silu_and_mul, DTYPES),
     "attention_prefill": (attention_prefill, frozenset({torch.float32, torch.bfloat16})),
     "attention_decode": (attention_decode, DTYPES),
-    "kv_cache_write": (kv_cache_write, DTYPES),
 }
-
-
 #: ops whose implementation may run inside the CPU graph strategy's compiled step
 CAPTURABLE = frozenset({"attention_decode"})
 
 
 def register(registry) -> None:
-    """Register the CPU implementations that beat the reference, each for the dtypes it won."""
+    """Register the CPU attention kernels that beat the reference, each for the dtypes it won."""
     for op, (fn, dtypes) in REGISTERED.items():
         registry.register(op, BACKEND, fn, dtypes=dtypes, device_types=DEVICE_TYPES,
                           capturable=op in CAPTURABLE)

@@ -1,7 +1,14 @@
 """Pure-torch reference implementations: always present, run on every device, test oracles.
 
-One module per op family; :func:`register` defines every op with its reference. A backend may
-only register ops defined here.
+One module per op family, each with ``OPS`` (op -> reference), ``register(registry)`` and
+``EXAMPLES`` (the conformance suite's inputs); :func:`register` defines every op with its
+reference. A backend may only register ops defined here. The families and their ops:
+
+* ``rotary``: rotary; ``activations``: bias_gelu, bias_relu, silu_and_mul;
+* ``attention``: attention_prefill, attention_decode; ``kv_cache``: kv_cache_write;
+* ``norms``: rms_norm, layer_norm; ``quant``: quant_linear (and the weight format).
+
+``example`` is not a family: it holds :class:`~.example.Example`, the shape of example inputs.
 """
 
 from __future__ import annotations
@@ -12,10 +19,10 @@ from .norms import layer_norm, rms_norm
 
 BACKEND = "reference"
 PLUGIN_API_VERSION = 1
-#: Op families, each a submodule with ``register(registry)``.
-FAMILIES = ("norms", "attention", "quant")
+#: Op families, each a submodule with ``OPS`` and ``register(registry)``.
+FAMILIES = ("rotary", "activations", "attention", "kv_cache", "norms", "quant")
 
-__all__ = ["layer_norm", "rms_norm", "register", "examples"]
+__all__ = ["layer_norm", "rms_norm", "register", "examples", "FAMILIES"]
 
 
 def register(registry) -> None:

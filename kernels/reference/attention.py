@@ -1,4 +1,4 @@
-"""Attention-family references: rotary embedding, activations, prefill/decode attention, KV cache.
+"""Attention (reference): prefill and decode softmax attention, GQA/MQA, ALiBi, sliding windows.
 
 Pure torch, clear over fast; they are the oracles every backend is tested against. All math is
 done in float32 and each result is rounded to the input dtype once, at the end.
@@ -18,9 +18,10 @@ Layouts (any strides are accepted; ``d`` = head_dim):
   ``sliding_window``, GPT-Neo's local layers). Positions are cache/sequence indices, pads
   included, as HF's masks count them.
 
-Ops (registered by :func:`register`): ``rotary``, ``bias_gelu``, ``bias_relu``,
-``silu_and_mul``, ``attention_prefill``, ``attention_decode``, ``kv_cache_write``. Helpers (not
-ops): :func:`rotary_cos_sin`, :func:`alibi_slopes`, :func:`alibi_key_positions`.
+Ops (registered by :func:`register`): ``attention_prefill``, ``attention_decode``. Helpers (not
+ops): :func:`alibi_slopes`, :func:`alibi_key_positions`, and the checks every backend shares.
+The cache is written by ``kv_cache_write`` (:mod:`.kv_cache`), rotary and activations live in
+:mod:`.rotary` and :mod:`.activations`.
 """
 
 from __future__ import annotations
@@ -28,32 +29,14 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 
 from shardwise.errors import KernelError
 
+from .example import randn
+
 BACKEND = "reference"
-ROTARY_STYLES = ("half", "interleaved")
-GELU_APPROXIMATIONS = ("none", "tanh")
 
 # ----- helpers shared with the backends --------------------------------------------------------
-
-
-def rotary_cos_sin(positions: torch.Tensor, rotary_dim: int, base: float = 10000.0,
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The rotary angle table for integer ``positions`` (any shape, e.g. [batch, seq] or [seq]).
-
-    Returns ``(cos, sin)``, each float32 ``[*positions.shape, rotary_dim // 2]``: entry ``i`` is
-    the angle ``position * base ** (-2i / rotary_dim)`` of rotation pair ``i``, computed as HF's
-    Llama/NeoX/GPT-J rotary embeddings do (no rope scaling: for scaled ropes take HF's own cos/sin
-    and keep their first half, see :func:`rotary`).
-    """
-    if rotary_dim <= 0 or rotary_dim % 2:
-        raise KernelError(f"rotary_dim must be a positive even number, got {rotary_dim}")
-    exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64, device=positions.device)
-    inv_freq = 1.0 / (base ** (exponents.float() / rotary_dim))  # [rotary_dim // 2]
-    angles = positions.float()[..., None] * inv_freq
-    return angles.cos(), angles.sin()
 
 
 def alibi_slopes(num_heads: int, device: torch.device | str | None = None) -> torch.Tensor:
@@ -92,25 +75,6 @@ def check_gqa(q_heads: int, kv_heads: int) -> int:
         raise KernelError(f"grouped-query attention needs q_heads ({q_heads}) to be a multiple "
                           f"of kv_heads ({kv_heads})")
     return q_heads // kv_heads
-
-
-def check_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                 style: str) -> int:
-    """Validate rotary inputs (see :func:`rotary`); returns rotary_dim."""
-    if style not in ROTARY_STYLES:
-        raise KernelError(f"rotary style must be one of {ROTARY_STYLES}, got {style!r}")
-    rotary_dim = 2 * cos.shape[-1]
-    if q.dim() != 4 or k.dim() != 4 or q.shape[0] != k.shape[0] or q.shape[2:] != k.shape[2:]:
-        raise KernelError(f"rotary takes q [batch, q_heads, seq, d] and k [batch, kv_heads, seq, "
-                          f"d]; got {tuple(q.shape)} and {tuple(k.shape)}")
-    if cos.shape != sin.shape or cos.dim() not in (2, 3) or cos.shape[-2] != q.shape[2] or (
-            cos.dim() == 3 and cos.shape[0] not in (1, q.shape[0])):
-        raise KernelError(f"cos/sin must be [seq, rotary_dim/2] or [batch, seq, rotary_dim/2] "
-                          f"for q {tuple(q.shape)}; got {tuple(cos.shape)}, {tuple(sin.shape)}")
-    if not 0 < rotary_dim <= q.shape[-1]:
-        raise KernelError(f"rotary_dim 2 * cos.shape[-1] = {rotary_dim} exceeds head_dim "
-                          f"{q.shape[-1]} (cos/sin are one angle per rotated pair)")
-    return rotary_dim
 
 
 def check_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> int:
@@ -169,40 +133,6 @@ def check_window(window: int | None, causal: bool = True) -> int | None:
     return window
 
 
-def write_starts(positions: int | torch.Tensor, batch: int, n_new: int, max_tokens: int,
-                 ) -> list[int]:
-    """Start position per sequence of a cache write, as host ints, checked to fit the cache.
-
-    Raises KernelError naming the sequence when ``start < 0`` or ``start + n_new > max_tokens``.
-    (A tensor of positions is read back to the host: a device sync on GPUs.)
-    """
-    if isinstance(positions, torch.Tensor):
-        if positions.shape != (batch,) or positions.dtype not in (torch.int32, torch.int64):
-            raise KernelError(f"positions must be an int or an int32/int64 tensor [batch={batch}]"
-                              f", got {positions.dtype} {tuple(positions.shape)}")
-        starts = [int(p) for p in positions.tolist()]
-    else:
-        starts = [int(positions)] * batch
-    for b, start in enumerate(starts):
-        if start < 0 or start + n_new > max_tokens:
-            raise KernelError(
-                f"kv_cache_write past the cache: sequence {b} writes positions {start}.."
-                f"{start + n_new - 1} but the cache holds max_tokens={max_tokens}; allocate a "
-                f"larger cache or stop generating at max_tokens")
-    return starts
-
-
-def check_cache_write(k_cache, v_cache, k_new, v_new) -> None:
-    """Validate cache and new-token shapes for kv_cache_write."""
-    if k_cache.shape != v_cache.shape or k_new.shape != v_new.shape or k_cache.dim() != 4 or \
-            k_new.dim() != 4 or k_new.shape[:2] != k_cache.shape[:2] or \
-            k_new.shape[3] != k_cache.shape[3]:
-        raise KernelError(f"kv_cache_write takes caches [batch, kv_heads, max_tokens, d] and new "
-                          f"k, v [batch, kv_heads, n_new, d]; got caches {tuple(k_cache.shape)}, "
-                          f"{tuple(v_cache.shape)} and new {tuple(k_new.shape)}, "
-                          f"{tuple(v_new.shape)}")
-
-
 def _repeat_kv(x: torch.Tensor, group: int) -> torch.Tensor:
     """[batch, kv_heads, n, d] → [batch, kv_heads * group, n, d] (HF's repeat_kv)."""
     return x if group == 1 else x.repeat_interleave(group, dim=1)
@@ -245,72 +175,6 @@ def check_prefill(q, k, causal, key_padding_mask, alibi, window=None) -> None:
 
 
 # ----- ops ------------------------------------------------------------------------------------
-
-
-def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *,
-           style: str = "half") -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotary position embedding of q and k (out of place).
-
-    q: [batch, q_heads, seq, d]; k: [batch, kv_heads, seq, d] (any strides).
-    cos, sin: [batch, seq, rotary_dim // 2] or [seq, rotary_dim // 2], one angle per rotated pair
-    (:func:`rotary_cos_sin` builds them; HF Llama/NeoX's duplicated ``[..., rotary_dim]`` tables
-    are ``cat(c, c)``: pass ``cos[..., :rotary_dim // 2]``). The first ``rotary_dim`` dims are
-    rotated, the rest pass through (GPT-NeoX ``rotary_pct``, GPT-J ``rotary_dim``).
-    style: "half" pairs dims (i, i + rotary_dim/2) (Llama/NeoX ``rotate_half``); "interleaved"
-    pairs (2i, 2i + 1) (GPT-J ``rotate_every_two``).
-    Returns (q_out, k_out) in the inputs' shapes and dtypes.
-    """
-    check_rotary(q, k, cos, sin, style)
-    c, s = (t.float()[..., None, :, :] for t in (cos, sin))  # [batch|1, 1, seq, rotary_dim/2]
-    return _rotate(q, c, s, style), _rotate(k, c, s, style)
-
-
-def _rotate(x: torch.Tensor, c: torch.Tensor, s: torch.Tensor, style: str) -> torch.Tensor:
-    """One tensor of :func:`rotary`: pairs (x1, x2) → (x1 c - x2 s, x2 c + x1 s)."""
-    half = c.shape[-1]
-    xf = x.float()
-    rot, rest = xf[..., :2 * half], xf[..., 2 * half:]
-    if style == "half":
-        x1, x2 = rot[..., :half], rot[..., half:]
-    else:
-        x1, x2 = rot[..., 0::2], rot[..., 1::2]
-    o1, o2 = x1 * c - x2 * s, x2 * c + x1 * s
-    out = torch.cat([o1, o2], -1) if style == "half" else torch.stack([o1, o2], -1).flatten(-2)
-    return torch.cat([out, rest], -1).to(x.dtype)
-
-
-def bias_gelu(x: torch.Tensor, bias: torch.Tensor | None = None,
-              approximate: str = "none") -> torch.Tensor:
-    """``gelu(x + bias)``: x [..., n], bias [n] or None; approximate "none" (erf) or "tanh"
-    (as ``torch.nn.functional.gelu``). Returns [..., n] in x.dtype."""
-    if approximate not in GELU_APPROXIMATIONS:
-        raise KernelError(f"approximate must be one of {GELU_APPROXIMATIONS}, got {approximate!r}")
-    h = x.float() if bias is None else x.float() + bias.float()
-    return F.gelu(h, approximate=approximate).to(x.dtype)
-
-
-def bias_relu(x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``relu(x + bias)`` (OPT's fc1 activation): x [..., n], bias [n] or None. Returns [..., n]
-    in x.dtype."""
-    h = x.float() if bias is None else x.float() + bias.float()
-    return F.relu(h).to(x.dtype)
-
-
-def silu_and_mul(x: torch.Tensor, up: torch.Tensor | None = None) -> torch.Tensor:
-    """SwiGLU's ``silu(gate) * up``.
-
-    One tensor: x [..., 2 * inter] holds gate then up (a fused gate_up projection); two tensors:
-    x is the gate [..., inter] and ``up`` [..., inter]. Returns [..., inter] in x.dtype.
-    """
-    if up is None:
-        if x.shape[-1] % 2:
-            raise KernelError(f"silu_and_mul needs an even last dim [.., 2 * inter], got "
-                              f"{tuple(x.shape)}")
-        x, up = x.chunk(2, dim=-1)
-    elif up.shape != x.shape:
-        raise KernelError(f"gate and up must have one shape, got {tuple(x.shape)}, "
-                          f"{tuple(up.shape)}")
-    return (F.silu(x.float()) * up.float()).to(x.dtype)
 
 
 def attention_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True,
@@ -371,39 +235,11 @@ def attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     return out
 
 
-def kv_cache_write(k_cache: torch.Tensor, v_cache: torch.Tensor, k_new: torch.Tensor,
-                   v_new: torch.Tensor, positions: int | torch.Tensor, *,
-                   check: bool = True) -> None:
-    """Write new keys/values into the caches in place.
-
-    k_cache, v_cache: [batch, kv_heads, max_tokens, d]; k_new, v_new: [batch, kv_heads, n_new,
-    d] (n_new = 1 when decoding, the chunk length in prefill). positions: the first cache
-    position of each sequence's new tokens, an int for all or a [batch] int tensor; token t of
-    sequence b lands at ``positions[b] + t``. A write past max_tokens (or before 0) raises
-    KernelError and writes nothing. ``check=False`` lets a backend skip that host-side check
-    (no device sync, e.g. inside CUDA-graph capture); the reference always checks.
-    """
-    check_cache_write(k_cache, v_cache, k_new, v_new)
-    n_new = k_new.shape[2]
-    starts = write_starts(positions, k_cache.shape[0], n_new, k_cache.shape[2])
-    for b, start in enumerate(starts):
-        k_cache[b, :, start:start + n_new] = k_new[b]
-        v_cache[b, :, start:start + n_new] = v_new[b]
-
-
-OPS = {
-    "rotary": rotary,
-    "bias_gelu": bias_gelu,
-    "bias_relu": bias_relu,
-    "silu_and_mul": silu_and_mul,
-    "attention_prefill": attention_prefill,
-    "attention_decode": attention_decode,
-    "kv_cache_write": kv_cache_write,
-}
+OPS = {"attention_prefill": attention_prefill, "attention_decode": attention_decode}
 
 
 def register(registry) -> None:
-    """Define the attention family's ops with their references."""
+    """Define the attention ops with their references."""
     for op, fn in OPS.items():
         registry.register(op, BACKEND, fn)
 
@@ -412,33 +248,8 @@ def register(registry) -> None:
 # Small GQA shapes (4 query heads over 2 kv heads, head_dim 16) with ragged lengths, ALiBi,
 # padding and sliding windows, so a backend that mishandles any of them fails the suite.
 
-def _randn(*shape: int, seed: int) -> torch.Tensor:
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
-
-
-def _rotary_example(dtype, device):
-    q, k = _randn(2, 4, 5, 16, seed=11), _randn(2, 2, 5, 16, seed=12)
-    cos, sin = rotary_cos_sin(torch.arange(5), rotary_dim=8)  # partial rotary: 8 of 16 dims
-    return ((q.to(device, dtype), k.to(device, dtype), cos.to(device), sin.to(device)),
-            {"style": "interleaved"})
-
-
-def _bias_gelu_example(dtype, device):
-    x, b = _randn(3, 40, seed=13), _randn(40, seed=14)
-    return (x.to(device, dtype), b.to(device, dtype)), {"approximate": "tanh"}
-
-
-def _bias_relu_example(dtype, device):
-    x, b = _randn(3, 40, seed=24), _randn(40, seed=25)
-    return (x.to(device, dtype), b.to(device, dtype)), {}
-
-
-def _silu_and_mul_example(dtype, device):
-    return (_randn(3, 2 * 24, seed=15).to(device, dtype),), {}
-
-
 def _prefill_example(dtype, device):
-    q, k, v = _randn(2, 4, 6, 16, seed=16), _randn(2, 2, 6, 16, seed=17), _randn(2, 2, 6, 16, seed=18)
+    q, k, v = randn(2, 4, 6, 16, seed=16), randn(2, 2, 6, 16, seed=17), randn(2, 2, 6, 16, seed=18)
     mask = torch.tensor([[1] * 6, [0, 0, 1, 1, 1, 1]], device=device)  # second sequence left-padded
     return ((q.to(device, dtype), k.to(device, dtype), v.to(device, dtype)),
             {"causal": True, "key_padding_mask": mask,
@@ -447,8 +258,8 @@ def _prefill_example(dtype, device):
 
 
 def _decode_example(dtype, device):
-    q = _randn(2, 4, 1, 16, seed=19)
-    k, v = _randn(2, 2, 12, 16, seed=20), _randn(2, 2, 12, 16, seed=21)
+    q = randn(2, 4, 1, 16, seed=19)
+    k, v = randn(2, 2, 12, 16, seed=20), randn(2, 2, 12, 16, seed=21)
     k[1, :, 7:] = float("nan")  # past sequence 1's length: must never be read
     k[0, :, :4] = float("nan")  # window 8: sequence 0 sees 4..11 only, sequence 1 all 7 tokens
     lengths = torch.tensor([12, 7], device=device)
@@ -456,15 +267,4 @@ def _decode_example(dtype, device):
             {"window": 8})
 
 
-def _cache_write_example(dtype, device):
-    k_cache, v_cache = torch.zeros(2, 2, 10, 16), torch.zeros(2, 2, 10, 16)
-    k_new, v_new = _randn(2, 2, 3, 16, seed=22), _randn(2, 2, 3, 16, seed=23)
-    positions = torch.tensor([0, 6], device=device)
-    return ((k_cache.to(device, dtype), v_cache.to(device, dtype), k_new.to(device, dtype),
-             v_new.to(device, dtype), positions), {})
-
-
-EXAMPLES = {"rotary": _rotary_example, "bias_gelu": _bias_gelu_example,
-            "bias_relu": _bias_relu_example, "silu_and_mul": _silu_and_mul_example,
-            "attention_prefill": _prefill_example, "attention_decode": _decode_example,
-            "kv_cache_write": _cache_write_example}
+EXAMPLES = {"attention_prefill": _prefill_example, "attention_decode": _decode_example}

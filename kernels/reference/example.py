@@ -1,9 +1,20 @@
-"""The shape of an op's example inputs, which the conformance suite runs on every backend."""
+"""The shape of an op's example inputs, which the conformance suite runs on every backend.
+
+Each family module of the reference keeps its ops' builders in ``EXAMPLES`` (op -> builder(dtype,
+device) -> :class:`Example` or ``(args, kwargs)``); :func:`randn` gives them seeded inputs.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any, Callable
+
+import torch
+
+
+def randn(*shape: int, seed: int) -> torch.Tensor:
+    """A float32 standard-normal tensor of ``shape`` on the CPU, the same for the same seed."""
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
 
 
 @dataclass

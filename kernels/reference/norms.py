@@ -1,4 +1,4 @@
-"""Pure-torch reference implementations: always present, run on every device, test oracles.
+"""Norms (reference): residual-add + ``rms_norm`` / ``layer_norm``.
 
 They favour clarity and accuracy over speed: statistics are computed in float32 and the result is
 cast back to the input dtype, which is what the fused backends must match.
@@ -7,6 +7,8 @@ cast back to the input dtype, which is what the fused backends must match.
 from __future__ import annotations
 
 import torch
+
+from .example import randn
 
 BACKEND = "reference"
 
@@ -44,26 +46,25 @@ def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     return out.to(x.dtype), h
 
 
+OPS = {"rms_norm": rms_norm, "layer_norm": layer_norm}
+
+
 def register(registry) -> None:
-    """Define every op with its reference implementation."""
-    registry.register("rms_norm", BACKEND, rms_norm)
-    registry.register("layer_norm", BACKEND, layer_norm)
+    """Define the norm ops with their references."""
+    for op, fn in OPS.items():
+        registry.register(op, BACKEND, fn)
 
 
 # ----- example inputs (conformance suite): op -> (dtype, device) -> (args, kwargs) ---------------
 
-def _randn(*shape: int, seed: int) -> torch.Tensor:
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
-
-
 def _rms_norm_example(dtype: torch.dtype, device: torch.device) -> tuple[tuple, dict]:
-    x, res, w = _randn(3, 64, seed=4), _randn(3, 64, seed=5), 1 + 0.1 * _randn(64, seed=6)
+    x, res, w = randn(3, 64, seed=4), randn(3, 64, seed=5), 1 + 0.1 * randn(64, seed=6)
     return (x.to(device, dtype), w.to(device, dtype), 1e-6), {"residual": res.to(device, dtype)}
 
 
 def _layer_norm_example(dtype: torch.dtype, device: torch.device) -> tuple[tuple, dict]:
-    x, res = _randn(3, 64, seed=7), _randn(3, 64, seed=8)
-    w, b = 1 + 0.1 * _randn(64, seed=9), 0.1 * _randn(64, seed=10)
+    x, res = randn(3, 64, seed=7), randn(3, 64, seed=8)
+    w, b = 1 + 0.1 * randn(64, seed=9), 0.1 * randn(64, seed=10)
     args = (x.to(device, dtype), w.to(device, dtype), b.to(device, dtype), 1e-5)
     return args, {"residual": res.to(device, dtype)}
 

@@ -340,9 +340,13 @@ def prepack(qw: QuantizedWeight, device: torch.device | str | None = None,
     return quant_linear.prepack(qw, device, dtype)
 
 
+OPS = {"quant_linear": quant_linear}
+
+
 def register(registry) -> None:
     """Define ``quant_linear`` with its reference implementation."""
-    registry.register("quant_linear", BACKEND, quant_linear)
+    for op, fn in OPS.items():
+        registry.register(op, BACKEND, fn)
 
 
 # ----- example inputs (conformance suite) ---------------------------------------------------------

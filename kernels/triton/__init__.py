@@ -1,9 +1,14 @@
-"""The ``triton`` kernel backend: fused norms as Triton kernels, for CUDA devices.
+"""The ``triton`` kernel backend: Triton kernels for CUDA devices.
 
 Loaded through the ``shardwise.kernels`` entry point. Plugin discovery imports every module of
 that group as soon as any backend is needed, so this module stays light: triton is imported by
-:func:`register` (and by attribute access to the launchers), never by ``import shardwise`` nor by
-a CPU-only run. Kernels compile on first launch per (dtype, block size), never at import.
+:func:`register` (and by attribute access to the norm launchers), never by ``import shardwise``
+nor by a CPU-only run. Kernels compile on first launch per (dtype, block size), never at import.
+
+One module per op family, each with ``register(registry)`` (importing triton): ``rotary``,
+``activations``, ``attention`` (prefill and decode), ``kv_cache``, ``norms``, ``quant``
+(weight-only ``quant_linear``, fp16/bf16). Every family of the reference has kernels here.
+``common`` holds launch helpers the families share; it is not a family.
 """
 
 from __future__ import annotations
@@ -16,45 +21,24 @@ BACKEND = "triton"
 PLUGIN_API_VERSION = 1
 #: The device types these kernels are run on; Triton targets others, which we do not claim.
 DEVICE_TYPES = frozenset({"cuda"})
+#: The dtypes the families claim (quant: fp16/bf16 only).
 DTYPES = frozenset({torch.float32, torch.float16, torch.bfloat16})
-#: Largest row one program holds: 64 KiB of input (16384 fp32 / 32768 fp16 elements); beyond
-#: it a single block spills registers and a multi-block kernel would be needed.
-MAX_ROW_BYTES = 65536
+#: Op families, each a submodule with ``register(registry)`` (importing triton inside).
+FAMILIES = ("rotary", "activations", "attention", "kv_cache", "norms", "quant")
+#: Names of the norms module served from here on first access (importing triton then).
+_NORMS = ("rms_norm", "layer_norm", "max_hidden", "supports_hidden", "MAX_ROW_BYTES")
 
-_LAUNCHERS = ("rms_norm", "layer_norm")
-#: Further op families, each a submodule with ``register(registry)`` (importing triton inside).
-FAMILIES = ("attention", "quant")
-
-__all__ = ["rms_norm", "layer_norm", "max_hidden", "supports_hidden", "register"]
-
-
-def max_hidden(dtype: torch.dtype) -> int:
-    """Largest hidden size the single-block kernels accept for ``dtype``."""
-    return MAX_ROW_BYTES // dtype.itemsize
-
-
-def supports_hidden(*, device_type: str, dtype: torch.dtype, hidden: int | None = None,
-                    **_shape) -> bool:
-    """Shape predicate: a row of ``hidden`` elements must fit one block.
-
-    Callers pass ``hidden=`` to ``resolve``; without it the kernel is chosen and checks the size
-    itself at launch (raising KernelError).
-    """
-    return hidden is None or 0 < hidden <= max_hidden(dtype)
+__all__ = ["DEVICE_TYPES", "DTYPES", "FAMILIES", "register", *_NORMS]
 
 
 def __getattr__(name: str):
-    """``rms_norm`` / ``layer_norm``: the launchers, imported (with triton) on first access."""
-    if name in _LAUNCHERS:
+    """The norms module's launchers and row limit, imported (with triton) on first access."""
+    if name in _NORMS:
         return getattr(importlib.import_module(".norms", __name__), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def register(registry) -> None:
     """Register the Triton kernels of every family for CUDA (imports triton)."""
-    norms = importlib.import_module(".norms", __name__)
-    for op in _LAUNCHERS:
-        registry.register(op, BACKEND, getattr(norms, op), dtypes=DTYPES,
-                          device_types=DEVICE_TYPES, supports=supports_hidden)
     for family in FAMILIES:
         importlib.import_module(f".{family}", __name__).register(registry)

@@ -1,6 +1,5 @@
-"""Attention-family Triton kernels for CUDA: rotary, bias_gelu, bias_relu, silu_and_mul,
-attention_prefill (flash-attention style), attention_decode (split-K / flash-decoding) and
-kv_cache_write.
+"""Attention Triton kernels for CUDA: attention_prefill (flash-attention style) and
+attention_decode (split-K / flash-decoding).
 
 Contracts (shapes, masks, GQA, ALiBi, sliding windows, zero rows) are those of
 ``shardwise.kernels.reference.attention``; every launcher validates with the reference's checks.
@@ -13,15 +12,13 @@ Under ``TRITON_INTERPRET=1`` (CPU tests) dots are done in float32, because the i
 bf16 ``tl.dot`` is wrong; the operands are rounded exactly as on a GPU first.
 
 Differences from the reference on invalid input (checking would need a device sync): decode
-clamps ``starts``/``lengths`` to ``0..max_tokens`` instead of raising;
-``kv_cache_write(check=False)`` drops the out-of-range tokens instead of raising. Neither ever
-reads or writes outside the tensors.
+clamps ``starts``/``lengths`` to ``0..max_tokens`` instead of raising; it never reads outside
+the tensors. (``kv_cache_write`` is in :mod:`.kv_cache`.)
 """
 
 from __future__ import annotations
 
 import functools
-import math
 import os
 
 import torch
@@ -31,9 +28,10 @@ import triton.language as tl
 from shardwise.errors import KernelError
 from shardwise.kernels.reference import attention as ref
 
+from . import DEVICE_TYPES, DTYPES
+from .common import same_device, strides
+
 BACKEND = "triton"
-DEVICE_TYPES = frozenset({"cuda"})
-DTYPES = frozenset({torch.float32, torch.float16, torch.bfloat16})
 #: Largest head_dim the attention kernels hold in one tile.
 MAX_HEAD_DIM = 256
 #: Decode: fewest cache tokens one split handles (splitting finer costs more in the reduction).
@@ -88,193 +86,6 @@ def supports_head_dim(*, device_type: str, dtype: torch.dtype, head_dim: int | N
                       **_shape) -> bool:
     """Shape predicate for ``resolve(..., head_dim=)``: the kernels hold a head in one tile."""
     return head_dim is None or 0 < head_dim <= MAX_HEAD_DIM
-
-
-# ----- rotary ---------------------------------------------------------------------------------
-
-
-@triton.jit
-def _rotary_heads(X, O, x_off, o_off, sx_h, sx_d, so_h, so_d, n_heads, d1, d2, pair_mask, c, s,
-                  pass_cols, pass_mask, BLOCK_H: tl.constexpr, HAS_PASS: tl.constexpr):
-    """Rotate the pairs (d1, d2) of every head of one token; copy the pass-through dims.
-
-    x_off/o_off: offsets of the token's head 0; d1, d2, c, s: [BLOCK_HALF] pair dims and angles.
-    """
-    heads = tl.arange(0, BLOCK_H)
-    m = (heads < n_heads)[:, None] & pair_mask[None, :]  # [BLOCK_H, BLOCK_HALF]
-    xh = X + x_off + heads[:, None] * sx_h
-    oh = O + o_off + heads[:, None] * so_h
-    x1 = tl.load(xh + d1[None, :] * sx_d, mask=m, other=0.0).to(tl.float32)
-    x2 = tl.load(xh + d2[None, :] * sx_d, mask=m, other=0.0).to(tl.float32)
-    dtype = O.dtype.element_ty
-    tl.store(oh + d1[None, :] * so_d, (x1 * c[None, :] - x2 * s[None, :]).to(dtype), mask=m)
-    tl.store(oh + d2[None, :] * so_d, (x2 * c[None, :] + x1 * s[None, :]).to(dtype), mask=m)
-    if HAS_PASS:
-        pm = (heads < n_heads)[:, None] & pass_mask[None, :]
-        rest = tl.load(xh + pass_cols[None, :] * sx_d, mask=pm, other=0.0)
-        tl.store(oh + pass_cols[None, :] * so_d, rest, mask=pm)
-
-
-@triton.jit
-def _rotary_kernel(Q, K, QO, KO, COS, SIN, seq_len, n_q, n_kv, half, head_dim,
-                   sq_b, sq_h, sq_t, sq_d, sk_b, sk_h, sk_t, sk_d,
-                   sqo_b, sqo_h, sqo_t, sqo_d, sko_b, sko_h, sko_t, sko_d,
-                   sc_b, sc_t, sc_i, ss_b, ss_t, ss_i,
-                   INTERLEAVED: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr,
-                   BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr, HAS_PASS: tl.constexpr):
-    """One program per token (batch b, position t): all q heads and all k heads of it."""
-    row = tl.program_id(0).to(tl.int64)
-    b, t = row // seq_len, row % seq_len
-    i = tl.arange(0, BLOCK_HALF)
-    pair_mask = i < half
-    c = tl.load(COS + b * sc_b + t * sc_t + i * sc_i, mask=pair_mask, other=0.0).to(tl.float32)
-    s = tl.load(SIN + b * ss_b + t * ss_t + i * ss_i, mask=pair_mask, other=0.0).to(tl.float32)
-    if INTERLEAVED:  # GPT-J: pairs (2i, 2i + 1)
-        d1, d2 = 2 * i, 2 * i + 1
-    else:  # Llama / NeoX rotate_half: pairs (i, i + half)
-        d1, d2 = i, i + half
-    pass_cols = 2 * half + tl.arange(0, BLOCK_PASS)
-    pass_mask = pass_cols < head_dim
-    _rotary_heads(Q, QO, b * sq_b + t * sq_t, b * sqo_b + t * sqo_t, sq_h, sq_d, sqo_h, sqo_d,
-                  n_q, d1, d2, pair_mask, c, s, pass_cols, pass_mask, BLOCK_HQ, HAS_PASS)
-    _rotary_heads(K, KO, b * sk_b + t * sk_t, b * sko_b + t * sko_t, sk_h, sk_d, sko_h, sko_d,
-                  n_kv, d1, d2, pair_mask, c, s, pass_cols, pass_mask, BLOCK_HKV, HAS_PASS)
-
-
-def _same_device(first: torch.Tensor, **others: torch.Tensor | None) -> None:
-    """Raise KernelError naming any tensor that is not on ``first``'s device (a kernel would
-    read a host pointer otherwise)."""
-    wrong = {name: str(t.device) for name, t in others.items()
-             if t is not None and t.device != first.device}
-    if wrong:
-        raise KernelError(f"triton kernels need every tensor on {first.device}; got {wrong}")
-
-
-def _strides(t: torch.Tensor) -> tuple[int, ...]:
-    return tuple(t.stride())
-
-
-def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *,
-           style: str = "half") -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotary embedding in one launch for q and k; contract of the reference ``rotary``.
-
-    q: [batch, q_heads, seq, d], k: [batch, kv_heads, seq, d] (any strides; outputs keep the
-    layout); cos, sin: [batch | 1, seq, rotary_dim/2] or [seq, rotary_dim/2].
-    """
-    rotary_dim = ref.check_rotary(q, k, cos, sin, style)
-    batch, n_q, seq, head_dim = q.shape
-    cos, sin = (t.expand(batch, seq, rotary_dim // 2) for t in (cos, sin))  # stride 0 broadcast
-    qo, ko = torch.empty_like(q), torch.empty_like(k)
-    if q.numel() == 0:
-        return qo, ko
-    n_pass = head_dim - rotary_dim
-    _rotary_kernel[(batch * seq,)](
-        q, k, qo, ko, cos, sin, seq, n_q, k.shape[1], rotary_dim // 2, head_dim,
-        *_strides(q), *_strides(k), *_strides(qo), *_strides(ko), *_strides(cos),
-        *_strides(sin), INTERLEAVED=style == "interleaved",
-        BLOCK_HQ=triton.next_power_of_2(n_q), BLOCK_HKV=triton.next_power_of_2(k.shape[1]),
-        BLOCK_HALF=triton.next_power_of_2(rotary_dim // 2),
-        BLOCK_PASS=triton.next_power_of_2(max(n_pass, 1)), HAS_PASS=n_pass > 0)
-    return qo, ko
-
-
-# ----- activations ----------------------------------------------------------------------------
-
-_ACT_BLOCK = 1024  # elements per program of the elementwise kernels
-#: ``ACT`` of :func:`_bias_act_kernel`: the activation applied after the bias add.
-_GELU, _GELU_TANH, _RELU = 0, 1, 2
-
-
-@triton.jit
-def _bias_act_kernel(X, B, O, n_cols, stride_x, stride_o, HAS_BIAS: tl.constexpr,
-                     ACT: tl.constexpr, BLOCK: tl.constexpr):
-    """Program (row, column block): ``act(x + bias)`` of BLOCK columns of one row."""
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = cols < n_cols
-    h = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    if HAS_BIAS:
-        h += tl.load(B + cols, mask=mask, other=0.0).to(tl.float32)
-    if ACT == 2:  # relu (NaN stays NaN, as torch's)
-        y = tl.where(h < 0.0, 0.0, h)
-    elif ACT == 1:  # gelu tanh: 0.5 (1 + tanh(z)) == sigmoid(2z), z = sqrt(2/pi) (h + 0.044715 h³)
-        y = h * tl.sigmoid(1.5957691216057308 * (h + 0.044715 * h * h * h))
-    else:  # gelu erf
-        y = 0.5 * h * (1.0 + tl.math.erf(h * 0.7071067811865476))
-    tl.store(O + row * stride_o + cols, y.to(O.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _silu_mul_kernel(G, U, O, n_cols, stride_g, stride_u, stride_o, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = cols < n_cols
-    g = tl.load(G + row * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(U + row * stride_u + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(O + row * stride_o + cols, (g * tl.sigmoid(g) * u).to(O.dtype.element_ty),
-             mask=mask)
-
-
-def _as_rows(t: torch.Tensor, cols: int) -> torch.Tensor:
-    """[..., cols] → [rows, cols] with a unit stride along cols (copies only if needed)."""
-    if t.stride(-1) != 1:
-        t = t.contiguous()
-    return t.reshape(math.prod(t.shape[:-1]), cols)  # not -1: ambiguous for empty tensors
-
-
-def _act_grid(rows: int, cols: int) -> tuple[int, int]:
-    return rows, triton.cdiv(cols, _ACT_BLOCK)
-
-
-def _bias_act(x: torch.Tensor, bias: torch.Tensor | None, act: int) -> torch.Tensor:
-    """``act(x + bias)`` in one launch: x [..., n], bias [n] or None. Returns [..., n]."""
-    n = x.shape[-1]
-    x2 = _as_rows(x, n)  # [rows, n]
-    out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
-    if x2.numel():
-        b = bias.contiguous() if bias is not None else x2
-        _bias_act_kernel[_act_grid(*x2.shape)](
-            x2, b, out, n, x2.stride(0), out.stride(0), HAS_BIAS=bias is not None, ACT=act,
-            BLOCK=_ACT_BLOCK)
-    return out.view(x.shape)
-
-
-def bias_gelu(x: torch.Tensor, bias: torch.Tensor | None = None,
-              approximate: str = "none") -> torch.Tensor:
-    """``gelu(x + bias)`` fused; contract of the reference: x [..., n], bias [n] or None."""
-    if approximate not in ref.GELU_APPROXIMATIONS:
-        raise KernelError(f"approximate must be one of {ref.GELU_APPROXIMATIONS}, got "
-                          f"{approximate!r}")
-    return _bias_act(x, bias, _GELU_TANH if approximate == "tanh" else _GELU)
-
-
-def bias_relu(x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``relu(x + bias)`` fused; contract of the reference: x [..., n], bias [n] or None."""
-    return _bias_act(x, bias, _RELU)
-
-
-def silu_and_mul(x: torch.Tensor, up: torch.Tensor | None = None) -> torch.Tensor:
-    """``silu(gate) * up`` fused; contract of the reference: x [..., 2*inter] (gate, up) or the
-    gate [..., inter] with ``up`` [..., inter]. Returns [..., inter]."""
-    if up is None:
-        if x.shape[-1] % 2:
-            raise KernelError(f"silu_and_mul needs an even last dim [.., 2 * inter], got "
-                              f"{tuple(x.shape)}")
-        inter = x.shape[-1] // 2
-        rows = _as_rows(x, 2 * inter)
-        gate, up2 = rows[:, :inter], rows[:, inter:]  # views: row stride 2 * inter
-    else:
-        if up.shape != x.shape:
-            raise KernelError(f"gate and up must have one shape, got {tuple(x.shape)}, "
-                              f"{tuple(up.shape)}")
-        inter = x.shape[-1]
-        gate, up2 = _as_rows(x, inter), _as_rows(up, inter)
-    out = torch.empty(gate.shape, dtype=x.dtype, device=x.device)
-    if out.numel():
-        _silu_mul_kernel[_act_grid(*out.shape)](
-            gate, up2, out, inter, gate.stride(0), up2.stride(0), out.stride(0),
-            BLOCK=_ACT_BLOCK)
-    return out.view(*x.shape[:-1], inter)
 
 
 # ----- prefill: flash attention ---------------------------------------------------------------
@@ -400,7 +211,7 @@ def attention_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, caus
         q, k, v, out, mask if mask is not None else q, kpos if kpos is not None else q,
         slopes if slopes is not None else q, q_len, kv_len, n_q, group, head_dim,
         head_dim ** -0.5 if scale is None else scale, window if has_window else 0,
-        *_strides(q), *_strides(k), *_strides(v), *_strides(out), *mask_strides,
+        *strides(q), *strides(k), *strides(v), *strides(out), *mask_strides,
         *kpos_strides, CAUSAL=causal, HAS_MASK=mask is not None, HAS_ALIBI=slopes is not None,
         HAS_WINDOW=has_window, F32=_dot_f32(q.dtype), BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_D=block_d, num_warps=warps, num_stages=stages)
@@ -544,7 +355,7 @@ def attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     """
     group = ref.check_decode(q, k_cache, v_cache, lengths, starts)
     window = ref.check_window(window)
-    _same_device(q, lengths=lengths, starts=starts, k_cache=k_cache, v_cache=v_cache)
+    same_device(q, lengths=lengths, starts=starts, k_cache=k_cache, v_cache=v_cache)
     if alibi_slopes is not None and alibi_slopes.shape != (q.shape[1],):
         raise KernelError(f"alibi_slopes must be [q_heads={q.shape[1]}], got "
                           f"{tuple(alibi_slopes.shape)}")
@@ -565,7 +376,7 @@ def attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     _decode_split_kernel[(batch, n_kv, splits)](
         q, k_cache, v_cache, lengths, starts if starts is not None else lengths, slopes, m, l,
         acc, max_tokens, group, head_dim, chunk, head_dim ** -0.5 if scale is None else scale,
-        *q_str, *_strides(k_cache), *_strides(v_cache), n_q, splits,
+        *q_str, *strides(k_cache), *strides(v_cache), n_q, splits,
         HAS_STARTS=starts is not None, HAS_ALIBI=alibi_slopes is not None,
         F32=_dot_f32(q.dtype), BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
         BLOCK_D=block_d, num_warps=4, num_stages=_decode_stages(q.dtype, q.device))
@@ -575,72 +386,13 @@ def attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     return out
 
 
-# ----- kv cache write -------------------------------------------------------------------------
-
-
-@triton.jit
-def _kv_write_kernel(KN, VN, KC, VC, POS, start, n_new, max_tokens, n_kv, head_dim,
-                     skn_b, skn_h, skn_t, skn_d, svn_b, svn_h, svn_t, svn_d,
-                     skc_b, skc_h, skc_t, skc_d, svc_b, svc_h, svc_t, svc_d,
-                     HAS_POS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Program (b * kv head, token tile): copy BLOCK_T new tokens of k and v into the caches.
-    Tokens that would land outside 0..max_tokens-1 are dropped (the host check raises first)."""
-    bh = tl.program_id(0).to(tl.int64)
-    b, h = bh // n_kv, bh % n_kv
-    t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
-    first = start
-    if HAS_POS:
-        first = tl.load(POS + b).to(tl.int64)
-    pos = first + t
-    ok = (t < n_new) & (pos >= 0) & (pos < max_tokens)
-    dims = tl.arange(0, BLOCK_D)
-    mask = ok[:, None] & (dims < head_dim)[None, :]
-    k = tl.load(KN + b * skn_b + h * skn_h + t[:, None] * skn_t + dims[None, :] * skn_d,
-                mask=mask)
-    v = tl.load(VN + b * svn_b + h * svn_h + t[:, None] * svn_t + dims[None, :] * svn_d,
-                mask=mask)
-    tl.store(KC + b * skc_b + h * skc_h + pos[:, None] * skc_t + dims[None, :] * skc_d,
-             k.to(KC.dtype.element_ty), mask=mask)
-    tl.store(VC + b * svc_b + h * svc_h + pos[:, None] * svc_t + dims[None, :] * svc_d,
-             v.to(VC.dtype.element_ty), mask=mask)
-
-
-def kv_cache_write(k_cache: torch.Tensor, v_cache: torch.Tensor, k_new: torch.Tensor,
-                   v_new: torch.Tensor, positions: int | torch.Tensor, *,
-                   check: bool = True) -> None:
-    """Write new keys/values into the caches in one launch; contract of the reference.
-
-    ``check=True`` raises KernelError for a write past the cache before writing anything (a
-    device sync when ``positions`` is a tensor); ``check=False`` skips that (graph capture) and
-    the kernel drops out-of-range tokens instead.
-    """
-    ref.check_cache_write(k_cache, v_cache, k_new, v_new)
-    _same_device(k_cache, v_cache=v_cache, k_new=k_new, v_new=v_new,
-                 positions=positions if isinstance(positions, torch.Tensor) else None)
-    batch, n_kv, max_tokens, head_dim = k_cache.shape
-    n_new = k_new.shape[2]
-    if check or not isinstance(positions, torch.Tensor):
-        ref.write_starts(positions, batch, n_new, max_tokens)  # ints: checked at no cost
-    if k_new.numel() == 0:
-        return
-    has_pos = isinstance(positions, torch.Tensor)
-    block_t = min(16, triton.next_power_of_2(n_new))
-    _kv_write_kernel[(batch * n_kv, triton.cdiv(n_new, block_t))](
-        k_new, v_new, k_cache, v_cache, positions if has_pos else k_new,
-        0 if has_pos else int(positions), n_new, max_tokens, n_kv, head_dim,
-        *_strides(k_new), *_strides(v_new), *_strides(k_cache), *_strides(v_cache),
-        HAS_POS=has_pos, BLOCK_T=block_t, BLOCK_D=triton.next_power_of_2(head_dim))
-
-
-OPS = {name: globals()[name] for name in ref.OPS}  # one launcher per reference op, same name
-#: Ops whose kernels hold one head per tile: they refuse head_dim > MAX_HEAD_DIM when resolved
-#: with ``head_dim=``.
-_HEAD_DIM_OPS = {"attention_prefill", "attention_decode"}
+OPS = {"attention_prefill": attention_prefill, "attention_decode": attention_decode}
 
 
 def register(registry) -> None:
-    """Register the attention family's Triton kernels for CUDA in fp32/fp16/bf16."""
+    """Register the attention kernels for CUDA in fp32/fp16/bf16; they hold one head per tile, so
+    they refuse head_dim > MAX_HEAD_DIM when resolved with ``head_dim=``."""
     for op, fn in OPS.items():
         registry.register(op, BACKEND, fn, dtypes=DTYPES, device_types=DEVICE_TYPES,
-                          supports=supports_head_dim if op in _HEAD_DIM_OPS else None,
+                          supports=supports_head_dim,
                           capturable=op == "attention_decode")  # lengths read on the device

@@ -2,7 +2,7 @@
 
 One program normalizes one row: the whole row sits in one block of ``BLOCK`` (the next power of
 two of the hidden size) lanes, statistics accumulate in float32, and the results are written in
-the input dtype. Numerics follow ``shardwise.kernels.reference`` exactly in order of operations:
+the input dtype. Numerics follow ``shardwise.kernels.reference.norms`` in order of operations:
 
 * rms_norm:   ``out = (h * rsqrt(mean(h²) + eps)).to(x.dtype) * weight.to(x.dtype)``
 * layer_norm: ``out = ((h - mean) * rsqrt(var + eps) * weight + bias).to(x.dtype)`` in float32
@@ -13,15 +13,34 @@ residual stream. Importing this module imports triton; ``import shardwise`` neve
 
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 import triton.language as tl
 
 from shardwise.errors import KernelError
 
-from . import max_hidden
+from . import DEVICE_TYPES, DTYPES
+from .common import as_rows
+
+BACKEND = "triton"
+#: Largest row one program holds: 64 KiB of input (16384 fp32 / 32768 fp16 elements); beyond
+#: it a single block spills registers and a multi-block kernel would be needed.
+MAX_ROW_BYTES = 65536
+
+
+def max_hidden(dtype: torch.dtype) -> int:
+    """Largest hidden size the single-block kernels accept for ``dtype``."""
+    return MAX_ROW_BYTES // dtype.itemsize
+
+
+def supports_hidden(*, device_type: str, dtype: torch.dtype, hidden: int | None = None,
+                    **_shape) -> bool:
+    """Shape predicate: a row of ``hidden`` elements must fit one block.
+
+    Callers pass ``hidden=`` to ``resolve``; without it the kernel is chosen and checks the size
+    itself at launch (raising KernelError).
+    """
+    return hidden is None or 0 < hidden <= max_hidden(dtype)
 
 
 @triton.jit
@@ -69,13 +88,6 @@ def _layer_norm_kernel(X, R, W, B, OUT, H, stride_x, stride_r, stride_o, stride_
     tl.store(OUT + row * stride_o + cols, out.to(OUT.dtype.element_ty), mask=mask)
 
 
-def _as_rows(t: torch.Tensor, hidden: int) -> torch.Tensor:
-    """[..., hidden] → [rows, hidden] with a unit stride along hidden (copies only if needed)."""
-    if t.stride(-1) != 1:
-        t = t.contiguous()
-    return t.reshape(math.prod(t.shape[:-1]), hidden)  # not -1: that fails for hidden == 0
-
-
 def _prepare(x: torch.Tensor, residual: torch.Tensor | None):
     """Check inputs; return x and residual as rows, the outputs (out, h) and launch settings."""
     hidden = x.shape[-1]
@@ -85,8 +97,8 @@ def _prepare(x: torch.Tensor, residual: torch.Tensor | None):
     if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
         raise KernelError(f"residual must match x: got {tuple(residual.shape)} {residual.dtype} "
                           f"for x {tuple(x.shape)} {x.dtype}")
-    x2 = _as_rows(x, hidden)
-    r2 = _as_rows(residual, hidden) if residual is not None else x2  # x2: unused placeholder
+    x2 = as_rows(x, hidden)
+    r2 = as_rows(residual, hidden) if residual is not None else x2  # x2: unused placeholder
     out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)  # [rows, hidden]
     h2 = torch.empty_like(out) if residual is not None else out  # out: unused placeholder
     block = triton.next_power_of_2(hidden)
@@ -130,3 +142,13 @@ def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
             HAS_RES=residual is not None, HAS_BIAS=bias is not None, BLOCK=block,
             num_warps=warps)
     return _result(x, residual, out, h2)
+
+
+OPS = {"rms_norm": rms_norm, "layer_norm": layer_norm}
+
+
+def register(registry) -> None:
+    """Register both norms for CUDA in fp32/fp16/bf16, for rows that fit one block."""
+    for op, fn in OPS.items():
+        registry.register(op, BACKEND, fn, dtypes=DTYPES, device_types=DEVICE_TYPES,
+                          supports=supports_hidden)
