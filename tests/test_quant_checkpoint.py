@@ -22,6 +22,7 @@ import torch
 import transformers
 
 import shardwise
+from families import families
 from models import prompt_ids, tiny_causal_lm
 from shardwise.checkpoint import CheckpointError
 from shardwise.errors import ConfigError
@@ -36,7 +37,7 @@ SPECS = {
     "int4-sym": {"weight": {"num_bits": 4, "q_type": "symmetric"}},
     "int4-asym-g32": {"weight": {"num_bits": 4, "group_size": 32, "q_type": "asymmetric"}},
 }
-ARCHS = ["llama", "gpt2"]  # nn.Linear and transformers Conv1D (tied head)
+ARCHS = families(core=True)  # nn.Linear and transformers Conv1D (tied head)
 GEN = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=0)
 
 
