@@ -1,17 +1,20 @@
 """The engine's transforms, each a function over a module that a user may also call alone.
 
-They run in DESIGN.md's fixed order (accelerator → communicator → weights → shard → inject →
-quantize/cast → graphs) and all keep the Hugging Face model as the outer shell, so
-``generate()``, ``pipeline()`` and ``save_pretrained`` keep working.
+They run in one fixed order (accelerator → plan → communicator → weights → shard →
+quantize/cast → inject → graphs: docs/architecture.md) and all keep the Hugging Face model as
+the outer shell, so ``generate()``, ``pipeline()`` and ``save_pretrained`` keep working.
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 from torch import nn
 
 from .accelerator import Accelerator
 from .errors import ConfigError
+from .ledger import record
 
 
 def resolve_dtype(accelerator: Accelerator, requested: torch.dtype | str | None,
@@ -47,9 +50,64 @@ def check_materialized(model: nn.Module) -> None:
 
 def cast_and_move(model: nn.Module, device: torch.device, dtype: torch.dtype) -> nn.Module:
     """Move ``model`` to ``device`` and cast its floating-point tensors to ``dtype``, in place.
-    Integer buffers (position ids, masks) keep their dtype."""
+    Integer buffers (position ids, masks) keep their dtype.
+
+    Recorded in the active ledger (inside ``init_inference``) with an undo that casts each
+    tensor back to the dtype and device it had, from what the model then holds (no copy is
+    kept; a cast to a narrower dtype is lossy, and the record says so)."""
+    before = _tensor_placements(model)
     model.to(device=device, dtype=dtype)
     config = getattr(model, "config", None)
-    if config is not None and hasattr(config, "dtype"):
+    had_dtype = config is not None and hasattr(config, "dtype")
+    old_dtype = getattr(config, "dtype", None)
+    if had_dtype:
         config.dtype = dtype  # so generate()/save_pretrained see the dtype the weights have
+    changed = [p for p in before if p[3] != dtype or p[4] != torch.device(device)]
+    if changed or (had_dtype and old_dtype != dtype):
+        record(_cast_what(changed, dtype, device), _cast_back(changed, config if had_dtype
+                                                              else None, old_dtype))
     return model.eval()
+
+
+#: (module, name, is_parameter, dtype, device) of one tensor the cast may change
+_Placement = tuple[nn.Module, str, bool, torch.dtype, torch.device]
+
+
+def _tensor_placements(model: nn.Module) -> list[_Placement]:
+    """Every floating parameter and buffer (the tensors ``Module.to(dtype=...)`` casts) with the
+    dtype and device it has now."""
+    out = []
+    for module in model.modules():
+        for table, is_param in ((module._parameters, True), (module._buffers, False)):
+            for name, t in table.items():
+                if t is not None and (t.is_floating_point() or t.is_complex()):
+                    out.append((module, name, is_param, t.dtype, t.device))
+    return out
+
+
+def _cast_what(changed: list[_Placement], dtype: torch.dtype, device: torch.device) -> str:
+    narrower = sorted({str(d).removeprefix("torch.") for _, _, _, d, _ in changed
+                       if d != dtype and d.itemsize >= dtype.itemsize})  # not a widening
+    lossy = (f" (lossy: {', '.join(narrower)} -> {str(dtype).removeprefix('torch.')} rounds; "
+             f"cast back, not the original values)" if narrower else "")
+    return f"cast to {str(dtype).removeprefix('torch.')} on {device}{lossy}"
+
+
+def _cast_back(changed: list[_Placement], config, old_dtype) -> Callable[[], None]:
+    """The undo of :func:`cast_and_move`: each tensor back to its dtype and device (a parameter
+    keeps its object, as ``Module.to`` did; a buffer is replaced, as it was)."""
+    def undo() -> None:
+        for module, name, is_param, dtype, device in changed:
+            table = module._parameters if is_param else module._buffers
+            t = table.get(name)
+            if t is None or (t.dtype == dtype and t.device == device):
+                continue
+            if not (t.is_floating_point() or t.is_complex()):
+                continue  # replaced since by a tensor of another kind (e.g. quantized)
+            if is_param:
+                t.data = t.data.to(device=device, dtype=dtype)
+            else:
+                table[name] = t.to(device=device, dtype=dtype)
+        if config is not None:
+            config.dtype = old_dtype
+    return undo

@@ -1,0 +1,262 @@
+"""The resolved plan (shardwise.plan): its fields on one and two ranks, the dimension checks, the
+one policy lookup per init, engine.plan; sharding's recorded undo (weights all-gathered back);
+no import-time cycle in the package."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import shardwise
+from distributed import run_ranks
+from models import prompt_ids, tiny_causal_lm
+from shardwise.errors import ConfigError, NotSupportedYetError
+from shardwise.layout import ColumnParallel, RowParallel, ShardingError
+from shardwise.plan import ParallelismNotSupportedError, build_plan, check_dims
+
+
+# ----- fields --------------------------------------------------------------------------------------
+
+def test_plan_on_one_rank_holds_the_policy_all_heads_and_the_roles_without_sharding():
+    model = tiny_causal_lm("llama")  # 4 q heads, 2 kv heads, head_dim 16
+    plan = build_plan(model)
+    assert (plan.world, plan.rank) == (1, 0)
+    assert [(d.name, d.size, d.coord, d.group) for d in plan.dims.values()] == [
+        ("pp", 1, 0, None), ("dp", 1, 0, None), ("tp", 1, 0, None), ("ep", 1, 0, None)]
+    assert plan.policy.name == "llama" and plan.policy_registered and not plan.sharded
+    assert tuple(plan.head_counts) == (4, 2, 16)
+    assert (plan.heads.q_range, plan.heads.kv_range) == ((0, 4), (0, 2))
+    assert plan.sharding is None
+    roles = plan.roles
+    assert isinstance(roles["model.layers.0.self_attn.q_proj"], ColumnParallel)
+    assert isinstance(roles["model.layers.1.mlp.down_proj"], RowParallel)
+    assert plan.roles_source == "hf_tp_plan"
+    text = repr(plan)
+    assert "world=1" in text and "policy: llama" in text and "heads: 4 of 4 q" in text
+
+
+@pytest.mark.parametrize("rank, q, kv", [(0, (0, 2), (0, 1)), (1, (2, 4), (1, 2))])
+def test_plan_for_a_rank_of_two_holds_its_coordinate_heads_and_every_ranks_slices(rank, q, kv):
+    model = tiny_causal_lm("llama")
+    plan = build_plan(model, tp_size=2, world=2, rank=rank)
+    assert (plan.tp.size, plan.tp.coord, plan.tp.group) == (2, rank, None)  # bound later
+    assert plan.sharded and plan.dp.size == plan.pp.size == plan.ep.size == 1
+    assert (plan.heads.q_range, plan.heads.kv_range) == (q, kv)
+    assert plan.heads is plan.head_split.partitions[rank]
+    assert plan.sharding.tp_size == 2 and plan.sharding.heads == list(plan.head_split.partitions)
+    assert plan.roles is plan.sharding.roles
+    spec = next(s for s in plan.sharding.specs if s.name == "model.layers.0.self_attn.k_proj")
+    assert spec.ranges == [[(0, 16)], [(16, 32)]]  # one kv head of 16 each
+    assert "tp=2 (coord" in repr(plan) and "sharding: " in repr(plan)
+
+
+def test_a_model_without_a_registered_policy_gets_the_generic_one_and_says_so():
+    model = tiny_causal_lm("llama")
+    model.config.model_type = "not-a-family"
+    plan = build_plan(model, tp_size=2, world=2, rank=0)
+    assert plan.policy.name == "generic" and not plan.policy_registered
+    assert plan.found_policy is None
+    assert any("no policy registered" in n for n in plan.notes)
+
+
+# ----- dimension checks ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(world=1, rank=0, tp=2), ShardingError, "needs 2 ranks"),
+    (dict(world=3, rank=0, tp=2), ShardingError, "tp sizes that fit a world of 3: 1, 3"),
+    (dict(world=4, rank=0, tp=2), ParallelismNotSupportedError, "2 data-parallel replicas"),
+    (dict(world=4, rank=0, tp=2, pp=2), NotSupportedYetError,
+     r"pipeline parallelism \(pp_size=2\) is not supported yet"),
+    (dict(world=4, rank=0, tp=4, ep=2), NotSupportedYetError, "expert parallelism"),
+    (dict(world=2, rank=0, tp=2, dp=1, ep=2), NotSupportedYetError, "expert parallelism"),
+    (dict(world=4, rank=0, tp=4, ep=3), ShardingError,
+     "ep_size=3 must divide tp × dp = 4.*ep sizes that would work: 1, 2, 4"),
+    (dict(world=6, rank=0, tp=4, pp=1, dp=1), ShardingError,
+     r"tp_size=4 does not divide the world of 6.*would .*: 1, 2, 3, 6"),
+    (dict(world=4, rank=0, tp=2, dp=3), ShardingError, r"2 × 3 = 6, not the world of 4"),
+    (dict(world=4, rank=0, tp=2, dp=2), NotSupportedYetError, r"data parallelism \(dp_size=2\)"),
+    (dict(world=2, rank=0, tp=0), ConfigError, "tp_size must be an integer >= 1"),
+    (dict(world=2, rank=2, tp=2), ConfigError, "rank 2 is not a rank of a world of 2"),
+])
+def test_bad_sizes_are_named_with_the_sizes_that_would_work(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        check_dims(**kwargs)
+
+
+def test_not_supported_yet_is_a_sharding_and_a_config_error():
+    assert issubclass(ParallelismNotSupportedError, ShardingError)
+    assert issubclass(ParallelismNotSupportedError, NotSupportedYetError)
+    assert issubclass(ParallelismNotSupportedError, ConfigError)
+
+
+def test_tp1_in_a_larger_world_is_independent_replicas_with_their_coordinates():
+    dims = check_dims(world=4, rank=3, tp=1)
+    assert (dims["dp"].size, dims["dp"].coord, dims["tp"].coord) == (4, 3, 0)
+    assert all(d.group is None for d in dims.values())
+
+
+# ----- engine.plan and the one lookup ------------------------------------------------------------
+
+def test_engine_plan_is_the_one_plan_and_the_policy_is_looked_up_once(monkeypatch):
+    import shardwise.plan
+    import shardwise.policy
+
+    calls = []
+    real = shardwise.policy.policy_for
+
+    def counting(model):
+        calls.append(type(model).__name__)
+        return real(model)
+    monkeypatch.setattr(shardwise.policy, "policy_for", counting)
+    monkeypatch.setattr(shardwise.plan, "policy_for", counting)
+    model = tiny_causal_lm("llama")
+    engine = shardwise.init_inference(model, device="cpu", replace_with_kernel_inject=True)
+    assert calls == ["LlamaForCausalLM"]
+    assert engine.plan.policy.name == "llama" and engine.plan.tp.size == 1
+    assert "Plan(world=1" in repr(engine.plan)
+    logits = engine(prompt_ids()).logits
+    assert torch.isfinite(logits).all()
+
+
+# ----- two ranks: the bound plan, and sharding undone by all-gathers -----------------------------
+
+def _two_ranks(rank: int) -> dict:
+    from shardwise.communicator import create_communicator
+    from shardwise.ledger import Ledger
+    from shardwise.sharding import shard_model
+
+    model = tiny_causal_lm("llama")
+    ids = prompt_ids()
+    with torch.no_grad():
+        before = model(ids).logits
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    sizes = {n: (m.in_features, m.out_features) for n, m in model.named_modules()
+             if isinstance(m, torch.nn.Linear)}
+    attrs = {n: dict(vars(m)).get("num_key_value_groups") for n, m in model.named_modules()
+             if n.endswith("self_attn")}
+    comm = create_communicator(shardwise.get_accelerator("cpu"))
+    ledger = Ledger(model)
+    with ledger.recording():
+        report = shard_model(model, communicator=comm)
+    sharded_shape = tuple(model.model.layers[0].self_attn.q_proj.weight.shape)
+    hooks = sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
+    # the recorded undo alone (not the ledger's snapshot): gathers every weight back
+    for _, undo in reversed(ledger._undo):
+        undo()
+    with torch.no_grad():
+        after = model(ids).logits
+    same = all(torch.equal(state[k], v) for k, v in model.state_dict().items())
+    out = {
+        "sharded_shape": sharded_shape, "hooks_while_sharded": hooks,
+        "hooks_after": sum(len(m._forward_hooks) + len(m._forward_pre_hooks)
+                           for m in model.modules()),
+        "weights_equal": same,
+        "sizes_equal": sizes == {n: (m.in_features, m.out_features)
+                                 for n, m in model.named_modules()
+                                 if isinstance(m, torch.nn.Linear)},
+        "attrs_equal": attrs == {n: dict(vars(m)).get("num_key_value_groups")
+                                 for n, m in model.named_modules() if n.endswith("self_attn")},
+        "logits_equal": torch.equal(before, after), "sharded_modules": len(report.sharded),
+        "marker_gone": not hasattr(model, "_shardwise_shard_report"),
+    }
+    engine = shardwise.init_inference(tiny_causal_lm("llama"), device="cpu",
+                                      tensor_parallel={"tp_size": 2})
+    plan = engine.plan
+    out["plan"] = (plan.tp.size, plan.tp.coord, plan.tp.group is engine.communicator,
+                   plan.heads.q_range, plan.sharding.tp_size)
+    return out
+
+
+def test_two_ranks_bind_the_tp_group_and_sharding_undoes_by_gathering(tmp_path):
+    results = run_ranks(_two_ranks, 2, tmp_path, deadline_s=240)
+    for rank, result in enumerate(results):
+        assert result["ok"], result.get("trace") or result["error"]
+        value = result["value"]
+        assert value["sharded_shape"] == [32, 64] and value["hooks_while_sharded"] > 0
+        assert value["hooks_after"] == 0
+        assert value["weights_equal"] and value["sizes_equal"] and value["attrs_equal"]
+        assert value["logits_equal"] and value["marker_gone"]
+        assert value["plan"] == [2, rank, True, [2 * rank, 2 * rank + 2], 2]
+
+
+# ----- no import-time cycle --------------------------------------------------------------------
+
+_IMPORT_EACH_FIRST = textwrap.dedent("""
+    import importlib, pkgutil, sys
+    import torch, transformers  # third-party, loaded once: only shardwise is re-imported
+    import shardwise
+
+    def shardwise_modules():
+        out = []
+        for info in pkgutil.walk_packages(shardwise.__path__, "shardwise."):
+            if not info.name.endswith("__main__"):  # runs the CLI when imported
+                out.append(info.name)
+        return sorted(out)
+
+    names = shardwise_modules()
+    failures = []
+    for name in names:
+        for key in [k for k in sys.modules if k == "shardwise" or k.startswith("shardwise.")]:
+            del sys.modules[key]
+        try:
+            importlib.import_module(name)
+        except ModuleNotFoundError as exc:
+            if exc.name and not exc.name.startswith("shardwise"):
+                continue  # an optional third-party runtime (a device's), not a cycle
+            failures.append(f"{name}: {type(exc).__name__}: {exc}")
+        except Exception as exc:
+            failures.append(f"{name}: {type(exc).__name__}: {exc}")
+    print(len(names))
+    print("\\n".join(failures))
+""")
+
+
+def test_every_module_imports_first_in_a_fresh_package():
+    """Each shardwise module imported first (the package's modules cleared before each): a
+    cycle shows up as a module that needs another one half-initialised."""
+    run = subprocess.run([sys.executable, "-c", _IMPORT_EACH_FIRST], capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    count, *failures = run.stdout.strip().split("\n")
+    assert int(count) > 40
+    assert [f for f in failures if f] == []
+
+
+def _module_level_imports(path) -> set[str]:
+    """The shardwise modules a file imports at module level (not inside functions or
+    ``if TYPE_CHECKING``), as absolute names."""
+    import ast
+
+    tree = ast.parse(path.read_text())
+    package = "shardwise" + ("." + ".".join(path.parent.relative_to(_CORE).parts)
+                             if path.parent != _CORE else "")
+    out = set()
+    for node in tree.body:
+        if isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")
+                parts = parts[:len(parts) - node.level + 1]
+                base = ".".join(parts + ([base] if base else []))
+            out |= {base} | {f"{base}.{a.name}" for a in node.names}
+        elif isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+    return {n for n in out if n.startswith("shardwise")}
+
+
+_CORE = __import__("pathlib").Path(shardwise.__file__).parent
+
+
+def test_policy_and_sharding_do_not_import_each_other_and_layout_is_a_leaf():
+    policy = _module_level_imports(_CORE / "policy.py")
+    assert not any(n.startswith("shardwise.sharding") for n in policy), policy
+    for path in (_CORE / "sharding").glob("*.py"):
+        imports = _module_level_imports(path)
+        assert not any(n.startswith(("shardwise.policy", "shardwise.plan")) for n in imports), (
+            path.name, imports)
+    layout = _module_level_imports(_CORE / "layout.py")
+    assert layout <= {"shardwise.errors", "shardwise.errors.ConfigError"}, layout
