@@ -183,6 +183,41 @@ def test_two_ranks_bind_the_tp_group_and_sharding_undoes_by_gathering(tmp_path):
         assert value["plan"] == [2, rank, True, [2 * rank, 2 * rank + 2], 2]
 
 
+# ----- the cast's recorded undo ------------------------------------------------------------------
+
+def test_cast_and_move_records_a_cast_back_that_says_it_is_lossy():
+    from shardwise.ledger import Ledger
+    from shardwise.transforms import cast_and_move
+
+    model = tiny_causal_lm("llama")
+    weight = model.lm_head.weight
+    original = weight.detach().clone()
+    ints = {n: b.dtype for n, b in model.named_buffers() if not b.is_floating_point()}
+    ledger = Ledger(model)
+    with ledger.recording():
+        cast_and_move(model, torch.device("cpu"), torch.bfloat16)
+    [(what, undo)] = ledger._undo
+    assert "lossy" in what and "float32 -> bfloat16" in what
+    assert weight.dtype == torch.bfloat16 and model.config.dtype == torch.bfloat16
+    undo()  # from what the model holds now: no copy of the float32 weights was kept
+    assert weight.dtype == torch.float32 and model.lm_head.weight is weight
+    assert model.config.dtype == torch.float32
+    assert torch.equal(weight, original.bfloat16().float())  # the rounding stays
+    assert {n: b.dtype for n, b in model.named_buffers() if not b.is_floating_point()} == ints
+
+
+def test_a_widening_cast_back_is_not_called_lossy():
+    from shardwise.ledger import Ledger
+    from shardwise.transforms import cast_and_move
+
+    model = tiny_causal_lm("llama", dtype=torch.bfloat16)
+    ledger = Ledger(model)
+    with ledger.recording():
+        cast_and_move(model, torch.device("cpu"), torch.float32)
+    [(what, _)] = ledger._undo
+    assert "lossy" not in what and "float32" in what
+
+
 # ----- no import-time cycle --------------------------------------------------------------------
 
 _IMPORT_EACH_FIRST = textwrap.dedent("""
