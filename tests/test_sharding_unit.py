@@ -15,6 +15,7 @@ from shardwise.sharding import (ColumnParallel, Even, Fused, HeadPartition, Head
                                 choose_plan, even_sizes, heuristic_plan, pattern_matches,
                                 plan_from_hf, prepare, prepare_for, slice_all, slice_module,
                                 tp_world_problem)
+from families import families
 from models import tiny_causal_lm
 
 
@@ -397,7 +398,7 @@ def _falcon_attention_output(model, x):
     return out
 
 
-@pytest.mark.parametrize("arch", ["falcon", "falcon-mqa", "falcon-7heads-mqa"])
+@pytest.mark.parametrize("arch", families(model_type="falcon", positions="rotary"))
 def test_falcon_attention_slices_on_each_rank_sum_to_the_whole(arch):
     from shardwise.sharding.apply import set_attention_attrs
 

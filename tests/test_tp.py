@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 import shardwise
+from families import families
 from models import prompt_ids, tiny_causal_lm
 from tp_harness import TP, assert_parity, case, digest, hf_case, run_cases, run_pair
 
@@ -120,8 +121,9 @@ def ranks(tmp_path_factory):
 
 # ----- the tests ----------------------------------------------------------------------------------
 
-PARITY = ["llama", "mistral", "qwen2", "gpt2", "opt", "llama-7heads", "llama-gqa-6q3kv",
-          "llama-injection-policy"]
+#: the model types whose TP=2 families (tests/families.py) this file runs, and a user's policy
+MODEL_TYPES = ("llama", "mistral", "qwen2", "gpt2", "opt")
+PARITY = [*families(tp=True, model_type=MODEL_TYPES), "llama-injection-policy"]
 
 
 @pytest.mark.slow
@@ -131,7 +133,8 @@ def test_tp2_matches_the_single_process_model(ranks, name):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["llama", "qwen2", "gpt2", "opt", "llama-injection-policy"])
+@pytest.mark.parametrize("name", [*families(tp_even=True, model_type=MODEL_TYPES),
+                                  "llama-injection-policy"])
 def test_each_rank_holds_half_of_the_sharded_weights(ranks, name):
     r0, r1 = case(ranks, name)
     assert r0["rank_bytes"] == r1["rank_bytes"]

@@ -28,6 +28,7 @@ import re
 import pytest
 
 import shardwise
+from families import families
 from models import tiny_causal_lm
 from shardwise.policies.gpt_neox import GPTNeoXPolicy
 from shardwise.policy import find_policy
@@ -117,9 +118,10 @@ def ranks(tmp_path_factory):
 
 # ----- the tests ----------------------------------------------------------------------------------
 
-PARITY = ["gpt_neo", "gptj", "gpt_neox", "phi3", "phi3-eager", "gpt_neox-7heads",
-          "gpt_neox-policy-plan"]
-EVEN = ["gpt_neo", "gptj", "gpt_neox", "phi3", "gpt_neox-policy-plan"]
+#: the TP=2 families of these model types (tests/families.py), and the cases of their own
+FAMILIES = families(tp=True, model_type=list(POLICIES))
+PARITY = [*FAMILIES, "phi3-eager", "gpt_neox-policy-plan"]
+EVEN = [*families(tp_even=True, model_type=list(POLICIES)), "gpt_neox-policy-plan"]
 
 
 @pytest.mark.slow
@@ -217,7 +219,7 @@ def test_interleaved_layout_keeps_whole_head_blocks_for_uneven_heads():
     assert [layout.ranges(336, c) for c in ctx] == [[(0, 192)], [(192, 336)]]
 
 
-@pytest.mark.parametrize("arch", ["gpt_neo", "gptj", "gpt_neox", "phi3", "gpt_neox-7heads"])
+@pytest.mark.parametrize("arch", FAMILIES)
 def test_every_rank_slice_together_covers_each_weight_once(arch):
     """Across the ranks, each sharded module's kept indices along its split dimension are
     disjoint and cover it whole (what the all-reduce / all-gather afterwards relies on)."""
