@@ -17,7 +17,7 @@ attention instance narrows ``alibi`` to those heads (their slopes, not the first
 head count.
 """
 
-from shardwise.inject.spec import InjectionSpec
+from shardwise.inject.spec import MLP, Attention, InjectionSpec, Positions, Residual
 from shardwise.policy import Policy
 from shardwise.sharding import HeadSlicedInput
 from shardwise.sharding.roles import (ColumnParallel, Heads, PerHeadInterleaved, RowParallel,
@@ -47,11 +47,13 @@ class BloomPolicy(Policy):
     # rank's slopes), tanh-GELU MLP (BLOOM's config names no activation).
     injection = InjectionSpec(
         base_model="transformer", layers="h", embed="word_embeddings",
-        embed_norm="word_embeddings_layernorm", final_norm="ln_f", norm="layer",
-        attn_norm="input_layernorm", mlp_norm="post_attention_layernorm",
-        qkv=("self_attention.query_key_value",), qkv_layout="grouped",
-        out_proj="self_attention.dense", positions="alibi", mlp="plain",
-        mlp_in=("mlp.dense_h_to_4h",), mlp_out="mlp.dense_4h_to_h", activation_config=(),
-        activation="gelu_pytorch_tanh",
+        positions=Positions("alibi"),
+        attention=Attention(qkv=("self_attention.query_key_value",), qkv_layout="grouped",
+                            out_proj="self_attention.dense"),
+        mlp=MLP("plain", in_proj=("mlp.dense_h_to_4h",), out_proj="mlp.dense_4h_to_h",
+                activation_config=(), activation="gelu_pytorch_tanh"),
+        residual=Residual("layer", attn_norm="input_layernorm",
+                          mlp_norm="post_attention_layernorm", final_norm="ln_f",
+                          embed_norm="word_embeddings_layernorm"),
         refuse_config=(("apply_residual_connection_post_layernorm", True,
                         "the residual taken after the LayerNorm"),))

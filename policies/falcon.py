@@ -24,11 +24,19 @@ rotary models passes through). ``parallel_attn`` needs nothing: the attention's 
 the MLP's ``dense_4h_to_h`` each all-reduce before they are added.
 """
 
-from shardwise.inject.spec import InjectionSpec
+from dataclasses import replace
+
+from shardwise.inject.spec import MLP, Attention, InjectionSpec, Positions, Residual
 from shardwise.policy import IfConfig, Policy
 from shardwise.sharding import HeadSlicedInput
 from shardwise.sharding.roles import (ColumnParallel, GroupedInterleaved, Heads, RowParallel,
                                       VocabParallelEmbedding, VocabParallelHead)
+
+#: the residual forms of the injected layer: sequential from two norms, or attention and MLP in
+#: parallel from one (``injection_overrides`` picks by config)
+SEQUENTIAL = Residual("layer", attn_norm="input_layernorm", mlp_norm="post_attention_layernorm",
+                      final_norm="ln_f")
+PARALLEL = replace(SEQUENTIAL, mlp_norm=None, parallel=True)
 
 
 class FalconPolicy(Policy):
@@ -60,19 +68,20 @@ class FalconPolicy(Policy):
     # Kernel injection: fused qkv in the grouped layout (all three Falcon layouts are one, see
     # above); the sequential, rotary form below, changed by the config as the HF layer is.
     injection = InjectionSpec(
-        base_model="transformer", layers="h", embed="word_embeddings", final_norm="ln_f",
-        norm="layer", attn_norm="input_layernorm", mlp_norm="post_attention_layernorm",
-        qkv=("self_attention.query_key_value",), qkv_layout="grouped",
-        out_proj="self_attention.dense", positions="rotary", rotary_module="rotary_emb",
-        mlp="plain", mlp_in=("mlp.dense_h_to_4h",), mlp_out="mlp.dense_4h_to_h",
-        activation_config=("activation",))
+        base_model="transformer", layers="h", embed="word_embeddings",
+        positions=Positions("rotary", rotary_module="rotary_emb"),
+        attention=Attention(qkv=("self_attention.query_key_value",), qkv_layout="grouped",
+                            out_proj="self_attention.dense"),
+        mlp=MLP("plain", in_proj=("mlp.dense_h_to_4h",), out_proj="mlp.dense_4h_to_h",
+                activation_config=("activation",)),
+        residual=SEQUENTIAL)
     injection_overrides = (
         # ALiBi, scaled with the scores (FalconAttention multiplies after adding it)
-        ({"alibi": True}, {"positions": "alibi", "rotary_module": None, "alibi_scaled": True}),
+        ({"alibi": True}, {"positions": Positions("alibi", alibi_scaled=True)}),
         # attention and MLP in parallel from one norm (Falcon-7B, and the new architecture) …
-        ({"parallel_attn": True}, {"parallel_residual": True, "mlp_norm": None}),
-        ({"new_decoder_architecture": True}, {"parallel_residual": True, "mlp_norm": None}),
+        ({"parallel_attn": True}, {"residual": PARALLEL}),
+        ({"new_decoder_architecture": True}, {"residual": PARALLEL}),
         # … or from two (Falcon-40B/180B)
         ({"new_decoder_architecture": True, "num_ln_in_parallel_attn": 2},
-         {"attn_norm": "ln_attn", "mlp_norm": "ln_mlp"}),
+         {"residual": replace(PARALLEL, attn_norm="ln_attn", mlp_norm="ln_mlp")}),
     )

@@ -1,7 +1,7 @@
 """GPT-2 policy: fused ``c_attn`` Conv1D (weight [hidden, 3*hidden] = [q | k | v] on the output
 side), tied wte / lm_head, no HF tp_plan."""
 
-from shardwise.inject.spec import InjectionSpec
+from shardwise.inject.spec import MLP, Attention, InjectionSpec, Positions, Residual
 from shardwise.policy import Policy
 from shardwise.sharding.roles import (ColumnParallel, Fused, Heads, RowParallel,
                                       VocabParallelEmbedding, VocabParallelHead)
@@ -28,9 +28,11 @@ class GPT2Policy(Policy):
     # Kernel injection: LayerNorm, learned positions (wpe), fused c_attn [q | k | v] Conv1D,
     # bias+GELU MLP (the activation named by activation_function: gelu_new = tanh).
     injection = InjectionSpec(
-        base_model="transformer", layers="h", embed="wte", final_norm="ln_f", norm="layer",
-        attn_norm="ln_1", mlp_norm="ln_2", qkv=("attn.c_attn",), out_proj="attn.c_proj",
-        positions="learned", pos_embed="wpe", mlp="plain", mlp_in=("mlp.c_fc",),
-        mlp_out="mlp.c_proj", activation_config=("activation_function",),
-        inverse_layer_scale_config="scale_attn_by_inverse_layer_idx",
-        unscaled_config="scale_attn_weights")
+        base_model="transformer", layers="h", embed="wte",
+        positions=Positions("learned", embed="wpe"),
+        attention=Attention(qkv=("attn.c_attn",), out_proj="attn.c_proj",
+                            inverse_layer_scale_config="scale_attn_by_inverse_layer_idx",
+                            unscaled_config="scale_attn_weights"),
+        mlp=MLP("plain", in_proj=("mlp.c_fc",), out_proj="mlp.c_proj",
+                activation_config=("activation_function",)),
+        residual=Residual("layer", attn_norm="ln_1", mlp_norm="ln_2", final_norm="ln_f"))

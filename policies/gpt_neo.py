@@ -4,7 +4,7 @@ sliding-window, attention per layer; the window mask is a per-module buffer over
 is unchanged by the head split), ``c_fc``/``c_proj`` nn.Linear MLP, learned position embeddings
 ``wpe`` (replicated), ``wte`` tied to ``lm_head``, no HF tp_plan."""
 
-from shardwise.inject.spec import InjectionSpec
+from shardwise.inject.spec import MLP, Attention, InjectionSpec, Positions, Residual
 from shardwise.policy import Policy
 from shardwise.sharding.roles import (ColumnParallel, Heads, RowParallel, VocabParallelEmbedding,
                                       VocabParallelHead)
@@ -35,10 +35,12 @@ class GPTNeoPolicy(Policy):
     # Kernel injection: LayerNorm, learned positions (wpe), separate q/k/v, bias+GELU MLP; GPT-Neo
     # does not scale attention scores, and its "local" layers attend over window_size tokens.
     injection = InjectionSpec(
-        base_model="transformer", layers="h", embed="wte", final_norm="ln_f", norm="layer",
-        attn_norm="ln_1", mlp_norm="ln_2",
-        qkv=("attn.attention.q_proj", "attn.attention.k_proj", "attn.attention.v_proj"),
-        out_proj="attn.attention.out_proj", positions="learned", pos_embed="wpe", mlp="plain",
-        mlp_in=("mlp.c_fc",), mlp_out="mlp.c_proj", activation_config=("activation_function",),
-        attention_scale=1.0, window_config="window_size", layer_kinds_config="attention_layers",
-        windowed_kinds=("local",))
+        base_model="transformer", layers="h", embed="wte",
+        positions=Positions("learned", embed="wpe"),
+        attention=Attention(
+            qkv=("attn.attention.q_proj", "attn.attention.k_proj", "attn.attention.v_proj"),
+            out_proj="attn.attention.out_proj", scale=1.0, window_config="window_size",
+            layer_kinds_config="attention_layers", windowed_kinds=("local",)),
+        mlp=MLP("plain", in_proj=("mlp.c_fc",), out_proj="mlp.c_proj",
+                activation_config=("activation_function",)),
+        residual=Residual("layer", attn_norm="ln_1", mlp_norm="ln_2", final_norm="ln_f"))

@@ -10,7 +10,7 @@ output would cut through heads whenever the head count does not divide by tp_siz
 own plan (also sharding ``embed_in``) is used where the HF plan is absent.
 """
 
-from shardwise.inject.spec import InjectionSpec
+from shardwise.inject.spec import MLP, Attention, InjectionSpec, Positions, Residual
 from shardwise.policy import Policy
 from shardwise.sharding.roles import (ColumnParallel, Heads, PerHeadInterleaved, RowParallel,
                                       VocabParallelEmbedding, VocabParallelHead)
@@ -42,9 +42,11 @@ class GPTNeoXPolicy(Policy):
     # Kernel injection: fused qkv [heads, 3, head_dim] (the grouped layout with one q head per
     # group), partial rotary from the model's rotary_emb, the residual form from the config.
     injection = InjectionSpec(
-        base_model="gpt_neox", layers="layers", embed="embed_in", final_norm="final_layer_norm",
-        norm="layer", attn_norm="input_layernorm", mlp_norm="post_attention_layernorm",
-        qkv=("attention.query_key_value",), qkv_layout="grouped", out_proj="attention.dense",
-        positions="rotary", rotary_module="rotary_emb", mlp="plain",
-        mlp_in=("mlp.dense_h_to_4h",), mlp_out="mlp.dense_4h_to_h",
-        parallel_residual_config="use_parallel_residual")
+        base_model="gpt_neox", layers="layers", embed="embed_in",
+        positions=Positions("rotary", rotary_module="rotary_emb"),
+        attention=Attention(qkv=("attention.query_key_value",), qkv_layout="grouped",
+                            out_proj="attention.dense"),
+        mlp=MLP("plain", in_proj=("mlp.dense_h_to_4h",), out_proj="mlp.dense_4h_to_h"),
+        residual=Residual("layer", attn_norm="input_layernorm",
+                          mlp_norm="post_attention_layernorm", final_norm="final_layer_norm",
+                          parallel_config="use_parallel_residual"))

@@ -4,7 +4,7 @@ and MLP in parallel from one LayerNorm (each ends in its own row-parallel all-re
 ``attn + mlp + residual`` is the full one), ``fc_in``/``fc_out`` MLP, untied ``lm_head`` with a
 bias (split with its vocabulary rows), no HF tp_plan."""
 
-from shardwise.inject.spec import InjectionSpec
+from shardwise.inject.spec import MLP, Attention, InjectionSpec, Positions, Residual
 from shardwise.policy import Policy
 from shardwise.sharding.roles import (ColumnParallel, Heads, RowParallel, VocabParallelEmbedding,
                                       VocabParallelHead)
@@ -35,9 +35,11 @@ class GPTJPolicy(Policy):
     # rotary over the first rotary_dim dims of each head (GPT-J has no rotary module: the table
     # is built from rotary_dim), bias+GELU MLP.
     injection = InjectionSpec(
-        base_model="transformer", layers="h", embed="wte", final_norm="ln_f", norm="layer",
-        attn_norm="ln_1", mlp_norm=None, parallel_residual=True,
-        qkv=("attn.q_proj", "attn.k_proj", "attn.v_proj"), out_proj="attn.out_proj",
-        positions="rotary", rotary_style="interleaved", rotary_dim_config="rotary_dim",
-        mlp="plain", mlp_in=("mlp.fc_in",), mlp_out="mlp.fc_out",
-        activation_config=("activation_function",))
+        base_model="transformer", layers="h", embed="wte",
+        positions=Positions("rotary", rotary_style="interleaved", rotary_dim_config="rotary_dim"),
+        attention=Attention(qkv=("attn.q_proj", "attn.k_proj", "attn.v_proj"),
+                            out_proj="attn.out_proj"),
+        mlp=MLP("plain", in_proj=("mlp.fc_in",), out_proj="mlp.fc_out",
+                activation_config=("activation_function",)),
+        residual=Residual("layer", attn_norm="ln_1", mlp_norm=None, final_norm="ln_f",
+                          parallel=True))

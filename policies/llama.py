@@ -6,7 +6,7 @@ grouped-query attention split by whole heads/kv groups) and the attention attrib
 the split — and its own plan for when the HF one is absent.
 """
 
-from shardwise.inject.spec import InjectionSpec
+from shardwise.inject.spec import MLP, Attention, InjectionSpec, Positions, Residual
 from shardwise.policy import Policy
 from shardwise.sharding.roles import (ColumnParallel, Heads, RowParallel, VocabParallelEmbedding,
                                       VocabParallelHead)
@@ -38,12 +38,15 @@ class LlamaPolicy(Policy):
     # Kernel injection: RMSNorm, rotary "half" from the model's own rotary_emb (rope scaling
     # included), SiLU-and-mul MLP, separate q/k/v (GQA read from the weight shapes).
     injection = InjectionSpec(
-        base_model="model", layers="layers", embed="embed_tokens", final_norm="norm",
-        norm="rms", attn_norm="input_layernorm", mlp_norm="post_attention_layernorm",
-        qkv=("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-        out_proj="self_attn.o_proj", positions="rotary", rotary_module="rotary_emb",
-        rotary_style="half", mlp="gated", mlp_in=("mlp.gate_proj", "mlp.up_proj"),
-        mlp_out="mlp.down_proj", activation_config=("hidden_act",),
-        # Mistral: one window for every layer; Qwen2: the layers its layer_types mark sliding
-        window_config="sliding_window", layer_kinds_config="layer_types",
-        windowed_kinds=("sliding_attention",))
+        base_model="model", layers="layers", embed="embed_tokens",
+        positions=Positions("rotary", rotary_module="rotary_emb", rotary_style="half"),
+        attention=Attention(
+            qkv=("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+            out_proj="self_attn.o_proj",
+            # Mistral: one window for every layer; Qwen2: the layers its layer_types mark sliding
+            window_config="sliding_window", layer_kinds_config="layer_types",
+            windowed_kinds=("sliding_attention",)),
+        mlp=MLP("gated", in_proj=("mlp.gate_proj", "mlp.up_proj"), out_proj="mlp.down_proj",
+                activation_config=("hidden_act",)),
+        residual=Residual("rms", attn_norm="input_layernorm",
+                          mlp_norm="post_attention_layernorm", final_norm="norm"))

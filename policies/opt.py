@@ -2,7 +2,7 @@
 (``word_embed_proj_dim`` may differ from hidden: project_in/out stay replicated), no HF
 tp_plan."""
 
-from shardwise.inject.spec import InjectionSpec
+from shardwise.inject.spec import MLP, Attention, InjectionSpec, Positions, Residual
 from shardwise.policy import Policy
 from shardwise.sharding.roles import (ColumnParallel, Heads, RowParallel, VocabParallelEmbedding,
                                       VocabParallelHead)
@@ -28,13 +28,14 @@ class OPTPolicy(Policy):
     # from each sequence's first real token, ReLU MLP, optional project_in/project_out.
     injection = InjectionSpec(
         base_model="model.decoder", layers="layers", embed="embed_tokens",
-        final_norm="final_layer_norm", norm="layer", attn_norm="self_attn_layer_norm",
-        mlp_norm="final_layer_norm",
-        qkv=("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-        out_proj="self_attn.out_proj", positions="learned", pos_embed="embed_positions",
-        pos_offset=2, positions_from_mask=True, mlp="plain", mlp_in=("fc1",), mlp_out="fc2",
-        activation_config=("activation_function",), project_in="project_in",
-        project_out="project_out",
+        positions=Positions("learned", embed="embed_positions", offset=2, from_mask=True),
+        attention=Attention(qkv=("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+                            out_proj="self_attn.out_proj"),
+        mlp=MLP("plain", in_proj=("fc1",), out_proj="fc2",
+                activation_config=("activation_function",)),
+        residual=Residual("layer", attn_norm="self_attn_layer_norm",
+                          mlp_norm="final_layer_norm", final_norm="final_layer_norm"),
+        project_in="project_in", project_out="project_out",
         refuse_config=(("do_layer_norm_before", False, "post-LayerNorm layers, as in opt-350m"),
                        ("layer_norm_elementwise_affine", False, "LayerNorms without weights"),
                        ("_remove_final_layer_norm", True, "no final LayerNorm")))

@@ -11,7 +11,7 @@ The attention forward finds the end of q with ``self.config.num_attention_heads 
 head counts (the model's config is unchanged).
 """
 
-from shardwise.inject.spec import InjectionSpec
+from shardwise.inject.spec import MLP, Attention, InjectionSpec, Positions, Residual
 from shardwise.policy import Policy
 from shardwise.sharding.roles import (ColumnParallel, Fused, Heads, RowParallel,
                                       VocabParallelEmbedding, VocabParallelHead)
@@ -43,8 +43,10 @@ class Phi3Policy(Policy):
     # Kernel injection: RMSNorm, fused qkv [q | k | v], rotary from rotary_emb (partial and
     # long-rope scaling included), fused [gate | up] SiLU MLP, sliding window when configured.
     injection = InjectionSpec(
-        base_model="model", layers="layers", embed="embed_tokens", final_norm="norm", norm="rms",
-        attn_norm="input_layernorm", mlp_norm="post_attention_layernorm",
-        qkv=("self_attn.qkv_proj",), out_proj="self_attn.o_proj", positions="rotary",
-        rotary_module="rotary_emb", mlp="gated", mlp_in=("mlp.gate_up_proj",),
-        mlp_out="mlp.down_proj", window_config="sliding_window")
+        base_model="model", layers="layers", embed="embed_tokens",
+        positions=Positions("rotary", rotary_module="rotary_emb"),
+        attention=Attention(qkv=("self_attn.qkv_proj",), out_proj="self_attn.o_proj",
+                            window_config="sliding_window"),
+        mlp=MLP("gated", in_proj=("mlp.gate_up_proj",), out_proj="mlp.down_proj"),
+        residual=Residual("rms", attn_norm="input_layernorm",
+                          mlp_norm="post_attention_layernorm", final_norm="norm"))

@@ -211,6 +211,127 @@ def test_config_rules():
         shardwise.init_inference(model, device="cpu", max_tokens=64)
 
 
+# ----- the spec's groups, and injection recorded in the ledger ------------------------------------
+
+def _llama_spec():
+    from shardwise.policies.llama import LlamaPolicy
+
+    return LlamaPolicy.injection
+
+
+def test_flat_spec_fields_are_refused_naming_their_group():
+    """A plugin policy written against the flat fields of earlier versions gets the mapping to
+    the groups when it builds, replaces or reads one — not an AttributeError deep in inject."""
+    import dataclasses
+
+    from shardwise.inject.spec import InjectionSpec, MovedFieldError
+
+    with pytest.raises(MovedFieldError) as err:
+        InjectionSpec(base_model="model", layers="layers", embed="embed_tokens",
+                      final_norm="norm", norm="rms", attn_norm="input_layernorm",
+                      mlp_norm="post_attention_layernorm", qkv=("qkv",), out_proj="o",
+                      positions="rotary", rotary_module="rotary_emb", mlp="gated",
+                      mlp_in=("gate_up",), mlp_out="down")
+    text = str(err.value)
+    for moved in ("norm -> residual.norm", "qkv -> attention.qkv", "mlp_in -> mlp.in_proj",
+                  "rotary_module -> positions.rotary_module", "positions='rotary' -> Positions(",
+                  "mlp='gated' -> MLP("):
+        assert moved in text, moved
+    assert isinstance(err.value, ConfigError)
+    spec = _llama_spec()
+    with pytest.raises(MovedFieldError, match="alibi_scaled -> positions.alibi_scaled"):
+        dataclasses.replace(spec, alibi_scaled=True)  # a flat injection_overrides row
+    with pytest.raises(MovedFieldError, match="moved to InjectionSpec.attention.window_config"):
+        spec.window_config
+    assert not hasattr(spec, "pos_offset") and not hasattr(spec, "no_such_field")
+
+
+def test_spec_groups_are_validated():
+    import dataclasses
+
+    from shardwise.inject.spec import MLP, Attention, Positions, Residual
+
+    for build, match in [(lambda: Positions("learned"), "learned positions need embed"),
+                         (lambda: Positions("rope"), "kind='rope'"),
+                         (lambda: Attention(qkv=("q", "k"), out_proj="o"), "qkv="),
+                         (lambda: Attention(qkv=("qkv",), out_proj="o", qkv_layout="heads"),
+                          "qkv_layout"),
+                         (lambda: MLP("gated", in_proj=("g", "u", "x"), out_proj="d"), "in_proj"),
+                         (lambda: MLP("plain", in_proj=("i",), out_proj="d", activation="tanh"),
+                          "activation='tanh'"),
+                         (lambda: Residual("rms", attn_norm="n", mlp_norm=None, final_norm="f"),
+                          "mlp_norm=None needs parallel"),
+                         (lambda: dataclasses.replace(_llama_spec(), attention=MLP(
+                             "plain", in_proj=("i",), out_proj="d")), "attention=.*Attention")]:
+        with pytest.raises(ValueError, match=match):
+            build()
+
+
+def test_falcon_variants_replace_whole_groups():
+    from transformers import FalconConfig
+
+    from shardwise.policies.falcon import FalconPolicy
+
+    policy = FalconPolicy()
+    base = policy.injection_spec(FalconConfig(alibi=False, parallel_attn=False,
+                                              new_decoder_architecture=False))
+    assert base.positions.kind == "rotary" and not base.residual.parallel
+    alibi = policy.injection_spec(FalconConfig(alibi=True, parallel_attn=True,
+                                               new_decoder_architecture=False))
+    assert (alibi.positions.kind, alibi.positions.rotary_module) == ("alibi", None)
+    assert alibi.positions.alibi_scaled and alibi.residual.parallel
+    assert alibi.residual.mlp_norm is None and alibi.attention == base.attention
+    two_norms = policy.injection_spec(FalconConfig(new_decoder_architecture=True,
+                                                   num_ln_in_parallel_attn=2))
+    assert two_norms.residual.parallel
+    assert (two_norms.residual.attn_norm, two_norms.residual.mlp_norm) == ("ln_attn", "ln_mlp")
+
+
+def test_injection_records_its_stack_swap_in_the_active_ledger():
+    """The swap of the HF base model is in the ledger's log: giving the log back (with a
+    snapshot of an unrelated module, so only the log can do it) puts the HF stack back."""
+    from shardwise.inject import inject_model
+    from shardwise.ledger import Ledger
+
+    model = tiny_causal_lm("opt")  # base model "model.decoder": a nested parent
+    hf_stack = model.model.decoder
+    ledger = Ledger(torch.nn.Module())
+    with ledger.recording():
+        stack = inject_model(model, shardwise.get_accelerator("cpu"), torch.float32, 64)
+    assert model.model.decoder is stack and isinstance(stack, InjectedModel)
+    assert any("InjectedModel" in what for what in ledger.undos)
+    ledger.give_back()
+    assert model.model.decoder is hf_stack
+
+
+def test_injection_adopts_the_modules_it_finds():
+    """Whatever module sits at a projection's name when injection runs (here a stand-in for a
+    quantized linear) is the one the injected layer calls."""
+    from shardwise.inject import inject_model
+
+    class CountingLinear(torch.nn.Linear):
+        calls = 0
+
+        def forward(self, x):
+            CountingLinear.calls += 1
+            return super().forward(x)
+
+    model = tiny_causal_lm("llama")
+    for layer in model.model.layers:
+        old = layer.mlp.down_proj
+        new = CountingLinear(old.in_features, old.out_features, bias=False)
+        new.weight = old.weight
+        layer.mlp.down_proj = new
+    ids = prompt_ids(1, 4)
+    with torch.no_grad():
+        expected = model(ids).logits
+        CountingLinear.calls = 0
+        inject_model(model, shardwise.get_accelerator("cpu"), torch.float32, 64)
+        got = model(ids).logits
+    assert CountingLinear.calls == len(model.model.layers)
+    assert (got - expected).abs().max().item() < FP32_ATOL
+
+
 def test_dtype_fallback_logs_once(caplog, monkeypatch):
     # A cpu backend whose bias_gelu takes bf16 only: fp32 GPT-2 runs it on the reference.
     import dataclasses
@@ -260,8 +381,8 @@ def test_graph_safe_decode_step_matches(monkeypatch, arch, capturable):
     ReplayOnCpu.captures = 0
     ref, engine = _pair(arch, enable_graph=True)
     stack = injected_stack(engine.module)
-    assert stack.k.decode_capturable  # the cpu backend's attention_decode is
-    monkeypatch.setattr(stack.k, "decode_capturable", capturable)
+    assert stack.kernels.decode_capturable  # the cpu backend's attention_decode is
+    monkeypatch.setattr(stack.kernels, "decode_capturable", capturable)
     head = engine.module.get_output_embeddings()
     eager_heads = _count_calls(monkeypatch, head.forward, "original")
     ids = prompt_ids(batch=2, length=8)

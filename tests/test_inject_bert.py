@@ -30,12 +30,14 @@ from shardwise.errors import ConfigError, ShardwiseError
 from shardwise.inject import InjectionError, inject_model
 from shardwise.inject.encoder import (EncoderInjectionSpec, InjectedEncoder, InjectedEncoderLayer,
                                       key_padding_mask)
+from families import family
 from models import TINY_CONFIGS, prompt_ids, tiny_encoder
 from tp_harness import TP, case, digest, table_fixture
 
-FP32_ATOL = 4e-6
-BF16_ATOL = 0.07
-TP_BF16_ATOL = 0.094
+BERT = family("bert")  # the one family with bounds of its own: tests/families.py holds them
+FP32_ATOL = BERT.tolerances["inject_fp32"]  # 4e-6
+BF16_ATOL = BERT.tolerances["inject_bf16"]  # 0.07
+TP_BF16_ATOL = BERT.tolerances["inject_tp_bf16"]  # 0.094
 HEADS = ["base", "masked_lm", "classifier"]
 MASKS = ["none", "right", "left"]
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -124,7 +126,7 @@ def test_parity_with_hf(head, dtype, backends):
     encoder = engine.module.base_model.encoder
     assert isinstance(encoder, InjectedEncoder)
     expected_backend = "reference" if backends == "reference" else "cpu"
-    assert encoder.k.backends["attention_prefill"] == expected_backend
+    assert encoder.kernels.backends["attention_prefill"] == expected_backend
     worst = {}
     for mask in MASKS:
         inputs = _inputs(mask)
@@ -277,6 +279,22 @@ def test_max_tokens_is_refused_not_ignored_for_an_encoder():
     with pytest.raises(InjectionError, match="max_tokens=64.*encoder"):
         shardwise.init_inference(_model("base"), device="cpu", replace_with_kernel_inject=True,
                                  max_out_tokens=64)
+
+
+def test_injection_records_its_encoder_swap_in_the_active_ledger():
+    """The swap of the HF encoder is in the ledger's log: giving the log back (with a snapshot
+    of an unrelated module, so only the log can do it) puts the HF encoder back."""
+    from shardwise.ledger import Ledger
+
+    model = _model("masked_lm")
+    hf_encoder = model.bert.encoder
+    ledger = Ledger(torch.nn.Module())
+    with ledger.recording():
+        encoder = inject_model(model, shardwise.get_accelerator("cpu"), torch.float32, None)
+    assert model.bert.encoder is encoder and isinstance(encoder, InjectedEncoder)
+    assert any("InjectedEncoder" in what for what in ledger.undos)
+    ledger.give_back()
+    assert model.bert.encoder is hf_encoder
 
 
 def test_spec_is_validated():

@@ -69,7 +69,7 @@ def _run_case(rank: int, arch: str, dtype: torch.dtype, graphs: str | None) -> d
                 forced_max_abs=(forced_logits - forced_ref).abs().max().item(),
                 tokens_equal=torch.equal(tokens, ref_tokens), digest=digest(logits),
                 injected=isinstance(stack, InjectedModel),
-                local_q_heads=stack.m.layers[0].q_heads,
+                local_q_heads=stack.parts.layers[0].q_heads,
                 graphs=stack.graphs is not None,
                 compiles=getattr(getattr(stack.graphs, "strategy", None), "compiles", None),
                 buckets=sorted(stack.graphs.buckets()) if stack.graphs else None)

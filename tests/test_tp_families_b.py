@@ -29,7 +29,7 @@ import pytest
 import torch
 
 import shardwise
-from families import families
+from families import families, family
 from models import prompt_ids, tiny_causal_lm, tiny_encoder
 from shardwise.policy import find_policy
 from shardwise.sharding import HeadSlicedInput, shard_model
@@ -37,7 +37,7 @@ from tp_harness import (ATOL, NEW_TOKENS, TP, _expected_rank_bytes, _with_random
                         digest, hf_case, run_cases, run_pair)
 
 #: BERT's hidden states and MLM logits (fp32): measured ≤ 4.8e-7 (bert-mlm last_hidden_state)
-BERT_ATOL = 1e-6
+BERT_ATOL = family("bert").tolerances["tp_fp32"]  # 1e-6 (tests/families.py)
 CAUSAL = families(kind="causal", tp=True, model_type=("bloom", "falcon"))  # tests/families.py
 POLICIES = {"bloom": "BloomPolicy", "falcon": "FalconPolicy", "bert": "BertPolicy"}
 

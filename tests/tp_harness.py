@@ -137,6 +137,9 @@ def run_pair(run_all, tmp_dir, deadline_s: float = 240) -> list[dict]:
 
 def case(ranks, name) -> tuple[dict, dict]:
     """Results of case ``name`` on rank 0 and rank 1 (failing if either raised)."""
+    if name not in ranks[0]:
+        pytest.fail(f"case {name!r} was not run: add it to the module's case table "
+                    f"(ran: {', '.join(ranks[0])})")
     r0, r1 = ranks[0][name], ranks[1][name]
     for r in (r0, r1):
         assert r["ok"], r.get("trace", r.get("error"))

@@ -230,7 +230,7 @@ def _share_weights(model: nn.Module, head: nn.Module | None, strategy: GraphStra
 
 def _trial_capture(stack: InjectedModel, graphs: DecodeGraphs, accelerator: Accelerator,
                    strategy: GraphStrategy) -> None:
-    weight = stack.m.final_norm.weight
+    weight = stack.parts.final_norm.weight
     try:
         with torch.inference_mode():
             cache = stack.new_cache(1, weight.dtype, weight.device)

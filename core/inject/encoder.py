@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from types import SimpleNamespace
 from typing import Any, Callable
 
 import torch
@@ -36,6 +35,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPastAndCrossAttenti
 
 from ..accelerator import Accelerator
 from ..errors import ShardwiseError
+from ..ledger import replace_module
 from .injector import InjectionError, resolve_ops
 from .layers import out_width
 from .spec import ACTIVATIONS
@@ -180,6 +180,29 @@ def _bool_or_additive(mask: torch.Tensor) -> torch.Tensor:
 
 # ----- modules ------------------------------------------------------------------------------------
 
+@dataclass(frozen=True)
+class EncoderLayerParts:
+    """The adopted submodules one encoder layer calls, as plain (unregistered) references: the
+    layer registered them under their HF names, so ``state_dict`` names stay HF's. Each is used
+    as found (a linear, a ``Conv1D``, a quantized linear) and called as a module, so its hooks
+    (tensor-parallel all-reduce) run."""
+
+    qkv: tuple[nn.Module, ...]  # query, key, value — or one fused [q | k | v]
+    out_proj: nn.Module
+    attn_norm: nn.Module
+    mlp_in: nn.Module
+    mlp_out: nn.Module
+    mlp_norm: nn.Module
+
+    @classmethod
+    def of(cls, layer: nn.Module, spec: "EncoderInjectionSpec") -> "EncoderLayerParts":
+        """The modules ``spec`` names, read from ``layer`` now."""
+        get = layer.get_submodule
+        return cls(qkv=tuple(get(n) for n in spec.qkv), out_proj=get(spec.out_proj),
+                   attn_norm=get(spec.attn_norm), mlp_in=get(spec.mlp_in),
+                   mlp_out=get(spec.mlp_out), mlp_norm=get(spec.mlp_norm))
+
+
 class InjectedEncoderLayer(nn.Module):
     """One post-norm encoder layer on the registry's kernels (see the module docstring)."""
 
@@ -188,10 +211,10 @@ class InjectedEncoderLayer(nn.Module):
         super().__init__()
         for name, child in hf_layer.named_children():  # adopt: same names, same parameters
             self.add_module(name, child)
-        self.spec, self.k = spec, kernels
+        self.spec, self.kernels = spec, kernels
         self.head_dim, self.scale, self.approximate = head_dim, scale, approximate
-        self.rebind()
-        qkv = self.m.qkv
+        self._bind_adopted()
+        qkv = self.parts.qkv
         widths = [out_width(qkv[0]) // 3] * 3 if len(qkv) == 1 else [out_width(p) for p in qkv]
         if len(set(widths)) != 1 or widths[0] % head_dim:
             raise InjectionError(f"q/k/v widths {widths} are not equal multiples of head_dim "
@@ -199,36 +222,38 @@ class InjectedEncoderLayer(nn.Module):
         self.width = widths[0]  # local heads × head_dim (this rank's heads under TP)
         self.heads = self.width // head_dim
 
-    def rebind(self) -> None:
-        """(Re)read the adopted submodules named by the spec (after a transform replaced some,
-        e.g. quantized linears)."""
-        get, spec = self.get_submodule, self.spec
-        # plain (unregistered) references to adopted modules: state_dict names stay HF's
-        self.m = SimpleNamespace(qkv=tuple(get(n) for n in spec.qkv), out=get(spec.out_proj),
-                                 attn_norm=get(spec.attn_norm), mlp_in=get(spec.mlp_in),
-                                 mlp_out=get(spec.mlp_out), mlp_norm=get(spec.mlp_norm))
+    def _bind_adopted(self) -> None:
+        """Read the adopted submodules named by the spec, once: injection runs after every
+        transform that swaps modules (quantization), so they are the ones the model keeps."""
+        self.parts = EncoderLayerParts.of(self, self.spec)
 
     def forward(self, x: torch.Tensor, key_padding_mask: torch.Tensor | None) -> torch.Tensor:
         """x [batch, seq, hidden], key_padding_mask [batch, seq] bool or None → [batch, seq,
         hidden]."""
-        x = self._norm(self.m.attn_norm, self._attention(x, key_padding_mask), x)
-        h = self.k.act(self.m.mlp_in(x), None, self.approximate)  # [batch, seq, inter (local)]
-        return self._norm(self.m.mlp_norm, self.m.mlp_out(h), x)
+        parts = self.parts
+        x = self._norm(parts.attn_norm, self._attention(x, key_padding_mask), x)
+        # [batch, seq, intermediate (this rank's part under TP)]
+        activated = self.kernels.act(parts.mlp_in(x), None, self.approximate)
+        return self._norm(parts.mlp_norm, parts.mlp_out(activated), x)
 
     def _norm(self, module: nn.Module, delta: torch.Tensor, residual: torch.Tensor):
         """LayerNorm(delta + residual), fused: [batch, seq, hidden]."""
-        return self.k.norm(delta, module.weight, module.bias, module.eps, residual=residual)[0]
+        return self.kernels.norm(delta, module.weight, module.bias, module.eps,
+                                 residual=residual)[0]
 
     def _attention(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """x [b, s, hidden] → the attention's output projection [b, s, hidden]."""
         b, s, _ = x.shape
-        if len(self.m.qkv) == 1:
-            q, k, v = self.m.qkv[0](x).split(self.width, dim=-1)  # each [b, s, heads * d]
+        qkv = self.parts.qkv
+        if len(qkv) == 1:
+            q, k, v = qkv[0](x).split(self.width, dim=-1)  # each [b, s, heads * d]
         else:
-            q, k, v = (p(x) for p in self.m.qkv)
+            q, k, v = (proj(x) for proj in qkv)
         q, k, v = (t.view(b, s, self.heads, self.head_dim).transpose(1, 2)  # [b, heads, s, d]
                    for t in (q, k, v))
-        o = self.k.attention(q, k, v, causal=False, key_padding_mask=mask, scale=self.scale)
-        return self.m.out(o.transpose(1, 2).reshape(b, s, self.width))  # [b, s, hidden]
+        context = self.kernels.attention(q, k, v, causal=False, key_padding_mask=mask,
+                                         scale=self.scale)  # [b, heads, s, d]
+        return self.parts.out_proj(context.transpose(1, 2).reshape(b, s, self.width))
 
 
 class InjectedEncoder(nn.Module):
@@ -244,7 +269,7 @@ class InjectedEncoder(nn.Module):
                  approximate: str, config: Any) -> None:
         super().__init__()
         self.config = config  # the model's (shared) config: output_* flags are read from it
-        self.spec, self.k = spec, kernels
+        self.spec, self.kernels = spec, kernels
         hf_layers = hf_encoder.get_submodule(spec.layers)
         layers = nn.ModuleList(InjectedEncoderLayer(layer, spec, kernels, head_dim, scales[i],
                                                     approximate)
@@ -252,12 +277,6 @@ class InjectedEncoder(nn.Module):
         for name, child in hf_encoder.named_children():  # same names, same order
             self.add_module(name, layers if child is hf_layers else child)
         self._layers = [layers]  # unregistered handle (the ModuleList is registered above)
-
-    def rebind(self) -> None:
-        """(Re)read every adopted submodule the forward calls (see
-        :meth:`InjectedEncoderLayer.rebind`)."""
-        for layer in self._layers[0]:
-            layer.rebind()
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: Any = None,
                 encoder_hidden_states: torch.Tensor | None = None,
@@ -348,7 +367,7 @@ def inject_encoder(model: nn.Module, policy: Any, spec: EncoderInjectionSpec,
     hf_encoder = getattr(parent, attr, None)
     if isinstance(hf_encoder, InjectedEncoder):
         raise InjectionError(f"{type(model).__name__} is already injected")
-    if not isinstance(hf_encoder, nn.Module):
+    if not isinstance(hf_encoder, nn.Module) or parent._modules.get(attr) is not hf_encoder:
         raise InjectionError(f"policy {policy.name!r}: {type(model).__name__} has no encoder "
                              f"{spec.encoder!r}")
     approximate = _check_config(model.config, spec)
@@ -360,7 +379,7 @@ def inject_encoder(model: nn.Module, policy: Any, spec: EncoderInjectionSpec,
     scales = [_scale(layer, spec, counts.head_dim) for layer in hf_layers]
     injected = InjectedEncoder(hf_encoder, spec, kernels, counts.head_dim, scales, approximate,
                                model.config)
-    setattr(parent, attr, injected)
+    replace_module(parent, attr, injected, "injected encoder")
     log.info("shardwise: injected %d %s encoder layers (kernels: %s)", len(hf_layers),
              policy.name, ", ".join(f"{op}={b}" for op, b in kernels.backends.items()))
     return injected

@@ -19,11 +19,12 @@ from shardwise.kernels.reference.attention import alibi_slopes
 from ..accelerator import Accelerator, dtype_name
 from ..errors import ConfigError
 from ..kernel_registry import REFERENCE, KernelImpl, registry
+from ..ledger import replace_module
 from ..policy import HeadCounts
 from ..sharding.partition import HeadPartition
 from .cache import check_kv_fits, free_memory_of, kv_cache_bytes
 from .layers import InjectedModel, Kernels, LayerSetup
-from .spec import ACTIVATIONS, InjectionSpec
+from .spec import ACTIVATIONS, Attention, InjectionSpec, Positions
 
 log = logging.getLogger(__name__)
 
@@ -115,7 +116,7 @@ def _resolve_impls(accelerator: Accelerator, dtype: torch.dtype, ops: dict[str, 
 def resolve_kernels(accelerator: Accelerator, dtype: torch.dtype, spec: InjectionSpec,
                     act_op: str, quiet: bool = False) -> Kernels:
     """The decoder layer's kernels for ``dtype`` (see :func:`resolve_ops`)."""
-    ops = {"norm": "rms_norm" if spec.norm == "rms" else "layer_norm", "rotary": "rotary",
+    ops = {"norm": "rms_norm" if spec.residual.norm == "rms" else "layer_norm", "rotary": "rotary",
            "act": act_op, "attention_prefill": "attention_prefill",
            "attention_decode": "attention_decode", "kv_cache_write": "kv_cache_write"}
     impls = _resolve_impls(accelerator, dtype, ops, "kernel injection", quiet)
@@ -127,11 +128,11 @@ def resolve_kernels(accelerator: Accelerator, dtype: torch.dtype, spec: Injectio
 def _check_config(model: nn.Module, spec: InjectionSpec) -> tuple[str, str]:
     """The (kernel op, GELU approximation) of the model's activation; refuses settings the
     injected layer does not implement."""
-    config = model.config
-    act = _config_value(config, spec.activation_config) or spec.activation
-    if act not in ACTIVATIONS or (ACTIVATIONS[act][0] == "silu_and_mul") != (spec.mlp == "gated"):
+    config, mlp = model.config, spec.mlp
+    act = _config_value(config, mlp.activation_config) or mlp.activation
+    if act not in ACTIVATIONS or (ACTIVATIONS[act][0] == "silu_and_mul") != (mlp.kind == "gated"):
         raise InjectionError(f"activation {act!r} of {type(model).__name__} is not supported by "
-                             f"the injected {spec.mlp} MLP (supported: "
+                             f"the injected {mlp.kind} MLP (supported: "
                              f"{', '.join(ACTIVATIONS)}); run without replace_with_kernel_inject")
     for attr, value, what in spec.refuse_config:
         if getattr(config, attr, None) == value:
@@ -143,35 +144,37 @@ def _check_config(model: nn.Module, spec: InjectionSpec) -> tuple[str, str]:
     return ACTIVATIONS[act]
 
 
-def _scale(config: Any, spec: InjectionSpec, layer: nn.Module, index: int,
+def _scale(config: Any, attention: Attention, layer: nn.Module, index: int,
            head_dim: int) -> float:
     """The attention score scale of decoder layer ``index``."""
-    if spec.attention_scale is not None:
-        return float(spec.attention_scale)
-    attn = layer.get_submodule(spec.out_proj.rpartition(".")[0]) if "." in spec.out_proj \
-        else layer
-    scale = getattr(attn, "scaling", None)
+    if attention.scale is not None:
+        return float(attention.scale)
+    parent = attention.out_proj.rpartition(".")[0]
+    scale = getattr(layer.get_submodule(parent) if parent else layer, "scaling", None)
     if scale is None:
         scale = head_dim ** -0.5
-        if spec.unscaled_config and getattr(config, spec.unscaled_config, True) is False:
+        unscaled = attention.unscaled_config
+        if unscaled and getattr(config, unscaled, True) is False:
             scale = 1.0
-        if spec.inverse_layer_scale_config and getattr(config, spec.inverse_layer_scale_config,
-                                                       False):
+        inverse = attention.inverse_layer_scale_config
+        if inverse and getattr(config, inverse, False):
             scale = scale / float(index + 1)
     return float(scale)
 
 
-def _windows(config: Any, spec: InjectionSpec, n_layers: int,
+def _windows(config: Any, attention: Attention, n_layers: int,
              max_tokens: int) -> list[int | None]:
     """Each layer's sliding window (None: full causal attention, also for a window the static
     cache is too short to ever apply: positions differ by at most max_tokens - 1)."""
-    window = getattr(config, spec.window_config, None) if spec.window_config else None
+    window = getattr(config, attention.window_config, None) if attention.window_config else None
     if not window or window >= max_tokens:
         return [None] * n_layers
-    kinds = getattr(config, spec.layer_kinds_config, None) if spec.layer_kinds_config else None
+    kinds = (getattr(config, attention.layer_kinds_config, None)
+             if attention.layer_kinds_config else None)
     if kinds is None:
         return [int(window)] * n_layers
-    return [int(window) if kind in spec.windowed_kinds else None for kind in kinds[:n_layers]]
+    return [int(window) if kind in attention.windowed_kinds else None
+            for kind in kinds[:n_layers]]
 
 
 def _local_heads(counts: HeadCounts, heads: HeadPartition | None
@@ -188,24 +191,28 @@ def _setups(model: nn.Module, spec: InjectionSpec, hf_layers: nn.ModuleList, cou
             ) -> list[LayerSetup]:
     config, d = model.config, counts.head_dim
     q_heads, kv_heads, (h0, h1) = _local_heads(counts, heads)
-    slopes = alibi_slopes(counts.num_heads)[h0:h1] if spec.positions == "alibi" else None
-    parallel = (bool(getattr(config, spec.parallel_residual_config, False))
-                if spec.parallel_residual_config else spec.parallel_residual)
-    if not parallel and spec.mlp_norm is None:
+    positions, residual = spec.positions, spec.residual
+    slopes = alibi_slopes(counts.num_heads)[h0:h1] if positions.kind == "alibi" else None
+    parallel = (bool(getattr(config, residual.parallel_config, False))
+                if residual.parallel_config else residual.parallel)
+    if not parallel and residual.mlp_norm is None:
         raise InjectionError(f"{type(model).__name__}: the sequential residual form needs the "
                              f"norm before the MLP, which the policy does not name")
     out = []
-    for i, (layer, window) in enumerate(zip(hf_layers, _windows(config, spec, len(hf_layers), max_tokens))):
-        scale = _scale(config, spec, layer, i, d)
-        alibi = None if slopes is None else slopes * (scale if spec.alibi_scaled else 1.0)
+    windows = _windows(config, spec.attention, len(hf_layers), max_tokens)
+    for i, (layer, window) in enumerate(zip(hf_layers, windows)):
+        scale = _scale(config, spec.attention, layer, i, d)
+        alibi = None if slopes is None else slopes * (scale if positions.alibi_scaled else 1.0)
         out.append(LayerSetup(q_heads, kv_heads, d, scale, window, alibi, act[1], parallel))
     return out
 
 
-def _rotary_dim(config: Any, spec: InjectionSpec, head_dim: int) -> int | None:
-    if spec.positions != "rotary" or spec.rotary_module:
+def _rotary_dim(config: Any, positions: Positions, head_dim: int) -> int | None:
+    """Dims rotated per head by a table built here (None: no rotary, or the model's module)."""
+    if positions.kind != "rotary" or positions.rotary_module:
         return None
-    dim = getattr(config, spec.rotary_dim_config, None) if spec.rotary_dim_config else None
+    dim = (getattr(config, positions.rotary_dim_config, None)
+           if positions.rotary_dim_config else None)
     return int(dim or head_dim)
 
 
@@ -260,9 +267,9 @@ def plan_injection(model: nn.Module, accelerator: Accelerator, dtype: torch.dtyp
     base = getattr(parent, attr, None)
     if isinstance(base, InjectedModel):
         raise InjectionError(f"{type(model).__name__} is already injected")
-    if base is None:
+    if not isinstance(base, nn.Module) or parent._modules.get(attr) is not base:
         raise InjectionError(f"policy {policy.name!r}: {type(model).__name__} has no "
-                             f"{spec.base_model!r}")
+                             f"submodule {spec.base_model!r}")
     act = _check_config(model, spec)
     counts = policy.head_counts(model.config)
     if counts is None:
@@ -271,7 +278,7 @@ def plan_injection(model: nn.Module, accelerator: Accelerator, dtype: torch.dtyp
     hf_layers = base.get_submodule(spec.layers)
     return InjectionPlan(policy, spec, parent, attr, base, kernels, hf_layers,
                          _setups(model, spec, hf_layers, counts, heads, act, max_tokens),
-                         _rotary_dim(model.config, spec, counts.head_dim), max_tokens)
+                         _rotary_dim(model.config, spec.positions, counts.head_dim), max_tokens)
 
 
 def check_injection(model: nn.Module, accelerator: Accelerator, dtype: torch.dtype,
@@ -299,9 +306,12 @@ def inject_model(model: nn.Module, accelerator: Accelerator, dtype: torch.dtype,
                  max_tokens: int | None, policy=None, heads: HeadPartition | None = None
                  ) -> nn.Module:
     """Replace ``model``'s decoder stack in place with shardwise's inference layers (run after
-    sharding: the layers use the sharded weights and their hooks). Returns the new stack: an
-    :class:`InjectedModel`, or for an encoder-only family an ``InjectedEncoder``. The model
-    changes in one step, at the end: a failure before leaves it as it was.
+    sharding and quantization: the layers adopt whatever projection modules the model holds —
+    ``nn.Linear``, transformers ``Conv1D``, quantized linears, sharded ones with their hooks —
+    and call them as modules). Returns the new stack: an :class:`InjectedModel`, or for an
+    encoder-only family an ``InjectedEncoder``. The model changes in one step, at the end — a
+    failure before leaves it as it was — recorded in the active ledger
+    (:func:`shardwise.ledger.replace_module`), so ``engine.close()`` puts the HF stack back.
 
     Args:
         max_tokens: the static KV cache's capacity (decoders; None: :data:`DEFAULT_MAX_TOKENS`).
@@ -323,7 +333,7 @@ def inject_model(model: nn.Module, accelerator: Accelerator, dtype: torch.dtype,
     injected = InjectedModel(plan.base, plan.spec, plan.kernels, plan.max_tokens, plan.setups,
                              plan.rotary_dim)
     injected.free_memory = accelerator.free_memory  # checked before each cache allocation
-    setattr(plan.parent, plan.attr, injected)
+    replace_module(plan.parent, plan.attr, injected, "injected decoder stack")
     log.info("shardwise: injected %d %s layers (kernels: %s), static KV cache of %d tokens",
              len(plan.hf_layers), plan.policy.name,
              ", ".join(f"{op}={b}" for op, b in plan.kernels.backends.items()), plan.max_tokens)

@@ -115,11 +115,29 @@ class StepContext:
         return bias[:, :, None, :].to(dtype)
 
 
-class _Refs:
-    """Plain (unregistered) references to modules the layer adopted under their own names."""
+@dataclass(frozen=True)
+class LayerParts:
+    """The adopted submodules one decoder layer calls, as plain (unregistered) references: the
+    layer registered them under their HF names, so ``state_dict`` names stay HF's. Each is used
+    as found — an ``nn.Linear``, a transformers ``Conv1D``, a shardwise quantized linear — and
+    called as a module, so its hooks (tensor-parallel all-reduce) run."""
 
-    def __init__(self, **modules: Any) -> None:
-        self.__dict__.update(modules)
+    attn_norm: nn.Module
+    mlp_norm: nn.Module | None  # None: one norm feeds attention and MLP (parallel residual)
+    qkv: tuple[nn.Module, ...]  # one fused projection, or q, k, v
+    out_proj: nn.Module
+    mlp_in: tuple[nn.Module, ...]  # gate, up — or one (fused [gate | up], or a plain MLP's)
+    mlp_out: nn.Module
+
+    @classmethod
+    def of(cls, layer: nn.Module, spec: InjectionSpec) -> "LayerParts":
+        """The modules ``spec`` names, read from ``layer`` now."""
+        get, residual = layer.get_submodule, spec.residual
+        return cls(attn_norm=get(residual.attn_norm),
+                   mlp_norm=get(residual.mlp_norm) if residual.mlp_norm else None,
+                   qkv=tuple(get(n) for n in spec.attention.qkv),
+                   out_proj=get(spec.attention.out_proj),
+                   mlp_in=tuple(get(n) for n in spec.mlp.in_proj), mlp_out=get(spec.mlp.out_proj))
 
 
 @dataclass(frozen=True)
@@ -140,20 +158,28 @@ class LayerSetup:
 
 
 class InjectedLayer(nn.Module):
-    """One decoder layer: fused residual+norm, attention over the static cache, MLP."""
+    """One decoder layer: fused residual+norm, attention over the static cache, MLP.
+
+    Attributes:
+        spec: the family's :class:`InjectionSpec`.
+        kernels: the op implementations it calls (:class:`Kernels`).
+        parts: the adopted HF submodules it calls (:class:`LayerParts`).
+        setup: this rank's head counts, scale, window, ALiBi slopes (:class:`LayerSetup`).
+    """
 
     def __init__(self, hf_layer: nn.Module, spec: InjectionSpec, kernels: Kernels, index: int,
                  setup: LayerSetup) -> None:
         super().__init__()
         for name, child in hf_layer.named_children():  # adopt: same names, same parameters
             self.add_module(name, child)
-        self.spec, self.k, self.index, self.setup = spec, kernels, index, setup
+        self.spec, self.kernels, self.index, self.setup = spec, kernels, index, setup
         self.head_dim, self.scale = setup.head_dim, setup.scale
         self.q_heads, self.kv_heads = setup.q_heads, setup.kv_heads
+        # output features of q, k, v: [q_heads * head_dim, kv_heads * head_dim (twice)]
         self.widths = [self.q_heads * self.head_dim, *[self.kv_heads * self.head_dim] * 2]
-        self.rebind()
-        self.fused_qkv = len(self.m.qkv) == 1
-        width = sum(out_width(p) for p in self.m.qkv)
+        self._bind_adopted()
+        self.fused_qkv = len(self.parts.qkv) == 1
+        width = sum(out_width(p) for p in self.parts.qkv)
         if width != sum(self.widths):
             raise ShardwiseError(f"layer {index}: the q/k/v projections give {width} features, "
                                  f"not {self.q_heads} q + 2 × {self.kv_heads} kv heads of "
@@ -172,90 +198,103 @@ class InjectedLayer(nn.Module):
             kw["alibi_slopes"] = self.alibi_slopes
         return kw
 
-    def rebind(self) -> None:
-        """(Re)read the adopted submodules named by the spec (after a transform replaced some,
-        e.g. quantized linears)."""
-        get, spec = self.get_submodule, self.spec
-        self.m = _Refs(norm1=get(spec.attn_norm),
-                       norm2=get(spec.mlp_norm) if spec.mlp_norm else None,
-                       qkv=tuple(get(n) for n in spec.qkv), out=get(spec.out_proj),
-                       mlp_in=tuple(get(n) for n in spec.mlp_in), mlp_out=get(spec.mlp_out))
+    def _bind_adopted(self) -> None:
+        """Read the adopted submodules the spec names (:class:`LayerParts`), once: injection
+        runs after every transform that swaps modules (quantization), so they are the ones the
+        model keeps."""
+        self.parts = LayerParts.of(self, self.spec)
 
     def _norm(self, module: nn.Module, x: torch.Tensor, residual: torch.Tensor | None):
+        """(norm(x + residual), x + residual) — fused; residual None: norm(x), x."""
         eps = getattr(module, "variance_epsilon", None)
         eps = module.eps if eps is None else eps
-        if self.spec.norm == "rms":
-            return self.k.norm(x, module.weight, eps, residual=residual)
-        return self.k.norm(x, module.weight, module.bias, eps, residual=residual)
+        if self.spec.residual.norm == "rms":
+            return self.kernels.norm(x, module.weight, eps, residual=residual)
+        return self.kernels.norm(x, module.weight, module.bias, eps, residual=residual)
 
     def forward(self, delta: torch.Tensor, residual: torch.Tensor | None, ctx: StepContext):
-        h, residual = self._norm(self.m.norm1, delta, residual)
-        a = self._attention(h, ctx)
-        if self.setup.parallel:
-            h2 = h if self.m.norm2 is None else self._norm(self.m.norm2, residual, None)[0]
-            return a + self._mlp(h2), residual
-        h2, residual = self._norm(self.m.norm2, a, residual)
-        return self._mlp(h2), residual
+        """``delta`` [b, s, hidden]: the previous layer's output, not yet added to the
+        ``residual`` stream [b, s, hidden] (None before the first layer) → (this layer's delta,
+        the residual stream): each add is fused into the next norm."""
+        parts = self.parts
+        attn_input, residual = self._norm(parts.attn_norm, delta, residual)
+        attn_output = self._attention(attn_input, ctx)  # [b, s, hidden]
+        if self.setup.parallel:  # x + attn(n1(x)) + mlp(n2(x)): both read the same stream
+            mlp_input = attn_input if parts.mlp_norm is None else \
+                self._norm(parts.mlp_norm, residual, None)[0]
+            return attn_output + self._mlp(mlp_input), residual
+        mlp_input, residual = self._norm(parts.mlp_norm, attn_output, residual)
+        return self._mlp(mlp_input), residual
 
-    def _mlp(self, h: torch.Tensor) -> torch.Tensor:
-        mlp_in = self.m.mlp_in
-        if self.spec.mlp == "gated":  # two projections, or one fused [gate | up]
-            up = mlp_in[1](h) if len(mlp_in) == 2 else None
-            return self.m.mlp_out(self.k.act(mlp_in[0](h), up))
+    def _mlp(self, x: torch.Tensor) -> torch.Tensor:
+        """x [b, s, hidden] → [b, s, hidden]."""
+        mlp_in, mlp_out, act = self.parts.mlp_in, self.parts.mlp_out, self.kernels.act
+        if self.spec.mlp.kind == "gated":  # two projections, or one fused [gate | up]
+            up = mlp_in[1](x) if len(mlp_in) == 2 else None
+            return mlp_out(act(mlp_in[0](x), up))
         if self.setup.approximate:
-            return self.m.mlp_out(self.k.act(mlp_in[0](h), None, self.setup.approximate))
-        return self.m.mlp_out(self.k.act(mlp_in[0](h), None))
+            return mlp_out(act(mlp_in[0](x), None, self.setup.approximate))
+        return mlp_out(act(mlp_in[0](x), None))
 
-    def _qkv(self, h: torch.Tensor):
-        """q [b, s, q_heads, d], k and v [b, s, kv_heads, d] from the projection(s)."""
-        b, s, _ = h.shape
+    def _qkv(self, x: torch.Tensor):
+        """q [b, s, q_heads, d], k and v [b, s, kv_heads, d] from the projection(s) of x
+        [b, s, hidden]."""
+        b, s, _ = x.shape
         d, hq, hkv = self.head_dim, self.q_heads, self.kv_heads
+        qkv = self.parts.qkv
         if not self.fused_qkv:
-            q, k, v = (p(h) for p in self.m.qkv)
-        elif self.spec.qkv_layout == "blocks":  # [q | k | v]
-            q, k, v = self.m.qkv[0](h).split(self.widths, dim=-1)
+            q, k, v = (proj(x) for proj in qkv)
+        elif self.spec.attention.qkv_layout == "blocks":  # [q | k | v]
+            q, k, v = qkv[0](x).split(self.widths, dim=-1)
         else:  # grouped: [kv_heads, q_per_kv + 2, d]
-            g = hq // hkv
-            x = self.m.qkv[0](h).view(b, s, hkv, g + 2, d)
-            return x[..., :g, :].reshape(b, s, hq, d), x[..., g, :], x[..., g + 1, :]
+            q_per_kv = hq // hkv
+            fused = qkv[0](x).view(b, s, hkv, q_per_kv + 2, d)
+            return (fused[..., :q_per_kv, :].reshape(b, s, hq, d), fused[..., q_per_kv, :],
+                    fused[..., q_per_kv + 1, :])
         return q.view(b, s, hq, d), k.view(b, s, hkv, d), v.view(b, s, hkv, d)
 
-    def _attention(self, h: torch.Tensor, ctx: StepContext) -> torch.Tensor:
-        b, s, _ = h.shape
-        q, k, v = (t.transpose(1, 2) for t in self._qkv(h))  # [b, heads, s, d]
+    def _attention(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        """x [b, s, hidden] → the output projection of the attention [b, s, hidden]."""
+        b, s, _ = x.shape
+        kernels = self.kernels
+        q, k, v = (t.transpose(1, 2) for t in self._qkv(x))  # [b, heads, s, d]
         if ctx.cos is not None:
-            q, k = self.k.rotary(q, k, ctx.cos, ctx.sin, style=self.spec.rotary_style)
+            q, k = kernels.rotary(q, k, ctx.cos, ctx.sin, style=self.spec.positions.rotary_style)
         cache, kw = ctx.cache, self.attn_kw
         if cache is None:
-            o = self.k.attention_prefill(q, k, v, causal=True,
-                                         key_padding_mask=ctx.key_padding_mask, **kw)
+            context = kernels.attention_prefill(q, k, v, causal=True,
+                                                key_padding_mask=ctx.key_padding_mask, **kw)
         else:
-            kc, vc = cache.k[self.index], cache.v[self.index]
+            # this layer's cache [batch, kv_heads, max_tokens, d]
+            k_cache, v_cache = cache.k[self.index], cache.v[self.index]
             if ctx.graph_safe:  # no host sync: index_copy_ at a device index
-                kc.index_copy_(2, ctx.write_index, k)
-                vc.index_copy_(2, ctx.write_index, v)
-                o = self._captured_decode(q, kc, vc, ctx)
+                k_cache.index_copy_(2, ctx.write_index, k)
+                v_cache.index_copy_(2, ctx.write_index, v)
+                context = self._captured_decode(q, k_cache, v_cache, ctx)
             else:
-                self.k.kv_cache_write(kc, vc, k, v, ctx.write_pos)
+                kernels.kv_cache_write(k_cache, v_cache, k, v, ctx.write_pos)
                 if ctx.decode:
-                    o = self.k.attention_decode(q, kc, vc, ctx.lengths, starts=ctx.starts, **kw)
+                    context = kernels.attention_decode(q, k_cache, v_cache, ctx.lengths,
+                                                       starts=ctx.starts, **kw)
                 elif ctx.past == 0:
-                    o = self.k.attention_prefill(q, k, v, causal=True,
-                                                 key_padding_mask=ctx.key_padding_mask, **kw)
-                else:  # a prompt continued after cached tokens
-                    n = ctx.past + s
-                    o = self.k.attention_prefill(q, kc[:, :, :n], vc[:, :, :n], causal=True,
-                                                 key_padding_mask=ctx.key_padding_mask, **kw)
-        return self.m.out(o.transpose(1, 2).reshape(b, s, self.q_heads * self.head_dim))
+                    context = kernels.attention_prefill(
+                        q, k, v, causal=True, key_padding_mask=ctx.key_padding_mask, **kw)
+                else:  # a prompt continued after cached tokens: attend over all of them
+                    seen = ctx.past + s
+                    context = kernels.attention_prefill(
+                        q, k_cache[:, :, :seen], v_cache[:, :, :seen], causal=True,
+                        key_padding_mask=ctx.key_padding_mask, **kw)
+        # context [b, q_heads, s, d] → [b, s, q_heads * d]
+        return self.parts.out_proj(context.transpose(1, 2).reshape(b, s, self.q_heads * self.head_dim))
 
-    def _captured_decode(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor,
+    def _captured_decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          ctx: StepContext) -> torch.Tensor:
         """Decode attention inside a captured step: the capturable kernel (reads only each
         sequence's valid cache range), else SDPA over all ``max_tokens`` slots, masked."""
-        if self.k.decode_capturable:
-            return self.k.attention_decode(q, kc, vc, ctx.lengths, starts=ctx.starts,
-                                           **self.attn_kw)
-        return F.scaled_dot_product_attention(q, kc, vc, attn_mask=ctx.mask_for(self),
+        if self.kernels.decode_capturable:
+            return self.kernels.attention_decode(q, k_cache, v_cache, ctx.lengths,
+                                                 starts=ctx.starts, **self.attn_kw)
+        return F.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=ctx.mask_for(self),
                                               scale=self.scale,
                                               enable_gqa=self.q_heads != self.kv_heads)
 
@@ -333,6 +372,41 @@ def _one_thread(forward: Callable) -> Callable:
     return guarded
 
 
+def _optional(base: nn.Module, name: str | None) -> nn.Module | None:
+    """``base``'s submodule ``name`` (None when the spec names none or the model has it unset)."""
+    if not name:
+        return None
+    parent, _, attr = name.rpartition(".")
+    return getattr(base.get_submodule(parent) if parent else base, attr, None)
+
+
+@dataclass(frozen=True)
+class StackParts:
+    """The adopted submodules the stack's forward calls outside the layers, as plain
+    references (see :class:`LayerParts`); None where the family or the model has none."""
+
+    layers: nn.ModuleList  # the InjectedLayers
+    embed: nn.Module | None
+    final_norm: nn.Module
+    pos_embed: nn.Module | None  # learned positions
+    rotary: nn.Module | None  # the model's own rotary table module
+    embed_norm: nn.Module | None
+    project_in: nn.Module | None
+    project_out: nn.Module | None
+
+    @classmethod
+    def of(cls, base: nn.Module, spec: InjectionSpec, layers: nn.ModuleList) -> "StackParts":
+        """The modules ``spec`` names, read from ``base`` (the stack) now."""
+        positions, residual = spec.positions, spec.residual
+        return cls(layers=layers, embed=_optional(base, spec.embed),
+                   final_norm=base.get_submodule(residual.final_norm),
+                   pos_embed=_optional(base, positions.embed),
+                   rotary=_optional(base, positions.rotary_module),
+                   embed_norm=_optional(base, residual.embed_norm),
+                   project_in=_optional(base, spec.project_in),
+                   project_out=_optional(base, spec.project_out))
+
+
 class InjectedModel(nn.Module):
     """The decoder stack that replaces the HF base model (see the module docstring)."""
 
@@ -340,7 +414,7 @@ class InjectedModel(nn.Module):
                  max_tokens: int, setups: list[LayerSetup], rotary_dim: int | None) -> None:
         super().__init__()
         self.config = hf_base.config
-        self.spec, self.k, self.max_tokens = spec, kernels, max_tokens
+        self.spec, self.kernels, self.max_tokens = spec, kernels, max_tokens
         self.rotary_dim = rotary_dim  # own rotary table (no rotary module): dims rotated per head
         hf_layers = hf_base.get_submodule(spec.layers)
         layers = nn.ModuleList(InjectedLayer(layer, spec, kernels, i, setup)
@@ -348,7 +422,7 @@ class InjectedModel(nn.Module):
         for name, child in hf_base.named_children():  # same names, same order
             self.add_module(name, layers if child is hf_layers else child)
         self._layers = [layers]  # unregistered handle (the ModuleList is registered above)
-        self.rebind()
+        self._bind_adopted()
         self.kv_heads = layers[0].kv_heads if len(layers) else 0
         self.head_dim = layers[0].head_dim if len(layers) else 0
         self._kv: dict[int, KVBuffers] = {}  # rows (batch, or its bucket) → buffers
@@ -372,35 +446,34 @@ class InjectedModel(nn.Module):
         overwriting the cache. Re-entrant."""
         return self._guard.session()
 
-    def rebind(self) -> None:
-        """(Re)read every adopted submodule the forward calls (see :meth:`InjectedLayer.rebind`)."""
-        spec = self.spec
-        layers = self._layers[0]
-        for layer in layers:
-            layer.rebind()
-        self.m = _Refs(layers=layers, embed=self._optional(spec.embed),
-                       final_norm=self.get_submodule(spec.final_norm),
-                       pos_embed=self._optional(spec.pos_embed),
-                       rotary=self._optional(spec.rotary_module),
-                       embed_norm=self._optional(spec.embed_norm),
-                       project_in=self._optional(spec.project_in),
-                       project_out=self._optional(spec.project_out))
-
-    def _optional(self, name: str | None) -> nn.Module | None:
-        """The submodule ``name`` (None when the spec names none or the model has it unset)."""
-        if not name:
-            return None
-        parent, _, attr = name.rpartition(".")
-        return getattr(self.get_submodule(parent) if parent else self, attr, None)
+    def _bind_adopted(self) -> None:
+        """Read the adopted submodules the forward calls, once (:class:`StackParts`; see
+        :meth:`InjectedLayer._bind_adopted`)."""
+        self.parts = StackParts.of(self, self.spec, self._layers[0])
 
     # HF helpers the shell delegates to its base model
     def get_input_embeddings(self) -> nn.Module:
-        return self.m.embed
+        return self.parts.embed
 
     def set_input_embeddings(self, value: nn.Module) -> None:
         raise ShardwiseError("the input embeddings of an injected model cannot be replaced")
 
     # ----- the cache -----------------------------------------------------------------------------
+
+    def free_cache(self) -> None:
+        """Free the static KV buffers and the captured decode graphs (``engine.close()``); a
+        cache object still held elsewhere is retired. A later forward allocates afresh."""
+        if self.graphs is not None:
+            self.graphs.clear()
+        for kv in self._kv.values():
+            kv.release()
+        self._kv.clear()
+        self.retire_cache()
+
+    def retire_cache(self) -> None:
+        """Retire the live cache object (using it again is a ``StaleCacheError``); the buffers
+        stay for the next sequence."""
+        self._cache_generation += 1
 
     def new_cache(self, batch: int, dtype: torch.dtype, device: torch.device) -> StaticKVCache:
         """A fresh cache (retiring the previous one) over buffers for ``batch`` sequences.
@@ -429,14 +502,14 @@ class InjectedModel(nn.Module):
     def _allocate(self, rows: int, dtype: torch.dtype, device: torch.device) -> KVBuffers:
         """New buffers for ``rows`` sequences, checked against the device's free memory first
         (an allocator failure is reported the same way)."""
-        need = kv_cache_bytes(len(self.m.layers), rows, self.kv_heads, self.max_tokens,
+        need = kv_cache_bytes(len(self.parts.layers), rows, self.kv_heads, self.max_tokens,
                               self.head_dim, dtype)
         free = free_memory_of(self.free_memory, device)
         where = f"device {device}"
         if free is not None:
             check_kv_fits(need, free, batch=rows, max_tokens=self.max_tokens, where=where)
         try:
-            return KVBuffers(len(self.m.layers), rows, self.kv_heads, self.max_tokens,
+            return KVBuffers(len(self.parts.layers), rows, self.kv_heads, self.max_tokens,
                              self.head_dim, dtype, device)
         except (torch.OutOfMemoryError, RuntimeError) as exc:
             if not isinstance(exc, torch.OutOfMemoryError) and "alloc" not in str(exc).lower():
@@ -480,8 +553,8 @@ class InjectedModel(nn.Module):
         ref = input_ids if input_ids is not None else inputs_embeds
         b, s = ref.shape[:2]
         use_cache = getattr(self.config, "use_cache", True) if use_cache is None else use_cache
-        dtype = self.m.final_norm.weight.dtype
-        cache = self._cache_for(past_key_values, b, self.m.final_norm.weight, use_cache)
+        dtype = self.parts.final_norm.weight.dtype
+        cache = self._cache_for(past_key_values, b, self.parts.final_norm.weight, use_cache)
         past = cache.length if cache is not None else 0
         write_pos = cache.reserve(s) if cache is not None else 0
         decode = cache is not None and s == 1 and past > 0
@@ -492,8 +565,8 @@ class InjectedModel(nn.Module):
             return StackOutput(last_hidden_state=hidden, past_key_values=cache)
         ctx = StepContext(cache, past, decode, write_pos=write_pos)
         self._padding(ctx, attention_mask, cache, past, s)
-        x = self.m.embed(input_ids) if inputs_embeds is None else inputs_embeds.to(dtype)
-        types = None if token_type_ids is None else self.m.embed(token_type_ids.expand(b, s))
+        x = self.parts.embed(input_ids) if inputs_embeds is None else inputs_embeds.to(dtype)
+        types = None if token_type_ids is None else self.parts.embed(token_type_ids.expand(b, s))
         x = self._embedded(ctx, x, position_ids, types)
         if decode:
             ctx.lengths = torch.full((b,), past + 1, dtype=torch.int64, device=x.device)
@@ -506,7 +579,7 @@ class InjectedModel(nn.Module):
                       past: int, b: int, s: int, device: torch.device) -> torch.Tensor:
         """[b, s] positions: given, else counted from each sequence's first real token
         (``positions_from_mask``, as OPT), else ``past + arange(s)``."""
-        if position_ids is None and mask is not None and self.spec.positions_from_mask:
+        if position_ids is None and mask is not None and self.spec.positions.from_mask:
             mask = mask[:, :past + s].long()
             position_ids = (mask.cumsum(-1) * mask - 1)[:, past:]
         if position_ids is None:
@@ -515,37 +588,38 @@ class InjectedModel(nn.Module):
 
     def run_layers(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         delta, residual = x, None
-        for layer in self.m.layers:
+        for layer in self.parts.layers:
             delta, residual = layer(delta, residual, ctx)
         hidden = self._final_norm(delta, residual)
-        return hidden if self.m.project_out is None else self.m.project_out(hidden)
+        return hidden if self.parts.project_out is None else self.parts.project_out(hidden)
 
     def _final_norm(self, delta, residual):
-        return self.m.layers[0]._norm(self.m.final_norm, delta, residual)[0] if len(
-            self.m.layers) else self.m.final_norm(delta)
+        return self.parts.layers[0]._norm(self.parts.final_norm, delta, residual)[0] if len(
+            self.parts.layers) else self.parts.final_norm(delta)
 
     def _embedded(self, ctx: StepContext, x: torch.Tensor, position_ids: torch.Tensor,
                   types: torch.Tensor | None = None) -> torch.Tensor:
         """The first layer's input from the token embeddings ``x`` [b, s, hidden]: projected in,
         positions added (learned) or their rotary tables put in ``ctx``, token-type embeddings
         ``types`` added (GPT-2), normed (BLOOM)."""
-        if self.m.project_in is not None:
-            x = self.m.project_in(x)
-        if self.spec.positions == "learned":
-            pos = self.m.pos_embed.weight
-            x = x + F.embedding(position_ids + self.spec.pos_offset, pos).to(x.dtype)
-        elif self.spec.positions == "rotary":
+        if self.parts.project_in is not None:
+            x = self.parts.project_in(x)
+        positions = self.spec.positions
+        if positions.kind == "learned":
+            table = self.parts.pos_embed.weight  # [max positions, hidden]
+            x = x + F.embedding(position_ids + positions.offset, table).to(x.dtype)
+        elif positions.kind == "rotary":
             ctx.cos, ctx.sin = self._rotary_table(position_ids)
         if types is not None:
             x = x + types
-        return x if self.m.embed_norm is None else self.m.embed_norm(x)
+        return x if self.parts.embed_norm is None else self.parts.embed_norm(x)
 
     def _rotary_table(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, sin) [b, s, rotary_dim // 2] float32 for the rotary kernel."""
-        if self.m.rotary is None:  # no HF rotary module (GPT-J): the plain table
-            return rotary_cos_sin(position_ids, self.rotary_dim, self.spec.rotary_base)
+        if self.parts.rotary is None:  # no HF rotary module (GPT-J): the plain table
+            return rotary_cos_sin(position_ids, self.rotary_dim, self.spec.positions.rotary_base)
         probe = torch.empty(0, dtype=torch.float32, device=position_ids.device)
-        cos, sin = self.m.rotary(probe, position_ids)  # HF's own table: rope scaling included
+        cos, sin = self.parts.rotary(probe, position_ids)  # HF's own table: rope scaling included
         half = cos.shape[-1] // 2
         return cos[..., :half], sin[..., :half]
 
@@ -583,7 +657,7 @@ class InjectedModel(nn.Module):
         [batch, 1, hidden] after the final norm."""
         ctx = StepContext(cache, past=-1, decode=True, graph_safe=True, write_index=write_index,
                           lengths=lengths, starts=starts)
-        x = self._embedded(ctx, self.m.embed(input_ids), position_ids)
+        x = self._embedded(ctx, self.parts.embed(input_ids), position_ids)
         return self.run_layers(x, ctx)
 
 
