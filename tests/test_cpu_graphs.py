@@ -394,53 +394,56 @@ def _assert_given_back(model, patches, weights, outputs, x, ids, scale: float = 
             assert torch.equal(got, want)
 
 
-def test_block_linear_weights_records_an_exact_undo_in_the_ledger():
-    """Inside ``Ledger(model).recording()`` (as init_inference runs it), laying weights out
-    records the instance forwards, the state_dict hooks and each weight's layout; restoring gives
-    back the forwards, hooks, Parameter objects, shapes, strides and values (bit for bit) and so
-    the outputs exactly."""
+def _blocked_in_a_ledger(model):
+    """Lay ``model``'s weights out inside ``Ledger(model).recording()``, as init_inference
+    does, then let the ledger drop the weights it no longer needs, as a successful init does:
+    the blocked weights are then the only copy."""
     from shardwise.ledger import Ledger
 
-    model = _blockable_model()
-    x, ids = torch.randn(3, 16), torch.tensor([[0, 33, 69]])
-    patches, weights = _patches(model), _weights(model)
-    with torch.no_grad():
-        outputs = _outputs(model, x, ids)
     ledger = Ledger(model)
     with ledger.recording():
         assert layout.block_linear_weights(
             [model["head"], model["conv"], model["proj"], model["bf16"]], model["embed"]) == 3
     assert model["proj"].weight.shape == (2, 16, layout.BLOCK_N)
     assert isinstance(vars(model["embed"])["forward"], layout.BlockedEmbedding)
-    ledger.restore()
-    with torch.no_grad():
-        _assert_given_back(model, patches, weights, outputs, x, ids)
-    ledger.restore()  # a second restore changes nothing
-    with torch.no_grad():
-        _assert_given_back(model, patches, weights, outputs, x, ids)
+    assert ledger.drop_replaced() > 0  # the plain weights: let go of, not kept for the undo
+    assert ledger.held_bytes()["parameters"] == 0
+    return ledger
 
 
-def test_blocked_layout_undo_rebuilds_from_the_blocked_weights_alone():
-    """The recorded undo needs no copy of the weights as they were: with a ledger that holds no
-    snapshot of the model (one opened on an empty module), restoring still gives every weight
-    back in its plain layout, rebuilt from what the model holds by then (scaled in place here,
-    so a saved copy would show)."""
-    from shardwise.ledger import Ledger
-
+def test_block_linear_weights_records_an_exact_undo_in_the_ledger():
+    """Laying weights out records the instance forwards, the state_dict hooks and each
+    weight's layout; giving the model back (engine.close()'s ``give_back``) restores the
+    forwards, hooks, Parameter objects, shapes, strides and values (bit for bit) and so the
+    outputs exactly, with no copy of the plain weights kept meanwhile."""
     model = _blockable_model()
     x, ids = torch.randn(3, 16), torch.tensor([[0, 33, 69]])
     patches, weights = _patches(model), _weights(model)
     with torch.no_grad():
         outputs = _outputs(model, x, ids)
-    ledger = Ledger(torch.nn.Module())  # records the undo calls only
-    with ledger.recording():
-        layout.block_linear_weights([model["head"], model["conv"], model["proj"], model["bf16"]],
-                                    model["embed"])
-    assert ledger.held_bytes() == {"parameters": 0, "buffers": 0}
+    ledger = _blocked_in_a_ledger(model)
+    ledger.give_back()
+    with torch.no_grad():
+        _assert_given_back(model, patches, weights, outputs, x, ids)
+    ledger.give_back()  # a second call changes nothing
+    with torch.no_grad():
+        _assert_given_back(model, patches, weights, outputs, x, ids)
+
+
+def test_blocked_layout_undo_rebuilds_from_the_blocked_weights():
+    """The recorded undo re-lays each weight from what the model holds when it runs (here
+    scaled in place while blocked, so a kept copy of the plain weights would show), not from a
+    copy."""
+    model = _blockable_model()
+    x, ids = torch.randn(3, 16), torch.tensor([[0, 33, 69]])
+    patches, weights = _patches(model), _weights(model)
+    with torch.no_grad():
+        outputs = _outputs(model, x, ids)
+    ledger = _blocked_in_a_ledger(model)
     with torch.no_grad():
         for name in ("head", "conv", "proj"):
             model[name].weight.mul_(2)  # in the blocked layout: padding stays zero
-    ledger.restore()
+    ledger.give_back()
     _assert_given_back(model, patches, weights, outputs, x, ids, scale=2.0)
     with torch.no_grad():
         for name in ("head", "conv", "proj"):
