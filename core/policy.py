@@ -81,7 +81,8 @@ class Policy:
     #: kernel-injection data (a shardwise.inject.InjectionSpec), None when not supported
     injection: ClassVar[Any] = None
     #: config-dependent variants of ``injection``: ``(when, changes)`` rows, applied in order to
-    #: the spec (``dataclasses.replace``) wherever every ``config.<attr> == value`` in ``when``
+    #: the spec (``dataclasses.replace``) wherever every ``config.<attr> == value`` in ``when``;
+    #: a change replaces a whole field or group (``{"positions": Positions("alibi")}``)
     injection_overrides: ClassVar[tuple[tuple[Mapping[str, Any], Mapping[str, Any]], ...]] = ()
     head_config: ClassVar[dict[str, tuple[str, ...]]] = {
         "num_heads": ("num_attention_heads",),
