@@ -94,14 +94,20 @@ def no_quantization():
 
 def load_then_quantize(path, spec: dict, dtype: torch.dtype = BF16,
                        **kwargs) -> shardwise.InferenceEngine:
-    """The reference: load in full precision, then quantize (what step 6 does after loading)."""
+    """The reference: load in full precision, then quantize (what step 5 does after loading),
+    then inject when ``replace_with_kernel_inject`` (step 6 adopts the quantized linears)."""
+    from shardwise.inject import inject_model
+
+    inject = kwargs.pop("replace_with_kernel_inject", False)
     engine = load(path, dtype=dtype, **kwargs)
     roles = engine._prepared.roles if engine._prepared is not None else None
     engine.quantization = quantize_model(engine.module, spec, engine.accelerator, dtype,
                                          roles=roles)
-    stack = injected_stack(engine.module)
-    if stack is not None:
-        stack.rebind()  # as init_inference does after step 6: the layers call the new linears
+    if inject:
+        tp = (engine.communicator.rank, engine.communicator.world_size) \
+            if engine.sharding is not None else (0, 1)
+        stack = inject_model(engine.module, engine.accelerator, dtype, None, tp=tp)
+        engine._stack = stack.to(engine.device)
     return engine
 
 
