@@ -11,6 +11,7 @@ tests share engines and count compilations.
 from __future__ import annotations
 
 import gc
+import warnings
 
 import pytest
 import torch
@@ -492,13 +493,13 @@ def test_private_torch_apis_warn_once_outside_the_checked_versions(monkeypatch):
                       match=rf"shardwise._torch_private: torch {last[0]}.{last[1] + 1}.0 is "
                             r"outside .*checked against.*SHARDWISE_CPU_GRAPHS=eager"):
         assert private.check_torch_version() is False
-    with __import__("warnings").catch_warnings():
-        __import__("warnings").simplefilter("error")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
         assert private.check_torch_version() is False  # once per process: no second warning
     monkeypatch.setattr(torch, "__version__", f"{first[0]}.{first[1]}.0")
     monkeypatch.setattr(private, "_warned", False)
-    with __import__("warnings").catch_warnings():
-        __import__("warnings").simplefilter("error")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
         assert private.check_torch_version() is True  # a checked torch: silent
 
 
