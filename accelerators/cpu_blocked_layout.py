@@ -211,8 +211,8 @@ def _lay_out_blocked(weight: nn.Parameter, conv: bool) -> int:
     with torch.no_grad():
         weight.data = block_weight(mat2)
     blocked = (weight.data_ptr(), tuple(weight.shape))  # no reference: the undo holds no tensor
-    record(f"weight [{n}, {mat2.shape[0]}] laid out in blocks of {BLOCK_N} columns (undone from "
-           f"the blocked tensor, exactly)",
+    record(f"linear weight ({mat2.shape[0]} in, {n} out) laid out in blocks of {BLOCK_N} "
+           f"columns (re-laid from the blocks, exactly)",
            lambda: relay_plain_weight(weight, n, conv, blocked))
     return n
 
