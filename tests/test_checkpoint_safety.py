@@ -401,15 +401,16 @@ def test_a_failed_quantize_while_reading_load_can_be_retried(tmp_path, monkeypat
     accel = shardwise.get_accelerator("cpu")
 
     def quantizer():
-        return Quantizer.for_model(model, spec, accel, torch.bfloat16, device="cpu")
+        return Quantizer.for_model(model, spec, accel, torch.bfloat16,
+                                   device="cpu").reading_hook()
     _failing_reads(monkeypatch, after=8)
     with pytest.raises(OSError, match="disk went away"):
-        load_checkpoint(model, path, quantizer=quantizer())
+        load_checkpoint(model, path, dtype=torch.bfloat16, hooks=[quantizer()])
     assert _structure(model) == before, "no QuantLinear left behind"
     assert all(p.is_meta for p in model.parameters())
     monkeypatch.undo()
-    report = load_checkpoint(model, path, quantizer=quantizer())
-    assert report.quantization.layers and any(isinstance(m, QuantLinear) for m in model.modules())
+    report = load_checkpoint(model, path, dtype=torch.bfloat16, hooks=[quantizer()])
+    assert report.results["shardwise.quant"].layers and any(isinstance(m, QuantLinear) for m in model.modules())
 
 
 def test_a_failed_quantized_checkpoint_load_removes_its_shells(tmp_path, monkeypatch):
@@ -425,4 +426,4 @@ def test_a_failed_quantized_checkpoint_load_removes_its_shells(tmp_path, monkeyp
         load_checkpoint(model, tmp_path / "q", dtype=torch.bfloat16)
     assert _structure(model) == before
     monkeypatch.undo()
-    assert load_checkpoint(model, tmp_path / "q", dtype=torch.bfloat16).quantization is not None
+    assert load_checkpoint(model, tmp_path / "q", dtype=torch.bfloat16).results["shardwise.quant"]

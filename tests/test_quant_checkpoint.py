@@ -104,9 +104,9 @@ def load_then_quantize(path, spec: dict, dtype: torch.dtype = BF16,
     engine.quantization = quantize_model(engine.module, spec, engine.accelerator, dtype,
                                          roles=roles)
     if inject:
-        tp = (engine.communicator.rank, engine.communicator.world_size) \
-            if engine.sharding is not None else (0, 1)
-        stack = inject_model(engine.module, engine.accelerator, dtype, None, tp=tp)
+        plan = engine.plan  # the heads this rank holds, as init_inference injects them
+        stack = inject_model(engine.module, engine.accelerator, dtype, None,
+                             policy=plan.found_policy, heads=plan.heads if plan.sharded else None)
         engine._stack = stack.to(engine.device)
     return engine
 
@@ -141,8 +141,10 @@ def test_quantized_engine_round_trips_bit_identically(tmp_path, arch, spec_name)
     saver.save_checkpoint(tmp_path / "q")
 
     desc = json.loads((tmp_path / "q" / "shardwise_checkpoint.json").read_text())
-    assert desc["quant"]["config"] == saver.config.quant and desc["quant"]["dtype"] == "bfloat16"
-    assert sorted(desc["quant"]["layers"]) == sorted(saver.quantization.layers)
+    entry = desc["extensions"]["shardwise.quant"]  # opaque to the checkpoint package
+    assert "quant" not in desc
+    assert entry["config"] == saver.config.quant and entry["dtype"] == "bfloat16"
+    assert sorted(entry["layers"]) == sorted(saver.quantization.layers)
     with no_quantization():
         loaded = load(tmp_path / "q", dtype=BF16, quant=spec)
     assert state_differences(saver.module, loaded.module) == []
@@ -225,7 +227,7 @@ def _rewrite_rank_file(path: Path, edit) -> None:
 def _edit_description(key: str, value):
     def edit(root: Path) -> None:
         desc = json.loads((root / "shardwise_checkpoint.json").read_text())
-        desc["quant"][key] = value
+        desc["extensions"]["shardwise.quant"][key] = value
         (root / "shardwise_checkpoint.json").write_text(json.dumps(desc))
     return edit
 
@@ -233,16 +235,16 @@ def _edit_description(key: str, value):
 def _edit_manifest(change):
     def edit(root: Path) -> None:
         def apply(tensors, metadata):
-            manifest = json.loads(metadata["shardwise_quant"])
-            change(manifest)
-            metadata["shardwise_quant"] = json.dumps(manifest)
+            entries = json.loads(metadata["shardwise_extensions"])
+            change(entries["shardwise.quant"])
+            metadata["shardwise_extensions"] = json.dumps(entries)
         _rewrite_rank_file(root / "rank00-of-01.safetensors", apply)
     return edit
 
 
 def _drop_manifest(root: Path) -> None:
     _rewrite_rank_file(root / "rank00-of-01.safetensors",
-                       lambda tensors, metadata: metadata.pop("shardwise_quant"))
+                       lambda tensors, metadata: metadata.pop("shardwise_extensions"))
 
 
 def _shrink_scales(root: Path) -> None:
@@ -267,15 +269,15 @@ def _break_spec(manifest: dict) -> None:
 
 
 @pytest.mark.parametrize("corrupt, match", [
-    (_edit_description("format", "gptq"), r"'quant' entry has format 'gptq'"),
+    (_edit_description("format", "gptq"), r"'shardwise.quant' entry has format 'gptq'"),
     (_edit_description("config", {"weight": {"num_bits": 5}}),
-     r"'quant' settings are invalid \(quant num_bits must be the integer 4 or 8"),
-    (_drop_manifest, r"rank00-of-01.safetensors has no readable quantization manifest"),
-    (_edit_manifest(_drop_layer), r"disagrees with the description's 'quant' entry"),
+     r"'shardwise.quant' settings are invalid \(quant num_bits must be the integer 4 or 8"),
+    (_drop_manifest, r"rank00-of-01.safetensors has no 'shardwise.quant' entry in its metadata"),
+    (_edit_manifest(_drop_layer), r"disagrees with the description's 'shardwise.quant' entry"),
     (_edit_manifest(_break_spec), r"entry of layer 'model.layers.0.self_attn.q_proj' is "
                                   r"malformed \(spec \[3, 64\]\)"),
-    (_shrink_scales, r"quantized tensor 'model.layers.0.mlp.up_proj.scales' is bfloat16 "
-                     r"\[127\], its manifest says bfloat16 \[128\]"),
+    (_shrink_scales, r"tensor 'model.layers.0.mlp.up_proj.scales' is bfloat16 "
+                     r"\[127\], its 'shardwise.quant' entry says bfloat16 \[128\]"),
     (_smaller_config, r"quantized layer 'model.layers.0.mlp.gate_proj' is \[out, in\] = "
                       r"\[128, 64\] .* but \[96, 64\] .* in the model built from the config"),
 ])
@@ -468,9 +470,9 @@ def test_kernel_injection_runs_on_weights_quantized_while_reading(tmp_path, monk
     seen = []
     real = loader.load_checkpoint
     monkeypatch.setattr(shardwise.engine._checkpoint, "load_checkpoint", lambda *a, **k: (
-        seen.append(k.get("quantizer")), real(*a, **k))[1])
+        seen.append(k.get("hooks")), real(*a, **k))[1])
     engine = load(path, dtype=BF16, quant=SPECS["int8"], replace_with_kernel_inject=True)
-    assert seen[0] is not None and engine.quantization.layers_quantized == 14
+    assert seen[0] and engine.quantization.layers_quantized == 14
     assert injected_stack(engine.module) is not None
     want = load_then_quantize(path, SPECS["int8"], replace_with_kernel_inject=True)
     mine = engine.module.state_dict()
@@ -503,10 +505,10 @@ def test_standalone_loader_quantizes_while_reading_into_a_meta_model(tmp_path):
         model = transformers.AutoModelForCausalLM.from_config(config)
     cpu = shardwise.get_accelerator("cpu")
     quantizer = Quantizer.for_model(model, SPECS["int8"], cpu, BF16, device="cpu")
-    report = load_checkpoint(model, path, quantizer=quantizer)
-    assert report.quantization.layers_quantized == 8
+    report = load_checkpoint(model, path, dtype=BF16, hooks=[quantizer.reading_hook()])
+    assert report.results["shardwise.quant"].layers_quantized == 8
     assert not any(p.is_meta for p in model.parameters())
-    assert {p.dtype for p in model.parameters()} == {BF16}  # dtype None: the quantizer's
+    assert {p.dtype for p in model.parameters()} == {BF16}
     want = load_then_quantize(path, SPECS["int8"])
     assert state_differences(want.module, model) == []
 

@@ -9,22 +9,26 @@ converting the dtype on the way and materialising straight on its device::
     engine.save_checkpoint("ckpt_tp2")          # one file per rank + shardwise_checkpoint.json
     # later, at any tp size: init_inference(None, checkpoint="ckpt_tp2", ...)
 
-With ``quant=`` the loader quantizes each weight as soon as its slice is read (the full-precision
-model never sits in memory), and a quantized engine's checkpoint holds its packed weights, loaded
-back as saved at the same tp size (:mod:`.loader`, :mod:`.saver`).
+Other transforms plug in through :mod:`.extensions` without this package knowing them: a
+tensor hook the loader calls for each tensor it reads (``quant=`` quantizes each weight as soon as
+its slice is read, so the full-precision model never sits in memory), and extension data the
+checkpoint carries opaquely (a quantized engine's packed weights, loaded back as saved at the same
+tp size).
 
 Modules: :mod:`.description` (what a checkpoint consists of), :mod:`.sources` (headers, the key
 → pieces index, the slice reader), :mod:`.build` (the meta skeleton from config.json),
-:mod:`.loader`, :mod:`.saver`, :mod:`.progress`.
+:mod:`.loader`, :mod:`.saver`, :mod:`.progress`, :mod:`.extensions`.
 """
 
 from .build import build_meta_model, skeleton
 from .description import DESCRIPTION_NAME, Description, describe
 from .errors import CheckpointError
-from .loader import LoadReport, check_quantized_load, default_dtype, load_checkpoint
+from .extensions import (CheckpointExtension, TensorHook, TensorRef, register_extension)
+from .loader import LoadReport, check_extensions, default_dtype, load_checkpoint
 from .saver import save_checkpoint
 from .sources import build_index
 
 __all__ = ["build_meta_model", "skeleton", "DESCRIPTION_NAME", "Description", "describe",
-           "CheckpointError", "LoadReport", "check_quantized_load", "default_dtype",
+           "CheckpointError", "CheckpointExtension", "TensorHook", "TensorRef",
+           "register_extension", "LoadReport", "check_extensions", "default_dtype",
            "load_checkpoint", "save_checkpoint", "build_index"]

@@ -14,9 +14,11 @@ A checkpoint is given as one of
   File names are relative to ``base_dir`` (the ``base_dir`` argument of ``init_inference``
   overrides the file's; default: the description file's folder). ``type: "shardwise"`` is what
   :func:`shardwise.checkpoint.save_checkpoint` writes: one file per rank plus the slicing
-  metadata ("shards") needed to merge or split them at another tp size. A quantized model's
-  description adds ``"quant": {"format", "config", "dtype", "layers"}`` (its settings; each rank
-  file's metadata holds that rank's packed-layer manifest).
+  metadata ("shards") needed to merge or split them at another tp size. Data other transforms
+  store with the weights (a quantized model's settings and packed layers) rides in an opaque
+  ``"extensions": {name: entry}`` section that each named extension validates
+  (:mod:`.extensions`); a file saved before that section existed carries a quantized model's
+  entry as ``"quant"``, read as the ``"shardwise.quant"`` extension's.
 
 Confinement: every file a checkpoint names (weights, the HF index's ``weight_map``, config.json,
 the description in a directory) is read only if its real path (symlinks and ``..`` resolved) lies
@@ -38,6 +40,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from .errors import CheckpointError
+from .extensions import LEGACY_DESCRIPTION_KEYS, extension
 
 #: ``type`` values understood → (kind, the versions accepted; None = any).
 TYPES = {"ds_model": "flat", "hf": "flat", "huggingface": "flat", "bloom": "flat",
@@ -46,7 +49,8 @@ TYPES = {"ds_model": "flat", "hf": "flat", "huggingface": "flat", "bloom": "flat
 VERSIONS = {"flat": None, "shardwise": {1}}
 DESCRIPTION_NAME = "shardwise_checkpoint.json"
 _KEYS = {"type", "checkpoints", "version", "base_dir", "tp_size", "dtype", "parallelization",
-         "shards", "save_id", "config", "replicated", "format", "quant"}
+         "shards", "save_id", "config", "replicated", "format", "extensions",
+         *LEGACY_DESCRIPTION_KEYS}
 
 
 @dataclass
@@ -62,9 +66,8 @@ class Description:
         tp_size, dtype: as described (None when not said).
         shards: for ``shardwise``: parameter → ``{"dim", "size", "ranges"}`` (ranges per rank).
         save_id: for ``shardwise``: the id every rank file's metadata must carry.
-        quant: for a quantized ``shardwise`` save: its settings (``format``, ``config``: the
-            ``quant=`` dict, ``dtype``: the compute dtype, ``layers``: the quantized layers'
-            names); None for a full-precision checkpoint.
+        extensions: extension name → its entry (opaque here, checked by the extension: see
+            :mod:`.extensions`); empty for a plain checkpoint.
     """
 
     kind: str
@@ -74,7 +77,7 @@ class Description:
     shards: dict[str, dict] = field(default_factory=dict)
     save_id: str | None = None
     source: str = ""
-    quant: dict | None = None
+    extensions: dict[str, Any] = field(default_factory=dict)
     config_file: Path | None = None  # config.json's real path, inside the checkpoint's folder
 
 
@@ -235,22 +238,31 @@ def _from_mapping(data: dict[str, Any], root: Folder, where: str) -> Description
         raise CheckpointError(f"{where}: shards must be an object (tensor name → {{dim, size, "
                               f"ranges}}), got {type(shards).__name__}")
     desc = Description(kind, files, tp_size, data.get("dtype"), dict(shards or {}),
-                       data.get("save_id"), where, data.get("quant"), config_file=config)
+                       data.get("save_id"), where, _extensions(data, kind, where),
+                       config_file=config)
     if kind == "shardwise":
         _check_shardwise(desc, where)
-    if desc.quant is not None:
-        _check_quant(desc, where)
     return desc
 
 
-def _check_quant(desc: Description, where: str) -> None:
-    """A quantized checkpoint's ``quant`` entry is well-formed (before any file is read)."""
-    from ..quant.checkpoint import check_description_entry
-
-    if desc.kind != "shardwise":
-        raise CheckpointError(f"{where} has a 'quant' entry, which only shardwise-saved "
-                              f"checkpoints (type 'shardwise') carry; remove it")
-    check_description_entry(desc.quant, where, CheckpointError)
+def _extensions(data: dict[str, Any], kind: str, where: str) -> dict[str, Any]:
+    """The description's extension entries (legacy keys included), each checked by its
+    extension before any file is read."""
+    section = data.get("extensions") or {}
+    if not isinstance(section, Mapping):
+        raise CheckpointError(f"{where}: 'extensions' must be an object (extension name → "
+                              f"entry), got {type(section).__name__}")
+    found = dict(section)
+    for key, name in LEGACY_DESCRIPTION_KEYS.items():
+        if data.get(key) is not None:
+            found.setdefault(name, data[key])
+    if found and kind != "shardwise":
+        raise CheckpointError(f"{where} has extension entries ({', '.join(sorted(found))}), "
+                              f"which only shardwise-saved checkpoints (type 'shardwise') "
+                              f"carry; remove them")
+    for name, entry in found.items():
+        extension(name, where).check_description(entry, where)
+    return found
 
 
 def _kind(data: dict[str, Any], where: str) -> str:

@@ -11,27 +11,26 @@ Everything knowable from the files' headers (missing files, truncated headers, m
 unexpected keys, shapes that do not fit the config, a tensor whose dtype kind — bool, integer,
 floating, complex — differs from its parameter's) is checked before any data is read. If the
 load fails at any point, the loader undoes what it did to the model: every module it swapped
-(QuantLinear shells, linears quantized while reading) is put back, and every parameter and
+(by an extension or a hook, e.g. QuantLinear shells) is put back, and every parameter and
 buffer goes back to the meta device, so a half-loaded model can never run and the same model can
 be loaded again. (What it changes only on success: module sizes under tensor parallelism.)
 
-Quantization, two ways:
+Other transforms plug in without the loader knowing them (:mod:`.extensions`):
 
-* **quantize while reading** (``quantizer=``, a :class:`shardwise.quant.Quantizer`): each weight
-  the quantizer wants is quantized (``quantize_tensor_for``) as soon as this rank's slice of it
-  (and its bias) is read, and the :class:`~shardwise.quant.QuantLinear` put in place; the float
-  weight is dropped before the next read, so the full-precision model never sits in memory. The
-  packed weights are bit-identical to loading in full precision, then ``quantize_model``.
-* **a quantized checkpoint** (saved by ``engine.save_checkpoint`` from a quantized engine):
-  empty QuantLinear shells are put where each rank's manifest says and their packed tensors are
-  read as stored: nothing is re-quantized. Packed layouts cannot be merged or split, so it loads
-  at the tp size it was saved at only (else a :class:`CheckpointError`).
+* **tensor hooks** (``hooks=``): each is told every tensor the load will read before any data is
+  read, then called with each tensor as this rank's slice of it is read; a tensor a hook takes is
+  not assigned. Quantizing while reading is one (``shardwise.quant.Quantizer.reading_hook``): the
+  float slice is quantized at once, so the full-precision model never sits in memory.
+* **checkpoint extensions**: data the description's ``"extensions"`` section and the rank files
+  carry for another transform (a quantized engine's packed layers) is handed to the extension of
+  that name, which puts in the modules it loads into (empty QuantLinear shells) before the load
+  plans its tensors; the tensors it names are read as stored, whole, from this rank's own file
+  (such a checkpoint loads at its saved tp size only).
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import os
 import re
 import time
@@ -44,6 +43,7 @@ from torch import nn
 from ..sharding.apply import PreparedShards, param_ranges, set_shard_sizes
 from .description import Description, describe
 from .errors import CheckpointError
+from .extensions import LoadContext, TensorHook, TensorRef, extension
 from .progress import Progress
 from .sources import CheckpointIndex, Reader, build_index
 
@@ -65,7 +65,7 @@ class Target:
     key: str | None = None
     keep: Any = "whole"
     is_buffer: bool = False
-    raw: bool = False  # a packed quantized tensor: read in its stored dtype, never converted
+    raw: bool = False  # an extension's per-rank tensor: read in its stored dtype, never converted
 
 
 @dataclass
@@ -80,7 +80,8 @@ class LoadReport:
     rank: int = 0
     sliced: dict[str, tuple[tuple, tuple]] = field(default_factory=dict)
     bytes_before: int = 0  # the whole model's parameter bytes (for the shard report)
-    quantization: Any = None  # the QuantReport when quantized while reading / loaded quantized
+    #: hook / extension name → what it reported (e.g. ``"shardwise.quant"``: the QuantReport)
+    results: dict[str, Any] = field(default_factory=dict)
 
     @property
     def gb_per_s(self) -> float:
@@ -96,7 +97,8 @@ def load_checkpoint(model: nn.Module, checkpoint: "str | os.PathLike | Mapping |
                     prepared: PreparedShards | None = None, rank: int = 0,
                     device: torch.device | str = "cpu", dtype: torch.dtype | None = None,
                     base_dir: str | os.PathLike | None = None,
-                    progress: bool | None = None, quantizer: Any = None) -> LoadReport:
+                    progress: bool | None = None,
+                    hooks: "list[TensorHook] | tuple[TensorHook, ...]" = ()) -> LoadReport:
     """Fill ``model``'s parameters and buffers from ``checkpoint``, in place.
 
     Args:
@@ -106,40 +108,41 @@ def load_checkpoint(model: nn.Module, checkpoint: "str | os.PathLike | Mapping |
             rank reads and keeps only its slices, and module sizes follow the split.
         rank: the rank whose slices to read.
         device: where the tensors are materialised.
-        dtype: floating tensors are converted to it while read (None keeps the stored dtype;
-            with ``quantizer``, None means the quantizer's compute dtype). A quantized
-            checkpoint's packed tensors are never converted; its compute dtype must be this.
+        dtype: floating tensors are converted to it while read (None keeps the stored dtype).
+            An extension's per-rank tensors are never converted.
         base_dir: the folder the description's file names are relative to.
         progress: show a progress bar (default: on a terminal, on rank 0).
-        quantizer: a :class:`shardwise.quant.Quantizer` (``Quantizer.for_model`` on this model)
-            to quantize each wanted weight as soon as its slice is read (module docstring);
-            the report's ``quantization`` is then its :class:`~shardwise.quant.QuantReport`.
+        hooks: :class:`~shardwise.checkpoint.extensions.TensorHook` s called for each tensor
+            read (module docstring), e.g. ``Quantizer.reading_hook()``; each one's result is in
+            the report's ``results[hook.name]``.
 
     Raises:
         CheckpointError: a missing or corrupted file, missing or unexpected keys, a shape or a
             dtype kind that does not match the model (named), before any data is read; a file
-            outside the checkpoint's folder (:mod:`.description`); for a quantized
-            checkpoint also a corrupt or mismatched manifest, another tp size or dtype.
-        ConfigError: quantization settings that do not fit a layer (named), before any read.
+            outside the checkpoint's folder (:mod:`.description`); an extension's own
+            errors (subclasses) for its data (e.g. a quantized checkpoint at another tp size).
+        ConfigError: a hook's refusal (e.g. quantization settings that do not fit a layer),
+            before any read.
     """
     desc = checkpoint if isinstance(checkpoint, Description) else describe(checkpoint, base_dir)
-    if quantizer is not None and dtype is None:
-        dtype = quantizer.dtype
-    if desc.quant is not None:
-        check_quantized_load(desc, prepared.tp_size if prepared is not None else 1, dtype,
-                             quantizer)
+    hooks = tuple(hooks)
+    context = LoadContext(desc.source, desc.tp_size, prepared.tp_size if prepared else 1, rank,
+                          dtype, hooks)
+    check_extensions(desc, context)
     index = build_index(desc, rank)
     bytes_before = sum(p.numel() * p.element_size() for p in model.parameters())
-    modules = _module_tree(model)  # to put back if the load fails (QuantLinears swapped in)
+    modules = _module_tree(model)  # to put back if the load fails (modules swapped in)
     try:
-        layers = _install_saved_quant(model, index, desc, prepared, rank)
+        states = _install_extensions(model, index, desc, prepared, context)
         targets = plan_targets(model, index, prepared, rank)
-        reads = _quant_reads(model, targets, quantizer) if quantizer is not None else None
+        for hook in hooks:
+            hook.plan(model, _refs(model, targets))
         start = time.perf_counter()
         with Reader(index, rank) as reader, Progress(desc, targets, index, rank, progress) as bar:
-            count = _materialise(model, targets, reader, torch.device(device), dtype, bar, reads)
+            count = _materialise(model, targets, reader, torch.device(device), dtype, bar, hooks)
             _fill_meta_buffers(model, torch.device(device))
             bytes_read = reader.bytes_read
+        results = {h.name: h.finish(model) for h in hooks}
     except BaseException:
         _restore_modules(modules)
         _back_to_meta(model)
@@ -147,7 +150,10 @@ def load_checkpoint(model: nn.Module, checkpoint: "str | os.PathLike | Mapping |
     sliced = _set_sizes(prepared, rank) if prepared is not None else {}
     report = LoadReport(desc.source, len(desc.files), bytes_read, time.perf_counter() - start,
                         count, rank, sliced, bytes_before)
-    report.quantization = _quant_report(model, index, layers, reads, device, desc.source)
+    for name, state in states.items():
+        results[name] = extension(name, desc.source).finish(model, state, context,
+                                                            torch.device(device))
+    report.results = results
     if rank == 0:
         log.info("shardwise: %s", report.summary())
         Progress.summary(report.summary(), progress)
@@ -275,23 +281,25 @@ def _keys_message(missing: list[str], unexpected: list[str], model: nn.Module) -
 
 @torch.no_grad()
 def _materialise(model: nn.Module, targets: list[Target], reader: Reader, device: torch.device,
-                 dtype: torch.dtype | None, bar: Progress, reads: "_QuantReads | None" = None
+                 dtype: torch.dtype | None, bar: Progress, hooks: tuple[TensorHook, ...] = ()
                  ) -> int:
     for t in sorted(targets, key=lambda t: _first_file(reader.index, t.key)):
-        if reads is not None and id(t) in reads.biases:
-            continue  # read together with its weight
-        if reads is not None and id(t) in reads.weights:
-            _quantize_target(model, t, reads, reader, dtype)
-        else:
-            _fill(model, t, reader, device, dtype)
+        _fill(model, t, reader, device, dtype, hooks)
         bar.update(reader.bytes_read)
     return len(targets)
 
 
 def _fill(model: nn.Module, t: Target, reader: Reader, device: torch.device,
-          dtype: torch.dtype | None) -> None:
-    """Read ``t`` (this rank's part, converted to ``dtype`` unless raw) and assign it."""
-    value = _read_target(t, reader, None if t.raw else dtype).to(device)
+          dtype: torch.dtype | None, hooks: tuple[TensorHook, ...] = ()) -> None:
+    """Read ``t`` (this rank's part, converted to ``dtype`` unless raw), offer it to the hooks
+    (in host memory), and assign it unless one took it."""
+    value = _read_target(t, reader, None if t.raw else dtype)
+    if hooks and not t.raw:
+        owner_name, _, attr = t.names[0].rpartition(".")
+        owner = model.get_submodule(owner_name)
+        if any(h.on_tensor(owner_name, owner, attr, value) for h in hooks):
+            return
+    value = value.to(device)
     if not t.is_buffer:
         value = nn.Parameter(value, requires_grad=False)
     for name in t.names:
@@ -367,7 +375,7 @@ def _module_tree(model: nn.Module) -> list[tuple[nn.Module, str, nn.Module]]:
 
 
 def _restore_modules(tree: list[tuple[nn.Module, str, nn.Module]]) -> None:
-    """Undo the loader's module swaps (QuantLinear shells, quantized linears): each child back
+    """Undo the module swaps of a load (extensions' shells, hooks' modules): each child back
     under its parent as before the load."""
     for parent, name, child in tree:
         if parent._modules.get(name) is not child:
@@ -386,110 +394,51 @@ def _back_to_meta(model: nn.Module) -> None:
                         if isinstance(t, nn.Parameter) else meta
 
 
-# ----- quantization: a quantized checkpoint, or quantizing while reading ---------------------
+# ----- hooks and extensions ------------------------------------------------------------------
 
-def check_quantized_load(desc: Description, tp: int, dtype: torch.dtype | None = None,
-                         quantizer: Any = None) -> None:
-    """Raise :class:`CheckpointError` unless the quantized checkpoint ``desc`` can load as saved:
-    at its tp size (``tp``), in its compute dtype (``dtype``, None: not known yet), and without
-    being quantized again (``quantizer`` None). Reads no file."""
-    from ..quant.checkpoint import saved_dtype
-
-    if tp != desc.tp_size:
-        raise CheckpointError(
-            f"{desc.source} holds quantized weights saved at tp_size={desc.tp_size}; packed "
-            f"quantized weights cannot be merged or split for tp_size={tp}: load it at "
-            f"tp_size={desc.tp_size}, or save the model unquantized (init_inference without "
-            f"quant=) and quantize while loading at the new tp size")
-    if quantizer is not None:
-        raise CheckpointError(f"{desc.source} holds weights that are already quantized; load it "
-                              f"without a quantizer (quantizing twice compounds the rounding)")
-    saved = saved_dtype(desc.quant)
-    if saved is not None and dtype is not None and dtype != saved:
-        raise CheckpointError(
-            f"{desc.source} holds weights packed for {str(saved).removeprefix('torch.')} "
-            f"compute, not {str(dtype).removeprefix('torch.')}; load it with dtype={saved} (or "
-            f"leave dtype unset), or load the full-precision checkpoint to quantize for "
-            f"another dtype")
+def check_extensions(desc: Description, context: LoadContext) -> None:
+    """Each extension the checkpoint carries checks it can load as ``context`` asks (its tp
+    size, dtype, hooks), raising its own named error. Reads no file."""
+    for name, entry in desc.extensions.items():
+        extension(name, desc.source).check_load(entry, context)
 
 
-def _install_saved_quant(model: nn.Module, index: CheckpointIndex, desc: Description,
-                         prepared: PreparedShards | None, rank: int) -> dict | None:
-    """For a quantized checkpoint: check each saved layer fits the model (this rank's slice),
-    then put empty QuantLinear shells (buffers on meta) in place. Layer name → QuantizedLayer,
-    or None for a full-precision checkpoint."""
-    if index.quant is None:
-        return None
-    from ..quant.checkpoint import install_shells
-
-    _check_quant_shapes(model, index.quant, prepared, rank, desc.source)
-    return install_shells(model, index.quant, "meta", desc.source, CheckpointError)
-
-
-def _check_quant_shapes(model: nn.Module, manifest: dict, prepared: PreparedShards | None,
-                        rank: int, source: str) -> None:
-    """Each saved layer's [out, in] (and bias or none) equals this rank's slice of the model's
-    module of that name; else the checkpoint was saved from another config or plan."""
-    specs = {s.name: s for s in prepared.specs} if prepared is not None else {}
-    modules = dict(model.named_modules())
-    for name, entry in manifest["layers"].items():
-        module = modules.get(name)
-        weight = getattr(module, "weight", None)
-        if weight is None or weight.dim() != 2:
-            continue  # a missing layer is named by install_shells
-        shape = list(weight.shape)  # [out, in]; transformers Conv1D: [in, out]
-        spec = specs.get(name)
-        if spec is not None:
-            shape[spec.dim] = sum(b - a for a, b in spec.ranges[rank])
-        want = shape if isinstance(module, nn.Linear) else shape[::-1]
-        saved = [entry["spec"][4], entry["spec"][3]]
-        has_bias = isinstance(getattr(module, "bias", None), torch.Tensor)
-        if saved != want or has_bias != (entry["bias"] is not None):
-            raise CheckpointError(
-                f"quantized layer {name!r} is [out, in] = {saved} "
-                f"({'with' if entry['bias'] is not None else 'without'} bias) on rank {rank} of "
-                f"{source}, but {want} ({'with' if has_bias else 'without'} bias) in the model "
-                f"built from the config; the checkpoint and the config (or tensor-parallel plan) "
-                f"do not belong together")
+def _install_extensions(model: nn.Module, index: CheckpointIndex, desc: Description,
+                        prepared: PreparedShards | None, context: LoadContext) -> dict[str, Any]:
+    """Let each extension put in the modules its data loads into (before the targets are
+    planned); name → its state for ``finish``."""
+    if not index.extensions:
+        return {}
+    shapes = _local_shapes(model, prepared, context.rank)
+    return {name: extension(name, desc.source).install(model, desc.extensions[name], entry,
+                                                        shapes, context)
+            for name, entry in index.extensions.items()}
 
 
-@dataclass
-class _QuantReads:
-    """Quantize-while-reading bookkeeping: weight target id → (module name, its bias target,
-    whether it is a transformers Conv1D), and the ids of the bias targets read with them."""
+def _local_shapes(model: nn.Module, prepared: PreparedShards | None,
+                  rank: int) -> dict[str, tuple[int, ...]]:
+    """Parameter name → the shape ``rank`` keeps of it under the sharding plan."""
+    keep = _rank_slices(prepared, rank) if prepared is not None else {}
+    out = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        shape = list(p.shape)
+        if isinstance(keep.get(name), tuple):
+            dim, ranges = keep[name]
+            shape[dim] = sum(b - a for a, b in ranges)
+        out[name] = tuple(shape)
+    return out
 
-    quantizer: Any
-    weights: dict[int, tuple[str, Target | None, bool]] = field(default_factory=dict)
-    biases: set[int] = field(default_factory=set)
-    bytes_before: int = 0  # this rank's parameters unquantized in the compute dtype
 
-
-def _quant_reads(model: nn.Module, targets: list[Target], quantizer: Any) -> _QuantReads:
-    """Match the quantizer's layers with their targets and check the settings fit each layer's
-    (this rank's) input features — every check before any data is read."""
-    from ..errors import ConfigError
-    from ..quant.transform import is_quantizable
-
-    modules = dict(model.named_modules())
-    by_name = {n: t for t in targets for n in t.names}
-    reads = _QuantReads(quantizer, bytes_before=_bytes_in_dtype(targets, quantizer.dtype))
-    for weight in targets:  # model order, so the first layer that does not fit is named
-        name = next((m for m in (n.removesuffix(".weight") for n in weight.names
-                                 if n.endswith(".weight"))
-                     if quantizer.wants(m) and is_quantizable(modules.get(m))), None)
-        if name is None:
+def _refs(model: nn.Module, targets: list[Target]) -> list[TensorRef]:
+    """What the hooks are told of each target: its names, owner, this rank's shape."""
+    refs = []
+    for t in targets:
+        if t.raw:
             continue
-        if len(weight.names) > 1:
-            raise ConfigError(f"layer {name!r}'s weight is tied to {weight.names[1:]}; a tied "
-                              f"weight cannot be quantized (remove lm_head=True)")
-        conv1d = not isinstance(modules[name], nn.Linear)
-        shape = _local_shape(weight)  # [out, in]; Conv1D [in, out]
-        quantizer.check(name, shape[0 if conv1d else 1], shape[1 if conv1d else 0])
-        bias = by_name.get(f"{name}.bias")
-        reads.weights[id(weight)] = (name, bias, conv1d)
-        if bias is not None:
-            reads.biases.add(id(bias))
-    return reads
+        owner, _, attr = t.names[0].rpartition(".")
+        refs.append(TensorRef(tuple(t.names), owner, attr, tuple(_local_shape(t)), t.dtype,
+                              t.is_buffer))
+    return refs
 
 
 def _local_shape(t: Target) -> list[int]:
@@ -499,38 +448,6 @@ def _local_shape(t: Target) -> list[int]:
         dim, ranges = t.keep
         shape[dim] = sum(b - a for a, b in ranges)
     return shape
-
-
-def _bytes_in_dtype(targets: list[Target], dtype: torch.dtype) -> int:
-    """Bytes of this rank's parameters with every floating one in ``dtype`` (tied ones once)."""
-    size = torch.empty((), dtype=dtype).element_size()
-    return sum(math.prod(_local_shape(t)) * (size if t.dtype.is_floating_point
-                                              else t.dtype.itemsize)
-               for t in targets if not t.is_buffer)
-
-
-def _quantize_target(model: nn.Module, t: Target, reads: _QuantReads, reader: Reader,
-                     dtype: torch.dtype | None) -> None:
-    """Read this rank's slice of a quantizable weight (and its bias), quantize it at once and
-    put the QuantLinear in place: the float slice is dropped before the next read."""
-    name, bias_target, conv1d = reads.weights[id(t)]
-    weight = _read_target(t, reader, dtype)  # [out, in] slice ([in, out] for Conv1D)
-    bias = _read_target(bias_target, reader, dtype) if bias_target is not None else None
-    qlinear = reads.quantizer.quantize_tensor_for(name, weight, bias, conv1d=conv1d)
-    del weight, bias
-    reads.quantizer.install(model, name, qlinear)
-
-
-def _quant_report(model: nn.Module, index: CheckpointIndex, layers: dict | None,
-                  reads: _QuantReads | None, device: torch.device | str, source: str):
-    """The QuantReport of a quantized load (None for a full-precision one)."""
-    if reads is not None:
-        return reads.quantizer.finish(model, reads.bytes_before)
-    if layers is not None:
-        from ..quant.checkpoint import loaded_report
-
-        return loaded_report(model, index.quant, layers, device, f"loaded {source}")
-    return None
 
 
 def default_dtype(index: CheckpointIndex) -> torch.dtype:

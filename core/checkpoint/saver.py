@@ -28,17 +28,9 @@ from torch import nn
 from ..communicator import Communicator, LocalCommunicator
 from ..sharding.apply import PreparedShards, param_ranges
 from .description import DESCRIPTION_NAME
-
-
-def _qckpt():
-    """:mod:`shardwise.quant.checkpoint`, imported on first use (no kernels at import)."""
-    from ..quant import checkpoint
-
-    return checkpoint
+from .extensions import RANK_METADATA, SavedEntries, registered
 
 VERSION = 1
-#: safetensors metadata key of a rank file's quantization manifest (JSON)
-QUANT_METADATA = "shardwise_quant"
 
 
 def rank_file(rank: int, tp_size: int, save_id: str | None = None) -> str:
@@ -56,8 +48,8 @@ _RANK_FILE = re.compile(r"rank\d{2,}-of-\d{2,}(\.[0-9a-f]{16})?\.safetensors(\.t
 def save_checkpoint(model: nn.Module, path: str | Path, *, prepared: PreparedShards | None = None,
                     communicator: Communicator | None = None) -> Path:
     """Write ``model`` (sharded by ``prepared`` across ``communicator``, or whole) to ``path``;
-    every rank calls it. A quantized model is written as it is (module docstring). Returns the
-    description file's path.
+    every rank calls it. Data a registered extension stores for the model (a quantized model's
+    packed layers: :mod:`.extensions`) is written as it is. Returns the description's path.
 
     Re-saving into a folder that holds a checkpoint is atomic: every file is written under a
     temporary name and renamed into place, rank files never take a name the old description
@@ -70,45 +62,45 @@ def save_checkpoint(model: nn.Module, path: str | Path, *, prepared: PreparedSha
     out.mkdir(parents=True, exist_ok=True)
     save_id, plain = _shared_id(comm, out, tp)
     names = [rank_file(r, tp, None if plain else save_id) for r in range(tp)]
-    quant = _quant_manifest(model)
-    per_rank = set(_qckpt().tensor_names(quant)) if quant else set()  # this rank's packed tensors
+    saved = _extension_entries(model)
+    per_rank = {k for entries in saved.values() for k in entries.tensors}  # stored whole per rank
     shards = _shard_entries(prepared) if prepared is not None else {}
     shards = {k: v for k, v in shards.items() if k not in per_rank}
     if comm.rank < tp:
-        _write_rank_file(model, out / names[comm.rank], shards, per_rank, quant,
+        _write_rank_file(model, out / names[comm.rank], shards, per_rank, saved,
                          {"save_id": save_id, "rank": str(comm.rank), "tp_size": str(tp)})
     comm.barrier()
     description = out / DESCRIPTION_NAME
     if comm.rank == 0:  # last, so a description means every rank file is complete
-        _write_description(model, description, tp, save_id, shards, quant, names)
+        _write_description(model, description, tp, save_id, shards, saved, names)
         _remove_stale(out, names)
     comm.barrier()
     return description
 
 
 def _write_rank_file(model: nn.Module, file: Path, shards: dict, per_rank: set[str],
-                     quant: dict | None, metadata: dict[str, str]) -> None:
+                     saved: dict[str, SavedEntries], metadata: dict[str, str]) -> None:
     from safetensors.torch import save_file
 
     tensors = _rank_tensors(model, shards, int(metadata["rank"]), per_rank)
     metadata = {"format": "pt", **metadata}
-    if quant:
-        metadata[QUANT_METADATA] = json.dumps(quant)
+    if saved:
+        metadata[RANK_METADATA] = json.dumps({n: e.rank for n, e in saved.items()})
     _atomic(file, lambda tmp: save_file(tensors, str(tmp), metadata=metadata))
 
 
 def _write_description(model: nn.Module, description: Path, tp: int, save_id: str,
-                       shards: dict, quant: dict | None, names: list[str]) -> None:
+                       shards: dict, saved: dict[str, SavedEntries], names: list[str]) -> None:
     config = getattr(model, "config", None)
     if config is not None and hasattr(config, "save_pretrained"):
         _atomic(description.parent / "config.json", lambda tmp: _save_config(config, tmp))
-    saved = set(_unique_state(model))
+    stored = set(_unique_state(model))
     body = {"type": "shardwise", "version": VERSION, "tp_size": tp,
-            "dtype": (quant and quant.get("dtype")) or _dtype_name(model),
+            "dtype": _dtype_name(model),
             "save_id": save_id, "checkpoints": names,
-            "shards": {k: v for k, v in shards.items() if k in saved}}
-    if quant:
-        body["quant"] = _qckpt().description_entry(quant)
+            "shards": {k: v for k, v in shards.items() if k in stored}}
+    if saved:
+        body["extensions"] = {n: e.description for n, e in saved.items()}
     _atomic(description, lambda tmp: tmp.write_text(json.dumps(body, indent=1)))
 
 
@@ -193,8 +185,8 @@ def _unique_state(model: nn.Module) -> dict[str, torch.Tensor]:
 
 def _rank_tensors(model: nn.Module, shards: dict, rank: int,
                   per_rank: set[str]) -> dict[str, torch.Tensor]:
-    """What ``rank``'s file holds: its slices of the sharded tensors, its own quantized tensors
-    (``per_rank``), and on rank 0 the replicated rest."""
+    """What ``rank``'s file holds: its slices of the sharded tensors, its own whole tensors of
+    extensions (``per_rank``), and on rank 0 the replicated rest."""
     out = {}
     for name, tensor in _unique_state(model).items():
         if name in shards or name in per_rank or rank == 0:
@@ -202,9 +194,14 @@ def _rank_tensors(model: nn.Module, shards: dict, rank: int,
     return out
 
 
-def _quant_manifest(model: nn.Module) -> dict[str, Any] | None:
-    """This rank's quantization manifest (None for a model without quantized layers)."""
-    return _qckpt().manifest(model) if _qckpt().is_quantized(model) else None
+def _extension_entries(model: nn.Module) -> dict[str, SavedEntries]:
+    """Extension name → what it stores for ``model`` (only those storing something)."""
+    out = {}
+    for ext in registered():
+        entries = ext.save_entries(model)
+        if entries is not None:
+            out[ext.name] = entries
+    return out
 
 
 def _dtype_name(model: nn.Module) -> str:

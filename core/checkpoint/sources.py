@@ -25,8 +25,8 @@ from typing import Any
 import torch
 
 from .description import Description
-from .saver import QUANT_METADATA
 from .errors import CheckpointError
+from .extensions import extension, rank_entries
 from .preads import StagingBuffer, read_slice
 
 log = logging.getLogger(__name__)
@@ -198,9 +198,9 @@ def _unreadable_bin(path: Path, exc: Exception) -> CheckpointError:
 class CheckpointIndex:
     """Checkpoint key → its pieces and full shape; plus open-file bookkeeping for reading.
 
-    For a quantized shardwise checkpoint, ``quant`` is the reading rank's manifest
-    (:func:`shardwise.quant.checkpoint.manifest`) and ``per_rank`` the keys of its packed
-    tensors, indexed from that rank's own file (whole: packed layouts are never merged or split).
+    For a shardwise checkpoint with extension data (:mod:`.extensions`), ``extensions`` holds
+    the reading rank's entries (name → entry) and ``per_rank`` the keys of the tensors they
+    name, indexed from that rank's own file (whole: never merged or split).
     """
 
     pieces: dict[str, list[Piece]]
@@ -208,7 +208,7 @@ class CheckpointIndex:
     dtypes: dict[str, torch.dtype]
     bins: dict[Path, dict[str, torch.Tensor]]
     per_rank: set[str] = field(default_factory=set)
-    quant: dict | None = None
+    extensions: dict[str, Any] = field(default_factory=dict)
 
     def keys(self) -> list[str]:
         return list(self.pieces)
@@ -216,8 +216,8 @@ class CheckpointIndex:
 
 def build_index(desc: Description, rank: int = 0) -> CheckpointIndex:
     """Read every file's header (never its data) and index the tensors of ``desc`` (for a
-    quantized shardwise checkpoint: as ``rank`` reads it; every rank file's manifest is checked
-    against its header)."""
+    shardwise checkpoint with extension data: as ``rank`` reads it; every rank file's entries
+    are checked against its header)."""
     if desc.kind == "shardwise":
         return _shardwise_index(desc, rank)
     index = CheckpointIndex({}, {}, {}, {})
@@ -250,8 +250,8 @@ def _shardwise_index(desc: Description, rank: int = 0) -> CheckpointIndex:
     headers = [safetensors_header(f) for f in desc.files]
     _check_rank_files(desc, headers)
     index = CheckpointIndex({}, {}, {}, {})
-    if desc.quant is not None:
-        _index_quantized(desc, headers, rank, index)
+    if desc.extensions:
+        _index_extensions(desc, headers, rank, index)
     rank0 = headers[0][0]
     for name, info in rank0.items():
         if name not in desc.shards and name not in index.per_rank:
@@ -300,61 +300,57 @@ def _check_rank_files(desc: Description, headers: list) -> None:
                                       f"{info.dtype} {list(info.shape)}")
 
 
-def _index_quantized(desc: Description, headers: list, rank: int,
-                     index: CheckpointIndex) -> None:
-    """Check every rank file's quantization manifest against the description and the file's
-    header, then index ``rank``'s packed tensors from its own file."""
+def _index_extensions(desc: Description, headers: list, rank: int,
+                      index: CheckpointIndex) -> None:
+    """Check every rank file's extension entries (each by its extension, against the
+    description's entry) and the tensors they name against the file's header, then index
+    ``rank``'s own tensors from its own file (whole: never merged or split)."""
     if not 0 <= rank < len(headers):
-        raise CheckpointError(f"{desc.source} is quantized and was saved at tp_size="
-                              f"{desc.tp_size}; rank {rank} has no file in it: load it at "
-                              f"tp_size={desc.tp_size}")
-    manifests = [_rank_manifest(desc, path, tensors, meta)
-                 for path, (tensors, meta) in zip(desc.files, headers)]
-    index.quant = manifests[rank]
-    own = headers[rank][0]
-    for name in _quant_names(index.quant):
-        info = own[name]
-        index.pieces[name] = [Piece(info, owner=rank)]
-        index.shapes[name], index.dtypes[name] = info.shape, info.dtype
-        index.per_rank.add(name)
+        raise CheckpointError(f"{desc.source} carries {', '.join(sorted(desc.extensions))} "
+                              f"data saved at tp_size={desc.tp_size}; rank {rank} has no file "
+                              f"in it: load it at tp_size={desc.tp_size}")
+    for name, entry in desc.extensions.items():
+        ext = extension(name, desc.source)
+        for r, (path, (tensors, meta)) in enumerate(zip(desc.files, headers)):
+            where = f"rank file {path}"
+            rank_entry = _rank_entries(meta, where).get(name)
+            if rank_entry is None:
+                raise CheckpointError(f"{where} has no {name!r} entry in its metadata although "
+                                      f"the description names that extension; the rank files "
+                                      f"do not belong to it: re-save the checkpoint")
+            wanted = ext.rank_tensors(entry, rank_entry, where)
+            _check_stored(tensors, wanted, where, name)
+            if r == rank:
+                index.extensions[name] = rank_entry
+                for key in wanted:
+                    info = tensors[key]
+                    index.pieces[key] = [Piece(info, owner=rank)]
+                    index.shapes[key], index.dtypes[key] = info.shape, info.dtype
+                    index.per_rank.add(key)
 
 
-def _quant_names(manifest: dict) -> dict:
-    from ..quant.checkpoint import tensor_names
+def _rank_entries(meta: dict[str, str], where: str) -> dict:
+    def parse(text: str, key: str):
+        try:
+            return json.loads(text)
+        except (json.JSONDecodeError, RecursionError) as exc:
+            raise CheckpointError(f"{where}: its {key!r} metadata is not valid JSON "
+                                  f"({type(exc).__name__}); the file is corrupted: re-save "
+                                  f"the checkpoint") from None
+    return rank_entries(meta, where, parse)
 
-    return tensor_names(manifest)
 
-
-def _rank_manifest(desc: Description, path: Path, tensors: dict[str, TensorInfo],
-                   meta: dict[str, str]) -> dict:
-    """``path``'s quantization manifest, checked: well-formed, the description's settings and
-    layers, and every packed tensor in the header with the manifest's shape and dtype."""
-    from ..quant.checkpoint import check_manifest
-
-    where = f"rank file {path}"
-    try:
-        manifest = json.loads(meta[QUANT_METADATA])
-    except (KeyError, json.JSONDecodeError) as exc:
-        raise CheckpointError(f"{where} has no readable quantization manifest ({type(exc).__name__}"
-                              f": {exc}) although the description says the checkpoint is "
-                              f"quantized; the rank files do not belong to it: re-save the "
-                              f"checkpoint") from None
-    check_manifest(manifest, where, CheckpointError)
-    said = desc.quant
-    if (sorted(manifest["layers"]), manifest.get("config"), manifest.get("dtype")) != \
-            (said["layers"], said.get("config"), said.get("dtype")):
-        raise CheckpointError(f"{where} disagrees with the description's 'quant' entry (other "
-                              f"quantized layers, settings or dtype): the rank files do not "
-                              f"belong to this description; re-save the checkpoint")
-    for name, (shape, dtype) in _quant_names(manifest).items():
-        info = tensors.get(name)
+def _check_stored(tensors: dict[str, TensorInfo], wanted: dict, where: str, name: str) -> None:
+    """Every tensor an extension entry names is in the file with its shape (and dtype)."""
+    for key, (shape, dtype) in wanted.items():
+        info = tensors.get(key)
         stored = None if info is None else str(info.dtype).removeprefix("torch.")
-        if info is None or list(info.shape) != shape or (dtype is not None and stored != dtype):
+        if info is None or list(info.shape) != list(shape) or \
+                (dtype is not None and stored != dtype):
             got = "absent" if info is None else f"{stored} {list(info.shape)}"
-            raise CheckpointError(f"{where}: quantized tensor {name!r} is {got}, its manifest "
-                                  f"says {dtype or 'floating'} {shape}; the file is corrupted "
+            raise CheckpointError(f"{where}: tensor {key!r} is {got}, its {name!r} entry says "
+                                  f"{dtype or 'floating'} {list(shape)}; the file is corrupted "
                                   f"or mixed up: re-save the checkpoint")
-    return manifest
 
 
 def _others(shape: tuple[int, ...], dim: int) -> tuple[int, ...]:

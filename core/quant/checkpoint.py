@@ -39,12 +39,16 @@ import torch
 from torch import nn
 
 from ..accelerator import Accelerator
+from ..checkpoint.errors import CheckpointError
+from ..checkpoint.extensions import (CheckpointExtension, LoadContext, SavedEntries,
+                                     register_extension)
 from ..checkpoint.sources import SAFETENSORS_DTYPES
 from ..errors import ConfigError
 from shardwise.kernels.reference.quant import QuantSpec
 from .config import parse_quant
-from .modules import QuantLinear, carry_hooks, set_submodule
-from .transform import QUANT_ATTR, QuantizedLayer, QuantReport, _refuse_twice, model_bytes
+from .modules import QuantLinear
+from .transform import (QUANT_ATTR, QuantizedLayer, QuantReport, _refuse_twice, model_bytes,
+                        swap_in)
 
 log = logging.getLogger(__name__)
 
@@ -110,19 +114,26 @@ def tensor_names(info: Mapping[str, Any]) -> dict[str, tuple[list[int], str | No
     return out
 
 
-def check_manifest(info: Any, where: str, error: type[Exception] = ConfigError) -> None:
-    """Raise ``error`` naming ``where`` unless ``info`` is a well-formed :func:`manifest`."""
+class QuantizedCheckpointError(CheckpointError):
+    """A quantized checkpoint or file is malformed, does not fit the model, or cannot load as
+    asked (another tp size, dtype or quant settings). A :class:`CheckpointError` (and so a
+    ``ConfigError``), raised before any weight is read."""
+
+
+def check_manifest(info: Any, where: str) -> None:
+    """Raise :class:`QuantizedCheckpointError` naming ``where`` unless ``info`` is a
+    well-formed :func:`manifest`."""
     if not isinstance(info, Mapping) or info.get("format") != FORMAT:
         got = info.get("format") if isinstance(info, Mapping) else type(info).__name__
-        raise error(f"{where} is not a shardwise quantization manifest (format {got!r}, "
+        raise QuantizedCheckpointError(f"{where} is not a shardwise quantization manifest (format {got!r}, "
                     f"expected {FORMAT!r}); re-save it with this shardwise")
     layers = info.get("layers")
     if not isinstance(layers, Mapping) or not layers:
-        raise error(f"{where}: the quantization manifest lists no layers")
+        raise QuantizedCheckpointError(f"{where}: the quantization manifest lists no layers")
     for name, entry in layers.items():
         problem = _entry_problem(entry)
         if problem:
-            raise error(f"{where}: the quantization manifest entry of layer {name!r} is "
+            raise QuantizedCheckpointError(f"{where}: the quantization manifest entry of layer {name!r} is "
                         f"malformed ({problem}); the checkpoint is corrupted: re-save it")
 
 
@@ -312,17 +323,17 @@ def _check_stored(info: Mapping[str, Any], handle: Any, model: nn.Module,
 
 
 def install_shells(model: nn.Module, info: Mapping[str, Any], device: torch.device | str,
-                   source: str, error: type[Exception] = ConfigError,
-                   bias_dtype: torch.dtype | None = None) -> dict[str, QuantizedLayer]:
+                   source: str, bias_dtype: torch.dtype | None = None) -> dict[str, QuantizedLayer]:
     """Put an empty :class:`QuantLinear` (buffers uninitialised, on ``device``: "meta" for a
     loader that assigns them) wherever the manifest ``info`` says, carrying each replaced
     module's hooks; biases are made in ``bias_dtype`` (the model's; default each layer's
-    compute dtype). Returns layer name → :class:`QuantizedLayer`. Raises ``error`` for a layer
+    compute dtype). Returns layer name → :class:`QuantizedLayer`. Raises
+    :class:`QuantizedCheckpointError` for a layer
     the model lacks or a backend that cannot run here."""
     modules = dict(model.named_modules())
     missing = [n for n in info["layers"] if n not in modules]
     if missing:
-        raise error(f"the saved quantized layers {missing[:3]} are not in "
+        raise QuantizedCheckpointError(f"the saved quantized layers {missing[:3]} are not in "
                     f"{type(model).__name__}; load into the model architecture {source} was "
                     "saved from")
     layers = {}
@@ -334,11 +345,10 @@ def install_shells(model: nn.Module, info: Mapping[str, Any], device: torch.devi
                                            entry["tensors"], entry["bias"], entry["source"],
                                            device=device, bias_dtype=bias_dtype)
         except KeyError as exc:
-            raise error(f"{source} holds weights packed for the {entry['backend']!r} kernel "
+            raise QuantizedCheckpointError(f"{source} holds weights packed for the {entry['backend']!r} kernel "
                         f"backend, which cannot run here ({exc.args[0]}); re-quantize from the "
                         "full-precision checkpoint on this device") from None
-        carry_hooks(modules[name], shell)
-        set_submodule(model, name, shell)
+        swap_in(model, name, shell)
         layers[name] = QuantizedLayer(name, entry.get("kind") or "attention", entry["backend"],
                                       spec.bits, spec.group_size,
                                       (spec.out_features, spec.in_features), shell.weight_nbytes,
@@ -426,29 +436,34 @@ def description_entry(info: Mapping[str, Any]) -> dict[str, Any]:
             "layers": sorted(info["layers"])}
 
 
-def check_description_entry(entry: Any, where: str, error: type[Exception] = ConfigError) -> None:
-    """Raise ``error`` unless ``entry`` (a description's ``"quant"``) is well-formed."""
+def check_description_entry(entry: Any, where: str) -> None:
+    """Raise :class:`QuantizedCheckpointError` unless ``entry`` (a description's
+    ``"shardwise.quant"`` extension entry) is well-formed."""
     if not isinstance(entry, Mapping) or entry.get("format") != FORMAT:
         got = entry.get("format") if isinstance(entry, Mapping) else entry
-        raise error(f"{where}: its 'quant' entry has format {got!r}; this shardwise reads "
-                    f"{FORMAT!r} (re-save the checkpoint with this shardwise)")
+        raise QuantizedCheckpointError(
+            f"{where}: its 'shardwise.quant' entry has format {got!r}; this shardwise reads "
+            f"{FORMAT!r} (re-save the checkpoint with this shardwise)")
     try:
         if entry.get("config") is not None:
             parse_quant(entry["config"])
         _torch_dtype(entry.get("dtype"))
     except (ConfigError, KeyError) as exc:
-        raise error(f"{where}: its 'quant' settings are invalid ({exc}); the checkpoint "
-                    "description is corrupted: re-save it") from None
+        raise QuantizedCheckpointError(
+            f"{where}: its 'shardwise.quant' settings are invalid ({exc}); the checkpoint "
+            "description is corrupted: re-save it") from None
     names = entry.get("layers")
     if not isinstance(names, list) or not names or not all(isinstance(n, str) for n in names):
-        raise error(f"{where}: its 'quant' entry must list the quantized layers, got {names!r}")
+        raise QuantizedCheckpointError(f"{where}: its 'shardwise.quant' entry must list the "
+                                       f"quantized layers, got {names!r}")
 
 
-def adopt_saved_quant(entry: Mapping[str, Any], asked: Mapping | None, where: str,
-                      error: type[Exception] = ConfigError) -> dict[str, Any] | None:
+def adopt_saved_quant(entry: Mapping[str, Any], asked: Mapping | None,
+                      where: str) -> dict[str, Any] | None:
     """The ``quant=`` dict to run with when loading a checkpoint saved quantized with the
     description ``entry``: the saved settings. ``asked`` None (no ``quant=``): they are adopted
-    with one log line. ``asked`` equal to them: fine. Different: ``error``, because quantized
+    with one log line. ``asked`` equal to them: fine. Different: a
+    :class:`QuantizedCheckpointError`, because quantized
     weights cannot be re-quantized to other settings without compounding the rounding error."""
     saved = parse_quant(entry["config"]) if entry.get("config") is not None else None
     if asked is None:
@@ -458,7 +473,7 @@ def adopt_saved_quant(entry: Mapping[str, Any], asked: Mapping | None, where: st
         return saved.to_dict() if saved is not None else None
     wanted = parse_quant(asked)
     if saved is not None and wanted != saved:
-        raise error(f"{where} holds weights quantized as {saved.describe()} "
+        raise QuantizedCheckpointError(f"{where} holds weights quantized as {saved.describe()} "
                     f"({saved.to_dict()}), but quant= asks for {wanted.describe()} "
                     f"({wanted.to_dict()}); saved quantized weights load only as they are: omit "
                     f"quant= (or pass the saved settings) to load them, or load the "
@@ -469,3 +484,117 @@ def adopt_saved_quant(entry: Mapping[str, Any], asked: Mapping | None, where: st
 def saved_dtype(entry: Mapping[str, Any]) -> torch.dtype | None:
     """The compute dtype the saved layers were packed for (None when not recorded)."""
     return _torch_dtype(entry.get("dtype"))
+
+
+# ----- the checkpoint extension: quantized engines' sharded checkpoints ---------------------------
+
+#: the name of the quantized layers' entries in a sharded checkpoint (:mod:`shardwise.checkpoint.
+#: extensions`): the description's ``extensions`` section holds :func:`description_entry`, each
+#: rank file's metadata that rank's :func:`manifest`
+EXTENSION = "shardwise.quant"
+
+
+def settings_for_checkpoint(desc: Any, asked: Mapping | None, tp_size: int) -> Mapping | None:
+    """The ``quant=`` settings to run with when loading the checkpoint ``desc`` (a
+    :class:`~shardwise.checkpoint.Description`): ``asked`` for a full-precision one; for a
+    quantized one its saved settings (:func:`adopt_saved_quant`), after refusing another tp
+    size. Reads no file."""
+    entry = desc.extensions.get(EXTENSION)
+    if entry is None:
+        return asked
+    _check_tp(desc.source, desc.tp_size, tp_size)
+    return adopt_saved_quant(entry, asked, desc.source)
+
+
+def _check_tp(source: str, saved: int | None, tp: int) -> None:
+    if tp != saved:
+        raise QuantizedCheckpointError(
+            f"{source} holds quantized weights saved at tp_size={saved}; packed "
+            f"quantized weights cannot be merged or split for tp_size={tp}: load it at "
+            f"tp_size={saved}, or save the model unquantized (init_inference without "
+            f"quant=) and quantize while loading at the new tp size")
+
+
+class QuantCheckpointExtension(CheckpointExtension):
+    """The sharded checkpoint's quantized layers (module docstring): saved as packed, loaded
+    into empty :class:`QuantLinear` shells as saved, never re-quantized."""
+
+    name = EXTENSION
+
+    def save_entries(self, model: nn.Module) -> SavedEntries | None:
+        if not is_quantized(model):
+            return None
+        info = manifest(model)
+        return SavedEntries(description_entry(info), info, frozenset(tensor_names(info)))
+
+    def check_description(self, entry: Any, where: str) -> None:
+        check_description_entry(entry, where)
+
+    def check_load(self, entry: Any, context: LoadContext) -> None:
+        """At its tp size, without being quantized again, in its compute dtype."""
+        from .transform import QuantizeOnRead
+
+        _check_tp(context.source, context.saved_tp, context.tp_size)
+        if any(isinstance(h, QuantizeOnRead) for h in context.hooks):
+            raise QuantizedCheckpointError(
+                f"{context.source} holds weights that are already quantized; load it without "
+                f"a quantizer (quantizing twice compounds the rounding)")
+        saved, dtype = saved_dtype(entry), context.dtype
+        if saved is not None and dtype is not None and dtype != saved:
+            raise QuantizedCheckpointError(
+                f"{context.source} holds weights packed for "
+                f"{str(saved).removeprefix('torch.')} compute, not "
+                f"{str(dtype).removeprefix('torch.')}; load it with dtype={saved} (or leave "
+                f"dtype unset), or load the full-precision checkpoint to quantize for another "
+                f"dtype")
+
+    def rank_tensors(self, entry: Any, rank_entry: Any, where: str) -> dict:
+        """A rank file's manifest: well-formed and agreeing with the description's settings
+        and layers; its packed tensors (and biases) are what the file must hold."""
+        check_manifest(rank_entry, where)
+        if (sorted(rank_entry["layers"]), rank_entry.get("config"), rank_entry.get("dtype")) \
+                != (entry["layers"], entry.get("config"), entry.get("dtype")):
+            raise QuantizedCheckpointError(
+                f"{where} disagrees with the description's 'shardwise.quant' entry (other "
+                f"quantized layers, settings or dtype): the rank files do not belong to this "
+                f"description; re-save the checkpoint")
+        return tensor_names(rank_entry)
+
+    def install(self, model: nn.Module, entry: Any, rank_entry: Any,
+                shapes: Mapping[str, tuple[int, ...]], context: LoadContext) -> Any:
+        """Each saved layer checked against this rank's slice of the model's module, then an
+        empty shell (buffers on meta) put in its place; (manifest, layer name → QuantizedLayer)."""
+        _check_shell_shapes(model, rank_entry, shapes, context)
+        return rank_entry, install_shells(model, rank_entry, "meta", context.source)
+
+    def finish(self, model: nn.Module, state: Any, context: LoadContext,
+               device: torch.device) -> QuantReport:
+        info, layers = state
+        return loaded_report(model, info, layers, device, f"loaded {context.source}")
+
+
+def _check_shell_shapes(model: nn.Module, info: Mapping[str, Any],
+                        shapes: Mapping[str, tuple[int, ...]], context: LoadContext) -> None:
+    """Each saved layer's [out, in] (and bias or none) equals this rank's slice of the model's
+    module of that name; else the checkpoint was saved from another config or plan."""
+    modules = dict(model.named_modules())
+    for name, entry in info["layers"].items():
+        module = modules.get(name)
+        weight = getattr(module, "weight", None)
+        if weight is None or weight.dim() != 2:
+            continue  # a missing layer is named by install_shells
+        shape = list(shapes.get(f"{name}.weight", weight.shape))  # [out, in]; Conv1D [in, out]
+        want = shape if isinstance(module, nn.Linear) else shape[::-1]
+        saved = [entry["spec"][4], entry["spec"][3]]
+        has_bias = isinstance(getattr(module, "bias", None), torch.Tensor)
+        if saved != want or has_bias != (entry["bias"] is not None):
+            raise QuantizedCheckpointError(
+                f"quantized layer {name!r} is [out, in] = {saved} "
+                f"({'with' if entry['bias'] is not None else 'without'} bias) on rank "
+                f"{context.rank} of {context.source}, but {want} "
+                f"({'with' if has_bias else 'without'} bias) in the model built from the "
+                f"config; the checkpoint and the config (or tensor-parallel plan) do not belong "
+                f"together")
+
+
+register_extension(QuantCheckpointExtension())

@@ -153,15 +153,61 @@ class QuantLinear(nn.Module):
                 f"compute={str(self.compute_dtype).removeprefix('torch.')}, "
                 f"bias={self.bias is not None}")
 
-    def dequantized_weight(self) -> torch.Tensor:
-        """The float ``[out, in]`` weight, for inspection only (reference-packed weights; other
-        layouts are opaque): raises for other backends."""
+    @torch.no_grad()
+    def dequantized_weight(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The float ``[out, in]`` weight this layer computes with, in ``dtype`` (default: the
+        bias's dtype, else the compute dtype, else float32).
+
+        Reference-packed weights are dequantized exactly (``(q - zero) * scale`` in float32).
+        Other backends' layouts are opaque (torch's CPU int4 layout), so the layer's own kernel
+        is run on the identity, a block of rows at a time: row ``i`` of ``I @ Wᵀ`` is column
+        ``i`` of ``W`` as the kernel computes it (its scales' dtype and its output rounding in
+        the compute dtype, e.g. bf16). That costs one ``[in, in] x [in, out]`` product per
+        layer: fine for giving a model back, not a per-step path."""
         from shardwise.kernels.reference.quant import dequantize_weight, unpacked
 
-        if self.backend != "reference":
-            raise TypeError(f"{self.backend} packed layouts are opaque; dequantize the "
-                            "QuantizedWeight before packing instead")
-        return dequantize_weight(unpacked(self.packed))
+        if dtype is None:
+            dtype = self.bias.dtype if self.bias is not None else (self.compute_dtype
+                                                                    or torch.float32)
+        if self.backend == "reference":
+            return dequantize_weight(unpacked(self.packed)).to(dtype)
+        compute = self.compute_dtype or dtype
+        device = next(iter(self._buffers.values())).device
+        columns = []  # each [rows, out]: W[:, rows]ᵀ
+        for start in range(0, self.in_features, _IDENTITY_ROWS):
+            rows = min(_IDENTITY_ROWS, self.in_features - start)
+            eye = torch.zeros(rows, self.in_features, dtype=compute, device=device)
+            eye[:, start:start + rows].fill_diagonal_(1)
+            columns.append(self.kernel(eye, self.packed, None).to(dtype))
+        return torch.cat(columns).t().contiguous()
+
+    def to_float_module(self, dtype: torch.dtype | None = None) -> nn.Module:
+        """A float module computing what this one does: an ``nn.Linear`` (or a transformers
+        ``Conv1D`` when it replaced one) holding :meth:`dequantized_weight` (lossy: the
+        weight before quantization is not recoverable) and the bias, sharing this module's
+        instance hooks."""
+        weight = self.dequantized_weight(dtype)  # [out, in]
+        has_bias = self.bias is not None
+        if self.source == "conv1d":
+            from transformers.pytorch_utils import Conv1D
+
+            module = Conv1D(self.out_features, self.in_features).to(weight.device)
+            module.weight = nn.Parameter(weight.t().contiguous(), requires_grad=False)
+            module.bias = nn.Parameter(self.bias.detach().to(weight.dtype), requires_grad=False) \
+                if has_bias else None
+        else:
+            module = nn.Linear(self.in_features, self.out_features, bias=has_bias,
+                               device="meta")
+            module.weight = nn.Parameter(weight, requires_grad=False)
+            if has_bias:
+                module.bias = nn.Parameter(self.bias.detach().to(weight.dtype),
+                                           requires_grad=False)
+        carry_hooks(self, module)
+        return module.train(self.training)
+
+
+#: rows of the identity per kernel call in :meth:`QuantLinear.dequantized_weight`
+_IDENTITY_ROWS = 1024
 
 
 def kernel_for_backend(backend: str) -> KernelImpl:

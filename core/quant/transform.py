@@ -21,16 +21,23 @@ config says ``allow_slow_kernels=True``; those layers are then announced in ONE 
 :func:`check_fits` runs every check without touching the model (``init_inference`` calls it before
 its first in-place transform).
 
-Checkpoint loading (``core/checkpoint``) quantizes while it reads, so the full-precision model
-never sits on the device: build a :class:`Quantizer` for the (meta) model, and for each module
-``quantizer.wants(name)`` names, call ``quantizer.quantize_tensor_for(name, weight, bias)`` with
-that rank's slice, then ``quantizer.install(model, name, qlinear)``; finally
-``quantizer.finish(model)`` logs the fallback line and returns the :class:`QuantReport`.
+Checkpoint loading quantizes while it reads, so the full-precision model never sits on the
+device: :meth:`Quantizer.reading_hook` is the generic per-tensor hook the loader calls
+(:class:`QuantizeOnRead`, a :class:`~shardwise.checkpoint.TensorHook`): it checks every wanted
+layer before any data is read, quantizes each weight slice as it arrives
+(``quantizer.quantize_tensor_for``), puts the QuantLinear in (``quantizer.install``) and takes its
+bias whenever that is read; ``quantizer.finish(model)`` logs the fallback line and returns the
+:class:`QuantReport`.
+
+Each linear replaced by a QuantLinear is recorded in the active ledger (``init_inference``'s):
+undoing it puts the original module back with its weight rebuilt by dequantizing (lossy: the
+float weight is not kept, so memory holds one copy of the model).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
@@ -39,12 +46,14 @@ import torch
 from torch import nn
 
 from ..accelerator import Accelerator
+from ..checkpoint.extensions import TensorHook, TensorRef
 from ..errors import ConfigError
+from ..ledger import record, replace_module
 from ..kernel_registry import REFERENCE, KernelImpl, registry
 from ..sharding.plan import _conv1d_class, choose_plan
 from ..sharding.roles import ColumnParallel, RowParallel
 from .config import QuantConfig, is_mlp, parse_quant
-from .modules import QuantLinear, carry_hooks, set_submodule
+from .modules import QuantLinear, carry_hooks
 from shardwise.kernels.reference.quant import QuantizationError, QuantSpec, quantize_weight
 
 log = logging.getLogger(__name__)
@@ -381,10 +390,16 @@ class Quantizer:
         return module
 
     def install(self, model: nn.Module, name: str, new: QuantLinear) -> None:
-        """Put ``new`` in place of module ``name``, carrying its instance hooks."""
-        old = model.get_submodule(name)
-        carry_hooks(old, new)
-        set_submodule(model, name, new)
+        """Put ``new`` in place of module ``name``, carrying its instance hooks; recorded in
+        the active ledger (module docstring): the undo puts the original module back with its
+        weight (and bias) rebuilt from ``new`` by dequantizing, in the dtype and on the device
+        they had."""
+        swap_in(model, name, new)
+
+    def reading_hook(self) -> "QuantizeOnRead":
+        """The checkpoint loader's per-tensor hook quantizing this quantizer's layers as their
+        slices are read (``load_checkpoint(..., hooks=[quantizer.reading_hook()])``)."""
+        return QuantizeOnRead(self)
 
     def quantize_module(self, model: nn.Module, name: str) -> QuantLinear:
         """Quantize the Linear/Conv1D called ``name`` in place."""
@@ -427,6 +442,107 @@ class Quantizer:
         report.bytes_after = model_bytes(model)
         setattr(model, QUANT_ATTR, report)
         return report
+
+
+def swap_in(model: nn.Module, name: str, new: QuantLinear) -> None:
+    """Put ``new`` in place of module ``name`` (a Linear/Conv1D), carrying its instance hooks,
+    recorded in the active ledger: undoing puts the original module back, its weight rebuilt
+    by dequantizing ``new`` (lossy; the float weight is not kept)."""
+    old = model.get_submodule(name)
+    carry_hooks(old, new)
+    parent_name, _, child = name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    replace_module(parent, child, new, "quantized linear")
+    record(f"weight of {name!r} rebuilt by dequantizing its int{new.spec.bits} weight (lossy: "
+           f"dequantized, the float weight was not kept)", _dequantize_into(old, new))
+
+
+def _dequantize_into(old: nn.Module, new: QuantLinear):
+    """The undo of replacing ``old`` by ``new``: re-point ``old``'s weight (``[out, in]``, or
+    Conv1D ``[in, out]``) and bias at ``new``'s dequantized ones, in the dtype and on the
+    device ``old``'s had (meta stays meta). Holds no float weight until it runs."""
+    weight = getattr(old, "weight", None)
+    dtype, device, shape = weight.dtype, weight.device, tuple(weight.shape)
+    bias = getattr(old, "bias", None)
+    bias_dtype = bias.dtype if isinstance(bias, torch.Tensor) else None
+
+    @torch.no_grad()
+    def undo() -> None:
+        if device.type == "meta":
+            rebuilt = torch.empty(shape, dtype=dtype, device="meta")
+        else:
+            w = new.dequantized_weight(dtype)  # [out, in]
+            rebuilt = (w if new.source == "linear" else w.t()).contiguous().to(device)
+        old.weight.data = rebuilt
+        if bias_dtype is not None and new.bias is not None:
+            old.bias.data = new.bias.detach().to(device=device, dtype=bias_dtype)
+    return undo
+
+
+class QuantizeOnRead(TensorHook):
+    """The loader's per-tensor hook quantizing while reading (module docstring): the wanted
+    layers' weights are quantized as their slices arrive and their biases joined to them in
+    whichever order the files hold them."""
+
+    name = "shardwise.quant"
+
+    def __init__(self, quantizer: "Quantizer") -> None:
+        self.quantizer = quantizer
+        self.layers: dict[str, bool] = {}  # wanted layer → whether it is a transformers Conv1D
+        self.biases: dict[str, torch.Tensor] = {}  # bias read before its weight
+        self.installed: dict[str, QuantLinear] = {}
+        self.bytes_before = 0  # this rank's parameters unquantized in the compute dtype
+        self._root: nn.Module | None = None  # the model being loaded (plan)
+
+    def plan(self, model: nn.Module, tensors: list[TensorRef]) -> None:
+        """Match the quantizer's layers with the tensors read and check the settings fit each
+        layer's (this rank's) input features — every check before any data is read."""
+        self._root = model
+        modules = dict(model.named_modules())
+        size = torch.empty((), dtype=self.quantizer.dtype).element_size()
+        self.bytes_before = sum(
+            math.prod(t.shape) * (size if t.dtype.is_floating_point else t.dtype.itemsize)
+            for t in tensors if not t.is_buffer)
+        for t in tensors:  # model order, so the first layer that does not fit is named
+            name = next((n.removesuffix(".weight") for n in t.names if n.endswith(".weight")
+                         and self.quantizer.wants(n.removesuffix(".weight"))
+                         and is_quantizable(modules.get(n.removesuffix(".weight")))), None)
+            if name is None:
+                continue
+            if len(t.names) > 1:
+                raise ConfigError(f"layer {name!r}'s weight is tied to {list(t.names[1:])}; a "
+                                  f"tied weight cannot be quantized (remove lm_head=True)")
+            conv1d = not isinstance(modules[name], nn.Linear)
+            shape = t.shape  # [out, in]; Conv1D [in, out]
+            self.quantizer.check(name, shape[0 if conv1d else 1], shape[1 if conv1d else 0])
+            self.layers[name] = conv1d
+
+    def on_tensor(self, module_name: str, module: nn.Module, param: str,
+                  tensor: torch.Tensor) -> bool:
+        if module_name not in self.layers or param not in ("weight", "bias"):
+            return False
+        if param == "bias":
+            installed = self.installed.get(module_name)
+            if installed is None:
+                self.biases[module_name] = tensor  # joined when its weight arrives
+            else:
+                installed.bias = nn.Parameter(tensor.to(device=self.quantizer.device,
+                                                        dtype=self.quantizer.dtype),
+                                              requires_grad=False)
+            return True
+        qlinear = self.quantizer.quantize_tensor_for(module_name, tensor,
+                                                     self.biases.pop(module_name, None),
+                                                     conv1d=self.layers[module_name])
+        self.quantizer.install(self._root, module_name, qlinear)
+        self.installed[module_name] = qlinear
+        return True
+
+    def finish(self, model: nn.Module) -> QuantReport:
+        missing = sorted(set(self.layers) - set(self.installed))
+        if missing:
+            raise ConfigError(f"the checkpoint holds no weight for the layers {missing[:3]} "
+                              f"to quantize")
+        return self.quantizer.finish(model, self.bytes_before)
 
 
 def _refuse_twice(model: nn.Module) -> None:
