@@ -91,10 +91,16 @@ class CpuCommunicator(TorchDistCommunicator):
         self.last_path = "gloo"
         return super().all_reduce(tensor, op)
 
-    def close(self) -> None:
+    def release_buffers(self) -> None:
+        """Unmap this rank's shared-memory segment (its creator also unlinks it); later
+        all-reduces take gloo. The process group stays."""
         if self._shm is not None:
             self._shm.close()
             self._shm = None
+            self.shm_reason = "released (engine.close())"
+
+    def close(self) -> None:
+        self.release_buffers()
         _COMMUNICATORS.pop(self.handle, None)
         super().close()
 

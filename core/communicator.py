@@ -57,6 +57,11 @@ class Communicator:
         the result stacks the chunks received, in rank order (same shape as the input)."""
         raise NotImplementedError
 
+    def release_buffers(self) -> None:
+        """Free what this communicator holds for its collectives beyond the process group (the
+        CPU one's shared-memory segment); the group stays, and collectives still work, by the
+        default path. ``engine.close()`` calls it. Default: nothing to free."""
+
     def close(self) -> None:
         """Release the process group if this communicator created it."""
 

@@ -14,7 +14,7 @@ from .accelerator import Accelerator
 from .communicator import Communicator, create_communicator
 from .config import InferenceConfig
 from .errors import ConfigError, ShardwiseError
-from .ledger import Ledger
+from .ledger import Ledger, NotRestorableError, RestoreError  # noqa: F401 (re-exported)
 from .plan import Plan, build_plan
 from .plugins import get_accelerator
 from . import checkpoint as _checkpoint, sharding, transforms
@@ -48,10 +48,9 @@ class InferenceEngine:
     """
 
     quantization = None
-    #: the record of the model as handed in (:meth:`close` restores it); None when not kept
+    #: the record of the model as handed in (:meth:`close` gives it back); None for an engine
+    #: built from a checkpoint with ``model=None``, and once closed
     _ledger: Ledger | None = None
-    #: why :meth:`close` cannot give the model back (None: it can)
-    _not_restorable: str | None = None
     _closed = False
 
     def __init__(self, module: nn.Module, config: InferenceConfig, accelerator: Accelerator,
@@ -95,47 +94,111 @@ class InferenceEngine:
     def close(self) -> nn.Module | None:
         """End the engine and give the model back as it was handed to ``init_inference``.
 
-        What comes back (from the :class:`~shardwise.ledger.Ledger` opened before the first
-        change): every module the engine replaced (the injected stack gives way to the HF base
-        model), every hook, instance-level ``forward`` (graph capture's output head) and
-        attribute it set, the ``config`` values, and the parameters' and buffers' tensors — the
-        same objects, bit for bit. The engine's KV cache and captured graphs are dropped with
-        the injected stack. This costs no memory when the engine only added structure over the
-        weights as handed in (kernel injection, graphs, a checkpoint loaded into your meta
-        model, which comes back on meta), so the record is kept for exactly those engines.
+        Steps: the captured graphs and the static KV cache are freed; every patch the engine
+        recorded (:mod:`shardwise.ledger`) is undone, newest first — graph capture's output
+        head and the weights' graph layout, the injected stack (the HF modules come back),
+        quantized linears (back to ``nn.Linear``), the cast, the tensor-parallel hooks and
+        slices (the shards are all-gathered back) — then the record taken before the first
+        change puts back the structure: the same module, parameter and buffer objects, hooks,
+        attributes and ``config`` values; last, the communicator frees its shared-memory
+        segment (the process group stays). Memory held one copy of the weights meanwhile:
+        the weights are rebuilt from what the engine ran on.
 
-        Where ``init_inference`` replaced weights (sharding, quantization, a cast to another
-        dtype, a move to another device), the originals were released at init so memory holds
-        one copy of the model: ``close`` then raises :class:`NotRestorableError` and changes
-        nothing (``engine.module`` stays usable; reload the model to get the original).
+        What comes back: module types, parameter names, shapes, dtypes and devices as handed
+        in, and outputs equal to the original model's. Weights come back bit for bit after
+        injection, graphs and tensor parallelism. **Quantized layers come back dequantized**
+        (their weights carry the int8/int4 rounding, within the quantization error of the
+        originals), and weights cast to a lower precision come back cast up (the rounding
+        stays); a log line says so. A model loaded from a checkpoint into your meta model
+        comes back on meta.
+
+        Under tensor parallelism every rank calls ``close()`` (the all-gathers are
+        collectives). ``with shardwise.init_inference(...) as engine:`` calls it on leaving the
+        block, an exception included. An :meth:`generate` running in another thread finishes
+        first (close waits for it); any use of the engine afterwards raises
+        :class:`EngineClosedError` (``engine.module`` is the given-back model).
 
         Returns:
             the model as handed in, or None for an engine built from a checkpoint with
             ``model=None`` (nothing to give back; the engine is closed all the same). Calling
-            it again returns the same.
+            it again returns the same (or raises the same error).
+
+        Raises:
+            NotRestorableError: naming each weight that cannot be given back as handed in (a
+                step changed it without recording how to undo it); the rest of the model is
+                back and the engine is closed.
+            RestoreError: naming each recorded change whose undo failed.
         """
         if self._closed:
+            if self._close_error is not None:
+                raise self._close_error
             return self._given_back
-        if self._ledger is None and self._not_restorable is not None:
-            raise NotRestorableError(f"engine.close() cannot give the model back: "
-                                     f"{self._not_restorable}")
-        given = None
-        if self._ledger is not None:
-            self._ledger.restore()
-            given = self._ledger.root
-            self._ledger.release()
-            self._ledger = None
-        self._closed, self._given_back = True, given
-        # the injected stack (its KV cache, captured graphs) is no longer the model's: let it go
-        self._prepared = self.checkpoint_load = self._stack = None
-        return given
+        self._closed = True  # whatever happens below, this engine is done
+        ledger, self._ledger = self._ledger, None
+        try:
+            with self._session():  # another thread's engine.generate finishes first
+                self._free_runtime()
+                if ledger is not None:
+                    ledger.give_back()
+        except Exception as exc:
+            self._close_error = exc
+            raise
+        finally:
+            self.communicator.release_buffers()
+            self._prepared = self.checkpoint_load = self._stack = None
+            if ledger is not None:
+                undone = len(ledger.undos)
+                ledger.release()
+        self._given_back = ledger.root if ledger is not None else None
+        if self._given_back is not None:
+            self._log_given_back(undone)
+        return self._given_back
 
     _given_back: nn.Module | None = None
+    _close_error: Exception | None = None
+
+    def _free_runtime(self) -> None:
+        """Free what the engine allocated beside the model: the injected stack's captured
+        graphs and static KV buffers (a cache object still held elsewhere is retired)."""
+        if self._stack is not None:
+            self._stack.free_cache()
+
+    def _log_given_back(self, undone: int) -> None:
+        model = self._given_back
+        lossy = []
+        if self.quantization is not None:
+            lossy.append(f"its {self.quantization.layers_quantized} quantized linears come back "
+                         f"dequantized (their weights carry the quantization rounding, not the "
+                         f"original values)")
+        floats = {p.dtype for p in model.parameters() if p.is_floating_point()}
+        if floats and self.dtype not in floats and self.dtype.is_floating_point and any(
+                torch.finfo(self.dtype).bits < torch.finfo(d).bits for d in floats):
+            lossy.append(f"weights run in {str(self.dtype).removeprefix('torch.')} come back "
+                         f"cast up (that rounding stays)")
+        log.info("shardwise: engine closed; %s given back (%d recorded changes undone)%s",
+                 type(model).__name__, undone, "; " + "; ".join(lossy) if lossy else "")
+
+    def __enter__(self) -> "InferenceEngine":
+        self._check_open()
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        """Close the engine; an exception from the block propagates, and a failing close
+        then does not mask it (its error is added to it as a note)."""
+        if exc is None:
+            self.close()
+            return False
+        try:
+            self.close()
+        except Exception as failed:  # the block's exception is the one to see
+            exc.add_note(f"engine.close() on leaving the block also failed: "
+                         f"{type(failed).__name__}: {failed}")
+        return False
 
     def _check_open(self) -> None:
         if self._closed:
-            raise ShardwiseError("this engine is closed (engine.close() gave the model back); "
-                                 "build a new one with shardwise.init_inference")
+            raise EngineClosedError("this engine is closed (engine.close() gave the model "
+                                    "back); build a new one with shardwise.init_inference")
 
     def save_checkpoint(self, path: str | os.PathLike) -> str:
         """Write the loaded model as a sharded checkpoint (every rank calls it): one safetensors
@@ -176,8 +239,8 @@ class InferenceEngine:
                 f"world={self.communicator.world_size})")
 
 
-class NotRestorableError(ShardwiseError, RuntimeError):
-    """``engine.close()`` cannot give the model back as handed in (the reason is named)."""
+class EngineClosedError(ShardwiseError, RuntimeError):
+    """The engine was closed (``engine.close()`` or the end of its ``with`` block)."""
 
 
 #: Most tensor dims ``_broadcast_tensors`` sends (the shape travels in a fixed-size tensor).
@@ -255,9 +318,13 @@ def init_inference(model: nn.Module, config: InferenceConfig | dict | str | None
     Failure leaves the model as handed in: every transform's settings (sharding plan, ``quant``
     against each layer, injection, the KV cache against the device's free memory) are checked
     before the first in-place change, and a :class:`~shardwise.ledger.Ledger` opened before it
-    restores the model (modules, hooks, instance forwards, attributes, tensors) if any later
-    step fails, so a retry starts from the same model. ``engine.close()`` gives the model back
-    where that costs no memory (see :meth:`InferenceEngine.close`).
+    restores the model (modules, hooks, instance forwards, attributes, tensors: bit for bit, no
+    collective) if any later step fails, so a retry starts from the same model. Each step
+    records its patches in that ledger as it makes them, a replaced weight with the undo that
+    rebuilds it from what the model then holds; at the end of a successful init the ledger
+    lets go of the original weights the model no longer holds (memory holds one copy), and
+    ``engine.close()`` — or leaving ``with shardwise.init_inference(...) as engine:`` — undoes
+    every patch and gives the model back (see :meth:`InferenceEngine.close`).
 
     Raises:
         ConfigError: an unknown or malformed field, or a feature not supported yet (named).
@@ -277,7 +344,7 @@ def init_inference(model: nn.Module, config: InferenceConfig | dict | str | None
     ledger = Ledger(model)  # before the first in-place change: a failure gives it all back
     with ledger.rollback_on_error(), ledger.recording():
         engine = _build_engine(model, cfg)
-    _keep_if_free(engine, ledger)
+    _keep_ledger(engine, ledger)
     engine.accelerator.release_cached_memory()  # the replaced weights the ledger let go of
     return engine
 
@@ -372,20 +439,15 @@ def _check_later_steps(model: nn.Module, cfg: InferenceConfig, accelerator: Acce
                         policy=plan.found_policy, heads=_injected_heads(plan))
 
 
-def _keep_if_free(engine: InferenceEngine, ledger: Ledger) -> None:
-    """Keep ``ledger`` for :meth:`InferenceEngine.close` when it holds no weights the model no
-    longer does (only structure was added); else release it, noting why."""
-    held = ledger.held_bytes()["parameters"]
-    if held == 0:
-        engine._ledger = ledger
-        return
-    ledger.release()
-    engine._not_restorable = (
-        f"init_inference replaced the weights in place (sharded, quantized, cast to another "
-        f"dtype, moved to another device, or laid out for the graph strategy's kernels: "
-        f"{held} bytes of the originals), and keeping the "
-        f"originals would hold the model twice, so they were released. engine.module stays "
-        f"usable; reload the model to get the original")
+def _keep_ledger(engine: InferenceEngine, ledger: Ledger) -> None:
+    """Keep ``ledger`` for :meth:`InferenceEngine.close`, holding one copy of the weights: the
+    original weights the model no longer holds (sharded, quantized, cast, laid out anew) are
+    let go of, since their recorded undos rebuild them at close."""
+    freed = ledger.drop_replaced()
+    if freed:
+        log.debug("shardwise: %d bytes of replaced weights let go of (close() rebuilds them)",
+                  freed)
+    engine._ledger = ledger
 
 
 def _saved_quant_settings(cfg: InferenceConfig, desc: "_checkpoint.Description") -> None:

@@ -14,7 +14,6 @@ from torch import nn
 
 import shardwise
 from shardwise import transforms
-from shardwise.engine import NotRestorableError
 from shardwise.errors import ConfigError, ShardwiseError
 from shardwise.inject import InjectedModel, KVCacheMemoryError
 from shardwise.ledger import Ledger
@@ -180,17 +179,21 @@ def test_close_gives_the_model_back():
     shardwise.init_inference(model, device="cpu", replace_with_kernel_inject=True)  # again
 
 
-def test_close_refuses_when_weights_were_replaced():
-    """A cast released the originals (keeping them would hold the model twice): close() says
-    so and changes nothing."""
-    model = tiny_causal_lm("llama")
+def test_close_rebuilds_weights_the_engine_replaced():
+    """A bf16 cast replaced every weight and the originals were let go of at init (memory holds
+    one copy); close() casts them back (the bf16 rounding stays, as its log line says) into
+    the same Parameter objects, and gives back the modules and outputs of that model."""
+    model, before, weights, _ = _model_and_record()
     engine = shardwise.init_inference(model, device="cpu", dtype=torch.bfloat16,
                                       replace_with_kernel_inject=True)
-    with pytest.raises(NotRestorableError, match="reload the model"):
-        engine.close()
-    assert isinstance(model.model, InjectedModel)
     out = engine.generate(prompt_ids(), max_new_tokens=2, do_sample=False, pad_token_id=0)
     assert out.shape == (1, 10)
+    assert engine.close() is model
+    assert fingerprint(model)["modules"] == before["modules"]
+    assert [(n, id(p), p.dtype) for n, p in model.named_parameters()] == [
+        (n, i, d) for n, i, d, *_ in before["params"]]
+    now = values(model)
+    assert all(torch.equal(now[k], weights[k].bfloat16().float()) for k in weights)
 
 
 def test_ledger_restores_what_it_recorded():
@@ -334,14 +337,11 @@ def test_tp2_failure_after_sharding_restores_each_ranks_model(tmp_path):
         assert value["retry_diff"] < 1e-4, (rank, value["retry_diff"])
 
 
-def test_recorded_patches_are_undone_newest_first():
-    """Changes recorded as they are made (set_forward, add_hook, replace_module, record) are
-    undone newest first by restore; outside ``recording()`` nothing is recorded."""
+def _patched_and_recorded(order: list):
     from shardwise import ledger as ledger_mod
 
     model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU())
     ledger = Ledger(model)
-    order = []
     with ledger.recording():
         assert ledger_mod.active() is ledger
         ledger_mod.set_forward(model[0], lambda x: x)
@@ -349,9 +349,43 @@ def test_recorded_patches_are_undone_newest_first():
         ledger_mod.replace_module(model, "1", torch.nn.Tanh())
         ledger_mod.record("first", lambda: order.append("first"))
         ledger_mod.record("second", lambda: order.append("second"))
+        ledger.on_restore("outside the tree", lambda: order.append("outside"))
     assert ledger_mod.active() is None
     ledger_mod.record("ignored", lambda: order.append("ignored"))  # no active ledger
-    ledger.restore()
-    assert order == ["second", "first"]
+    return model, ledger
+
+
+@pytest.mark.parametrize("how", ["give_back", "restore"])
+def test_recorded_patches_are_undone_newest_first(how):
+    """Changes recorded as they are made (set_forward, add_hook, replace_module, record) are
+    undone newest first by give_back (close), then the snapshot and the on_restore undos;
+    outside ``recording()`` nothing is recorded. A failed init's restore puts the snapshot
+    back without running the transforms' undos (they may be collectives or lossy): only the
+    on_restore ones, for changes outside the tree."""
+    order = []
+    model, ledger = _patched_and_recorded(order)
+    getattr(ledger, how)()
+    assert order == (["second", "first", "outside"] if how == "give_back" else ["outside"])
     assert "forward" not in vars(model[0]) and type(model[1]) is torch.nn.ReLU
     assert not model[1]._forward_hooks
+
+
+def test_a_failed_init_runs_no_collective_undo(monkeypatch):
+    """The rollback of a failed init is the snapshot alone: an undo recorded by a step that
+    ran (here one that would hang on a collective) is never called."""
+    from shardwise import ledger as ledger_mod
+
+    called = []
+    real = transforms.cast_and_move
+
+    def cast_record_then_fail(model, device, dtype):
+        real(model, device, dtype)
+        ledger_mod.record("all-gather (would wait for other ranks)", lambda: called.append(1))
+        raise RuntimeError("failed after recording (injected by the test)")
+    monkeypatch.setattr(transforms, "cast_and_move", cast_record_then_fail)
+    model, before, weights, logits = _model_and_record()
+    with pytest.raises(RuntimeError, match="injected by the test"):
+        shardwise.init_inference(model, device="cpu", dtype=torch.bfloat16,
+                                 replace_with_kernel_inject=True)
+    assert not called
+    assert_as_handed_in(model, before, weights, logits)

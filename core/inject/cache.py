@@ -122,6 +122,12 @@ class KVBuffers:
         self.batch, self.max_tokens = batch, max_tokens
         self.dtype, self.device = dtype, device
 
+    def release(self) -> None:
+        """Let go of the keys and values (every layer's; in place, so a cache sharing these
+        lists loses them too): their memory is freed once no view of them is held."""
+        self.k.clear()
+        self.v.clear()
+
     def matches(self, batch: int, dtype: torch.dtype, device: torch.device) -> bool:
         return self.batch == batch and self.dtype == dtype and self.device == device
 

@@ -30,6 +30,7 @@ from torch import nn
 from ..accelerator import Accelerator, GraphStrategy
 from ..errors import ConfigError
 from ..graphs import progress
+from ..ledger import set_forward
 from .cache import StaticKVCache
 from .layers import InjectedModel
 
@@ -198,7 +199,7 @@ def enable_graphs(model: nn.Module, accelerator: Accelerator) -> GraphStrategy:
     _trial_capture(stack, graphs, accelerator, strategy)
     stack.graphs = graphs
     if head is not None:
-        head.forward = HeadFromGraph(original, graphs)
+        set_forward(head, HeadFromGraph(original, graphs), "graph capture's output head")
     log.info("shardwise: decode step%s captured with %s (one graph per batch bucket)",
              " and output head" if head is not None else "", strategy.name)
     return strategy
@@ -244,4 +245,4 @@ def _trial_capture(stack: InjectedModel, graphs: DecodeGraphs, accelerator: Acce
             f"enable_graph=False") from exc
     finally:
         graphs._pending = None
-        stack._cache_generation += 1  # retire the trial cache
+        stack.retire_cache()  # the trial cache (its buffers stay: the bucket-1 graph uses them)
