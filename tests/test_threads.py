@@ -183,3 +183,47 @@ def test_engine_generate_from_two_threads_is_serialized(engine, expected, monkey
     assert a.error is None and b.error is None, (a.error, b.error)
     assert torch.equal(a.result, expected["tokens_a"])
     assert torch.equal(b.result, expected["tokens_b"])
+
+
+def test_close_waits_for_another_threads_generate(monkeypatch):
+    """engine.close() in thread B while thread A is mid-generate: B waits for A's whole
+    generate (A keeps its single-threaded tokens), then gives the model back; calls after
+    that are refused by name."""
+    from shardwise.engine import EngineClosedError
+
+    model = tiny_causal_lm("llama")
+    engine = shardwise.init_inference(model, device="cpu", replace_with_kernel_inject=True)
+    a_ids = prompt_ids(seed=1)
+    expected = engine.generate(a_ids, **GEN)
+    pause, b_waiting = Pause(), threading.Event()
+    guard = engine._stack._guard
+    real_lock = guard.session_lock
+
+    class Announcing:
+        """The session lock, telling the test when thread B starts waiting on it."""
+
+        def __enter__(self):
+            if threading.current_thread().name == "B":
+                b_waiting.set()
+            return real_lock.__enter__()
+
+        def __exit__(self, *exc):
+            return real_lock.__exit__(*exc)
+
+    monkeypatch.setattr(guard, "session_lock", Announcing())
+    a = Worker(lambda: engine.generate(a_ids, streamer=PauseAfterFirstToken(pause), **GEN), "A")
+    a.start()
+    assert pause.reached.wait(WAIT)
+    b = Worker(engine.close, "B")
+    b.start()
+    assert b_waiting.wait(WAIT)
+    b.join(0.3)  # A holds the session: the close must still be waiting
+    assert b.is_alive() and b.result is None and b.error is None
+    assert type(model.model).__name__ == "InjectedModel"
+    pause.go.set()
+    a.finish(), b.finish()
+    assert a.error is None and b.error is None, (a.error, b.error)
+    assert torch.equal(a.result, expected)
+    assert b.result is model and type(model.model).__name__ == "LlamaModel"
+    with pytest.raises(EngineClosedError):
+        engine.generate(a_ids, **GEN)
