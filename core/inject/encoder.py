@@ -15,9 +15,9 @@ from the local weight shapes.
 
 One layer (``x`` the residual stream [batch, seq, hidden])::
 
-    a = out_proj(attention(q(x), k(x), v(x), key_padding_mask))   # non-causal
-    x = layer_norm(a + x)                                          # attention post-norm
-    x = layer_norm(mlp_out(gelu(mlp_in(x))) + x)                   # output post-norm
+    attn = out_proj(attention(q(x), k(x), v(x), key_padding_mask))  # non-causal
+    x = layer_norm(attn + x)                                         # attention post-norm
+    x = layer_norm(mlp_out(gelu(mlp_in(x))) + x)                     # output post-norm
 
 with the registry's ``attention_prefill`` (``causal=False``), ``layer_norm`` (fused residual add)
 and ``bias_gelu`` kernels.
@@ -215,7 +215,8 @@ class InjectedEncoderLayer(nn.Module):
         self.head_dim, self.scale, self.approximate = head_dim, scale, approximate
         self._bind_adopted()
         qkv = self.parts.qkv
-        widths = [out_width(qkv[0]) // 3] * 3 if len(qkv) == 1 else [out_width(p) for p in qkv]
+        widths = ([out_width(qkv[0]) // 3] * 3 if len(qkv) == 1
+                  else [out_width(proj) for proj in qkv])
         if len(set(widths)) != 1 or widths[0] % head_dim:
             raise InjectionError(f"q/k/v widths {widths} are not equal multiples of head_dim "
                                  f"{head_dim}; the injected encoder runs multi-head attention")

@@ -189,10 +189,12 @@ def _local_heads(counts: HeadCounts, heads: HeadPartition | None
 def _setups(model: nn.Module, spec: InjectionSpec, hf_layers: nn.ModuleList, counts: HeadCounts,
             heads: HeadPartition | None, act: tuple[str, str], max_tokens: int
             ) -> list[LayerSetup]:
-    config, d = model.config, counts.head_dim
-    q_heads, kv_heads, (h0, h1) = _local_heads(counts, heads)
+    """Each layer's :class:`LayerSetup`: this rank's heads, scale, window, ALiBi slopes."""
+    config, head_dim = model.config, counts.head_dim
+    q_heads, kv_heads, (first_head, end_head) = _local_heads(counts, heads)
     positions, residual = spec.positions, spec.residual
-    slopes = alibi_slopes(counts.num_heads)[h0:h1] if positions.kind == "alibi" else None
+    slopes = (alibi_slopes(counts.num_heads)[first_head:end_head]  # [q_heads]: this rank's
+              if positions.kind == "alibi" else None)
     parallel = (bool(getattr(config, residual.parallel_config, False))
                 if residual.parallel_config else residual.parallel)
     if not parallel and residual.mlp_norm is None:
@@ -200,10 +202,11 @@ def _setups(model: nn.Module, spec: InjectionSpec, hf_layers: nn.ModuleList, cou
                              f"norm before the MLP, which the policy does not name")
     out = []
     windows = _windows(config, spec.attention, len(hf_layers), max_tokens)
-    for i, (layer, window) in enumerate(zip(hf_layers, windows)):
-        scale = _scale(config, spec.attention, layer, i, d)
+    for index, (layer, window) in enumerate(zip(hf_layers, windows)):
+        scale = _scale(config, spec.attention, layer, index, head_dim)
         alibi = None if slopes is None else slopes * (scale if positions.alibi_scaled else 1.0)
-        out.append(LayerSetup(q_heads, kv_heads, d, scale, window, alibi, act[1], parallel))
+        out.append(LayerSetup(q_heads, kv_heads, head_dim, scale, window, alibi, act[1],
+                              parallel))
     return out
 
 

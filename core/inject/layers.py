@@ -179,7 +179,7 @@ class InjectedLayer(nn.Module):
         self.widths = [self.q_heads * self.head_dim, *[self.kv_heads * self.head_dim] * 2]
         self._bind_adopted()
         self.fused_qkv = len(self.parts.qkv) == 1
-        width = sum(out_width(p) for p in self.parts.qkv)
+        width = sum(out_width(proj) for proj in self.parts.qkv)
         if width != sum(self.widths):
             raise ShardwiseError(f"layer {index}: the q/k/v projections give {width} features, "
                                  f"not {self.q_heads} q + 2 × {self.kv_heads} kv heads of "
