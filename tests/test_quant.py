@@ -454,3 +454,83 @@ def test_checkpoint_loader_hook_quantizes_while_reading_into_a_meta_model():
     with torch.no_grad():  # (rotary inv_freq stays fp32 here; the engine casts it to bf16)
         torch.testing.assert_close(model(ids).logits, engine_model(ids).logits, rtol=0.02,
                                    atol=0.02)
+
+
+# ----- dequantizing back to a float module, and the ledger's undo of quantization ---------------
+
+def _quant_linear(backend: str, bits: int, group_size: int, symmetric: bool, conv1d: bool,
+                  compute: torch.dtype) -> tuple[QuantLinear, "ref_quant.QuantizedWeight"]:
+    """A QuantLinear [96 -> 128] with a bias, packed for ``backend``, and its QuantizedWeight."""
+    from shardwise.kernel_registry import registry
+
+    torch.manual_seed(5)
+    w = torch.randn(128, 96)
+    qw = ref_quant.quantize_weight(w, bits=bits, group_size=group_size, symmetric=symmetric)
+    registry.load_backend(backend)
+    impl = registry.implementations("quant_linear")[backend]
+    packed = impl.fn.prepack(qw, "cpu", compute)
+    return QuantLinear(packed, impl, torch.randn(128).to(compute),
+                       source="conv1d" if conv1d else "linear"), qw
+
+
+@pytest.mark.parametrize("bits,group_size,symmetric", [(8, 96, True), (8, 32, False),
+                                                        (4, 32, True), (4, 32, False)])
+def test_dequantized_weight_equals_the_reference_dequantization(bits, group_size, symmetric):
+    """Reference-packed: exactly ``(q - zero) * scale``. The CPU backend's opaque layouts (read
+    back through its own kernel) equal it up to that kernel's bf16 scales and output rounding."""
+    ref, qw = _quant_linear("reference", bits, group_size, symmetric, False, torch.float32)
+    want = ref_quant.dequantize_weight(qw)  # [out, in] float32
+    assert torch.equal(ref.dequantized_weight(torch.float32), want)
+    cpu, _ = _quant_linear("cpu", bits, group_size, symmetric, False, BF16)
+    got = cpu.dequantized_weight(torch.float32)
+    assert got.shape == want.shape
+    torch.testing.assert_close(got, want, rtol=2 ** -7, atol=2 ** -7 * want.abs().max().item())
+    x = torch.randn(3, 96, dtype=BF16)  # and it is the weight the kernel computes with
+    dense = torch.nn.functional.linear(x.float(), got, cpu.bias.float())
+    y = cpu(x).float()
+    assert (dense - y).norm() / y.norm() < 2 ** -7  # the bf16 output rounding apart
+
+
+@pytest.mark.parametrize("conv1d", [False, True])
+def test_to_float_module_gives_a_linear_or_conv1d_computing_the_same(conv1d):
+    from transformers.pytorch_utils import Conv1D
+
+    q, qw = _quant_linear("reference", 8, 32, False, conv1d, torch.float32)
+    seen = []
+    q.register_forward_hook(lambda m, a, out: seen.append(type(m).__name__))
+    module = q.to_float_module()
+    assert type(module) is (Conv1D if conv1d else nn.Linear)
+    want = ref_quant.dequantize_weight(qw)
+    assert torch.equal(module.weight, want.t() if conv1d else want)
+    x = torch.randn(2, 96)
+    torch.testing.assert_close(module(x), q(x), rtol=1e-5, atol=1e-5)  # Conv1D: addmm's order
+    assert seen == [type(module).__name__, "QuantLinear"]  # the instance hooks came along
+
+
+def test_quantizing_records_a_lossy_dequantizing_undo_in_the_ledger():
+    """Each quantized linear is a recorded replace_module whose undo puts the original module
+    back with its weight rebuilt from the packed one (said to be lossy) — the float weight is
+    not kept: the ledger lets it go and the undo rebuilds it in its dtype, shape and device."""
+    from shardwise.ledger import Ledger
+
+    model = tiny_causal_lm("gpt2")  # Conv1D projections
+    originals = {n: (m, m.weight.detach().clone()) for n, m in model.named_modules()
+                 if type(m).__name__ == "Conv1D"}
+    ledger = Ledger(model)
+    with ledger.recording():
+        report = quantize_model(model, {"weight": {"num_bits": 8}}, CPU, torch.float32)
+    undos = ledger.undos
+    assert sum("quantized linear" in u for u in undos) == report.layers_quantized == 8
+    lossy = [u for u in undos if "dequantiz" in u and "lossy" in u]
+    assert len(lossy) == report.layers_quantized, undos
+    dequantized = {n: model.get_submodule(n).dequantized_weight(torch.float32).t()
+                   for n in report.layers}
+    assert ledger.drop_replaced() > 0  # the float weights are let go of
+    ledger.give_back()
+    for name in report.layers:
+        module, weight = originals[name]
+        assert model.get_submodule(name) is module  # the original Conv1D is back
+        assert torch.equal(module.weight, dequantized[name])  # rebuilt by dequantizing
+        rel = (module.weight - weight).norm() / weight.norm()
+        assert 0 < rel < 0.02, rel  # lossy: within int8's rounding
+    assert not any(isinstance(m, QuantLinear) for m in model.modules())

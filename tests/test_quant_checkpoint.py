@@ -294,6 +294,83 @@ def test_corrupt_or_mismatched_quantized_checkpoint_is_named_before_reading(
     assert reads == [], "the error came before any weight was read"
 
 
+def _to_the_layout_before_extensions(root: Path) -> None:
+    """Rewrite a checkpoint as shardwise wrote quantized ones before the ``extensions`` section:
+    the description's ``"quant"`` entry and each rank file's ``"shardwise_quant"`` manifest."""
+    desc = json.loads((root / "shardwise_checkpoint.json").read_text())
+    desc["quant"] = desc.pop("extensions")["shardwise.quant"]
+    (root / "shardwise_checkpoint.json").write_text(json.dumps(desc))
+
+    def apply(tensors, metadata):
+        entries = json.loads(metadata.pop("shardwise_extensions"))
+        metadata["shardwise_quant"] = json.dumps(entries["shardwise.quant"])
+    _rewrite_rank_file(root / "rank00-of-01.safetensors", apply)
+
+
+def test_a_quantized_checkpoint_in_the_layout_before_extensions_still_loads(
+        int8_checkpoint, tmp_path):
+    import shutil
+
+    root = tmp_path / "old"
+    shutil.copytree(int8_checkpoint[0], root)
+    _to_the_layout_before_extensions(root)
+    assert "extensions" not in json.loads((root / "shardwise_checkpoint.json").read_text())
+    saver = int8_checkpoint[1]
+    with no_quantization():
+        loaded = load(root)
+    assert loaded.config.quant == saver.config.quant
+    assert state_differences(saver.module, loaded.module) == []
+    ids = prompt_ids(batch=2, length=8)
+    assert torch.equal(loaded(input_ids=ids).logits, saver(input_ids=ids).logits)
+
+
+def test_extension_data_no_package_provides_is_refused_by_name(int8_checkpoint, tmp_path,
+                                                               monkeypatch):
+    import shutil
+
+    root = tmp_path / "other"
+    shutil.copytree(int8_checkpoint[0], root)
+    desc = json.loads((root / "shardwise_checkpoint.json").read_text())
+    desc["extensions"]["acme.sparsity"] = {"format": 1}
+    (root / "shardwise_checkpoint.json").write_text(json.dumps(desc))
+    with count_reads(monkeypatch) as reads:
+        with pytest.raises(CheckpointError, match=r"carries data of the extension "
+                                                  r"'acme.sparsity', which no installed package"):
+            load(root)
+    assert reads == []
+
+
+def test_quantized_checkpoint_errors_are_their_own_class(int8_checkpoint):
+    from shardwise.quant.checkpoint import QuantizedCheckpointError
+
+    with pytest.raises(QuantizedCheckpointError) as err:  # a CheckpointError (and ConfigError)
+        load(int8_checkpoint[0], quant=SPECS["int4-sym"])
+    assert isinstance(err.value, CheckpointError) and isinstance(err.value, ConfigError)
+
+
+def test_the_checkpoint_package_knows_nothing_about_quantization():
+    """No module of shardwise.checkpoint imports shardwise.quant, and no quant function takes
+    an exception class to raise (each layer raises its own)."""
+    import ast
+    import inspect
+
+    import shardwise.checkpoint
+    from shardwise.quant import checkpoint as qckpt, transform
+
+    folder = Path(shardwise.checkpoint.__file__).parent
+    for file in sorted(folder.glob("*.py")):
+        for node in ast.walk(ast.parse(file.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                assert "quant" not in (node.module or ""), (file.name, node.module)
+            elif isinstance(node, ast.Import):
+                assert not any("quant" in a.name for a in node.names), file.name
+    for module in (qckpt, transform):
+        for name, fn in inspect.getmembers(module, inspect.isfunction):
+            for param in inspect.signature(fn).parameters.values():
+                assert "Exception" not in str(param.annotation) and param.name != "error", \
+                    f"{module.__name__}.{name}({param.name})"
+
+
 # ----- (b) tp 1: quantize while reading -----------------------------------------------------------
 
 @pytest.mark.parametrize("spec_name", ["int8", "int4-asym-g32", "int8-asym-g32"])
@@ -318,6 +395,20 @@ def test_quantize_while_reading_equals_load_then_quantize(tmp_path, monkeypatch,
     mine, theirs = engine.quantization, want.quantization
     assert (mine.bytes_before, mine.bytes_after) == (theirs.bytes_before, theirs.bytes_after)
     assert mine.source == theirs.source and mine.backends() == theirs.backends()
+
+
+def test_quantize_while_reading_joins_a_bias_read_before_its_weight(tmp_path, monkeypatch):
+    """The per-tensor hook sees tensors in file order: a bias read before its weight (another
+    shard file, or sorted first) is held and joined to the QuantLinear made from the weight."""
+    from shardwise.checkpoint import loader
+
+    path = save_hf("gpt2", tmp_path / "hf")  # Conv1D projections, every one with a bias
+    want = load_then_quantize(path, SPECS["int8"])
+    monkeypatch.setattr(loader, "_first_file", lambda index, key: (not key.endswith("bias"), key))
+    engine = load(path, dtype=BF16, quant=SPECS["int8"])
+    assert state_differences(want.module, engine.module) == []
+    ids = prompt_ids(batch=2, length=8)
+    assert torch.equal(engine(input_ids=ids).logits, want(input_ids=ids).logits)
 
 
 def test_quant_settings_that_do_not_fit_fail_before_reading(tmp_path, monkeypatch):
