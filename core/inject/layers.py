@@ -77,14 +77,14 @@ class StepContext:
     """What every layer of one forward shares."""
 
     cache: StaticKVCache | None
-    past: int
-    decode: bool
-    cos: torch.Tensor | None = None
+    past: int  # tokens already in the cache (-1 in the graph-safe step: read from lengths)
+    decode: bool  # one new token per sequence after cached ones
+    cos: torch.Tensor | None = None  # rotary table [b, s, rotary_dim // 2] float32
     sin: torch.Tensor | None = None
-    write_pos: int = 0
-    lengths: torch.Tensor | None = None
-    starts: torch.Tensor | None = None
-    key_padding_mask: torch.Tensor | None = None
+    write_pos: int = 0  # the cache slot of this forward's first token
+    lengths: torch.Tensor | None = None  # [b] int64: valid cache slots per sequence (decode)
+    starts: torch.Tensor | None = None  # [b] int64: each sequence's first real token
+    key_padding_mask: torch.Tensor | None = None  # [b, past + s] bool, True = a real token
     graph_safe: bool = False  # decode step under graph capture: no host syncs
     write_index: torch.Tensor | None = None  # [1] int64, graph_safe only
     masks: dict = field(default_factory=dict)  # graph_safe: (window, alibi id) → SDPA mask
@@ -542,6 +542,9 @@ class InjectedModel(nn.Module):
                 encoder_hidden_states: torch.Tensor | None = None,
                 encoder_attention_mask: torch.Tensor | None = None,
                 **kwargs: Any) -> StackOutput:
+        """What HF's base model forward takes (input_ids [b, s] or inputs_embeds [b, s, hidden],
+        a 2-d [b, past + s] attention mask, position_ids [b, s]) → ``last_hidden_state``
+        [b, s, hidden] and the static cache as ``past_key_values``."""
         if output_attentions or output_hidden_states or encoder_hidden_states is not None:
             raise ShardwiseError("the injected model does not return attentions or hidden states "
                                  "and has no cross-attention; init_inference without "
@@ -565,6 +568,7 @@ class InjectedModel(nn.Module):
             return StackOutput(last_hidden_state=hidden, past_key_values=cache)
         ctx = StepContext(cache, past, decode, write_pos=write_pos)
         self._padding(ctx, attention_mask, cache, past, s)
+        # token embeddings [b, s, hidden]; GPT-2's token types use the same table
         x = self.parts.embed(input_ids) if inputs_embeds is None else inputs_embeds.to(dtype)
         types = None if token_type_ids is None else self.parts.embed(token_type_ids.expand(b, s))
         x = self._embedded(ctx, x, position_ids, types)
@@ -578,7 +582,7 @@ class InjectedModel(nn.Module):
     def _position_ids(self, position_ids: torch.Tensor | None, mask: torch.Tensor | None,
                       past: int, b: int, s: int, device: torch.device) -> torch.Tensor:
         """[b, s] positions: given, else counted from each sequence's first real token
-        (``positions_from_mask``, as OPT), else ``past + arange(s)``."""
+        (``Positions.from_mask``, as OPT), else ``past + arange(s)``."""
         if position_ids is None and mask is not None and self.spec.positions.from_mask:
             mask = mask[:, :past + s].long()
             position_ids = (mask.cumsum(-1) * mask - 1)[:, past:]
@@ -587,13 +591,16 @@ class InjectedModel(nn.Module):
         return position_ids.expand(b, s)
 
     def run_layers(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        """The first layer's input x [b, s, hidden] → the final norm's output (projected out
+        where the family has one) [b, s, hidden]."""
         delta, residual = x, None
         for layer in self.parts.layers:
             delta, residual = layer(delta, residual, ctx)
         hidden = self._final_norm(delta, residual)
         return hidden if self.parts.project_out is None else self.parts.project_out(hidden)
 
-    def _final_norm(self, delta, residual):
+    def _final_norm(self, delta: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+        """final_norm(delta + residual) [b, s, hidden], the add fused as in the layers."""
         return self.parts.layers[0]._norm(self.parts.final_norm, delta, residual)[0] if len(
             self.parts.layers) else self.parts.final_norm(delta)
 
