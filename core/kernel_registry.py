@@ -1,7 +1,8 @@
 """The kernel interface: named ops, a torch reference for each, backends resolved per device.
 
 An op (``rms_norm``, ``layer_norm``, ...) has a pure-torch reference in
-``shardwise.kernels.reference`` that is always present and is the oracle in tests. Backends
+``shardwise.kernels.reference`` (one module per op family) that is always present and is the
+oracle in tests (tests/test_kernel_parity.py holds every backend to it). Backends
 (``triton``, ``cpu``, a plugin's own) are modules in the ``shardwise.kernels`` entry-point group
 with a ``register(registry)`` function; they are imported the first time an op is resolved for an
 accelerator that lists them, never at ``import shardwise``. Resolution walks the accelerator's
