@@ -478,3 +478,45 @@ def test_head_sliced_argument_the_forward_lacks_fails_naming_it():
     with pytest.raises(ShardingError, match=r"slices argument\(s\) alibi of "
                                             r"'transformer\.h\.0\.mlp' \(BloomMLP\)"):
         prepare_for(tiny_causal_lm("bloom"), None, 2, policy=Broken())
+
+
+# ----- undo: the whole tensor gathered back from every rank's slice -------------------------------
+
+class _GatherOf:
+    """A communicator stand-in whose all_gather returns every rank's (given) slice, padded as
+    each rank pads its own, concatenated along ``dim``: one process plays all ranks."""
+
+    def __init__(self, slices: list[torch.Tensor]) -> None:
+        self.slices = slices
+
+    def all_gather(self, tensor, dim=0):
+        width = tensor.shape[dim]
+        padded = [torch.cat([s, s.new_zeros(*s.shape[:dim], width - s.shape[dim],
+                                            *s.shape[dim + 1:])], dim=dim) for s in self.slices]
+        return torch.cat(padded, dim=dim)
+
+
+@pytest.mark.parametrize("ranges", [
+    [[(0, 4)], [(4, 7)]],  # an uneven vocabulary: 4 | 3 rows
+    [[(0, 2), (4, 6)], [(2, 4), (6, 8)]],  # a fused [q | k]-like layout, two pieces each
+    [[(0, 4)], [(0, 4)]],  # one kv head replicated on both ranks
+])
+def test_gather_whole_rebuilds_the_tensor_from_every_ranks_slices(ranges):
+    from shardwise.sharding import gather_whole
+
+    size = max(b for r in ranges for _, b in r)
+    whole = torch.randn(size, 3)
+    slices = [torch.cat([whole[a:b] for a, b in r]) for r in ranges]
+    comm = _GatherOf(slices)
+    for rank in range(2):
+        assert torch.equal(gather_whole(slices[rank], 0, ranges, size, comm), whole)
+    columns = [s.t().contiguous() for s in slices]  # the split along dim 1
+    assert torch.equal(gather_whole(columns[1], 1, ranges, size, _GatherOf(columns)), whole.t())
+
+
+def test_gather_whole_refuses_slices_that_do_not_cover_the_tensor():
+    from shardwise.sharding import ShardingError, gather_whole
+
+    slices = [torch.ones(2, 1), torch.ones(2, 1)]
+    with pytest.raises(ShardingError, match="cover 4 of 6 entries"):
+        gather_whole(slices[0], 0, [[(0, 2)], [(2, 4)]], 6, _GatherOf(slices))
