@@ -665,7 +665,7 @@ def test_tp2_quantized_checkpoint_round_trips_bit_identically(pair, arch, spec_n
     assert r0["digest"] == r1["digest"] and r0["tokens"] == r1["tokens"]  # the ranks agree
     assert r0["layers"] == r1["layers"] > 0  # (each rank equal to its own saver: its own file)
     desc = json.loads((root / f"q2-{arch}-{spec_name}" / "shardwise_checkpoint.json").read_text())
-    assert desc["tp_size"] == 2 and desc["quant"]["config"] == r0["quant"]
+    assert desc["tp_size"] == 2 and desc["extensions"]["shardwise.quant"]["config"] == r0["quant"]
 
 
 def test_tp2_quantized_checkpoint_at_tp1_is_refused(pair, monkeypatch):
