@@ -125,16 +125,18 @@ def check_manifest(info: Any, where: str) -> None:
     well-formed :func:`manifest`."""
     if not isinstance(info, Mapping) or info.get("format") != FORMAT:
         got = info.get("format") if isinstance(info, Mapping) else type(info).__name__
-        raise QuantizedCheckpointError(f"{where} is not a shardwise quantization manifest (format {got!r}, "
-                    f"expected {FORMAT!r}); re-save it with this shardwise")
+        raise QuantizedCheckpointError(
+            f"{where} is not a shardwise quantization manifest (format {got!r}, expected "
+            f"{FORMAT!r}); re-save it with this shardwise")
     layers = info.get("layers")
     if not isinstance(layers, Mapping) or not layers:
         raise QuantizedCheckpointError(f"{where}: the quantization manifest lists no layers")
     for name, entry in layers.items():
         problem = _entry_problem(entry)
         if problem:
-            raise QuantizedCheckpointError(f"{where}: the quantization manifest entry of layer {name!r} is "
-                        f"malformed ({problem}); the checkpoint is corrupted: re-save it")
+            raise QuantizedCheckpointError(
+                f"{where}: the quantization manifest entry of layer {name!r} is malformed "
+                f"({problem}); the checkpoint is corrupted: re-save it")
 
 
 def _entry_problem(entry: Any) -> str | None:
@@ -345,9 +347,10 @@ def install_shells(model: nn.Module, info: Mapping[str, Any], device: torch.devi
                                            entry["tensors"], entry["bias"], entry["source"],
                                            device=device, bias_dtype=bias_dtype)
         except KeyError as exc:
-            raise QuantizedCheckpointError(f"{source} holds weights packed for the {entry['backend']!r} kernel "
-                        f"backend, which cannot run here ({exc.args[0]}); re-quantize from the "
-                        "full-precision checkpoint on this device") from None
+            raise QuantizedCheckpointError(
+                f"{source} holds weights packed for the {entry['backend']!r} kernel backend, "
+                f"which cannot run here ({exc.args[0]}); re-quantize from the full-precision "
+                f"checkpoint on this device") from None
         swap_in(model, name, shell)
         layers[name] = QuantizedLayer(name, entry.get("kind") or "attention", entry["backend"],
                                       spec.bits, spec.group_size,
@@ -563,7 +566,8 @@ class QuantCheckpointExtension(CheckpointExtension):
     def install(self, model: nn.Module, entry: Any, rank_entry: Any,
                 shapes: Mapping[str, tuple[int, ...]], context: LoadContext) -> Any:
         """Each saved layer checked against this rank's slice of the model's module, then an
-        empty shell (buffers on meta) put in its place; (manifest, layer name → QuantizedLayer)."""
+        empty shell (buffers on meta) put in its place. Returns (manifest, layer name →
+        QuantizedLayer)."""
         _check_shell_shapes(model, rank_entry, shapes, context)
         return rank_entry, install_shells(model, rank_entry, "meta", context.source)
 

@@ -226,10 +226,3 @@ def carry_hooks(old: nn.Module, new: nn.Module) -> None:
     for attr in _HOOK_ATTRS:
         if hasattr(old, attr):
             setattr(new, attr, getattr(old, attr))
-
-
-def set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
-    """Replace the submodule called ``name`` (dotted) with ``module``."""
-    parent_name, _, child = name.rpartition(".")
-    parent = model.get_submodule(parent_name) if parent_name else model
-    setattr(parent, child, module)
