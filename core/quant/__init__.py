@@ -1,7 +1,8 @@
 """Weight-only quantization (int8 / int4, group-wise, symmetric or asymmetric): ``shardwise.quant``.
 
 ``init_inference(model, quant={"weight": {"num_bits": 4}})`` (or ``dtype=torch.int8``) runs
-:func:`quantize_model` as step 6; it can also be called alone::
+:func:`quantize_model` after sharding and before kernel injection (which adopts the quantized
+linears as they are); it can also be called alone::
 
     from shardwise.quant import quantize_model
     report = quantize_model(model, {"weight": {"num_bits": 8}}, accelerator, torch.bfloat16)
@@ -12,9 +13,10 @@
 could run) without changing the model.
 
 Modules: :mod:`.config` (the ``quant=`` dict, DeepSpeed MoQ mapping), :mod:`.modules`
-(:class:`QuantLinear`), :mod:`.transform` (:func:`quantize_model`, :class:`Quantizer` — the hook
-the checkpoint loader calls per tensor), :mod:`.checkpoint` (save/load without re-quantizing;
-the pieces ``engine.save_checkpoint`` and the sharded checkpoint loader use for quantized models).
+(:class:`QuantLinear`), :mod:`.transform` (:func:`quantize_model`, :class:`Quantizer` and its
+``reading_hook``: the per-tensor hook the checkpoint loader calls), :mod:`.checkpoint`
+(save/load without re-quantizing; the ``shardwise.quant`` checkpoint extension a quantized
+engine's sharded checkpoint carries, registered on import).
 """
 
 from .checkpoint import load_quantized, save_quantized

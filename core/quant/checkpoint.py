@@ -17,11 +17,14 @@ File layout (safetensors metadata, every value a JSON string): ``"format"``: :da
 ``"manifest"``: :func:`manifest`; ``"aliases"``: state-dict key → the stored key it shares its
 tensor with.
 
-The sharded checkpoint (``engine.save_checkpoint``, :mod:`shardwise.checkpoint`) is built from
-the same pieces: each rank file carries its rank's :func:`manifest` in its metadata, the
-description carries :func:`description_entry` (the settings), and the loader puts the shells in
-with :func:`install_shells` and reports with :func:`loaded_report`; :func:`adopt_saved_quant`
-decides what happens when ``quant=`` differs from the saved settings.
+The sharded checkpoint (``engine.save_checkpoint``, :mod:`shardwise.checkpoint`) carries the
+same pieces through :class:`QuantCheckpointExtension` (the ``"shardwise.quant"`` checkpoint
+extension, registered when this module is imported; the checkpoint package only carries its
+entries): each rank file's metadata holds its rank's :func:`manifest`, the description's
+``extensions`` section :func:`description_entry` (the settings); loading, the extension checks
+them, puts the shells in with :func:`install_shells` and reports with :func:`loaded_report`;
+:func:`adopt_saved_quant` decides what happens when ``quant=`` differs from the saved settings.
+Errors are :class:`QuantizedCheckpointError` (a ``CheckpointError``).
 
 The packed layouts belong to a backend (torch's CPU int4 layout is opaque), so a file loads where
 that backend runs (e.g. a CPU-packed file on a CPU); elsewhere the error says to re-quantize from

@@ -1,4 +1,5 @@
-"""Step 6 of the engine: quantize the planned linears in place (``quantize_model``), usable alone.
+"""The engine's quantize step (after sharding, before injection): quantize the planned linears
+in place (``quantize_model``), usable alone.
 
 Which layers: every ``nn.Linear`` / transformers ``Conv1D`` the model's tensor-parallel plan
 names as column- or row-parallel (attention and MLP projections) — the plan ``init_inference``
@@ -455,6 +456,8 @@ def swap_in(model: nn.Module, name: str, new: QuantLinear) -> None:
     replace_module(parent, child, new, "quantized linear")
     record(f"weight of {name!r} rebuilt by dequantizing its int{new.spec.bits} weight (lossy: "
            f"dequantized, the float weight was not kept)", _dequantize_into(old, new))
+    with torch.no_grad():  # not kept: ``old`` outlives the swap (the undo, a TP plan hold it)
+        old.weight.data = old.weight.data.new_empty(0)
 
 
 def _dequantize_into(old: nn.Module, new: QuantLinear):
