@@ -5,7 +5,7 @@ Builds a llama-shaped model of a few hundred MB (fixed-seed random weights, save
 ``save_pretrained`` into a temp dir) and loads it in fresh processes, one per mode:
 
 * ``fp``: ``init_inference(None, checkpoint=dir, dtype=bf16)``, no quantization (for scale);
-* ``then-quantize``: the same, then ``quantize_model`` (what step 6 did after every load);
+* ``then-quantize``: the same, then ``quantize_model`` (the quantize step after a load);
 * ``while-reading``: ``init_inference(None, checkpoint=dir, dtype=bf16, quant=...)``: the loader
   quantizes each weight as soon as its (this rank's) slice is read.
 

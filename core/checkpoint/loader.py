@@ -126,8 +126,8 @@ def load_checkpoint(model: nn.Module, checkpoint: "str | os.PathLike | Mapping |
     """
     desc = checkpoint if isinstance(checkpoint, Description) else describe(checkpoint, base_dir)
     hooks = tuple(hooks)
-    context = LoadContext(desc.source, desc.tp_size, prepared.tp_size if prepared else 1, rank,
-                          dtype, hooks)
+    tp_size = prepared.tp_size if prepared is not None else 1
+    context = LoadContext(desc.source, desc.tp_size, tp_size, rank, dtype, hooks)
     check_extensions(desc, context)
     index = build_index(desc, rank)
     bytes_before = sum(p.numel() * p.element_size() for p in model.parameters())
