@@ -352,7 +352,7 @@ def init_inference(model: nn.Module, config: InferenceConfig | dict | str | None
 def _build_engine(model: nn.Module | None, cfg: InferenceConfig) -> InferenceEngine:
     """:func:`init_inference`'s steps: every check first, then the in-place transforms."""
     desc = _checkpoint.describe(cfg.checkpoint, cfg.base_dir) if cfg.checkpoint else None
-    if desc is not None and desc.quant is not None:
+    if _saved_quantized(desc):
         _saved_quant_settings(cfg, desc)  # before any model, process group or weight work
     if desc is not None:  # 4. (skeleton): the user's meta model or the checkpoint's config
         model = _checkpoint.skeleton(model, desc, _build_dtype(cfg.dtype))
@@ -374,7 +374,7 @@ def _build_engine(model: nn.Module | None, cfg: InferenceConfig) -> InferenceEng
     if desc is not None:  # 4. each rank reads only its slices, straight onto its device
         loaded = _checkpoint.load_checkpoint(
             model, desc, prepared=prepared, rank=communicator.rank, device=device, dtype=dtype,
-            quantizer=_reading_quantizer(model, cfg, accelerator, dtype, device, plan, desc))
+            hooks=_reading_hooks(model, cfg, accelerator, dtype, device, plan, desc))
     report = None
     if prepared is not None:
         report = sharding.apply_shards(  # 5. (the loader already sliced the weights)
@@ -382,16 +382,15 @@ def _build_engine(model: nn.Module | None, cfg: InferenceConfig) -> InferenceEng
             bytes_before=loaded.bytes_before if loaded else None)
         if communicator.rank == 0:
             log.info("shardwise: %s", report.summary())
+    quant_report = _quantize_and_cast(model, cfg, accelerator, dtype, device, plan,
+                                      loaded)  # 6.
     injected = None
-    if cfg.replace_with_kernel_inject:  # 7. on the sharded weights (their hooks stay in use)
+    if cfg.replace_with_kernel_inject:  # 7. adopts the linears as they are (sharded, quantized)
         from .inject import inject_model
 
         injected = inject_model(model, accelerator, dtype, _max_tokens(cfg),
                                 policy=plan.found_policy, heads=_injected_heads(plan))
-    quant_report = _quantize_and_cast(model, cfg, accelerator, dtype, device, plan,
-                                      loaded)  # 6.
-    if injected is not None:
-        injected.rebind()  # step 6 may have swapped linears (quantized) under the layers
+        injected.to(device=device, dtype=dtype)  # its own new tensors (ALiBi slopes)
     if cfg.enable_graph:  # 8. (the config requires injection for it)
         from .inject import enable_graphs
 
@@ -420,12 +419,12 @@ def _injected_heads(plan: Plan):
 def _check_later_steps(model: nn.Module, cfg: InferenceConfig, accelerator: Accelerator,
                        dtype: torch.dtype, device: torch.device, plan: Plan,
                        desc: "_checkpoint.Description | None") -> None:
-    """The settings of steps 5-6, checked before the first in-place change (step 4's
-    ``prepare`` and the loader's header checks check their own): ``quant`` against every
+    """The settings of steps 6-7, checked before the first in-place change (the plan, step 2,
+    and the loader's header checks check their own): ``quant`` against every
     layer as each rank will hold it (all ranks' slices, so every rank fails alike), and
     injection — policy, model settings, head counts, kernels and the static KV cache of one
     sequence against the device's free memory."""
-    if cfg.quant is not None and (desc is None or desc.quant is None):
+    if cfg.quant is not None and not _saved_quantized(desc):
         from .quant import check_fits
 
         prepared = plan.sharding if plan.sharded else None
@@ -454,33 +453,46 @@ def _saved_quant_settings(cfg: InferenceConfig, desc: "_checkpoint.Description")
     """A quantized checkpoint: refuse another tp size, and set ``cfg.quant`` to the saved
     settings (adopted when ``quant=`` is not given; ``quant=`` with other settings is an error:
     see :func:`shardwise.quant.checkpoint.adopt_saved_quant`)."""
-    from .quant.checkpoint import adopt_saved_quant
+    from .quant.checkpoint import settings_for_checkpoint
 
-    _checkpoint.check_quantized_load(desc, cfg.tp_size)
-    cfg.quant = adopt_saved_quant(desc.quant, cfg.quant, desc.source, _checkpoint.CheckpointError)
+    cfg.quant = settings_for_checkpoint(desc, cfg.quant, cfg.tp_size)
 
 
-def _reading_quantizer(model: nn.Module, cfg: InferenceConfig, accelerator: Accelerator,
-                       dtype: torch.dtype, device: torch.device, plan: Plan,
-                       desc: "_checkpoint.Description"):
-    """Step 6 folded into step 3: with ``quant`` and a full-precision checkpoint, the
-    :class:`~shardwise.quant.Quantizer` the loader calls as each weight slice is read (the same
-    layers and settings step 6 would quantize). None when there is nothing to quantize while
-    reading. Kernel injection (step 5) then adopts the quantized linears as it adopts float
-    ones."""
-    if cfg.quant is None or desc.quant is not None:
-        return None
+def _saved_quantized(desc: "_checkpoint.Description | None") -> bool:
+    """Whether ``desc`` carries quantized layers (the ``shardwise.quant`` extension's data)."""
+    if desc is None or not desc.extensions:
+        return False
+    from .quant.checkpoint import EXTENSION
+
+    return EXTENSION in desc.extensions
+
+
+def _reading_hooks(model: nn.Module, cfg: InferenceConfig, accelerator: Accelerator,
+                   dtype: torch.dtype, device: torch.device, plan: Plan,
+                   desc: "_checkpoint.Description") -> list:
+    """Step 6 folded into step 4: with ``quant`` and a full-precision checkpoint, the
+    per-tensor hook the loader calls as each weight slice is read
+    (:meth:`~shardwise.quant.Quantizer.reading_hook`: the same layers and settings step 6 would
+    quantize). Empty when there is nothing to quantize while reading. Kernel injection (step 7)
+    then adopts the quantized linears as it adopts float ones."""
+    if cfg.quant is None or _saved_quantized(desc):
+        return []
     from .quant import Quantizer
 
-    return Quantizer.for_model(model, cfg.quant, accelerator, dtype, device=device,
-                               roles=plan.roles, injection_policy=cfg.injection_policy)
+    return [Quantizer.for_model(model, cfg.quant, accelerator, dtype, device=device,
+                                roles=plan.roles,
+                                injection_policy=cfg.injection_policy).reading_hook()]
 
 
 def _quantize_and_cast(model: nn.Module, cfg: InferenceConfig, accelerator: Accelerator,
                        dtype: torch.dtype, device: torch.device, plan: Plan, loaded):
     """Step 6: the loader's QuantReport when it quantized (or loaded quantized weights), else
     :func:`_quantize_step`; the rest of the model is cast and moved either way."""
-    report = loaded.quantization if loaded is not None else None
+    report = None
+    if loaded is not None and loaded.results:
+        from .quant.checkpoint import EXTENSION
+
+        report = loaded.results.get(EXTENSION)  # the reading hook's or the saved layers'
     if report is None:
         report = _quantize_step(model, cfg, accelerator, dtype, device, plan)
         if report is not None:
