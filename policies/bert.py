@@ -19,7 +19,7 @@ Kernel injection (``injection``): the ``BertEncoder`` is replaced by shardwise's
 encoder (:mod:`shardwise.inject.encoder`); embeddings, pooler and heads stay HF's.
 """
 
-from shardwise.inject.encoder import EncoderInjectionSpec
+from shardwise.inject.encoder import EncoderAttention, EncoderInjectionSpec, EncoderMLP
 from shardwise.policy import Policy
 from shardwise.sharding.roles import (ColumnParallel, Heads, RowParallel, VocabParallelEmbedding,
                                       VocabParallelHead)
@@ -47,8 +47,9 @@ class BertPolicy(Policy):
     # ("relative_key", "relative_key_query") is refused rather than silently run as absolute.
     injection = EncoderInjectionSpec(
         encoder="encoder", layers="layer",
-        qkv=("attention.self.query", "attention.self.key", "attention.self.value"),
-        out_proj="attention.output.dense", attn_norm="attention.output.LayerNorm",
-        mlp_in="intermediate.dense", mlp_out="output.dense", mlp_norm="output.LayerNorm",
-        activation_config=("hidden_act",),
+        attention=EncoderAttention(
+            qkv=("attention.self.query", "attention.self.key", "attention.self.value"),
+            out_proj="attention.output.dense", norm="attention.output.LayerNorm"),
+        mlp=EncoderMLP(in_proj="intermediate.dense", out_proj="output.dense",
+                       norm="output.LayerNorm", activation_config=("hidden_act",)),
         require_config=(("position_embedding_type", "absolute"),))

@@ -28,8 +28,9 @@ import transformers
 import shardwise
 from shardwise.errors import ConfigError, ShardwiseError
 from shardwise.inject import InjectionError, inject_model
-from shardwise.inject.encoder import (EncoderInjectionSpec, InjectedEncoder, InjectedEncoderLayer,
-                                      key_padding_mask)
+from shardwise.inject.encoder import (EncoderAttention, EncoderInjectionSpec, EncoderMLP,
+                                      InjectedEncoder, InjectedEncoderLayer, key_padding_mask)
+from shardwise.policies.bert import BertPolicy
 from families import family
 from models import TINY_CONFIGS, prompt_ids, tiny_encoder
 from tp_harness import TP, case, digest, table_fixture
@@ -298,13 +299,38 @@ def test_injection_records_its_encoder_swap_in_the_active_ledger():
 
 
 def test_spec_is_validated():
-    kwargs = dict(encoder="encoder", layers="layer", out_proj="o", attn_norm="n1", mlp_in="i",
-                  mlp_out="m", mlp_norm="n2")
-    EncoderInjectionSpec(qkv=("q", "k", "v"), **kwargs)
+    mlp = EncoderMLP(in_proj="i", out_proj="m", norm="n2")
+    EncoderInjectionSpec(encoder="encoder", layers="layer", mlp=mlp,
+                         attention=EncoderAttention(qkv=("q", "k", "v"), out_proj="o", norm="n1"))
     with pytest.raises(ValueError, match="qkv"):
-        EncoderInjectionSpec(qkv=("q", "k"), **kwargs)
-    with pytest.raises(ValueError, match="mlp_in"):
-        EncoderInjectionSpec(qkv=("qkv",), **{**kwargs, "mlp_in": ""})
+        EncoderAttention(qkv=("q", "k"), out_proj="o", norm="n1")
+    with pytest.raises(ValueError, match="in_proj"):
+        EncoderMLP(in_proj="", out_proj="m", norm="n2")
+    with pytest.raises(ValueError, match="activation_config"):
+        EncoderMLP(in_proj="i", out_proj="m", norm="n2", activation_config=())
+    with pytest.raises(ValueError, match="attention=.*EncoderAttention"):
+        EncoderInjectionSpec(encoder="encoder", layers="layer", attention=mlp, mlp=mlp)
+
+
+def test_flat_spec_fields_are_refused_naming_their_group():
+    """A plugin's encoder spec written against the flat fields of earlier versions gets the
+    mapping to the groups when it builds, replaces or reads one."""
+    import dataclasses
+
+    from shardwise.inject import MovedFieldError
+
+    with pytest.raises(MovedFieldError) as err:
+        EncoderInjectionSpec(encoder="encoder", layers="layer", qkv=("q", "k", "v"),
+                             out_proj="o", attn_norm="n1", mlp_in="i", mlp_out="m",
+                             mlp_norm="n2")
+    for moved in ("qkv -> attention.qkv", "attn_norm -> attention.norm",
+                  "mlp_in -> mlp.in_proj", "mlp_norm -> mlp.norm", "EncoderAttention("):
+        assert moved in str(err.value), moved
+    spec = BertPolicy.injection
+    with pytest.raises(MovedFieldError, match="activation_config -> mlp.activation_config"):
+        dataclasses.replace(spec, activation_config=("act",))
+    with pytest.raises(MovedFieldError, match="moved to EncoderInjectionSpec.attention.out_proj"):
+        spec.out_proj
 
 
 # ----- tensor parallelism: 2 gloo ranks, all cases in one pair of processes ---------------------

@@ -6,7 +6,8 @@ Family policies describe their layers as data (:class:`InjectionSpec`: module na
 built from the kernels the accelerator resolves, over a static KV cache of ``max_tokens`` tokens
 (:class:`StaticKVCache`); :func:`enable_graphs` captures the decode step with the accelerator's
 graph strategy. The HF model stays the outer shell: ``generate()``/``pipeline()`` keep working.
-Encoder-only families (BERT) describe theirs with :class:`EncoderInjectionSpec`; the same
+Encoder-only families (BERT) describe theirs with :class:`EncoderInjectionSpec` (groups
+:class:`EncoderAttention`, :class:`EncoderMLP`); the same
 :func:`inject_model` replaces their encoder (:class:`InjectedEncoder`, no KV cache).
 """
 
@@ -15,7 +16,8 @@ from .cache import (ConcurrentUseError, KVBuffers, KVCacheMemoryError, MaxTokens
 from .capture import DecodeGraphs, HeadFromGraph, enable_graphs
 from .injector import (InjectionError, check_injection, inject_model, injected_stack,
                        resolve_kernels, resolve_ops, supported_families)
-from .encoder import EncoderInjectionSpec, InjectedEncoder, inject_encoder, injected_encoder
+from .encoder import (EncoderAttention, EncoderInjectionSpec, EncoderMLP, InjectedEncoder,
+                      inject_encoder, injected_encoder)
 from .layers import InjectedLayer, InjectedModel
 from .spec import ACTIVATIONS, MLP, Attention, InjectionSpec, MovedFieldError, Positions, Residual
 
@@ -26,4 +28,4 @@ __all__ = ["ConcurrentUseError", "KVBuffers", "KVCacheMemoryError", "MaxTokensEr
            "resolve_kernels", "resolve_ops", "supported_families", "EncoderInjectionSpec",
            "InjectedEncoder", "inject_encoder", "injected_encoder", "InjectedLayer",
            "InjectedModel", "ACTIVATIONS", "InjectionSpec", "Positions", "Attention", "MLP",
-           "Residual", "MovedFieldError"]
+           "Residual", "MovedFieldError", "EncoderAttention", "EncoderMLP"]

@@ -38,7 +38,7 @@ from ..errors import ShardwiseError
 from ..ledger import replace_module
 from .injector import InjectionError, resolve_ops
 from .layers import out_width
-from .spec import ACTIVATIONS
+from .spec import ACTIVATIONS, GroupedSpec
 
 log = logging.getLogger(__name__)
 
@@ -48,8 +48,67 @@ OPS = {"norm": "layer_norm", "act": "bias_gelu", "attention": "attention_prefill
 PACKED_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 
 
+def _names_problems(**names: Any) -> list[str]:
+    """Each value that is not a non-empty dotted module name."""
+    return [f"{k}={v!r} (a dotted module name)" for k, v in names.items()
+            if not isinstance(v, str) or not v]
+
+
 @dataclass(frozen=True)
-class EncoderInjectionSpec:
+class EncoderAttention:
+    """The attention block of one post-norm encoder layer,
+    ``norm(out_proj(attention(q, k, v)) + x)`` (validated on construction).
+
+    Attributes:
+        qkv: three projections (``query``, ``key``, ``value``) or one fused ``[q | k | v]``
+            (equal thirds: encoders are multi-head) — linears, transformers ``Conv1D``s or
+            quantized linears. The head scale is read from their parent module's ``scaling``
+            when it has one.
+        out_proj: the attention output projection (row-parallel under TP).
+        norm: the LayerNorm after the attention residual add.
+    """
+
+    qkv: tuple[str, ...]
+    out_proj: str
+    norm: str
+
+    def __post_init__(self) -> None:
+        problems = _names_problems(out_proj=self.out_proj, norm=self.norm)
+        if not isinstance(self.qkv, tuple) or len(self.qkv) not in (1, 3) or \
+                not all(isinstance(n, str) and n for n in self.qkv):
+            problems.append(f"qkv={self.qkv!r} (one fused or three projections, as a tuple)")
+        if problems:
+            raise ValueError("invalid EncoderAttention: " + "; ".join(problems))
+
+
+@dataclass(frozen=True)
+class EncoderMLP:
+    """The MLP block of one post-norm encoder layer, ``norm(out_proj(act(in_proj(x))) + x)``
+    (validated on construction).
+
+    Attributes:
+        in_proj: the input projection (column-parallel under TP), then the activation.
+        out_proj: the output projection (row-parallel under TP).
+        norm: the LayerNorm after the MLP residual add.
+        activation_config: config attributes naming the activation, tried in order (a GELU of
+            :data:`~shardwise.inject.spec.ACTIVATIONS`).
+    """
+
+    in_proj: str
+    out_proj: str
+    norm: str
+    activation_config: tuple[str, ...] = ("hidden_act",)
+
+    def __post_init__(self) -> None:
+        problems = _names_problems(in_proj=self.in_proj, out_proj=self.out_proj, norm=self.norm)
+        if not isinstance(self.activation_config, tuple) or not self.activation_config:
+            problems.append(f"activation_config={self.activation_config!r} (a non-empty tuple)")
+        if problems:
+            raise ValueError("invalid EncoderMLP: " + "; ".join(problems))
+
+
+@dataclass(frozen=True)
+class EncoderInjectionSpec(GroupedSpec):
     """One encoder family's layer layout, as data (validated on construction).
 
     Names are dotted attribute paths: ``encoder`` on the base model (HF's ``model.base_model``:
@@ -59,42 +118,33 @@ class EncoderInjectionSpec:
     Attributes:
         encoder: the encoder module replaced in place (``"encoder"``).
         layers: the ``ModuleList`` of layers on the encoder (``"layer"``).
-        qkv: three projections (``query``, ``key``, ``value``) or one fused ``[q | k | v]``
-            (equal thirds: encoders are multi-head), linears or transformers ``Conv1D``s.
-            The head scale is read from their parent module's ``scaling`` when it has one.
-        out_proj: the attention output projection (row-parallel under TP).
-        attn_norm: the LayerNorm after the attention residual add.
-        mlp_in: the MLP input projection (column-parallel under TP), then the activation.
-        mlp_out: the MLP output projection (row-parallel under TP).
-        mlp_norm: the LayerNorm after the MLP residual add.
-        activation_config: config attributes naming the activation, tried in order (a GELU of
-            :data:`~shardwise.inject.spec.ACTIVATIONS`).
+        attention: the attention block and its post-norm (:class:`EncoderAttention`).
+        mlp: the MLP block and its post-norm (:class:`EncoderMLP`).
         require_config: ``(attribute, value)`` pairs: the only config value the injected encoder
             implements (a config without the attribute passes).
+
+    Raises:
+        MovedFieldError: built, replaced or read with a flat field of earlier versions
+            (``qkv=``, ``attn_norm=`` …; the message maps each to its group).
+        ValueError: a group is missing or of the wrong type, or a value is invalid.
     """
 
     encoder: str
     layers: str
-    qkv: tuple[str, ...]
-    out_proj: str
-    attn_norm: str
-    mlp_in: str
-    mlp_out: str
-    mlp_norm: str
-    activation_config: tuple[str, ...] = ("hidden_act",)
+    attention: EncoderAttention
+    mlp: EncoderMLP
     require_config: tuple[tuple[str, Any], ...] = ()
 
+    _moved = {"qkv": "attention.qkv", "out_proj": "attention.out_proj",
+              "attn_norm": "attention.norm", "mlp_in": "mlp.in_proj", "mlp_out": "mlp.out_proj",
+              "mlp_norm": "mlp.norm", "activation_config": "mlp.activation_config"}
+    _groups = {"attention": EncoderAttention, "mlp": EncoderMLP}
+    _layout = ("encoder, layers, attention=EncoderAttention(qkv, out_proj, norm), "
+               "mlp=EncoderMLP(in_proj, out_proj, norm, activation_config), require_config")
+
     def __post_init__(self) -> None:
-        problems = []
-        names = dict(encoder=self.encoder, layers=self.layers, out_proj=self.out_proj,
-                     attn_norm=self.attn_norm, mlp_in=self.mlp_in, mlp_out=self.mlp_out,
-                     mlp_norm=self.mlp_norm)
-        problems += [f"{k}={v!r} (a dotted module name)" for k, v in names.items()
-                     if not isinstance(v, str) or not v]
-        if not isinstance(self.qkv, tuple) or len(self.qkv) not in (1, 3):
-            problems.append(f"qkv={self.qkv!r} (one fused or three projections, as a tuple)")
-        if not isinstance(self.activation_config, tuple) or not self.activation_config:
-            problems.append(f"activation_config={self.activation_config!r} (a non-empty tuple)")
+        problems = _names_problems(encoder=self.encoder, layers=self.layers)
+        problems += self._group_problems()
         if not all(isinstance(r, tuple) and len(r) == 2 for r in self.require_config):
             problems.append(f"require_config={self.require_config!r} ((attribute, value) pairs)")
         if problems:
@@ -198,9 +248,10 @@ class EncoderLayerParts:
     def of(cls, layer: nn.Module, spec: "EncoderInjectionSpec") -> "EncoderLayerParts":
         """The modules ``spec`` names, read from ``layer`` now."""
         get = layer.get_submodule
-        return cls(qkv=tuple(get(n) for n in spec.qkv), out_proj=get(spec.out_proj),
-                   attn_norm=get(spec.attn_norm), mlp_in=get(spec.mlp_in),
-                   mlp_out=get(spec.mlp_out), mlp_norm=get(spec.mlp_norm))
+        attention, mlp = spec.attention, spec.mlp
+        return cls(qkv=tuple(get(n) for n in attention.qkv), out_proj=get(attention.out_proj),
+                   attn_norm=get(attention.norm), mlp_in=get(mlp.in_proj),
+                   mlp_out=get(mlp.out_proj), mlp_norm=get(mlp.norm))
 
 
 class InjectedEncoderLayer(nn.Module):
@@ -333,7 +384,7 @@ def _check_config(config: Any, spec: EncoderInjectionSpec) -> str:
             raise InjectionError(f"config.{attr}={actual!r} is not supported by the injected "
                                  f"encoder (it implements {attr}={value!r}); run without "
                                  f"replace_with_kernel_inject")
-    act = next((v for v in (getattr(config, n, None) for n in spec.activation_config)
+    act = next((v for v in (getattr(config, n, None) for n in spec.mlp.activation_config)
                 if v is not None), None)
     if not isinstance(act, str) or ACTIVATIONS.get(act, ("",))[0] != "bias_gelu":
         gelus = [n for n, (op, _) in ACTIVATIONS.items() if op == "bias_gelu"]
@@ -345,7 +396,7 @@ def _check_config(config: Any, spec: EncoderInjectionSpec) -> str:
 
 def _scale(hf_layer: nn.Module, spec: EncoderInjectionSpec, head_dim: int) -> float:
     """The attention scale: the HF attention module's ``scaling``, else ``head_dim ** -0.5``."""
-    parent = spec.qkv[0].rpartition(".")[0]
+    parent = spec.attention.qkv[0].rpartition(".")[0]
     scale = getattr(hf_layer.get_submodule(parent) if parent else hf_layer, "scaling", None)
     return float(head_dim ** -0.5 if scale is None else scale)
 

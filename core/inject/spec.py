@@ -30,7 +30,8 @@ A config-dependent variant (``Policy.injection_overrides``) replaces a whole gro
 
 The flat fields of earlier versions (``norm=``, ``qkv=``, ``rotary_module=`` …) are refused with
 a :class:`MovedFieldError` naming each one's new place (:data:`MOVED`), when a spec is built or
-replaced with them and when one is read.
+replaced with them and when one is read (:class:`GroupedSpec`, which the encoder spec of
+:mod:`shardwise.inject.encoder` shares).
 """
 
 from __future__ import annotations
@@ -256,25 +257,56 @@ MOVED: dict[str, str] = {
     "pos_embed": "positions.embed", "pos_offset": "positions.offset",
     "positions_from_mask": "positions.from_mask", "alibi_scaled": "positions.alibi_scaled",
 }
-#: flat fields whose name is now a group's (their value was the group's ``kind``) → the group
-_KIND_FIELDS = {"positions": "Positions", "mlp": "MLP"}
-_GROUPS = {"positions": Positions, "attention": Attention, "mlp": MLP, "residual": Residual}
 
 
-def _moved_message(flat: dict[str, Any], how: str) -> str:
-    """The error for flat fields ``flat`` (name → value) of earlier versions."""
-    rows = [f"{name}={value!r} -> {_KIND_FIELDS[name]}({value!r}, ...)"
-            if name in _KIND_FIELDS else f"{name} -> {MOVED[name]}"
-            for name, value in flat.items()]
-    return (f"InjectionSpec {how} flat field(s) of an earlier shardwise: {'; '.join(rows)}. "
-            f"The fields are grouped now: InjectionSpec(base_model, layers, embed, "
-            f"positions=Positions(...), attention=Attention(...), mlp=MLP(...), "
-            f"residual=Residual(...), project_in, project_out, refuse_config); see "
-            f"shardwise.inject.spec")
+class GroupedSpec:
+    """Base of the injection specs whose fields are grouped into sub-specs: the flat fields of
+    earlier versions are refused with a :class:`MovedFieldError` naming each one's new place,
+    when a spec is built or ``dataclasses.replace``-d with them (before ``__init__``, so not as
+    "unexpected keyword argument") and when one is read.
+
+    A subclass sets ``_moved`` (flat name → ``group.field``), ``_kind_fields`` (flat names that
+    are a group's name now, their string value the group's ``kind`` → the group's class name),
+    ``_groups`` (field → the group class it must hold) and ``_layout`` (its signature, shown in
+    the error).
+    """
+
+    _moved: dict[str, str] = {}
+    _kind_fields: dict[str, str] = {}
+    _groups: dict[str, type] = {}
+    _layout = ""
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        flat = {name: value for name, value in kwargs.items()
+                if name in cls._moved or (name in cls._kind_fields and isinstance(value, str))}
+        if flat:
+            rows = [f"{name}={value!r} -> {cls._kind_fields[name]}({value!r}, ...)"
+                    if name in cls._kind_fields else f"{name} -> {cls._moved[name]}"
+                    for name, value in flat.items()]
+            raise MovedFieldError(
+                f"{cls.__name__} was given flat field(s) of an earlier shardwise: "
+                f"{'; '.join(rows)}. The fields are grouped now: {cls.__name__}({cls._layout}); "
+                f"see {cls.__module__}")
+        return super().__new__(cls)
+
+    def __getattr__(self, name: str) -> Any:
+        # only reached when normal lookup fails: maybe a flat field of earlier versions
+        cls = type(self)
+        if name in cls._moved:
+            raise MovedFieldError(f"{cls.__name__}.{name} moved to {cls.__name__}."
+                                  f"{cls._moved[name]} (the fields are grouped now; see "
+                                  f"{cls.__module__})")
+        raise AttributeError(f"{cls.__name__!r} object has no attribute {name!r}")
+
+    def _group_problems(self) -> list[str]:
+        """Each group field that does not hold its group class."""
+        return [f"{name}={getattr(self, name)!r} (a {group.__name__}(...))"
+                for name, group in self._groups.items()
+                if not isinstance(getattr(self, name), group)]
 
 
 @dataclass(frozen=True)
-class InjectionSpec:
+class InjectionSpec(GroupedSpec):
     """One decoder family's layer layout, as data (see the module docstring).
 
     Attributes:
@@ -307,20 +339,11 @@ class InjectionSpec:
     project_out: str | None = None
     refuse_config: tuple[tuple[str, Any, str], ...] = ()
 
-    def __new__(cls, *args: Any, **kwargs: Any) -> "InjectionSpec":
-        # before __init__, so flat keywords get the mapping, not "unexpected keyword argument"
-        flat = {name: value for name, value in kwargs.items()
-                 if name in MOVED or (name in _KIND_FIELDS and isinstance(value, str))}
-        if flat:
-            raise MovedFieldError(_moved_message(flat, "was given"))
-        return super().__new__(cls)
-
-    def __getattr__(self, name: str) -> Any:
-        # only reached when normal lookup fails: a flat field of earlier versions
-        if name in MOVED:
-            raise MovedFieldError(f"InjectionSpec.{name} moved to InjectionSpec.{MOVED[name]} "
-                                  f"(the fields are grouped now; see shardwise.inject.spec)")
-        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+    _moved = MOVED
+    _kind_fields = {"positions": "Positions", "mlp": "MLP"}
+    _groups = {"positions": Positions, "attention": Attention, "mlp": MLP, "residual": Residual}
+    _layout = ("base_model, layers, embed, positions=Positions(...), attention=Attention(...), "
+               "mlp=MLP(...), residual=Residual(...), project_in, project_out, refuse_config")
 
     def __post_init__(self) -> None:
         problems = []
@@ -328,10 +351,7 @@ class InjectionSpec:
             value = getattr(self, name)
             if not isinstance(value, str) or not value:
                 problems.append(f"{name}={value!r} (a dotted module name)")
-        for name, group in _GROUPS.items():
-            value = getattr(self, name)
-            if not isinstance(value, group):
-                problems.append(f"{name}={value!r} (a {group.__name__}(...))")
+        problems += self._group_problems()
         if not all(isinstance(r, tuple) and len(r) == 3 for r in self.refuse_config):
             problems.append(f"refuse_config={self.refuse_config!r} ((attribute, value, what) "
                             f"rows)")
