@@ -63,6 +63,15 @@ def test_a_model_without_a_registered_policy_gets_the_generic_one_and_says_so():
     assert any("no policy registered" in n for n in plan.notes)
 
 
+def test_a_model_no_plan_fits_has_no_roles_on_one_rank_and_the_plan_says_why():
+    plan = build_plan(torch.nn.Sequential(torch.nn.Linear(4, 4)))
+    assert plan.roles is None and plan.heads is None and plan.head_counts is None
+    assert "nothing to shard" in plan.roles_source
+    assert "roles: none (no tensor-parallel plan fits the model" in repr(plan)
+    with pytest.raises(ShardingError, match="nothing to shard"):  # under TP it is an error
+        build_plan(torch.nn.Sequential(torch.nn.Linear(4, 4)), tp_size=2, world=2, rank=0)
+
+
 # ----- dimension checks ------------------------------------------------------------------------
 
 @pytest.mark.parametrize("kwargs, error, match", [
