@@ -49,7 +49,7 @@ from torch import nn
 from ..accelerator import Accelerator
 from ..checkpoint.extensions import TensorHook, TensorRef
 from ..errors import ConfigError
-from ..ledger import record, replace_module
+from ..ledger import active, record, replace_module
 from ..kernel_registry import REFERENCE, KernelImpl, registry
 from ..sharding.plan import _conv1d_class, choose_plan
 from ..sharding.roles import ColumnParallel, RowParallel
@@ -456,8 +456,9 @@ def swap_in(model: nn.Module, name: str, new: QuantLinear) -> None:
     replace_module(parent, child, new, "quantized linear")
     record(f"weight of {name!r} rebuilt by dequantizing its int{new.spec.bits} weight (lossy: "
            f"dequantized, the float weight was not kept)", _dequantize_into(old, new))
-    with torch.no_grad():  # not kept: ``old`` outlives the swap (the undo, a TP plan hold it)
-        old.weight.data = old.weight.data.new_empty(0)
+    if active() is not None:  # init_inference: the undo rebuilds it, and ``old`` outlives the
+        with torch.no_grad():  # swap (the undo, a TP plan hold it): its float weight goes
+            old.weight.data = old.weight.data.new_empty(0)
 
 
 def _dequantize_into(old: nn.Module, new: QuantLinear):
