@@ -149,6 +149,7 @@ class InferenceEngine:
             if ledger is not None:
                 undone = len(ledger.undos)
                 ledger.release()
+            self.accelerator.release_cached_memory()  # the freed graphs, buffers and layouts
         self._given_back = ledger.root if ledger is not None else None
         if self._given_back is not None:
             self._log_given_back(undone)

@@ -215,6 +215,27 @@ def test_close_gives_the_model_back(case):
         engine.generate(ids, max_new_tokens=1)
 
 
+def test_close_gives_back_an_injected_encoder():
+    """BERT under encoder injection (no KV cache, no generate): its modules, weights and
+    outputs come back."""
+    from models import tiny_encoder
+
+    model = tiny_encoder("bert")
+    ids = prompt_ids(batch=2)
+    with torch.no_grad():
+        expected = model(ids).logits
+    types = [(n, type(m)) for n, m in model.named_modules()]
+    weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with shardwise.init_inference(model, device="cpu", **INJECT) as engine:
+        engine(input_ids=ids)
+        assert [(n, type(m)) for n, m in model.named_modules()] != types
+    assert [(n, type(m)) for n, m in model.named_modules()] == types
+    assert all(torch.equal(p, weights[n]) for n, p in model.named_parameters())
+    assert not any("forward" in vars(m) for m in model.modules())
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, expected)
+
+
 def test_close_logs_that_quantized_weights_come_back_dequantized(caplog):
     model = tiny_causal_lm("llama")
     engine = shardwise.init_inference(model, device="cpu", **quant(8))
