@@ -153,13 +153,15 @@ def _two_ranks(rank: int) -> dict:
         report = shard_model(model, communicator=comm)
     sharded_shape = tuple(model.model.layers[0].self_attn.q_proj.weight.shape)
     hooks = sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
-    # the recorded undo alone (not the ledger's snapshot): gathers every weight back
-    for _, undo in reversed(ledger._undo):
-        undo()
+    # as engine.close() does: the snapshot lets go of the replaced weights, so the recorded
+    # undos (all-gathers) are what rebuilds them
+    dropped = ledger.drop_replaced()
+    ledger.give_back()
     with torch.no_grad():
         after = model(ids).logits
     same = all(torch.equal(state[k], v) for k, v in model.state_dict().items())
     out = {
+        "dropped": dropped, "undos": len([u for u in ledger.undos if "all-gathered" in u]),
         "sharded_shape": sharded_shape, "hooks_while_sharded": hooks,
         "hooks_after": sum(len(m._forward_hooks) + len(m._forward_pre_hooks)
                            for m in model.modules()),
@@ -185,6 +187,7 @@ def test_two_ranks_bind_the_tp_group_and_sharding_undoes_by_gathering(tmp_path):
     for rank, result in enumerate(results):
         assert result["ok"], result.get("trace") or result["error"]
         value = result["value"]
+        assert value["dropped"] > 0 and value["undos"] == value["sharded_modules"]
         assert value["sharded_shape"] == [32, 64] and value["hooks_while_sharded"] > 0
         assert value["hooks_after"] == 0
         assert value["weights_equal"] and value["sizes_equal"] and value["attrs_equal"]
@@ -205,10 +208,11 @@ def test_cast_and_move_records_a_cast_back_that_says_it_is_lossy():
     ledger = Ledger(model)
     with ledger.recording():
         cast_and_move(model, torch.device("cpu"), torch.bfloat16)
-    [(what, undo)] = ledger._undo
+    [what] = ledger.undos
     assert "lossy" in what and "float32 -> bfloat16" in what
     assert weight.dtype == torch.bfloat16 and model.config.dtype == torch.bfloat16
-    undo()  # from what the model holds now: no copy of the float32 weights was kept
+    assert ledger.drop_replaced() > 0  # as init_inference does: one copy of the weights
+    ledger.give_back()  # the undo casts back from what the model holds now
     assert weight.dtype == torch.float32 and model.lm_head.weight is weight
     assert model.config.dtype == torch.float32
     assert torch.equal(weight, original.bfloat16().float())  # the rounding stays
@@ -223,7 +227,7 @@ def test_a_widening_cast_back_is_not_called_lossy():
     ledger = Ledger(model)
     with ledger.recording():
         cast_and_move(model, torch.device("cpu"), torch.float32)
-    [(what, _)] = ledger._undo
+    [what] = ledger.undos
     assert "lossy" not in what and "float32" in what
 
 
