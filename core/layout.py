@@ -20,8 +20,8 @@ unit-testable on a fake rank):
 * :func:`head_split_problem` / :func:`working_head_tp_sizes` / :func:`divisors`: the "sizes that
   would work" that errors quote.
 
-Roles and layouts, both plain data. A **role** says which dimension of a module's weight is split and which collective restores the
-full result:
+Roles and layouts, both plain data. A **role** says which dimension of a module's weight is
+split and which collective restores the full result:
 
 =========================  =================================  ======================================
 role                       weight split                       after forward

@@ -102,13 +102,7 @@ def check_dims(world: int, rank: int, tp: int = 1, pp: int = 1, dp: int | None =
     if not 0 <= rank < world:
         raise ConfigError(f"rank {rank} is not a rank of a world of {world}")
     if pp == 1 and dp is None:
-        problem = tp_world_problem(tp, world)  # the tensor-parallel messages users know
-        if problem and tp > 1 and world > tp and world % tp == 0:  # dp replicas of a TP group
-            raise ParallelismNotSupportedError(problem)
-        if problem:
-            fits = f"; tp sizes that fit a world of {world}: " if world > 1 else ""
-            raise ShardingError(problem + (fits + ", ".join(map(str, divisors(world)))
-                                           if fits else ""))
+        _check_tp_world(tp, world)
     if world % (pp * tp):
         raise ShardingError(
             f"world = pp × tp × dp: pp_size={pp} × tp_size={tp} does not divide the world of "
@@ -136,6 +130,19 @@ def check_dims(world: int, rank: int, tp: int = 1, pp: int = 1, dp: int | None =
     pp_coord = rank // (tp * dp_size)
     return {"pp": Dim("pp", pp, pp_coord), "dp": Dim("dp", dp_size, dp_coord),
             "tp": Dim("tp", tp, tp_coord), "ep": Dim("ep", ep, (dp_coord * tp + tp_coord) % ep)}
+
+
+def _check_tp_world(tp: int, world: int) -> None:
+    """The tensor-parallel size against the world alone, with the messages users know
+    (:func:`~shardwise.sharding.tp_world_problem`) and the tp sizes that fit."""
+    problem = tp_world_problem(tp, world)
+    if problem is None:
+        return
+    if tp > 1 and world > tp and world % tp == 0:  # data-parallel replicas of a TP group
+        raise ParallelismNotSupportedError(f"{problem} (not supported yet)")
+    if world > 1:
+        problem += f"; tp sizes that fit a world of {world}: {', '.join(map(str, divisors(world)))}"
+    raise ShardingError(problem)
 
 
 def current_world() -> tuple[int, int]:

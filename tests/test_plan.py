@@ -19,7 +19,7 @@ from shardwise.layout import ColumnParallel, RowParallel, ShardingError
 from shardwise.plan import ParallelismNotSupportedError, build_plan, check_dims
 
 
-# ----- fields --------------------------------------------------------------------------------------
+# ----- fields ------------------------------------------------------------------------------------
 
 def test_plan_on_one_rank_holds_the_policy_all_heads_and_the_roles_without_sharding():
     model = tiny_causal_lm("llama")  # 4 q heads, 2 kv heads, head_dim 16
