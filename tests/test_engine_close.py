@@ -393,8 +393,10 @@ def _tp_case(options: dict) -> dict:
     sharded = engine.sharding is not None and engine.communicator.world_size == 2
     engine(input_ids=ids)
     quantized = quantized_layers(engine)
+    shm = engine.communicator.shm_enabled  # the CPU communicator's shared-memory segment
     given = engine.close()
     return {"given_back": given is model, "held_twice": twice, "sharded": sharded,
+            "shm": [shm, engine.communicator.shm_enabled],
             "problems": given_back_problems(model, before, ids, bits=bits, quantized=quantized)}
 
 
@@ -428,6 +430,12 @@ def test_tp2_close_gathers_the_shards_back(tmp_path):
             if case["held_twice"]:
                 failures.append(f"rank {rank} {name}: {case['held_twice']} original weights "
                                 f"or bytes of stray copies kept beside the shards")
+            if case["shm"][1]:
+                failures.append(f"rank {rank} {name}: the shared-memory segment outlived close")
             if not case["given_back"] or case["problems"]:
                 failures.append(f"rank {rank} {name}: {case['problems']}")
     assert not failures, "\n".join(failures)
+    from shardwise.accelerators.cpu_shm_protocol import local_refusal
+
+    if not local_refusal():  # where the shared-memory all-reduce can run, it ran and was freed
+        assert all(case["shm"][0] for result in results for case in result["value"].values())
