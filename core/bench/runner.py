@@ -179,8 +179,8 @@ def prepare_shardwise(model, plan: Plan, variant: Variant, accelerator: Accelera
     ``(engine.module, engine.module, extra record fields)``: generate runs on the engine's
     module, as a user's code does (the inputs are already on the device, and every rank under
     tensor parallelism builds the same ones). The engine, its graphs and its cache go with the
-    module when the variant is done (``engine.close()`` would try to give back a model that is
-    dropped anyway, and refuses for cast or quantized weights)."""
+    module when the variant is done (``engine.close()`` would rebuild the original weights of a
+    model that is dropped anyway)."""
     from ..engine import init_inference
 
     engine = init_inference(model, **plan.engine_kwargs(variant))
