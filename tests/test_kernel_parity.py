@@ -426,10 +426,18 @@ def _kv_cache_cases():
 # ----- quant ----------------------------------------------------------------------------------
 
 
-def _prepack(kernel, args):
-    """(x, QuantizedWeight, bias) → (x, the weight packed by ``kernel``, bias)."""
-    x, qw, bias = args
-    return x, kernel.prepack(qw.to(x.device), x.device, x.dtype), bias
+def _prepacker():
+    """bind: (x, QuantizedWeight, bias) → (x, the weight packed by ``kernel``, bias), packing
+    once per kernel for all the calls of one build (as a model packs once at load)."""
+    packed = {}
+
+    def bind(kernel, args):
+        x, qw, bias = args
+        key = (id(kernel), x.device, x.dtype)
+        if key not in packed:
+            packed[key] = kernel.prepack(qw.to(x.device), x.device, x.dtype)
+        return x, packed[key], bias
+    return bind
 
 
 def _quant_build(in_features, out_features, group_size, bits, symmetric, xs,
@@ -440,7 +448,8 @@ def _quant_build(in_features, out_features, group_size, bits, symmetric, xs,
         qw = quantize_weight(quant_weight(out_features, in_features), bits, group_size,
                              symmetric)
         bias = quant_x((out_features,), dtype, device, seed=2)
-        return [Call((x, qw, bias if b else None), resolve=qw.spec.as_shape(), bind=_prepack)
+        bind = _prepacker()
+        return [Call((x, qw, bias if b else None), resolve=qw.spec.as_shape(), bind=bind)
                 for x in xs(dtype, device) for b in biases]
     return build
 
@@ -555,8 +564,10 @@ def _copy(args: tuple) -> tuple:
 
 def _run(case: Case, target: str, dtype: torch.dtype, device: str) -> None:
     reference = _REGISTRY.implementations(case.op)[REFERENCE].fn
-    for call in case.build(dtype, device, target):
-        kernel = _implementation(case, target, dtype, call, device)
+    calls = case.build(dtype, device, target)
+    assert all(call.resolve == calls[0].resolve for call in calls), "one spec per case"
+    kernel = _implementation(case, target, dtype, calls[0], device)
+    for call in calls:
         ref_args = call.ref_args if call.ref_args is not None else call.args
         if case.inplace:
             ref_args = _copy(ref_args)
