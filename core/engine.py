@@ -130,33 +130,46 @@ class InferenceEngine:
             RestoreError: naming each recorded change whose undo failed.
         """
         if self._closed:
-            if self._close_error is not None:
-                raise self._close_error
-            return self._given_back
-        self._closed = True  # whatever happens below, this engine is done
-        ledger, self._ledger = self._ledger, None
-        try:
-            with self._session():  # another thread's engine.generate finishes first
+            return self._closed_result()
+        # another thread's engine.generate finishes first (a bare forward running in another
+        # thread is a ConcurrentUseError, and the engine stays open)
+        with self._session():
+            if self._closed:  # by another thread's close while this one waited
+                return self._closed_result()
+            self._closed = True  # whatever happens below, this engine is done
+            ledger, self._ledger = self._ledger, None
+            undone = len(ledger.undos) if ledger is not None else 0
+            try:
                 self._free_runtime()
                 if ledger is not None:
                     ledger.give_back()
-        except Exception as exc:
-            self._close_error = exc
-            raise
-        finally:
-            self.communicator.release_buffers()
-            self._prepared = self.checkpoint_load = self._stack = None
-            if ledger is not None:
-                undone = len(ledger.undos)
-                ledger.release()
-            self.accelerator.release_cached_memory()  # the freed graphs, buffers and layouts
-        self._given_back = ledger.root if ledger is not None else None
+                self._given_back = ledger.root if ledger is not None else None
+            except Exception as exc:
+                self._close_error = exc
+                raise
+            finally:
+                self._release(ledger)
         if self._given_back is not None:
             self._log_given_back(undone)
         return self._given_back
 
     _given_back: nn.Module | None = None
     _close_error: Exception | None = None
+
+    def _closed_result(self) -> nn.Module | None:
+        """What :meth:`close` returns (or raises) once the engine is closed."""
+        if self._close_error is not None:
+            raise self._close_error
+        return self._given_back
+
+    def _release(self, ledger: Ledger | None) -> None:
+        """After giving back: the communicator's buffers, the engine's references, the
+        ledger's record, and the memory freed by all that."""
+        self.communicator.release_buffers()
+        self._prepared = self.checkpoint_load = self._stack = None
+        if ledger is not None:
+            ledger.release()
+        self.accelerator.release_cached_memory()  # the freed graphs, buffers and layouts
 
     def _free_runtime(self) -> None:
         """Free what the engine allocated beside the model: the injected stack's captured

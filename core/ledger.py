@@ -1,7 +1,7 @@
 """A ledger of in-place changes to a module tree, so they can be undone.
 
 ``init_inference`` transforms the user's model in place (load, shard, quantize, cast, inject,
-capture: docs/architecture.md, "Transforms"). It opens a :class:`Ledger` on the model before the
+capture; the transforms: docs/architecture.md). It opens a :class:`Ledger` on the model before the
 first change and runs every transform inside :meth:`Ledger.recording`. The ledger has two parts:
 
 **The snapshot**, taken when it is opened (so nothing escapes it by being forgotten):
@@ -138,7 +138,7 @@ class NotRestorableError(RestoreError):
     that recorded no undo for them (or whose undo did not rebuild them)."""
 
 
-# ----- the snapshot --------------------------------------------------------------------------------
+# ----- the snapshot -------------------------------------------------------------------------------
 
 
 def _copy_container(value: Any) -> Any:
@@ -391,7 +391,7 @@ class Ledger:
         :class:`RestoreError`."""
         self._undo.append(_Undo(what, undo, outside=True))
 
-    # ----- a failed init ---------------------------------------------------------------------------
+    # ----- a failed init --------------------------------------------------------------------------
 
     def restore(self) -> None:
         """Put the snapshot back (a failed init: every original tensor is still in it), then run
@@ -436,7 +436,7 @@ class Ledger:
                 failures.append(f"{undo.what}: {type(exc).__name__}: {exc}")
         return failures
 
-    # ----- a successful init, and its close --------------------------------------------------------
+    # ----- a successful init, and its close -------------------------------------------------------
 
     def drop_replaced(self) -> int:
         """Let go of the snapshot's parameters the live model no longer holds (sharded,

@@ -227,3 +227,28 @@ def test_close_waits_for_another_threads_generate(monkeypatch):
     assert b.result is model and type(model.model).__name__ == "LlamaModel"
     with pytest.raises(EngineClosedError):
         engine.generate(a_ids, **GEN)
+
+
+def test_close_during_another_threads_bare_forward_is_refused_and_changes_nothing():
+    """Thread A is inside a bare forward (engine.module, no session): close() from another
+    thread raises ConcurrentUseError at once and leaves the engine open and injected; once A
+    is done, close works."""
+    model = tiny_causal_lm("llama")
+    engine = shardwise.init_inference(model, device="cpu", replace_with_kernel_inject=True)
+    pause = Pause()
+    handle = model.get_input_embeddings().register_forward_hook(
+        lambda *args: pause() if threading.current_thread().name == "A" else None)
+    a = Worker(lambda: engine.module(prompt_ids()).logits, "A")
+    a.start()
+    try:
+        assert pause.reached.wait(WAIT)
+        with pytest.raises(ConcurrentUseError, match="'A'"):
+            engine.close()
+        assert type(model.model).__name__ == "InjectedModel"
+    finally:
+        pause.go.set()
+        a.finish()
+        handle.remove()
+    assert a.error is None
+    engine.generate(prompt_ids(), max_new_tokens=2, do_sample=False, pad_token_id=0)
+    assert engine.close() is model and type(model.model).__name__ == "LlamaModel"
