@@ -486,10 +486,12 @@ class Ledger:
         if self._given_back:
             return
         self._given_back = True
-        failures = self._run(reversed([u for u in self._undo if not u.outside]))
-        self._adopt_rebuilt()
-        failures += self._put_snapshot_back()
-        failures += self._run(reversed([u for u in self._undo if u.outside]))
+        # rebuilt weights are normal tensors, even when close() is called in inference mode
+        with torch.inference_mode(False), torch.no_grad():
+            failures = self._run(reversed([u for u in self._undo if not u.outside]))
+            self._adopt_rebuilt()
+            failures += self._put_snapshot_back()
+            failures += self._run(reversed([u for u in self._undo if u.outside]))
         lost = self._not_rebuilt()
         if lost:
             raise NotRestorableError(

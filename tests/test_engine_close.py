@@ -236,6 +236,19 @@ def test_close_gives_back_an_injected_encoder():
         assert torch.equal(model(ids).logits, expected)
 
 
+def test_weights_rebuilt_in_inference_mode_are_normal_tensors():
+    """close() called inside torch.inference_mode: the rebuilt (cast back) weights are normal
+    tensors, so the model given back can still be trained."""
+    model = tiny_causal_lm("llama")
+    engine = shardwise.init_inference(model, device="cpu", dtype=torch.bfloat16)
+    with torch.inference_mode():
+        engine.close()
+    assert not any(p.is_inference() for p in model.parameters())
+    loss = model(prompt_ids(), labels=prompt_ids()).loss
+    loss.backward()
+    assert model.lm_head.weight.grad is not None
+
+
 def test_close_logs_that_quantized_weights_come_back_dequantized(caplog):
     model = tiny_causal_lm("llama")
     engine = shardwise.init_inference(model, device="cpu", **quant(8))
