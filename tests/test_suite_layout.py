@@ -67,15 +67,18 @@ def test_each_family_is_consistent(name):
     assert fam.tolerances == {} or fam.kind == "encoder"  # causal families share each bound
 
 
-def test_selections():
+def test_selections_keep_registry_order_and_match_every_criterion():
     assert families() == list(FAMILIES)
-    assert families(core=True) == ["llama", "gpt2"]
-    assert families(inject=2, uneven_heads=True) == ["llama-7heads", "gpt_neox-7heads",
-                                                     "falcon-7heads-mqa"]
-    assert families(model_type="falcon", positions="alibi") == ["falcon-alibi",
-                                                                "falcon-alibi-eager"]
-    assert "bert" not in families(kind="causal") and families(kind="encoder") == ["bert"]
-    assert set(families(inject=False)) == {"llama-gqa-6q3kv", "falcon-alibi-eager"}
+    assert families(core=True) == ["llama", "gpt2"]  # what the docstrings call the core pair
+    at_tp2 = families(inject=2, uneven_heads=True)  # a number: a member of the tuple field
+    assert at_tp2 == [n for n in FAMILIES if 2 in FAMILIES[n].inject and FAMILIES[n].uneven_heads]
+    assert "llama-7heads" in at_tp2
+    with_bits = families(quant_bits=True)  # a bool on a tuple field: any / none
+    assert with_bits == [n for n in FAMILIES if FAMILIES[n].quant_bits]
+    assert families(quant_bits=False) == [n for n in FAMILIES if n not in with_bits]
+    types = ("bloom", "falcon")  # a collection on a scalar field: one of them
+    assert families(model_type=types) == [n for n in FAMILIES if FAMILIES[n].model_type in types]
+    assert families(kind="encoder") == ["bert"] and "bert" not in families(kind="causal")
 
 
 def test_bad_selections_are_named():
