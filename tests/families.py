@@ -14,7 +14,8 @@ Capabilities (a family's fields; the test files that read them):
   (fp32 and bf16 per family), ``2`` test_inject_tp.py (fp32 and bf16, fp32 only where
   ``uneven_heads``); BERT's own cases are test_inject_bert.py's.
 * ``graph_step`` — the graph-safe decode step (captured, head included) checked against HF
-  (test_inject.py): one family per kind of positions and window.
+  (test_inject.py), on families that between them have rotary, learned and ALiBi positions,
+  local and sliding windows.
 * ``core`` — one family per linear kind, what a test uses where two families cover the code:
   ``llama`` (``nn.Linear``, untied head, rotary) and ``gpt2`` (transformers ``Conv1D``, tied head,
   learned positions): the CPU compiled graphs (test_cpu_graphs.py), quantized checkpoints
@@ -81,13 +82,15 @@ def _cfg(cls: str, **kwargs) -> dict:
     return dict(cls=cls, **kwargs)
 
 
-_LLAMA = dict(intermediate_size=128, num_hidden_layers=2, vocab_size=256,
+#: what the Llama-style configs (Llama, Mistral, Qwen2, Phi-3) share: 2 layers of MLP width 128,
+#: 256 tokens, 256 positions
+_LLAMA_LIKE = dict(intermediate_size=128, num_hidden_layers=2, vocab_size=256,
               max_position_embeddings=256)
 _EVERY_WORLD = (1, 2)
 
 _FAMILIES = [
     Family("llama", _cfg("LlamaConfig", hidden_size=64, num_attention_heads=4,
-                         num_key_value_heads=2, **_LLAMA),
+                         num_key_value_heads=2, **_LLAMA_LIKE),
            positions="rotary", inject=_EVERY_WORLD, graph_step=True, core=True,
            quant_bits=(8, 4), tp=True, tp_even=True, checkpoint=_EVERY_WORLD),
     Family("gpt2", _cfg("GPT2Config", n_embd=64, n_layer=2, n_head=4, vocab_size=256,
@@ -102,10 +105,10 @@ _FAMILIES = [
     # tensor-parallel coverage: multi-query (1 kv head, replicated: not an even split), q/k/v
     # biases, uneven heads and vocab
     Family("mistral", _cfg("MistralConfig", hidden_size=64, num_attention_heads=4,
-                           num_key_value_heads=1, head_dim=16, **_LLAMA),
+                           num_key_value_heads=1, head_dim=16, **_LLAMA_LIKE),
            positions="rotary", inject=_EVERY_WORLD, tp=True),
     Family("qwen2", _cfg("Qwen2Config", hidden_size=64, num_attention_heads=4,
-                         num_key_value_heads=2, **_LLAMA),
+                         num_key_value_heads=2, **_LLAMA_LIKE),
            positions="rotary", inject=_EVERY_WORLD, tp=True, tp_even=True,
            checkpoint=_EVERY_WORLD),
     Family("llama-7heads", _cfg("LlamaConfig", hidden_size=112, intermediate_size=128,
@@ -115,7 +118,7 @@ _FAMILIES = [
            positions="rotary", inject=(2,), tp=True, uneven_heads=True, checkpoint=(2,)),
     # 6 query heads split 3 | 3, their 3 kv heads 2 | 1
     Family("llama-gqa-6q3kv", _cfg("LlamaConfig", hidden_size=96, num_attention_heads=6,
-                                   num_key_value_heads=3, **_LLAMA),
+                                   num_key_value_heads=3, **_LLAMA_LIKE),
            positions="rotary", tp=True),
     # tensor-parallel families A: local/global attention, partial rotary + parallel attn/MLP,
     # per-head interleaved fused qkv, fused [q|k|v] and [gate|up]
@@ -134,7 +137,7 @@ _FAMILIES = [
            positions="rotary", inject=_EVERY_WORLD, tp=True, tp_even=True),
     Family("phi3", _cfg("Phi3Config", hidden_size=64, num_attention_heads=4,
                         num_key_value_heads=2, pad_token_id=0, bos_token_id=1, eos_token_id=2,
-                        **_LLAMA),
+                        **_LLAMA_LIKE),
            positions="rotary", inject=_EVERY_WORLD, tp=True, tp_even=True),
     # 7 heads of 16 (hidden 112) over 2 ranks: 4 | 3 whole [q, k, v] head blocks; vocab 257
     Family("gpt_neox-7heads", _cfg("GPTNeoXConfig", hidden_size=112, intermediate_size=128,
@@ -178,11 +181,11 @@ _FAMILIES = [
     # sliding windows shorter than the test prompts: every layer (Mistral), the layers past
     # max_window_layers (Qwen2's layer_types)
     Family("mistral-sw4", _cfg("MistralConfig", hidden_size=64, num_attention_heads=4,
-                               num_key_value_heads=2, sliding_window=4, **_LLAMA),
+                               num_key_value_heads=2, sliding_window=4, **_LLAMA_LIKE),
            positions="rotary", inject=(1,), graph_step=True),
     Family("qwen2-sw4", _cfg("Qwen2Config", hidden_size=64, num_attention_heads=4,
                              num_key_value_heads=2, use_sliding_window=True, sliding_window=4,
-                             max_window_layers=1, **_LLAMA),
+                             max_window_layers=1, **_LLAMA_LIKE),
            positions="rotary", inject=(1,)),
     # an encoder: build it with tiny_encoder (tiny_causal_lm gives HF's BertLMHeadModel)
     Family("bert", _cfg("BertConfig", hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
