@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 import shardwise
-from families import QUANT_BOUNDS as BOUNDS, families
+from families import QUANT_BOUNDS as BOUNDS, families, family
 from models import logit_parity as parity, prompt_ids, tiny_causal_lm
 from shardwise.errors import ConfigError, NotSupportedYetError
 from shardwise.kernels.reference import quant as ref_quant
@@ -30,8 +30,7 @@ BF16 = torch.bfloat16
 ARCHS = families(quant_bits=True)  # the families whose int8/int4 parity is checked
 
 
-@pytest.mark.parametrize("bits", [8, 4])
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch,bits", [(a, b) for a in ARCHS for b in family(a).quant_bits])
 def test_parity_with_the_fp32_model(arch, bits):
     ref, model = tiny_causal_lm(arch), tiny_causal_lm(arch)
     ids = prompt_ids(batch=2, length=16)
