@@ -45,6 +45,10 @@ class InferenceEngine:
     :meth:`__call__` of an injected engine run one thread at a time (callers wait); using
     ``engine.module`` from several threads at once raises
     :class:`~shardwise.inject.cache.ConcurrentUseError` rather than mixing their caches.
+
+    Closing: :meth:`close` (or ``with shardwise.init_inference(...) as engine:``) frees the
+    graphs, the KV cache and the communicator's shared memory, and gives the model back as it
+    was handed in (quantized layers dequantized).
     """
 
     quantization = None
