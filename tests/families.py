@@ -32,10 +32,14 @@ Capabilities (a family's fields; the test files that read them):
 Facts used to select: ``kind`` (``"causal"`` LM or ``"encoder"``), ``model_type`` (the HF config's)
 and ``positions`` (``"rotary"``, ``"learned"`` or ``"alibi"``).
 
+Every family, whatever its capabilities: the engine with no transform gives HF's logits, greedy
+tokens and pipeline output (test_generate.py; ``bert`` as HF's ``BertLMHeadModel``).
+
 Tolerances: one per test, in its file, for every causal family alike (fp32 within 5e-7 of HF
-under injection, 7e-7 at TP=2 ...). The one family with bounds of its own is ``bert`` (an
-encoder, whose bidirectional attention over padded batches sums in another order):
-``Family.tolerances`` holds them, by the name of the check.
+under injection, 7e-7 at TP=2 ...). The one family with bounds of its own is ``bert`` (scrambled
+weights, outputs up to ~4, every padded position compared: test_inject_bert.py's docstring gives
+the measured values): ``Family.tolerances`` holds them by the name of the check, and
+test_inject_bert.py / test_tp_families_b.py read them there.
 """
 
 from __future__ import annotations
