@@ -413,14 +413,38 @@ def _tp_case(options: dict) -> dict:
             "problems": given_back_problems(model, before, ids, bits=bits, quantized=quantized)}
 
 
-def _tp_cases(rank: int) -> dict:
+def _tp_checkpoint_case(directory: str, options: dict) -> dict:
+    """Each rank reads its slices of a checkpoint into the user's meta model (quantizing while
+    reading): close gives the meta model back, structure and all."""
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(directory)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    types, names = [(n, type(m)) for n, m in model.named_modules()], hooks(model)
+    engine = shardwise.init_inference(model, checkpoint=directory, **TP, **options)
+    engine(input_ids=prompt_ids())
+    given = engine.close()
+    problems = [what for what, bad in [
+        ("types", [(n, type(m)) for n, m in model.named_modules()] != types),
+        ("hooks", hooks(model) != names),
+        ("forwards", any("forward" in vars(m) for m in model.modules())),
+        ("not on meta", not all(p.is_meta for p in model.parameters()))] if bad]
+    return {"given_back": given is model, "held_twice": 0, "shm": [True, False],
+            "sharded": engine.sharding is not None, "problems": problems}
+
+
+def _tp_cases(rank: int, directory: str) -> dict:
     import traceback
 
     torch.set_num_threads(1)
+    cases = {name: (lambda o=options: _tp_case(o)) for name, options in TP_CASES.items()}
+    cases["tp+checkpoint+int8+inject (meta model)"] = lambda: _tp_checkpoint_case(
+        directory, {**quant(8), **INJECT})
     out = {}
-    for name, options in TP_CASES.items():
+    for name, run in cases.items():
         try:
-            out[name] = {"ok": True, **_tp_case(options)}
+            out[name] = {"ok": True, **run()}
         except Exception as exc:
             out[name] = {"ok": False, "error": f"{type(exc).__name__}: {exc}",
                          "trace": traceback.format_exc()}
@@ -430,7 +454,9 @@ def _tp_cases(rank: int) -> dict:
 def test_tp2_close_gathers_the_shards_back(tmp_path):
     from distributed import run_ranks
 
-    results = run_ranks(_tp_cases, 2, tmp_path, deadline_s=400)
+    directory = tmp_path / "checkpoint"
+    tiny_causal_lm("llama").save_pretrained(directory)
+    results = run_ranks(_tp_cases, 2, tmp_path, str(directory), deadline_s=400)
     failures = []
     for rank, result in enumerate(results):
         assert result["ok"], result.get("trace", result.get("error"))

@@ -456,9 +456,9 @@ def swap_in(model: nn.Module, name: str, new: QuantLinear) -> None:
     replace_module(parent, child, new, "quantized linear")
     record(f"weight of {name!r} rebuilt by dequantizing its int{new.spec.bits} weight (lossy: "
            f"dequantized, the float weight was not kept)", _dequantize_into(old, new))
-    if active() is not None:  # init_inference: the undo rebuilds it, and ``old`` outlives the
-        with torch.no_grad():  # swap (the undo, a TP plan hold it): its float weight goes
-            old.weight.data = old.weight.data.new_empty(0)
+    if active() is not None and not old.weight.is_meta:  # init_inference: the undo rebuilds
+        with torch.no_grad():  # it, and ``old`` outlives the swap (the undo, a TP plan hold
+            old.weight.data = old.weight.data.new_empty(0)  # it): its float weight goes
 
 
 def _dequantize_into(old: nn.Module, new: QuantLinear):
