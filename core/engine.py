@@ -104,7 +104,8 @@ class InferenceEngine:
         quantized linears (back to ``nn.Linear``), the cast, the tensor-parallel hooks and
         slices (the shards are all-gathered back) — then the record taken before the first
         change puts back the structure: the same module, parameter and buffer objects, hooks,
-        attributes and ``config`` values; last, the communicator frees its shared-memory
+        attributes and ``config`` values (hooks or attributes added to the model while the
+        engine ran go too); last, the communicator frees its shared-memory
         segment (the process group stays). Memory held one copy of the weights meanwhile:
         the weights are rebuilt from what the engine ran on.
 
