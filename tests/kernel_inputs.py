@@ -121,13 +121,6 @@ def norm_inputs(shape, dtype, device="cpu", seed=0):
     return [t.to(device=device, dtype=dtype) for t in (x, residual, weight, bias)]
 
 
-def call_norm(fn, op, x, weight, bias, residual):
-    """Run norm ``op`` through ``fn`` with the reference's signature."""
-    if op == "rms_norm":
-        return fn(x, weight, EPS, residual=residual)
-    return fn(x, weight, bias, EPS, residual=residual)
-
-
 def check_norm(got, want, x, residual, h_tol=None):
     """``got``/``want``: (out, h). h is x itself without a residual; with one it equals the
     reference exactly unless ``h_tol`` allows for a known rounding difference."""
