@@ -1,7 +1,7 @@
 """Plugin discovery through entry points, loaded with stevedore.
 
-Three groups exist (see DESIGN.md): ``shardwise.accelerators`` (Accelerator classes),
-``shardwise.kernels`` (modules with a ``register(registry)`` function) and ``shardwise.policies``.
+Three groups exist (docs/architecture.md, "How to add …"): ``shardwise.accelerators``
+(Accelerator classes), ``shardwise.kernels`` (modules with a ``register(registry)`` function) and ``shardwise.policies``.
 Built-ins register through the same groups as third parties. A plugin that fails to import never
 breaks the others: its error (any exception, ``SystemExit`` included) is recorded and shown by
 ``shardwise accelerators``.

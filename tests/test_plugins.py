@@ -1,5 +1,5 @@
-"""Plugin discovery rules (DESIGN.md, "Plugins"): choice of accelerator, unknown names, broken
-plugins, API-version mismatches, third-party plugins from their own package, lazy runtimes.
+"""Plugin discovery rules (docs/architecture.md, "How to add …"): choice of accelerator, unknown
+names, broken plugins, API-version mismatches, third-party plugins from their own package, lazy runtimes.
 
 Fake third-party plugins are real distributions: a ``*.dist-info`` folder (METADATA and
 entry_points.txt) plus modules, written to a temporary folder put on ``sys.path``.
