@@ -449,7 +449,7 @@ def _check_later_steps(model: nn.Module, cfg: InferenceConfig, accelerator: Acce
         prepared = plan.sharding if plan.sharded else None
         for rank in range(plan.tp.size):
             check_fits(model, cfg.quant, accelerator, dtype, prepared=prepared, rank=rank,
-                       roles=plan.roles, injection_policy=cfg.injection_policy, device=device)
+                       plan=plan, device=device)
     if cfg.replace_with_kernel_inject:
         from .inject.injector import check_injection
 
@@ -499,8 +499,7 @@ def _reading_hooks(model: nn.Module, cfg: InferenceConfig, accelerator: Accelera
     from .quant import Quantizer
 
     return [Quantizer.for_model(model, cfg.quant, accelerator, dtype, device=device,
-                                roles=plan.roles,
-                                injection_policy=cfg.injection_policy).reading_hook()]
+                                plan=plan).reading_hook()]
 
 
 def _quantize_and_cast(model: nn.Module, cfg: InferenceConfig, accelerator: Accelerator,
@@ -531,7 +530,7 @@ def _quantize_step(model: nn.Module, cfg: InferenceConfig, accelerator: Accelera
     from .quant import quantize_model
 
     report = quantize_model(model, cfg.quant, accelerator, dtype, device=device,
-                            roles=plan.roles, injection_policy=cfg.injection_policy)
+                            plan=plan)
     log.info("shardwise: %s", report.summary())
     return report
 

@@ -131,6 +131,45 @@ def test_engine_plan_is_the_one_plan_and_the_policy_is_looked_up_once(monkeypatc
     assert torch.isfinite(logits).all()
 
 
+def test_quantization_reads_the_plan_and_looks_nothing_up(monkeypatch):
+    """With quant (inject on too), the policy is looked up once, by the plan; quantization takes
+    the plan's roles — and when the plan has none (no plan fits), every linear but the head,
+    saying why, without choosing a plan again."""
+    import shardwise.plan
+    import shardwise.policy
+    import shardwise.quant.transform as quant_transform
+
+    calls = []
+    real = shardwise.policy.policy_for
+
+    def counting(model):
+        calls.append(type(model).__name__)
+        return real(model)
+
+    chosen = []
+
+    def no_second_choice(*args, **kwargs):  # (quant_targets catches what a choice raises)
+        chosen.append(args)
+        raise AssertionError("quantization chose a plan again")
+    monkeypatch.setattr(shardwise.policy, "policy_for", counting)
+    monkeypatch.setattr(shardwise.plan, "policy_for", counting)
+    monkeypatch.setattr(quant_transform, "choose_plan", no_second_choice)
+    quant = {"weight": {"num_bits": 8}}
+    engine = shardwise.init_inference(tiny_causal_lm("llama"), device="cpu", quant=quant,
+                                      replace_with_kernel_inject=True)
+    assert calls == ["LlamaForCausalLM"]
+    assert engine.quantization.layers and engine.plan.roles is not None
+
+    def no_roles(plan, model, found):
+        plan.roles, plan.roles_source = None, "no tensor-parallel plan fits the model: test"
+    monkeypatch.setattr(shardwise.plan, "_roles_at_one_rank", no_roles)
+    model = tiny_causal_lm("llama")
+    engine = shardwise.init_inference(model, device="cpu", quant=quant)
+    linears = [n for n, m in model.named_modules() if type(m).__name__ == "QuantLinear"]
+    assert engine.plan.roles is None and linears and not chosen
+    assert engine.quantization.source == "all linears (no tensor-parallel plan fits the model: test)"
+
+
 # ----- two ranks: the bound plan, and sharding undone by all-gathers -----------------------------
 
 def _two_ranks(rank: int) -> dict:

@@ -41,7 +41,7 @@ import logging
 import math
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping
+from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
 import torch
 from torch import nn
@@ -56,6 +56,10 @@ from ..sharding.roles import ColumnParallel, RowParallel
 from .config import QuantConfig, is_mlp, parse_quant
 from .modules import QuantLinear, carry_hooks
 from shardwise.kernels.reference.quant import QuantizationError, QuantSpec, quantize_weight
+
+
+if TYPE_CHECKING:
+    from ..plan import Plan
 
 log = logging.getLogger(__name__)
 
@@ -180,11 +184,19 @@ def _output_name(model: nn.Module) -> str | None:
 
 
 def quant_targets(model: nn.Module, config: QuantConfig, roles: Mapping[str, Any] | None = None,
-                  injection_policy: Mapping | None = None) -> tuple[list[str], str]:
-    """(module names to quantize, where the names came from). ``roles``: name → sharding Role
-    (e.g. ``PreparedShards.roles``); None chooses the plan as ``init_inference`` would."""
+                  injection_policy: Mapping | None = None,
+                  plan: "Plan | None" = None) -> tuple[list[str], str]:
+    """(module names to quantize, where the names came from). ``plan``: the engine's
+    :class:`~shardwise.plan.Plan`, whose roles are taken as they are (none there: no plan fits
+    the model, so every linear but the head) with nothing looked up again. Without it,
+    ``roles``: name → sharding Role (e.g. ``PreparedShards.roles``), or None to choose the plan
+    as ``init_inference`` would (a quantizer used on its own)."""
     source = "plan"
-    if roles is None:
+    if plan is not None:
+        roles = plan.roles
+        if roles is None:
+            source = f"all linears ({plan.roles_source})"
+    elif roles is None:
         try:
             from ..policy import policy_for
 
@@ -233,12 +245,12 @@ class Quantizer:
     @classmethod
     def for_model(cls, model: nn.Module, config: QuantConfig | Mapping, accelerator: Accelerator,
                   dtype: torch.dtype, device=None, roles=None,
-                  injection_policy=None) -> "Quantizer":
+                  injection_policy=None, plan: "Plan | None" = None) -> "Quantizer":
         """A quantizer whose :meth:`wants` are the layers :func:`quant_targets` picks (works on
         a model on the meta device: only names and types are read)."""
         config = config if isinstance(config, QuantConfig) else parse_quant(config)
         _refuse_twice(model)
-        names, source = quant_targets(model, config, roles, injection_policy)
+        names, source = quant_targets(model, config, roles, injection_policy, plan)
         q = cls(config, accelerator, dtype, device, names, _output_name(model))
         q.source = source
         return q
@@ -601,7 +613,8 @@ def _validate_targets(model: nn.Module, quantizer: Quantizer, targets: Iterable[
 def check_fits(model: nn.Module, spec: QuantConfig | Mapping | None, accelerator: Accelerator,
                dtype: torch.dtype, *, roles: Mapping | None = None,
                injection_policy: Mapping | None = None, prepared: Any = None, rank: int = 0,
-               device: torch.device | str | None = None) -> list[str]:
+               device: torch.device | str | None = None,
+               plan: "Plan | None" = None) -> list[str]:
     """Raise what :func:`quantize_model` would raise for these settings, without changing
     ``model`` (nor quantizing anything): a malformed config, a model already quantized, a group
     size that does not divide a layer's inputs, or a layer only the slow reference kernel could
@@ -613,7 +626,7 @@ def check_fits(model: nn.Module, spec: QuantConfig | Mapping | None, accelerator
             and shapes are read).
         spec: the ``quant=`` dict or a :class:`QuantConfig` (None or disabled: nothing to check).
         accelerator, dtype: where and in which model dtype it will run.
-        roles / injection_policy: as :func:`quant_targets` (which layers).
+        roles / injection_policy / plan: as :func:`quant_targets` (which layers).
         prepared, rank: a tensor-parallel :class:`~shardwise.sharding.PreparedShards` not yet
             applied and this rank: the layers are checked with this rank's slice of them (the
             roles default to ``prepared.roles``).
@@ -628,7 +641,7 @@ def check_fits(model: nn.Module, spec: QuantConfig | Mapping | None, accelerator
     if roles is None and prepared is not None:
         roles = prepared.roles
     quantizer = Quantizer.for_model(model, config, accelerator, dtype, device, roles,
-                                    injection_policy)
+                                    injection_policy, plan)
     order = list(dict(model.named_modules()))
     targets = sorted(quantizer.names, key=order.index)
     _validate_targets(model, quantizer, targets, _local_shapes(prepared, rank))
@@ -639,7 +652,8 @@ def check_fits(model: nn.Module, spec: QuantConfig | Mapping | None, accelerator
 def quantize_model(model: nn.Module, spec: QuantConfig | Mapping, accelerator: Accelerator,
                    dtype: torch.dtype, names: Iterable[str] | None = None, *,
                    device: torch.device | str | None = None, roles: Mapping | None = None,
-                   injection_policy: Mapping | None = None) -> QuantReport:
+                   injection_policy: Mapping | None = None,
+                   plan: "Plan | None" = None) -> QuantReport:
     """Quantize ``model``'s planned linears in place and put the rest on ``device`` in ``dtype``.
 
     Args:
@@ -652,7 +666,8 @@ def quantize_model(model: nn.Module, spec: QuantConfig | Mapping, accelerator: A
             back to ``dtype``; see the module docstring).
         names: module names to quantize; None picks them from the plan (module docstring).
         device: default ``accelerator.device()``.
-        roles: module name → sharding role, e.g. from ``PreparedShards.roles``.
+        roles / injection_policy / plan: which layers, as :func:`quant_targets` (``plan``: the
+            engine's, nothing looked up again).
 
     Returns:
         the :class:`QuantReport` (also stored on the model as ``_shardwise_quant_report``).
@@ -672,7 +687,7 @@ def quantize_model(model: nn.Module, spec: QuantConfig | Mapping, accelerator: A
     _refuse_twice(model)
     if names is None:
         quantizer = Quantizer.for_model(model, config, accelerator, dtype, device, roles,
-                                        injection_policy)
+                                        injection_policy, plan)
         targets = sorted(quantizer.names, key=list(dict(model.named_modules())).index)
     else:
         targets = list(names)
