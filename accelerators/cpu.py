@@ -73,8 +73,8 @@ def return_freed_memory() -> None:
     """Give the heap memory freed tensors left behind back to the system. glibc keeps freed
     chunks below its (adaptive, up to 32 MiB) mmap threshold in the heap: the CPU graphs'
     re-laid-out weights left the freed old layout — the size of the model — in the process's
-    RSS (SmolLM2 fp32: 1574 MiB after init with graphs, 1162 MiB
-    after a trim, 1067 MiB injected without graphs)."""
+    RSS, and the trim brings it back near that of injection without graphs (figures:
+    benchmarks/README.md, "The default layout (cpp) in detail")."""
     trim = _malloc_trim()
     if trim is not None:
         trim(0)

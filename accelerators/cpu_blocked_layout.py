@@ -92,8 +92,8 @@ def blocked_matmul(x: torch.Tensor, blocked: torch.Tensor, n: int) -> torch.Tens
     m = rows.shape[0]
     if torch.compiler.is_compiling() and m == 1:
         # inductor lowers a one-row bmm to a plain reduction loop, not the C++ GEMM template
-        # (measured ~30% slower for a whole GPT-2 step): a second, discarded row keeps the
-        # template, which still reads each weight once
+        # (a clearly slower step: benchmarks/README.md, "The default layout (cpp) in detail"):
+        # a second, discarded row keeps the template, which still reads each weight once
         rows = F.pad(rows, (0, 0, 0, 1))
     if torch.compiler.is_compiling() or m <= block:
         out = torch.bmm(rows.unsqueeze(0).expand(nb, rows.shape[0], k), blocked)  # [Nb, M', b]

@@ -1,10 +1,11 @@
 """The CPU communicator: a shared-memory ``all_reduce`` among the ranks of one node, gloo otherwise.
 
 Why: under tensor parallelism every decode step all-reduces two small tensors per layer
-(batch x hidden, e.g. 1 x 1024 fp32 = 4 KiB). A gloo all-reduce over TCP loopback costs a few
-hundred microseconds whatever the size, which is more than the layer's compute on a CPU. When all
+(batch x hidden, e.g. 1 x 1024 fp32 = 4 KiB). A gloo all-reduce over TCP loopback pays a fixed
+cost per call whatever the size, which is more than the layer's compute on a CPU. When all
 ranks of the group live on one node, they can instead exchange the data through a shared-memory
-segment and synchronise with flags in it: a few microseconds plus the copies.
+segment and synchronise with flags in it: a small fraction of that cost plus the copies
+(benchmarks/README.md, "Shared-memory all-reduce").
 
 Selection (automatic, decided once at set-up, identically on every rank):
 
@@ -18,8 +19,8 @@ Selection (automatic, decided once at set-up, identically on every rank):
   Ops: sum, avg (floating dtypes), max, min, product. The slot size is
   ``$SHARDWISE_CPU_SHM_SLOT_BYTES`` (rounded up to 4 KiB), by default 4 MiB, shrunk (down to
   64 KiB) so the segment, 2 x ranks x slot, takes at most a quarter of the free space of /dev/shm
-  (containers often get only 64 MiB there). On a 2-core EPYC VM the shared-memory path beat gloo
-  at every size up to 16 MiB (``benchmarks/allreduce_cpu.py``), so the limit only bounds memory.
+  (containers often get only 64 MiB there). The shared-memory path beat gloo at every size
+  measured (benchmarks/README.md, "Shared-memory all-reduce"), so the limit only bounds memory.
 
 :attr:`CpuCommunicator.shm_reason` says why the shared-memory path is off ("" when on);
 :attr:`CpuCommunicator.path_counts` counts the calls each path served and

@@ -66,8 +66,8 @@ class CpuCompileStrategy(GraphStrategy):
     Why it helps: a decode step at small batch is a chain of matrix-vector products bound by
     reading the weights. Inductor's C++ GEMM template streams a weight laid out in blocks of
     :data:`~shardwise.accelerators.cpu_blocked_layout.BLOCK_N` columns at about the copy
-    bandwidth (eager ``F.linear`` of fp32 reads ~16-17 GB/s on the development VM, the template
-    20-33 GB/s: benchmarks/README.md, "CPU graphs"), and the elementwise work (norms, residual
+    bandwidth, about twice what eager ``F.linear`` reads (benchmarks/README.md, "Kernel
+    injection and CPU graphs", *What the linears reach*), and the elementwise work (norms, residual
     adds, activations, rotary, the cache write) is fused into a few C++ loops instead of one
     eager dispatch each.
 
@@ -81,21 +81,25 @@ class CpuCompileStrategy(GraphStrategy):
       (kept per user: :func:`inductor_cache_folder`) serves the next start of the same model.
       Products the template cannot take (quantized or bf16 linears, weights not laid out) use
       ATen's GEMMs (inductor then benchmarks both per shape at capture).
-      Measured (gpt2-24l-1024h fp32, 1 thread, on a loaded 2-core VM): 48-49 ms/token against
-      43-44 with ``freezing=True`` and 76-78 for HF; peak RSS 2152 MiB against 4506 frozen and
-      2046 for injection without graphs. The prompt's forward reassembles each weight
-      transiently (one at a time): prefill measured ~12% slower than with plain weights.
+      A step a little slower than the frozen one, far faster than HF's, for about half the
+      frozen mode's peak memory (about that of injection without graphs). The prompt's forward
+      reassembles each weight transiently (one at a time), so prefill is somewhat slower than
+      with plain weights. Figures: benchmarks/README.md, *The default layout (cpp) in detail*.
     * ``freezing=True`` (``linear="cpp"``, the default before): the parameters become graph
       constants and inductor prepacks its own copy of each linear weight. **That copy lives
       beside the parameters** (the prompt's eager forward still reads them): about the linear
-      weights' bytes more for as long as the graph exists, up to ~2.5x while capturing (its
-      freezing pass packs each fp32 weight for MKL first), and frozen graphs are not served by
-      the FX-graph cache (their packed constants would be hashed by value). Kept for comparison
+      weights' bytes more for as long as the graph exists, more while capturing (its freezing
+      pass packs each fp32 weight for MKL first: benchmarks/README.md, *Costs*), and frozen
+      graphs are not served by the FX-graph cache (their packed constants would be hashed by
+      value). Kept for comparison
       (``benchmarks/cpu_graphs.py --variants frozen``).
     * ``"onednn"`` (frozen): :class:`PackLinearWeights`, oneDNN's packed GEMV
-      (``mkldnn._linear_pointwise``, ~26-28 GB/s), a copy as above.
+      (``mkldnn._linear_pointwise``: faster than eager, slower than the template), a copy as
+      above.
     * ``"inductor"`` (frozen): inductor's own choice (MKL's packed sgemm for fp32, oneDNN for
-      bf16): measured no faster than eager for fp32 GEMV on AMD EPYC; kept for comparison.
+      bf16): no faster than eager for an fp32 GEMV on the CPU it was measured on; kept for
+      comparison. (Both: benchmarks/README.md, *What the linears reach* and *Choices measured
+      and kept*.)
 
     Frozen graphs do not see a weight changed in place after capture (capture again: drop the
     graphs with ``engine.module.base_model.graphs.clear()``). Each captured shape (batch
@@ -326,8 +330,8 @@ class PackLinearWeights:
     transformers' ``Conv1D``), or a plain ``mm(x, W)`` / ``addmm(b, x, W)`` it left alone —
     becomes ``torch.ops.mkldnn._linear_pointwise`` on a copy of ``W`` reordered once
     (``torch.ops.mkldnn._reorder_linear_weight``) into oneDNN's layout for the step's row count
-    (bf16/fp16 weights inductor already gives to oneDNN). MKL's packed sgemm measured no faster
-    than eager ``F.linear`` for a GEMV here (``benchmarks/cpu_linear.py``). Same product in the
+    (bf16/fp16 weights inductor already gives to oneDNN). MKL's packed sgemm is no faster than
+    eager ``F.linear`` for a GEMV (benchmarks/README.md, *What the linears reach*). Same product in the
     same dtype, summed in another order. ``packed`` counts the products rewritten,
     ``packed_bytes`` the bytes of the weights packed.
 
