@@ -1,24 +1,21 @@
 """The ``cpu`` backend's activations: in the input dtype, fewer passes and buffers.
 
 Contracts are those of ``shardwise.kernels.reference.activations`` (shapes, bias, fused or split
-gate/up). Only what measured faster than the reference is registered (``REGISTERED``), per dtype.
-Speed-ups: ``python benchmarks/kernel_attention.py --threads 1 --dtypes float32 bfloat16 float16``
-(median of interleaved calls; 1 thread of a shared 2-core AMD EPYC VM with AVX-512, torch 2.13;
-~1B-Llama shapes: 32/4 heads of 64, 128-token prompts, decode over ~1-2k of a 2048-token cache;
-ranges over repeated runs on a noisy machine):
+gate/up). Only what measured faster than the reference is registered (``REGISTERED``), per dtype;
+the speed-ups, their command and machine are in benchmarks/README.md, "CPU kernels against the
+reference":
 
 * bias_gelu (bf16): ``F.gelu(x + bias)`` in the input dtype (the bias add is rounded before the
-  gelu, as an HF ``Linear`` + ``gelu``; within 1 ulp): 1.25-1.4x for "none". "tanh" measured
-  no faster (0.99-1.06x), nor did fp32 (1.0x, the reference's own ops) or fp16 (0.9-0.97x):
-  those run the reference's code, registered as the backend's choice for every dtype so that
+  gelu, as an HF ``Linear`` + ``gelu``; within 1 ulp): faster for ``approximate="none"``.
+  "tanh" measured no faster, nor did fp32 (the reference's own ops) or fp16: those run the reference's code, registered as the backend's choice for every dtype so that
   injection does not report a fallback where there is nothing faster to fall back from.
 * bias_relu (fp32, bf16, fp16): ``torch.add(x, bias).relu_()`` in the input dtype, one pass
   and one buffer fewer (a bias of x's dtype gives exactly the reference's numbers: one rounded
-  add, and relu commutes with rounding): with a
-  bias 1.3-1.6x fp32, 1.15-1.7x bf16, 1.4-1.9x fp16 (OPT 8192-wide and 3072-wide MLPs, 8 and
-  128 rows); without one ``F.relu`` 1.0-1.3x fp32 (the same op), 1.7-1.9x bf16, 2.1-2.6x fp16.
+  add, and relu commutes with rounding): faster in every dtype with a bias; without one
+  ``F.relu``, the same op as the reference's in fp32 and faster in bf16/fp16.
 * silu_and_mul (fp32, bf16, fp16): ``F.silu(gate).mul_(up)`` in the input dtype (bf16/fp16
-  round silu once before the multiply, as HF's MLP does): 1.14-1.5x fp32, 1.25-1.85x bf16.
+  round silu once before the multiply, as HF's MLP does): one buffer and pass fewer, faster
+  than the reference.
 """
 
 from __future__ import annotations

@@ -2,23 +2,22 @@
 
 Contracts are those of ``shardwise.kernels.reference.attention`` (shapes, GQA, masks, ALiBi, sliding
 windows, zero rows). Only what measured faster than the reference is registered (``REGISTERED``),
-per dtype. Speed-ups: ``python benchmarks/kernel_attention.py --threads 1 --dtypes float32 bfloat16
-float16`` (median of interleaved calls; 1 thread of a shared 2-core AMD EPYC VM with AVX-512, torch
-2.13; ~1B-Llama shapes: 32/4 heads of 64, 128-token prompts, decode over ~1-2k of a 2048-token
-cache; ranges over repeated runs on a noisy machine):
+per dtype; the speed-ups, their command and machine are in benchmarks/README.md, "CPU kernels
+against the reference":
 
 * attention_prefill (fp32, bf16): ``F.scaled_dot_product_attention`` (ATen's flash kernel for
-  CPU, GQA via ``enable_gqa``, no [.., q_len, kv_len] float32 scores): fp32 1.9-3.3x, bf16
-  1.2-5x (1.2-2.6x with ALiBi). fp16 is not registered: 0.6-1.3x at 128 tokens.
+  CPU, GQA via ``enable_gqa``, no [.., q_len, kv_len] float32 scores): faster in fp32 and bf16
+  (ALiBi and sliding windows included). fp16 is not registered: not reliably faster at 128 tokens.
   Causal without mask/ALiBi/window uses ``is_causal``; otherwise one additive float32 mask
   carries the causal/padding/sliding-window ``-inf`` and the ALiBi bias. The bias is taken
   relative to the query's own key position (softmax is shift-invariant per row, so this equals
   BLOOM's absolute bias) to keep it small near the diagonal. Query rows with no visible key are
-  computed unmasked, then zeroed. A sliding window of 32 keeps 2.2x fp32, 1.3x bf16.
+  computed unmasked, then zeroed.
 * attention_decode (fp32, bf16, fp16): the same kernel on each sequence's valid cache range
   (one call when all ranges agree, else one per sequence; a sliding window shortens the ranges),
   with the query heads of a kv head as its query rows; positions outside a range are never
-  read: 6-22x fp32, 6-19x bf16, 3-4x fp16 (window 512: 3.1x fp32, 4x bf16). Registered as
+  read; ATen's fused kernel on those ranges is many times faster than the reference in every
+  dtype. Registered as
   capturable: under ``torch.compile`` (the CPU graph strategy) it is the custom op
   ``shardwise::cpu_attention_decode``, opaque to the compiler, so the compiled decode step still
   reads each sequence's ranges from ``lengths``/``starts`` at run time instead of attending,
@@ -129,8 +128,9 @@ def _decode_range(q, k_cache, v_cache, s, n, alibi_slopes, scale, group):
     """Attention of q over cache positions s..n-1 (views: nothing outside them is read).
 
     The ``group`` query heads of a kv head become that head's query rows ([batch, kv_heads,
-    group, d]): one matrix product per kv head reads its keys once (3x faster than
-    ``enable_gqa`` here). A 4-d bias keeps ATen on its fused kernel (3-d falls back to math).
+    group, d]): one matrix product per kv head reads its keys once (faster than
+    ``enable_gqa``: benchmarks/README.md, "CPU kernels against the reference"). A 4-d bias
+    keeps ATen on its fused kernel (3-d falls back to math).
     """
     batch, q_heads, _, d = q.shape
     kv_heads = q_heads // group

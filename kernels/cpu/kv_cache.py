@@ -1,14 +1,13 @@
 """The ``cpu`` backend's KV-cache write: one op per cache.
 
 Contracts are those of ``shardwise.kernels.reference.kv_cache`` (cache layout, positions, bounds).
-Only what measured faster than the reference is registered (``REGISTERED``), per dtype. Speed-ups:
-``python benchmarks/kernel_attention.py --threads 1 --dtypes float32 bfloat16 float16`` (median of
-interleaved calls; 1 thread of a shared 2-core AMD EPYC VM with AVX-512, torch 2.13; ~1B-Llama
-shapes: 32/4 heads of 64, 128-token prompts, decode over ~1-2k of a 2048-token cache; ranges over
-repeated runs on a noisy machine):
+Only what measured faster than the reference is registered (``REGISTERED``), per dtype; the
+speed-ups, their command and machine are in benchmarks/README.md, "CPU kernels against the
+reference":
 
 * kv_cache_write (fp32, bf16, fp16): one slice copy per cache when all sequences start at the
-  same position, else one ``index_put_``: 7x (same position), 1.9x (ragged), 1.2x (a prompt).
+  same position, else one ``index_put_`` (faster in every case, most when the positions
+  agree).
 """
 
 from __future__ import annotations

@@ -1,15 +1,15 @@
 """The ``cpu`` backend's norms: residual-add + norms with fewer passes than the reference.
 
 * layer_norm: ``F.layer_norm``, one fused ATen kernel (float32 statistics, also with a float32
-  weight on bf16/fp16 input): about 2.4-2.7x the reference with one thread.
+  weight on bf16/fp16 input) instead of the reference's separate steps.
 * rms_norm: torch 2.13 has no fused CPU kernel (``F.rms_norm`` decomposes into the reference's
-  own pow/mean/rsqrt/mul steps and measured 0.93-1.1x), so this computes ``sum(h²)`` with
-  ``vector_norm`` (no temporary) and scales in place: about 1.07-1.1x with one thread, 1.2-1.3x
-  with two, and the reference's cast order (round to x.dtype, then multiply by the weight).
+  own pow/mean/rsqrt/mul steps and measured no faster), so this computes ``sum(h²)`` with
+  ``vector_norm`` (no temporary) and scales in place, keeping the reference's cast order (round
+  to x.dtype, then multiply by the weight): a little faster.
 
-Measured by median of 400 interleaved calls, 16 rows x hidden 2048 with a residual, fp32, bf16
-and fp16 (all faster, so all registered). float64 is not registered: the reference computes in
-float32, which these would not reproduce.
+Both measured faster than the reference in fp32, bf16 and fp16, so all are registered
+(benchmarks/README.md, "CPU kernels against the reference"). float64 is not registered: the
+reference computes in float32, which these would not reproduce.
 """
 
 from __future__ import annotations

@@ -1,15 +1,13 @@
 """The ``cpu`` backend's rotary: out of place without temporaries.
 
 Contracts are those of ``shardwise.kernels.reference.rotary`` (layouts, styles, partial rotary).
-Only what measured faster than the reference is registered (``REGISTERED``), per dtype. Speed-ups:
-``python benchmarks/kernel_attention.py --threads 1 --dtypes float32 bfloat16 float16`` (median of
-interleaved calls; 1 thread of a shared 2-core AMD EPYC VM with AVX-512, torch 2.13; ~1B-Llama
-shapes: 32/4 heads of 64, 128-token prompts, decode over ~1-2k of a 2048-token cache; ranges over
-repeated runs on a noisy machine):
+Only what measured faster than the reference is registered (``REGISTERED``), per dtype; the
+speed-ups, their command and machine are in benchmarks/README.md, "CPU kernels against the
+reference":
 
 * rotary (fp32, bf16, fp16): out of place into one ``empty_like`` buffer with
   ``mul``/``addcmul_`` on views (fp32), or float32 math per half (bf16/fp16), no
-  ``cat``/``stack`` temporaries: 1.3-3.8x fp32, 1.15-1.4x bf16 (1.15x for a decode step).
+  ``cat``/``stack`` temporaries.
 """
 
 from __future__ import annotations
