@@ -7,8 +7,8 @@ What torch 2.13 offers, and what this backend therefore claims (``supports``):
   slice is contiguous in the packed layout) summed in float32. Asymmetric weights are
   ``q * scale + offset`` with ``offset = -zero * scale``; ``x @ offsetᵀ`` is
   ``sum_g(x[:, group g]) * offset[:, g]``, a ``[M, n_groups] @ [n_groups, N]`` matmul added in
-  float32. Every group size is claimed: groups of 32 (64 launches at K 2048) still beat the
-  reference 7-10x at batch 1-4 and 1.4x at 64 rows.
+  float32. Every group size is claimed: even groups of 32 (64 launches at K 2048) beat the
+  reference at every batch measured.
 * int4: ``aten._convert_weight_to_int4pack_for_cpu(u int32 [N, K], inner_k_tiles) -> uint8``
   (an opaque blocked layout) and ``aten._weight_int4pack_mm_for_cpu(x, packed, kernel_group,
   scales_and_zeros [K / kernel_group, N, 2])``, which computes ``w = (u - 8) * scale + zero``
@@ -18,7 +18,7 @@ What torch 2.13 offers, and what this backend therefore claims (``supports``):
   Groups of 16 or N % 16 != 0 resolve to the reference.
 * dtypes: bf16 only (scales are stored in bf16: the kernels take them in x.dtype). Only the bf16
   kernels are vectorized (AVX512); with fp32/fp16 activations both run scalar loops whose cost
-  grows with the rows: at batch 1 they are 2-8x slower than dense fp32 ``F.linear`` (though
+  grows with the rows: at batch 1 they are slower than dense fp32 ``F.linear`` (though
   faster than the reference), and at batch 4 int4 is slower than the reference too, so this
   backend claims bf16 only. **An fp32 model still runs these kernels**: the quantizer asks the
   registry which of the accelerator's dtypes has a fast kernel (:meth:`shardwise.quant.Quantizer.
@@ -26,18 +26,17 @@ What torch 2.13 offers, and what this backend therefore claims (``supports``):
   input to bf16 and the output back to fp32 (the bias is added in fp32). Added error against
   the same quantized weights computed in fp32 by the reference: 0.24-0.29% relative on the
   logits of the tests' tiny fp32 models, a tenth of int8's own quantization error, greedy tokens
-  identical (tests/test_quant.py); the two casts cost ~4 us per layer at batch 1 (1.8-1.9 us
-  each for 1536 / 4096 features, one thread). A setting this backend cannot take (int4 with
+  identical (tests/test_quant.py); the two casts cost a few microseconds per layer at batch 1,
+  small beside the kernel. A setting this backend cannot take (int4 with
   groups of 16, or ``out_features % 16 != 0``) is refused with the reasons
   :func:`unsupported_reason` gives, unless ``allow_slow_kernels=True``.
-* rows: the kernels are built for decode. Measured at 2048 → 5632 with one thread, prefill-sized
-  batches lose to dense bf16 ``F.linear`` (16 rows: int4 1.3x, int8 2x slower; 64 rows: int4 2x,
-  int8 2.6x, int8 with groups of 32 8x slower), though all stay faster than the reference.
+* rows: the kernels are built for decode. Prefill-sized batches (16 rows and more) lose to
+  dense bf16 ``F.linear``, though all stay faster than the reference.
 
-Measured by ``benchmarks/kernel_quant.py`` (table in its docstring; 2 threads, bf16, batch 1,
-2048 → 5632 and 1536 → 8960): int8 per-channel 3.3-4.1x and int4 g128 7.1-9.2x the speed of
-fp32 ``F.linear`` (dense bf16: 1.8-1.9x), int4 reading its weights at ~80% of the measured copy
-bandwidth; the reference (dequantize per call) is 0.06x.
+At decode both read fewer weight bytes than dense ``F.linear`` and run several times faster than
+fp32 ``F.linear`` (int4 the most, near the copy bandwidth); the reference (dequantize per call)
+is far slower. Every figure, with its command and machine: benchmarks/README.md, "CPU kernels
+against the reference" (weight-only quantized linear).
 
 Packed layouts (``PackedQuantWeight.tensors``; ``meta["kind"]`` is "int8" or "int4"):
 
