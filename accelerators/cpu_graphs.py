@@ -330,9 +330,10 @@ class PackLinearWeights:
     transformers' ``Conv1D``), or a plain ``mm(x, W)`` / ``addmm(b, x, W)`` it left alone —
     becomes ``torch.ops.mkldnn._linear_pointwise`` on a copy of ``W`` reordered once
     (``torch.ops.mkldnn._reorder_linear_weight``) into oneDNN's layout for the step's row count
-    (bf16/fp16 weights inductor already gives to oneDNN). MKL's packed sgemm is no faster than
-    eager ``F.linear`` for a GEMV (benchmarks/README.md, *What the linears reach*). Same product in the
-    same dtype, summed in another order. ``packed`` counts the products rewritten,
+    (bf16/fp16 weights inductor already gives to oneDNN). MKL's packed sgemm is not reliably
+    faster than eager ``F.linear`` for a GEMV (faster at one shape, slower at the other:
+    benchmarks/README.md, *What the linears reach*). Same product in the same dtype, summed in
+    another order. ``packed`` counts the products rewritten,
     ``packed_bytes`` the bytes of the weights packed.
 
     (Inductor's packing is left on, not disabled with ``cpp.weight_prepack=False``: its freezing

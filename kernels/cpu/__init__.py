@@ -2,7 +2,8 @@
 
 One module per op family, each with ``register(registry)`` registering only what measured faster
 than the reference, for the dtypes it won (each module's ``REGISTERED`` and docstring say what
-and why; by how much, measured where: benchmarks/README.md, "CPU kernels against the reference"). Families: ``rotary``, ``activations``, ``attention`` (prefill and decode),
+and why; by how much, measured where: benchmarks/README.md, "CPU kernels against the
+reference"). Families: ``rotary``, ``activations``, ``attention`` (prefill and decode),
 ``kv_cache``, ``norms``, ``quant`` (weight-only ``quant_linear``, bf16, when torch has its
 packed kernels). Every family of the reference has an implementation here.
 """

@@ -7,7 +7,8 @@ reference":
 
 * bias_gelu (bf16): ``F.gelu(x + bias)`` in the input dtype (the bias add is rounded before the
   gelu, as an HF ``Linear`` + ``gelu``; within 1 ulp): faster for ``approximate="none"``.
-  "tanh" measured no faster, nor did fp32 (the reference's own ops) or fp16: those run the reference's code, registered as the backend's choice for every dtype so that
+  "tanh" measured no faster, nor did fp32 (the reference's own ops) or fp16: those run the
+  reference's code, registered as the backend's choice for every dtype so that
   injection does not report a fallback where there is nothing faster to fall back from.
 * bias_relu (fp32, bf16, fp16): ``torch.add(x, bias).relu_()`` in the input dtype, one pass
   and one buffer fewer (a bias of x's dtype gives exactly the reference's numbers: one rounded
