@@ -96,8 +96,8 @@ def _output(model: nn.Module):
 class Bandwidth:
     """A measured device bandwidth: buffer size and the copy times of one or more probes.
 
-    On a shared machine the bandwidth moves during a run (by close to 2x within minutes on the
-    development VM: benchmarks/README.md, "Reading these on a shared VM"), so a run probes
+    On a shared machine the bandwidth moves during a run, a lot and within minutes
+    (benchmarks/README.md, "Reading these on a shared VM"), so a run probes
     before and after its variants and
     :attr:`gbps` is the highest probe's median: percentages of it are never flattered by a
     probe that happened to run while the machine was slow."""
