@@ -54,7 +54,7 @@ def strategy_from_env() -> GraphStrategy:
                           f"{', '.join(LINEAR_PACKINGS)}, frozen or eager")
     if choice == "eager":
         return GraphStrategy()
-    if choice == "frozen":  # the C++ template on its own prepacked copy: faster, a second copy of the weights
+    if choice == "frozen":  # the C++ template on its own prepacked copy: faster, weights twice
         return CpuCompileStrategy(linear="cpp", freezing=True)
     return CpuCompileStrategy(linear=choice)
 
