@@ -149,26 +149,31 @@ def test_a_bare_forward_during_engine_generate_is_refused(engine, expected):
     assert a.error is None and torch.equal(a.result, expected["tokens_a"])
 
 
-def test_engine_generate_from_two_threads_is_serialized(engine, expected, monkeypatch):
-    """Two threads calling engine.generate: B waits for A's whole generate (A is paused
-    mid-generate while B is at the session lock), then both have their single-threaded
-    tokens."""
-    pause, b_waiting = Pause(), threading.Event()
-    guard = engine._stack._guard
+def announce_waiting(guard, monkeypatch, thread: str) -> threading.Event:
+    """Wrap ``guard``'s session lock so the returned event is set when ``thread`` starts
+    waiting on it."""
+    waiting = threading.Event()
     real_lock = guard.session_lock
 
     class Announcing:
-        """The session lock, telling the test when thread B starts waiting on it."""
-
         def __enter__(self):
-            if threading.current_thread().name == "B":
-                b_waiting.set()
+            if threading.current_thread().name == thread:
+                waiting.set()
             return real_lock.__enter__()
 
         def __exit__(self, *exc):
             return real_lock.__exit__(*exc)
 
     monkeypatch.setattr(guard, "session_lock", Announcing())
+    return waiting
+
+
+def test_engine_generate_from_two_threads_is_serialized(engine, expected, monkeypatch):
+    """Two threads calling engine.generate: B waits for A's whole generate (A is paused
+    mid-generate while B is at the session lock), then both have their single-threaded
+    tokens."""
+    pause = Pause()
+    b_waiting = announce_waiting(engine._stack._guard, monkeypatch, "B")
     a = Worker(lambda: engine.generate(expected["a"], streamer=PauseAfterFirstToken(pause),
                                        **GEN), "A")
     a.start()
@@ -195,22 +200,8 @@ def test_close_waits_for_another_threads_generate(monkeypatch):
     engine = shardwise.init_inference(model, device="cpu", replace_with_kernel_inject=True)
     a_ids = prompt_ids(seed=1)
     expected = engine.generate(a_ids, **GEN)
-    pause, b_waiting = Pause(), threading.Event()
-    guard = engine._stack._guard
-    real_lock = guard.session_lock
-
-    class Announcing:
-        """The session lock, telling the test when thread B starts waiting on it."""
-
-        def __enter__(self):
-            if threading.current_thread().name == "B":
-                b_waiting.set()
-            return real_lock.__enter__()
-
-        def __exit__(self, *exc):
-            return real_lock.__exit__(*exc)
-
-    monkeypatch.setattr(guard, "session_lock", Announcing())
+    pause = Pause()
+    b_waiting = announce_waiting(engine._stack._guard, monkeypatch, "B")
     a = Worker(lambda: engine.generate(a_ids, streamer=PauseAfterFirstToken(pause), **GEN), "A")
     a.start()
     assert pause.reached.wait(WAIT)
