@@ -68,6 +68,10 @@ class InferenceConfig:
             8-bit weights with the accelerator's preferred compute dtype (bf16 on CPU).
         comm_timeout: seconds before a collective gives up, a finite number > 0 (default
             ``$SHARDWISE_COMM_TIMEOUT`` or 300; a malformed variable is a ConfigError here).
+        moe: Mixture-of-Experts settings, DeepSpeed's ``moe`` dict (``{"ep_size": N}``,
+            ``enabled``, ``moe_experts``/``num_experts``, ``type``/``moe_type``) or ``True``;
+            normalised to a :class:`MoESettings` (every key used or refused by name: see
+            :func:`parse_moe`). Checked against the model in the plan.
     """
 
     device: str | None = None
@@ -83,6 +87,7 @@ class InferenceConfig:
     quant: dict | None = None
     comm_timeout: float | None = None
     seed: int | None = None
+    moe: "MoESettings | dict | bool | None" = None
 
     # ----- construction -------------------------------------------------------------------------
 
@@ -119,6 +124,7 @@ class InferenceConfig:
         _reject_unlanded(self)
         _check_injection(self)
         _check_quant(self)
+        self.moe = parse_moe(self.moe)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain values (dtype as its short name), e.g. for a benchmark's provenance."""
@@ -308,3 +314,119 @@ def _check_injection(cfg: InferenceConfig) -> None:
     if cfg.max_tokens != InferenceConfig.max_tokens:
         raise ConfigError(f"max_tokens={cfg.max_tokens!r} (max_out_tokens) sizes the static KV "
                           f"cache of injected models; it needs replace_with_kernel_inject=True")
+
+
+# ----- moe ----------------------------------------------------------------------------------------
+
+class MoEConfigError(ConfigError):
+    """A ``moe=`` setting that is malformed or does not fit the model (the message says the fix)."""
+
+
+#: The MoE layer types DeepSpeed names: ``standard`` (routed experts only) and ``residual``
+#: (routed experts plus an always-on dense expert: a model with shared experts).
+MOE_TYPES = ("standard", "residual")
+#: DeepSpeed's process-group fields: shardwise makes its groups from the plan, so these are refused.
+_MOE_GROUP_KEYS = ("ep_mp_group", "ep_group", "expert_group")
+#: DeepSpeed ``moe`` key → :class:`MoESettings` field (``num_experts`` and ``moe_type`` are the
+#: aliases DeepSpeed's ``DeepSpeedMoEConfig`` accepts for ``moe_experts`` and ``type``).
+_MOE_KEYS = {"enabled": "enabled", "ep_size": "ep_size", "moe_experts": "num_experts",
+             "num_experts": "num_experts", "type": "type", "moe_type": "type"}
+
+
+@dataclass(frozen=True)
+class MoESettings:
+    """The ``moe=`` config field, validated (the model-dependent checks are the plan's).
+
+    Attributes:
+        ep_size: expert-parallel degree (experts split over this many ranks, ±1 each).
+        num_experts: the expert counts the user expects (DeepSpeed's ``moe_experts`` list, one
+            entry per MoE layer group), each checked against the model's; None: not checked.
+        type: ``"standard"`` or ``"residual"`` (checked against whether the model has shared
+            experts); None: not checked.
+    """
+
+    ep_size: int = 1
+    num_experts: tuple[int, ...] | None = None
+    type: str | None = None
+
+
+def parse_moe(value: Any) -> MoESettings | None:
+    """``moe=`` as :class:`MoESettings`: ``None``/``False``/``{"enabled": False}`` → None (off),
+    ``True`` → the defaults, a dict of DeepSpeed's ``DeepSpeedMoEConfig`` names → its values.
+
+    Raises:
+        MoEConfigError: an unknown key, a group object (shardwise builds its groups from the
+            plan), a malformed value, or ``enabled=False`` together with other settings.
+    """
+    if value is None or value is False:
+        return None
+    if value is True:
+        return MoESettings()
+    if isinstance(value, MoESettings):
+        value = dataclasses.asdict(value)
+    if not isinstance(value, Mapping):
+        raise MoEConfigError(f"moe must be True, None or a dict like {{'ep_size': 2}} (DeepSpeed's "
+                             f"moe config), got {type(value).__name__} {value!r}")
+    _refuse_moe_groups(value)
+    unknown = [k for k in value if k not in (*_MOE_KEYS, *_MOE_FIELDS, *_MOE_GROUP_KEYS)]
+    if unknown:
+        raise MoEConfigError(f"unknown moe field(s) {unknown}; valid: "
+                             f"{sorted({*_MOE_KEYS, *_MOE_GROUP_KEYS})}")
+    fields: dict[str, Any] = {}
+    for key, v in value.items():
+        if key in _MOE_GROUP_KEYS:
+            continue  # None (DeepSpeed's default): nothing to use; a group was refused above
+        name = _MOE_KEYS.get(key, key)
+        if name in fields and fields[name] != v:
+            raise MoEConfigError(f"moe field {name!r} is given twice with different values "
+                                 f"({fields[name]!r} and {v!r}); give it once")
+        fields[name] = v
+    enabled = fields.pop("enabled", True)
+    _check_type("moe enabled", enabled, (bool,))
+    if not enabled:
+        if any(fields.get(f) not in (None, getattr(MoESettings, f)) for f in _MOE_FIELDS):
+            raise MoEConfigError(f"moe={dict(value)!r} says enabled=False but sets other fields; "
+                                 f"drop enabled=False, or the other fields")
+        return None
+    return MoESettings(ep_size=_moe_ep_size(fields.get("ep_size", 1)),
+                       num_experts=_moe_expert_counts(fields.get("num_experts")),
+                       type=_moe_type(fields.get("type")))
+
+
+_MOE_FIELDS = tuple(f.name for f in dataclasses.fields(MoESettings))
+
+
+def _refuse_moe_groups(value: Mapping) -> None:
+    for key in _MOE_GROUP_KEYS:
+        if value.get(key) is not None:
+            raise MoEConfigError(
+                f"moe {key}= takes a process group; shardwise makes its expert-parallel groups "
+                f"itself from the plan (world = pp × tp × dp, ep carved out of tp × dp): remove "
+                f"{key} and give ep_size")
+
+
+def _moe_ep_size(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise MoEConfigError(f"moe ep_size must be a positive integer, got {value!r}")
+    return value
+
+
+def _moe_expert_counts(value: Any) -> tuple[int, ...] | None:
+    """DeepSpeed's ``moe_experts``: an int or a list of ints (one per MoE layer group)."""
+    if value is None:
+        return None
+    counts = [value] if isinstance(value, int) and not isinstance(value, bool) else value
+    if (not isinstance(counts, (list, tuple)) or not counts
+            or any(isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in counts)):
+        raise MoEConfigError(f"moe moe_experts (num_experts) must be a positive integer or a "
+                             f"list of them (the experts per MoE layer), got {value!r}")
+    return tuple(counts)
+
+
+def _moe_type(value: Any) -> str | None:
+    if value is None:
+        return None
+    name = getattr(value, "value", value)  # DeepSpeed's MoETypeEnum is a str enum
+    if name not in MOE_TYPES:
+        raise MoEConfigError(f"moe type must be one of {', '.join(MOE_TYPES)}, got {value!r}")
+    return str(name)

@@ -81,3 +81,40 @@ def test_config_file_errors(tmp_path):
     bad.write_text("{not json")
     with pytest.raises(shardwise.ConfigError, match="not valid JSON"):
         InferenceConfig.build(str(bad))
+
+
+# ----- moe= (DeepSpeed's DeepSpeedMoEConfig names) -------------------------------------------------
+
+def test_moe_accepts_deepspeeds_names_and_spellings():
+    from shardwise.config import MoESettings
+    cfg = InferenceConfig.build(moe={"enabled": True, "ep_size": 2, "moe_experts": [8],
+                                     "type": "standard", "ep_mp_group": None, "ep_group": None})
+    assert cfg.moe == MoESettings(ep_size=2, num_experts=(8,), type="standard")
+    alias = InferenceConfig.build(moe={"num_experts": 8, "moe_type": "residual"}).moe
+    assert alias == MoESettings(ep_size=1, num_experts=(8,), type="residual")
+    assert InferenceConfig.build(moe=True).moe == MoESettings()
+    for off in (None, False, {"enabled": False}):
+        assert InferenceConfig.build(moe=off).moe is None
+    again = InferenceConfig.build(cfg)  # an InferenceConfig round-trips through build
+    assert again.moe == cfg.moe and cfg.to_dict()["moe"]["ep_size"] == 2
+
+
+@pytest.mark.parametrize("moe,match", [
+    ({"ep_group": object()}, "ep_group= takes a process group; shardwise makes its "
+                             "expert-parallel groups itself.*remove ep_group and give ep_size"),
+    ({"expert_group": object()}, "remove expert_group"),
+    ({"ep_mp_group": object()}, "remove ep_mp_group"),
+    ({"ep_size": 0}, "moe ep_size must be a positive integer, got 0"),
+    ({"ep_size": True}, "moe ep_size must be a positive integer"),
+    ({"type": "pyramid"}, "moe type must be one of standard, residual, got 'pyramid'"),
+    ({"moe_experts": [8, 0]}, r"moe_experts \(num_experts\) must be a positive integer"),
+    ({"ep_sz": 2}, r"unknown moe field\(s\) \['ep_sz'\]; valid: .*'ep_size'"),
+    ({"enabled": False, "ep_size": 2}, "enabled=False but sets other fields"),
+    ({"moe_experts": 8, "num_experts": 4}, "given twice with different values"),
+    ("ep2", "moe must be True, None or a dict"),
+])
+def test_malformed_moe_is_a_named_config_error(moe, match):
+    from shardwise.config import MoEConfigError
+    with pytest.raises(MoEConfigError, match=match):
+        InferenceConfig.build(moe=moe)
+    assert issubclass(MoEConfigError, shardwise.ConfigError)
