@@ -293,7 +293,8 @@ def _plan_step(model: nn.Module, cfg: InferenceConfig) -> Plan:
     """Step 2, before any process group or weight work: the :class:`~shardwise.plan.Plan` —
     the world's dimensions checked against ``tp_size``, the policy looked up, the heads split,
     the sharding plan chosen and every rank's slices computed (all errors surface here)."""
-    return build_plan(model, tp_size=cfg.tp_size, injection_policy=cfg.injection_policy)
+    return build_plan(model, tp_size=cfg.tp_size, injection_policy=cfg.injection_policy,
+                      moe=cfg.moe)
 
 
 def _seed(cfg: InferenceConfig) -> None:

@@ -33,9 +33,10 @@ import torch.distributed as dist
 from torch import nn
 
 from .communicator import env_world
+from .config import MoEConfigError, MoESettings
 from .errors import ConfigError, NotSupportedYetError
 from .layout import HeadCounts, HeadPartition, Role, ShardingError, divisors
-from .policy import GenericPolicy, Policy, policy_for
+from .policy import GenericPolicy, MoEFacts, Policy, policy_for
 from .sharding import plan as _plans
 from .sharding.specs import HeadSplit, PreparedShards, no_policy_note, prepare, resolve_plan
 from .sharding.world import tp_world_problem
@@ -80,6 +81,51 @@ class Dim:
         bound = ", group bound" if self.group is not None else ""
         return f"{self.name}={self.size}" + (f" (coord {self.coord}{bound})"
                                              if self.size > 1 else "")
+
+
+def split_experts(total: int, ep: int) -> tuple[tuple[int, int], ...]:
+    """Every ep rank's expert range ``[start, end)``: ``total`` experts over ``ep`` ranks, the
+    first ``total % ep`` ranks one more (10 over 4: 3, 3, 2, 2)."""
+    base, extra = divmod(total, ep)
+    starts = [r * base + min(r, extra) for r in range(ep + 1)]
+    return tuple((starts[r], starts[r + 1]) for r in range(ep))
+
+
+@dataclass(frozen=True)
+class ExpertPlan:
+    """The Mixture-of-Experts part of the plan.
+
+    Attributes:
+        total: routed experts per MoE layer.
+        top_k: experts each token is routed to.
+        shared: shared (always-on) experts per MoE layer, replicated on every rank.
+        moe_layers: indices of the decoder layers whose MLP is the MoE block.
+        ranges: every ep rank's expert range ``[start, end)`` (:func:`split_experts`).
+        coord: this rank's ep coordinate.
+    """
+
+    total: int
+    top_k: int
+    shared: int
+    moe_layers: tuple[int, ...]
+    ranges: tuple[tuple[int, int], ...]
+    coord: int = 0
+
+    @classmethod
+    def compute(cls, facts: MoEFacts, ep: "Dim") -> "ExpertPlan":
+        return cls(facts.num_experts, facts.top_k, facts.shared, facts.moe_layers,
+                   split_experts(facts.num_experts, ep.size), ep.coord)
+
+    @property
+    def range(self) -> tuple[int, int]:
+        """This rank's experts ``[start, end)``."""
+        return self.ranges[self.coord]
+
+    def __repr__(self) -> str:
+        start, end = self.range
+        return (f"{self.total} per layer, top-{self.top_k}, {self.shared} shared, "
+                f"{len(self.moe_layers)} MoE layers; this rank [{start}, {end}) of "
+                f"{len(self.ranges)} ep ranks")
 
 
 def check_dims(world: int, rank: int, tp: int = 1, pp: int = 1, dp: int | None = None,
@@ -178,6 +224,7 @@ class Plan:
         roles_source: where the roles came from (``injection_policy``, ``hf_tp_plan``,
             ``policy:<name>``, ``heuristic``), or why there are none.
         notes: remarks (a plan source not used, no registered policy).
+        experts: the :class:`ExpertPlan` of a Mixture-of-Experts model (None: a dense model).
     """
 
     world: int
@@ -195,6 +242,7 @@ class Plan:
     roles: dict[str, Role] | None = None
     roles_source: str = ""
     notes: list[str] = field(default_factory=list)
+    experts: ExpertPlan | None = None
 
     @property
     def dims(self) -> dict[str, Dim]:
@@ -233,6 +281,8 @@ class Plan:
                          f"[{h.kv_range[0]}, {h.kv_range[1]}), head_dim {h.head_dim}")
         elif self.head_counts is not None:
             lines.append(f"  heads: {self.head_counts} (do not split: {self.head_split.error})")
+        if self.experts is not None:
+            lines.append(f"  experts: {self.experts!r}")
         if self.roles is not None:
             counts: dict[str, int] = {}
             for role in self.roles.values():
@@ -251,11 +301,13 @@ class Plan:
 def build_plan(model: nn.Module, *, tp_size: int = 1,
                injection_policy: Mapping | None = None, world: int | None = None,
                rank: int | None = None, pp_size: int = 1, dp_size: int | None = None,
-               ep_size: int = 1) -> Plan:
+               ep_size: int | None = None, moe: MoESettings | None = None) -> Plan:
     """The :class:`Plan` for ``model`` in this process's world (``world`` / ``rank`` given:
-    that world instead, e.g. to check every rank's plan on one process). Touches nothing.
+    that world instead, e.g. to check every rank's plan on one process). ``moe``: the ``moe=``
+    setting (its ``ep_size`` is the plan's unless ``ep_size`` is given). Touches nothing.
 
     Raises:
+        MoEConfigError: ``moe`` on a dense model, or its expert count / type not the model's.
         ShardingError: the sizes do not fit the world, or the model cannot be split as planned
             (a :class:`~shardwise.ConfigError`; named, with the sizes that would work).
         ParallelismNotSupportedError: a dimension not supported yet (:func:`check_dims`).
@@ -264,15 +316,22 @@ def build_plan(model: nn.Module, *, tp_size: int = 1,
         env_size, env_rank = current_world()
         world = env_size if world is None else world
         rank = env_rank if rank is None else rank
-    dims = check_dims(world, rank, tp=tp_size, pp=pp_size, dp=dp_size, ep=ep_size)
-    tp = dims["tp"]
+    if ep_size is None:
+        ep_size = moe.ep_size if moe is not None else 1
     found = policy_for(model)  # the one lookup: everything below reads the plan
     policy = found or GenericPolicy()
-    counts = policy.head_counts(getattr(model, "config", None))
+    config = getattr(model, "config", None)
+    facts = policy.moe_facts(config)
+    _check_moe(facts, moe, config, ep_size, world, pp_size)
+    dims = check_dims(world, rank, tp=tp_size, pp=pp_size, dp=dp_size, ep=ep_size)
+    tp = dims["tp"]
+    counts = policy.head_counts(config)
     split = HeadSplit.compute(counts, tp.size)
     heads = split.partitions[tp.coord] if split.partitions else None
     plan = Plan(world, rank, tp, dims["pp"], dims["dp"], dims["ep"], policy, found is not None,
                 counts, heads, split)
+    if facts is not None:
+        plan.experts = ExpertPlan.compute(facts, dims["ep"])
     if tp.enabled or injection_policy:
         plan.sharding = prepare(model, resolve_plan(model, injection_policy, found), tp.size,
                                 policy, heads=split)
@@ -283,6 +342,44 @@ def build_plan(model: nn.Module, *, tp_size: int = 1,
     else:
         _roles_at_one_rank(plan, model, found)
     return plan
+
+
+def _check_moe(facts: MoEFacts | None, moe: MoESettings | None, config: Any, ep_size: int,
+               world: int, pp_size: int) -> None:
+    """``moe=`` and ``ep_size`` against the model's experts, before the dimensions' checks (so
+    bad input gets its own error before "not supported yet")."""
+    if isinstance(ep_size, bool) or not isinstance(ep_size, int):
+        return  # check_dims names the malformed size
+    model_type = getattr(config, "model_type", None) or "this"
+    if facts is None:
+        if moe is not None or ep_size != 1:
+            given = f"ep_size={ep_size}" if moe is None else f"moe= (ep_size={ep_size})"
+            raise MoEConfigError(
+                f"{given} is for Mixture-of-Experts models, but the {model_type!r} model has no "
+                f"experts (its config sets none of num_local_experts, num_experts, "
+                f"n_routed_experts); remove moe= for this dense model")
+        return
+    if moe is not None and moe.num_experts is not None:
+        wrong = [n for n in moe.num_experts if n != facts.num_experts]
+        if wrong:
+            raise MoEConfigError(
+                f"moe moe_experts={list(moe.num_experts)} but the {model_type!r} model has "
+                f"{facts.num_experts} experts per MoE layer; give moe_experts={facts.num_experts} "
+                f"or leave it out (shardwise reads the count from the model)")
+    if moe is not None and moe.type is not None:
+        kind = "residual" if facts.shared else "standard"
+        if moe.type != kind:
+            why = (f"{facts.shared} shared expert(s)" if facts.shared else "no shared expert")
+            raise MoEConfigError(
+                f"moe type={moe.type!r} does not match the {model_type!r} model: it has {why}, "
+                f"a {kind!r} MoE; give type={kind!r} or leave it out")
+    if ep_size > facts.num_experts:
+        fits = [d for d in divisors(world // pp_size) if d <= facts.num_experts] \
+            if world % pp_size == 0 else []
+        raise ShardingError(
+            f"ep_size={ep_size} is larger than the {model_type!r} model's {facts.num_experts} "
+            f"experts (each expert-parallel rank needs at least one); ep sizes that would work "
+            f"here: {', '.join(map(str, fits)) or 'none'}")
 
 
 def _roles_at_one_rank(plan: Plan, model: nn.Module, found: Policy | None) -> None:

@@ -27,6 +27,9 @@ The applier (:mod:`shardwise.sharding.apply`) reads:
                       narrowed to the rank's heads by an instance pre-hook on each matching module.
 ``head_config``       which config attributes hold the head counts (tried in order); an entry may
                       be an :class:`IfConfig` (a value that holds only for some configs).
+``moe_config``        which config attributes hold the Mixture-of-Experts facts (expert count, top-k,
+                      shared experts) and ``moe_layer_rules``, which say which layers are MoE
+                      (:meth:`Policy.moe_facts`); the defaults read every HF MoE family's names.
 ``injection``         an :class:`~shardwise.inject.InjectionSpec` (norm kind, positions, MLP kind,
                       fused layouts, module names) read by the kernel injector
                       (:mod:`shardwise.inject`); None: the family has no kernel injection.
@@ -91,6 +94,23 @@ class Policy:
         "hidden_size": ("hidden_size",),
     }
 
+    #: MoE fact → config attributes tried in order (:meth:`moe_facts`). ``shared_experts`` is a
+    #: count; ``shared_expert_size`` a width (> 0: one shared expert) read when no count is given.
+    moe_config: ClassVar[dict[str, tuple[str, ...]]] = {
+        "num_experts": ("num_local_experts", "num_experts", "n_routed_experts"),
+        "top_k": ("num_experts_per_tok", "experts_per_token", "moe_topk"),
+        "shared_experts": ("n_shared_experts", "num_shared_experts"),
+        "shared_expert_size": ("shared_expert_intermediate_size",),
+        "num_layers": ("num_hidden_layers", "n_layer", "num_layers"),
+    }
+    #: ``(config attribute, rule)``: which layers are MoE; a layer is MoE when every rule whose
+    #: attribute the config sets says so (rules: :data:`MOE_LAYER_RULES`).
+    moe_layer_rules: ClassVar[tuple[tuple[str, str], ...]] = (
+        ("first_k_dense_replace", "dense_before"),   # DeepSeek: the first k layers are dense
+        ("mlp_only_layers", "dense_listed"),         # Qwen-MoE: these layers are dense
+        ("decoder_sparse_step", "every_nth"),        # Qwen-MoE: every n-th layer is MoE
+    )
+
     def head_counts(self, config: Any) -> HeadCounts | None:
         """(num_heads, num_kv_heads, head_dim) read from ``config`` through :attr:`head_config`;
         None when the config has no head count (the model then cannot use head layouts)."""
@@ -108,6 +128,24 @@ class Policy:
             head_dim = hidden // num_heads
         return HeadCounts(int(num_heads), int(num_kv), int(head_dim))
 
+    def moe_facts(self, config: Any) -> "MoEFacts | None":
+        """The model's Mixture-of-Experts facts read from ``config`` through :attr:`moe_config`
+        and :attr:`moe_layer_rules`; None for a dense model (no positive expert count)."""
+        if config is None:
+            return None
+        total = _first_attr(config, self.moe_config.get("num_experts", ()))
+        if isinstance(total, bool) or not isinstance(total, int) or total < 1:
+            return None
+        top_k = _first_attr(config, self.moe_config.get("top_k", ()))
+        shared = _first_attr(config, self.moe_config.get("shared_experts", ()))
+        if shared is None:  # one shared expert of that width (Qwen2-MoE), or none
+            shared = int(bool(_first_attr(config, self.moe_config.get("shared_expert_size", ()))))
+        layers = _first_attr(config, self.moe_config.get("num_layers", ())) or 0
+        rules = [(MOE_LAYER_RULES[kind], getattr(config, attr))
+                 for attr, kind in self.moe_layer_rules if getattr(config, attr, None) is not None]
+        moe_layers = tuple(i for i in range(int(layers)) if all(rule(i, v) for rule, v in rules))
+        return MoEFacts(total, int(top_k) if top_k else 1, int(shared), moe_layers)
+
     def injection_spec(self, config: Any) -> Any:
         """:attr:`injection` with the :attr:`injection_overrides` that ``config`` selects."""
         spec = self.injection
@@ -118,6 +156,31 @@ class Policy:
 
     def __repr__(self) -> str:
         return f"<policy {self.name} for {', '.join(self.model_types) or 'any model'}>"
+
+
+@dataclass(frozen=True)
+class MoEFacts:
+    """A Mixture-of-Experts model's facts, read from its config (:meth:`Policy.moe_facts`).
+
+    Attributes:
+        num_experts: routed experts per MoE layer.
+        top_k: experts each token is routed to.
+        shared: always-on shared experts per MoE layer (0: none).
+        moe_layers: indices of the decoder layers whose MLP is the MoE block.
+    """
+
+    num_experts: int
+    top_k: int
+    shared: int
+    moe_layers: tuple[int, ...]
+
+
+#: rule name → (layer index, config value) → whether the layer is MoE (``Policy.moe_layer_rules``)
+MOE_LAYER_RULES = {
+    "dense_before": lambda i, k: i >= k,
+    "dense_listed": lambda i, dense: i not in dense,
+    "every_nth": lambda i, n: n > 0 and (i + 1) % n == 0,
+}
 
 
 @dataclass(frozen=True)

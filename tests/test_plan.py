@@ -347,3 +347,146 @@ def test_policy_and_sharding_do_not_import_each_other_and_layout_is_a_leaf():
             path.name, imports)
     layout = _module_level_imports(_CORE / "layout.py")
     assert layout <= {"shardwise.errors", "shardwise.errors.ConfigError"}, layout
+
+
+# ----- Mixture-of-Experts facts and the moe= checks ----------------------------------------------
+
+_TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=128)
+#: name → (config class, its MoE settings, expected (experts, top-k, shared, MoE layers))
+_MOE_CONFIGS = {
+    "mixtral": ("MixtralConfig", dict(num_hidden_layers=2, num_local_experts=4,
+                                      num_experts_per_tok=2), (4, 2, 0, (0, 1))),
+    "qwen2_moe": ("Qwen2MoeConfig", dict(num_hidden_layers=4, num_experts=6,
+                                         num_experts_per_tok=2, moe_intermediate_size=32,
+                                         shared_expert_intermediate_size=64,
+                                         decoder_sparse_step=2, mlp_only_layers=[3]),
+                  (6, 2, 1, (1,))),
+    "qwen3_moe": ("Qwen3MoeConfig", dict(num_hidden_layers=3, num_experts=8,
+                                         num_experts_per_tok=2, moe_intermediate_size=32,
+                                         mlp_only_layers=[0]), (8, 2, 0, (1, 2))),
+    "deepseek_v3": ("DeepseekV3Config", dict(num_hidden_layers=3, n_routed_experts=8,
+                                             num_experts_per_tok=2, n_shared_experts=1,
+                                             moe_intermediate_size=32, first_k_dense_replace=1,
+                                             n_group=2, topk_group=1, q_lora_rank=32,
+                                             kv_lora_rank=16, qk_rope_head_dim=8,
+                                             qk_nope_head_dim=8, v_head_dim=16),
+                    (8, 2, 1, (1, 2))),
+    "gpt_oss": ("GptOssConfig", dict(num_hidden_layers=2, num_local_experts=4,
+                                     num_experts_per_tok=2, head_dim=16,
+                                     layer_types=["sliding_attention", "full_attention"]),
+                (4, 2, 0, (0, 1))),
+}
+
+
+def _moe_config(name: str):
+    import transformers
+    cls, extra, _ = _MOE_CONFIGS[name]
+    return getattr(transformers, cls)(**{**_TINY, **extra})
+
+
+def _meta_model(config):
+    """The model's structure without weights (the plan reads only the config and modules)."""
+    import transformers
+    with torch.device("meta"):
+        return transformers.AutoModelForCausalLM.from_config(config)
+
+
+@pytest.mark.parametrize("name", sorted(_MOE_CONFIGS))
+def test_moe_facts_are_read_from_each_familys_config_and_match_its_layers(name):
+    model = _meta_model(_moe_config(name))
+    plan = build_plan(model)
+    total, top_k, shared, layers = _MOE_CONFIGS[name][2]
+    e = plan.experts
+    assert (e.total, e.top_k, e.shared, e.moe_layers) == (total, top_k, shared, layers)
+    assert (e.range, e.ranges) == ((0, total), ((0, total),))
+    # the layers the facts call MoE are the ones HF built with routed experts
+    built = tuple(i for i, layer in enumerate(model.model.layers)
+                  if hasattr(getattr(layer, "mlp", None), "experts"))
+    assert built == layers
+    assert f"experts: {total} per layer, top-{top_k}, {shared} shared" in repr(plan)
+
+
+def test_a_dense_model_has_no_expert_plan():
+    assert build_plan(tiny_causal_lm("llama")).experts is None
+
+
+@pytest.mark.parametrize("total, ep, sizes", [
+    (10, 4, (3, 3, 2, 2)), (8, 2, (4, 4)), (3, 3, (1, 1, 1)), (7, 1, (7,))])
+def test_experts_split_plus_minus_one_over_the_ep_ranks(total, ep, sizes):
+    from shardwise.plan import Dim, ExpertPlan, split_experts
+    from shardwise.policy import MoEFacts
+    ranges = split_experts(total, ep)
+    assert tuple(b - a for a, b in ranges) == sizes
+    assert ranges[0][0] == 0 and ranges[-1][1] == total
+    assert all(ranges[r][1] == ranges[r + 1][0] for r in range(ep - 1))
+    last = ExpertPlan.compute(MoEFacts(total, 2, 0, (0,)), Dim("ep", ep, ep - 1))
+    assert last.range == ranges[-1] and last.ranges == ranges
+
+
+def _moe(**kwargs):
+    from shardwise.config import InferenceConfig
+    return InferenceConfig.build(moe=kwargs or True).moe
+
+
+@pytest.mark.parametrize("name, moe, world, error, match", [
+    ("mixtral", dict(ep_size=8), 8, ShardingError,
+     "ep_size=8 is larger than the 'mixtral' model's 4 experts.*would work here: 1, 2, 4"),
+    ("mixtral", dict(ep_size=3), 4, ShardingError,
+     "ep_size=3 must divide tp × dp = 4.*ep sizes that would work: 1, 2, 4"),
+    ("mixtral", dict(moe_experts=[8]), 1, ConfigError,
+     r"moe_experts=\[8\] but the 'mixtral' model has 4 experts per MoE layer; give "
+     r"moe_experts=4"),
+    ("mixtral", dict(type="residual"), 1, ConfigError,
+     "type='residual' does not match the 'mixtral' model: it has no shared expert, a "
+     "'standard' MoE; give type='standard'"),
+    ("qwen2_moe", dict(type="standard"), 1, ConfigError,
+     r"type='standard' does not match the 'qwen2_moe' model: it has 1 shared expert\(s\), a "
+     r"'residual' MoE"),
+    ("mixtral", dict(ep_size=2), 2, ParallelismNotSupportedError,
+     r"expert parallelism \(ep_size=2\) is not supported yet"),
+])
+def test_bad_moe_input_gets_its_own_error_before_not_supported_yet(name, moe, world, error,
+                                                                    match):
+    from shardwise.config import MoEConfigError
+    with pytest.raises(error, match=match) as info:
+        build_plan(_meta_model(_moe_config(name)), moe=_moe(**moe), world=world, rank=0)
+    if error is ConfigError:
+        assert isinstance(info.value, MoEConfigError)
+
+
+def test_moe_on_a_dense_model_names_the_model_type():
+    from shardwise.config import MoEConfigError
+    with pytest.raises(MoEConfigError, match="is for Mixture-of-Experts models, but the 'llama' "
+                                             "model has no experts.*remove moe="):
+        build_plan(tiny_causal_lm("llama"), moe=_moe())
+    with pytest.raises(MoEConfigError, match="ep_size=2 is for Mixture-of-Experts"):
+        build_plan(tiny_causal_lm("llama"), ep_size=2, world=2, rank=0)
+
+
+def test_matching_moe_settings_build_the_plan():
+    plan = build_plan(_meta_model(_moe_config("qwen2_moe")),
+                      moe=_moe(ep_size=1, moe_experts=6, type="residual"))
+    assert plan.ep.size == 1 and plan.experts.total == 6 and plan.experts.shared == 1
+
+
+def test_init_inference_with_moe_ep1_leaves_a_tiny_mixtral_exact():
+    import transformers
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(_moe_config("mixtral")).eval()
+    ids = prompt_ids(batch=2, length=8)
+    with torch.no_grad():
+        expected = model(input_ids=ids).logits
+    engine = shardwise.init_inference(model, moe={"ep_size": 1}, device="cpu")
+    assert engine.plan.experts.ranges == ((0, 4),)
+    with torch.no_grad():
+        assert torch.equal(engine(input_ids=ids).logits, expected)
+
+
+def test_bad_moe_fails_init_inference_before_any_work():
+    from shardwise.config import MoEConfigError
+    model = tiny_causal_lm("llama")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(MoEConfigError, match="'llama' model has no experts"):
+        shardwise.init_inference(model, moe={"ep_size": 1}, device="cpu")
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
