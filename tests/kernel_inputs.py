@@ -27,6 +27,10 @@ TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float16: dict(atol=2e-3,
        torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
 F64 = dict(atol=1e-5, rtol=1e-5)
 QUANT_TOL = {torch.bfloat16: 2.0**-6, torch.float16: 2.0**-8}
+#: moe_grouped_mlp: ``max|got - ref| <= MOE_TOL[dtype] * max|ref|``. fp32 1e-5 (sum order); bf16
+#: 2**-6: the backends round the [T*k, 2I] gate/up product and the activation to bf16 before the
+#: down GEMM (as HF's bf16 experts do), the reference keeps float32 until the end
+MOE_TOL = {torch.float32: 1e-5, torch.bfloat16: 2.0**-6, torch.float16: 2.0**-8}
 #: int8 / int4, symmetric or not: (bits, symmetric)
 QUANT_SPECS = [(bits, sym) for bits in (8, 4) for sym in (True, False)]
 EPS = 1e-5
@@ -163,3 +167,33 @@ def quant_shape(bits, group_size, in_features=128, out_features=96, symmetric=Tr
     """The weight-spec keywords ``resolve("quant_linear", ...)`` takes."""
     return dict(bits=bits, group_size=group_size, symmetric=symmetric, in_features=in_features,
                 out_features=out_features)
+
+
+# ----- moe ------------------------------------------------------------------------------------
+
+
+def moe_inputs(tokens, hidden, inter, n_experts, top_k, dtype, device="cpu", seed=0,
+               adversarial=False):
+    """x [T, H], gate_up [E, 2I, H], down [E, H, I] (scaled so outputs are O(1)), experts and
+    weights [T, k] from a softmax router (renormalised); ``adversarial``: every token to expert
+    E-1 first and expert 0 second."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, hidden, generator=g)
+    gate_up = torch.randn(n_experts, 2 * inter, hidden, generator=g) * hidden ** -0.5
+    down = torch.randn(n_experts, hidden, inter, generator=g) * inter ** -0.5
+    logits = torch.randn(tokens, n_experts, generator=g)
+    probs = logits.softmax(-1)
+    weights, experts = probs.topk(top_k, dim=-1)
+    if adversarial:
+        experts = torch.tensor([n_experts - 1, 0][:top_k]).expand(tokens, top_k).contiguous()
+    weights = weights / weights.sum(-1, keepdim=True)
+    return (x.to(device, dtype), gate_up.to(device, dtype), down.to(device, dtype),
+            experts.to(device), weights.to(device))
+
+
+def assert_moe_matches(got, want, dtype):
+    """got/want [T, H] in dtype; max abs error within MOE_TOL[dtype] of the largest output."""
+    assert got.dtype == want.dtype == dtype and got.shape == want.shape
+    err = (got.float() - want.float()).abs().max().item()
+    bound = MOE_TOL[dtype] * max(want.float().abs().max().item(), 1.0)
+    assert err <= bound, f"max abs error {err:.4g} > {bound:.4g} ({dtype})"

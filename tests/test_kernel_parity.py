@@ -29,8 +29,9 @@ import pytest
 import torch
 
 from gpu import cuda_accelerator
-from kernel_inputs import (DECODE_LENGTHS, DECODE_STARTS, QUANT_SPECS, TOL, assert_quant_matches,
-                           check_norm, dtype_id, garbage_cache, heads, norm_inputs,
+from kernel_inputs import (DECODE_LENGTHS, DECODE_STARTS, QUANT_SPECS, TOL, assert_moe_matches,
+                           assert_quant_matches, check_norm, dtype_id, garbage_cache, heads,
+                           moe_inputs, norm_inputs,
                            padding_mask, positions, qkv, quant_weight, quant_x, randn,
                            window_starts, write_case)
 from shardwise import KernelError
@@ -521,9 +522,71 @@ def _quant_cases():
                {"cuda": (BF16,)}, quant_check)
 
 
+# ----- moe ------------------------------------------------------------------------------------
+
+
+def moe_check(got, want, ctx: Ctx) -> None:
+    assert_moe_matches(got, want, ctx.dtype)
+
+
+def route_check(got, want, ctx: Ctx) -> None:
+    """The same experts in the same order, float32 weights within 1e-5."""
+    assert torch.equal(got[1], want[1])
+    assert got[0].dtype == want[0].dtype == F32
+    torch.testing.assert_close(got[0], want[0], atol=1e-5, rtol=1e-5)
+
+
+def _moe_build(tokens, hidden, inter, n_experts, top_k, adversarial=False, gpt_oss=False):
+    def build(dtype, device, target):
+        x, gate_up, down, experts, weights = moe_inputs(tokens, hidden, inter, n_experts, top_k,
+                                                        dtype, device, adversarial=adversarial)
+        kwargs = {}
+        if gpt_oss:  # expert biases and the clamped SwiGLU (limit low enough to bite)
+            kwargs = dict(gate_up_bias=randn(n_experts, 2 * inter, dtype=dtype, device=device,
+                                             seed=7),
+                          down_bias=randn(n_experts, hidden, dtype=dtype, device=device, seed=8),
+                          clamp=0.5)
+        return [Call((x, gate_up, down, experts, weights), kwargs)]
+    return build
+
+
+def _route_build(tokens, n_experts, top_k, kwargs):
+    def build(dtype, device, target):
+        logits = randn(tokens, n_experts, dtype=dtype, device=device, seed=9)
+        kw = dict(kwargs)
+        if "bias" in kw:
+            kw["bias"] = randn(n_experts, device=device, seed=10, scale=0.1)
+        return [Call((logits, top_k), kw)]
+    return build
+
+
+#: name -> (tokens, hidden, inter, experts, top_k, adversarial, gpt_oss); decode 1 and 8 tokens,
+#: a prefill, all tokens to one expert, GPT-OSS's biases and clamp, and an I (12) too narrow for
+#: grouped_mm's 16-byte strides (the gathered path)
+MOE_CPU = {"decode-t1": (1, 64, 32, 8, 2, False, False),
+           "decode-t8": (8, 64, 32, 8, 2, False, False),
+           "prefill-t40": (40, 64, 48, 8, 2, False, False),
+           "adversarial": (24, 64, 32, 8, 2, True, False),
+           "gpt-oss": (9, 64, 32, 4, 2, False, True),
+           "unaligned-i12": (5, 32, 12, 4, 3, False, False)}
+ROUTES = {"softmax-renorm": (8, 2, dict(renormalize=True)),
+          "softmax-top3": (8, 3, dict()),
+          "sigmoid-grouped-bias": (16, 4, dict(scoring="sigmoid", n_group=4, topk_group=2,
+                                               bias=True, renormalize=True, scale=2.5))}
+
+
+def _moe_cases():
+    for name, (t, h, i, e, k, adv, oss) in MOE_CPU.items():
+        yield Case("moe_grouped_mlp", f"cpu-{name}", _moe_build(t, h, i, e, k, adv, oss),
+                   {"cpu": (F32, BF16)}, moe_check)
+    for name, (e, k, kw) in ROUTES.items():
+        yield Case("moe_route", f"{name}", _route_build(13, e, k, kw), {"cpu": (F32, BF16)},
+                   route_check)
+
+
 CASES: list[Case] = [*_norm_cases("rms_norm"), *_norm_cases("layer_norm"), *_rotary_cases(),
                      *_activation_cases(), *_attention_cases(), *_kv_cache_cases(),
-                     *_quant_cases()]
+                     *_quant_cases(), *_moe_cases()]
 assert len({(c.op, c.name) for c in CASES}) == len(CASES), "case names repeat within an op"
 
 

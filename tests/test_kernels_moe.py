@@ -151,3 +151,37 @@ def test_grouped_mlp_bad_input():
                             activation="gelu", clamp=7.0)
     with pytest.raises(KernelError, match="expert indices"):
         ref.moe_permute(torch.tensor([[0, 4]]), 4)
+
+
+def _meta_inputs(tokens, inter=32):
+    # bf16: torch's meta kernel of grouped_mm takes bf16 only (its CPU kernel takes fp32 too)
+    x, gate_up, down = (torch.empty(s, device="meta", dtype=torch.bfloat16) for s in
+                        ((tokens, 64), (8, 2 * inter, 64), (8, 64, inter)))
+    return (x, gate_up, down, torch.empty(tokens, 2, dtype=torch.long, device="meta"),
+            torch.empty(tokens, 2, device="meta"))
+
+
+@pytest.mark.parametrize("tokens", [1, 8, 40])
+def test_cpu_grouped_mlp_never_syncs_with_the_host(tokens):
+    """Meta tensors have no values: an op that runs on them reads none on the host (no
+    ``.item()``, ``nonzero`` or routing-dependent shape), which is what a graph capture needs.
+    The reference (the oracle) does read them, so the check is not vacuous."""
+    from shardwise.kernels.cpu import moe as cpu_moe
+
+    for inter in (32, 12):  # grouped_mm and the gathered path
+        out = cpu_moe.moe_grouped_mlp(*_meta_inputs(tokens, inter))
+        assert out.shape == (tokens, 64) and out.device.type == "meta"
+    w, e = cpu_moe.moe_route(torch.empty(tokens, 8, device="meta"), 2, renormalize=True)
+    assert w.shape == e.shape == (tokens, 2)
+    with pytest.raises((RuntimeError, NotImplementedError)):
+        ref.moe_grouped_mlp(*_meta_inputs(tokens))
+
+
+def test_cpu_grouped_mlp_refuses_what_the_reference_refuses():
+    from shardwise.kernels.cpu import moe as cpu_moe
+
+    x, experts, w = torch.zeros(2, 16), torch.zeros(2, 2, dtype=torch.long), torch.zeros(2, 2)
+    with pytest.raises(KernelError, match="gpt_oss_layout"):
+        cpu_moe.moe_grouped_mlp(x, torch.zeros(4, 16, 24), torch.zeros(4, 12, 16), experts, w)
+    with pytest.raises(KernelError, match="top_k"):
+        cpu_moe.moe_route(torch.zeros(3, 8), 9)

@@ -5,7 +5,7 @@ than the reference, for the dtypes it won (each module's ``REGISTERED`` and docs
 and why; by how much, measured where: benchmarks/README.md, "CPU kernels against the
 reference"). Families: ``rotary``, ``activations``, ``attention`` (prefill and decode),
 ``kv_cache``, ``norms``, ``quant`` (weight-only ``quant_linear``, bf16, when torch has its
-packed kernels). Every family of the reference has an implementation here.
+packed kernels), ``moe`` (router and grouped expert MLP, fp32/bf16). Every family of the reference has an implementation here.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ DEVICE_TYPES = frozenset({"cpu"})
 #: The dtypes the families may claim (each registers the subset it won; quant: bf16 only).
 DTYPES = frozenset({torch.float32, torch.bfloat16, torch.float16})
 #: Op families, each a submodule with ``register(registry)``.
-FAMILIES = ("rotary", "activations", "attention", "kv_cache", "norms", "quant")
+FAMILIES = ("rotary", "activations", "attention", "kv_cache", "norms", "quant", "moe")
 _NORMS = ("rms_norm", "layer_norm")
 
 __all__ = ["DEVICE_TYPES", "DTYPES", "FAMILIES", "layer_norm", "rms_norm", "register"]
