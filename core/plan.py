@@ -19,6 +19,12 @@ The dimensions and their checks (:func:`check_dims`), made before any process gr
   world with no collectives between the replicas; data-parallel replicas of a TP group, and pp
   or ep other than 1, are :class:`ParallelismNotSupportedError` ("not supported yet").
 
+Mixture-of-Experts models: ``plan.experts`` (:class:`ExpertPlan`) holds the facts the policy reads
+from the config (experts, top-k, shared experts, which layers are MoE) and every ep rank's expert
+range (split ±1). ``moe=`` is checked against them first (a dense model, an expert count or type
+not the model's, ep_size above the expert count), then the dimensions, so bad input gets its own
+error before ep > 1's "not supported yet".
+
 Process groups: at world 1 none; under TP the default group (the engine's communicator, bound by
 :meth:`Plan.bind`); a group per other dimension only when that dimension is > 1 would need one
 (none can be yet).
