@@ -117,17 +117,19 @@ def test_each_token_is_timed_after_synchronizing_through_the_accelerator():
         runner.time_generate(model, inputs, runner.generation_kwargs(model, 4), 5, acc)
 
 
-def test_prompt_is_the_text_repeated_and_cut_to_length():
+def test_prompt_is_the_text_repeated_and_cut_to_length_each_row_shifted():
     def tokenizer(text, add_special_tokens):
         assert text == runner.PROMPT_TEXT and not add_special_tokens
         return {"input_ids": [5, 6, 7]}
 
     inputs = runner.make_inputs(tokenizer, 100, Cell(2, 7, 1))
-    assert inputs["input_ids"].tolist() == [[5, 6, 7, 5, 6, 7, 5]] * 2
+    assert inputs["input_ids"].tolist() == [[5, 6, 7, 5, 6, 7, 5], [6, 7, 5, 6, 7, 5, 6]]
     assert inputs["attention_mask"].sum() == 14
     random_ids = runner.make_inputs(None, 100, Cell(1, 50, 1), seed=3)["input_ids"]
     assert torch.equal(random_ids, runner.make_inputs(None, 100, Cell(1, 50, 1), seed=3)[
         "input_ids"]) and int(random_ids.max()) < 100
+    rows = runner.make_inputs(None, 100, Cell(2, 50, 1))["input_ids"]
+    assert not torch.equal(rows[0], rows[1])  # an MoE model routes different rows differently
 
 
 # ----- figures ----------------------------------------------------------------------------------------
@@ -421,6 +423,88 @@ def test_default_variants_end_to_end_on_a_tiny_preset(tmp_path, capsys, monkeypa
     assert "dtype" in table and "shardwise[inject,int4]" in table
     if chart.plotting_available():
         assert out.with_suffix(".png").stat().st_size > 1000
+
+
+# ----- MoE: presets, HF's experts implementations, bytes read per step ----------------------------
+
+MOE_TINY = "mixtral-2l-64h-4e"
+
+
+def test_moe_presets_mixtral_about_1b_and_fine_grained_with_a_shared_expert():
+    mixtral, fine = get_preset("mixtral-18l-1024h-8e"), get_preset("moe-shared-12l-1024h-64e")
+    assert 0.9e9 < count_parameters(mixtral.name) < 1.1e9
+    assert (mixtral.config["num_local_experts"], mixtral.config["num_experts_per_tok"]) == (8, 2)
+    assert (fine.config["num_experts"], fine.config["num_experts_per_tok"]) == (64, 6)
+    assert fine.config_class == "Qwen2MoeConfig" and fine.config["shared_expert_intermediate_size"]
+
+
+def _tiny_mixtral():
+    from transformers import AutoModelForCausalLM, MixtralConfig
+
+    config = MixtralConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                           num_experts_per_tok=2, vocab_size=64, tie_word_embeddings=False)
+    return AutoModelForCausalLM.from_config(config).eval()
+
+
+def test_moe_decode_bytes_are_the_dense_parts_and_the_experts_routed_to():
+    model = _tiny_mixtral()
+    one_expert = (2 * 48 * 32 + 32 * 48) * 4  # gate_up (2·inter × hidden) + down, fp32
+    per_layer = (32 * 32 + 2 * 32 * 16 + 32 * 32  # q, k, v (2 kv heads × 8), o
+                 + 2 * 32 + 4 * 32)  # two RMSNorms, the router
+    dense = (64 * 32 * 2 + 32 + 2 * per_layer) * 4  # embeddings, head, final norm, 2 layers
+    assert roofline.weight_bytes(model) == dense + 2 * 4 * one_expert
+    layers = roofline.expert_modules(model)
+    assert len(layers) == 2 and roofline.expert_bytes(layers[0]) == 4 * one_expert
+    hidden = torch.randn(2, 32)
+    with roofline.RoutingCounter(model, tokens=2) as counter:
+        layers[0](torch.randn(5, 32), torch.tensor([[0, 1]] * 5), torch.ones(5, 2))  # prefill
+        for first, second in (([[0, 1], [1, 2]], [[0, 3], [3, 0]]),  # 3 and 2 distinct
+                              ([[0, 1], [0, 1]], [[1, 2], [2, 3]])):  # 2 and 3 distinct
+            layers[0](hidden, torch.tensor(first), torch.ones(2, 2))
+            layers[1](hidden, torch.tensor(second), torch.ones(2, 2))
+    assert counter.mean_distinct() == [2.5, 2.5]
+    assert roofline.moe_decode_bytes(model, counter, 2) == (
+        dense + 5 * one_expert, "dense + routed experts (measured)")
+    # no count: uniform routing; one token reads exactly top_k experts per layer
+    assert roofline.moe_decode_bytes(model, None, 1) == (
+        dense + 2 * 2 * one_expert, "dense + routed experts (expected)")
+    assert roofline.expected_distinct_experts(64, 6, 1) == pytest.approx(6)
+    assert roofline.expected_distinct_experts(8, 2, 8) == pytest.approx(8 * (1 - 0.75 ** 8))
+    assert roofline.moe_decode_bytes(tiny_causal_lm(), None, 1)[1] == "all weights"
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--preset", TINY, "--baseline-experts", "eager"], f"and {TINY} is a dense model"),
+    (["--baseline-experts", "eager"], "needs an MoE model"),  # the embedded GGUF default
+    (["--preset", MOE_TINY, "--baseline-experts", "fastest"], "choose one of eager, "),
+    (["--preset", MOE_TINY, "--plain", "--baseline-experts", "sonicmoe"],
+     "--baseline-experts sonicmoe does not run on 'cpu' in float32 (ImportError"),
+])
+def test_baseline_experts_is_refused_before_any_load(no_heavy_work, capsys, argv, says):
+    assert main(["bench", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert says in err and "\n" not in err, err
+
+
+def test_moe_baseline_runs_the_chosen_experts_implementation_and_counts_routed_bytes(
+        tmp_path, capsys):
+    out = tmp_path / "moe.json"
+    assert main(["bench", "--preset", MOE_TINY, "--plain", "--batch", "2",
+                 "--baseline-experts", "eager", *FAST, "--no-chart", "--output", str(out)]) == 0
+    runs = report.read_json(out)["runs"]
+    assert [(r["variant"], r["baseline"], r["status"]) for r in runs] == [
+        ("hf[eager]", True, "ok"), ("shardwise", False, "ok")]
+    assert runs[0]["experts_implementation"] == "eager"
+    assert runs[1]["figures"]["speedup"]["decode"] > 0  # held against hf[eager]
+    for rec in runs:
+        f = rec["figures"]
+        assert rec["decode_bytes_method"] == "dense + routed experts (measured)"
+        assert f["decode_bytes"] == rec["decode_bytes"] < rec["weight_bytes"]
+        assert f["decode_gbps"] == pytest.approx(
+            rec["decode_bytes"] / (f["decode_ms"]["median"] / 1e3) / 1e9)
+    assert f"GB/s of {MOE_TINY} is over the dense weights and the experts routed to" in \
+        capsys.readouterr().out
 
 
 # ----- running ------------------------------------------------------------------------------------------

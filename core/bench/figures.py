@@ -8,7 +8,10 @@ Definitions (all over the timed repeats; warm-up samples are kept in the JSON bu
   the steps of all repeats pooled.
 * ``tokens_per_s``: decode throughput, ``batch / median step``.
 * ``e2e_tokens_per_s``: ``batch × new tokens / median whole-generate time`` (prefill included).
-* ``decode_gbps`` / ``bandwidth_pct`` and ``prefill_tflops``: see :mod:`.roofline`.
+* ``decode_gbps`` / ``bandwidth_pct`` and ``prefill_tflops``: see :mod:`.roofline`. Decode GB/s
+  is over the record's ``decode_bytes`` (for an MoE model: the dense parts and the experts
+  routed to, not every expert), or its ``weight_bytes`` where a record has none;
+  ``decode_bytes_method`` says which.
 * ``speedup``: baseline latency ÷ this variant's latency, per phase (> 1 is faster).
 """
 
@@ -44,10 +47,20 @@ def figures(rec: dict[str, Any], device_gbps: float | None) -> dict[str, Any]:
     if steps:
         step = median(steps)
         out["tokens_per_s"] = rec["batch"] / step
-        out["decode_gbps"] = roofline.decode_gbps(rec["weight_bytes"], step)
+        read, method = decode_bytes(rec)
+        out["decode_bytes"], out["decode_bytes_method"] = read, method
+        out["decode_gbps"] = roofline.decode_gbps(read, step)
         if device_gbps:
             out["bandwidth_pct"] = roofline.bandwidth_pct(out["decode_gbps"], device_gbps)
     return out
+
+
+def decode_bytes(rec: dict[str, Any]) -> tuple[int, str]:
+    """``(bytes a decode step reads, how they were counted)`` of a record: its
+    ``decode_bytes`` when it has them (records before MoE support do not), else every weight."""
+    if rec.get("decode_bytes"):
+        return rec["decode_bytes"], rec.get("decode_bytes_method") or "all weights"
+    return rec["weight_bytes"], "all weights"
 
 
 def cell_key(rec: dict[str, Any]) -> tuple:

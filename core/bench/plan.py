@@ -20,6 +20,12 @@ QUANT_CONFIGS = {"int8": {"weight": {"num_bits": 8}}, "int4": {"weight": {"num_b
 BASELINE = "hf"
 
 
+def is_baseline(variant: str) -> bool:
+    """Whether ``variant`` names the HF baseline (``hf``, or ``hf[grouped_mm]`` with an experts
+    implementation)."""
+    return variant == BASELINE or variant.startswith(BASELINE + "[")
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     """A model to benchmark: ``kind`` is ``"default"`` (the embedded model), ``"path"`` (a HF
@@ -78,6 +84,13 @@ class Plan:
     repeats: int = 3
     seed: int = 0
     baseline_dtype: str | None = None
+    baseline_experts: str | None = None
+
+    @property
+    def baseline_name(self) -> str:
+        """The baseline's variant name: ``hf``, or ``hf[eager]`` when HF's MoE blocks are asked
+        for an experts implementation (``--baseline-experts``)."""
+        return f"{BASELINE}[{self.baseline_experts}]" if self.baseline_experts else BASELINE
 
     def variant_name(self, variant: Variant) -> str:
         """A variant's name, its options in brackets (``shardwise[tp2,inject,graphs,int8]``)."""
@@ -252,3 +265,83 @@ def check_cells_fit(models: list[ModelSpec], cells: list[Cell]) -> None:
             raise ConfigError(
                 f"--prompt-len {longest.prompt_len} + --new-tokens {longest.new_tokens} exceed "
                 f"the {limit} positions of {spec.name}; use shorter prompts or fewer tokens")
+
+
+# ----- HF's experts implementations (MoE baselines) -----------------------------------------------
+
+#: config.json keys that give an MoE model's number of routed experts, in HF's families.
+EXPERT_COUNT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
+
+
+def experts_implementations() -> list[str]:
+    """The experts implementations this transformers knows (``experts_implementation=``):
+    ``eager`` (a Python loop over the experts hit) and those of its ``ALL_EXPERTS_FUNCTIONS``
+    (``grouped_mm``, ``batched_mm``, ...)."""
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    return ["eager", *ALL_EXPERTS_FUNCTIONS.keys()]
+
+
+def model_experts(spec: ModelSpec) -> int | None:
+    """Routed experts of ``spec`` from its config (0: a dense model); None when that is not
+    cheap to know (a GGUF file, the embedded default model)."""
+    from pathlib import Path
+
+    if spec.kind == "preset":
+        config = get_preset(spec.name).config
+    elif spec.kind == "path" and spec.path and Path(spec.path).is_dir():
+        config = read_config(Path(spec.path))
+    else:
+        return None
+    return max((v for k in EXPERT_COUNT_KEYS if isinstance(v := config.get(k), int)), default=0)
+
+
+def check_baseline_experts(models: list[ModelSpec], experts: str | None,
+                           accelerator: Accelerator, dtype: str | None) -> None:
+    """Refuse ``--baseline-experts`` before any load: an implementation this transformers does
+    not know, a model that is not MoE (or cannot be told to be), or an implementation that does
+    not run on ``accelerator``'s device in ``dtype`` (tried on a tiny experts module there)."""
+    if experts is None:
+        return
+    known = experts_implementations()
+    if experts not in known:
+        raise ConfigError(f"--baseline-experts {experts!r} is not an experts implementation of "
+                          f"this transformers; choose one of {', '.join(known)}")
+    for spec in models:
+        count = model_experts(spec)
+        if count is None:
+            raise ConfigError(f"--baseline-experts needs an MoE model, and {spec.name} is not a "
+                              f"preset or HF directory whose config says; bench an MoE preset "
+                              f"(--list-presets) or directory, or drop --baseline-experts")
+        if count == 0:
+            raise ConfigError(f"--baseline-experts {experts} picks how HF's MoE blocks run their "
+                              f"experts, and {spec.name} is a dense model (no experts); drop it "
+                              f"or bench an MoE model (e.g. --preset mixtral-18l-1024h-8e)")
+    probe_experts_implementation(experts, accelerator, parse_dtype(dtype))
+
+
+def probe_experts_implementation(experts: str, accelerator: Accelerator, dtype) -> None:
+    """Run HF's ``experts`` implementation once on a tiny Mixtral experts module (4 experts,
+    hidden 16) on ``accelerator``'s device in ``dtype``; a ConfigError names it and its own
+    error when it does not run there (e.g. a GPU-only kernel, a missing package)."""
+    import torch
+    from transformers import MixtralConfig
+    from transformers.models.mixtral.modeling_mixtral import MixtralExperts
+
+    config = MixtralConfig(hidden_size=16, intermediate_size=32, num_local_experts=4,
+                           num_experts_per_tok=2)
+    config._experts_implementation = experts
+    dtype = dtype or torch.float32
+    device = accelerator.device()
+    try:
+        module = MixtralExperts(config).to(device=device, dtype=dtype)
+        torch.nn.init.normal_(module.gate_up_proj)
+        torch.nn.init.normal_(module.down_proj)
+        hidden = torch.randn(3, 16, device=device, dtype=dtype)  # 3 tokens
+        index = torch.tensor([[0, 1], [1, 2], [3, 0]], device=device)  # (tokens, top_k)
+        module(hidden, index, torch.full((3, 2), 0.5, device=device, dtype=dtype))
+    except Exception as exc:  # the implementation's own reason (ImportError, ValueError, ...)
+        raise ConfigError(f"--baseline-experts {experts} does not run on {accelerator.name!r} "
+                          f"in {dtype_name(dtype)} ({type(exc).__name__}: "
+                          f"{str(exc).splitlines()[0] if str(exc) else ''}); choose another of "
+                          f"{', '.join(experts_implementations())}") from None

@@ -3,6 +3,9 @@
 Presets are named by family and shape (``<model_type>-<layers>l-<hidden>h``, ``-gqa`` when the
 attention has fewer key/value heads than query heads), never by the checkpoints they imitate.
 Random weights make the text meaningless but the arithmetic (and so the speed) is the real one.
+Mixture-of-Experts presets add ``-<experts>e`` (``-top<k>`` in their description); their
+routing over random weights is close to uniform, which is what the roofline's byte count of
+the experts a step reads assumes only where it cannot count them (see :mod:`.roofline`).
 """
 
 from __future__ import annotations
@@ -68,6 +71,30 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
                 num_key_value_heads=2, vocab_size=256, max_position_embeddings=512,
                 bos_token_id=0, eos_token_id=0),
            "tiny Llama-style (for tests and smoke runs; measures overhead, not bandwidth)"),
+    Preset("mixtral-18l-1024h-8e", "MixtralConfig",
+           dict(hidden_size=1024, intermediate_size=2048, num_hidden_layers=18,
+                num_attention_heads=16, num_key_value_heads=4, num_local_experts=8,
+                num_experts_per_tok=2, tie_word_embeddings=False, **_LLAMA_COMMON),
+           "~1.0B Mixtral-style MoE: 8 experts top-2 (~0.34B read per token), 16 query / 4 "
+           "key-value heads"),
+    # Qwen2-MoE, not DeepSeek-V3: DeepSeek-V3's attention is multi-head latent attention (a
+    # low-rank KV cache) and its router is grouped and sigmoid-scored, so its numbers would mix
+    # the attention's cost into the experts'; Qwen2-MoE has the same fine-grained experts with
+    # a shared expert (sigmoid-gated) behind a plain grouped-query attention.
+    Preset("moe-shared-12l-1024h-64e", "Qwen2MoeConfig",
+           dict(hidden_size=1024, intermediate_size=2816, moe_intermediate_size=256,
+                shared_expert_intermediate_size=1024, num_hidden_layers=12,
+                num_attention_heads=16, num_key_value_heads=4, num_experts=64,
+                num_experts_per_tok=6, norm_topk_prob=False, use_sliding_window=False,
+                tie_word_embeddings=False, **_LLAMA_COMMON),
+           "~0.74B DeepSeek-shaped fine-grained MoE (Qwen2-MoE): 64 experts top-6 and one "
+           "shared expert per layer (~0.19B read per token)"),
+    Preset("mixtral-2l-64h-4e", "MixtralConfig",
+           dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                num_experts_per_tok=2, vocab_size=256, max_position_embeddings=512,
+                bos_token_id=0, eos_token_id=0),
+           "tiny Mixtral-style MoE, 4 experts top-2 (for tests and smoke runs)"),
     Preset("gpt2-2l-64h", "GPT2Config",
            dict(n_embd=64, n_layer=2, n_head=4, vocab_size=256, n_positions=512,
                 bos_token_id=0, eos_token_id=0),
@@ -105,7 +132,7 @@ def count_parameters(name: str) -> int:
 
 def describe_presets() -> str:
     """A table of the presets (name, parameters, shape) for ``--list-presets``."""
-    lines = [f"{'preset':<22} {'params':>8}  about"]
+    lines = [f"{'preset':<26} {'params':>8}  about"]
     for name, preset in PRESETS.items():
-        lines.append(f"{name:<22} {count_parameters(name) / 1e6:>7.1f}M  {preset.about}")
+        lines.append(f"{name:<26} {count_parameters(name) / 1e6:>7.1f}M  {preset.about}")
     return "\n".join(lines)

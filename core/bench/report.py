@@ -12,7 +12,11 @@ A result file is one JSON object::
      "runs": [{"model", "variant", "baseline", "batch", "prompt_len", "new_tokens",
                "status", "error", "dtype", "kernel_dtype" (the quantized layers' activation
                dtype, when the engine reports one), "world_size", "weight_bytes",
-               "nonembedding_params", "peak_memory_bytes",
+               "nonembedding_params", "decode_bytes" (what one decode step reads: every
+               weight, or for an MoE model the dense parts and the experts routed to),
+               "decode_bytes_method" (which: "all weights", "dense + routed experts
+               (measured)" or "(expected)"), "experts_implementation" (HF baseline rows of an
+               MoE model: the experts implementation that ran), "peak_memory_bytes",
                "samples": {"warmup": [...], "repeats": [{"prefill_s", "per_token_s"}]},
                "figures": {...}}],             # see figures.py
      "notes": [...]}                           # optional: e.g. why a default row is left out
@@ -232,8 +236,39 @@ def format_table(doc: dict) -> str:
             f"{_probes(bw)})",
             format_grid(list(COLUMNS), rows, text_columns=3)]
     text += [f"[{i}] {note}" for note, i in notes.items()]
+    text += [f"note: {line}" for line in decode_bytes_notes(doc["runs"])]
     text += [f"note: {line}" for line in doc.get("notes") or []]
     return "\n".join(text)
+
+
+def decode_bytes_notes(runs: list[dict]) -> list[str]:
+    """One line per model whose GB/s is not over every weight (an MoE model): the bytes a
+    decode step read at each batch size (the first row's of that batch) and how they were
+    counted."""
+    read: dict[str, dict[int, int]] = {}
+    for rec in runs:
+        f = rec.get("figures") or {}
+        if f.get("decode_bytes_method", "all weights") != "all weights":
+            read.setdefault(rec["model"], {}).setdefault(rec["batch"], f["decode_bytes"])
+    return [f"GB/s of {model} is over the dense weights and the experts routed to per decode "
+            f"step ({method_words(runs, model)}), of {_weights_mib(runs, model)} MiB in all: "
+            + ", ".join(f"batch {b} {n / 2**20:.3g} MiB" for b, n in by_batch.items())
+            for model, by_batch in read.items()]
+
+
+def method_words(runs: list[dict], model: str) -> str:
+    """How a model's routed experts were counted: measured, expected, or both."""
+    methods = {(r.get("figures") or {}).get("decode_bytes_method", "") for r in runs
+               if r["model"] == model}
+    found = [m for m in ("measured", "expected") if any(m in x for x in methods)]
+    return "counted by a hook on the experts" if found == ["measured"] else \
+        "expected for uniform routing" if found == ["expected"] else \
+        "counted where the experts module ran, else expected for uniform routing"
+
+
+def _weights_mib(runs: list[dict], model: str) -> str:
+    sizes = {r["weight_bytes"] for r in runs if r["model"] == model and r.get("weight_bytes")}
+    return "/".join(f"{s / 2**20:.3g}" for s in sorted(sizes))
 
 
 def _probes(bw: dict) -> str:

@@ -13,6 +13,14 @@ non-embedding parameter, so
 
 (attention's own FLOPs, quadratic in the prompt, are left out; for short prompts they are small).
 
+A Mixture-of-Experts decode step does not read every weight: it reads the dense parts
+(attention, norms, router, shared experts, embeddings as for a dense model) and, in each MoE
+layer, only the experts its tokens were routed to. Its GB/s counts those bytes
+(:func:`moe_decode_bytes`): the experts are *counted* by a hook on each experts module during
+the timed decode steps (:class:`RoutingCounter`, method ``"measured"``); where no hook fired
+(an engine that no longer calls the experts module) the count is the expected number of
+distinct experts for uniform routing (method ``"expected"``, :func:`expected_distinct_experts`).
+
 The device's bandwidth is measured here, on the device, by copying a large tensor:
 read + write = 2 × size bytes per copy, before and after the timed runs (the higher is used:
 see :class:`Bandwidth`).
@@ -84,6 +92,101 @@ def nonembedding_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters() if id(p) not in embedding_ids) + sum(
         m.in_features * m.out_features for m in model.modules()  # quantized layers' weights
         if getattr(m, "counts_buffers_as_weights", False) and m is not _output(model))
+
+
+def expert_modules(model: nn.Module) -> list[nn.Module]:
+    """The modules holding stacked expert weights: an integer ``num_experts`` and parameters of
+    their own that are all 3-D ``(num_experts, out, in)`` (HF's ``MixtralExperts``,
+    ``Qwen2MoeExperts``, ...; shared experts are plain MLPs and stay dense)."""
+    found = []
+    for module in model.modules():
+        experts = getattr(module, "num_experts", None)
+        params = list(module.parameters(recurse=False))
+        if isinstance(experts, int) and experts > 0 and params and all(
+                p.dim() == 3 and p.shape[0] == experts for p in params):
+            found.append(module)
+    return found
+
+
+def expert_bytes(module: nn.Module) -> int:
+    """Bytes of all the experts of one experts module (one expert is this / ``num_experts``)."""
+    return sum(p.numel() * p.element_size() for p in module.parameters(recurse=False))
+
+
+def expected_distinct_experts(num_experts: int, top_k: int, tokens: int) -> float:
+    """Expected distinct experts ``tokens`` tokens pick when each picks ``top_k`` of
+    ``num_experts`` uniformly: ``E × (1 − (1 − k/E)^T)`` (``top_k`` at one token)."""
+    return num_experts * (1 - (1 - top_k / num_experts) ** tokens)
+
+
+class RoutingCounter:
+    """Counts the distinct experts each experts module is asked for in decode steps.
+
+    ``with RoutingCounter(model, tokens=batch):`` hooks every :func:`expert_modules` module;
+    a call whose routing (``top_k_index``, ``(tokens, top_k)``: the second argument of HF's
+    experts forward) has exactly ``tokens`` rows is a decode step. The hook only keeps the
+    routing tensor (no work, no device sync inside the timed steps); the distinct expert ids
+    are counted afterwards (ids ≥ ``num_experts``, HF's padding for experts held elsewhere,
+    are not). Prefill calls (more rows) are not counted."""
+
+    def __init__(self, model: nn.Module, tokens: int):
+        self.tokens = tokens
+        self.modules = expert_modules(model)
+        self.routings: list[list[torch.Tensor]] = [[] for _ in self.modules]  # per module
+        self._handles: list = []
+
+    def __enter__(self) -> "RoutingCounter":
+        for i, module in enumerate(self.modules):
+            self._handles.append(module.register_forward_pre_hook(self._hook(i),
+                                                                  with_kwargs=True))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def _hook(self, i: int):
+        def keep(_module, args, kwargs):
+            index = args[1] if len(args) > 1 else kwargs.get("top_k_index")
+            if isinstance(index, torch.Tensor) and index.dim() == 2 \
+                    and index.shape[0] == self.tokens:
+                self.routings[i].append(index)
+        return keep
+
+    @property
+    def measured(self) -> bool:
+        """Whether every experts module was seen in at least one decode step."""
+        return bool(self.modules) and all(self.routings)
+
+    def mean_distinct(self) -> list[float]:
+        """Mean distinct experts per decode step, per experts module."""
+        return [sum(int((torch.unique(index) < module.num_experts).sum()) for index in seen)
+                / len(seen) for module, seen in zip(self.modules, self.routings)]
+
+
+def moe_decode_bytes(model: nn.Module, counter: RoutingCounter | None = None,
+                     tokens: int = 1) -> tuple[int, str]:
+    """``(bytes one decode step reads, method)``: every weight for a dense model
+    (``"all weights"``); for an MoE model the weights minus the experts modules' plus, per
+    experts module, (distinct experts per step) × (one expert's bytes), counted by ``counter``
+    (``"dense + routed experts (measured)"``) or, without a count, expected for uniform routing
+    of ``tokens`` tokens over the config's ``num_experts_per_tok`` (``"... (expected)"``)."""
+    total = weight_bytes(model)
+    modules = expert_modules(model)
+    if not modules:
+        return total, "all weights"
+    if counter is not None and counter.measured:
+        distinct, method = counter.mean_distinct(), "measured"
+    else:
+        top_k = getattr(getattr(model, "config", None), "num_experts_per_tok", None)
+        if not top_k:
+            return total, "all weights"
+        distinct = [expected_distinct_experts(m.num_experts, top_k, tokens) for m in modules]
+        method = "expected"
+    routed = sum(d * expert_bytes(m) / m.num_experts for d, m in zip(distinct, modules))
+    dense = total - sum(expert_bytes(m) for m in modules)
+    return round(dense + routed), f"dense + routed experts ({method})"
 
 
 def _output(model: nn.Module):

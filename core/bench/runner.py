@@ -25,9 +25,10 @@ from ..accelerator import Accelerator, dtype_name
 from ..config import parse_dtype
 from ..generation import timed_generate
 from ..transforms import model_dtype
-from .plan import BASELINE, Cell, ModelSpec, Plan, Variant
+from .plan import Cell, ModelSpec, Plan, Variant, is_baseline
 from .presets import build_preset
-from .roofline import nonembedding_parameters, weight_bytes
+from .roofline import (RoutingCounter, expert_modules, moe_decode_bytes, nonembedding_parameters,
+                       weight_bytes)
 
 #: Text the prompt is cut from (repeated as needed) when the model has a tokenizer.
 PROMPT_TEXT = (
@@ -43,8 +44,9 @@ Progress = Any  # a tqdm bar, or anything with update(n) and set_description(str
 def record(spec: ModelSpec, variant: str, cell: Cell, **fields: Any) -> dict[str, Any]:
     """A run record: one variant on one cell of one model (raw samples, no figures yet)."""
     base = {"model": spec.name, "model_kind": spec.kind, "variant": variant,
-            "baseline": variant == BASELINE, **asdict(cell), "status": "ok", "error": None,
-            "dtype": None, "kernel_dtype": None, "world_size": 1, "weight_bytes": None, "nonembedding_params": None,
+            "baseline": is_baseline(variant), **asdict(cell), "status": "ok", "error": None,
+            "dtype": None, "kernel_dtype": None, "world_size": 1, "weight_bytes": None,
+            "nonembedding_params": None, "decode_bytes": None, "decode_bytes_method": None,
             "peak_memory_bytes": None, "samples": {"warmup": [], "repeats": []}}
     base.update(fields)
     return base
@@ -108,14 +110,17 @@ def _gguf_module():
 
 def make_inputs(tokenizer, vocab_size: int, cell: Cell, seed: int = 0) -> dict[str, torch.Tensor]:
     """``input_ids`` (batch × prompt_len) and an all-ones ``attention_mask``: the prompt text
-    tokenized, repeated and cut to length, or fixed-seed random ids without a tokenizer."""
+    tokenized, repeated and cut to length (row ``i`` starting at its ``i``-th token), or
+    fixed-seed random ids without a tokenizer. The rows differ so that an MoE model routes
+    them as it would different requests (identical rows all pick the same experts)."""
     if tokenizer is not None:
         ids = tokenizer(PROMPT_TEXT, add_special_tokens=False)["input_ids"]
-        row = torch.tensor((ids * (cell.prompt_len // len(ids) + 1))[:cell.prompt_len])
+        need = cell.prompt_len + cell.batch
+        text = ids * (need // len(ids) + 1)
+        input_ids = torch.tensor([text[i:i + cell.prompt_len] for i in range(cell.batch)])
     else:
         gen = torch.Generator().manual_seed(seed)
-        row = torch.randint(0, vocab_size, (cell.prompt_len,), generator=gen)
-    input_ids = row.unsqueeze(0).repeat(cell.batch, 1)
+        input_ids = torch.randint(0, vocab_size, (cell.batch, cell.prompt_len), generator=gen)
     return {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids)}
 
 
@@ -152,26 +157,38 @@ def time_generate(generate_on: Any, inputs: dict, kwargs: dict, new_tokens: int,
 
 def measure_cell(generate_on: Any, model, inputs: dict, cell: Cell, plan: Plan,
                  accelerator: Accelerator, progress: Progress, rec: dict) -> dict:
-    """Fill ``rec`` with warm-up and repeat samples and the peak memory of this cell."""
+    """Fill ``rec`` with warm-up and repeat samples, the peak memory of this cell and the bytes
+    a decode step reads (for an MoE model, the experts routed to during the timed repeats are
+    counted: see :func:`~.roofline.moe_decode_bytes`)."""
     check_positions(model, cell)
     kwargs = generation_kwargs(model, cell.new_tokens)
     accelerator.reset_peak_memory()
+    counter = RoutingCounter(model, tokens=cell.batch)
     for phase, count in (("warmup", plan.warmup), ("repeats", plan.repeats)):
-        for _ in range(count):
-            rec["samples"][phase].append(time_generate(generate_on, inputs, kwargs,
-                                                       cell.new_tokens, accelerator))
-            progress.update(1)
+        with counter if phase == "repeats" else contextlib.nullcontext():
+            for _ in range(count):
+                rec["samples"][phase].append(time_generate(generate_on, inputs, kwargs,
+                                                           cell.new_tokens, accelerator))
+                progress.update(1)
     accelerator.synchronize()
     rec["peak_memory_bytes"] = accelerator.peak_memory()
+    rec["decode_bytes"], rec["decode_bytes_method"] = moe_decode_bytes(model, counter, cell.batch)
     return rec
 
 
-def prepare_baseline(model, dtype: torch.dtype | None, accelerator: Accelerator):
+def prepare_baseline(model, dtype: torch.dtype | None, accelerator: Accelerator,
+                     experts: str | None = None):
     """The plain HF model on the accelerator's device in ``dtype`` (the accelerator vetoes
-    dtypes it cannot run); returns ``(what to call generate on, module, extra record fields)``."""
+    dtypes it cannot run), its MoE blocks running HF's ``experts`` implementation (None: HF's
+    own default); returns ``(what to call generate on, module, extra record fields)``: an MoE
+    model's record says which experts implementation ran (``experts_implementation``)."""
     dtype = accelerator.check_dtype(dtype or model_dtype(model))
     model.to(device=accelerator.device(), dtype=dtype)
-    return model, model, {}
+    if experts is not None:
+        model.set_experts_implementation(experts)
+    ran = getattr(getattr(model, "config", None), "_experts_implementation", None)
+    moe = ran is not None and bool(expert_modules(model))
+    return model, model, ({"experts_implementation": ran} if moe else {})
 
 
 def prepare_shardwise(model, plan: Plan, variant: Variant, accelerator: Accelerator):
@@ -201,7 +218,7 @@ def run_variant(variant: str, prepare: Callable, tokenizer, spec: ModelSpec, pla
     steps = plan.warmup + plan.repeats
     world = _world_size()
     progress.set_description(f"{spec.name} {variant}: preparing"
-                             + ("" if variant == BASELINE else " (init_inference)"))
+                             + ("" if is_baseline(variant) else " (init_inference)"))
     try:
         generate_on, module, extra = prepare()
     except Exception as exc:  # the engine's or the device's error, reported per row
@@ -232,7 +249,7 @@ def bench_model(spec: ModelSpec, plan: Plan, accelerator: Accelerator, baseline:
     """Load ``spec`` once and run the HF baseline (when ``baseline``) and then ``variants`` in
     order, each shardwise variant on its own copy of the model (the last on the model itself)."""
     variants = list(variants)
-    names = ([BASELINE] if baseline else []) + [plan.variant_name(v) for v in variants]
+    names = ([plan.baseline_name] if baseline else []) + [plan.variant_name(v) for v in variants]
     base_dtype = parse_dtype(plan.baseline_dtype)
     progress.set_description(f"loading {spec.name}")
     try:
@@ -243,7 +260,9 @@ def bench_model(spec: ModelSpec, plan: Plan, accelerator: Accelerator, baseline:
                 for v in names for c in plan.cells]
     records = []
     if baseline:
-        records += run_variant(BASELINE, partial(prepare_baseline, model, base_dtype, accelerator),
+        records += run_variant(plan.baseline_name,
+                               partial(prepare_baseline, model, base_dtype, accelerator,
+                                       plan.baseline_experts),
                                tokenizer, spec, plan, accelerator, progress)
     for i, variant in enumerate(variants):
         last = i == len(variants) - 1

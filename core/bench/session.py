@@ -13,7 +13,7 @@ from typing import Any
 from ..accelerator import Accelerator
 from .figures import add_figures
 from .launch import run_ranks
-from .plan import BASELINE, Plan
+from .plan import Plan
 from .report import build_document, provenance
 from .roofline import measure_bandwidth
 from .runner import release, run_local
@@ -143,7 +143,7 @@ def _ordered(runs: list[dict], plan: Plan) -> list[dict]:
     """Runs grouped by model and cell, baseline first, then the variants in the plan's order
     (the table reads variant against variant)."""
     models = [m.name for m in plan.models]
-    order = [BASELINE, *plan.variant_names]
+    order = [plan.baseline_name, *plan.variant_names]
     return sorted(runs, key=lambda r: (models.index(r["model"]), r["batch"], r["prompt_len"],
                                        r["new_tokens"], order.index(r["variant"])
                                        if r["variant"] in order else len(order)))

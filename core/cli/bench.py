@@ -77,6 +77,10 @@ def _add_variant_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--baseline-dtype", choices=["fp32", "fp16", "bf16", "auto"],
                    help="dtype of the HF baseline only (default: --dtype), e.g. an fp32 "
                         "baseline against --dtype bf16 --quant int8")
+    g.add_argument("--baseline-experts", metavar="IMPL",
+                   help="MoE models only: HF's experts implementation for the baseline (eager, "
+                        "grouped_mm, batched_mm, ...; default: HF's own default); the row is "
+                        "named hf[IMPL]")
 
 
 def _add_output_options(p: argparse.ArgumentParser) -> None:
@@ -209,7 +213,8 @@ def _variants(args: argparse.Namespace, accelerator) -> tuple[list, str | None, 
 def _plan(args: argparse.Namespace):
     """Validate everything cheap (options, device, dtypes, --tp, models, matrix, every
     variant's engine config) before heavy work; returns ``(plan, accelerator, nproc, notes)``."""
-    from ..bench.plan import Plan, check_cells_fit, check_tp, make_cells, resolve_models
+    from ..bench.plan import (Plan, check_baseline_experts, check_cells_fit, check_tp,
+                              make_cells, resolve_models)
     from ..plugins import get_accelerator
 
     check_combinations(args)
@@ -219,9 +224,10 @@ def _plan(args: argparse.Namespace):
     plan = Plan(models=resolve_models(args.model, args.preset),
                 cells=make_cells(args.batch, args.prompt_len, args.new_tokens),
                 device=accelerator.name, variants=variants, tp=args.tp, nnodes=args.nnodes,
-                baseline_dtype=baseline_dtype, warmup=args.warmup, repeats=args.repeats,
-                seed=args.seed)
+                baseline_dtype=baseline_dtype, baseline_experts=args.baseline_experts,
+                warmup=args.warmup, repeats=args.repeats, seed=args.seed)
     check_cells_fit(plan.models, plan.cells)
+    check_baseline_experts(plan.models, plan.baseline_experts, accelerator, baseline_dtype)
     plan.check_variants()
     return plan, accelerator, nproc, notes
 
