@@ -106,6 +106,8 @@ class ExpertPlan:
         top_k: experts each token is routed to.
         shared: shared (always-on) experts per MoE layer, replicated on every rank.
         moe_layers: indices of the decoder layers whose MLP is the MoE block.
+        groups: group-limited routing ``(expert groups, groups each token may use)``
+            (DeepSeek-V3's ``n_group`` / ``topk_group``); None: plain top-k.
         ranges: every ep rank's expert range ``[start, end)`` (:func:`split_experts`).
         coord: this rank's ep coordinate.
     """
@@ -114,12 +116,13 @@ class ExpertPlan:
     top_k: int
     shared: int
     moe_layers: tuple[int, ...]
+    groups: tuple[int, int] | None
     ranges: tuple[tuple[int, int], ...]
     coord: int = 0
 
     @classmethod
     def compute(cls, facts: MoEFacts, ep: "Dim") -> "ExpertPlan":
-        return cls(facts.num_experts, facts.top_k, facts.shared, facts.moe_layers,
+        return cls(facts.num_experts, facts.top_k, facts.shared, facts.moe_layers, facts.groups,
                    split_experts(facts.num_experts, ep.size), ep.coord)
 
     @property
@@ -129,16 +132,18 @@ class ExpertPlan:
 
     def __repr__(self) -> str:
         start, end = self.range
-        return (f"{self.total} per layer, top-{self.top_k}, {self.shared} shared, "
+        groups = f" in {self.groups[1]} of {self.groups[0]} groups" if self.groups else ""
+        return (f"{self.total} per layer, top-{self.top_k}{groups}, {self.shared} shared, "
                 f"{len(self.moe_layers)} MoE layers; this rank [{start}, {end}) of "
                 f"{len(self.ranges)} ep ranks")
 
 
 def check_dims(world: int, rank: int, tp: int = 1, pp: int = 1, dp: int | None = None,
-               ep: int = 1) -> dict[str, Dim]:
+               ep: int = 1, max_ep: int | None = None) -> dict[str, Dim]:
     """The dimensions for ``world`` ranks as name → :class:`Dim` (this ``rank``'s coordinates),
     after every check, before any process group exists. ``dp`` None: the world's remainder
-    (``world // (pp × tp)``).
+    (``world // (pp × tp)``). ``max_ep``: the model's expert count (the ep sizes an error
+    suggests are at most that).
 
     Raises:
         ShardingError: sizes that do not multiply to the world, or an ep that does not divide
@@ -170,7 +175,7 @@ def check_dims(world: int, rank: int, tp: int = 1, pp: int = 1, dp: int | None =
         raise ShardingError(
             f"ep_size={ep} must divide tp × dp = {tp * dp_size} (the expert-parallel group is "
             f"carved out of one pipeline stage's tp × dp ranks); ep sizes that would work: "
-            f"{', '.join(map(str, divisors(tp * dp_size)))}")
+            f"{', '.join(str(d) for d in divisors(tp * dp_size) if d <= (max_ep or d))}")
     for name, size, what in (("pp_size", pp, "pipeline parallelism"),
                              ("ep_size", ep, "expert parallelism"),
                              ("dp_size", 1 if dp is None else dp, "data parallelism")):
@@ -329,7 +334,8 @@ def build_plan(model: nn.Module, *, tp_size: int = 1,
     config = getattr(model, "config", None)
     facts = policy.moe_facts(config)
     _check_moe(facts, moe, config, ep_size, world, pp_size)
-    dims = check_dims(world, rank, tp=tp_size, pp=pp_size, dp=dp_size, ep=ep_size)
+    dims = check_dims(world, rank, tp=tp_size, pp=pp_size, dp=dp_size, ep=ep_size,
+                      max_ep=facts.num_experts if facts is not None else None)
     tp = dims["tp"]
     counts = policy.head_counts(config)
     split = HeadSplit.compute(counts, tp.size)

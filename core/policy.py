@@ -102,6 +102,8 @@ class Policy:
         "shared_experts": ("n_shared_experts", "num_shared_experts"),
         "shared_expert_size": ("shared_expert_intermediate_size",),
         "num_layers": ("num_hidden_layers", "n_layer", "num_layers"),
+        "num_groups": ("n_group",),
+        "top_groups": ("topk_group",),
     }
     #: ``(config attribute, rule)``: which layers are MoE; a layer is MoE when every rule whose
     #: attribute the config sets says so (rules: :data:`MOE_LAYER_RULES`).
@@ -144,7 +146,10 @@ class Policy:
         rules = [(MOE_LAYER_RULES[kind], getattr(config, attr))
                  for attr, kind in self.moe_layer_rules if getattr(config, attr, None) is not None]
         moe_layers = tuple(i for i in range(int(layers)) if all(rule(i, v) for rule, v in rules))
-        return MoEFacts(total, int(top_k) if top_k else 1, int(shared), moe_layers)
+        num_groups = _first_attr(config, self.moe_config.get("num_groups", ())) or 1
+        top_groups = _first_attr(config, self.moe_config.get("top_groups", ())) or num_groups
+        groups = (int(num_groups), int(top_groups)) if num_groups > 1 else None
+        return MoEFacts(total, int(top_k) if top_k else 1, int(shared), moe_layers, groups)
 
     def injection_spec(self, config: Any) -> Any:
         """:attr:`injection` with the :attr:`injection_overrides` that ``config`` selects."""
@@ -167,12 +172,15 @@ class MoEFacts:
         top_k: experts each token is routed to.
         shared: always-on shared experts per MoE layer (0: none).
         moe_layers: indices of the decoder layers whose MLP is the MoE block.
+        groups: group-limited routing ``(expert groups, groups each token may use)``
+            (DeepSeek-V3's ``n_group`` / ``topk_group``); None: plain top-k.
     """
 
     num_experts: int
     top_k: int
     shared: int
     moe_layers: tuple[int, ...]
+    groups: tuple[int, int] | None = None
 
 
 #: rule name → (layer index, config value) → whether the layer is MoE (``Policy.moe_layer_rules``)

@@ -371,7 +371,7 @@ _MOE_CONFIGS = {
                                              n_group=2, topk_group=1, q_lora_rank=32,
                                              kv_lora_rank=16, qk_rope_head_dim=8,
                                              qk_nope_head_dim=8, v_head_dim=16),
-                    (8, 2, 1, (1, 2))),
+                    (8, 2, 1, (1, 2), (2, 1))),
     "gpt_oss": ("GptOssConfig", dict(num_hidden_layers=2, num_local_experts=4,
                                      num_experts_per_tok=2, head_dim=16,
                                      layer_types=["sliding_attention", "full_attention"]),
@@ -396,15 +396,17 @@ def _meta_model(config):
 def test_moe_facts_are_read_from_each_familys_config_and_match_its_layers(name):
     model = _meta_model(_moe_config(name))
     plan = build_plan(model)
-    total, top_k, shared, layers = _MOE_CONFIGS[name][2]
+    total, top_k, shared, layers, *groups = _MOE_CONFIGS[name][2]
     e = plan.experts
     assert (e.total, e.top_k, e.shared, e.moe_layers) == (total, top_k, shared, layers)
+    assert e.groups == (groups[0] if groups else None)  # DeepSeek's group-limited top-k
     assert (e.range, e.ranges) == ((0, total), ((0, total),))
     # the layers the facts call MoE are the ones HF built with routed experts
     built = tuple(i for i, layer in enumerate(model.model.layers)
                   if hasattr(getattr(layer, "mlp", None), "experts"))
     assert built == layers
-    assert f"experts: {total} per layer, top-{top_k}, {shared} shared" in repr(plan)
+    assert f"experts: {total} per layer, top-{top_k}" in repr(plan)
+    assert f", {shared} shared, {len(layers)} MoE layers; this rank [0, {total})" in repr(plan)
 
 
 def test_a_dense_model_has_no_expert_plan():
@@ -433,7 +435,9 @@ def _moe(**kwargs):
     ("mixtral", dict(ep_size=8), 8, ShardingError,
      "ep_size=8 is larger than the 'mixtral' model's 4 experts.*would work here: 1, 2, 4"),
     ("mixtral", dict(ep_size=3), 4, ShardingError,
-     "ep_size=3 must divide tp × dp = 4.*ep sizes that would work: 1, 2, 4"),
+     "ep_size=3 must divide tp × dp = 4.*ep sizes that would work: 1, 2, 4$"),
+    ("mixtral", dict(ep_size=3), 8, ShardingError,  # 8 divides 8, but the model has 4 experts
+     "ep_size=3 must divide tp × dp = 8.*ep sizes that would work: 1, 2, 4$"),
     ("mixtral", dict(moe_experts=[8]), 1, ConfigError,
      r"moe_experts=\[8\] but the 'mixtral' model has 4 experts per MoE layer; give "
      r"moe_experts=4"),
