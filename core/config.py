@@ -212,6 +212,8 @@ def _normalise(values: Mapping[str, Any], where: str) -> dict[str, Any]:
                               f"(valid fields: {', '.join(known)})")
         if key == "tensor_parallel":
             items = _tp_items(value)
+        elif key == "moe":  # normalised first, so equal settings spelled differently agree
+            items = {"moe": parse_moe(value)}
         elif key in ALIASES:
             items = {ALIASES[key]: value}
         elif key in known:

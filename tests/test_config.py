@@ -99,6 +99,14 @@ def test_moe_accepts_deepspeeds_names_and_spellings():
     assert again.moe == cfg.moe and cfg.to_dict()["moe"]["ep_size"] == 2
 
 
+def test_moe_in_the_config_and_as_a_keyword_merge_by_meaning():
+    same = InferenceConfig.build({"moe": {"ep_size": 2}}, moe={"enabled": True, "ep_size": 2})
+    assert same.moe.ep_size == 2
+    with pytest.raises(shardwise.ConfigError, match="'moe' is .*ep_size=2.* in the config but "
+                                                    ".*ep_size=4.* as a keyword"):
+        InferenceConfig.build({"moe": {"ep_size": 2}}, moe={"ep_size": 4})
+
+
 @pytest.mark.parametrize("moe,match", [
     ({"ep_group": object()}, "ep_group= takes a process group; shardwise makes its "
                              "expert-parallel groups itself.*remove ep_group and give ep_size"),
