@@ -579,6 +579,13 @@ def _moe_cases():
     for name, (t, h, i, e, k, adv, oss) in MOE_CPU.items():
         yield Case("moe_grouped_mlp", f"cpu-{name}", _moe_build(t, h, i, e, k, adv, oss),
                    {"cpu": (F32, BF16)}, moe_check)
+    for name in ("decode-t8", "adversarial", "gpt-oss"):  # interpreted: tiny
+        t, _, _, e, k, adv, oss = MOE_CPU[name]
+        yield Case("moe_grouped_mlp", f"triton-{name}", _moe_build(3, 40, 24, e, k, adv, oss),
+                   {"triton": ALL}, moe_check)
+    for t in (1, 8, 64):  # Mixtral-like on a GPU
+        yield Case("moe_grouped_mlp", f"gpu-t{t}", _moe_build(t, 2048, 5632, 8, 2),
+                   {"cuda": HALF}, moe_check)
     for name, (e, k, kw) in ROUTES.items():
         yield Case("moe_route", f"{name}", _route_build(13, e, k, kw), {"cpu": (F32, BF16)},
                    route_check)

@@ -7,7 +7,8 @@ nor by a CPU-only run. Kernels compile on first launch per (dtype, block size), 
 
 One module per op family, each with ``register(registry)`` (importing triton): ``rotary``,
 ``activations``, ``attention`` (prefill and decode), ``kv_cache``, ``norms``, ``quant``
-(weight-only ``quant_linear``, fp16/bf16). Every family of the reference has kernels here.
+(weight-only ``quant_linear``, fp16/bf16), ``moe`` (``moe_grouped_mlp``; the router and the
+permutation stay the reference's). Every family of the reference has kernels here.
 ``common`` holds launch helpers the families share; it is not a family.
 """
 
@@ -24,7 +25,7 @@ DEVICE_TYPES = frozenset({"cuda"})
 #: The dtypes the families claim (quant: fp16/bf16 only).
 DTYPES = frozenset({torch.float32, torch.float16, torch.bfloat16})
 #: Op families, each a submodule with ``register(registry)`` (importing triton inside).
-FAMILIES = ("rotary", "activations", "attention", "kv_cache", "norms", "quant")
+FAMILIES = ("rotary", "activations", "attention", "kv_cache", "norms", "quant", "moe")
 #: Names of the norms module served from here on first access (importing triton then).
 _NORMS = ("rms_norm", "layer_norm", "max_hidden", "supports_hidden", "MAX_ROW_BYTES")
 
