@@ -1,4 +1,4 @@
-"""MoE experts at decode shapes: the ``moe_grouped_mlp`` reference and ``cpu`` backend vs HF's experts.
+"""MoE experts at decode shapes: ``moe_grouped_mlp`` (reference, ``cpu``) vs HF's experts.
 
     python benchmarks/kernel_moe.py --threads 2 --tokens 1 8 --hidden 1024 --inter 2816
 

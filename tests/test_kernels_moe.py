@@ -113,7 +113,8 @@ def test_gpt_oss_experts_match_hf():
 def test_adversarial_routing_is_exact_and_dropless():
     """Every token to expert 2 (and expert 0 second): each token's output is its own two MLPs,
     bit for bit what one token alone gives; nothing is dropped."""
-    x, gate_up, down = _x(12, 16), _x(4 * 20, 16, 6).view(4, 20, 16), _x(4 * 16, 10, 7).view(4, 16, 10)
+    x = _x(12, 16)
+    gate_up, down = _x(4 * 20, 16, 6).view(4, 20, 16), _x(4 * 16, 10, 7).view(4, 16, 10)
     experts = torch.tensor([[2, 0]] * 12)
     weights = torch.full((12, 2), 0.5)
     all_tokens = ref.moe_grouped_mlp(x, gate_up, down, experts, weights)

@@ -17,6 +17,11 @@ Contracts are those of ``shardwise.kernels.reference.moe`` (shapes, layouts, opt
 * moe_route (fp32, bf16): the reference's own code (already sync-free and static in shape),
   registered as capturable.
 
+Why registered where it is not faster: in fp32 the grouped path ties the reference at decode
+(both read the same bytes with torch's GEMMs) and in bf16 it is about 2x faster; it ties HF's
+``grouped_mm`` experts, which call the same torch op. It is registered in both dtypes for what
+the reference cannot give: static shapes and no host sync, hence graph capture.
+
 Speed against the reference and HF's ``eager``/``grouped_mm`` experts: benchmarks/README.md,
 "MoE kernels" (``python benchmarks/kernel_moe.py``).
 """
@@ -47,7 +52,8 @@ def sorted_slots(experts: torch.Tensor, num_experts: int) -> tuple[torch.Tensor,
 def grouped_mm_fits(gate_up: torch.Tensor) -> bool:
     """``grouped_mm`` needs row strides of 16 bytes: H and I multiples of 16 / itemsize."""
     two_i, h = gate_up.shape[1:]
-    return (h * gate_up.element_size()) % 16 == 0 and (two_i // 2 * gate_up.element_size()) % 16 == 0
+    size = gate_up.element_size()
+    return (h * size) % 16 == 0 and (two_i // 2 * size) % 16 == 0
 
 
 def _gathered_mlp(x, gate_up, down, experts, weights, activation, gate_up_bias, down_bias, clamp,
