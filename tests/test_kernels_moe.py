@@ -186,3 +186,17 @@ def test_cpu_grouped_mlp_refuses_what_the_reference_refuses():
         cpu_moe.moe_grouped_mlp(x, torch.zeros(4, 16, 24), torch.zeros(4, 12, 16), experts, w)
     with pytest.raises(KernelError, match="top_k"):
         cpu_moe.moe_route(torch.zeros(3, 8), 9)
+
+
+def test_cpu_resolves_the_capturable_moe_ops():
+    """On the CPU accelerator fp32 and bf16 resolve to the cpu backend, declared capturable
+    (what the decode step's graph needs); fp16 falls back to the reference."""
+    import shardwise
+    from shardwise.kernel_registry import KernelRegistry
+
+    registry, cpu = KernelRegistry(), shardwise.get_accelerator("cpu")
+    for op in ("moe_grouped_mlp", "moe_route"):
+        for dtype in (torch.float32, torch.bfloat16):
+            impl = registry.resolve(op, cpu, dtype)
+            assert (impl.backend, impl.capturable) == ("cpu", True), (op, dtype)
+        assert registry.resolve(op, cpu, torch.float16).backend == "reference"

@@ -104,8 +104,8 @@ def moe_grouped_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
                           down_bias, clamp)
     same_device(x, gate_up=gate_up, down=down, experts=experts, weights=weights,
                 gate_up_bias=gate_up_bias, down_bias=down_bias)
-    (t, h), (e, two_i, _), k = x.shape, gate_up.shape, experts.shape[1]
-    inter = two_i // 2
+    (t, h), k = x.shape, experts.shape[1]
+    inter = gate_up.shape[1] // 2
     out = torch.zeros(t, h, dtype=x.dtype, device=x.device)
     if t == 0:
         return out
