@@ -252,7 +252,7 @@ def decode_bytes_notes(runs: list[dict]) -> list[str]:
             read.setdefault(rec["model"], {}).setdefault(rec["batch"], f["decode_bytes"])
     return [f"GB/s of {model} is over the dense weights and the experts routed to per decode "
             f"step ({method_words(runs, model)}), of {_weights_mib(runs, model)} MiB in all: "
-            + ", ".join(f"batch {b} {n / 2**20:.3g} MiB" for b, n in by_batch.items())
+            + ", ".join(f"batch {b} {_mib(n)} MiB" for b, n in by_batch.items())
             for model, by_batch in read.items()]
 
 
@@ -268,7 +268,13 @@ def method_words(runs: list[dict], model: str) -> str:
 
 def _weights_mib(runs: list[dict], model: str) -> str:
     sizes = {r["weight_bytes"] for r in runs if r["model"] == model and r.get("weight_bytes")}
-    return "/".join(f"{s / 2**20:.3g}" for s in sorted(sizes))
+    return "/".join(_mib(s) for s in sorted(sizes))
+
+
+def _mib(nbytes: int) -> str:
+    """MiB with 3 significant digits under 100, whole MiB above (``0.597``, ``3891``)."""
+    mib = nbytes / 2**20
+    return f"{mib:.3g}" if mib < 100 else f"{mib:.0f}"
 
 
 def _probes(bw: dict) -> str:
