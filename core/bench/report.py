@@ -15,8 +15,8 @@ A result file is one JSON object::
                "nonembedding_params", "decode_bytes" (what one decode step reads: every
                weight, or for an MoE model the dense parts and the experts routed to),
                "decode_bytes_method" (which: "all weights", "dense + routed experts
-               (measured)" or "(expected)"), "experts_implementation" (HF baseline rows of an
-               MoE model: the experts implementation that ran), "peak_memory_bytes",
+               (measured)" or "(expected)"), "experts_implementation" (rows of an MoE model
+               whose modules are HF's: the HF experts implementation that ran), "peak_memory_bytes",
                "samples": {"warmup": [...], "repeats": [{"prefill_s", "per_token_s"}]},
                "figures": {...}}],             # see figures.py
      "notes": [...]}                           # optional: e.g. why a default row is left out

@@ -180,15 +180,20 @@ def prepare_baseline(model, dtype: torch.dtype | None, accelerator: Accelerator,
                      experts: str | None = None):
     """The plain HF model on the accelerator's device in ``dtype`` (the accelerator vetoes
     dtypes it cannot run), its MoE blocks running HF's ``experts`` implementation (None: HF's
-    own default); returns ``(what to call generate on, module, extra record fields)``: an MoE
-    model's record says which experts implementation ran (``experts_implementation``)."""
+    own default; :func:`bench_model` puts the model's own back for the shardwise variants);
+    returns ``(what to call generate on, module, extra record fields)``."""
     dtype = accelerator.check_dtype(dtype or model_dtype(model))
     model.to(device=accelerator.device(), dtype=dtype)
     if experts is not None:
         model.set_experts_implementation(experts)
-    ran = getattr(getattr(model, "config", None), "_experts_implementation", None)
-    moe = ran is not None and bool(expert_modules(model))
-    return model, model, ({"experts_implementation": ran} if moe else {})
+    return model, model, {}
+
+
+def experts_implementation(module) -> str | None:
+    """The HF experts implementation an MoE ``module`` runs (its config's), None for a dense
+    one or a module whose config does not say."""
+    ran = getattr(getattr(module, "config", None), "_experts_implementation", None)
+    return ran if ran is not None and expert_modules(module) else None
 
 
 def prepare_shardwise(model, plan: Plan, variant: Variant, accelerator: Accelerator):
@@ -228,6 +233,8 @@ def run_variant(variant: str, prepare: Callable, tokenizer, spec: ModelSpec, pla
     facts = {"dtype": dtype_name(model_dtype(module)), "world_size": world,
              "weight_bytes": weight_bytes(module),
              "nonembedding_params": nonembedding_parameters(module), **extra}
+    if (ran := experts_implementation(module)) is not None:
+        facts["experts_implementation"] = ran
     records = []
     for cell in plan.cells:
         progress.set_description(f"{spec.name} {variant} b{cell.batch} p{cell.prompt_len} "
@@ -260,10 +267,13 @@ def bench_model(spec: ModelSpec, plan: Plan, accelerator: Accelerator, baseline:
                 for v in names for c in plan.cells]
     records = []
     if baseline:
+        own = experts_implementation(model)
         records += run_variant(plan.baseline_name,
                                partial(prepare_baseline, model, base_dtype, accelerator,
                                        plan.baseline_experts),
                                tokenizer, spec, plan, accelerator, progress)
+        if own is not None and experts_implementation(model) != own:
+            model.set_experts_implementation(own)  # the variants start from the model as loaded
     for i, variant in enumerate(variants):
         last = i == len(variants) - 1
         records += _run_on_copy(model if last else None, model, variant, tokenizer, spec, plan,
