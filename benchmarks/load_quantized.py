@@ -67,8 +67,8 @@ def worker(mode: str, ckpt: Path, quant: dict, tp: int, out: Path) -> None:
     else:
         engine = shardwise.init_inference(None, checkpoint=str(ckpt), **kwargs)
         if mode == "then-quantize":
-            roles = engine._prepared.roles if engine._prepared is not None else None
-            quantize_model(engine.module, quant, engine.accelerator, engine.dtype, roles=roles)
+            quantize_model(engine.module, quant, engine.accelerator, engine.dtype,
+                           plan=engine.plan)
     seconds = time.perf_counter() - start
     peak_kib, end_kib = vm_kib("VmHWM"), vm_kib("VmRSS")
     logits = engine(input_ids=torch.arange(8).unsqueeze(0) + 100).logits

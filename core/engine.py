@@ -171,7 +171,7 @@ class InferenceEngine:
         """After giving back: the communicator's buffers, the engine's references, the
         ledger's record, and the memory freed by all that."""
         self.communicator.release_buffers()
-        self._prepared = self.checkpoint_load = self._stack = None
+        self.checkpoint_load = self._stack = None
         if ledger is not None:
             ledger.release()
         self.accelerator.release_cached_memory()  # the freed graphs, buffers and layouts
@@ -419,7 +419,7 @@ def _build_engine(model: nn.Module | None, cfg: InferenceConfig) -> InferenceEng
     engine = InferenceEngine(model, cfg, accelerator, communicator, device, dtype, report,
                              plan=plan)
     engine.quantization = quant_report
-    engine._prepared, engine.checkpoint_load = prepared, loaded
+    engine.checkpoint_load = loaded
     engine._stack = injected if hasattr(injected, "session") else None
     if cfg.save_mp_checkpoint_path:
         engine.save_checkpoint(cfg.save_mp_checkpoint_path)

@@ -94,15 +94,14 @@ def no_quantization():
 
 def load_then_quantize(path, spec: dict, dtype: torch.dtype = BF16,
                        **kwargs) -> shardwise.InferenceEngine:
-    """The reference: load in full precision, then quantize (what step 5 does after loading),
-    then inject when ``replace_with_kernel_inject`` (step 6 adopts the quantized linears)."""
+    """The reference: load in full precision, then quantize (what step 6 does after loading),
+    then inject when ``replace_with_kernel_inject`` (step 7 adopts the quantized linears)."""
     from shardwise.inject import inject_model
 
     inject = kwargs.pop("replace_with_kernel_inject", False)
     engine = load(path, dtype=dtype, **kwargs)
-    roles = engine._prepared.roles if engine._prepared is not None else None
     engine.quantization = quantize_model(engine.module, spec, engine.accelerator, dtype,
-                                         roles=roles)
+                                         plan=engine.plan)
     if inject:
         plan = engine.plan  # the heads this rank holds, as init_inference injects them
         stack = inject_model(engine.module, engine.accelerator, dtype, None,
