@@ -30,6 +30,8 @@ The applier (:mod:`shardwise.sharding.apply`) reads:
 ``moe_config``        which config attributes hold the Mixture-of-Experts facts (expert count, top-k,
                       shared experts) and ``moe_layer_rules``, which say which layers are MoE
                       (:meth:`Policy.moe_facts`); the defaults read every HF MoE family's names.
+``moe``               a :class:`~shardwise.moe.MoESpec`: where the MoE block's router, experts and
+                      shared expert are and how the router scores (None: no MoE support).
 ``injection``         an :class:`~shardwise.inject.InjectionSpec` (norm kind, positions, MLP kind,
                       fused layouts, module names) read by the kernel injector
                       (:mod:`shardwise.inject`); None: the family has no kernel injection.
@@ -81,6 +83,8 @@ class Policy:
     attention_config_attrs: ClassVar[dict[str, str]] = {}
     head_sliced_inputs: ClassVar[dict[str, tuple]] = {}
     require_attention_attrs: ClassVar[bool] = True
+    #: the MoE block's layout (a shardwise.moe.MoESpec), None for a dense family
+    moe: ClassVar[Any] = None
     #: kernel-injection data (a shardwise.inject.InjectionSpec), None when not supported
     injection: ClassVar[Any] = None
     #: config-dependent variants of ``injection``: ``(when, changes)`` rows, applied in order to
