@@ -71,6 +71,9 @@ class Family:
     tp_even: bool = False
     uneven_heads: bool = False
     checkpoint: tuple[int, ...] = ()
+    #: Mixture-of-Experts: the ep sizes whose parity with HF is checked (``1`` test_moe.py, one
+    #: process; ``2`` test_moe_ep.py, 2 gloo ranks, tp 1 and 2 where the heads divide)
+    moe: tuple[int, ...] = ()
     #: check name → bound, where this family has one of its own
     tolerances: dict = field(default_factory=dict)
 
@@ -197,6 +200,10 @@ _FAMILIES = [
            positions="learned", kind="encoder", inject=_EVERY_WORLD, tp=True, tp_even=True,
            tolerances={"inject_fp32": 4e-6, "inject_bf16": 0.07, "inject_tp_bf16": 0.094,
                        "tp_fp32": 1e-6}),
+    # Mixture-of-Experts families (``moe``): each helper appends its own rows below its marker
+    # -- moe: mixtral, qwen2_moe, qwen3_moe --
+    # -- moe: deepseek_v3 --
+    # -- moe: gpt_oss --
 ]
 
 #: family name → :class:`Family`, in registry order
@@ -205,7 +212,7 @@ if len(FAMILIES) != len(_FAMILIES):
     raise RuntimeError("tests/families.py: a family name is registered twice")
 
 _FIELDS = {f.name for f in dataclasses.fields(Family)} | {"model_type"}
-_WORLDS = {"inject", "checkpoint", "quant_bits"}  # tuple fields: a criterion is a member
+_WORLDS = {"inject", "checkpoint", "quant_bits", "moe"}  # tuple fields: a criterion is a member
 
 
 def family(name: str) -> Family:
@@ -231,7 +238,7 @@ def families(**criteria) -> list[str]:
 
     A criterion names a :class:`Family` field: ``kind="causal"``, ``tp=True``,
     ``model_type=("bloom", "falcon")`` (a collection: the field is one of them). For the tuple
-    fields (``inject``, ``checkpoint``, ``quant_bits``) a number asks for a member
+    fields (``inject``, ``checkpoint``, ``quant_bits``, ``moe``) a number asks for a member
     (``inject=2``: injection checked at TP=2) and a bool for any/none. No criterion: every
     family. A selection that matches nothing is an error (a parametrize over ``[]`` would pass
     silently).
