@@ -69,8 +69,9 @@ class InferenceConfig:
         comm_timeout: seconds before a collective gives up, a finite number > 0 (default
             ``$SHARDWISE_COMM_TIMEOUT`` or 300; a malformed variable is a ConfigError here).
         moe: Mixture-of-Experts settings, DeepSpeed's ``moe`` dict (``{"ep_size": N}``,
-            ``enabled``, ``moe_experts``/``num_experts``, ``type``/``moe_type``) or ``True``;
-            normalised to a :class:`MoESettings` (every key used or refused by name: see
+            ``enabled``, ``moe_experts``/``num_experts``, ``type``/``moe_type``; shardwise's
+            ``dispatch``: ``auto``, ``all_reduce`` or ``all_to_all``) or ``True``; normalised
+            to a :class:`MoESettings` (every key used or refused by name: see
             :func:`parse_moe`). Checked against the model in the plan.
     """
 
@@ -332,7 +333,14 @@ _MOE_GROUP_KEYS = ("ep_mp_group", "ep_group", "expert_group")
 #: DeepSpeed ``moe`` key → :class:`MoESettings` field (``num_experts`` and ``moe_type`` are the
 #: aliases DeepSpeed's ``DeepSpeedMoEConfig`` accepts for ``moe_experts`` and ``type``).
 _MOE_KEYS = {"enabled": "enabled", "ep_size": "ep_size", "moe_experts": "num_experts",
-             "num_experts": "num_experts", "type": "type", "moe_type": "type"}
+             "num_experts": "num_experts", "type": "type", "moe_type": "type",
+             "dispatch": "dispatch"}
+#: how the routed experts' outputs of an expert-parallel group are combined (``dispatch``):
+#: ``all_reduce`` (every rank holds the same tokens: each computes its experts for all of them
+#: and one all-reduce sums them), ``all_to_all`` (tokens travel to the ranks of their experts and
+#: back: :mod:`shardwise.moe.dispatch`), ``auto`` (the measured choice for how the ranks hold
+#: their tokens: see :func:`shardwise.moe.dispatch.resolve_dispatch`)
+MOE_DISPATCHES = ("auto", "all_reduce", "all_to_all")
 
 
 @dataclass(frozen=True)
@@ -345,11 +353,14 @@ class MoESettings:
             entry per MoE layer group), each checked against the model's; None: not checked.
         type: ``"standard"`` or ``"residual"`` (checked against whether the model has shared
             experts); None: not checked.
+        dispatch: how an expert-parallel group combines its routed outputs (one of
+            :data:`MOE_DISPATCHES`; shardwise's own key, DeepSpeed has none).
     """
 
     ep_size: int = 1
     num_experts: tuple[int, ...] | None = None
     type: str | None = None
+    dispatch: str = "auto"
 
 
 def parse_moe(value: Any) -> MoESettings | None:
@@ -392,7 +403,8 @@ def parse_moe(value: Any) -> MoESettings | None:
         return None
     return MoESettings(ep_size=_moe_ep_size(fields.get("ep_size", 1)),
                        num_experts=_moe_expert_counts(fields.get("num_experts")),
-                       type=_moe_type(fields.get("type")))
+                       type=_moe_type(fields.get("type")),
+                       dispatch=_moe_dispatch(fields.get("dispatch", "auto")))
 
 
 _MOE_FIELDS = tuple(f.name for f in dataclasses.fields(MoESettings))
@@ -423,6 +435,13 @@ def _moe_expert_counts(value: Any) -> tuple[int, ...] | None:
         raise MoEConfigError(f"moe moe_experts (num_experts) must be a positive integer or a "
                              f"list of them (the experts per MoE layer), got {value!r}")
     return tuple(counts)
+
+
+def _moe_dispatch(value: Any) -> str:
+    if value not in MOE_DISPATCHES:
+        raise MoEConfigError(f"moe dispatch must be one of {', '.join(MOE_DISPATCHES)}, got "
+                             f"{value!r}")
+    return value
 
 
 def _moe_type(value: Any) -> str | None:

@@ -99,6 +99,12 @@ def test_moe_accepts_deepspeeds_names_and_spellings():
     assert again.moe == cfg.moe and cfg.to_dict()["moe"]["ep_size"] == 2
 
 
+def test_moe_dispatch_is_auto_unless_named():
+    assert InferenceConfig.build(moe={"ep_size": 2}).moe.dispatch == "auto"
+    for name in ("all_reduce", "all_to_all", "auto"):
+        assert InferenceConfig.build(moe={"ep_size": 2, "dispatch": name}).moe.dispatch == name
+
+
 def test_moe_in_the_config_and_as_a_keyword_merge_by_meaning():
     same = InferenceConfig.build({"moe": {"ep_size": 2}}, moe={"enabled": True, "ep_size": 2})
     assert same.moe.ep_size == 2
@@ -119,6 +125,8 @@ def test_moe_in_the_config_and_as_a_keyword_merge_by_meaning():
     ({"ep_sz": 2}, r"unknown moe field\(s\) \['ep_sz'\]; valid: .*'ep_size'"),
     ({"enabled": False, "ep_size": 2}, "enabled=False but sets other fields"),
     ({"moe_experts": 8, "num_experts": 4}, "given twice with different values"),
+    ({"dispatch": "alltoall"}, "moe dispatch must be one of auto, all_reduce, all_to_all, got "
+                               "'alltoall'"),
     ("ep2", "moe must be True, None or a dict"),
 ])
 def test_malformed_moe_is_a_named_config_error(moe, match):
