@@ -172,11 +172,19 @@ def quant_shape(bits, group_size, in_features=128, out_features=96, symmetric=Tr
 # ----- moe ------------------------------------------------------------------------------------
 
 
+def local_experts(experts, start, n_local):
+    """Global expert ids [T, k] → the ids local to a rank holding experts start..start+n_local-1
+    (the experts-module contract): ``e - start`` there, the sentinel ``n_local`` elsewhere."""
+    here = (experts >= start) & (experts < start + n_local)
+    return torch.where(here, experts - start, n_local)
+
+
 def moe_inputs(tokens, hidden, inter, n_experts, top_k, dtype, device="cpu", seed=0,
-               adversarial=False):
+               adversarial=False, remote=False):
     """x [T, H], gate_up [E, 2I, H], down [E, H, I] (scaled so outputs are O(1)), experts and
     weights [T, k] from a softmax router (renormalised); ``adversarial``: every token to expert
-    E-1 first and expert 0 second."""
+    E-1 first and expert 0 second; ``remote``: the rank that holds the first half of the experts
+    (gate_up/down its E/2, experts local with the sentinel E/2 for the other half's slots)."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(tokens, hidden, generator=g)
     gate_up = torch.randn(n_experts, 2 * inter, hidden, generator=g) * hidden ** -0.5
@@ -187,6 +195,9 @@ def moe_inputs(tokens, hidden, inter, n_experts, top_k, dtype, device="cpu", see
     if adversarial:
         experts = torch.tensor([n_experts - 1, 0][:top_k]).expand(tokens, top_k).contiguous()
     weights = weights / weights.sum(-1, keepdim=True)
+    if remote:
+        gate_up, down = gate_up[:n_experts // 2], down[:n_experts // 2]
+        experts = local_experts(experts, 0, n_experts // 2)
     return (x.to(device, dtype), gate_up.to(device, dtype), down.to(device, dtype),
             experts.to(device), weights.to(device))
 

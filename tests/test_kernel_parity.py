@@ -536,15 +536,19 @@ def route_check(got, want, ctx: Ctx) -> None:
     torch.testing.assert_close(got[0], want[0], atol=1e-5, rtol=1e-5)
 
 
-def _moe_build(tokens, hidden, inter, n_experts, top_k, adversarial=False, gpt_oss=False):
+def _moe_build(tokens, hidden, inter, n_experts, top_k, adversarial=False, gpt_oss=False,
+               remote=False):
     def build(dtype, device, target):
         x, gate_up, down, experts, weights = moe_inputs(tokens, hidden, inter, n_experts, top_k,
-                                                        dtype, device, adversarial=adversarial)
+                                                        dtype, device, adversarial=adversarial,
+                                                        remote=remote)
+        n_experts_here = gate_up.shape[0]
         kwargs = {}
         if gpt_oss:  # expert biases and the clamped SwiGLU (limit low enough to bite)
-            kwargs = dict(gate_up_bias=randn(n_experts, 2 * inter, dtype=dtype, device=device,
-                                             seed=7),
-                          down_bias=randn(n_experts, hidden, dtype=dtype, device=device, seed=8),
+            kwargs = dict(gate_up_bias=randn(n_experts_here, 2 * inter, dtype=dtype,
+                                             device=device, seed=7),
+                          down_bias=randn(n_experts_here, hidden, dtype=dtype, device=device,
+                                          seed=8),
                           clamp=0.5)
         return [Call((x, gate_up, down, experts, weights), kwargs)]
     return build
@@ -560,15 +564,19 @@ def _route_build(tokens, n_experts, top_k, kwargs):
     return build
 
 
-#: name -> (tokens, hidden, inter, experts, top_k, adversarial, gpt_oss); decode 1 and 8 tokens,
-#: a prefill, all tokens to one expert, GPT-OSS's biases and clamp, and an I (12) too narrow for
-#: grouped_mm's 16-byte strides (the gathered path)
-MOE_CPU = {"decode-t1": (1, 64, 32, 8, 2, False, False),
-           "decode-t8": (8, 64, 32, 8, 2, False, False),
-           "prefill-t40": (40, 64, 48, 8, 2, False, False),
-           "adversarial": (24, 64, 32, 8, 2, True, False),
-           "gpt-oss": (9, 64, 32, 4, 2, False, True),
-           "unaligned-i12": (5, 32, 12, 4, 3, False, False)}
+#: name -> (tokens, hidden, inter, experts, top_k, adversarial, gpt_oss, remote); decode 1 and 8
+#: tokens, a prefill, all tokens to one expert, GPT-OSS's biases and clamp, an I (12) too narrow
+#: for grouped_mm's 16-byte strides (the gathered path), and a rank holding half the experts (the
+#: sentinel E_local for slots of the other half: they contribute nothing)
+MOE_CPU = {"decode-t1": (1, 64, 32, 8, 2, False, False, False),
+           "decode-t8": (8, 64, 32, 8, 2, False, False, False),
+           "prefill-t40": (40, 64, 48, 8, 2, False, False, False),
+           "adversarial": (24, 64, 32, 8, 2, True, False, False),
+           "gpt-oss": (9, 64, 32, 4, 2, False, True, False),
+           "unaligned-i12": (5, 32, 12, 4, 3, False, False, False),
+           "ep-sentinel": (12, 64, 32, 8, 2, False, False, True),
+           "ep-sentinel-gpt-oss": (9, 64, 32, 8, 2, False, True, True),
+           "ep-sentinel-i12": (7, 32, 12, 8, 3, False, False, True)}
 ROUTES = {"softmax-renorm": (8, 2, dict(renormalize=True)),
           "softmax-top3": (8, 3, dict()),
           "sigmoid-grouped-bias": (16, 4, dict(scoring="sigmoid", n_group=4, topk_group=2,
@@ -576,13 +584,13 @@ ROUTES = {"softmax-renorm": (8, 2, dict(renormalize=True)),
 
 
 def _moe_cases():
-    for name, (t, h, i, e, k, adv, oss) in MOE_CPU.items():
-        yield Case("moe_grouped_mlp", f"cpu-{name}", _moe_build(t, h, i, e, k, adv, oss),
+    for name, (t, h, i, e, k, adv, oss, remote) in MOE_CPU.items():
+        yield Case("moe_grouped_mlp", f"cpu-{name}", _moe_build(t, h, i, e, k, adv, oss, remote),
                    {"cpu": (F32, BF16)}, moe_check)
-    for name in ("decode-t8", "adversarial", "gpt-oss"):  # interpreted: tiny
-        t, _, _, e, k, adv, oss = MOE_CPU[name]
-        yield Case("moe_grouped_mlp", f"triton-{name}", _moe_build(3, 40, 24, e, k, adv, oss),
-                   {"triton": ALL}, moe_check)
+    for name in ("decode-t8", "adversarial", "gpt-oss", "ep-sentinel"):  # interpreted: tiny
+        t, _, _, e, k, adv, oss, remote = MOE_CPU[name]
+        yield Case("moe_grouped_mlp", f"triton-{name}",
+                   _moe_build(3, 40, 24, e, k, adv, oss, remote), {"triton": ALL}, moe_check)
     for t in (1, 8, 64):  # Mixtral-like on a GPU
         yield Case("moe_grouped_mlp", f"gpu-t{t}", _moe_build(t, 2048, 5632, 8, 2),
                    {"cuda": HALF}, moe_check)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kernel_inputs import local_experts, moe_inputs
 
 from shardwise import KernelError
 from shardwise.kernels.reference import moe as ref
@@ -125,6 +126,45 @@ def test_adversarial_routing_is_exact_and_dropless():
         one = ref.moe_grouped_mlp(x[t:t + 1], gate_up, down, experts[:1], weights[:1])
         torch.testing.assert_close(all_tokens[t:t + 1], one, **F32)
     assert all_tokens.abs().sum(-1).gt(0).all()
+
+
+def _ep_split(tokens, inter, dtype, seed=11):
+    """8 experts top-2 over 2 ranks of 4: the whole call's inputs and each rank's own (its
+    experts' weights, local ids with the sentinel 4 for the other rank's slots)."""
+    x, gate_up, down, experts, weights = moe_inputs(tokens, 64, inter, 8, 2, dtype, seed=seed)
+    ranks = [(x, gate_up[s:s + 4], down[s:s + 4], local_experts(experts, s, 4), weights)
+             for s in (0, 4)]
+    return (x, gate_up, down, experts, weights), ranks
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+@pytest.mark.parametrize("inter", [32, 12])  # cpu: grouped_mm and the gathered path
+def test_sentinel_slots_contribute_nothing(backend, inter):
+    """Expert parallelism's contract: the index E_local (= the experts held) marks another
+    rank's expert. The two ranks' outputs sum to the whole call's; a rank holding none of a
+    token's experts gives it exactly 0; a call whose slots are all the sentinel gives zeros."""
+    from shardwise.kernels.cpu import moe as cpu_moe
+
+    fn = ref.moe_grouped_mlp if backend == "reference" else cpu_moe.moe_grouped_mlp
+    whole, ranks = _ep_split(16, inter, torch.float32)
+    parts = [fn(*r) for r in ranks]
+    torch.testing.assert_close(parts[0] + parts[1], ref.moe_grouped_mlp(*whole), **F32)
+    for part, (_, _, _, local, _) in zip(parts, ranks):
+        away = (local == 4).all(-1)  # tokens with no expert on this rank
+        assert away.any() and (~away).any()
+        assert torch.equal(part[away], torch.zeros_like(part[away]))
+    x, gate_up, down, _, weights = ranks[0]
+    nowhere = torch.full((16, 2), 4)
+    assert torch.equal(fn(x, gate_up, down, nowhere, weights), torch.zeros_like(x))
+
+
+def test_reference_refuses_expert_indices_past_the_sentinel():
+    x, gate_up, down = torch.zeros(2, 16), torch.zeros(4, 24, 16), torch.zeros(4, 16, 12)
+    w = torch.zeros(2, 2)
+    ref.moe_grouped_mlp(x, gate_up, down, torch.tensor([[4, 0], [3, 4]]), w)  # 4: the sentinel
+    for bad in ([[5, 0], [1, 2]], [[-1, 0], [1, 2]]):
+        with pytest.raises(KernelError, match="another rank"):
+            ref.moe_grouped_mlp(x, gate_up, down, torch.tensor(bad), w)
 
 
 def test_permute_is_a_stable_sort_by_expert():

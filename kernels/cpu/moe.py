@@ -12,7 +12,9 @@ Contracts are those of ``shardwise.kernels.reference.moe`` (shapes, layouts, opt
   intermediate, the k weights multiply the [T*k, H] result and an ``index_add_`` combines the
   slots into their tokens. No ``.item()``, ``nonzero`` or routing-dependent shape: dropless
   (every slot computed, one expert may take all of them) and capturable, so the same call serves
-  prefill and the graph-captured decode step. Math in the input dtype (bf16 GEMMs accumulate in
+  prefill and the graph-captured decode step. The sentinel expert index E (another rank's
+  expert, expert parallelism) sorts after every segment, so no GEMM reads weights for it, and
+  its rows are masked to 0. Math in the input dtype (bf16 GEMMs accumulate in
   float32 inside the op); the combine in float32, rounded once.
 * moe_route (fp32, bf16): the reference's own code (already sync-free and static in shape),
   registered as capturable.
@@ -40,13 +42,14 @@ MOE_DTYPES = frozenset({torch.float32, torch.bfloat16})
 
 
 def sorted_slots(experts: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """experts [T, k] → (order [T*k] int64: slots sorted by expert, stable; offs [E] int32: the
-    end of each expert's segment in ``order``). Static shapes, no host sync."""
+    """experts [T, k] in 0..E (E: the sentinel, another rank's expert) → (order [T*k] int64:
+    slots sorted by expert, stable — the sentinel's slots last, after every segment; offs [E]
+    int32: the end of each expert's segment in ``order``). Static shapes, no host sync."""
     flat = experts.reshape(-1)
     order = torch.argsort(flat, stable=True)
-    counts = torch.zeros(num_experts, dtype=torch.int32, device=flat.device)
+    counts = torch.zeros(num_experts + 1, dtype=torch.int32, device=flat.device)
     counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
-    return order, counts.cumsum(0, dtype=torch.int32)
+    return order, counts[:num_experts].cumsum(0, dtype=torch.int32)
 
 
 def grouped_mm_fits(gate_up: torch.Tensor) -> bool:
@@ -61,7 +64,10 @@ def _gathered_mlp(x, gate_up, down, experts, weights, activation, gate_up_bias, 
     """Sizes ``grouped_mm`` refuses: each slot's expert matrices gathered ([T*k, 2I, H] — a
     copy, small shapes only) and one batched matmul. Static shapes, no host sync."""
     t, k = experts.shape
-    flat = experts.reshape(-1)  # [T*k]
+    n_local = gate_up.shape[0]
+    here = experts < n_local  # [T, k]: False for the sentinel (another rank's expert)
+    flat = experts.reshape(-1).clamp(max=n_local - 1)  # [T*k]: sentinel slots read any expert
+    weights = torch.where(here, weights.float(), 0.0)  # ... and add nothing
     xs = x.to(gate_up.dtype).repeat_interleave(k, 0)[:, :, None]  # [T*k, H, 1]
     h = torch.bmm(gate_up[flat], xs)[..., 0]  # [T*k, 2I]
     if gate_up_bias is not None:
@@ -92,13 +98,16 @@ def moe_grouped_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
     tokens = order // k  # [T*k]: the token of each sorted slot
     h = F.grouped_mm(x.to(dtype)[tokens], gate_up.transpose(1, 2), offs=offs)  # [T*k, 2I]
     slot_expert = experts.reshape(-1)[order]  # [T*k]
+    here = slot_expert < gate_up.shape[0]  # [T*k]: False for the sentinel's slots (sorted
+    # last, past every segment: grouped_mm leaves their rows unwritten, garbage to mask)
+    slot_expert = slot_expert.clamp(max=gate_up.shape[0] - 1)
     if gate_up_bias is not None:
         h = h + gate_up_bias.to(dtype)[slot_expert]
     h = ref.glu(h, activation, clamp, alpha)  # [T*k, I]
     y = F.grouped_mm(h, down.transpose(1, 2), offs=offs)  # [T*k, H]
     if down_bias is not None:
         y = y + down_bias.to(dtype)[slot_expert]
-    y = y.float() * weights.reshape(-1)[order].float()[:, None]
+    y = torch.where(here[:, None], y.float() * weights.reshape(-1)[order].float()[:, None], 0.0)
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     return out.index_add_(0, tokens, y).to(x.dtype)
 

@@ -10,7 +10,9 @@ each token sent to k of them; H the hidden size, I an expert's intermediate size
   sorted by expert (a stable sort, never one-hot masks), the prefill path's grouping.
 * ``moe_grouped_mlp(x [T, H], gate_up [E, 2I, H], down [E, H, I], experts, weights)`` → [T, H]:
   each token's k experts' SwiGLU MLPs, weighted and summed (the routed experts only: a shared
-  expert is a dense MLP outside the op).
+  expert is a dense MLP outside the op). Under expert parallelism E is the experts this rank
+  holds and ``experts`` are local indices; the index E (the sentinel) marks a slot whose expert
+  lives on another rank: it contributes nothing, in every backend.
 
 Expert weight layout is the one Hugging Face's ``MixtralExperts``, ``Qwen2MoeExperts``,
 ``Qwen3MoeExperts`` and ``DeepseekV3Experts`` store: ``gate_up_proj`` [E, 2I, H] (``F.linear``
@@ -161,6 +163,15 @@ def check_grouped_mlp(x, gate_up, down, experts, weights, activation, gate_up_bi
         raise KernelError(f"down_bias must be [{e}, {h}], got {tuple(down_bias.shape)}")
 
 
+def check_expert_indices(experts: torch.Tensor, num_local: int) -> None:
+    """experts [T, k] in 0..num_local (``num_local``: another rank's expert), else a named
+    KernelError. Reads the indices on the host: the reference (the oracle) only."""
+    if experts.numel() and (int(experts.min()) < 0 or int(experts.max()) > num_local):
+        raise KernelError(f"expert indices must be in 0..{num_local - 1} (the {num_local} experts "
+                          f"held here) or {num_local} (an expert on another rank: contributes "
+                          f"nothing); got {int(experts.min())}..{int(experts.max())}")
+
+
 def glu(gate_up: torch.Tensor, activation: str = "silu", clamp: float | None = None,
         alpha: float = GPT_OSS_ALPHA) -> torch.Tensor:
     """[..., 2I] (gate, then up) → [..., I]: ``act(gate) * up``; with ``clamp`` GPT-OSS's
@@ -179,7 +190,9 @@ def moe_grouped_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
                     alpha: float = GPT_OSS_ALPHA) -> torch.Tensor:
     """The routed experts' output: ``sum_j weights[t, j] * mlp_{experts[t, j]}(x[t])``.
 
-    x [T, H]; gate_up [E, 2I, H] (gate rows, then up rows); down [E, H, I]; experts [T, k] int;
+    x [T, H]; gate_up [E, 2I, H] (gate rows, then up rows); down [E, H, I]; experts [T, k] int
+    in 0..E, where ``E`` (= ``gate_up.shape[0]``, the experts held here) is the sentinel of a
+    slot whose expert lives on another rank (expert parallelism): it contributes nothing;
     weights [T, k] (any float dtype); gate_up_bias [E, 2I] / down_bias [E, H] or None (GPT-OSS);
     ``mlp_e(x) = down_e @ glu(gate_up_e @ x + b) + b`` with :func:`glu` (``activation`` "silu"
     or "gelu", ``clamp``/``alpha`` GPT-OSS's clamped SwiGLU). Every slot is computed (dropless:
@@ -188,9 +201,10 @@ def moe_grouped_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
     """
     check_grouped_mlp(x, gate_up, down, experts, weights, activation, gate_up_bias, down_bias,
                       clamp)
+    check_expert_indices(experts, gate_up.shape[0])
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)  # [T, H]
     xf, w = x.float(), weights.float()
-    for e in range(gate_up.shape[0]):
+    for e in range(gate_up.shape[0]):  # the sentinel E matches none: its slots add nothing
         tokens, slots = (experts == e).nonzero(as_tuple=True)  # the oracle may sync
         if not tokens.numel():
             continue

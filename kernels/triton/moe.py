@@ -2,14 +2,16 @@
 
 Contract of ``shardwise.kernels.reference.moe.moe_grouped_mlp``: x [T, H], gate_up [E, 2I, H]
 (gate rows, then up rows), down [E, H, I], experts and weights [T, k]; optional expert biases and
-GPT-OSS's clamped SwiGLU. Two launches, each program one token slot (token t's j-th choice) and
-a block of output rows, reading its expert's rows in place through the expert index on the
-device: (1) gate and up rows · x[t], bias, activation → a float32 [T*k, I] buffer; (2) down rows
-· that, bias, × the slot's weight → float32 [T*k, H]; the k slots of a token are summed and
-rounded to x's dtype once. Static shapes, no host sync: dropless and capturable — the decode
-path. Each slot reads its expert's weights itself, so at prefill (many tokens per expert) the
-weights are read once per slot: correct, not fast. Importing this module imports triton; it is
-imported by ``register`` of the triton backend only.
+GPT-OSS's clamped SwiGLU; the expert index E marks a slot whose expert lives on another rank
+(it contributes nothing: its programs load no weights and store zeros). Two launches, each
+program one token slot (token t's j-th choice) and a block of output rows, reading its expert's
+rows in place through the expert index on the device: (1) gate and up rows · x[t], bias,
+activation → a float32 [T*k, I] buffer; (2) down rows · that, bias, × the slot's weight →
+float32 [T*k, H]; the k slots of a token are summed and rounded to x's dtype once. Static
+shapes, no host sync: dropless and capturable — the decode path. Each slot reads its expert's
+weights itself, so at prefill (many tokens per expert) the weights are read once per slot:
+correct, not fast. Importing this module imports triton; it is imported by ``register`` of the
+triton backend only.
 """
 
 from __future__ import annotations
@@ -30,15 +32,19 @@ _SILU, _GELU, _CLAMPED = 0, 1, 2
 
 
 @triton.jit
-def _gate_up_kernel(X, GU, GUB, EXP, A, H, I, stride_x, stride_ge, stride_gn, stride_be,
+def _gate_up_kernel(X, GU, GUB, EXP, A, H, I, E, stride_x, stride_ge, stride_gn, stride_be,
                     limit, alpha, TOP_K: tl.constexpr, HAS_BIAS: tl.constexpr,
                     ACT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Program (slot, row block): act(gate · x + b) * (up · x + b) for BLOCK_N of the I rows."""
+    """Program (slot, row block): act(gate · x + b) * (up · x + b) for BLOCK_N of the I rows.
+    A slot whose expert is the sentinel E (another rank's) loads nothing and stores act(0) * 0
+    = 0."""
     s = tl.program_id(0).to(tl.int64)
     t = s // TOP_K
     e = tl.load(EXP + s).to(tl.int64)
+    here = e < E
+    e = tl.where(here, e, 0)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = n < I
+    n_mask = n < tl.where(here, I, 0)  # no rows for the sentinel
     acc_g = tl.zeros([BLOCK_N], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_N], dtype=tl.float32)
     base = GU + e * stride_ge
@@ -62,17 +68,20 @@ def _gate_up_kernel(X, GU, GUB, EXP, A, H, I, stride_x, stride_ge, stride_gn, st
         a = 0.5 * acc_g * (1.0 + tl.math.erf(acc_g * 0.7071067811865476)) * acc_u
     else:  # silu
         a = acc_g * tl.sigmoid(acc_g) * acc_u
-    tl.store(A + s * I + n, a, mask=n_mask)
+    tl.store(A + s * I + n, a, mask=n < I)
 
 
 @triton.jit
-def _down_kernel(A, D, DB, EXP, W, Y, H, I, stride_de, stride_dm, stride_be,
+def _down_kernel(A, D, DB, EXP, W, Y, H, I, E, stride_de, stride_dm, stride_be,
                  HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Program (slot, row block): weight * (down · a + b) for BLOCK_N of the H rows."""
+    """Program (slot, row block): weight * (down · a + b) for BLOCK_N of the H rows; 0 for a
+    slot whose expert is the sentinel E (another rank's: nothing loaded)."""
     s = tl.program_id(0).to(tl.int64)
     e = tl.load(EXP + s).to(tl.int64)
+    here = e < E
+    e = tl.where(here, e, 0)
     m = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_mask = m < H
+    m_mask = m < tl.where(here, H, 0)  # no rows for the sentinel
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     base = D + e * stride_de
     for k0 in range(0, I, BLOCK_K):
@@ -84,8 +93,8 @@ def _down_kernel(A, D, DB, EXP, W, Y, H, I, stride_de, stride_dm, stride_be,
         acc += tl.sum(wd.to(tl.float32) * av[None, :], axis=1)
     if HAS_BIAS:
         acc += tl.load(DB + e * stride_be + m, mask=m_mask, other=0.0).to(tl.float32)
-    acc *= tl.load(W + s)
-    tl.store(Y + s * H + m, acc, mask=m_mask)
+    acc *= tl.where(here, tl.load(W + s), 0.0)
+    tl.store(Y + s * H + m, acc, mask=m < H)
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
@@ -117,13 +126,13 @@ def moe_grouped_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
     act = _CLAMPED if clamp is not None else (_GELU if activation == "gelu" else _SILU)
     a = torch.empty(t * k, inter, dtype=torch.float32, device=x.device)
     _gate_up_kernel[(t * k, triton.cdiv(inter, _BLOCK_N))](
-        x, gate_up, gub, exp, a, h, inter, x.stride(0), gate_up.stride(0), gate_up.stride(1),
-        gub.stride(0), float(clamp or 0.0), float(alpha), TOP_K=k,
+        x, gate_up, gub, exp, a, h, inter, gate_up.shape[0], x.stride(0), gate_up.stride(0),
+        gate_up.stride(1), gub.stride(0), float(clamp or 0.0), float(alpha), TOP_K=k,
         HAS_BIAS=gate_up_bias is not None, ACT=act, BLOCK_N=_BLOCK_N, BLOCK_K=_BLOCK_K)
     y = torch.empty(t * k, h, dtype=torch.float32, device=x.device)
     _down_kernel[(t * k, triton.cdiv(h, _BLOCK_N))](
-        a, down, db, exp, w, y, h, inter, down.stride(0), down.stride(1), db.stride(0),
-        HAS_BIAS=down_bias is not None, BLOCK_N=_BLOCK_N, BLOCK_K=_BLOCK_K)
+        a, down, db, exp, w, y, h, inter, down.shape[0], down.stride(0), down.stride(1),
+        db.stride(0), HAS_BIAS=down_bias is not None, BLOCK_N=_BLOCK_N, BLOCK_K=_BLOCK_K)
     return y.view(t, k, h).sum(1).to(x.dtype)
 
 
