@@ -17,18 +17,20 @@ tp size).
 
 Modules: :mod:`.description` (what a checkpoint consists of), :mod:`.sources` (headers, the key
 → pieces index, the slice reader), :mod:`.build` (the meta skeleton from config.json),
-:mod:`.loader`, :mod:`.saver`, :mod:`.progress`, :mod:`.extensions`.
+:mod:`.conversions` (checkpoint keys → model tensors, as transformers converts them: the
+older one-tensor-per-expert layouts), :mod:`.loader`, :mod:`.saver`, :mod:`.progress`,
+:mod:`.extensions`.
 """
 
 from .build import build_meta_model, skeleton
 from .description import DESCRIPTION_NAME, Description, describe
-from .errors import CheckpointError
+from .errors import CheckpointError, ExpertCountError
 from .extensions import (CheckpointExtension, TensorHook, TensorRef, register_extension)
 from .loader import LoadReport, check_extensions, default_dtype, load_checkpoint
 from .saver import save_checkpoint
 from .sources import build_index
 
 __all__ = ["build_meta_model", "skeleton", "DESCRIPTION_NAME", "Description", "describe",
-           "CheckpointError", "CheckpointExtension", "TensorHook", "TensorRef",
+           "CheckpointError", "ExpertCountError", "CheckpointExtension", "TensorHook", "TensorRef",
            "register_extension", "LoadReport", "check_extensions", "default_dtype",
            "load_checkpoint", "save_checkpoint", "build_index"]

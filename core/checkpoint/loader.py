@@ -41,8 +41,9 @@ import torch
 from torch import nn
 
 from ..sharding.apply import PreparedShards, param_ranges, set_shard_sizes
+from .conversions import Composite, check_lists, expert_count_message, key_map, select
 from .description import Description, describe
-from .errors import CheckpointError
+from .errors import CheckpointError, ExpertCountError
 from .extensions import LoadContext, TensorHook, TensorRef, extension
 from .progress import Progress
 from .sources import CheckpointIndex, Reader, build_index
@@ -57,7 +58,8 @@ _ALWAYS_IGNORED = (r"rotary_emb\.inv_freq", r"(^|\.)position_ids$", r"\.attn\.ma
 @dataclass
 class Target:
     """One model tensor to fill: every name it goes by (tied aliases), the checkpoint key it comes
-    from, and what this rank keeps of it (``(dim, ranges)``, "whole" or "zeros")."""
+    from (or the checkpoint tensors transformers builds it from: ``composite``), and what this
+    rank keeps of it (``(dim, ranges)``, "whole" or "zeros")."""
 
     names: list[str]
     shape: tuple[int, ...]
@@ -66,6 +68,11 @@ class Target:
     keep: Any = "whole"
     is_buffer: bool = False
     raw: bool = False  # an extension's per-rank tensor: read in its stored dtype, never converted
+    composite: Composite | None = None  # built from several keys (one tensor per expert)
+
+    @property
+    def found(self) -> bool:
+        return self.key is not None or self.composite is not None
 
 
 @dataclass
@@ -98,7 +105,8 @@ def load_checkpoint(model: nn.Module, checkpoint: "str | os.PathLike | Mapping |
                     device: torch.device | str = "cpu", dtype: torch.dtype | None = None,
                     base_dir: str | os.PathLike | None = None,
                     progress: bool | None = None,
-                    hooks: "list[TensorHook] | tuple[TensorHook, ...]" = ()) -> LoadReport:
+                    hooks: "list[TensorHook] | tuple[TensorHook, ...]" = (),
+                    experts: int | None = None) -> LoadReport:
     """Fill ``model``'s parameters and buffers from ``checkpoint``, in place.
 
     Args:
@@ -115,8 +123,17 @@ def load_checkpoint(model: nn.Module, checkpoint: "str | os.PathLike | Mapping |
         hooks: :class:`~shardwise.checkpoint.extensions.TensorHook` s called for each tensor
             read (module docstring), e.g. ``Quantizer.reading_hook()``; each one's result is in
             the report's ``results[hook.name]``.
+        experts: a Mixture-of-Experts model's routed experts per MoE layer (the plan's
+            ``experts.total``), named by the error for a checkpoint holding another count (else
+            an experts module's own ``num_experts`` is).
+
+    Checkpoint keys become model tensors as transformers' ``from_pretrained`` renames and
+    converts them (:mod:`.conversions`): a checkpoint in an older layout (one tensor per expert)
+    loads into the stacked 3-D expert parameters, each rank reading only its experts' tensors.
 
     Raises:
+        ExpertCountError: the checkpoint holds another number of experts per layer than the
+            model, before any data is read.
         CheckpointError: a missing or corrupted file, missing or unexpected keys, a shape or a
             dtype kind that does not match the model (named), before any data is read; a file
             outside the checkpoint's folder (:mod:`.description`); an extension's own
@@ -134,7 +151,7 @@ def load_checkpoint(model: nn.Module, checkpoint: "str | os.PathLike | Mapping |
     modules = _module_tree(model)  # to put back if the load fails (modules swapped in)
     try:
         states = _install_extensions(model, index, desc, prepared, context)
-        targets = plan_targets(model, index, prepared, rank)
+        targets = plan_targets(model, index, prepared, rank, experts)
         for hook in hooks:
             hook.plan(model, _refs(model, targets))
         start = time.perf_counter()
@@ -163,25 +180,39 @@ def load_checkpoint(model: nn.Module, checkpoint: "str | os.PathLike | Mapping |
 # ----- planning: every check before any data --------------------------------------------------
 
 def plan_targets(model: nn.Module, index: CheckpointIndex, prepared: PreparedShards | None,
-                 rank: int) -> list[Target]:
-    """Every persistent tensor of ``model`` with its checkpoint key and this rank's slice.
-    Raises :class:`CheckpointError` for missing/unexpected keys and wrong shapes."""
+                 rank: int, experts: int | None = None) -> list[Target]:
+    """Every persistent tensor of ``model`` with its checkpoint key (or the keys transformers
+    builds it from) and this rank's slice. Raises :class:`CheckpointError` for missing /
+    unexpected keys and wrong shapes (:class:`ExpertCountError` for another expert count)."""
     targets = _targets(model)
     keep = _rank_slices(prepared, rank) if prepared is not None else {}
     resolve = _key_resolver(model, index.keys())
+    converted = key_map(model, index.keys())
     missing = []
     for t in targets:
         t.key = next((k for k in map(resolve, t.names) if k is not None), None)
+        if t.key is None:  # renamed, or built from several keys, the way transformers loads it
+            t.key = next((converted.direct[n] for n in t.names if n in converted.direct), None)
+            t.composite = None if t.key is not None else next(
+                (converted.composite[n] for n in t.names if n in converted.composite), None)
         t.keep = next((keep[n] for n in t.names if n in keep), "whole")
         if t.key in index.per_rank:  # this rank's own packed tensor, stored as it is
             t.keep, t.raw = "whole", True
-        if t.key is None and not _ignored(t.names[0], model, "missing"):
+        if not t.found and not _ignored(t.names[0], model, "missing"):
             missing.append(t.names[0])
-    used = {t.key for t in targets}
+    used = {t.key for t in targets} | {k for t in targets if t.composite for k in t.composite.keys}
     unexpected = [k for k in index.keys() if k not in used and not _ignored(k, model, "unexpected")]
     if missing or unexpected:
         raise CheckpointError(_keys_message(missing, unexpected, model))
+    for t in targets:  # the expert count first: it explains the router's shape too
+        if t.composite is not None:
+            check_lists(t.composite, t.shape, experts)
+        elif t.key is not None and tuple(index.shapes[t.key]) != t.shape:
+            _check_expert_count(model, t, tuple(index.shapes[t.key]), experts)
     for t in targets:
+        if t.composite is not None:
+            _check_composite(t, index)
+            continue
         if t.key is not None and tuple(index.shapes[t.key]) != t.shape:
             raise CheckpointError(
                 f"tensor {t.key!r} has shape {list(index.shapes[t.key])} in the checkpoint but "
@@ -194,7 +225,43 @@ def plan_targets(model: nn.Module, index: CheckpointIndex, prepared: PreparedSha
                 f"{_name(t.dtype)}: a {_kind(index.dtypes[t.key])} tensor is never converted to "
                 f"{_kind(t.dtype)}; the checkpoint does not belong to this model (or was saved "
                 f"with the wrong dtype): re-save it")
-    return [t for t in targets if t.key is not None]
+    return [t for t in targets if t.found]
+
+
+def _check_composite(t: Target, index: CheckpointIndex) -> None:
+    """A tensor built from several checkpoint tensors (its lists checked by ``check_lists``):
+    dtype kinds that fit, and the shape the conversion builds (headers only)."""
+    entry = t.composite
+    for key in entry.keys:
+        if _kind(index.dtypes[key]) != _kind(t.dtype):
+            raise CheckpointError(
+                f"tensor {key!r} is {_name(index.dtypes[key])} in the checkpoint but the model's "
+                f"parameter {t.names[0]!r} it builds is {_name(t.dtype)}; the checkpoint does "
+                f"not belong to this model")
+    built = entry.meta_shape(index.shapes, index.dtypes)
+    if built != t.shape:
+        raise CheckpointError(
+            f"the checkpoint tensors {', '.join(map(repr, entry.keys[:3]))}… build "
+            f"{t.names[0]!r} as {list(built)} the way transformers converts them, but the model "
+            f"built from the config has {list(t.shape)}; the checkpoint and the config do not "
+            f"belong together")
+
+
+def _check_expert_count(model: nn.Module, t: Target, stored: tuple[int, ...],
+                        experts: int | None) -> None:
+    """A tensor with one entry per expert along dim 0 — its module holds a 3-D parameter whose
+    dim 0 is the expert count (the stacked experts), or says ``num_experts`` is (HF's experts
+    and routers) — whose checkpoint shape differs in dim 0 alone: :class:`ExpertCountError`."""
+    if len(stored) != len(t.shape) or not stored or stored[1:] != t.shape[1:]:
+        return
+    owner = model.get_submodule(t.names[0].rpartition(".")[0])
+    count = experts if experts is not None else getattr(owner, "num_experts", None)
+    if count != t.shape[0] or not (getattr(owner, "num_experts", None) == count or any(
+            p.dim() == 3 and p.shape[0] == count for p in owner.parameters(recurse=False))):
+        return
+    raise ExpertCountError(expert_count_message(
+        t.names[0], stored[0], t.shape[0], experts,
+        f"{t.key!r} is {list(stored)} in the checkpoint, {list(t.shape)} in the model"))
 
 
 def _kind(dtype: torch.dtype) -> str:
@@ -283,7 +350,7 @@ def _keys_message(missing: list[str], unexpected: list[str], model: nn.Module) -
 def _materialise(model: nn.Module, targets: list[Target], reader: Reader, device: torch.device,
                  dtype: torch.dtype | None, bar: Progress, hooks: tuple[TensorHook, ...] = ()
                  ) -> int:
-    for t in sorted(targets, key=lambda t: _first_file(reader.index, t.key)):
+    for t in sorted(targets, key=lambda t: _first_file(reader.index, t)):
         _fill(model, t, reader, device, dtype, hooks)
         bar.update(reader.bytes_read)
     return len(targets)
@@ -306,17 +373,37 @@ def _fill(model: nn.Module, t: Target, reader: Reader, device: torch.device,
         _assign(model, name, value, t.is_buffer)
 
 
-def _first_file(index: CheckpointIndex, key: str) -> str:
+def _first_file(index: CheckpointIndex, t: Target) -> str:
+    key = t.key if t.composite is None else t.composite.keys[0]
     return str(index.pieces[key][0].info.file)
 
 
 def _read_target(t: Target, reader: Reader, dtype: torch.dtype | None) -> torch.Tensor:
     if t.keep == "zeros":
         return torch.zeros(t.shape, dtype=dtype if t.dtype.is_floating_point and dtype else t.dtype)
+    if t.composite is not None:
+        return _read_composite(t, reader, dtype)
     if t.keep == "whole":
         return reader.read(t.key, None, None, dtype)
     dim, ranges = t.keep
     return reader.read(t.key, dim, ranges, dtype)
+
+
+def _read_composite(t: Target, reader: Reader, dtype: torch.dtype | None) -> torch.Tensor:
+    """``t`` built by transformers' converter from its checkpoint tensors (each read whole, in
+    ``dtype``). A rank keeping a range of the stacked dim (its experts) reads only those list
+    entries; any other slice is cut from the whole tensor."""
+    entry = t.composite
+
+    def load(key: str) -> torch.Tensor:
+        return reader.read(key, None, None, dtype)
+    if t.keep == "whole":
+        return entry.build(load)
+    dim, ranges = t.keep
+    if dim == entry.stack_dim:
+        return entry.build(load, select(ranges))
+    whole = entry.build(load)
+    return torch.cat([whole.narrow(dim, a, b - a) for a, b in ranges], dim=dim).contiguous()
 
 
 def _assign(model: nn.Module, name: str, value: torch.Tensor, is_buffer: bool) -> None:

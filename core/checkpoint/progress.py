@@ -48,6 +48,8 @@ def _target_bytes(target, index) -> int:
     """Bytes this rank reads for ``target``, in the stored dtype."""
     if target.keep == "zeros":
         return 0
+    if getattr(target, "composite", None) is not None:  # built from several keys (per expert)
+        return _composite_bytes(target, index)
     numel = 1
     for d in index.shapes[target.key]:
         numel *= d
@@ -55,3 +57,23 @@ def _target_bytes(target, index) -> int:
         dim, ranges = target.keep
         numel = numel // max(index.shapes[target.key][dim], 1) * sum(b - a for a, b in ranges)
     return numel * index.dtypes[target.key].itemsize
+
+
+def _composite_bytes(target, index) -> int:
+    """Bytes of the checkpoint tensors this rank reads to build ``target``: its list entries
+    only when it keeps a range of the stacked dim, else every one."""
+    from .conversions import select
+
+    entry = target.composite
+    chosen = None
+    if target.keep != "whole" and target.keep[0] == entry.stack_dim:
+        chosen = set(select(target.keep[1]))
+    total = 0
+    for keys in entry.sources.values():
+        for i, key in enumerate(keys):
+            if chosen is None or i in chosen:
+                numel = 1
+                for d in index.shapes[key]:
+                    numel *= d
+                total += numel * index.dtypes[key].itemsize
+    return total
