@@ -37,7 +37,8 @@ from kernel_inputs import (DECODE_LENGTHS, DECODE_STARTS, QUANT_SPECS, TOL, asse
 from shardwise import KernelError
 from shardwise.kernel_registry import REFERENCE, KernelRegistry
 from shardwise.kernels.reference.attention import alibi_slopes
-from shardwise.kernels.reference.quant import quantize_weight
+from shardwise.kernels.reference.quant import expert_spec, quantize_weight
+from shardwise.kernels.reference.quant import quantize_experts as quant_experts
 from shardwise.kernels.reference.rotary import ROTARY_STYLES, rotary_cos_sin
 from shardwise.plugins import kernel_plugins
 
@@ -599,9 +600,53 @@ def _moe_cases():
                    route_check)
 
 
+# ----- quant_moe_mlp (quantized experts) -----------------------------------------------------
+
+
+def _quant_moe_build(name, bits, symmetric, group_size):
+    """``MOE_CPU[name]``'s experts quantized (per expert rows, ``group_size``), each backend
+    given them packed its own way (``bind``); the reference dequantizes them."""
+    t, h, i, e, k, adv, oss, remote = MOE_CPU[name]
+
+    def build(dtype, device, target):
+        x, gate_up, down, experts, weights = moe_inputs(t, h, i, e, k, F32, device,
+                                                        adversarial=adv, remote=remote)
+        qgu, qdn = (quant_experts(w, bits, group_size, symmetric) for w in (gate_up, down))
+        held = gate_up.shape[0]
+        kwargs = {}
+        if oss:  # expert biases and the clamped SwiGLU (limit low enough to bite)
+            kwargs = dict(gate_up_bias=randn(held, 2 * i, dtype=dtype, device=device, seed=7),
+                          down_bias=randn(held, h, dtype=dtype, device=device, seed=8),
+                          clamp=0.5)
+
+        def bind(kernel, args):
+            x_, gu_, dn_, ex_, w_ = args
+            return (x_, kernel.prepack(gu_, held, device, dtype),
+                    kernel.prepack(dn_, held, device, dtype), ex_, w_)
+        specs = (expert_spec(qgu, held), expert_spec(qdn, held))
+        return [Call((x.to(dtype), qgu, qdn, experts, weights), kwargs,
+                     resolve={"specs": specs}, bind=bind)]
+    return build
+
+
+#: quantized experts on the cpu: int8/int4 x symmetric or not, per channel (int8 symmetric),
+#: groups of 16 (int8 asymmetric) or 32 (int4), over the moe decode/prefill/adversarial/GPT-OSS/
+#: other-rank cases (the prefill's I = 48 has no int4 group the cpu kernel takes)
+QUANT_MOE = ("decode-t1", "decode-t8", "prefill-t40", "adversarial", "gpt-oss", "ep-sentinel")
+
+
+def _quant_moe_cases():
+    for (bits, sym), name in itertools.product(QUANT_SPECS, QUANT_MOE):
+        if bits == 4 and name == "prefill-t40":
+            continue
+        group = 32 if bits == 4 else (-1 if sym else 16)
+        yield Case("quant_moe_mlp", f"cpu-int{bits}-sym{int(sym)}-{name}",
+                   _quant_moe_build(name, bits, sym, group), {"cpu": (BF16,)}, quant_check)
+
+
 CASES: list[Case] = [*_norm_cases("rms_norm"), *_norm_cases("layer_norm"), *_rotary_cases(),
                      *_activation_cases(), *_attention_cases(), *_kv_cache_cases(),
-                     *_quant_cases(), *_moe_cases()]
+                     *_quant_cases(), *_moe_cases(), *_quant_moe_cases()]
 assert len({(c.op, c.name) for c in CASES}) == len(CASES), "case names repeat within an op"
 
 

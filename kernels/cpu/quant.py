@@ -55,8 +55,10 @@ from typing import Any
 import torch
 
 from shardwise import _torch_private as private
-from shardwise.kernels.reference.quant import (PackedQuantWeight, QuantizedWeight,
-                                               QuantLinearKernel, int_weight)
+from shardwise.kernels.reference import moe as ref_moe
+from shardwise.kernels.reference.quant import (PackedQuantExperts, PackedQuantWeight,
+                                               QuantizedWeight, QuantLinearKernel,
+                                               QuantMoEKernel, int_weight)
 
 BACKEND = "cpu"
 DEVICE_TYPES = frozenset({"cpu"})
@@ -219,8 +221,163 @@ class CpuQuantLinear(QuantLinearKernel):
 quant_linear = CpuQuantLinear()
 
 
+# ----- quantized experts: quant_moe_mlp ---------------------------------------------------------
+
+
+def _expert_rows(qw: QuantizedWeight, e: int, n: int) -> QuantizedWeight:
+    """Expert ``e``'s ``[n, K]`` matrix of the stacked ``[E * n, K]`` quantized weight."""
+    rows = slice(e * n, (e + 1) * n)
+    zeros = qw.zeros[rows] if qw.zeros is not None else None
+    return QuantizedWeight(qw.qweight[rows], qw.scales[rows], zeros, qw.bits, qw.group_size)
+
+
+def _expert_mm(x2: torch.Tensor, q: torch.Tensor, s: torch.Tensor, offsets: torch.Tensor | None,
+               bits: int, kernel_group: int) -> torch.Tensor:
+    """x2 [M, K] (contiguous, bf16) times ONE expert's packed matrix → [M, N] in x2.dtype:
+    ``quant_linear``'s three layouts (int8 per channel, int8 group-major, int4)."""
+    if bits == 4:
+        return private.int4_mm(x2, q, kernel_group, s)
+    y = private.int8_mm(x2, q, s) if q.dim() == 2 else _grouped_int8mm(x2, q, s)
+    return _epilogue(y, x2, offsets, None)
+
+
+def _hit_experts_mlp(x, experts, weights, gu, dn, bits, gu_group, dn_group, activation, clamp,
+                     alpha, gu_bias, dn_bias) -> torch.Tensor:
+    """The routed experts' output [T, H]: the T*k slots sorted by expert (stable), then for each
+    expert that got slots, its two packed matmuls on those rows only (views of its weights: the
+    bytes read are those of the experts hit, each once) and a weighted ``index_add_`` into the
+    tokens. Slots of expert ``E`` (another rank's) sort last and are never computed. ``gu`` /
+    ``dn``: (qweight, scales, offsets or None), each with a leading [E]."""
+    t, k = experts.shape
+    n_experts = gu[0].shape[0]
+    flat = experts.reshape(-1)
+    order = torch.argsort(flat, stable=True)  # [T*k]
+    counts = torch.bincount(flat, minlength=n_experts + 1)[:n_experts].tolist()  # host ints
+    tokens = order // k  # the token of each sorted slot
+    slot_weights = weights.reshape(-1)[order].float()
+    xs = x[tokens]  # [T*k, H]
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    start = 0
+    for e, n in enumerate(counts):
+        if not n:
+            continue
+        rows = slice(start, start + n)
+        start += n
+        off = gu[2][e] if gu[2] is not None else None
+        h = _expert_mm(xs[rows], gu[0][e], gu[1][e], off, bits, gu_group)  # [n, 2I]
+        h = h.float() if gu_bias is None else h.float() + gu_bias[e].float()
+        a = ref_moe.glu(h, activation, clamp, alpha).to(x.dtype)  # [n, I]
+        off = dn[2][e] if dn[2] is not None else None
+        y = _expert_mm(a, dn[0][e], dn[1][e], off, bits, dn_group).float()  # [n, H]
+        if dn_bias is not None:
+            y = y + dn_bias[e].float()
+        out.index_add_(0, tokens[rows], y * slot_weights[rows, None])
+    return out.to(x.dtype)
+
+
+@torch.library.custom_op("shardwise::cpu_quant_moe_mlp", mutates_args=(), device_types="cpu")
+def _quant_moe_op(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
+                  gu_q: torch.Tensor, gu_s: torch.Tensor, gu_off: torch.Tensor | None,
+                  dn_q: torch.Tensor, dn_s: torch.Tensor, dn_off: torch.Tensor | None,
+                  bits: int, gu_group: int, dn_group: int, activation: str,
+                  clamp: float | None, alpha: float, gu_bias: torch.Tensor | None,
+                  dn_bias: torch.Tensor | None) -> torch.Tensor:
+    """:func:`_hit_experts_mlp` as an op the compiler calls without tracing into it."""
+    return _hit_experts_mlp(x, experts, weights, (gu_q, gu_s, gu_off), (dn_q, dn_s, dn_off),
+                            bits, gu_group, dn_group, activation, clamp, alpha, gu_bias, dn_bias)
+
+
+@_quant_moe_op.register_fake
+def _(x, experts, weights, gu_q, gu_s, gu_off, dn_q, dn_s, dn_off, bits, gu_group, dn_group,
+      activation, clamp, alpha, gu_bias, dn_bias):
+    return x.new_empty(x.shape)  # [T, H], as the real op returns
+
+
+class CpuQuantMoE(QuantMoEKernel):
+    """``quant_moe_mlp`` on torch's packed CPU kernels (bf16 activations).
+
+    Layout (``PackedQuantExperts.tensors``, each stacked over the E experts): ``quant_linear``'s
+    per expert — int8 per channel ``qweight`` int8 [E, N, K], ``scales`` bf16 [E, N]; int8
+    grouped ``qweight`` int8 [E, G, N, group], ``scales`` bf16 [E, G, N]; asymmetric int8 adds
+    ``offsets`` float32 [E, G, N]; int4 ``qweight`` uint8 [E, ...] (torch's CPU int4 layout per
+    expert), ``scales_and_zeros`` bf16 [E, K / kernel_group, N, 2], ``meta["kernel_group"]``.
+
+    The call (:func:`_hit_experts_mlp`) reads the routing on the host (one ``tolist`` of E
+    counts per layer) and runs each hit expert's two matmuls on views of its packed weights, so
+    the bytes read are the hit experts' only, never a gathered copy. On CPU that read is of host
+    memory, not a device synchronisation; under ``torch.compile`` (the CPU graph strategy's
+    captured decode step) the call is one opaque custom op with a static output shape [T, H],
+    so the captured step calls it as it is (``capturable``), as ``attention_decode`` does.
+    Activations, GPT-OSS's biases and clamp are applied in float32 between the two matmuls;
+    the intermediate is rounded to bf16 for the down matmul (as the dense bf16 experts do).
+    """
+
+    backend = BACKEND
+
+    def unsupported_reason(self, *, device_type: str, dtype: torch.dtype | None,
+                           specs=None, **_shape: Any) -> str | None:
+        if not specs:
+            return "it needs the experts' weight specs (specs=(gate_up, down)) to decide"
+        for spec in specs:
+            reason = unsupported_reason(device_type=device_type, dtype=dtype, **spec.as_shape())
+            if reason is not None:
+                return reason
+        return None
+
+    def _pack(self, qw: QuantizedWeight, experts: int, dtype: torch.dtype):
+        n = qw.out_features // experts
+        if qw.bits == 8:
+            per_expert = [_pack_int8(_expert_rows(qw, e, n), dtype) for e in range(experts)]
+            meta = {"kind": "int8", "kernel_group": qw.group_size}
+        else:
+            packs = [_pack_int4(_expert_rows(qw, e, n), dtype) for e in range(experts)]
+            per_expert = [tensors for tensors, _ in packs]
+            meta = {"kind": "int4", "kernel_group": packs[0][1]}
+        return {name: torch.stack([p[name] for p in per_expert])
+                for name in per_expert[0]}, meta
+
+    def dequantize(self, packed: PackedQuantExperts) -> torch.Tensor:
+        """float32 [E, N, K] as the kernel computes with it: int8 exactly (bf16 scales), int4
+        by running each expert's kernel on the identity (its layout is opaque; a K x K x N
+        product per expert: for giving a model back, not per step)."""
+        t, spec, e = packed.tensors, packed.spec, packed.experts
+        n, k = spec.out_features, spec.in_features
+        if packed.meta["kind"] == "int4":
+            eye = torch.eye(k, dtype=packed.dtype or torch.bfloat16, device=t["qweight"].device)
+            return torch.stack([
+                private.int4_mm(eye, t["qweight"][i], packed.meta["kernel_group"],
+                                t["scales_and_zeros"][i]).float().t() for i in range(e)])
+        q, scales = t["qweight"].float(), t["scales"].float()
+        if q.dim() == 3:  # per channel [E, N, K]
+            return q * scales[..., None]
+        w = q * scales[..., None]  # [E, G, N, group]
+        if "offsets" in t:
+            w = w + t["offsets"][..., None]
+        return w.permute(0, 2, 1, 3).reshape(e, n, k)
+
+    def _mlp(self, x, gate_up, down, experts, weights, activation, gate_up_bias, down_bias,
+             clamp, alpha) -> torch.Tensor:
+        gu, dn = gate_up.tensors, down.tensors
+        sz = "scales_and_zeros" if gate_up.meta["kind"] == "int4" else "scales"
+        args = (x.contiguous(), experts, weights, gu["qweight"], gu[sz], gu.get("offsets"),
+                dn["qweight"], dn[sz], dn.get("offsets"), gate_up.spec.bits,
+                gate_up.meta["kernel_group"], down.meta["kernel_group"], activation, clamp,
+                alpha, gate_up_bias, down_bias)
+        if torch.compiler.is_compiling():
+            return torch.ops.shardwise.cpu_quant_moe_mlp(*args)
+        return _hit_experts_mlp(args[0], experts, weights, args[3:6], args[6:9], *args[9:])
+
+
+#: ``quant_moe_mlp(x, gate_up, down, experts, weights, ...)`` + ``.prepack``.
+quant_moe_mlp = CpuQuantMoE()
+
+
 def register(registry) -> None:
-    """Register ``quant_linear`` for bf16 CPU tensors when torch has the packed kernels."""
+    """Register ``quant_linear`` and ``quant_moe_mlp`` for bf16 CPU tensors when torch has the
+    packed kernels (``quant_moe_mlp`` capturable: see :class:`CpuQuantMoE`)."""
     if has_int8() or has_int4():
         registry.register("quant_linear", BACKEND, quant_linear, dtypes=DTYPES,
                           device_types=DEVICE_TYPES, supports=supports)
+        registry.register("quant_moe_mlp", BACKEND, quant_moe_mlp, dtypes=DTYPES,
+                          device_types=DEVICE_TYPES, supports=quant_moe_mlp.supports,
+                          capturable=True)

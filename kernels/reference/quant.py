@@ -44,6 +44,16 @@ in_features, out_features); without it they refuse and the reference is chosen. 
 with a weight packed by another backend, or with x in another dtype than it was packed for, is a
 :class:`~shardwise.KernelError`. The reference's packed form holds the :class:`QuantizedWeight`'s
 own tensors, and its ``quant_linear`` dequantizes then runs ``F.linear`` in ``x.dtype``.
+
+Quantized experts: ``quant_moe_mlp``
+------------------------------------
+A Mixture-of-Experts layer's stacked expert weights ``[E, N, K]`` quantize as the linear
+``[E * N, K]`` (:func:`quantize_experts`: every expert row its own scales) and are packed once per
+backend into a :class:`PackedQuantExperts` (``QuantMoEKernel.prepack(qw, E, device, dtype)``);
+``quant_moe_mlp(x, gate_up, down, experts, weights, ...)`` is ``moe_grouped_mlp``'s contract
+(``shardwise.kernels.reference.moe``) over them, an expert index ``E`` marking another rank's
+expert (it contributes nothing). Resolution takes ``specs=(gate_up_spec, down_spec)``. The
+reference dequantizes every expert per call (the oracle).
 """
 
 from __future__ import annotations
@@ -56,6 +66,7 @@ import torch.nn.functional as F
 
 from shardwise.errors import KernelError
 
+from . import moe
 from .example import Example
 
 BACKEND = "reference"
@@ -334,13 +345,179 @@ def unpacked(packed: PackedQuantWeight) -> QuantizedWeight:
 quant_linear = QuantLinearKernel()
 
 
+# ----- quantized experts: ``quant_moe_mlp`` ---------------------------------------------------
+#
+# A Mixture-of-Experts layer's stacked expert weights ``[E, N, K]`` (``F.linear`` orientation per
+# expert: gate_up ``[E, 2I, H]``, down ``[E, H, I]``) quantize row by row exactly as a linear's
+# ``[E * N, K]`` would, so every expert has its own scales (per output row and group) and the
+# format is the one above with a leading expert dimension. ``quant_moe_mlp`` is
+# ``moe_grouped_mlp`` (shardwise.kernels.reference.moe: same routing contract, same activations,
+# GPT-OSS's biases and clamp) over two such packed weights; an expert index equal to the packed
+# expert count (``E_local``) marks a slot whose expert lives on another rank: it contributes
+# nothing.
+
+
+@dataclass(frozen=True, eq=False)
+class PackedQuantExperts:
+    """``experts`` quantized matrices of one spec in one backend's layout (made once by
+    ``QuantMoEKernel.prepack``).
+
+    backend: the backend whose ``quant_moe_mlp`` consumes it; spec: ONE expert's matrix
+    (``in_features`` = K, ``out_features`` = N); experts: E; dtype: the compute dtype it was
+    packed for (None: any); tensors: the backend's layout, every tensor with a leading ``[E]``
+    dimension (described in that backend's module); meta: non-tensor settings of the layout.
+    """
+
+    backend: str
+    spec: QuantSpec
+    experts: int
+    dtype: torch.dtype | None
+    tensors: dict[str, torch.Tensor]
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the packed tensors of all E experts."""
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+    def expert(self, e: int) -> dict[str, torch.Tensor]:
+        """Expert ``e``'s tensors (views, no copy)."""
+        return {name: t[e] for name, t in self.tensors.items()}
+
+
+def quantize_experts(w: torch.Tensor, bits: int = 8, group_size: int | None = -1,
+                     symmetric: bool = True) -> QuantizedWeight:
+    """Quantize stacked expert weights ``w [E, N, K]`` as the 2-D ``[E * N, K]``: each expert
+    row keeps its own scales (module format). ``QuantMoEKernel.prepack(qw, E, ...)`` packs the
+    result."""
+    if w.dim() != 3:
+        raise QuantizationError(f"expected stacked expert weights [experts, out, in], got "
+                                f"{tuple(w.shape)}")
+    return quantize_weight(w.reshape(-1, w.shape[2]), bits, group_size, symmetric)
+
+
+def expert_spec(qw: QuantizedWeight, experts: int) -> QuantSpec:
+    """One expert's :class:`QuantSpec` of ``qw`` holding ``experts`` stacked matrices."""
+    if experts < 1 or qw.out_features % experts:
+        raise QuantizationError(f"{qw.out_features} quantized rows do not split into {experts} "
+                                f"experts")
+    return QuantSpec(qw.bits, qw.group_size, qw.symmetric, qw.in_features,
+                     qw.out_features // experts)
+
+
+class QuantMoEKernel:
+    """One backend's ``quant_moe_mlp``: ``prepack`` each stacked weight once at load, then call
+    per step (contract: module comment above ``PackedQuantExperts``).
+
+    Resolution: ``registry.resolve("quant_moe_mlp", accelerator, dtype, specs=(gate_up_spec,
+    down_spec))``; a backend claims the pair only when it takes both specs. Subclasses set
+    ``backend`` and implement ``_pack``, ``_mlp`` and ``dequantize``.
+    """
+
+    backend: str = BACKEND
+
+    def supports(self, *, device_type: str, dtype: torch.dtype | None,
+                 specs: tuple[QuantSpec, ...] | None = None, **_shape: Any) -> bool:
+        """Registry predicate; the reference runs everything."""
+        return self.unsupported_reason(device_type=device_type, dtype=dtype, specs=specs) is None
+
+    def unsupported_reason(self, *, device_type: str, dtype: torch.dtype | None,
+                           specs: tuple[QuantSpec, ...] | None = None,
+                           **_shape: Any) -> str | None:
+        """Why :meth:`supports` refuses (None when it takes them), in words."""
+        return None
+
+    def prepack(self, qw: QuantizedWeight, experts: int,
+                device: torch.device | str | None = None,
+                dtype: torch.dtype | None = None) -> PackedQuantExperts:
+        """``qw`` (:func:`quantize_experts` of ``[experts, N, K]``) in this backend's layout on
+        ``device`` for activations of ``dtype``: once per weight, at load."""
+        spec = expert_spec(qw, experts)
+        device = torch.device(device) if device is not None else qw.qweight.device
+        reason = self.unsupported_reason(device_type=device.type, dtype=dtype, specs=(spec,))
+        if reason is not None:
+            raise KernelError(f"quant_moe_mlp backend {self.backend!r} cannot run {spec} for "
+                              f"{dtype} on {device.type}: {reason}; pack with the "
+                              f"implementation the registry resolves for this spec")
+        tensors, meta = self._pack(qw.to(device), experts, dtype)
+        return PackedQuantExperts(self.backend, spec, experts, dtype, tensors, meta)
+
+    def __call__(self, x: torch.Tensor, gate_up: PackedQuantExperts, down: PackedQuantExperts,
+                 experts: torch.Tensor, weights: torch.Tensor, *, activation: str = "silu",
+                 gate_up_bias: torch.Tensor | None = None,
+                 down_bias: torch.Tensor | None = None, clamp: float | None = None,
+                 alpha: float = moe.GPT_OSS_ALPHA) -> torch.Tensor:
+        """The routed experts' output ``[T, H]`` in ``x.dtype``: ``moe_grouped_mlp``'s contract
+        with gate_up (spec K = H, N = 2I) and down (K = I, N = H) packed quantized; an expert
+        index of ``E`` (the packed expert count) contributes nothing."""
+        self._check_call(x, gate_up, down, experts, weights, activation, gate_up_bias,
+                         down_bias, clamp)
+        return self._mlp(x, gate_up, down, experts, weights, activation, gate_up_bias,
+                         down_bias, clamp, alpha)
+
+    def _check_call(self, x, gate_up, down, experts, weights, activation, gate_up_bias,
+                    down_bias, clamp) -> None:
+        for name, packed in (("gate_up", gate_up), ("down", down)):
+            if not isinstance(packed, PackedQuantExperts) or packed.backend != self.backend:
+                got = getattr(packed, "backend", type(packed).__name__)
+                raise KernelError(f"quant_moe_mlp ({self.backend}) was given a {name} weight "
+                                  f"packed for {got!r}: pack with impl.fn.prepack of the "
+                                  "implementation you call")
+            if packed.dtype is not None and x.dtype != packed.dtype:
+                raise KernelError(f"quant_moe_mlp ({self.backend}): {name} packed for "
+                                  f"{packed.dtype}, x is {x.dtype}; prepack for the compute "
+                                  "dtype")
+        gu, dn = gate_up.spec, down.spec
+        if (gate_up.experts != down.experts or gu.out_features % 2 or x.dim() != 2
+                or gu.in_features != x.shape[1] or dn.out_features != x.shape[1]
+                or dn.in_features * 2 != gu.out_features):
+            raise KernelError(f"quant_moe_mlp needs x [T, H], gate_up [E, 2I, H] and down "
+                              f"[E, H, I]; got x {tuple(x.shape)}, gate_up {gate_up.experts} x "
+                              f"[{gu.out_features}, {gu.in_features}], down {down.experts} x "
+                              f"[{dn.out_features}, {dn.in_features}]")
+        e, two_i, h = gate_up.experts, gu.out_features, gu.in_features
+        moe.check_grouped_mlp(x, torch.empty(e, two_i, h, device="meta"),  # shapes only
+                              torch.empty(e, h, two_i // 2, device="meta"), experts, weights,
+                              activation, gate_up_bias, down_bias, clamp)
+
+    def _pack(self, qw: QuantizedWeight, experts: int, dtype: torch.dtype | None):
+        """Reference layout: the QuantizedWeight's tensors with a leading expert dimension."""
+        tensors = {"qweight": qw.qweight, "scales": qw.scales}
+        if qw.zeros is not None:
+            tensors["zeros"] = qw.zeros
+        return {n: t.reshape(experts, -1, *t.shape[1:]) for n, t in tensors.items()}, {}
+
+    def dequantize(self, packed: PackedQuantExperts) -> torch.Tensor:
+        """The float32 ``[E, N, K]`` weights the kernel computes with (exact here)."""
+        t, spec = packed.tensors, packed.spec
+        flat = {n: v.reshape(-1, *v.shape[2:]) for n, v in t.items()}
+        qw = QuantizedWeight(flat["qweight"], flat["scales"], flat.get("zeros"), spec.bits,
+                             spec.group_size)
+        return dequantize_weight(qw).reshape(packed.experts, spec.out_features,
+                                             spec.in_features)
+
+    def _mlp(self, x, gate_up, down, experts, weights, activation, gate_up_bias, down_bias,
+             clamp, alpha) -> torch.Tensor:
+        """Dequantize every expert (float32, rounded to x.dtype), then the reference
+        ``moe_grouped_mlp`` (float32 math; it skips the sentinel E, never matched)."""
+        gu = self.dequantize(gate_up).to(x.dtype)
+        dn = self.dequantize(down).to(x.dtype)
+        return moe.moe_grouped_mlp(x, gu, dn, experts, weights, activation=activation,
+                                   gate_up_bias=gate_up_bias, down_bias=down_bias, clamp=clamp,
+                                   alpha=alpha)
+
+
+#: The reference ``quant_moe_mlp(x, gate_up, down, experts, weights, ...)`` plus ``.prepack``.
+quant_moe_mlp = QuantMoEKernel()
+
+
 def prepack(qw: QuantizedWeight, device: torch.device | str | None = None,
             dtype: torch.dtype | None = None) -> PackedQuantWeight:
     """The reference's packed form of ``qw`` (its own tensors on ``device``)."""
     return quant_linear.prepack(qw, device, dtype)
 
 
-OPS = {"quant_linear": quant_linear}
+OPS = {"quant_linear": quant_linear, "quant_moe_mlp": quant_moe_mlp}
 
 
 def register(registry) -> None:
@@ -366,4 +543,24 @@ def _quant_linear_example(dtype: torch.dtype, device: torch.device) -> Example:
                    resolve=qw.spec.as_shape(), bind=bind)
 
 
-EXAMPLES = {"quant_linear": _quant_linear_example}
+def _quant_moe_mlp_example(dtype: torch.dtype, device: torch.device) -> Example:
+    """int8 symmetric per channel, 4 experts of H 64, I 32, top-2; slot (2, 1) is another
+    rank's expert (the sentinel 4): both weights packed by whichever backend resolves."""
+    g = torch.Generator().manual_seed(12)
+    gate_up = quantize_experts(torch.randn(4, 64, 64, generator=g) * 0.125, bits=8)
+    down = quantize_experts(torch.randn(4, 64, 32, generator=g) * 0.18, bits=8)
+    x = torch.randn(3, 64, generator=g)
+    experts = torch.tensor([[0, 2], [3, 1], [2, 4]])
+    weights = torch.tensor([[0.6, 0.4], [0.5, 0.5], [0.8, 0.2]])
+
+    def bind(impl, args):
+        x_, gu_, dn_, e_, w_ = args
+        return (x_, impl.fn.prepack(gu_, 4, x_.device, x_.dtype),
+                impl.fn.prepack(dn_, 4, x_.device, x_.dtype), e_, w_)
+
+    specs = (expert_spec(gate_up, 4), expert_spec(down, 4))
+    return Example((x.to(device, dtype), gate_up.to(device), down.to(device), experts.to(device),
+                    weights.to(device)), {}, resolve={"specs": specs}, bind=bind)
+
+
+EXAMPLES = {"quant_linear": _quant_linear_example, "quant_moe_mlp": _quant_moe_mlp_example}
