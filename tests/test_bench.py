@@ -17,7 +17,7 @@ from shardwise.bench import chart, launch, report, roofline, stats
 from shardwise.bench.compare import compare, format_compare
 from shardwise.bench.figures import add_figures, figures
 from shardwise.bench.plan import (Cell, ModelSpec, Plan, Variant, check_tp, default_variants,
-                                  dtype_name)
+                                  dtype_name, world_size)
 from shardwise.bench.presets import PRESETS, count_parameters, get_preset
 from shardwise.cli import build_parser, main
 from shardwise.errors import ConfigError
@@ -235,6 +235,7 @@ def no_heavy_work(monkeypatch):
 
     monkeypatch.setattr(runner, "load", forbidden)
     monkeypatch.setattr(session, "measure_bandwidth", forbidden)
+    monkeypatch.setattr(session, "run_ranks", forbidden)
 
 
 def test_unknown_preset_lists_the_presets(no_heavy_work, capsys):
@@ -457,12 +458,16 @@ def test_moe_decode_bytes_are_the_dense_parts_and_the_experts_routed_to():
     layers = roofline.expert_modules(model)
     assert len(layers) == 2 and roofline.expert_bytes(layers[0]) == 4 * one_expert
     hidden = torch.randn(2, 32)
-    with roofline.RoutingCounter(model, tokens=2) as counter:
-        layers[0](torch.randn(5, 32), torch.tensor([[0, 1]] * 5), torch.ones(5, 2))  # prefill
-        for first, second in (([[0, 1], [1, 2]], [[0, 3], [3, 0]]),  # 3 and 2 distinct
-                              ([[0, 1], [0, 1]], [[1, 2], [2, 3]])):  # 2 and 3 distinct
-            layers[0](hidden, torch.tensor(first), torch.ones(2, 2))
-            layers[1](hidden, torch.tensor(second), torch.ones(2, 2))
+    with roofline.RoutingCounter(model) as counter:
+        for generate in range(2):  # each generate: one prefill call per module, not counted
+            counter.next_generate()
+            for layer in layers:
+                layer(torch.randn(5, 32), torch.tensor([[2, 3]] * 5), torch.ones(5, 2))
+            for first, second in (([[0, 1], [1, 2]], [[0, 3], [3, 0]]),  # 3 and 2 distinct
+                                  ([[0, 1], [0, 1]], [[1, 2], [2, 3]])):  # 2 and 3 distinct
+                layers[0](hidden, torch.tensor(first), torch.ones(2, 2))
+                layers[1](hidden, torch.tensor(second), torch.ones(2, 2))
+    assert [len(seen) for seen in counter.routings] == [4, 4]  # 2 decode steps × 2 generates
     assert counter.mean_distinct() == [2.5, 2.5]
     assert roofline.moe_decode_bytes(model, counter, 2) == (
         dense + 5 * one_expert, "dense + routed experts (measured)")
@@ -653,3 +658,164 @@ def test_tp_launches_ranks_and_shards(tmp_path):
     assert [(r["variant"], r["status"], r["world_size"]) for r in runs] == [
         ("hf", "ok", 1), ("shardwise[tp2]", "ok", 2)], runs[-1].get("error")
     assert runs[1]["weight_bytes"] < runs[0]["weight_bytes"]
+
+
+# ----- --ep: expert parallelism -------------------------------------------------------------------
+
+
+@pytest.fixture
+def many_cores(monkeypatch):
+    """A CPU that hosts 16 ranks, so the sizes below are refused for what they are, not for
+    this machine's core count."""
+    monkeypatch.setattr(CpuAccelerator, "max_ranks_per_node", lambda self: 16)
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--preset", TINY, "--ep", "2"],
+     f"--ep 2 splits the experts of a Mixture-of-Experts model over ranks, and {TINY} is a "
+     f"dense model"),
+    (["--ep", "2"], "--ep 2 needs an MoE model, and SmolLM2-135M-Instruct is not a preset"),
+    (["--preset", MOE_TINY, "--preset", TINY, "--ep", "2"], f"and {TINY} is a dense model"),
+    (["--preset", MOE_TINY, "--ep", "8"], f"--ep 8 is more than the 4 experts of {MOE_TINY}"),
+    (["--preset", MOE_TINY, "--moe-dispatch", "all_to_all"],
+     "--moe-dispatch all_to_all picks how expert-parallel ranks exchange the experts' work: it "
+     "needs --ep > 1"),
+    (["--preset", MOE_TINY, "--tp", "2", "--moe-dispatch", "all_reduce"], "needs --ep > 1"),
+    # the engine's own plan, on a meta-device copy: 4 heads / 2 kv heads do not split by 3
+    (["--preset", MOE_TINY, "--tp", "3", "--ep", "3"], f"--tp 3 --ep 3 (3 ranks) on {MOE_TINY}: "),
+    # lcm(2, 4) = 4 ranks: 2 data-parallel replicas of a tp group, which the engine refuses
+    (["--preset", MOE_TINY, "--tp", "2", "--ep", "4"], "--tp 2 --ep 4 (4 ranks) on "),
+    (["--preset", MOE_TINY, "--ep", "0"], "must be positive, got --tp 1 --ep 0"),
+])
+def test_ep_bad_input_is_refused_before_any_load(no_heavy_work, many_cores, capsys, argv, says):
+    assert main(["bench", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert says in err and "\n" not in err, err
+
+
+def test_ep_needs_ranks_the_node_hosts(no_heavy_work, capsys):
+    too_many = CpuAccelerator().max_ranks_per_node() + 1
+    assert main(["bench", "--preset", "moe-shared-12l-1024h-64e", "--ep", str(too_many)]) == 2
+    err = capsys.readouterr().err
+    assert f"--tp 1 --ep {too_many} needs {too_many} ranks" in err and "lower --tp/--ep" in err
+    four = type("Acc", (CpuAccelerator,), {"max_ranks_per_node": lambda s: 4})()
+    assert check_tp(four, 2, 1, ep=4) == 4  # --tp 2 --ep 4: lcm = 4 ranks, on one node
+    with pytest.raises(ConfigError, match="needs 6 ranks"):
+        check_tp(four, 2, 1, ep=3)
+    with pytest.raises(ConfigError, match=r"\(4 ranks\) does not split evenly over --nnodes 3"):
+        check_tp(four, 1, 3, ep=4)
+
+
+def test_ep_world_variant_name_and_engine_kwargs():
+    assert [world_size(*s) for s in ((1, 2), (2, 2), (2, 1), (4, 2), (2, 4), (2, 3))] == \
+        [2, 2, 2, 4, 4, 6]  # the ranks are tp × dp with ep dividing them: lcm(tp, ep)
+    plan = Plan(models=[ModelSpec("preset", MOE_TINY)], cells=[Cell(1, 8, 4)], device="cpu",
+                tp=2, ep=2, moe_dispatch="all_to_all",
+                variants=[Variant(inject=True, quant="int8")])
+    [variant] = plan.variants
+    assert plan.world == 2 and plan.variant_names == ["shardwise[tp2,ep2,all_to_all,inject,int8]"]
+    kwargs = plan.engine_kwargs(variant)
+    assert kwargs["moe"] == {"ep_size": 2, "dispatch": "all_to_all"}
+    assert kwargs["tensor_parallel"] == {"tp_size": 2}
+    assert Plan.from_dict(json.loads(json.dumps(plan.to_dict()))) == plan
+    alone = Plan([ModelSpec("preset", MOE_TINY)], [], "cpu", [Variant()], ep=2)
+    assert alone.world == 2 and alone.variant_names == ["shardwise[ep2]"]
+    assert alone.engine_kwargs(Variant())["moe"] == {"ep_size": 2}
+    assert "tensor_parallel" not in alone.engine_kwargs(Variant())
+    assert "moe" not in _plan().engine_kwargs(Variant())  # --tp alone asks nothing of MoE
+    old = alone.to_dict()
+    del old["ep"], old["moe_dispatch"]  # plans written before --ep
+    assert Plan.from_dict(old).world == 1
+
+
+def test_ep_plan_is_checked_and_recorded(many_cores):
+    from shardwise.cli.bench import _plan as cli_plan
+
+    plan, _, nproc, _ = cli_plan(build_parser().parse_args(
+        ["bench", "--preset", MOE_TINY, "--ep", "2", "--inject", "--moe-dispatch", "all_reduce"]))
+    assert (plan.ep, plan.tp, plan.world, nproc) == (2, 1, 2, 2)
+    assert plan.variant_names == ["shardwise[ep2,all_reduce,inject]"]
+
+
+def _sliced_experts_model(keep: int = 2):
+    """The tiny Mixtral with each experts module holding only its first ``keep`` of 4 experts,
+    as an expert-parallel rank's does (``num_experts`` left at the model's 4); their forward
+    is a stand-in (only the routing they are called with matters here)."""
+    model = _tiny_mixtral()
+    for module in roofline.expert_modules(model):
+        for name, param in list(module.named_parameters(recurse=False)):
+            setattr(module, name, torch.nn.Parameter(param.data[:keep].clone()))
+        module.forward = lambda x, index, weights: torch.zeros_like(x)
+    return model
+
+
+def test_ep_rank_bytes_are_its_dense_parts_and_its_own_experts_routed_to():
+    """Under expert parallelism a rank's experts modules hold E_local experts and are called
+    with local ids, E_local marking another rank's expert: the rank reads its dense parts and,
+    of the experts routed to, only those it holds."""
+    model = _sliced_experts_model(keep=2)
+    whole = _tiny_mixtral()
+    one_expert = (2 * 48 * 32 + 32 * 48) * 4
+    dense = roofline.weight_bytes(whole) - 2 * 4 * one_expert
+    layers = roofline.expert_modules(model)
+    assert len(layers) == 2 and [roofline.local_experts(m) for m in layers] == [2, 2]
+    assert roofline.expert_bytes(layers[0]) == 2 * one_expert
+    hidden = torch.randn(2, 32)
+    with roofline.RoutingCounter(model) as counter:
+        for layer in layers:  # prefill
+            layer(torch.randn(3, 32), torch.tensor([[0, 2]] * 3), torch.ones(3, 2))
+        # local ids; 2 = an expert held by the other rank (contributes nothing, read nothing)
+        layers[0](hidden, torch.tensor([[0, 2], [2, 2]]), torch.ones(2, 2))  # 1 of mine
+        layers[1](hidden, torch.tensor([[0, 1], [1, 2]]), torch.ones(2, 2))  # 2 of mine
+    assert counter.mean_distinct() == [1.0, 2.0]
+    assert roofline.moe_decode_bytes(model, counter, 2) == (
+        dense + 3 * one_expert, "dense + routed experts (measured)")
+    # uniform expectation over the model's 4 experts, of the 2 held here: 2 × (1 − (1/2)^1)
+    assert roofline.moe_decode_bytes(model, None, 1) == (
+        dense + 2 * 1 * one_expert, "dense + routed experts (expected)")
+    assert roofline.expected_distinct_experts(4, 2, 8, held=2) == pytest.approx(
+        2 * (1 - 0.5 ** 8))
+
+
+def test_gpt_oss_experts_with_2d_biases_are_found():
+    from transformers import AutoModelForCausalLM, GptOssConfig
+
+    config = GptOssConfig(hidden_size=32, intermediate_size=32, num_hidden_layers=1,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                          num_local_experts=4, num_experts_per_tok=2, vocab_size=64,
+                          layer_types=["full_attention"])
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    [experts] = roofline.expert_modules(model)
+    assert {p.dim() for p in experts.parameters(recurse=False)} == {2, 3}
+    assert roofline.local_experts(experts) == 4
+
+
+def test_merge_ranks_keeps_every_ranks_bytes_and_figures_give_each_ranks_gb_s():
+    plan = _plan()
+    step = {"prefill_s": 0.1, "per_token_s": [0.01, 0.01]}
+
+    def rank_record(read, per_token=0.01):
+        rec = runner.record(ModelSpec("preset", TINY), plan.variant_names[0], plan.cells[0],
+                            weight_bytes=4 * 10**7, decode_bytes=read, world_size=2,
+                            decode_bytes_method="dense + routed experts (measured)",
+                            nonembedding_params=10**6, peak_memory_bytes=2**30)
+        rec["samples"]["repeats"] = [dict(step, per_token_s=[per_token] * 2)] * 2
+        return [rec]
+
+    merged = launch.merge_ranks({0: rank_record(10**7), 1: rank_record(2 * 10**7, 0.02)},
+                                plan, 0)
+    assert [r["rank"] for r in merged[0]["ranks"]] == [0, 1]
+    assert [r["decode_s"] for r in merged[0]["ranks"]] == [0.01, 0.02]
+    doc = _document(runs=[_record(), *merged])
+    f = doc["runs"][1]["figures"]
+    assert f["decode_gbps"] == pytest.approx(1.0)  # the row is rank 0's: 1e7 B / 10 ms
+    assert [r["decode_gbps"] for r in f["ranks"]] == [pytest.approx(1.0), pytest.approx(1.0)]
+    assert f["ranks"][1]["bandwidth_pct"] == pytest.approx(1.0)  # of the 100 GB/s measured
+    # together: 3e7 B over the slowest rank's 20 ms step
+    assert f["all_ranks"]["decode_gbps"] == pytest.approx(1.5)
+    assert f["all_ranks"]["decode_bytes"] == 3 * 10**7
+    text = report.format_table(doc)
+    assert f"GB/s per rank of {plan.variant_names[0]} on {TINY} batch 1" in text
+    assert "rank 0 1 (1.0%), rank 1 1 (1.0%); all ranks together 1.5 (1.5%)" in text
+    assert "ranks" not in launch.merge_ranks({0: rank_record(10**7)}, plan, 0)[0]

@@ -13,6 +13,10 @@ Definitions (all over the timed repeats; warm-up samples are kept in the JSON bu
   routed to, not every expert), or its ``weight_bytes`` where a record has none;
   ``decode_bytes_method`` says which.
 * ``speedup``: baseline latency ÷ this variant's latency, per phase (> 1 is faster).
+* ``ranks`` (records of several ranks, ``--tp``/``--ep``): each rank's ``decode_gbps`` and
+  ``bandwidth_pct`` over the bytes *its* decode step read (under expert parallelism: its dense
+  parts and the experts it holds that were routed to) and its own median step. The record's
+  own figures are rank 0's.
 """
 
 from __future__ import annotations
@@ -52,7 +56,33 @@ def figures(rec: dict[str, Any], device_gbps: float | None) -> dict[str, Any]:
         out["decode_gbps"] = roofline.decode_gbps(read, step)
         if device_gbps:
             out["bandwidth_pct"] = roofline.bandwidth_pct(out["decode_gbps"], device_gbps)
+    if rec.get("ranks"):
+        out["ranks"] = [rank_figures(r, device_gbps) for r in rec["ranks"]]
+        out["all_ranks"] = all_ranks_figures(rec["ranks"], device_gbps)
     return out
+
+
+def all_ranks_figures(ranks: list[dict[str, Any]], device_gbps: float | None) -> dict | None:
+    """The ranks' bytes per step together over the slowest rank's median step (see the module
+    docstring); None when a rank has no decode steps or bytes."""
+    reads = [decode_bytes(r)[0] for r in ranks]
+    steps = [r.get("decode_s") for r in ranks]
+    if not all(reads) or not all(steps):
+        return None
+    gbps = roofline.decode_gbps(sum(reads), max(steps))
+    return {"decode_bytes": sum(reads), "decode_gbps": gbps,
+            "bandwidth_pct": roofline.bandwidth_pct(gbps, device_gbps) if device_gbps else None}
+
+
+def rank_figures(facts: dict[str, Any], device_gbps: float | None) -> dict[str, Any]:
+    """One rank's roofline (see the module docstring) from its facts in a record's ``ranks``
+    (:func:`~.launch.rank_facts`)."""
+    read, method = decode_bytes(facts)
+    step = facts.get("decode_s")
+    gbps = roofline.decode_gbps(read, step) if read and step else None
+    return {"rank": facts["rank"], "decode_bytes": read, "decode_bytes_method": method,
+            "decode_gbps": gbps, "bandwidth_pct": roofline.bandwidth_pct(gbps, device_gbps)
+            if gbps and device_gbps else None}
 
 
 def decode_bytes(rec: dict[str, Any]) -> tuple[int, str]:

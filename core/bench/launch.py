@@ -1,10 +1,13 @@
-"""``--tp N``: run the shardwise variants on N ranks started through ``shardwise launch`` (torch's
-elastic launcher with each rank set up by the accelerator), each rank running
-:mod:`shardwise.bench.worker`.
+"""``--tp N`` / ``--ep N``: run the shardwise variants on the plan's ranks
+(:attr:`~.plan.Plan.world`) started through ``shardwise launch`` (torch's elastic launcher with
+each rank set up by the accelerator), each rank running :mod:`shardwise.bench.worker`.
 
 The parent writes the plan to a spec file, launches the ranks, and reads back one result file
-per rank (``rank<R>.json``). Rank 0's samples are the figures (ranks of a tensor-parallel step
-finish together); a failure on any other rank fails the run with that rank's error.
+per rank (``rank<R>.json``). Rank 0's samples are the figures (ranks of a tensor- or
+expert-parallel step finish together); a failure on any other rank fails the run with that
+rank's error. Each record also keeps every rank's own facts (``ranks``: the bytes its decode
+step read — under expert parallelism the experts *it* holds that were routed to — its weights,
+peak memory and median step), from which the figures give each rank's GB/s.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from typing import Any
 from ..accelerator import Accelerator
 from .plan import Plan
 from .runner import record
+from .stats import median
 
 WORKER_MODULE = "shardwise.bench.worker"
 
@@ -49,14 +53,31 @@ def merge_ranks(per_rank: dict[int, list[dict]], plan: Plan, returncode: int) ->
                  f"their output is above")
         if returncode == 0 and per_rank:
             error = "rank 0 ran on another node (--node-rank 0): its figures are written there"
-        return [record(spec, name, cell, status="failed", error=error, world_size=plan.tp)
+        return [record(spec, name, cell, status="failed", error=error, world_size=plan.world)
                 for spec in plan.models for name in plan.variant_names for cell in plan.cells]
     merged = [dict(r) for r in per_rank[0]]
     for rank, records in sorted(per_rank.items()):
         for mine, theirs in zip(merged, records):
             if rank and theirs["status"] != "ok" and mine["status"] == "ok":
                 mine.update(status="failed", error=f"rank {rank}: {theirs['error']}")
+    if len(per_rank) > 1:
+        for i, mine in enumerate(merged):
+            mine["ranks"] = [rank_facts(rank, records[i]) for rank, records
+                             in sorted(per_rank.items()) if i < len(records)]
     return merged
+
+
+#: A rank's own fields kept in a merged record's ``ranks``.
+RANK_FIELDS = ("status", "weight_bytes", "decode_bytes", "decode_bytes_method",
+               "peak_memory_bytes")
+
+
+def rank_facts(rank: int, rec: dict) -> dict:
+    """What one rank measured for a run: :data:`RANK_FIELDS` and its median decode step
+    (``decode_s``, over its own timed repeats; None without decode steps)."""
+    steps = [t for r in rec["samples"]["repeats"] for t in r["per_token_s"]]
+    return {"rank": rank, **{k: rec.get(k) for k in RANK_FIELDS},
+            "decode_s": median(steps) if steps else None}
 
 
 def read_rank_files(folder: str | os.PathLike) -> dict[int, list[dict]]:
@@ -76,6 +97,6 @@ def run_ranks(plan: Plan, accelerator: Accelerator, nproc_per_node: int,
                                     "progress": show_progress}))
         cmd = launch_command(str(spec), nproc_per_node, plan.nnodes, device=accelerator.name,
                              **(rendezvous or {}))
-        print(f"launching {plan.tp} ranks: {' '.join(cmd)}", file=sys.stderr, flush=True)
+        print(f"launching {plan.world} ranks: {' '.join(cmd)}", file=sys.stderr, flush=True)
         proc = subprocess.run(cmd)
         return merge_ranks(read_rank_files(folder), plan, proc.returncode)

@@ -4,6 +4,7 @@ validated cheaply before any model is loaded."""
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from importlib.util import find_spec
 from typing import Any
@@ -72,7 +73,8 @@ class Plan:
 
     The HF baseline runs in ``baseline_dtype`` (None: each model's own dtype; the model is
     loaded in it), then each of ``variants`` runs ``init_inference`` on its own copy of the
-    model (the last one on the model itself)."""
+    model (the last one on the model itself), on :attr:`world` ranks when ``tp`` or ``ep``
+    (expert parallelism, ``moe={"ep_size": ep}``; ``moe_dispatch``: its ``dispatch``) is > 1."""
 
     models: list[ModelSpec]
     cells: list[Cell]
@@ -85,6 +87,13 @@ class Plan:
     seed: int = 0
     baseline_dtype: str | None = None
     baseline_experts: str | None = None
+    ep: int = 1
+    moe_dispatch: str | None = None
+
+    @property
+    def world(self) -> int:
+        """Ranks the shardwise variants run on: :func:`world_size` of ``tp`` and ``ep``."""
+        return world_size(self.tp, self.ep)
 
     @property
     def baseline_name(self) -> str:
@@ -93,8 +102,11 @@ class Plan:
         return f"{BASELINE}[{self.baseline_experts}]" if self.baseline_experts else BASELINE
 
     def variant_name(self, variant: Variant) -> str:
-        """A variant's name, its options in brackets (``shardwise[tp2,inject,graphs,int8]``)."""
-        tags = ([f"tp{self.tp}"] if self.tp > 1 else []) + variant.tags()
+        """A variant's name, its options in brackets (``shardwise[tp2,inject,graphs,int8]``,
+        ``shardwise[ep2,all_to_all,inject]``: the MoE dispatch when one is asked for)."""
+        tags = ([f"tp{self.tp}"] if self.tp > 1 else []) + \
+            ([f"ep{self.ep}"] if self.ep > 1 else []) + \
+            ([self.moe_dispatch] if self.moe_dispatch else []) + variant.tags()
         return f"shardwise[{','.join(tags)}]" if tags else "shardwise"
 
     @property
@@ -107,6 +119,9 @@ class Plan:
         kwargs = {"device": self.device, "dtype": variant.dtype, **variant.engine_options()}
         if self.tp > 1:
             kwargs["tensor_parallel"] = {"tp_size": self.tp}
+        if self.ep > 1 or self.moe_dispatch:
+            kwargs["moe"] = {"ep_size": self.ep, **({"dispatch": self.moe_dispatch}
+                                                    if self.moe_dispatch else {})}
         return kwargs
 
     def check_variants(self) -> None:
@@ -150,18 +165,31 @@ def resolve_models(paths: list[str] | None, presets: list[str] | None) -> list[M
     return list(dict.fromkeys(specs))  # each model once, in the order given
 
 
-def check_tp(accelerator: Accelerator, tp: int, nnodes: int = 1) -> int:
-    """Validate ``--tp`` against the ranks the nodes can host; return ranks per node."""
-    if tp < 1 or nnodes < 1:
-        raise ConfigError(f"--tp and --nnodes must be positive, got --tp {tp} --nnodes {nnodes}")
+def world_size(tp: int, ep: int = 1) -> int:
+    """Ranks a run with ``tp`` tensor-parallel and ``ep`` expert-parallel ranks needs: the
+    smallest world that ``tp`` divides (world = tp × dp) and that ``ep`` divides (the expert
+    group is carved out of the tp × dp ranks), i.e. their least common multiple: ``--ep 2``
+    alone runs 2 ranks (dense parts replicated), ``--tp 2 --ep 2`` the same 2 ranks."""
+    return math.lcm(tp, ep)
+
+
+def check_tp(accelerator: Accelerator, tp: int, nnodes: int = 1, ep: int = 1) -> int:
+    """Validate ``--tp`` and ``--ep`` against the ranks the nodes can host; return ranks per
+    node (of the :func:`world_size` they need)."""
+    if tp < 1 or nnodes < 1 or ep < 1:
+        raise ConfigError(f"--tp, --ep and --nnodes must be positive, got --tp {tp} --ep {ep} "
+                          f"--nnodes {nnodes}")
+    world = world_size(tp, ep)
+    sizes = f"--tp {tp}" + (f" --ep {ep}" if ep > 1 else "")
+    lower = "lower --tp" + ("/--ep" if ep > 1 else "")
     per_node = accelerator.max_ranks_per_node()
-    if tp > per_node * nnodes:
+    if world > per_node * nnodes:
         raise ConfigError(
-            f"--tp {tp} needs {tp} ranks but {nnodes} node(s) of {accelerator.name!r} host at "
-            f"most {per_node * nnodes} ({per_node} per node); lower --tp or add nodes (--nnodes)")
-    if tp % nnodes:
-        raise ConfigError(f"--tp {tp} does not split evenly over --nnodes {nnodes}")
-    return tp // nnodes
+            f"{sizes} needs {world} ranks but {nnodes} node(s) of {accelerator.name!r} host at "
+            f"most {per_node * nnodes} ({per_node} per node); {lower} or add nodes (--nnodes)")
+    if world % nnodes:
+        raise ConfigError(f"{sizes} ({world} ranks) does not split evenly over --nnodes {nnodes}")
+    return world // nnodes
 
 
 def resolve_dtype_name(accelerator: Accelerator, dtype: str | None) -> str | None:
@@ -345,3 +373,79 @@ def probe_experts_implementation(experts: str, accelerator: Accelerator, dtype) 
                           f"in {dtype_name(dtype)} ({type(exc).__name__}: "
                           f"{str(exc).splitlines()[0] if str(exc) else ''}); choose another of "
                           f"{', '.join(experts_implementations())}") from None
+
+
+# ----- --ep and --tp against each model (MoE, expert parallelism) ----------------------------------
+
+def check_expert_parallel(models: list[ModelSpec], ep: int, dispatch: str | None = None) -> None:
+    """Refuse ``--ep`` > 1 (or ``--moe-dispatch``) before any load for a model that is not MoE
+    (or cannot be told to be: a GGUF file, the embedded default) and for an ``--ep`` larger
+    than a model's expert count (each expert-parallel rank needs at least one expert)."""
+    if ep == 1 and dispatch is None:
+        return
+    option = f"--ep {ep}" if ep > 1 else f"--moe-dispatch {dispatch}"
+    for spec in models:
+        count = model_experts(spec)
+        if count is None:
+            raise ConfigError(f"{option} needs an MoE model, and {spec.name} is not a preset or "
+                              f"HF directory whose config says; bench an MoE preset "
+                              f"(--list-presets) or directory, or drop {option.split()[0]}")
+        if count == 0:
+            raise ConfigError(f"{option} splits the experts of a Mixture-of-Experts model over "
+                              f"ranks, and {spec.name} is a dense model (no experts); drop "
+                              f"{option.split()[0]} or bench an MoE model (e.g. --preset "
+                              f"mixtral-18l-1024h-8e)")
+        if ep > count:
+            raise ConfigError(f"--ep {ep} is more than the {count} experts of {spec.name} "
+                              f"(each expert-parallel rank needs at least one); use --ep "
+                              f"{count} or less")
+
+
+def meta_model(spec: ModelSpec):
+    """``spec``'s model built on the meta device (no memory, no weights read), for the
+    engine's own plan checks; None when that is not cheap (a GGUF file, the embedded default,
+    a directory whose config transformers cannot build)."""
+    from pathlib import Path
+
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if spec.kind == "preset":
+        config = get_preset(spec.name).hf_config()
+    elif spec.kind == "path" and spec.path and Path(spec.path).is_dir():
+        try:
+            config = AutoConfig.from_pretrained(spec.path)
+        except Exception:  # noqa: BLE001 — the load names it, with the whole story
+            return None
+    else:
+        return None
+    try:
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(config)
+    except Exception:  # noqa: BLE001 — as above
+        return None
+
+
+def check_parallel_plans(models: list[ModelSpec], tp: int, ep: int) -> None:
+    """Every model's plan on :func:`world_size` ranks, built by the engine's own
+    :func:`~shardwise.plan.build_plan` on a meta-device copy (nothing loaded): sizes that do
+    not fit (``--ep`` not dividing the ranks, heads ``--tp`` cannot split, data-parallel
+    replicas of a tensor-parallel group, a dimension not supported yet) fail here with the
+    engine's message, before the bandwidth probe, any load or any launch. Models that cannot
+    be built on the meta device cheaply are checked by the engine when they load."""
+    if tp == 1 and ep == 1:
+        return
+    from ..config import parse_moe
+    from ..plan import build_plan
+
+    world = world_size(tp, ep)
+    moe = parse_moe({"ep_size": ep}) if ep > 1 else None
+    sizes = f"--tp {tp}" + (f" --ep {ep}" if ep > 1 else "") + f" ({world} ranks)"
+    for spec in models:
+        model = meta_model(spec)
+        if model is None:
+            continue
+        try:
+            build_plan(model, tp_size=tp, world=world, rank=0, moe=moe)
+        except ConfigError as exc:
+            raise ConfigError(f"{sizes} on {spec.name}: {exc}") from None

@@ -17,6 +17,10 @@ A result file is one JSON object::
                "decode_bytes_method" (which: "all weights", "dense + routed experts
                (measured)" or "(expected)"), "experts_implementation" (rows of an MoE model
                whose modules are HF's: the HF experts implementation that ran), "peak_memory_bytes",
+               "ranks" (runs on several ranks: each rank's own status, weight_bytes,
+               decode_bytes, decode_bytes_method, peak_memory_bytes and median step
+               decode_s; figures.ranks has each rank's GB/s, figures.all_ranks theirs
+               together),
                "samples": {"warmup": [...], "repeats": [{"prefill_s", "per_token_s"}]},
                "figures": {...}}],             # see figures.py
      "notes": [...]}                           # optional: e.g. why a default row is left out
@@ -237,6 +241,7 @@ def format_table(doc: dict) -> str:
             format_grid(list(COLUMNS), rows, text_columns=3)]
     text += [f"[{i}] {note}" for note, i in notes.items()]
     text += [f"note: {line}" for line in decode_bytes_notes(doc["runs"])]
+    text += [f"note: {line}" for line in rank_notes(doc["runs"])]
     text += [f"note: {line}" for line in doc.get("notes") or []]
     return "\n".join(text)
 
@@ -254,6 +259,30 @@ def decode_bytes_notes(runs: list[dict]) -> list[str]:
             f"step ({method_words(runs, model)}), of {_weights_mib(runs, model)} MiB in all: "
             + ", ".join(f"batch {b} {_mib(n)} MiB" for b, n in by_batch.items())
             for model, by_batch in read.items()]
+
+
+def rank_notes(runs: list[dict]) -> list[str]:
+    """One line per run of several ranks whose ranks read different bytes per decode step
+    (expert parallelism: each its own experts routed to): each rank's GB/s and % of the
+    bandwidth (the table's columns are rank 0's)."""
+    lines = []
+    for rec in runs:
+        ranks = (rec.get("figures") or {}).get("ranks") or []
+        if len({r["decode_bytes"] for r in ranks}) < 2:
+            continue
+        each = ", ".join(f"rank {r['rank']} {_gbps_text(r)}" for r in ranks)
+        together = rec["figures"].get("all_ranks")
+        lines.append(f"GB/s per rank of {rec['variant']} on {rec['model']} batch "
+                     f"{rec['batch']} (over the bytes each rank read: its dense parts and its "
+                     f"own experts routed to): {each}"
+                     + (f"; all ranks together {_gbps_text(together)}" if together else ""))
+    return lines
+
+
+def _gbps_text(figures: dict) -> str:
+    """``12.3 (45.6%)``: GB/s and, when known, the share of the bandwidth."""
+    pct = figures.get("bandwidth_pct")
+    return _num(figures.get("decode_gbps"), ".3g") + (f" ({pct:.1f}%)" if pct else "")
 
 
 def method_words(runs: list[dict], model: str) -> str:

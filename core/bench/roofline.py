@@ -96,49 +96,71 @@ def nonembedding_parameters(model: nn.Module) -> int:
 
 def expert_modules(model: nn.Module) -> list[nn.Module]:
     """The modules holding stacked expert weights: an integer ``num_experts`` and parameters of
-    their own that are all 3-D ``(num_experts, out, in)`` (HF's ``MixtralExperts``,
-    ``Qwen2MoeExperts``, ...; shared experts are plain MLPs and stay dense)."""
+    their own that all lead with one expert dimension of at most ``num_experts`` entries, at
+    least one of them 3-D ``(experts, out, in)`` (HF's ``MixtralExperts``, ``Qwen2MoeExperts``,
+    GPT-OSS's with its 2-D expert biases, ...; under expert parallelism a rank's module holds
+    only its own experts: :func:`local_experts`). Shared experts are plain MLPs and stay dense."""
     found = []
     for module in model.modules():
         experts = getattr(module, "num_experts", None)
         params = list(module.parameters(recurse=False))
-        if isinstance(experts, int) and experts > 0 and params and all(
-                p.dim() == 3 and p.shape[0] == experts for p in params):
+        if not isinstance(experts, int) or experts < 1 or not params:
+            continue
+        leading = {p.shape[0] if p.dim() >= 2 else None for p in params}
+        if len(leading) == 1 and None not in leading and leading.pop() <= experts \
+                and any(p.dim() == 3 for p in params):
             found.append(module)
     return found
 
 
+def local_experts(module: nn.Module) -> int:
+    """Experts an experts module holds on this rank: the leading dimension of its weights
+    (``num_experts`` without expert parallelism)."""
+    return next(module.parameters(recurse=False)).shape[0]
+
+
 def expert_bytes(module: nn.Module) -> int:
-    """Bytes of all the experts of one experts module (one expert is this / ``num_experts``)."""
+    """Bytes of the experts one experts module holds (one expert is this ÷
+    :func:`local_experts`)."""
     return sum(p.numel() * p.element_size() for p in module.parameters(recurse=False))
 
 
-def expected_distinct_experts(num_experts: int, top_k: int, tokens: int) -> float:
-    """Expected distinct experts ``tokens`` tokens pick when each picks ``top_k`` of
-    ``num_experts`` uniformly: ``E × (1 − (1 − k/E)^T)`` (``top_k`` at one token)."""
-    return num_experts * (1 - (1 - top_k / num_experts) ** tokens)
+def expected_distinct_experts(num_experts: int, top_k: int, tokens: int,
+                              held: int | None = None) -> float:
+    """Expected distinct experts, of the ``held`` ones a rank holds (default: all
+    ``num_experts``), that ``tokens`` tokens pick when each picks ``top_k`` of ``num_experts``
+    uniformly: ``held × (1 − (1 − k/E)^T)`` (``top_k`` at one token when a rank holds all)."""
+    held = num_experts if held is None else held
+    return held * (1 - (1 - top_k / num_experts) ** tokens)
 
 
 class RoutingCounter:
     """Counts the distinct experts each experts module is asked for in decode steps.
 
-    ``with RoutingCounter(model, tokens=batch):`` hooks every :func:`expert_modules` module;
-    a call whose routing (``top_k_index``, ``(tokens, top_k)``: the second argument of HF's
-    experts forward) has exactly ``tokens`` rows is a decode step. The hook only keeps the
-    routing tensor (no work, no device sync inside the timed steps); the distinct expert ids
-    are counted afterwards (ids ≥ ``num_experts``, HF's padding for experts held elsewhere,
-    are not). Prefill calls (more rows) are not counted."""
+    ``with RoutingCounter(model) as counter:`` hooks every :func:`expert_modules` module, and
+    ``counter.next_generate()`` before each ``generate`` marks where one starts: a module's
+    first call in a ``generate`` is its prefill (not counted), every later call a decode step.
+    The hook keeps only the routing tensor (``top_k_index``, ``(rows, top_k)``: the second
+    argument of HF's experts forward and of the experts-module contract,
+    :mod:`shardwise.moe.spec`; no work, no device sync inside the timed steps); the distinct
+    expert ids are counted afterwards, only those of experts the module holds (ids <
+    :func:`local_experts`: under expert parallelism the ids are local and the value
+    ``E_local`` marks an expert on another rank; in HF's own modules ids ≥ ``num_experts`` are
+    padding). Rows are whatever the module computed: under the all-to-all dispatch, the tokens
+    of every rank routed here. Steps a captured graph runs without calling the module fire
+    no hook, so they are not counted."""
 
-    def __init__(self, model: nn.Module, tokens: int):
-        self.tokens = tokens
+    def __init__(self, model: nn.Module):
         self.modules = expert_modules(model)
         self.routings: list[list[torch.Tensor]] = [[] for _ in self.modules]  # per module
         self._handles: list = []
+        self._prefill_pending: set[int] = set()
 
     def __enter__(self) -> "RoutingCounter":
         for i, module in enumerate(self.modules):
             self._handles.append(module.register_forward_pre_hook(self._hook(i),
                                                                   with_kwargs=True))
+        self.next_generate()
         return self
 
     def __exit__(self, *exc) -> None:
@@ -146,11 +168,17 @@ class RoutingCounter:
             handle.remove()
         self._handles.clear()
 
+    def next_generate(self) -> None:
+        """A ``generate`` starts: each module's next call is its prefill."""
+        self._prefill_pending = set(range(len(self.modules)))
+
     def _hook(self, i: int):
         def keep(_module, args, kwargs):
+            if i in self._prefill_pending:
+                self._prefill_pending.discard(i)
+                return
             index = args[1] if len(args) > 1 else kwargs.get("top_k_index")
-            if isinstance(index, torch.Tensor) and index.dim() == 2 \
-                    and index.shape[0] == self.tokens:
+            if isinstance(index, torch.Tensor) and index.dim() == 2:
                 self.routings[i].append(index)
         return keep
 
@@ -160,9 +188,19 @@ class RoutingCounter:
         return bool(self.modules) and all(self.routings)
 
     def mean_distinct(self) -> list[float]:
-        """Mean distinct experts per decode step, per experts module."""
-        return [sum(int((torch.unique(index) < module.num_experts).sum()) for index in seen)
+        """Mean distinct experts (of those it holds) per decode step, per experts module."""
+        return [sum(int((torch.unique(index) < local_experts(module)).sum()) for index in seen)
                 / len(seen) for module, seen in zip(self.modules, self.routings)]
+
+
+def model_expert_count(model: nn.Module) -> int | None:
+    """The model's routed experts per MoE layer from its config (all ranks together)."""
+    config = getattr(model, "config", None)
+    for key in ("num_local_experts", "num_experts", "n_routed_experts"):
+        value = getattr(config, key, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
 
 
 def moe_decode_bytes(model: nn.Module, counter: RoutingCounter | None = None,
@@ -171,7 +209,9 @@ def moe_decode_bytes(model: nn.Module, counter: RoutingCounter | None = None,
     (``"all weights"``); for an MoE model the weights minus the experts modules' plus, per
     experts module, (distinct experts per step) × (one expert's bytes), counted by ``counter``
     (``"dense + routed experts (measured)"``) or, without a count, expected for uniform routing
-    of ``tokens`` tokens over the config's ``num_experts_per_tok`` (``"... (expected)"``)."""
+    of ``tokens`` tokens over the config's ``num_experts_per_tok`` (``"... (expected)"``).
+    Under expert parallelism ``model`` is one rank's: its own dense shards and, of the experts
+    routed to, only those it holds."""
     total = weight_bytes(model)
     modules = expert_modules(model)
     if not modules:
@@ -182,9 +222,10 @@ def moe_decode_bytes(model: nn.Module, counter: RoutingCounter | None = None,
         top_k = getattr(getattr(model, "config", None), "num_experts_per_tok", None)
         if not top_k:
             return total, "all weights"
-        distinct = [expected_distinct_experts(m.num_experts, top_k, tokens) for m in modules]
+        distinct = [expected_distinct_experts(model_expert_count(model) or m.num_experts, top_k,
+                                              tokens, local_experts(m)) for m in modules]
         method = "expected"
-    routed = sum(d * expert_bytes(m) / m.num_experts for d, m in zip(distinct, modules))
+    routed = sum(d * expert_bytes(m) / local_experts(m) for d, m in zip(distinct, modules))
     dense = total - sum(expert_bytes(m) for m in modules)
     return round(dense + routed), f"dense + routed experts ({method})"
 

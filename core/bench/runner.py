@@ -163,10 +163,11 @@ def measure_cell(generate_on: Any, model, inputs: dict, cell: Cell, plan: Plan,
     check_positions(model, cell)
     kwargs = generation_kwargs(model, cell.new_tokens)
     accelerator.reset_peak_memory()
-    counter = RoutingCounter(model, tokens=cell.batch)
+    counter = RoutingCounter(model)
     for phase, count in (("warmup", plan.warmup), ("repeats", plan.repeats)):
         with counter if phase == "repeats" else contextlib.nullcontext():
             for _ in range(count):
+                counter.next_generate()
                 rec["samples"][phase].append(time_generate(generate_on, inputs, kwargs,
                                                            cell.new_tokens, accelerator))
                 progress.update(1)

@@ -120,17 +120,18 @@ def run_bench(plan: Plan, accelerator: Accelerator, *, command: str, options: di
     it keeps and the table prints, e.g. why a default row is left out).
 
     The bandwidth probe runs first and again last, on an otherwise idle device (the higher
-    is the bar for the % of bandwidth figures). With ``plan.tp > 1`` the
-    baseline runs here on one device and the shardwise variants on ``plan.tp`` launched ranks.
+    is the bar for the % of bandwidth figures). With ``plan.world > 1`` (``--tp``, ``--ep``)
+    the baseline runs here on one device and the shardwise variants on ``plan.world`` launched
+    ranks.
     """
     bandwidth = measure_bandwidth(accelerator, bandwidth_bytes)
     release(accelerator)
-    local_variants = [] if plan.tp > 1 else plan.variants
+    local_variants = [] if plan.world > 1 else plan.variants
     total = (len(plan.models) * len(plan.cells) * (1 + len(local_variants))
              * (plan.warmup + plan.repeats))
     with one_display(total, show_progress) as progress:
         runs = run_local(plan, accelerator, True, local_variants, progress)
-    if plan.tp > 1:
+    if plan.world > 1:
         runs += run_ranks(plan, accelerator, nproc_per_node, rendezvous, show_progress)
     release(accelerator)
     bandwidth = bandwidth.add(measure_bandwidth(accelerator, bandwidth.nbytes))

@@ -63,7 +63,15 @@ def _add_variant_options(p: argparse.ArgumentParser) -> None:
                         "model's own; auto: the device's preferred)")
     g.add_argument("--tp", type=int, default=1, metavar="N",
                    help="tensor-parallel ranks, started through torch.distributed.run")
-    g.add_argument("--nnodes", type=int, default=1, metavar="N", help="nodes taking part in --tp")
+    g.add_argument("--ep", type=int, default=1, metavar="N",
+                   help="MoE models only: expert-parallel ranks (moe={'ep_size': N}), started "
+                        "as --tp's; with --tp the run has lcm(tp, ep) ranks (--tp 2 --ep 2: "
+                        "2 ranks splitting heads by tp and experts by ep)")
+    g.add_argument("--moe-dispatch", choices=["all_reduce", "all_to_all", "auto"],
+                   help="with --ep > 1: how the expert-parallel ranks combine the experts' "
+                        "outputs (moe={'dispatch': ...}; default: the engine's)")
+    g.add_argument("--nnodes", type=int, default=1, metavar="N",
+                   help="nodes taking part in --tp/--ep")
     g.add_argument("--node-rank", type=int, default=0, metavar="R",
                    help="this node's rank (--nnodes > 1)")
     g.add_argument("--master-addr", metavar="HOST", help="node 0's address (--nnodes > 1)")
@@ -171,6 +179,9 @@ def check_combinations(args: argparse.Namespace) -> None:
                           "--graphs; without variant options the bench runs both)")
     if args.warmup < 0:
         raise ConfigError(f"--warmup must be 0 or more, got {args.warmup}")
+    if args.moe_dispatch and args.ep == 1:
+        raise ConfigError(f"--moe-dispatch {args.moe_dispatch} picks how expert-parallel ranks "
+                          f"exchange the experts' work: it needs --ep > 1 (or drop it)")
     if args.nnodes == 1:
         stray = [d for d in MULTI_NODE_OPTIONS if d in given]
         if stray:
@@ -211,24 +222,28 @@ def _variants(args: argparse.Namespace, accelerator) -> tuple[list, str | None, 
 
 
 def _plan(args: argparse.Namespace):
-    """Validate everything cheap (options, device, dtypes, --tp, models, matrix, every
-    variant's engine config) before heavy work; returns ``(plan, accelerator, nproc, notes)``."""
-    from ..bench.plan import (Plan, check_baseline_experts, check_cells_fit, check_tp,
-                              make_cells, resolve_models)
+    """Validate everything cheap (options, device, dtypes, --tp/--ep and each model's plan on
+    their ranks, models, matrix, every variant's engine config) before heavy work; returns ``(plan, accelerator, nproc, notes)``."""
+    from ..bench.plan import (Plan, check_baseline_experts, check_cells_fit,
+                              check_expert_parallel, check_parallel_plans, check_tp, make_cells,
+                              resolve_models)
     from ..plugins import get_accelerator
 
     check_combinations(args)
     accelerator = get_accelerator(args.device)
-    nproc = check_tp(accelerator, args.tp, args.nnodes)
+    nproc = check_tp(accelerator, args.tp, args.nnodes, args.ep)
     variants, baseline_dtype, notes = _variants(args, accelerator)
     plan = Plan(models=resolve_models(args.model, args.preset),
                 cells=make_cells(args.batch, args.prompt_len, args.new_tokens),
                 device=accelerator.name, variants=variants, tp=args.tp, nnodes=args.nnodes,
                 baseline_dtype=baseline_dtype, baseline_experts=args.baseline_experts,
-                warmup=args.warmup, repeats=args.repeats, seed=args.seed)
+                warmup=args.warmup, repeats=args.repeats, seed=args.seed, ep=args.ep,
+                moe_dispatch=args.moe_dispatch)
     check_cells_fit(plan.models, plan.cells)
     check_baseline_experts(plan.models, plan.baseline_experts, accelerator, baseline_dtype)
+    check_expert_parallel(plan.models, plan.ep, plan.moe_dispatch)
     plan.check_variants()
+    check_parallel_plans(plan.models, plan.tp, plan.ep)
     return plan, accelerator, nproc, notes
 
 
