@@ -17,8 +17,9 @@ need be, fixed) here alone.
 Nothing here imports ``torch._inductor`` or ``torch._dynamo`` at import time (``import shardwise``
 stays free of them); each function imports what it needs when called.
 
-Users: :mod:`shardwise.accelerators.cpu_graphs` (the CPU graph strategy and its FX packing pass)
-and the CPU kernels' int8/int4 matrix products.
+Users: :mod:`shardwise.accelerators.cpu_graphs` (the CPU graph strategy and its FX packing pass),
+the CPU kernels' int8/int4 matrix products and the CPU attention with sinks (flash attention's
+log-sum-exp).
 """
 
 from __future__ import annotations
@@ -260,6 +261,24 @@ def int4_mm(x: torch.Tensor, packed: torch.Tensor, group: int,
     """x [M, K] @ the int4 weight of :func:`int4_pack` (groups of ``group`` along K, scale and
     zero point per group and row) → [M, N] (``aten._weight_int4pack_mm_for_cpu``)."""
     return _ATEN._weight_int4pack_mm_for_cpu(x, packed, group, scales_and_zeros)
+
+
+# ----- ATen's CPU flash attention with its log-sum-exp --------------------------------------------
+
+def sdpa_cpu_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      bias: torch.Tensor | None, scale: float | None
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """ATen's CPU flash attention (the kernel ``F.scaled_dot_product_attention`` runs on CPU)
+    with each row's log-sum-exp: q [b, h, L, d], k and v [b, h, n, d] (the same heads), ``bias``
+    an additive float mask broadcastable to [b, h, L, n] or None → (out [b, h, L, d] in q's
+    dtype, lse [b, h, L] float32: the natural log of the sum of exp of the scaled, biased
+    scores) (``aten._scaled_dot_product_flash_attention_for_cpu``; attention sinks need the
+    lse)."""
+    try:
+        op = _ATEN._scaled_dot_product_flash_attention_for_cpu
+    except AttributeError as exc:
+        raise _missing("aten._scaled_dot_product_flash_attention_for_cpu", exc) from exc
+    return op(q, k, v, 0.0, False, attn_mask=bias, scale=scale)
 
 
 check_torch_version()

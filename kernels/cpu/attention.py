@@ -22,6 +22,12 @@ against the reference":
   ``shardwise::cpu_attention_decode``, opaque to the compiler, so the compiled decode step still
   reads each sequence's ranges from ``lengths``/``starts`` at run time instead of attending,
   masked, over the whole static cache.
+* Attention sinks (both ops): the same flash kernel also gives each row's log-sum-exp ``lse``
+  (ATen's private CPU entry point, through ``shardwise._torch_private``); a sink adds
+  ``exp(sink)`` to the row's denominator ``exp(lse)``, so the output is scaled by
+  ``sigmoid(lse - sink)`` per row: no scores materialised, the keys still read once. That entry
+  point has no GQA flag: the ``group`` query heads of a kv head become its query rows (their
+  mask rows repeated), as decode does anyway.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from shardwise import _torch_private as private
 from shardwise.kernels.reference import attention as ref
 
 from . import DEVICE_TYPES, DTYPES
@@ -39,20 +46,21 @@ BACKEND = "cpu"
 def attention_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True,
                       key_padding_mask: torch.Tensor | None = None,
                       alibi_slopes: torch.Tensor | None = None,
-                      scale: float | None = None, window: int | None = None) -> torch.Tensor:
+                      scale: float | None = None, window: int | None = None,
+                      sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Prefill through ATen's fused attention; contract of the reference ``attention_prefill``.
 
     q: [batch, q_heads, q_len, d]; k, v: [batch, kv_heads, kv_len, d]; key_padding_mask
-    [batch, kv_len]; alibi_slopes [q_heads]; window: sliding window or None. Returns
-    [batch, q_heads, q_len, d].
+    [batch, kv_len]; alibi_slopes [q_heads]; window: sliding window or None; sinks [q_heads]
+    or None. Returns [batch, q_heads, q_len, d].
     """
     group = ref.check_attention(q, k, v)
-    ref.check_prefill(q, k, causal, key_padding_mask, alibi_slopes, window)
+    ref.check_prefill(q, k, causal, key_padding_mask, alibi_slopes, window, sinks)
     q_len, kv_len = q.shape[2], k.shape[2]
     if window is not None and window >= kv_len:
         window = None  # covers every key a causal query sees: no restriction
-    if key_padding_mask is None and alibi_slopes is None and window is None and (
-            q_len == kv_len or not causal):
+    if key_padding_mask is None and alibi_slopes is None and window is None and sinks is None \
+            and (q_len == kv_len or not causal):
         return _sdpa(q, k, v, None, causal and q_len > 1, scale, group)
     visible = ref.visible_keys(q.shape[0], q_len, kv_len, causal, key_padding_mask, q.device,
                                window)
@@ -64,7 +72,10 @@ def attention_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, caus
     if alibi_slopes is not None:
         bias = bias + _alibi_bias(alibi_slopes, key_padding_mask, q.shape[0], q_len, kv_len,
                                   q.device)
-    out = _sdpa(q, k, v, bias, False, scale, group)
+    if sinks is not None:
+        out = _sdpa_sinks(q, k, v, bias, scale, group, sinks)
+    else:
+        out = _sdpa(q, k, v, bias, False, scale, group)
     return out.masked_fill_(dead, 0.0) if key_padding_mask is not None else out
 
 
@@ -82,55 +93,82 @@ def _sdpa(q, k, v, mask, causal, scale, group):
                                           scale=scale, enable_gqa=group > 1)
 
 
+def _sdpa_sinks(q, k, v, bias, scale, group, sinks):
+    """Attention with sinks: q [b, q_heads, L, d], k, v [b, kv_heads, n, d], ``bias`` float32
+    [b, 1 or q_heads, L, n] (-inf: hidden), sinks [q_heads] → [b, q_heads, L, d] in q.dtype.
+
+    Each kv head's ``group`` query heads are its query rows ([b, kv_heads, group * L, d]); the
+    flash kernel's log-sum-exp ``lse`` then scales each row by ``sigmoid(lse - sink)``
+    (= exp(lse) / (exp(lse) + exp(sink))).
+    """
+    b, q_heads, q_len, d = q.shape
+    kv_heads, n = k.shape[1], k.shape[2]
+    rows = q.reshape(b, kv_heads, group * q_len, d)  # query head h = kv head h // group
+    if bias.shape[1] == 1:  # [b, 1, L, n]: the same mask rows for every head of a group
+        bias = bias[:, :, None].expand(b, 1, group, q_len, n).reshape(b, 1, group * q_len, n)
+    else:  # [b, q_heads, L, n] (ALiBi): per head
+        bias = bias.reshape(b, kv_heads, group * q_len, n)
+    out, lse = private.sdpa_cpu_with_lse(rows, k, v, bias, scale)
+    keep = torch.sigmoid(lse.reshape(b, q_heads, q_len) - sinks.float()[None, :, None])
+    return (out.reshape(b, q_heads, q_len, d).float() * keep[..., None]).to(q.dtype)
+
+
 def attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      lengths: torch.Tensor, *, alibi_slopes: torch.Tensor | None = None,
                      scale: float | None = None, starts: torch.Tensor | None = None,
-                     window: int | None = None) -> torch.Tensor:
+                     window: int | None = None,
+                     sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Decode through ATen's fused attention on each valid cache range; contract of the
     reference ``attention_decode``: q [batch, q_heads, 1, d], caches [batch, kv_heads,
-    max_tokens, d], lengths and starts [batch], window: sliding window or None. Returns
-    [batch, q_heads, 1, d]. Under ``torch.compile`` this is one opaque custom op (the ranges
-    are host ints read from ``lengths``/``starts``: a graph break if traced)."""
+    max_tokens, d], lengths and starts [batch], window: sliding window or None, sinks
+    [q_heads] or None. Returns [batch, q_heads, 1, d]. Under ``torch.compile`` this is one
+    opaque custom op (the ranges are host ints read from ``lengths``/``starts``: a graph break
+    if traced)."""
     if torch.compiler.is_compiling():
         return torch.ops.shardwise.cpu_attention_decode(q, k_cache, v_cache, lengths, starts,
-                                                        alibi_slopes, scale, window)
-    return _attention_decode(q, k_cache, v_cache, lengths, alibi_slopes, scale, starts, window)
+                                                        alibi_slopes, scale, window, sinks)
+    return _attention_decode(q, k_cache, v_cache, lengths, alibi_slopes, scale, starts, window,
+                             sinks)
 
 
 @torch.library.custom_op("shardwise::cpu_attention_decode", mutates_args=(), device_types="cpu")
 def _decode_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                lengths: torch.Tensor, starts: torch.Tensor | None,
                alibi_slopes: torch.Tensor | None, scale: float | None,
-               window: int | None) -> torch.Tensor:
+               window: int | None, sinks: torch.Tensor | None) -> torch.Tensor:
     """:func:`attention_decode` as an op the compiler calls without tracing into it."""
-    return _attention_decode(q, k_cache, v_cache, lengths, alibi_slopes, scale, starts, window)
+    return _attention_decode(q, k_cache, v_cache, lengths, alibi_slopes, scale, starts, window,
+                             sinks)
 
 
 @_decode_op.register_fake
-def _(q, k_cache, v_cache, lengths, starts, alibi_slopes, scale, window):
+def _(q, k_cache, v_cache, lengths, starts, alibi_slopes, scale, window, sinks):
     return q.new_empty(q.shape)  # contiguous [batch, q_heads, 1, d], as the real op returns
 
 
-def _attention_decode(q, k_cache, v_cache, lengths, alibi_slopes, scale, starts, window):
+def _attention_decode(q, k_cache, v_cache, lengths, alibi_slopes, scale, starts, window,
+                      sinks=None):
     group = ref.check_decode(q, k_cache, v_cache, lengths, starts)
+    ref.check_sinks(sinks, q.shape[1], alibi_slopes)
     ranges = ref.decode_ranges(lengths, starts, k_cache.shape[2], ref.check_window(window))
     if ranges and len(set(ranges)) == 1 and ranges[0][1] > ranges[0][0]:  # one call for all
-        return _decode_range(q, k_cache, v_cache, *ranges[0], alibi_slopes, scale, group)
+        return _decode_range(q, k_cache, v_cache, *ranges[0], alibi_slopes, scale, group, sinks)
     out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
     for b, (s, n) in enumerate(ranges):
         if n > s:
             out[b:b + 1] = _decode_range(q[b:b + 1], k_cache[b:b + 1], v_cache[b:b + 1], s, n,
-                                         alibi_slopes, scale, group)
+                                         alibi_slopes, scale, group, sinks)
     return out
 
 
-def _decode_range(q, k_cache, v_cache, s, n, alibi_slopes, scale, group):
+def _decode_range(q, k_cache, v_cache, s, n, alibi_slopes, scale, group, sinks=None):
     """Attention of q over cache positions s..n-1 (views: nothing outside them is read).
 
     The ``group`` query heads of a kv head become that head's query rows ([batch, kv_heads,
     group, d]): one matrix product per kv head reads its keys once (faster than
     ``enable_gqa``: benchmarks/README.md, "CPU kernels against the reference"). A 4-d bias
-    keeps ATen on its fused kernel (3-d falls back to math).
+    keeps ATen on its fused kernel (3-d falls back to math). With ``sinks`` the same kernel's
+    log-sum-exp scales each head's row (see :func:`_sdpa_sinks`).
     """
     batch, q_heads, _, d = q.shape
     kv_heads = q_heads // group
@@ -138,8 +176,13 @@ def _decode_range(q, k_cache, v_cache, s, n, alibi_slopes, scale, group):
     if alibi_slopes is not None:  # relative to the newest token: slope * (j - (n - 1))
         rel = torch.arange(s + 1 - n, 1, device=q.device, dtype=torch.float32)  # [n - s]
         bias = (alibi_slopes.float()[:, None] * rel).view(1, kv_heads, group, n - s)
-    out = F.scaled_dot_product_attention(q.reshape(batch, kv_heads, group, d),
-                                         k_cache[:, :, s:n], v_cache[:, :, s:n],
+    rows = q.reshape(batch, kv_heads, group, d)
+    if sinks is not None:
+        out, lse = private.sdpa_cpu_with_lse(rows, k_cache[:, :, s:n], v_cache[:, :, s:n], bias,
+                                             scale)
+        keep = torch.sigmoid(lse.reshape(batch, q_heads) - sinks.float())  # [batch, q_heads]
+        return (out.reshape(batch, q_heads, 1, d).float() * keep[:, :, None, None]).to(q.dtype)
+    out = F.scaled_dot_product_attention(rows, k_cache[:, :, s:n], v_cache[:, :, s:n],
                                          attn_mask=bias, scale=scale)
     return out.view(batch, q_heads, 1, d)
 

@@ -1,4 +1,5 @@
-"""Attention (reference): prefill and decode softmax attention, GQA/MQA, ALiBi, sliding windows.
+"""Attention (reference): prefill and decode softmax attention, GQA/MQA, ALiBi, sliding windows,
+attention sinks.
 
 Pure torch, clear over fast; they are the oracles every backend is tested against. All math is
 done in float32 and each result is rounded to the input dtype once, at the end.
@@ -17,6 +18,13 @@ Layouts (any strides are accepted; ``d`` = head_dim):
   ``j`` with ``p - w < j <= p`` (its ``w`` latest positions, itself included; HF's
   ``sliding_window``, GPT-Neo's local layers). Positions are cache/sequence indices, pads
   included, as HF's masks count them.
+* Attention sinks, ``sinks=[q_heads]``: a learned logit per query head that joins each row's
+  softmax denominator and nothing else (GPT-OSS's ``sinks``, HF ``eager_attention_forward``:
+  the scores ``[.., kv_len]`` get one more column holding ``sinks[h]``, the softmax runs over
+  ``kv_len + 1`` columns and the last is dropped). In the logits' units (after the scale), not
+  scaled; a row that sees no key still gives zeros. Not with ALiBi (a KernelError): softmax
+  ignores a per-row shift of the scores, which lets backends take the ALiBi bias relative to
+  the query, but a sink's share would change with it; no model has both.
 
 Ops (registered by :func:`register`): ``attention_prefill``, ``attention_decode``. Helpers (not
 ops): :func:`alibi_slopes`, :func:`alibi_key_positions`, and the checks every backend shares.
@@ -159,9 +167,28 @@ def visible_keys(batch: int, q_len: int, kv_len: int, causal: bool,
     return visible
 
 
-def check_prefill(q, k, causal, key_padding_mask, alibi, window=None) -> None:
+def check_sinks(sinks: torch.Tensor | None, q_heads: int,
+                alibi: torch.Tensor | None = None) -> None:
+    """Validate attention sinks: None or a floating tensor [q_heads], not with ALiBi slopes
+    (module docstring); KernelError otherwise."""
+    if sinks is None:
+        return
+    if alibi is not None:
+        raise KernelError("attention sinks do not combine with ALiBi slopes (a sink's share "
+                          "depends on where ALiBi's positions start, which the backends leave "
+                          "free); pass one or the other")
+    if not isinstance(sinks, torch.Tensor) or tuple(sinks.shape) != (q_heads,) or \
+            not sinks.is_floating_point():
+        what = (f"{sinks.dtype} {tuple(sinks.shape)}" if isinstance(sinks, torch.Tensor)
+                else type(sinks).__name__)
+        raise KernelError(f"sinks must be a float tensor [q_heads={q_heads}] (one logit per "
+                          f"query head) or None, got {what}")
+
+
+def check_prefill(q, k, causal, key_padding_mask, alibi, window=None, sinks=None) -> None:
     """Validate the optional prefill arguments."""
     check_window(window, causal)
+    check_sinks(sinks, q.shape[1], alibi)
     batch, q_heads, q_len = q.shape[:3]
     kv_len = k.shape[2]
     if causal and q_len > kv_len:
@@ -180,7 +207,8 @@ def check_prefill(q, k, causal, key_padding_mask, alibi, window=None) -> None:
 def attention_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True,
                       key_padding_mask: torch.Tensor | None = None,
                       alibi_slopes: torch.Tensor | None = None,
-                      scale: float | None = None, window: int | None = None) -> torch.Tensor:
+                      scale: float | None = None, window: int | None = None,
+                      sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Softmax attention over a prompt (or a prompt chunk after cached tokens).
 
     q: [batch, q_heads, q_len, d]; k, v: [batch, kv_heads, kv_len, d] with q_len <= kv_len when
@@ -190,10 +218,12 @@ def attention_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, caus
     key positions as BLOOM (:func:`alibi_key_positions`). scale: default ``d ** -0.5``.
     window: int >= 1 or None, causal only: query at position p sees keys p - window < j <= p
     (sliding-window attention; combines with the padding mask and ALiBi).
+    sinks: [q_heads] float or None: each head's sink logit joins the softmax denominator
+    (module docstring).
     Returns [batch, q_heads, q_len, d] in q.dtype; query rows that see no key are zero.
     """
     group = check_attention(q, k, v)
-    check_prefill(q, k, causal, key_padding_mask, alibi_slopes, window)
+    check_prefill(q, k, causal, key_padding_mask, alibi_slopes, window, sinks)
     batch, _, q_len, d = q.shape
     kv_len = k.shape[2]
     scale = d ** -0.5 if scale is None else scale
@@ -203,15 +233,27 @@ def attention_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, caus
         pos = alibi_key_positions(key_padding_mask, batch, kv_len, q.device).float()
         scores = scores + alibi_slopes.float()[None, :, None, None] * pos[:, None, None, :]
     visible = visible_keys(batch, q_len, kv_len, causal, key_padding_mask, q.device, window)
-    probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
+    probs = softmax_with_sinks(scores.masked_fill(~visible, float("-inf")), sinks)
     probs = torch.where(visible.any(-1, keepdim=True), probs, 0.0)  # no key: 0, not NaN
     return (probs @ vf).to(q.dtype)
+
+
+def softmax_with_sinks(scores: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+    """Softmax over the last dim of float32 ``scores`` [batch, q_heads, q_len, kv_len] (``-inf``
+    where hidden), with each head's sink logit ``sinks`` [q_heads] as one more column that is
+    dropped after (None: the plain softmax). A row that sees no key: all mass on the sink (its
+    probabilities are 0), without a sink NaN (the caller zeroes it)."""
+    if sinks is None:
+        return scores.softmax(-1)
+    sink = sinks.float()[None, :, None, None].expand(*scores.shape[:-1], 1)  # [b, h, q_len, 1]
+    return torch.cat([scores, sink], dim=-1).softmax(-1)[..., :-1]
 
 
 def attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      lengths: torch.Tensor, *, alibi_slopes: torch.Tensor | None = None,
                      scale: float | None = None, starts: torch.Tensor | None = None,
-                     window: int | None = None) -> torch.Tensor:
+                     window: int | None = None,
+                     sinks: torch.Tensor | None = None) -> torch.Tensor:
     """One new query token per sequence attending over its cached keys/values.
 
     q: [batch, q_heads, 1, d]; k_cache, v_cache: [batch, kv_heads, max_tokens, d];
@@ -222,16 +264,19 @@ def attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     query (position lengths[b] - 1) sees positions from max(starts[b], lengths[b] - window).
     Only positions from that first one to lengths[b] - 1 are ever read.
     alibi_slopes: [q_heads] or None (key position = cache index). scale: default ``d ** -0.5``.
+    sinks: [q_heads] float or None, attention sinks (module docstring).
     Returns [batch, q_heads, 1, d] in q.dtype; a sequence with no valid token gives zeros.
     """
     check_decode(q, k_cache, v_cache, lengths, starts)
+    check_sinks(sinks, q.shape[1], alibi_slopes)
     ranges = decode_ranges(lengths, starts, k_cache.shape[2], check_window(window))
     out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
     for b, (s, n) in enumerate(ranges):
         if n > s:  # slice the valid range: what lies outside it is never touched
             out[b] = attention_prefill(q[b:b + 1], k_cache[b:b + 1, :, s:n],
                                        v_cache[b:b + 1, :, s:n], causal=False,
-                                       alibi_slopes=alibi_slopes, scale=scale)[0]
+                                       alibi_slopes=alibi_slopes, scale=scale,
+                                       sinks=sinks)[0]
     return out
 
 

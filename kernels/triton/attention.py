@@ -1,8 +1,11 @@
 """Attention Triton kernels for CUDA: attention_prefill (flash-attention style) and
 attention_decode (split-K / flash-decoding).
 
-Contracts (shapes, masks, GQA, ALiBi, sliding windows, zero rows) are those of
+Contracts (shapes, masks, GQA, ALiBi, sliding windows, attention sinks, zero rows) are those of
 ``shardwise.kernels.reference.attention``; every launcher validates with the reference's checks.
+A sink is one more "key" of score ``sinks[h]`` and value 0: prefill starts each row's streaming
+softmax from it (running max ``sinks[h]``, sum 1), decode adds it once, in the reduction of the
+splits.
 Math is float32 inside the kernels; results are rounded to the input dtype once. Attention
 matmuls run on tensor cores in fp16/bf16 (the probabilities are rounded to the value dtype before
 ``P @ V``, as every flash kernel does) and in exact IEEE float32 for fp32 inputs (no TF32).
@@ -92,14 +95,16 @@ def supports_head_dim(*, device_type: str, dtype: torch.dtype, head_dim: int | N
 
 
 @triton.jit
-def _prefill_kernel(Q, K, V, O, MASK, KPOS, SLOPES, q_len, kv_len, n_q, group, head_dim, scale,
+def _prefill_kernel(Q, K, V, O, MASK, KPOS, SLOPES, SINKS, q_len, kv_len, n_q, group, head_dim,
+                    scale,
                     window, sq_b, sq_h, sq_t, sq_d, sk_b, sk_h, sk_t, sk_d, sv_b, sv_h, sv_t,
                     sv_d, so_b, so_h, so_t, so_d, sm_b, sm_t, skp_b, skp_t,
                     CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, HAS_ALIBI: tl.constexpr,
-                    HAS_WINDOW: tl.constexpr, F32: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+                    HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr, F32: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     """One program per (batch, q head) x BLOCK_M queries, streaming over the key tiles its
-    queries may see: up to the last query (causal) and from the first query's window on."""
+    queries may see: up to the last query (causal) and from the first query's window on. With
+    sinks each row starts from the head's sink (max = sink, sum = 1, output 0)."""
     bh = tl.program_id(0).to(tl.int64)
     b, h = bh // n_q, bh % n_q
     kvh = h // group
@@ -122,6 +127,9 @@ def _prefill_kernel(Q, K, V, O, MASK, KPOS, SLOPES, q_len, kv_len, n_q, group, h
         slope = tl.load(SLOPES + h).to(tl.float32)
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_M], tl.float32)
+    if HAS_SINKS:  # the sink: a key of score sinks[h] and value 0, seen by every query
+        m = tl.zeros([BLOCK_M], tl.float32) + tl.load(SINKS + h).to(tl.float32)
+        l = l + 1.0
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     k_base = K + b * sk_b + kvh * sk_h + dims[None, :] * sk_d
     v_base = V + b * sv_b + kvh * sv_h + dims[None, :] * sv_d
@@ -184,16 +192,17 @@ def _prefill_mask(key_padding_mask, alibi_slopes, batch, kv_len, device):
 def attention_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True,
                       key_padding_mask: torch.Tensor | None = None,
                       alibi_slopes: torch.Tensor | None = None,
-                      scale: float | None = None, window: int | None = None) -> torch.Tensor:
+                      scale: float | None = None, window: int | None = None,
+                      sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Flash-attention prefill; contract of the reference ``attention_prefill``.
 
     q: [batch, q_heads, q_len, d]; k, v: [batch, kv_heads, kv_len, d] (any strides);
     key_padding_mask [batch, kv_len]; alibi_slopes [q_heads]; window: sliding window or None
-    (key tiles before a query tile's windows are not read). Returns a contiguous
-    [batch, q_heads, q_len, d] in q.dtype.
+    (key tiles before a query tile's windows are not read); sinks [q_heads] or None. Returns
+    a contiguous [batch, q_heads, q_len, d] in q.dtype.
     """
     group = ref.check_attention(q, k, v)
-    ref.check_prefill(q, k, causal, key_padding_mask, alibi_slopes, window)
+    ref.check_prefill(q, k, causal, key_padding_mask, alibi_slopes, window, sinks)
     batch, n_q, q_len, head_dim = q.shape
     kv_len = k.shape[2]
     has_window = window is not None and window < kv_len  # else it hides no key
@@ -203,17 +212,20 @@ def attention_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, caus
         return out
     mask, kpos = _prefill_mask(key_padding_mask, alibi_slopes, batch, kv_len, q.device)
     slopes = alibi_slopes.float().contiguous() if alibi_slopes is not None else None
+    sink_logits = sinks.float().contiguous() if sinks is not None else None
     block_m, block_n, warps, stages = _prefill_config(q_len, kv_len, block_d, q.dtype,
                                                        q.device)
     mask_strides = mask.stride() if mask is not None else (0, 0)
     kpos_strides = kpos.stride() if kpos is not None else (0, 0)
     _prefill_kernel[(batch * n_q, triton.cdiv(q_len, block_m))](
         q, k, v, out, mask if mask is not None else q, kpos if kpos is not None else q,
-        slopes if slopes is not None else q, q_len, kv_len, n_q, group, head_dim,
+        slopes if slopes is not None else q, sink_logits if sink_logits is not None else q,
+        q_len, kv_len, n_q, group, head_dim,
         head_dim ** -0.5 if scale is None else scale, window if has_window else 0,
         *strides(q), *strides(k), *strides(v), *strides(out), *mask_strides,
         *kpos_strides, CAUSAL=causal, HAS_MASK=mask is not None, HAS_ALIBI=slopes is not None,
-        HAS_WINDOW=has_window, F32=_dot_f32(q.dtype), BLOCK_M=block_m, BLOCK_N=block_n,
+        HAS_WINDOW=has_window, HAS_SINKS=sink_logits is not None, F32=_dot_f32(q.dtype),
+        BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_D=block_d, num_warps=warps, num_stages=stages)
     return out
 
@@ -272,9 +284,11 @@ def _decode_split_kernel(Q, K, V, LEN, STARTS, SLOPES, M_OUT, L_OUT, ACC, max_to
 
 
 @triton.jit
-def _decode_reduce_kernel(M_IN, L_IN, ACC, O, n_q, n_splits, head_dim, so_b, so_h, so_d,
-                          BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Program (b, q head): combine the splits' partial softmaxes into the output row."""
+def _decode_reduce_kernel(M_IN, L_IN, ACC, O, SINKS, n_q, n_splits, head_dim, so_b, so_h, so_d,
+                          HAS_SINKS: tl.constexpr, BLOCK_S: tl.constexpr,
+                          BLOCK_D: tl.constexpr):
+    """Program (b, q head): combine the splits' partial softmaxes into the output row; with
+    sinks the head's sink joins the denominator here, once."""
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     splits = tl.arange(0, BLOCK_S)
@@ -285,10 +299,15 @@ def _decode_reduce_kernel(M_IN, L_IN, ACC, O, n_q, n_splits, head_dim, so_b, so_
     m = tl.load(M_IN + part, mask=smask, other=float("-inf"))
     l = tl.load(L_IN + part, mask=smask, other=0.0)
     m_max = tl.max(m, 0)
+    if HAS_SINKS:
+        sink = tl.load(SINKS + h).to(tl.float32)
+        m_max = tl.maximum(m_max, sink)
     w = tl.exp(m - tl.where(m_max == float("-inf"), 0.0, m_max))  # empty splits: 0
     acc = tl.load(ACC + part[:, None] * head_dim + dims[None, :],
                   mask=smask[:, None] & dmask[None, :], other=0.0)
     den = tl.sum(w * l, 0)
+    if HAS_SINKS:  # a key of score sink and value 0: the denominator only
+        den = den + tl.exp(sink - m_max)
     out = tl.sum(w[:, None] * acc, 0) / tl.where(den == 0.0, 1.0, den)  # length 0: zeros
     tl.store(O + b * so_b + h * so_h + dims * so_d, out.to(O.dtype.element_ty), mask=dmask)
 
@@ -341,7 +360,8 @@ def _window_starts(lengths: torch.Tensor, starts: torch.Tensor | None, window: i
 def attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      lengths: torch.Tensor, *, alibi_slopes: torch.Tensor | None = None,
                      scale: float | None = None, starts: torch.Tensor | None = None,
-                     window: int | None = None, num_splits: int | None = None,
+                     window: int | None = None, sinks: torch.Tensor | None = None,
+                     num_splits: int | None = None,
                      block_n: int | None = None) -> torch.Tensor:
     """Split-K decode attention; contract of the reference ``attention_decode``.
 
@@ -350,12 +370,15 @@ def attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     sync and it can be captured in a CUDA graph: positions outside max(starts, 0) ..
     min(lengths, max_tokens) - 1 are simply not read). window: sliding window or None, applied
     by raising the starts on the device (:func:`_window_starts`; splits wholly before a
-    window do no work). ``num_splits``/``block_n`` override the split heuristic
-    (:func:`decode_splits`) and the key tile. Returns [batch, q_heads, 1, d].
+    window do no work). sinks: [q_heads] or None, added in the reduction of the splits.
+    ``num_splits``/``block_n`` override the split heuristic (:func:`decode_splits`) and the key
+    tile. Returns [batch, q_heads, 1, d].
     """
     group = ref.check_decode(q, k_cache, v_cache, lengths, starts)
     window = ref.check_window(window)
-    same_device(q, lengths=lengths, starts=starts, k_cache=k_cache, v_cache=v_cache)
+    ref.check_sinks(sinks, q.shape[1], alibi_slopes)
+    same_device(q, lengths=lengths, starts=starts, k_cache=k_cache, v_cache=v_cache,
+                sinks=sinks)
     if alibi_slopes is not None and alibi_slopes.shape != (q.shape[1],):
         raise KernelError(f"alibi_slopes must be [q_heads={q.shape[1]}], got "
                           f"{tuple(alibi_slopes.shape)}")
@@ -380,9 +403,11 @@ def attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         HAS_STARTS=starts is not None, HAS_ALIBI=alibi_slopes is not None,
         F32=_dot_f32(q.dtype), BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
         BLOCK_D=block_d, num_warps=4, num_stages=_decode_stages(q.dtype, q.device))
+    sink_logits = sinks.float().contiguous() if sinks is not None else m
     _decode_reduce_kernel[(batch, n_q)](
-        m, l, acc, out, n_q, splits, head_dim, out.stride(0), out.stride(1), out.stride(3),
-        BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_d)
+        m, l, acc, out, sink_logits, n_q, splits, head_dim, out.stride(0), out.stride(1),
+        out.stride(3), HAS_SINKS=sinks is not None, BLOCK_S=triton.next_power_of_2(splits),
+        BLOCK_D=block_d)
     return out
 
 
