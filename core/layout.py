@@ -31,6 +31,7 @@ role                       weight split                       after forward
 ``VocabParallelEmbedding`` vocabulary rows                    ids outside the slice → 0, all-reduce
 ``VocabParallelHead``      vocabulary rows of the LM head     all-gather: full logits on every rank
 ``Replicated``             nothing                            nothing
+``ExpertParallel``         whole experts (dim 0), over ep     all-reduce or all-to-all (``moe``)
 =========================  =================================  ======================================
 
 A **layout** says which indices of the split dimension a rank keeps, as a list of [start, stop)
@@ -438,6 +439,20 @@ class Replicated(Role):
 
     name: ClassVar[str] = "replicated"
     shards: ClassVar[bool] = False
+
+
+@dataclass(frozen=True)
+class ExpertParallel(Role):
+    """A Mixture-of-Experts experts module split by whole experts over the expert-parallel
+    ranks: every parameter whose dim 0 holds the experts (the 3-D ``gate_up_proj`` [E, 2I, H]
+    and ``down_proj`` [E, H, I], GPT-OSS's 2-D biases [E, 2I] / [E, H]) keeps the rank's range
+    of experts (counts differing by at most one, the larger first: ``plan.experts.ranges``).
+    The rank's routed outputs are summed over the ep group (all-reduce), or tokens travel to
+    their experts' ranks (all-to-all): :mod:`shardwise.moe.dispatch`. Not a tensor-parallel
+    role: the ep coordinate, not the tp one, picks the slice."""
+
+    name: ClassVar[str] = "expert"
+    layout: Layout | None = Even(uneven=True)
 
 
 #: Role names accepted in string-valued plans (a user's ``{pattern: "colwise"}``), HF's

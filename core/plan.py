@@ -2,7 +2,7 @@
 ``init_inference`` (docs/architecture.md, "One plan").
 
 A :class:`Plan` is a plain object in the spirit of torchtitan's ``ParallelDims``: the world and,
-per parallel dimension (:class:`Dim`: ``tp`` now; ``pp``, ``dp`` and ``ep`` reserved), its size,
+per parallel dimension (:class:`Dim`: ``tp`` and ``ep`` now; ``pp`` and ``dp`` reserved), its size,
 this rank's coordinate and its process group; the model's policy (looked up once), its head
 counts and this rank's head / kv-head partition; the roles of every linear (the sharding plan's
 rows resolved against the model) and, under tensor parallelism, every rank's slices. Sharding,
@@ -16,18 +16,24 @@ The dimensions and their checks (:func:`check_dims`), made before any process gr
 * the expert-parallel group is carved out of one pipeline stage's tp × dp ranks (as Megatron
   and vLLM do): ep divides tp × dp, and ``ep_coord = (dp_coord × tp + tp_coord) mod ep``;
 * ``tp_size=1`` in a larger world (each rank runs the whole model alone, as before) is dp =
-  world with no collectives between the replicas; data-parallel replicas of a TP group, and pp
-  or ep other than 1, are :class:`ParallelismNotSupportedError` ("not supported yet").
+  world with no collectives between the replicas — unless they form the expert-parallel group;
+  data-parallel replicas of a TP group, pp other than 1 and an ep group smaller than the world
+  (several expert groups) are :class:`ParallelismNotSupportedError` ("not supported yet").
+
+Expert parallelism (``moe={"ep_size": N}``): the experts of every MoE layer are split by whole
+experts over the N ep ranks (``plan.experts.ranges``; ``plan.sharding.experts`` the modules, an
+:class:`~shardwise.layout.ExpertParallel` role); the dense parts follow tp: replicated at tp 1
+(on 2 ranks ``ep_size=2`` alone), split by heads at tp = ep (``tp_size=2`` + ``ep_size=2``).
 
 Mixture-of-Experts models: ``plan.experts`` (:class:`ExpertPlan`) holds the facts the policy reads
 from the config (experts, top-k, shared experts, which layers are MoE) and every ep rank's expert
 range (split ±1). ``moe=`` is checked against them first (a dense model, an expert count or type
 not the model's, ep_size above the expert count), then the dimensions, so bad input gets its own
-error before ep > 1's "not supported yet".
+error before the dimensions'.
 
-Process groups: at world 1 none; under TP the default group (the engine's communicator, bound by
-:meth:`Plan.bind`); a group per other dimension only when that dimension is > 1 would need one
-(none can be yet).
+Process groups: at world 1 none; under TP or EP the default group (the engine's communicator,
+bound by :meth:`Plan.bind`: both groups span the world in this version); a group per other
+dimension only when that dimension is > 1 would need one (none can be yet).
 """
 
 from __future__ import annotations
@@ -44,7 +50,8 @@ from .errors import ConfigError, NotSupportedYetError
 from .layout import HeadCounts, HeadPartition, Role, ShardingError, divisors
 from .policy import GenericPolicy, MoEFacts, Policy, policy_for
 from .sharding import plan as _plans
-from .sharding.specs import HeadSplit, PreparedShards, no_policy_note, prepare, resolve_plan
+from .sharding.specs import (HeadSplit, PreparedShards, experts_only, no_policy_note, prepare,
+                             prepare_experts, resolve_plan)
 from .sharding.world import tp_world_problem
 
 if TYPE_CHECKING:
@@ -148,8 +155,8 @@ def check_dims(world: int, rank: int, tp: int = 1, pp: int = 1, dp: int | None =
     Raises:
         ShardingError: sizes that do not multiply to the world, or an ep that does not divide
             tp × dp (each naming the sizes that would work).
-        ParallelismNotSupportedError: pp, ep or explicit dp other than 1, or data-parallel
-            replicas of a tensor-parallel group (not supported yet).
+        ParallelismNotSupportedError: pp or explicit dp other than 1, data-parallel replicas
+            of a tensor-parallel group, or 1 < ep < world (not supported yet).
         ConfigError: a size that is not a positive integer.
     """
     for name, size in (("world", world), ("tp_size", tp), ("pp_size", pp), ("ep_size", ep),
@@ -177,11 +184,15 @@ def check_dims(world: int, rank: int, tp: int = 1, pp: int = 1, dp: int | None =
             f"carved out of one pipeline stage's tp × dp ranks); ep sizes that would work: "
             f"{', '.join(str(d) for d in divisors(tp * dp_size) if d <= (max_ep or d))}")
     for name, size, what in (("pp_size", pp, "pipeline parallelism"),
-                             ("ep_size", ep, "expert parallelism"),
                              ("dp_size", 1 if dp is None else dp, "data parallelism")):
         if size != 1:
             raise ParallelismNotSupportedError(
                 f"{what} ({name}={size}) is not supported yet; run with {name}=1")
+    if 1 < ep < world:
+        raise ParallelismNotSupportedError(
+            f"expert parallelism over part of the world (ep_size={ep} of {world} ranks: several "
+            f"expert groups) is not supported yet; run with ep_size={world} (every rank one "
+            f"share of the experts) or ep_size=1")
     tp_coord = rank % tp
     dp_coord = (rank // tp) % dp_size
     pp_coord = rank // (tp * dp_size)
@@ -228,7 +239,9 @@ class Plan:
             nothing may split by heads: ``sharding`` checked that).
         head_split: every tp rank's partition (:class:`~shardwise.sharding.HeadSplit`).
         sharding: every rank's slices (:class:`~shardwise.sharding.PreparedShards`) under
-            tensor parallelism or with a user ``injection_policy``; else None.
+            tensor parallelism or with a user ``injection_policy``, and the experts modules'
+            under expert parallelism (``sharding.experts``); else None. What step 5 applies:
+            :attr:`shards`.
         roles: module name → :class:`~shardwise.layout.Role` for every module the sharding
             plan's rows name (the linears quantization picks from); None when no plan fits the
             model (quantization then takes every linear but the head).
@@ -270,15 +283,24 @@ class Plan:
         """Whether the model's weights are split across ranks (tp > 1)."""
         return self.tp.enabled
 
+    @property
+    def shards(self) -> PreparedShards | None:
+        """The slices step 5 applies on this rank's model (tensor-parallel modules and, under
+        expert parallelism, experts modules); None when every rank keeps the whole model."""
+        return self.sharding if self.tp.enabled or self.ep.enabled else None
+
     def bind(self, communicator: "Communicator") -> None:
         """Give each dimension that needs collectives its group: under tensor parallelism the
-        tp group is the default group, i.e. ``communicator`` (world == tp: checked). No other
+        tp group is the default group, i.e. ``communicator`` (world == tp: checked); under
+        expert parallelism the ep group is too (world == ep: :func:`check_dims`). No other
         dimension > 1 runs yet, so no other group is created."""
-        if self.tp.enabled:
-            if communicator.world_size != self.tp.size:
-                raise ShardingError(f"the plan's tp_size={self.tp.size} needs a communicator of "
-                                    f"that many ranks, got {communicator.world_size}")
-            self.tp = replace(self.tp, group=communicator)
+        for dim in (self.tp, self.ep):
+            if not dim.enabled:
+                continue
+            if communicator.world_size != dim.size:
+                raise ShardingError(f"the plan's {dim.name}_size={dim.size} needs a communicator "
+                                    f"of that many ranks, got {communicator.world_size}")
+            setattr(self, dim.name, replace(dim, group=communicator))
 
     def __repr__(self) -> str:
         dims = ", ".join(repr(d) for d in self.dims.values())
@@ -305,6 +327,9 @@ class Plan:
         if self.sharding is not None:
             lines.append(f"  sharding: {len(self.sharding.specs)} modules split over "
                          f"{self.sharding.tp_size} ranks")
+            if self.sharding.experts:
+                lines.append(f"  experts modules: {len(self.sharding.experts)} split over "
+                             f"{self.sharding.ep_size} ep ranks")
         lines += [f"  note: {n}" for n in self.notes]
         return "\n".join(lines) + ")"
 
@@ -353,7 +378,20 @@ def build_plan(model: nn.Module, *, tp_size: int = 1,
         plan.notes = list(plan.sharding.notes)
     else:
         _roles_at_one_rank(plan, model, found)
+    if plan.ep.enabled:
+        _plan_experts(plan, model)
     return plan
+
+
+def _plan_experts(plan: Plan, model: nn.Module) -> None:
+    """Expert parallelism: every experts module split by whole experts over the ep ranks
+    (``plan.sharding.experts``; without tensor parallelism the dense parts stay whole)."""
+    e = plan.experts
+    specs = prepare_experts(model, plan.policy.moe, e.total, e.moe_layers, e.ranges)
+    if not plan.tp.enabled:  # a tp-1 injection_policy's slices are no split: experts alone
+        plan.sharding = experts_only(model, plan.policy, specs, plan.ep.size)
+    else:
+        plan.sharding.experts, plan.sharding.ep_size = specs, plan.ep.size
 
 
 def _check_moe(facts: MoEFacts | None, moe: MoESettings | None, config: Any, ep_size: int,

@@ -80,8 +80,9 @@ def test_a_model_no_plan_fits_has_no_roles_on_one_rank_and_the_plan_says_why():
     (dict(world=4, rank=0, tp=2), ParallelismNotSupportedError, "2 data-parallel replicas"),
     (dict(world=4, rank=0, tp=2, pp=2), NotSupportedYetError,
      r"pipeline parallelism \(pp_size=2\) is not supported yet"),
-    (dict(world=4, rank=0, tp=4, ep=2), NotSupportedYetError, "expert parallelism"),
-    (dict(world=2, rank=0, tp=2, dp=1, ep=2), NotSupportedYetError, "expert parallelism"),
+    (dict(world=4, rank=0, tp=4, ep=2), NotSupportedYetError,
+     r"expert parallelism over part of the world \(ep_size=2 of 4 ranks.*run with ep_size=4"),
+    (dict(world=4, rank=0, tp=1, ep=2), NotSupportedYetError, "ep_size=2 of 4 ranks"),
     (dict(world=4, rank=0, tp=4, ep=3), ShardingError,
      "ep_size=3 must divide tp × dp = 4.*ep sizes that would work: 1, 2, 4"),
     (dict(world=6, rank=0, tp=4, pp=1, dp=1), ShardingError,
@@ -100,6 +101,15 @@ def test_not_supported_yet_is_a_sharding_and_a_config_error():
     assert issubclass(ParallelismNotSupportedError, ShardingError)
     assert issubclass(ParallelismNotSupportedError, NotSupportedYetError)
     assert issubclass(ParallelismNotSupportedError, ConfigError)
+
+
+@pytest.mark.parametrize("tp, rank, coords", [
+    (1, 1, dict(dp=(2, 1), tp=(1, 0), ep=(2, 1))),  # ep alone: dense parts replicated
+    (2, 1, dict(dp=(1, 0), tp=(2, 1), ep=(2, 1))),  # ep with tp: heads by tp, experts by ep
+])
+def test_expert_parallelism_is_carved_out_of_the_worlds_ranks(tp, rank, coords):
+    dims = check_dims(world=2, rank=rank, tp=tp, ep=2)
+    assert {n: (dims[n].size, dims[n].coord) for n in coords} == coords
 
 
 def test_tp1_in_a_larger_world_is_independent_replicas_with_their_coordinates():
@@ -447,8 +457,8 @@ def _moe(**kwargs):
     ("qwen2_moe", dict(type="standard"), 1, ConfigError,
      r"type='standard' does not match the 'qwen2_moe' model: it has 1 shared expert\(s\), a "
      r"'residual' MoE"),
-    ("mixtral", dict(ep_size=2), 2, ParallelismNotSupportedError,
-     r"expert parallelism \(ep_size=2\) is not supported yet"),
+    ("mixtral", dict(ep_size=2), 4, ParallelismNotSupportedError,
+     r"expert parallelism over part of the world \(ep_size=2 of 4 ranks"),
 ])
 def test_bad_moe_input_gets_its_own_error_before_not_supported_yet(name, moe, world, error,
                                                                     match):
@@ -494,3 +504,58 @@ def test_bad_moe_fails_init_inference_before_any_work():
     with pytest.raises(MoEConfigError, match="'llama' model has no experts"):
         shardwise.init_inference(model, moe={"ep_size": 1}, device="cpu")
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+# ----- expert parallelism: the experts modules split by whole experts ---------------------------
+
+@pytest.mark.parametrize("name", sorted(_MOE_CONFIGS))
+@pytest.mark.parametrize("tp", [1, 2])
+def test_ep2_splits_every_experts_module_by_whole_experts(name, tp):
+    model = _meta_model(_moe_config(name))
+    total, _, _, layers, *_ = _MOE_CONFIGS[name][2]
+    first = -(-total // 2)
+    for rank in (0, 1):
+        plan = build_plan(model, tp_size=tp, moe=_moe(ep_size=2), world=2, rank=rank)
+        assert plan.ep.size == 2 and plan.ep.coord == rank and plan.tp.size == tp
+        assert plan.experts.range == ((0, first), (first, total))[rank]
+        shards = plan.shards
+        assert shards is plan.sharding and shards.ep_size == 2 and shards.ep_coord(rank) == rank
+        assert [s.name for s in shards.experts] == [f"model.layers.{i}.mlp.experts"
+                                                    for i in layers]
+        spec = shards.experts[0]
+        assert spec.ranges == ((0, first), (first, total))
+        params = dict(spec.module.named_parameters(recurse=False))
+        assert set(spec.params) == set(params)  # GPT-OSS's biases [E, X] too
+        assert all(p.shape[0] == total for p in params.values())
+        if tp == 1:  # the dense parts stay whole on both ranks
+            assert shards.specs == [] and shards.tp_size == 1
+        else:
+            assert shards.specs and shards.tp_size == 2
+    assert "experts modules: " in repr(plan) and "split over 2 ep ranks" in repr(plan)
+
+
+def test_expert_param_ranges_are_the_ep_ranks_experts_for_loaders():
+    from shardwise.sharding.specs import expert_param_ranges
+    plan = build_plan(_meta_model(_moe_config("gpt_oss")), moe=_moe(ep_size=2), world=2, rank=1)
+    spec = plan.shards.experts[0]
+    assert expert_param_ranges(spec, 1) == {p: (0, [(2, 4)]) for p in spec.params}
+    assert "gate_up_proj_bias" in spec.params
+
+
+def test_without_expert_parallelism_nothing_is_split_at_tp1():
+    plan = build_plan(_meta_model(_moe_config("mixtral")), moe=_moe(), world=1, rank=0)
+    assert plan.shards is None and not plan.ep.enabled
+
+
+def test_an_experts_module_that_does_not_hold_whole_experts_is_named():
+    from shardwise.sharding.specs import prepare_experts
+    model = _meta_model(_moe_config("mixtral"))
+    experts = model.model.layers[1].mlp.experts
+    experts.scale = torch.nn.Parameter(torch.ones(3, device="meta"))  # dim 0 is not the experts
+    with pytest.raises(ShardingError, match=r"experts module 'model.layers.1.mlp.experts' "
+                                            r"\(MixtralExperts\) cannot be split by whole "
+                                            r"experts.*scale \(3,\)"):
+        prepare_experts(model, None, 4, (0, 1), ((0, 2), (2, 4)))
+    with pytest.raises(ShardingError, match=r"one experts module per MoE layer \(3 layers"):
+        prepare_experts(_meta_model(_moe_config("mixtral")), None, 4, (0, 1, 2),
+                        ((0, 2), (2, 4)))

@@ -29,7 +29,7 @@ from ..ledger import add_hook, record
 from .inputs import install_head_slicers
 from .plan import ShardingPlan
 from .report import ShardedModule, ShardReport
-from .specs import SHARDED_ATTR, PreparedShards, ShardSpec, prepare_for
+from .specs import SHARDED_ATTR, ExpertShardSpec, PreparedShards, ShardSpec, prepare_for
 from .specs import module_kind, param_ranges, prepare  # noqa: F401 (their old home)
 
 if TYPE_CHECKING:
@@ -145,6 +145,69 @@ def gather_whole(local: torch.Tensor, dim: int, ranges: list[list[Range]], size:
         raise ShardingError(f"the ranks' slices cover {int(covered.sum())} of {size} entries; "
                             f"the whole tensor cannot be gathered back")
     return out
+
+
+# ----- expert parallelism ------------------------------------------------------------------------
+
+def set_expert_sizes(spec: ExpertShardSpec, coord: int) -> None:
+    """The experts module's expert count attribute (``num_experts``, when it has one) set to
+    ep rank ``coord``'s, once its parameters hold that rank's experts (sliced here or read from
+    a checkpoint): HF's own experts forward then skips the index ``E_local`` (another rank's
+    expert), as the experts-module contract says. Recorded: undoing puts the whole count back."""
+    if hasattr(spec.module, "num_experts"):
+        set_recorded(spec.module, {"num_experts": spec.count(coord)},
+                     f"expert count of {spec.name}")
+
+
+@torch.no_grad()
+def slice_experts(prepared: PreparedShards, rank: int, communicator: Communicator | None = None
+                  ) -> dict[str, tuple[tuple, tuple]]:
+    """Keep only ep rank ``rank``'s experts in every experts module: each of its parameters is
+    replaced by its ``[start, stop)`` rows along dim 0 (fresh storage, so the whole tensor can
+    be freed). A module whose parameters already hold the rank's experts (a loader read only
+    them) is left as it is. Returns module name → (first parameter's shape whole, this rank's).
+
+    With ``communicator`` (the ep group) each slice is recorded in the active ledger with an
+    undo that all-gathers the whole parameters back (:func:`gather_whole`)."""
+    coord = prepared.ep_coord(rank)
+    shapes = {}
+    for spec in prepared.experts:
+        start, stop = spec.ranges[coord]
+        local = stop - start
+        first = getattr(spec.module, spec.params[0])
+        whole_shape = (spec.total, *first.shape[1:])
+        if first.shape[0] == spec.total and local != spec.total:
+            grads = {}
+            for pname in spec.params:
+                param = getattr(spec.module, pname)
+                grads[pname] = param.requires_grad
+                setattr(spec.module, pname,
+                        nn.Parameter(take(param, 0, [(start, stop)]), requires_grad=False))
+            if communicator is not None:
+                record(f"expert-parallel slice of {spec.name} (all-gathered back)",
+                       _unslice_experts(spec, communicator, grads))
+        elif first.shape[0] != local:
+            raise ShardingError(f"experts module {spec.name!r} holds {first.shape[0]} experts; "
+                                f"ep rank {coord} should hold {local} of {spec.total}")
+        set_expert_sizes(spec, coord)
+        shapes[spec.name] = (whole_shape, (local, *first.shape[1:]))
+    return shapes
+
+
+def _unslice_experts(spec: ExpertShardSpec, comm: Communicator,
+                     grads: Mapping[str, bool]) -> Callable[[], None]:
+    """The undo of one experts module's slice: each parameter gathered whole from every ep
+    rank's experts (collectives: runs on every rank). Parameters already whole are left."""
+    ranges = [[r] for r in spec.ranges]
+
+    def undo() -> None:
+        for pname in spec.params:
+            param = getattr(spec.module, pname)
+            if param.shape[0] == spec.total:
+                continue
+            full = gather_whole(param.detach(), 0, ranges, spec.total, comm)
+            setattr(spec.module, pname, nn.Parameter(full, requires_grad=grads[pname]))
+    return undo
 
 
 def _unslice(spec: ShardSpec, rank: int, comm: Communicator, whole: dict[int, nn.Parameter],
@@ -325,17 +388,21 @@ def apply_shards(prepared: PreparedShards, communicator: Communicator, *,
     rank's slices (a checkpoint loader read them), so only hooks and attributes are set;
     ``bytes_before`` is then the whole model's parameter bytes."""
     model, rank = prepared.model, communicator.rank
-    if communicator.world_size != prepared.tp_size:
-        raise ShardingError(f"prepared for tp_size={prepared.tp_size} but the communicator has "
-                            f"{communicator.world_size} ranks")
+    _check_groups(prepared, communicator)
     before = param_bytes(model) if bytes_before is None else bytes_before
     report = ShardReport(prepared.tp_size, rank, prepared.plan.source, prepared.policy.name,
-                         notes=prepared.notes, param_bytes_before=before)
+                         notes=prepared.notes, param_bytes_before=before,
+                         ep_size=prepared.ep_size)
     shapes = dict(sliced) if sliced is not None else slice_all(prepared, rank, communicator)
     for spec in prepared.specs:
         install_hooks(spec, rank, communicator)
         report.sharded[spec.name] = ShardedModule(spec.name, spec.role.name, spec.layout.describe(),
                                                   *shapes[spec.name])
+    coord = prepared.ep_coord(rank)
+    for name, shape in slice_experts(prepared, rank, communicator).items():
+        start, stop = prepared.experts[0].ranges[coord]
+        report.sharded[name] = ShardedModule(name, "expert", f"experts [{start}, {stop})",
+                                             *shape)
     report.attention = set_attention_attrs(prepared, rank)
     install_head_slicers(prepared.head_sliced, prepared.heads[rank] if prepared.heads else None)
     if prepared.heads:
@@ -346,6 +413,17 @@ def apply_shards(prepared: PreparedShards, communicator: Communicator, *,
     report.rank_param_bytes = communicator.all_gather(mine, dim=0).tolist()
     set_recorded(model, {SHARDED_ATTR: report}, "shard report")
     return report
+
+
+def _check_groups(prepared: PreparedShards, communicator: Communicator) -> None:
+    """The communicator is the group of every split: the tp group when modules are split by
+    tensor parallelism, the ep group when experts are (this version: both the whole world)."""
+    if prepared.specs and communicator.world_size != prepared.tp_size:
+        raise ShardingError(f"prepared for tp_size={prepared.tp_size} but the communicator has "
+                            f"{communicator.world_size} ranks")
+    if prepared.experts and communicator.world_size != prepared.ep_size:
+        raise ShardingError(f"prepared for ep_size={prepared.ep_size} but the communicator has "
+                            f"{communicator.world_size} ranks (the ep group is the world)")
 
 
 def _replicated(model: nn.Module, sharded: Mapping[str, Any]) -> list[str]:

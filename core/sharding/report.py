@@ -29,7 +29,8 @@ class ShardReport:
         source: where the plan came from (``injection_policy``, ``hf_tp_plan``,
             ``policy:<name>``, ``heuristic``).
         policy: the policy that supplied layouts/attributes (``generic`` when none is registered).
-        sharded: module name → :class:`ShardedModule`, in model order.
+        sharded: module name → :class:`ShardedModule`, in model order (experts modules split
+            by expert parallelism too, role ``"expert"``, shapes of their first parameter).
         replicated: names of modules holding parameters that every rank keeps whole.
         attention: attention module name → the attributes set on it (name → value).
         heads: (q heads, kv heads) this rank holds, when the model's head counts are known.
@@ -37,6 +38,7 @@ class ShardReport:
         param_bytes: this rank's parameter bytes after sharding.
         rank_param_bytes: every rank's parameter bytes, in rank order.
         notes: remarks (e.g. why the model's HF plan was not used).
+        ep_size: the expert-parallel group size (1: every rank holds every expert).
     """
 
     tp_size: int
@@ -51,6 +53,7 @@ class ShardReport:
     param_bytes: int = 0
     rank_param_bytes: list[int] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    ep_size: int = 1
 
     def roles(self) -> Counter:
         """Role name → number of modules with it."""
@@ -59,7 +62,8 @@ class ShardReport:
     def summary(self) -> str:
         """A few human-readable lines (logged once, on rank 0, by ``init_inference``)."""
         mib = 1 << 20
-        lines = [f"tensor parallel: tp_size={self.tp_size}, plan from {self.source}, "
+        experts = f", expert parallel: ep_size={self.ep_size}" if self.ep_size > 1 else ""
+        lines = [f"tensor parallel: tp_size={self.tp_size}{experts}, plan from {self.source}, "
                  f"policy {self.policy}"]
         roles = ", ".join(f"{n} {r}" for r, n in sorted(self.roles().items()))
         lines.append(f"  sharded {len(self.sharded)} modules ({roles})")

@@ -21,9 +21,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from ..layout import (ColumnParallel, Even, HeadCounts, HeadPartition, Layout, Range, Role,
-                      RowParallel, ShardContext, ShardingError, VocabParallelEmbedding,
-                      VocabParallelHead)
+from ..layout import (ColumnParallel, Even, ExpertParallel, HeadCounts, HeadPartition, Layout,
+                      Range, Role, RowParallel, ShardContext, ShardingError,
+                      VocabParallelEmbedding, VocabParallelHead)
 from .inputs import head_sliced_modules
 from .plan import (ShardingPlan, _conv1d_class, base_prefix, choose_plan, first_match,
                    pattern_matches, plan_from_injection_policy)
@@ -128,6 +128,15 @@ class PreparedShards:
     #: modules whose forward arguments are narrowed to the rank's heads (policy
     #: ``head_sliced_inputs``): name → (module, inputs, positions); see :mod:`.inputs`
     head_sliced: dict[str, tuple] = field(default_factory=dict)
+    #: Mixture-of-Experts experts modules split by whole experts over ``ep_size`` ranks
+    #: (:func:`prepare_experts`; empty without expert parallelism)
+    experts: list["ExpertShardSpec"] = field(default_factory=list)
+    ep_size: int = 1
+
+    def ep_coord(self, rank: int) -> int:
+        """The ep coordinate of world ``rank`` (one pipeline stage: the ep group is carved out
+        of the tp × dp ranks, tp fastest, so ``rank mod ep``; see :mod:`shardwise.plan`)."""
+        return rank % self.ep_size
 
 
 def prepare(model: nn.Module, plan: ShardingPlan, tp_size: int,
@@ -264,6 +273,98 @@ def _attention_modules(model: nn.Module, policy: Policy, specs: list[ShardSpec],
                                     f"attention_attrs")
             out[name] = module
     return out
+
+
+# ----- expert parallelism: experts modules split by whole experts ------------------------------
+
+@dataclass
+class ExpertShardSpec:
+    """One Mixture-of-Experts experts module split over the ep ranks by whole experts
+    (:class:`~shardwise.layout.ExpertParallel`).
+
+    Attributes:
+        name: the experts module's name in the model.
+        module: the module.
+        params: its own parameters split along dim 0 (every one of them: each holds an entry per
+            expert, e.g. ``gate_up_proj`` [E, 2I, H], ``down_proj`` [E, H, I], GPT-OSS's biases).
+        total: the experts E (dim 0 of each parameter before the split).
+        ranges: every ep rank's experts ``[start, stop)`` (``plan.experts.ranges``).
+    """
+
+    name: str
+    module: nn.Module
+    params: tuple[str, ...]
+    total: int
+    ranges: tuple[Range, ...]
+    role: Role = field(default_factory=ExpertParallel)
+
+    def count(self, coord: int) -> int:
+        """Experts ep rank ``coord`` holds."""
+        start, stop = self.ranges[coord]
+        return stop - start
+
+
+def expert_param_ranges(spec: ExpertShardSpec, coord: int) -> dict[str, tuple[int, list[Range]]]:
+    """What ep rank ``coord`` keeps of each parameter of ``spec.module``:
+    ``{param: (0, [(start, stop)])}`` (the same form as :func:`param_ranges`' weight entry), for
+    loaders that read only these experts from disk."""
+    return {name: (0, [spec.ranges[coord]]) for name in spec.params}
+
+
+def _experts_suffix(moe_spec: Any) -> str | None:
+    """``<block>.<experts>``, where a family's MoE spec (``Policy.moe``) puts the experts
+    module on a decoder layer (None: no spec)."""
+    if moe_spec is None:
+        return None
+    return f"{moe_spec.block}.{moe_spec.experts}"
+
+
+def prepare_experts(model: nn.Module, moe_spec: Any, total: int, moe_layers: tuple[int, ...],
+                    ranges: tuple[Range, ...]) -> list[ExpertShardSpec]:
+    """The experts modules of ``model`` split by whole experts over ``len(ranges)`` ep ranks,
+    touching nothing. ``moe_spec``: the family's :class:`~shardwise.moe.MoESpec` (the modules
+    named ``<layer>.<block>.<experts>``); None: every module holding a 3-D parameter whose dim 0
+    is the expert count. One experts module per MoE layer (``moe_layers``) is expected.
+
+    Raises:
+        ShardingError: a different number of experts modules than MoE layers, or an experts
+            module holding a parameter whose dim 0 is not the ``total`` experts (its layout is
+            not the stacked one the split assumes).
+    """
+    suffix = _experts_suffix(moe_spec)
+    found = []
+    for name, module in model.named_modules():
+        own = list(module.named_parameters(recurse=False))
+        if suffix is not None:
+            if not (name == suffix or name.endswith("." + suffix)):
+                continue
+        elif not any(p.dim() == 3 and p.shape[0] == total for _, p in own):
+            continue
+        wrong = [f"{n} {tuple(p.shape)}" for n, p in own if p.dim() == 0 or p.shape[0] != total]
+        if wrong or not own:
+            raise ShardingError(
+                f"experts module {name!r} ({type(module).__name__}) cannot be split by whole "
+                f"experts: every parameter must hold the {total} experts along dim 0, but "
+                f"{', '.join(wrong) or 'it has no parameters'}; give the family an MoESpec "
+                f"naming its stacked experts module")
+        found.append(ExpertShardSpec(name, module, tuple(n for n, _ in own), total, ranges))
+    if len(found) != len(moe_layers):
+        where = f"named '*.{suffix}'" if suffix else f"holding [{total}, ...] 3-D parameters"
+        raise ShardingError(
+            f"expert parallelism needs one experts module per MoE layer ({len(moe_layers)} "
+            f"layers: {list(moe_layers)}); found {len(found)} {where}: "
+            f"{[s.name for s in found][:6]}; the family's MoESpec (block, experts) does not fit "
+            f"this model")
+    return found
+
+
+def experts_only(model: nn.Module, policy: Policy, specs: list[ExpertShardSpec],
+                 ep_size: int) -> PreparedShards:
+    """The slices of an expert-parallel model without tensor parallelism: no tp module is
+    split (every rank keeps the dense parts whole), the experts modules are."""
+    plan = ShardingPlan([], "expert parallelism (dense parts replicated)", strict=False)
+    return PreparedShards(model, plan, policy, 1, [], {}, None, {}, experts=specs,
+                          ep_size=ep_size)
 
 
 def param_ranges(spec: ShardSpec, rank: int) -> dict[str, Any]:
