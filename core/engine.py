@@ -389,7 +389,7 @@ def _build_engine(model: nn.Module | None, cfg: InferenceConfig) -> InferenceEng
     device = accelerator.device(communicator.local_rank if accelerator.device_count() > 1 else None)
     _check_later_steps(model, cfg, accelerator, dtype, device, plan, desc)
     _seed(cfg)
-    prepared = plan.sharding if plan.sharded else None  # every rank's slices under TP
+    prepared = plan.shards  # every rank's slices under TP, and its experts under EP
     loaded = None
     if desc is not None:  # 4. each rank reads only its slices, straight onto its device
         loaded = _checkpoint.load_checkpoint(
