@@ -819,3 +819,59 @@ def test_merge_ranks_keeps_every_ranks_bytes_and_figures_give_each_ranks_gb_s():
     assert f"GB/s per rank of {plan.variant_names[0]} on {TINY} batch 1" in text
     assert "rank 0 1 (1.0%), rank 1 1 (1.0%); all ranks together 1.5 (1.5%)" in text
     assert "ranks" not in launch.merge_ranks({0: rank_record(10**7)}, plan, 0)[0]
+
+
+def test_prefill_counts_the_active_parameters_of_an_moe_model():
+    """A prompt token multiplies the dense weights and top_k of num_experts experts: prefill
+    TFLOP/s counts those (per rank, the top-k share of the experts it holds)."""
+    model = _tiny_mixtral()
+    experts = 2 * 4 * (2 * 48 * 32 + 32 * 48)  # 2 layers × 4 experts (gate_up + down)
+    total = roofline.nonembedding_parameters(model)
+    assert roofline.active_parameters(model) == total - experts + experts // 2  # top-2 of 4
+    sliced = _sliced_experts_model(keep=2)  # an ep rank holding 2 of the 4
+    assert roofline.active_parameters(sliced) == total - experts + experts // 4
+    dense = tiny_causal_lm("llama")
+    assert roofline.active_parameters(dense) == roofline.nonembedding_parameters(dense)
+    rec = _record(active_params=10**7)  # 10x fewer than its nonembedding_params
+    assert figures(rec, None)["prefill_tflops"] == pytest.approx(2 * 1e7 * 16 * 2 / 0.2 / 1e12)
+
+
+class _QuantExpertsStandIn(torch.nn.Module):
+    """What the bench needs of a quantized experts module (shardwise.quant.QuantExperts): its
+    packed weights as buffers, counts_buffers_as_weights, num_experts (those held), hidden_dim
+    and intermediate_dim."""
+
+    counts_buffers_as_weights = True
+
+    def __init__(self, experts=4, hidden=32, inter=48):
+        super().__init__()
+        self.num_experts, self.hidden_dim, self.intermediate_dim = experts, hidden, inter
+        self.register_buffer("gate_up_q", torch.zeros(experts * 2 * inter * hidden,
+                                                      dtype=torch.int8))
+        self.register_buffer("down_q", torch.zeros(experts * hidden * inter, dtype=torch.int8))
+        self.register_buffer("scales", torch.ones(experts, 3 * inter))
+
+    def forward(self, x, index, weights):
+        return torch.zeros_like(x)
+
+
+def test_quantized_experts_are_counted_as_experts():
+    model = _tiny_mixtral()
+    for layer in model.model.layers:
+        layer.mlp.experts = _QuantExpertsStandIn(experts=2)  # an ep rank's, quantized
+    layers = roofline.expert_modules(model)
+    assert len(layers) == 2 and [roofline.local_experts(m) for m in layers] == [2, 2]
+    one_expert = 3 * 48 * 32 + 3 * 48 * 4  # int8 weights + fp32 scales
+    assert roofline.expert_bytes(layers[0]) == 2 * one_expert
+    dense = roofline.weight_bytes(_tiny_mixtral()) - 2 * 4 * (3 * 48 * 32 * 4)
+    assert roofline.weight_bytes(model) == dense + 2 * 2 * one_expert
+    with roofline.RoutingCounter(model) as counter:
+        for layer in layers:
+            layer(torch.randn(3, 32), torch.tensor([[0, 1]] * 3), torch.ones(3, 2))  # prefill
+            layer(torch.randn(1, 32), torch.tensor([[1, 2]]), torch.ones(1, 2))  # 1 of mine
+    assert roofline.moe_decode_bytes(model, counter, 1) == (
+        dense + 2 * one_expert, "dense + routed experts (measured)")
+    held = 2 * 2 * 3 * 48 * 32  # counted as the parameters they replace
+    assert roofline.expert_parameters(layers[0]) == held // 2
+    experts_and_dense = roofline.nonembedding_parameters(model)
+    assert roofline.active_parameters(model) == experts_and_dense - held + held // 2

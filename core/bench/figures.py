@@ -8,7 +8,9 @@ Definitions (all over the timed repeats; warm-up samples are kept in the JSON bu
   the steps of all repeats pooled.
 * ``tokens_per_s``: decode throughput, ``batch / median step``.
 * ``e2e_tokens_per_s``: ``batch × new tokens / median whole-generate time`` (prefill included).
-* ``decode_gbps`` / ``bandwidth_pct`` and ``prefill_tflops``: see :mod:`.roofline`. Decode GB/s
+* ``decode_gbps`` / ``bandwidth_pct`` and ``prefill_tflops``: see :mod:`.roofline`
+  (``prefill_tflops`` over the record's ``active_params``, for an MoE model the dense ones and
+  the top-k share of the experts, where a record has them; else ``nonembedding_params``). Decode GB/s
   is over the record's ``decode_bytes`` (for an MoE model: the dense parts and the experts
   routed to, not every expert), or its ``weight_bytes`` where a record has none;
   ``decode_bytes_method`` says which.
@@ -46,7 +48,8 @@ def figures(rec: dict[str, Any], device_gbps: float | None) -> dict[str, Any]:
         "e2e_tokens_per_s": rec["batch"] * rec["new_tokens"] / median(whole),
         "tokens_per_s": None, "decode_gbps": None, "bandwidth_pct": None,
         "prefill_tflops": roofline.prefill_tflops(
-            rec["nonembedding_params"], rec["prompt_len"], rec["batch"], median(prefill)),
+            rec.get("active_params") or rec["nonembedding_params"], rec["prompt_len"],
+            rec["batch"], median(prefill)),
     }
     if steps:
         step = median(steps)

@@ -12,7 +12,9 @@ A result file is one JSON object::
      "runs": [{"model", "variant", "baseline", "batch", "prompt_len", "new_tokens",
                "status", "error", "dtype", "kernel_dtype" (the quantized layers' activation
                dtype, when the engine reports one), "world_size", "weight_bytes",
-               "nonembedding_params", "decode_bytes" (what one decode step reads: every
+               "nonembedding_params", "active_params" (what prefill TFLOP/s counts: for an
+               MoE model the dense parameters and the top-k share of the experts held),
+               "decode_bytes" (what one decode step reads: every
                weight, or for an MoE model the dense parts and the experts routed to),
                "decode_bytes_method" (which: "all weights", "dense + routed experts
                (measured)" or "(expected)"), "experts_implementation" (rows of an MoE model

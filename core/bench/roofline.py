@@ -12,6 +12,9 @@ non-embedding parameter, so
     prefill TFLOP/s ≈ 2 × non-embedding parameters × prompt tokens × batch / prefill time / 1e12
 
 (attention's own FLOPs, quadratic in the prompt, are left out; for short prompts they are small).
+For an MoE model a token multiplies the dense parameters and its top-k experts only, so the
+parameters counted are the *active* ones (:func:`active_parameters`: dense plus top_k /
+num_experts of the experts held, per rank under expert parallelism).
 
 A Mixture-of-Experts decode step does not read every weight: it reads the dense parts
 (attention, norms, router, shared experts, embeddings as for a dense model) and, in each MoE
@@ -90,24 +93,53 @@ def nonembedding_parameters(model: nn.Module) -> int:
     prompt token multiplies (generate computes the output head for the last token only)."""
     embedding_ids = {id(p) for p in embedding_parameters(model)}
     return sum(p.numel() for p in model.parameters() if id(p) not in embedding_ids) + sum(
-        m.in_features * m.out_features for m in model.modules()  # quantized layers' weights
+        quantized_weight_count(m) for m in model.modules()  # quantized layers' weights
         if getattr(m, "counts_buffers_as_weights", False) and m is not _output(model))
 
 
+def quantized_weight_count(module: nn.Module) -> int:
+    """Weights a quantized module holds as buffers, counted as the parameters they replace:
+    ``in × out`` of a linear; ``experts × 3 × hidden × intermediate`` of quantized experts
+    (gate, up and down per expert)."""
+    if hasattr(module, "in_features"):
+        return module.in_features * module.out_features
+    return module.num_experts * 3 * module.hidden_dim * module.intermediate_dim
+
+
+def active_parameters(model: nn.Module) -> int:
+    """:func:`nonembedding_parameters` a prompt token multiplies on average: for an MoE model
+    the dense ones plus ``top_k / num_experts`` of the experts held here (a token computes
+    ``top_k`` experts of ``num_experts``; a rank holding some of them computes that share of
+    its own); every one for a dense model."""
+    modules = expert_modules(model)
+    top_k = getattr(getattr(model, "config", None), "num_experts_per_tok", None)
+    total = nonembedding_parameters(model)
+    if not modules or not top_k:
+        return total
+    experts = sum(expert_parameters(m) for m in modules)
+    share = top_k / (model_expert_count(model) or modules[0].num_experts)
+    return round(total - experts + share * experts)
+
+
 def expert_modules(model: nn.Module) -> list[nn.Module]:
-    """The modules holding stacked expert weights: an integer ``num_experts`` and parameters of
-    their own that all lead with one expert dimension of at most ``num_experts`` entries, at
-    least one of them 3-D ``(experts, out, in)`` (HF's ``MixtralExperts``, ``Qwen2MoeExperts``,
-    GPT-OSS's with its 2-D expert biases, ...; under expert parallelism a rank's module holds
-    only its own experts: :func:`local_experts`). Shared experts are plain MLPs and stay dense."""
+    """The modules holding stacked expert weights: an integer ``num_experts`` and either
+    parameters of their own that all lead with one expert dimension of at most ``num_experts``
+    entries, at least one of them 3-D ``(experts, out, in)`` (HF's ``MixtralExperts``,
+    ``Qwen2MoeExperts``, GPT-OSS's with its 2-D expert biases, ...; under expert parallelism a
+    rank's module holds only its own experts: :func:`local_experts`), or quantized weights as
+    buffers (``counts_buffers_as_weights``: :class:`shardwise.quant.QuantExperts`, whose
+    ``num_experts`` is what it holds). Shared experts are plain MLPs and stay dense."""
     found = []
     for module in model.modules():
         experts = getattr(module, "num_experts", None)
-        params = list(module.parameters(recurse=False))
-        if not isinstance(experts, int) or experts < 1 or not params:
+        if not isinstance(experts, int) or experts < 1:
             continue
+        if getattr(module, "counts_buffers_as_weights", False):
+            found.append(module)
+            continue
+        params = list(module.parameters(recurse=False))
         leading = {p.shape[0] if p.dim() >= 2 else None for p in params}
-        if len(leading) == 1 and None not in leading and leading.pop() <= experts \
+        if params and len(leading) == 1 and None not in leading and leading.pop() <= experts \
                 and any(p.dim() == 3 for p in params):
             found.append(module)
     return found
@@ -115,14 +147,28 @@ def expert_modules(model: nn.Module) -> list[nn.Module]:
 
 def local_experts(module: nn.Module) -> int:
     """Experts an experts module holds on this rank: the leading dimension of its weights
-    (``num_experts`` without expert parallelism)."""
+    (``num_experts`` without expert parallelism, and for quantized experts)."""
+    if getattr(module, "counts_buffers_as_weights", False):
+        return module.num_experts
     return next(module.parameters(recurse=False)).shape[0]
 
 
 def expert_bytes(module: nn.Module) -> int:
-    """Bytes of the experts one experts module holds (one expert is this ÷
-    :func:`local_experts`)."""
-    return sum(p.numel() * p.element_size() for p in module.parameters(recurse=False))
+    """Bytes of the experts one experts module holds, quantized buffers included (one expert
+    is this ÷ :func:`local_experts`)."""
+    total = sum(p.numel() * p.element_size() for p in module.parameters(recurse=False))
+    if getattr(module, "counts_buffers_as_weights", False):
+        total += sum(b.numel() * b.element_size() for b in module.buffers(recurse=False))
+    return total
+
+
+def expert_parameters(module: nn.Module) -> int:
+    """Parameters of the experts one experts module holds (quantized ones counted as the
+    weights they replace)."""
+    own = sum(p.numel() for p in module.parameters(recurse=False))
+    if getattr(module, "counts_buffers_as_weights", False):
+        own += quantized_weight_count(module)
+    return own
 
 
 def expected_distinct_experts(num_experts: int, top_k: int, tokens: int,

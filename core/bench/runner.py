@@ -27,8 +27,8 @@ from ..generation import timed_generate
 from ..transforms import model_dtype
 from .plan import Cell, ModelSpec, Plan, Variant, is_baseline
 from .presets import build_preset
-from .roofline import (RoutingCounter, expert_modules, moe_decode_bytes, nonembedding_parameters,
-                       weight_bytes)
+from .roofline import (RoutingCounter, active_parameters, expert_modules, moe_decode_bytes,
+                       nonembedding_parameters, weight_bytes)
 
 #: Text the prompt is cut from (repeated as needed) when the model has a tokenizer.
 PROMPT_TEXT = (
@@ -46,7 +46,7 @@ def record(spec: ModelSpec, variant: str, cell: Cell, **fields: Any) -> dict[str
     base = {"model": spec.name, "model_kind": spec.kind, "variant": variant,
             "baseline": is_baseline(variant), **asdict(cell), "status": "ok", "error": None,
             "dtype": None, "kernel_dtype": None, "world_size": 1, "weight_bytes": None,
-            "nonembedding_params": None, "decode_bytes": None, "decode_bytes_method": None,
+            "nonembedding_params": None, "active_params": None, "decode_bytes": None, "decode_bytes_method": None,
             "peak_memory_bytes": None, "samples": {"warmup": [], "repeats": []}}
     base.update(fields)
     return base
@@ -233,7 +233,8 @@ def run_variant(variant: str, prepare: Callable, tokenizer, spec: ModelSpec, pla
                        world_size=world) for c in plan.cells]
     facts = {"dtype": dtype_name(model_dtype(module)), "world_size": world,
              "weight_bytes": weight_bytes(module),
-             "nonembedding_params": nonembedding_parameters(module), **extra}
+             "nonembedding_params": nonembedding_parameters(module),
+             "active_params": active_parameters(module), **extra}
     if (ran := experts_implementation(module)) is not None:
         facts["experts_implementation"] = ran
     records = []
