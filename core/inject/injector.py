@@ -334,7 +334,7 @@ def inject_model(model: nn.Module, accelerator: Accelerator, dtype: torch.dtype,
         policy, spec = _policy_and_spec(model, policy)
         return inject_encoder(model, policy, spec, accelerator, dtype)
     injected = InjectedModel(plan.base, plan.spec, plan.kernels, plan.max_tokens, plan.setups,
-                             plan.rotary_dim)
+                             plan.rotary_dim, moe=getattr(plan.policy, "moe", None))
     injected.free_memory = accelerator.free_memory  # checked before each cache allocation
     replace_module(plan.parent, plan.attr, injected, "injected decoder stack")
     log.info("shardwise: injected %d %s layers (kernels: %s), static KV cache of %d tokens",

@@ -127,17 +127,40 @@ class LayerParts:
     qkv: tuple[nn.Module, ...]  # one fused projection, or q, k, v
     out_proj: nn.Module
     mlp_in: tuple[nn.Module, ...]  # gate, up — or one (fused [gate | up], or a plain MLP's)
-    mlp_out: nn.Module
+    mlp_out: nn.Module | None  # None on an MoE layer
+    #: the MoE block on an MoE layer (``MoESpec.block``, called as a module: the forward
+    #: shardwise.moe installed, or HF's own), else None (the dense MLP above runs)
+    moe: nn.Module | None = None
+    #: the per-head q and k norms (``Attention.qk_norm``), else None
+    qk_norm: tuple[nn.Module, nn.Module] | None = None
 
     @classmethod
-    def of(cls, layer: nn.Module, spec: InjectionSpec) -> "LayerParts":
-        """The modules ``spec`` names, read from ``layer`` now."""
+    def of(cls, layer: nn.Module, spec: InjectionSpec, moe: Any = None) -> "LayerParts":
+        """The modules ``spec`` names, read from ``layer`` now; ``moe`` (the policy's MoESpec,
+        None for a dense family): a layer holding its MoE block calls that instead of an MLP."""
         get, residual = layer.get_submodule, spec.residual
+        block = moe_block(layer, moe)
         return cls(attn_norm=get(residual.attn_norm),
                    mlp_norm=get(residual.mlp_norm) if residual.mlp_norm else None,
                    qkv=tuple(get(n) for n in spec.attention.qkv),
                    out_proj=get(spec.attention.out_proj),
-                   mlp_in=tuple(get(n) for n in spec.mlp.in_proj), mlp_out=get(spec.mlp.out_proj))
+                   mlp_in=() if block is not None else tuple(get(n) for n in spec.mlp.in_proj),
+                   mlp_out=None if block is not None else get(spec.mlp.out_proj), moe=block,
+                   qk_norm=tuple(get(n) for n in spec.attention.qk_norm)
+                   if spec.attention.qk_norm else None)
+
+
+def moe_block(layer: nn.Module, moe: Any) -> nn.Module | None:
+    """``layer``'s MoE block (``moe.block`` holding ``moe.experts``), None for a dense layer (a
+    family with leading dense layers keeps its MLP at the same name) or a dense family."""
+    if moe is None:
+        return None
+    try:
+        block = layer.get_submodule(moe.block)
+        block.get_submodule(moe.experts)
+    except AttributeError:
+        return None
+    return block
 
 
 @dataclass(frozen=True)
@@ -168,11 +191,12 @@ class InjectedLayer(nn.Module):
     """
 
     def __init__(self, hf_layer: nn.Module, spec: InjectionSpec, kernels: Kernels, index: int,
-                 setup: LayerSetup) -> None:
+                 setup: LayerSetup, moe: Any = None) -> None:
         super().__init__()
         for name, child in hf_layer.named_children():  # adopt: same names, same parameters
             self.add_module(name, child)
         self.spec, self.kernels, self.index, self.setup = spec, kernels, index, setup
+        self.moe_spec = moe  # the policy's MoESpec (None: a dense family)
         self.head_dim, self.scale = setup.head_dim, setup.scale
         self.q_heads, self.kv_heads = setup.q_heads, setup.kv_heads
         # output features of q, k, v: [q_heads * head_dim, kv_heads * head_dim (twice)]
@@ -202,7 +226,7 @@ class InjectedLayer(nn.Module):
         """Read the adopted submodules the spec names (:class:`LayerParts`), once: injection
         runs after every transform that swaps modules (quantization), so they are the ones the
         model keeps."""
-        self.parts = LayerParts.of(self, self.spec)
+        self.parts = LayerParts.of(self, self.spec, self.moe_spec)
 
     def _norm(self, module: nn.Module, x: torch.Tensor, residual: torch.Tensor | None):
         """(norm(x + residual), x + residual) — fused; residual None: norm(x), x."""
@@ -228,6 +252,9 @@ class InjectedLayer(nn.Module):
 
     def _mlp(self, x: torch.Tensor) -> torch.Tensor:
         """x [b, s, hidden] → [b, s, hidden]."""
+        if self.parts.moe is not None:  # an MoE layer: its block, called as a module
+            out = self.parts.moe(x)
+            return out[0] if isinstance(out, tuple) else out  # GPT-OSS: (hidden, router scores)
         mlp_in, mlp_out, act = self.parts.mlp_in, self.parts.mlp_out, self.kernels.act
         if self.spec.mlp.kind == "gated":  # two projections, or one fused [gate | up]
             up = mlp_in[1](x) if len(mlp_in) == 2 else None
@@ -257,7 +284,11 @@ class InjectedLayer(nn.Module):
         """x [b, s, hidden] → the output projection of the attention [b, s, hidden]."""
         b, s, _ = x.shape
         kernels = self.kernels
-        q, k, v = (t.transpose(1, 2) for t in self._qkv(x))  # [b, heads, s, d]
+        q, k, v = self._qkv(x)  # [b, s, heads, d]
+        if self.parts.qk_norm is not None:  # per-head norms over head_dim (Qwen3-MoE)
+            q = self._norm(self.parts.qk_norm[0], q, None)[0]
+            k = self._norm(self.parts.qk_norm[1], k, None)[0]
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [b, heads, s, d]
         if ctx.cos is not None:
             q, k = kernels.rotary(q, k, ctx.cos, ctx.sin, style=self.spec.positions.rotary_style)
         cache, kw = ctx.cache, self.attn_kw
@@ -411,13 +442,14 @@ class InjectedModel(nn.Module):
     """The decoder stack that replaces the HF base model (see the module docstring)."""
 
     def __init__(self, hf_base: nn.Module, spec: InjectionSpec, kernels: Kernels,
-                 max_tokens: int, setups: list[LayerSetup], rotary_dim: int | None) -> None:
+                 max_tokens: int, setups: list[LayerSetup], rotary_dim: int | None,
+                 moe: Any = None) -> None:
         super().__init__()
         self.config = hf_base.config
         self.spec, self.kernels, self.max_tokens = spec, kernels, max_tokens
         self.rotary_dim = rotary_dim  # own rotary table (no rotary module): dims rotated per head
         hf_layers = hf_base.get_submodule(spec.layers)
-        layers = nn.ModuleList(InjectedLayer(layer, spec, kernels, i, setup)
+        layers = nn.ModuleList(InjectedLayer(layer, spec, kernels, i, setup, moe)
                                for i, (layer, setup) in enumerate(zip(hf_layers, setups)))
         for name, child in hf_base.named_children():  # same names, same order
             self.add_module(name, layers if child is hf_layers else child)

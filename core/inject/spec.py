@@ -138,6 +138,8 @@ class Attention:
             ``layer_idx + 1`` (GPT-2's ``scale_attn_by_inverse_layer_idx``).
         unscaled_config: config flag that, when False, means no ``1/sqrt(d)`` scale
             (GPT-2's ``scale_attn_weights``).
+        qk_norm: the per-head norms of q and k (``("self_attn.q_norm", "self_attn.k_norm")``,
+            Qwen3-MoE), applied over each head's ``head_dim`` before the rotary; None: none.
     """
 
     qkv: tuple[str, ...]
@@ -149,6 +151,7 @@ class Attention:
     windowed_kinds: tuple[str, ...] = ()
     inverse_layer_scale_config: str | None = None
     unscaled_config: str | None = None
+    qk_norm: tuple[str, str] | None = None
 
     @property
     def fused(self) -> bool:
@@ -165,6 +168,8 @@ class Attention:
             problems.append(f"qkv_layout={self.qkv_layout!r} (one of {QKV_LAYOUTS})")
         if self.windowed_kinds and not self.layer_kinds_config:
             problems.append("windowed_kinds needs layer_kinds_config (where the kinds are read)")
+        if self.qk_norm is not None and not _is_names(self.qk_norm, (2,)):
+            problems.append(f"qk_norm={self.qk_norm!r} (the q norm and the k norm, as a tuple)")
         _check("Attention", problems)
 
 
