@@ -92,6 +92,20 @@ class CpuCommunicator(TorchDistCommunicator):
         self.last_path = "gloo"
         return super().all_reduce(tensor, op)
 
+    def all_to_all(self, tensor: torch.Tensor) -> torch.Tensor:
+        """gloo's all-to-all; traced by ``torch.compile`` (an expert-parallel decode step with
+        ``dispatch="all_to_all"``) the opaque op ``shardwise::cpu_all_to_all``."""
+        if torch.compiler.is_compiling():
+            return torch.ops.shardwise.cpu_all_to_all(tensor, self.handle)
+        return super().all_to_all(tensor)
+
+    def all_gather(self, tensor: torch.Tensor, dim: int = 0) -> torch.Tensor:
+        """gloo's all-gather; traced by ``torch.compile`` the opaque op
+        ``shardwise::cpu_all_gather``."""
+        if torch.compiler.is_compiling():
+            return torch.ops.shardwise.cpu_all_gather(tensor, dim, self.world_size, self.handle)
+        return super().all_gather(tensor, dim)
+
     def release_buffers(self) -> None:
         """Unmap this rank's shared-memory segment (its creator also unlinks it); later
         all-reduces take gloo. The process group stays."""
@@ -135,3 +149,36 @@ def _all_reduce_op(tensor: torch.Tensor, op: str, handle: int) -> torch.Tensor:
 @_all_reduce_op.register_fake
 def _(tensor, op, handle):
     return torch.empty(tensor.shape, dtype=tensor.dtype, device=tensor.device)
+
+
+def _live(handle: int) -> CpuCommunicator:
+    comm = _COMMUNICATORS.get(handle)
+    if comm is None:
+        raise CollectiveError(f"the compiled step's collective uses communicator {handle}, which "
+                              f"is closed; capture the step again after init_inference")
+    return comm
+
+
+@torch.library.custom_op("shardwise::cpu_all_to_all", mutates_args=(), device_types="cpu")
+def _all_to_all_op(tensor: torch.Tensor, handle: int) -> torch.Tensor:
+    """:meth:`CpuCommunicator.all_to_all` inside a compiled step (same shape out as in)."""
+    return _live(handle).all_to_all(tensor)
+
+
+@_all_to_all_op.register_fake
+def _(tensor, handle):
+    return torch.empty(tensor.shape, dtype=tensor.dtype, device=tensor.device)
+
+
+@torch.library.custom_op("shardwise::cpu_all_gather", mutates_args=(), device_types="cpu")
+def _all_gather_op(tensor: torch.Tensor, dim: int, world: int, handle: int) -> torch.Tensor:
+    """:meth:`CpuCommunicator.all_gather` inside a compiled step (``dim`` grows ``world``
+    times)."""
+    return _live(handle).all_gather(tensor, dim)
+
+
+@_all_gather_op.register_fake
+def _(tensor, dim, world, handle):
+    shape = list(tensor.shape)
+    shape[dim] *= world
+    return torch.empty(shape, dtype=tensor.dtype, device=tensor.device)

@@ -1,0 +1,232 @@
+"""Expert parallelism on 2 gloo ranks: the experts split by whole experts (plan + sharding, undone
+by close()), the dispatch paths (all-reduce, all-to-all with replicated or rank-local tokens,
+under torch.compile too) against one process holding every expert, and a rank dying inside the
+all-to-all. Every case runs in ONE pair of processes (tests/tp_harness.py pattern); the rank
+that dies gets a pair of its own.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from functools import partial
+
+import pytest
+import torch
+import transformers
+
+import shardwise
+from distributed import run_ranks
+from tp_harness import case, run_cases, run_pair
+
+#: fp32: the ranks' partial outputs summed in another order than one process's loop
+ATOL = 1e-5
+_TINY_MIXTRAL = dict(vocab_size=256, hidden_size=64, intermediate_size=32, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+
+
+def _mixtral(experts: int = 5, seed: int = 0) -> torch.nn.Module:
+    """A tiny Mixtral (``experts`` per layer: 5 splits 3 | 2 over 2 ranks)."""
+    config = transformers.MixtralConfig(num_local_experts=experts, num_experts_per_tok=2,
+                                        **_TINY_MIXTRAL)
+    torch.manual_seed(seed)
+    return transformers.AutoModelForCausalLM.from_config(config).eval()
+
+
+# ----- the dispatch paths, on a stand-in experts module ----------------------------------------
+
+class _Experts(torch.nn.Module):
+    """An experts module holding experts ``[start, stop)`` of a stacked set, honouring the
+    contract (local ids; the sentinel, the count held, matches no expert). ``dense=True``: every
+    held expert on every token, weighted by the slots routed to it (static shapes, capturable
+    in fp32); else the reference kernel (the oracle)."""
+
+    def __init__(self, gate_up, down, start, stop, dense=False):
+        super().__init__()
+        self.gate_up, self.down, self.dense = gate_up[start:stop], down[start:stop], dense
+
+    def forward(self, x, idx, w):
+        from shardwise.kernels.reference.moe import glu, moe_grouped_mlp
+        if not self.dense:
+            return moe_grouped_mlp(x, self.gate_up, self.down, idx, w)
+        out = torch.zeros_like(x)
+        for e in range(self.gate_up.shape[0]):
+            gate = ((idx == e).to(w.dtype) * w).sum(-1, keepdim=True)  # [T, 1]
+            out = out + gate * (glu(x @ self.gate_up[e].T) @ self.down[e].T)
+        return out
+
+
+def _expert_set(total: int, hidden: int = 32, inter: int = 16, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(total, 2 * inter, hidden, generator=g) * 0.2,
+            torch.randn(total, hidden, inter, generator=g) * 0.2)
+
+
+def _routing(tokens: int, total: int, k: int = 2, seed: int = 3, hidden: int = 32,
+             one_expert: int | None = None):
+    """x [T, H], global ids [T, k], weights [T, k]; ``one_expert``: every token's first choice
+    is that expert (adversarial routing), the others the next ones."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, hidden, generator=g)
+    if one_expert is None:
+        ids = torch.stack([torch.randperm(total, generator=g)[:k] for _ in range(tokens)])
+    else:
+        ids = torch.tensor([[(one_expert + j) % total for j in range(k)]] * tokens)
+    return x, ids, torch.rand(tokens, k, generator=g)
+
+
+def _dispatch_case(rank: int, comm, path: str, tokens: int, total: int, local_tokens=False,
+                   one_expert=None, compiled=False) -> dict:
+    from shardwise.moe.dispatch import ExpertDispatch, ep_ranges
+    gate_up, down = _expert_set(total)
+    ranges = ep_ranges(total, 2)
+    mine = _Experts(gate_up, down, *ranges[rank], dense=compiled)
+    everything = _Experts(gate_up, down, 0, total)
+    seed = 3 + (rank if local_tokens else 0)  # rank-local tokens: each rank its own
+    x, ids, w = _routing(tokens, total, seed=seed, one_expert=one_expert)
+    dispatch = ExpertDispatch(ranges, rank, comm, path, "local" if local_tokens else "replicated")
+    run = partial(dispatch, mine)
+    if compiled:
+        run = torch.compile(run, backend="inductor", fullgraph=True, dynamic=False)
+    out = run(x, ids, w)
+    expected = everything(x, ids, w)
+    return {"max_abs": (out - expected).abs().max().item(), "shape": list(out.shape),
+            "path": dispatch.path}
+
+
+_DISPATCH_CASES = {
+    # name: (path, tokens, experts, rank-local tokens, adversarial expert, compiled)
+    "all_reduce_decode": ("all_reduce", 1, 4, False, None, False),
+    "all_reduce_prefill_uneven": ("all_reduce", 13, 5, False, None, False),
+    "all_to_all_decode": ("all_to_all", 1, 4, False, None, False),
+    "all_to_all_batch8_uneven": ("all_to_all", 8, 5, False, None, False),
+    "all_to_all_prefill_odd": ("all_to_all", 13, 5, False, None, False),
+    "all_to_all_local_tokens": ("all_to_all", 6, 5, True, None, False),
+    "auto_local_tokens": ("auto", 6, 4, True, None, False),
+    "auto_replicated": ("auto", 3, 4, False, None, False),
+    "all_reduce_every_token_to_rank1": ("all_reduce", 9, 4, False, 2, False),
+    "all_to_all_every_token_to_rank1": ("all_to_all", 9, 4, False, 2, False),
+    "all_to_all_every_token_to_rank0": ("all_to_all", 9, 5, False, 0, False),
+    "all_to_all_compiled": ("all_to_all", 3, 5, False, None, True),
+    "all_reduce_compiled": ("all_reduce", 3, 5, False, None, True),
+}
+
+
+# ----- the experts split by init_inference, and given back by close() ---------------------------
+
+def _expert_bytes(model) -> int:
+    return sum(p.numel() * p.element_size() for n, p in model.named_parameters()
+               if ".experts." in n)
+
+
+def _slice_case(rank: int, experts: int, tp: int) -> dict:
+    ref, model = _mixtral(experts), _mixtral(experts)
+    whole = {n: p.detach().clone() for n, p in ref.named_parameters()}
+    settings = {"tensor_parallel": {"tp_size": tp}} if tp > 1 else {}
+    engine = shardwise.init_inference(model, device="cpu", dtype=torch.float32,
+                                      moe={"ep_size": 2}, **settings)
+    start, stop = engine.plan.experts.range
+    layer = model.model.layers[0].mlp.experts
+    held = {n: p for n, p in model.named_parameters() if ".experts." in n}
+    kept_right = all(torch.equal(p, whole[n][start:stop]) for n, p in held.items())
+    report = engine.sharding
+    out = {"range": [start, stop], "gate_up": list(layer.gate_up_proj.shape),
+           "down": list(layer.down_proj.shape), "num_experts": layer.num_experts,
+           "kept_right": kept_right, "expert_bytes": _expert_bytes(model),
+           "whole_expert_bytes": _expert_bytes(ref),
+           "roles": dict(report.roles()), "rank_bytes": report.rank_param_bytes,
+           "summary": report.summary()}
+    engine.close()
+    after = dict(model.named_parameters())
+    out["restored"] = sorted(after) == sorted(whole) and all(
+        torch.equal(after[n], whole[n]) for n in whole)
+    out["num_experts_after"] = layer.num_experts
+    return out
+
+
+_SLICE_CASES = {"slice_ep2_tp1": (5, 1), "slice_ep2_tp2": (4, 2)}
+
+
+def _all_cases(rank: int) -> dict:
+    from shardwise.communicator import create_communicator
+    cases = {}
+    comm = create_communicator(shardwise.get_accelerator("cpu"))
+    for name, args in _DISPATCH_CASES.items():
+        cases[name] = partial(_dispatch_case, rank, comm, *args)
+    results = run_cases(rank, cases)
+    for name, args in _SLICE_CASES.items():  # init_inference reuses the default group
+        results.update(run_cases(rank, {name: partial(_slice_case, rank, *args)}))
+    return results
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    return run_pair(_all_cases, tmp_path_factory.mktemp("moe_ep"), deadline_s=240)
+
+
+@pytest.mark.parametrize("name", list(_DISPATCH_CASES))
+def test_dispatch_matches_one_process_holding_every_expert(ranks, name):
+    r0, r1 = case(ranks, name)
+    path, tokens, *_ = _DISPATCH_CASES[name]
+    for r in (r0, r1):
+        assert r["shape"] == [tokens, 32]
+        assert r["max_abs"] < ATOL, f"{name}: {r['max_abs']:.2e}"
+    local = _DISPATCH_CASES[name][3]
+    assert r0["path"] == (path if path != "auto" else
+                          ("all_to_all" if local else "all_reduce"))
+
+
+@pytest.mark.parametrize("name", list(_SLICE_CASES))
+def test_each_rank_keeps_its_experts_and_close_gathers_them_back(ranks, name):
+    r0, r1 = case(ranks, name)
+    experts, tp = _SLICE_CASES[name]
+    first = -(-experts // 2)
+    assert (r0["range"], r1["range"]) == ([0, first], [first, experts])
+    for r, count in ((r0, first), (r1, experts - first)):
+        assert r["gate_up"] == [count, 64, 64] and r["down"] == [count, 64, 32]
+        assert r["num_experts"] == count and r["kept_right"]
+        assert r["roles"]["expert"] == 2  # one experts module per MoE layer
+        # per-rank expert bytes: this rank's share of the experts, ±1 expert
+        assert r["expert_bytes"] == r["whole_expert_bytes"] * count // experts
+        assert r["restored"] and r["num_experts_after"] == experts
+        assert "expert parallel: ep_size=2" in r["summary"]
+    assert r0["rank_bytes"] == r1["rank_bytes"] and len(r0["rank_bytes"]) == 2
+    if tp == 1:  # dense parts replicated: the ranks differ by their experts alone
+        diff = r0["rank_bytes"][0] - r0["rank_bytes"][1]
+        assert diff == r0["whole_expert_bytes"] // experts * (2 * first - experts)
+    else:
+        assert r0["roles"].get("column") and r0["roles"].get("row")
+
+
+# ----- a rank dying inside the all-to-all --------------------------------------------------------
+
+TIMEOUT_S = 5
+
+
+def _dies_in_all_to_all(rank: int) -> dict:
+    from shardwise.communicator import create_communicator
+    from shardwise.moe.dispatch import ExpertDispatch, ep_ranges
+    comm = create_communicator(shardwise.get_accelerator("cpu"), timeout_s=TIMEOUT_S)
+    gate_up, down = _expert_set(4)
+    ranges = ep_ranges(4, 2)
+    dispatch = ExpertDispatch(ranges, rank, comm, "all_to_all")
+    x, ids, w = _routing(4, 4)
+    dispatch(_Experts(gate_up, down, *ranges[rank]), x, ids, w)  # both alive: works
+    if rank == 1:
+        os._exit(9)
+    start = time.monotonic()
+    try:
+        dispatch(_Experts(gate_up, down, *ranges[rank]), x, ids, w)
+    except shardwise.CollectiveError as exc:
+        return {"error": str(exc), "seconds": time.monotonic() - start}
+    return {"error": None}
+
+
+def test_a_rank_dying_inside_the_all_to_all_fails_the_other_within_the_timeout(tmp_path):
+    results = run_ranks(_dies_in_all_to_all, 2, tmp_path, deadline_s=120)
+    assert results[1]["error"].startswith("no result (exit code 9)")
+    assert results[0]["ok"], results[0].get("trace")
+    survivor = results[0]["value"]
+    assert survivor["error"], "rank 0 finished the exchange although rank 1 was dead"
+    assert "all_to_all failed on rank 0/2" in survivor["error"]
+    assert survivor["seconds"] < TIMEOUT_S + 10
