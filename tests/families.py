@@ -202,6 +202,27 @@ _FAMILIES = [
                        "tp_fp32": 1e-6}),
     # Mixture-of-Experts families (``moe``): each helper appends its own rows below its marker
     # -- moe: mixtral, qwen2_moe, qwen3_moe --
+    # Mixtral: every layer MoE (4 experts, top-2, renormalised); Qwen2-MoE: a leading dense
+    # layer (mlp_only_layers), 8 experts top-2 unnormalised, a gated shared expert, q/k/v
+    # biases; Qwen3-MoE: per-head q/k norms, 8 experts top-2 renormalised, head_dim 16
+    Family("mixtral", _cfg("MixtralConfig", hidden_size=64, intermediate_size=64,
+                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                           num_local_experts=4, num_experts_per_tok=2, vocab_size=256,
+                           max_position_embeddings=256),
+           positions="rotary", moe=_EVERY_WORLD),
+    Family("qwen2_moe", _cfg("Qwen2MoeConfig", hidden_size=64, intermediate_size=128,
+                             moe_intermediate_size=32, shared_expert_intermediate_size=64,
+                             num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                             num_experts=8, num_experts_per_tok=2, norm_topk_prob=False,
+                             mlp_only_layers=[0], vocab_size=256,
+                             max_position_embeddings=256),
+           positions="rotary", moe=_EVERY_WORLD),
+    Family("qwen3_moe", _cfg("Qwen3MoeConfig", hidden_size=64, intermediate_size=128,
+                             moe_intermediate_size=32, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                             num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
+                             vocab_size=256, max_position_embeddings=256),
+           positions="rotary", moe=_EVERY_WORLD),
     # -- moe: deepseek_v3 --
     # -- moe: gpt_oss --
 ]

@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers.modeling_outputs import BaseModelOutputWithPastAndCrossAttentions as StackOutput
+from transformers.modeling_outputs import MoeModelOutputWithPast
 
 from shardwise.kernels.reference.rotary import rotary_cos_sin
 
@@ -449,6 +450,8 @@ class InjectedModel(nn.Module):
         self.spec, self.kernels, self.max_tokens = spec, kernels, max_tokens
         self.rotary_dim = rotary_dim  # own rotary table (no rotary module): dims rotated per head
         hf_layers = hf_base.get_submodule(spec.layers)
+        #: what the shell reads: an MoE family's shell also reads ``router_logits`` (None here)
+        self.output_type = StackOutput if moe is None else MoeModelOutputWithPast
         layers = nn.ModuleList(InjectedLayer(layer, spec, kernels, i, setup, moe)
                                for i, (layer, setup) in enumerate(zip(hf_layers, setups)))
         for name, child in hf_base.named_children():  # same names, same order
@@ -597,7 +600,7 @@ class InjectedModel(nn.Module):
         if decode and self.graphs is not None and input_ids is not None:
             hidden = self.graphs.run(self, cache, input_ids, position_ids, past)
             cache.length = past + 1
-            return StackOutput(last_hidden_state=hidden, past_key_values=cache)
+            return self.output_type(last_hidden_state=hidden, past_key_values=cache)
         ctx = StepContext(cache, past, decode, write_pos=write_pos)
         self._padding(ctx, attention_mask, cache, past, s)
         # token embeddings [b, s, hidden]; GPT-2's token types use the same table
@@ -609,7 +612,7 @@ class InjectedModel(nn.Module):
         hidden = self.run_layers(x, ctx)
         if cache is not None:
             cache.length = past + s
-        return StackOutput(last_hidden_state=hidden, past_key_values=cache)
+        return self.output_type(last_hidden_state=hidden, past_key_values=cache)
 
     def _position_ids(self, position_ids: torch.Tensor | None, mask: torch.Tensor | None,
                       past: int, b: int, s: int, device: torch.device) -> torch.Tensor:
