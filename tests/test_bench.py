@@ -875,3 +875,14 @@ def test_quantized_experts_are_counted_as_experts():
     assert roofline.expert_parameters(layers[0]) == held // 2
     experts_and_dense = roofline.nonembedding_parameters(model)
     assert roofline.active_parameters(model) == experts_and_dense - held + held // 2
+
+
+def test_moe_rows_record_what_the_experts_ran():
+    model = _tiny_mixtral()
+    assert runner.experts_implementation(model) == "grouped_mm"  # HF 5.23's default
+    model.model.layers[0].mlp.experts.forward = lambda x, index, weights: x  # the MoE step's
+    assert runner.experts_implementation(model) == "shardwise moe kernels/grouped_mm"
+    model.model.layers[1].mlp.experts = _QuantExpertsStandIn()
+    assert runner.experts_implementation(model) == \
+        "shardwise moe kernels/shardwise _QuantExpertsStandIn"
+    assert runner.experts_implementation(tiny_causal_lm("llama")) is None

@@ -17,8 +17,9 @@ A result file is one JSON object::
                "decode_bytes" (what one decode step reads: every
                weight, or for an MoE model the dense parts and the experts routed to),
                "decode_bytes_method" (which: "all weights", "dense + routed experts
-               (measured)" or "(expected)"), "experts_implementation" (rows of an MoE model
-               whose modules are HF's: the HF experts implementation that ran), "peak_memory_bytes",
+               (measured)" or "(expected)"), "experts_implementation" (rows of an MoE model:
+               what its experts ran, HF's implementation such as "grouped_mm", "shardwise moe
+               kernels", or "shardwise QuantExperts"), "peak_memory_bytes",
                "ranks" (runs on several ranks: each rank's own status, weight_bytes,
                decode_bytes, decode_bytes_method, peak_memory_bytes and median step
                decode_s; figures.ranks has each rank's GB/s, figures.all_ranks theirs

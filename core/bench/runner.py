@@ -190,11 +190,26 @@ def prepare_baseline(model, dtype: torch.dtype | None, accelerator: Accelerator,
     return model, model, {}
 
 
+#: What an experts module given an instance forward by shardwise (its MoE step) runs.
+SHARDWISE_EXPERTS = "shardwise moe kernels"
+
+
 def experts_implementation(module) -> str | None:
-    """The HF experts implementation an MoE ``module`` runs (its config's), None for a dense
-    one or a module whose config does not say."""
-    ran = getattr(getattr(module, "config", None), "_experts_implementation", None)
-    return ran if ran is not None and expert_modules(module) else None
+    """What the experts of an MoE ``module`` run: HF's experts implementation (its config's)
+    where they are HF's modules running their own forward; :data:`SHARDWISE_EXPERTS` where
+    shardwise gave them an instance forward; ``shardwise <Class>`` for a module shardwise put
+    in their place (quantized experts); several joined by ``/``. None for a dense model or an
+    HF one whose config does not say."""
+    hf = getattr(getattr(module, "config", None), "_experts_implementation", None)
+    ran = []
+    for experts in expert_modules(module):
+        if type(experts).__module__.startswith("transformers."):
+            name = SHARDWISE_EXPERTS if "forward" in vars(experts) else hf
+        else:
+            name = f"shardwise {type(experts).__name__}"
+        if name is not None and name not in ran:
+            ran.append(name)
+    return "/".join(ran) or None
 
 
 def prepare_shardwise(model, plan: Plan, variant: Variant, accelerator: Accelerator):
