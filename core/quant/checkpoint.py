@@ -46,9 +46,10 @@ from ..checkpoint.errors import CheckpointError
 from ..checkpoint.extensions import (CheckpointExtension, LoadContext, SavedEntries,
                                      register_extension)
 from ..checkpoint.sources import SAFETENSORS_DTYPES
-from ..errors import ConfigError
+from ..errors import ConfigError, NotSupportedYetError
 from shardwise.kernels.reference.quant import QuantSpec
 from .config import parse_quant
+from .experts import QuantExperts
 from .modules import QuantLinear
 from .transform import (QUANT_ATTR, QuantizedLayer, QuantReport, _refuse_twice, model_bytes,
                         swap_in)
@@ -82,6 +83,12 @@ def manifest(model: nn.Module) -> dict[str, Any]:
     """The description :func:`save_quantized` stores next to the state dict (JSON-serialisable:
     the sharded checkpoint stores it in each rank file's metadata)."""
     report: QuantReport | None = getattr(model, QUANT_ATTR, None)
+    experts = [name for name, m in model.named_modules() if isinstance(m, QuantExperts)]
+    if experts:
+        raise NotSupportedYetError(
+            f"{type(model).__name__} holds quantized MoE experts ({experts[0]!r} ...), which "
+            f"this version of shardwise cannot save yet; save the full-precision model and "
+            f"quantize while loading (init_inference(checkpoint=..., quant=...))")
     layers = {}
     for name, m in model.named_modules():
         if isinstance(m, QuantLinear):

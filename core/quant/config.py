@@ -78,7 +78,7 @@ _UNSUPPORTED = {
 #: Default 4-bit group sizes, tried in order (the first dividing in_features wins).
 INT4_DEFAULT_GROUPS = (128, 64, 32)
 _MLP_NAME = re.compile(r"(^|\.)(mlp|ffn|feed_forward|fc1|fc2|c_fc|gate_proj|up_proj|down_proj|"
-                       r"dense_h_to_4h|dense_4h_to_h|w1|w2|w3)(\.|$)")
+                       r"gate_up_proj|dense_h_to_4h|dense_4h_to_h|w1|w2|w3)(\.|$)")
 
 
 @dataclass(frozen=True)

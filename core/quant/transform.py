@@ -54,6 +54,7 @@ from ..kernel_registry import REFERENCE, KernelImpl, registry
 from ..sharding.plan import _conv1d_class, choose_plan
 from ..sharding.roles import ColumnParallel, RowParallel
 from .config import QuantConfig, is_mlp, parse_quant
+from .experts import QuantExperts, check_experts, expert_modules, quantize_experts_module
 from .modules import QuantLinear, carry_hooks
 from shardwise.kernels.reference.quant import QuantizationError, QuantSpec, quantize_weight
 
@@ -144,9 +145,11 @@ class QuantReport:
 # ----- bytes ----------------------------------------------------------------------------------------
 
 def model_bytes(model: nn.Module) -> int:
-    """Parameters (tied ones once) plus the packed weights of every QuantLinear."""
+    """Parameters (tied ones once) plus the packed weights of every QuantLinear and
+    QuantExperts."""
     params = sum(p.numel() * p.element_size() for p in model.parameters())
-    return params + sum(m.weight_nbytes for m in model.modules() if isinstance(m, QuantLinear))
+    return params + sum(m.weight_nbytes for m in model.modules()
+                        if isinstance(m, (QuantLinear, QuantExperts)))
 
 
 def bytes_in_dtype(model: nn.Module, dtype: torch.dtype) -> int:
@@ -563,7 +566,7 @@ class QuantizeOnRead(TensorHook):
 
 def _refuse_twice(model: nn.Module) -> None:
     if getattr(model, QUANT_ATTR, None) is not None or any(
-            isinstance(m, QuantLinear) for m in model.modules()):
+            isinstance(m, (QuantLinear, QuantExperts)) for m in model.modules()):
         raise AlreadyQuantizedError(
             f"{type(model).__name__} is already quantized; quantizing again would compound the "
             "rounding error. Quantize once, from the full-precision model (or load the saved "
@@ -645,7 +648,9 @@ def check_fits(model: nn.Module, spec: QuantConfig | Mapping | None, accelerator
     order = list(dict(model.named_modules()))
     targets = sorted(quantizer.names, key=order.index)
     _validate_targets(model, quantizer, targets, _local_shapes(prepared, rank))
-    return targets
+    experts = expert_modules(model)
+    _validate_experts(model, quantizer, experts)
+    return targets + experts
 
 
 @torch.no_grad()
@@ -693,9 +698,44 @@ def quantize_model(model: nn.Module, spec: QuantConfig | Mapping, accelerator: A
         targets = list(names)
         quantizer = Quantizer(config, accelerator, dtype, device, targets, _output_name(model))
         quantizer.source = "names given"
+    experts = expert_modules(model)
+    if names is not None:  # experts modules named among the names
+        experts = [n for n in experts if n in targets]
+        targets = [n for n in targets if n not in experts]
     _validate_targets(model, quantizer, targets)  # every layer before touching any
+    _validate_experts(model, quantizer, experts)
     bytes_before = bytes_in_dtype(model, dtype)
     for name in targets:
         quantizer.quantize_module(model, name)
+    for name in experts:
+        quantize_experts_module(quantizer, model, name)
     cast_and_move(model, quantizer.device, dtype)
     return quantizer.finish(model, bytes_before)
+
+
+def _validate_experts(model: nn.Module, quantizer: Quantizer, names: Iterable[str]) -> None:
+    """Every check of the experts modules ``names`` (:func:`~.experts.check_experts`), before
+    any module is touched."""
+    for name in names:
+        check_experts(quantizer, name, model.get_submodule(name))
+
+
+@torch.no_grad()
+def quantize_model_experts(model: nn.Module, report: QuantReport, accelerator: Accelerator,
+                           dtype: torch.dtype, device: torch.device | str | None = None
+                           ) -> QuantReport:
+    """Quantize ``model``'s experts modules in place with ``report``'s settings and add them to
+    ``report`` (bytes included): for a model whose linears were quantized while its checkpoint
+    was read (the experts' 3-D weights are read whole, then quantized here, after sharding, so
+    under expert parallelism each rank quantizes its own). Nothing to do for a dense model."""
+    experts = [n for n in expert_modules(model)
+               if not isinstance(model.get_submodule(n), QuantExperts)]
+    if not experts:
+        return report
+    quantizer = Quantizer(report.config, accelerator, dtype, device)
+    _validate_experts(model, quantizer, experts)
+    for name in experts:
+        quantize_experts_module(quantizer, model, name)
+    report.layers.update(quantizer.layers)
+    report.bytes_after = model_bytes(model)  # bytes_before: the reader counted every tensor
+    return report
