@@ -228,3 +228,20 @@ def test_quantized_experts_under_injection_and_graphs_match_eager():
     assert isinstance(model.model.layers[0].mlp.experts, QuantExperts)
     got = engine.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=0)
     assert torch.equal(got, want)
+
+
+def test_a_full_precision_checkpoint_with_quant_quantizes_the_experts_too(tmp_path):
+    """checkpoint= + quant=: the reader quantizes the linears as it reads them, the experts are
+    quantized after; the result computes what quantizing the model in memory does."""
+    tiny_causal_lm("mixtral").save_pretrained(tmp_path)
+    ids = prompt_ids(batch=2, length=16)
+    quant = {"weight": {"num_bits": 8}}
+    in_memory = shardwise.init_inference(tiny_causal_lm("mixtral"), device="cpu", dtype=BF16,
+                                         quant=quant)
+    engine = shardwise.init_inference(None, checkpoint=str(tmp_path), device="cpu", dtype=BF16,
+                                      quant=quant)
+    experts = _experts(tiny_causal_lm("mixtral"))
+    assert all(isinstance(engine.module.get_submodule(n), QuantExperts) for n in experts)
+    assert engine.quantization.backends()["experts"] == {"cpu": 2 * len(experts)}
+    rel, agree = parity(in_memory(input_ids=ids).logits, engine(input_ids=ids).logits)
+    assert rel <= 0.01 and agree >= 0.9, (rel, agree)

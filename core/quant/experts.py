@@ -60,7 +60,7 @@ MATRICES = ("gate_up_proj", "down_proj")
 
 
 def is_experts_module(module: nn.Module) -> bool:
-    """Whether ``module`` holds HF's stacked 3-D expert weights (``gate_up_proj``, ``down_proj``)."""
+    """Whether ``module`` holds HF's stacked 3-D expert weights (gate_up_proj, down_proj)."""
     gate_up, down = (getattr(module, n, None) for n in MATRICES)
     return (isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor)
             and gate_up.dim() == 3 and down.dim() == 3)
