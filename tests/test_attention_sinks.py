@@ -205,3 +205,64 @@ def test_triton_sinks_at_gpt_oss_sizes(dtype):
         torch.testing.assert_close(tri.attention_decode(q, k_cache, v_cache, n, **kw),
                                    ref.attention_decode(q, k_cache, v_cache, n, **kw),
                                    **TOL[dtype])
+
+
+# ----- the injected layer ----------------------------------------------------------------------
+
+
+def _attention_spec(**kw):
+    from shardwise.inject.spec import Attention
+
+    return Attention(qkv=("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+                     out_proj="self_attn.o_proj", **kw)
+
+
+def _layer_with_sinks(n):
+    layer = torch.nn.Module()
+    layer.self_attn = torch.nn.Module()
+    layer.self_attn.sinks = torch.nn.Parameter(torch.arange(float(n)))
+    return layer
+
+
+def test_injector_keeps_this_ranks_sinks():
+    """Every head's sinks are sliced to the rank's heads (a float32 copy); sinks already holding
+    only the rank's heads are kept; anything else is a named InjectionError."""
+    from shardwise.inject.injector import InjectionError, _sinks
+    from shardwise.layout import HeadCounts, HeadPartition
+
+    counts, spec = HeadCounts(4, 2, 16), _attention_spec(sinks="self_attn.sinks")
+    rank1 = HeadPartition.compute(4, 2, 16, tp_size=2, rank=1)
+    model = torch.nn.Module()
+    assert torch.equal(_sinks(model, spec, _layer_with_sinks(4), 0, counts, None),
+                       torch.arange(4.0))
+    assert torch.equal(_sinks(model, spec, _layer_with_sinks(4), 0, counts, rank1),
+                       torch.tensor([2.0, 3.0]))
+    assert torch.equal(_sinks(model, spec, _layer_with_sinks(2), 0, counts, rank1),
+                       torch.tensor([0.0, 1.0]))
+    assert _sinks(model, _attention_spec(), _layer_with_sinks(4), 0, counts, None) is None
+    with pytest.raises(InjectionError, match="3 sink logits"):
+        _sinks(model, spec, _layer_with_sinks(3), 0, counts, rank1)
+    with pytest.raises(InjectionError, match="no attention-sink parameter"):
+        _sinks(model, _attention_spec(sinks="self_attn.missing"), _layer_with_sinks(4), 0,
+               counts, None)
+    with pytest.raises(ValueError, match="sinks"):
+        _attention_spec(sinks="")
+
+
+@pytest.mark.parametrize("window", [None, 6])
+def test_masked_sink_attention_matches_the_reference(window):
+    """The graph-safe step's fallback without a capturable decode kernel (attention over the
+    whole static cache, masked) gives the reference kernel's decode, sinks included."""
+    from shardwise.inject.layers import masked_sink_attention
+
+    lengths, firsts = [23, 1, 9, 40], [5, 0, 0, 17]
+    q = heads(4, 4, 1, 24)
+    k_cache, v_cache = garbage_cache(4, 2, 40, 24, lengths, F32, starts=firsts)  # NaN keys out
+    n, s = torch.tensor(lengths), torch.tensor(firsts)
+    first = s if window is None else torch.maximum(s, n - window)
+    slots = torch.arange(40)[None]
+    visible = ((slots >= first[:, None]) & (slots < n[:, None]))[:, None, None, :]
+    got = masked_sink_attention(q, k_cache, v_cache, visible, 0.2, SINKS)
+    want = ref.attention_decode(q, k_cache, v_cache, n, starts=s, window=window, scale=0.2,
+                                sinks=SINKS)
+    torch.testing.assert_close(got, want, **TOL[F32])

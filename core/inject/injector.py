@@ -189,10 +189,13 @@ def _local_heads(counts: HeadCounts, heads: HeadPartition | None
 def _setups(model: nn.Module, spec: InjectionSpec, hf_layers: nn.ModuleList, counts: HeadCounts,
             heads: HeadPartition | None, act: tuple[str, str], max_tokens: int
             ) -> list[LayerSetup]:
-    """Each layer's :class:`LayerSetup`: this rank's heads, scale, window, ALiBi slopes."""
+    """Each layer's :class:`LayerSetup`: this rank's heads, scale, window, ALiBi slopes, sinks."""
     config, head_dim = model.config, counts.head_dim
     q_heads, kv_heads, (first_head, end_head) = _local_heads(counts, heads)
     positions, residual = spec.positions, spec.residual
+    if spec.attention.sinks is not None and positions.kind == "alibi":
+        raise InjectionError(f"{type(model).__name__}: its policy names attention sinks and "
+                             f"ALiBi positions; the attention kernels take one or the other")
     slopes = (alibi_slopes(counts.num_heads)[first_head:end_head]  # [q_heads]: this rank's
               if positions.kind == "alibi" else None)
     parallel = (bool(getattr(config, residual.parallel_config, False))
@@ -205,9 +208,33 @@ def _setups(model: nn.Module, spec: InjectionSpec, hf_layers: nn.ModuleList, cou
     for index, (layer, window) in enumerate(zip(hf_layers, windows)):
         scale = _scale(config, spec.attention, layer, index, head_dim)
         alibi = None if slopes is None else slopes * (scale if positions.alibi_scaled else 1.0)
+        sinks = _sinks(model, spec.attention, layer, index, counts, heads)
         out.append(LayerSetup(q_heads, kv_heads, head_dim, scale, window, alibi, act[1],
-                              parallel))
+                              parallel, sinks))
     return out
+
+
+def _sinks(model: nn.Module, attention: Attention, layer: nn.Module, index: int,
+           counts: HeadCounts, heads: HeadPartition | None) -> torch.Tensor | None:
+    """Layer ``index``'s attention-sink logits for this rank's query heads, [q_heads] float32
+    (a copy), or None when the family has none (``Attention.sinks``). The parameter may hold
+    every head (sliced here) or already only this rank's."""
+    if attention.sinks is None:
+        return None
+    name = type(model).__name__
+    try:
+        sinks = layer.get_parameter(attention.sinks)
+    except AttributeError as exc:
+        raise InjectionError(f"{name} layer {index} has no attention-sink parameter "
+                             f"{attention.sinks!r} (Attention.sinks of its policy)") from exc
+    q_heads, _, (first, end) = _local_heads(counts, heads)
+    if sinks.numel() == counts.num_heads:
+        sinks = sinks[first:end]
+    elif sinks.numel() != q_heads:
+        raise InjectionError(f"{name} layer {index}: {attention.sinks} holds {sinks.numel()} "
+                             f"sink logits, not one per head ({counts.num_heads}, or this "
+                             f"rank's {q_heads})")
+    return sinks.detach().float().reshape(q_heads).clone()
 
 
 def _rotary_dim(config: Any, positions: Positions, head_dim: int) -> int | None:

@@ -35,6 +35,7 @@ from torch import nn
 from transformers.modeling_outputs import BaseModelOutputWithPastAndCrossAttentions as StackOutput
 from transformers.modeling_outputs import MoeModelOutputWithPast
 
+from shardwise.kernels.reference.attention import softmax_with_sinks
 from shardwise.kernels.reference.rotary import rotary_cos_sin
 
 from ..errors import ShardwiseError
@@ -168,8 +169,8 @@ def moe_block(layer: nn.Module, moe: Any) -> nn.Module | None:
 class LayerSetup:
     """What one injected layer needs beyond its spec: this rank's head counts, the score scale,
     the sliding window (None: none), this rank's ALiBi slopes ([q_heads] float32, already times
-    the scale where the family scales them; None: no ALiBi), the GELU approximation and the
-    residual form."""
+    the scale where the family scales them; None: no ALiBi), the GELU approximation, the
+    residual form and this rank's attention-sink logits ([q_heads] float32; None: none)."""
 
     q_heads: int
     kv_heads: int
@@ -179,6 +180,7 @@ class LayerSetup:
     alibi: torch.Tensor | None
     approximate: str
     parallel: bool
+    sinks: torch.Tensor | None = None
 
 
 class InjectedLayer(nn.Module):
@@ -212,6 +214,8 @@ class InjectedLayer(nn.Module):
                                  f"weights")
         # [q_heads]: moves with the model (not saved: derived from the config)
         self.register_buffer("alibi_slopes", setup.alibi, persistent=False)
+        # [q_heads] float32, this rank's sink logits (a copy: the HF parameter stays as is)
+        self.register_buffer("attn_sinks", setup.sinks, persistent=False)
 
     @property
     def attn_kw(self) -> dict[str, Any]:
@@ -221,6 +225,8 @@ class InjectedLayer(nn.Module):
             kw["window"] = self.setup.window
         if self.alibi_slopes is not None:
             kw["alibi_slopes"] = self.alibi_slopes
+        if self.attn_sinks is not None:
+            kw["sinks"] = self.attn_sinks
         return kw
 
     def _bind_adopted(self) -> None:
@@ -322,13 +328,36 @@ class InjectedLayer(nn.Module):
     def _captured_decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          ctx: StepContext) -> torch.Tensor:
         """Decode attention inside a captured step: the capturable kernel (reads only each
-        sequence's valid cache range), else SDPA over all ``max_tokens`` slots, masked."""
+        sequence's valid cache range), else SDPA over all ``max_tokens`` slots, masked (with
+        attention sinks: the same softmax written out, :func:`masked_sink_attention`)."""
         if self.kernels.decode_capturable:
             return self.kernels.attention_decode(q, k_cache, v_cache, ctx.lengths,
                                                  starts=ctx.starts, **self.attn_kw)
+        if self.attn_sinks is not None:
+            return masked_sink_attention(q, k_cache, v_cache, ctx.mask_for(self), self.scale,
+                                         self.attn_sinks)
         return F.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=ctx.mask_for(self),
                                               scale=self.scale,
                                               enable_gqa=self.q_heads != self.kv_heads)
+
+
+def masked_sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                          scale: float, sinks: torch.Tensor) -> torch.Tensor:
+    """Attention with sinks over a whole static cache, host-sync free (the graph-safe step's
+    fallback when no capturable decode kernel exists): q [b, q_heads, 1, d], k and v
+    [b, kv_heads, max_tokens, d], ``mask`` as :meth:`StepContext.mask_for` gives it (bool
+    visible, or a float bias with -inf), sinks [q_heads] → [b, q_heads, 1, d] in q.dtype.
+    The reference kernel's math (float32, the sink one more softmax column, dropped)."""
+    group = q.shape[1] // k.shape[1]
+    kf = k.float().repeat_interleave(group, dim=1)  # [b, q_heads, max_tokens, d]
+    vf = v.float().repeat_interleave(group, dim=1)
+    scores = q.float() @ kf.transpose(-1, -2) * scale  # [b, q_heads, 1, max_tokens]
+    if mask.dtype == torch.bool:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    else:
+        scores = scores + mask.float()
+    probs = softmax_with_sinks(scores, sinks)
+    return (probs @ vf).to(q.dtype)
 
 
 def _thread_name(ident: int) -> str:
@@ -662,6 +691,8 @@ class InjectedModel(nn.Module):
             return rotary_cos_sin(position_ids, self.rotary_dim, self.spec.positions.rotary_base)
         probe = torch.empty(0, dtype=torch.float32, device=position_ids.device)
         cos, sin = self.parts.rotary(probe, position_ids)  # HF's own table: rope scaling included
+        if self.spec.positions.rotary_half_table:  # each frequency once already (GPT-OSS)
+            return cos, sin
         half = cos.shape[-1] // 2
         return cos[..., :half], sin[..., :half]
 

@@ -83,6 +83,9 @@ class Positions:
         rotary_module: the base model's rotary embedding module (``"rotary_emb"``); None: the
             table is built here.
         rotary_style: ``"half"`` (Llama/NeoX) or ``"interleaved"`` (GPT-J).
+        rotary_half_table: the ``rotary_module`` returns each frequency once, cos/sin
+            ``[.., rotary_dim // 2]`` (GPT-OSS), not twice ``[.., rotary_dim]`` (Llama's
+            ``cat(freqs, freqs)``).
         rotary_dim_config: config attribute with the rotated dims per head (None: all of them)
             when the table is built here (GPT-J's ``rotary_dim``).
         rotary_base: the base of a table built here.
@@ -96,6 +99,7 @@ class Positions:
     kind: str
     rotary_module: str | None = None
     rotary_style: str = "half"
+    rotary_half_table: bool = False
     rotary_dim_config: str | None = None
     rotary_base: float = 10000.0
     embed: str | None = None
@@ -140,6 +144,9 @@ class Attention:
             (GPT-2's ``scale_attn_weights``).
         qk_norm: the per-head norms of q and k (``("self_attn.q_norm", "self_attn.k_norm")``,
             Qwen3-MoE), applied over each head's ``head_dim`` before the rotary; None: none.
+        sinks: the parameter on the layer holding each query head's attention-sink logit
+            [heads], which joins every softmax's denominator (GPT-OSS's ``"self_attn.sinks"``;
+            the kernels' ``sinks=``); None: none.
     """
 
     qkv: tuple[str, ...]
@@ -152,6 +159,7 @@ class Attention:
     inverse_layer_scale_config: str | None = None
     unscaled_config: str | None = None
     qk_norm: tuple[str, str] | None = None
+    sinks: str | None = None
 
     @property
     def fused(self) -> bool:
@@ -170,6 +178,8 @@ class Attention:
             problems.append("windowed_kinds needs layer_kinds_config (where the kinds are read)")
         if self.qk_norm is not None and not _is_names(self.qk_norm, (2,)):
             problems.append(f"qk_norm={self.qk_norm!r} (the q norm and the k norm, as a tuple)")
+        if self.sinks is not None and (not isinstance(self.sinks, str) or not self.sinks):
+            problems.append(f"sinks={self.sinks!r} (a dotted parameter name, or None)")
         _check("Attention", problems)
 
 
