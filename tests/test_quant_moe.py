@@ -245,3 +245,79 @@ def test_a_full_precision_checkpoint_with_quant_quantizes_the_experts_too(tmp_pa
     assert engine.quantization.backends()["experts"] == {"cpu": 2 * len(experts)}
     rel, agree = parity(in_memory(input_ids=ids).logits, engine(input_ids=ids).logits)
     assert rel <= 0.01 and agree >= 0.9, (rel, agree)
+
+
+# ----- expert parallelism on 2 gloo ranks -------------------------------------------------------
+
+#: name → (bits, tp, inject): ep=2 alone (dense parts replicated), and ep=2 with tp=2 (heads by
+#: tp, experts by ep) injected
+EP_CASES = {"ep2-int8": (8, 1, False), "ep2-tp2-int4-inject": (4, 2, True)}
+
+
+def _ep_case(rank: int, bits: int, tp: int, inject: bool) -> dict:
+    """Mixtral on this rank with ep=2 (and tp), quantized: what it holds, its logits on the test
+    prompts, and what close() gives back."""
+    settings = dict(device="cpu", dtype=BF16, quant={"weight": {"num_bits": bits}},
+                    moe={"ep_size": 2}, replace_with_kernel_inject=inject)
+    if tp > 1:
+        settings["tensor_parallel"] = {"tp_size": tp}
+    model, original = tiny_causal_lm("mixtral"), tiny_causal_lm("mixtral")
+    engine = shardwise.init_inference(model, **settings)
+    held = {n: model.get_submodule(n) for n in expert_modules(original)}
+    with torch.no_grad():
+        logits = engine(input_ids=prompt_ids(batch=2, length=16)).logits.float()
+    result = {"quantized": all(isinstance(m, QuantExperts) for m in held.values()),
+              "held": sorted({m.num_experts for m in held.values()}),
+              "range": list(engine.plan.experts.range), "logits": logits.tolist(),
+              "experts_backends": engine.quantization.backends().get("experts")}
+    engine.close()
+    back = [model.get_submodule(n) for n in held]
+    result["back"] = [[type(m).__name__, list(m.gate_up_proj.shape),
+                       (m.gate_up_proj - original.get_submodule(n).gate_up_proj).abs().max().item()]
+                      for n, m in zip(held, back)]
+    return result
+
+
+def _ep_all(rank: int) -> dict:
+    from functools import partial
+
+    from tp_harness import run_cases
+
+    return run_cases(rank, {name: partial(_ep_case, rank, *args)
+                            for name, args in EP_CASES.items()})
+
+
+@pytest.fixture(scope="module")
+def ep_ranks(tmp_path_factory):
+    from tp_harness import run_pair
+
+    return run_pair(_ep_all, tmp_path_factory.mktemp("quant_moe_ep"), deadline_s=300)
+
+
+@pytest.mark.parametrize("name", list(EP_CASES))
+def test_under_expert_parallelism_each_rank_quantizes_its_own_experts(ep_ranks, name):
+    from tp_harness import case
+
+    bits, tp, inject = EP_CASES[name]
+    r0, r1 = case(ep_ranks, name)
+    ref = tiny_causal_lm("mixtral")
+    ids = prompt_ids(batch=2, length=16)
+    with torch.no_grad():
+        ref_logits = ref(ids).logits
+    total = ref.config.num_local_experts
+    assert (r0["range"], r1["range"]) == ([0, total // 2], [total // 2, total])
+    for r in (r0, r1):
+        assert r["quantized"] and r["held"] == [total // 2]
+        assert r["experts_backends"] == {"cpu": 2 * ref.config.num_hidden_layers}
+        rel, agree = parity(ref_logits, torch.tensor(r["logits"]))
+        print(f"{name} rank: rel {rel:.4f} agree {agree:.2f}")
+        assert rel <= BOUNDS[bits][0] and agree >= BOUNDS[bits][1], (rel, agree)
+        for kind, shape, err in r["back"]:  # close(): dequantized, then gathered whole
+            assert kind == "MixtralExperts" and shape[0] == total
+            assert err < 0.02  # within a quantization step (weights ~0.02, amax ~0.1)
+    assert r0["logits"] == r1["logits"]  # the ep all-reduce gives every rank the whole
+    if bits == 8 and tp == 1:  # the same per-expert weights as one process holding them all
+        one = shardwise.init_inference(tiny_causal_lm("mixtral"), device="cpu", dtype=BF16,
+                                       quant={"weight": {"num_bits": bits}})
+        rel, agree = parity(one(input_ids=ids).logits, torch.tensor(r0["logits"]))
+        assert rel <= 0.01 and agree >= 0.9, (rel, agree)
