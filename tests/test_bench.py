@@ -886,3 +886,32 @@ def test_moe_rows_record_what_the_experts_ran():
     assert runner.experts_implementation(model) == \
         "shardwise moe kernels/shardwise _QuantExpertsStandIn"
     assert runner.experts_implementation(tiny_causal_lm("llama")) is None
+
+
+@pytest.mark.slow
+def test_ep_launches_ranks_each_holding_and_reading_its_own_experts(tmp_path):
+    """--tp 2 --ep 2 with injection and the all-to-all dispatch: two ranks started by the
+    bench, heads split by tp and experts by ep; each rank holds half the experts and its
+    bytes per decode step are its own dense shards and its own experts routed to."""
+    if CpuAccelerator().max_ranks_per_node() < 2:
+        pytest.skip("needs 2 usable cores for 2 ranks")
+    out = tmp_path / "ep.json"
+    assert main(["bench", "--preset", MOE_TINY, "--inject", "--tp", "2", "--ep", "2",
+                 "--moe-dispatch", "all_to_all", *FAST, "--repeats", "1", "--batch", "2",
+                 "--output", str(out), "--no-chart"]) == 0
+    hf, ep = report.read_json(out)["runs"]
+    assert [(r["variant"], r["status"], r["world_size"]) for r in (hf, ep)] == [
+        ("hf", "ok", 1), ("shardwise[tp2,ep2,all_to_all,inject]", "ok", 2)], ep.get("error")
+    assert ep["experts_implementation"] == "shardwise moe kernels"
+    one_expert = (2 * 128 * 64 + 64 * 128) * 4  # the preset's gate_up + down, fp32
+    assert [r["rank"] for r in ep["ranks"]] == [0, 1]
+    for rank, figures_of_rank in zip(ep["ranks"], ep["figures"]["ranks"]):
+        assert rank["status"] == "ok" and rank["decode_s"] > 0
+        # 2 of 4 experts in each of 2 layers, and half the attention: well under HF's bytes
+        assert rank["weight_bytes"] < hf["weight_bytes"] - 2 * 2 * one_expert
+        assert rank["decode_bytes_method"] == "dense + routed experts (measured)"
+        assert rank["decode_bytes"] <= rank["weight_bytes"]
+        assert figures_of_rank["decode_gbps"] == pytest.approx(
+            rank["decode_bytes"] / rank["decode_s"] / 1e9)
+    assert ep["figures"]["all_ranks"]["decode_bytes"] == sum(
+        r["decode_bytes"] for r in ep["ranks"])
