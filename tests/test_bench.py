@@ -437,6 +437,9 @@ def test_moe_presets_mixtral_about_1b_and_fine_grained_with_a_shared_expert():
     assert (mixtral.config["num_local_experts"], mixtral.config["num_experts_per_tok"]) == (8, 2)
     assert (fine.config["num_experts"], fine.config["num_experts_per_tok"]) == (64, 6)
     assert fine.config_class == "Qwen2MoeConfig" and fine.config["shared_expert_intermediate_size"]
+    tiny = get_preset("moe-shared-2l-64h-8e")  # its tiny twin, for tests and smoke runs
+    assert tiny.config_class == fine.config_class and tiny.config["num_experts"] == 8
+    assert tiny.config["shared_expert_intermediate_size"] and count_parameters(tiny.name) < 1e6
 
 
 def _tiny_mixtral():
