@@ -10,7 +10,9 @@ and 16 greedy tokens identical.
 
 from __future__ import annotations
 
+import gc
 import json
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -23,6 +25,7 @@ from shardwise.checkpoint import CheckpointError, ExpertCountError, build_index,
 from shardwise.checkpoint.conversions import key_map, select
 from shardwise.checkpoint.sources import Reader
 from models import prompt_ids
+from tp_harness import case, run_cases, run_pair
 
 NEW = 16
 ATOL = 1e-4
@@ -61,6 +64,7 @@ def save_moe(arch: str, path: Path, layout: str = "per_expert") -> Path:
 
 
 def parity(path: Path, dtype=torch.float32, ref_dir: Path | None = None, **kwargs) -> dict:
+    """Load ``path`` through init_inference and compare with from_pretrained of ``ref_dir``."""
     ref = transformers.AutoModelForCausalLM.from_pretrained(ref_dir or path, dtype=dtype).eval()
     ids = prompt_ids(batch=2, length=8, vocab=ref.config.vocab_size)
     with torch.no_grad():
@@ -68,9 +72,17 @@ def parity(path: Path, dtype=torch.float32, ref_dir: Path | None = None, **kwarg
     engine = shardwise.init_inference(None, checkpoint=str(path), device="cpu", dtype=dtype,
                                       **kwargs)
     logits, tokens = engine(input_ids=ids).logits, engine.generate(ids, **GEN)
+    experts = engine.module.model.layers[-1].mlp.experts
     return dict(max_abs=(logits.float() - want.float()).abs().max().item(),
                 tokens_equal=torch.equal(tokens, want_tokens), engine=engine,
-                bytes_read=engine.checkpoint_load.bytes_read)
+                bytes_read=engine.checkpoint_load.bytes_read,
+                param_bytes=sum(p.numel() * p.element_size() for p in engine.module.parameters()),
+                experts_held=experts.gate_up_proj.shape[0], summary=engine.checkpoint_load.summary())
+
+
+def assert_parity(r: dict, atol: float = ATOL) -> None:
+    assert r["max_abs"] < atol, f"logits differ by {r['max_abs']:.2e}"
+    assert r["tokens_equal"], f"{NEW} greedy tokens differ from from_pretrained's"
 
 
 def weight_files(path: Path) -> list[Path]:
@@ -105,10 +117,8 @@ def test_moe_layouts_load_like_from_pretrained(tmp_path, arch, layout):
     stacked = [k for k in keys if k.endswith(("gate_up_proj", "down_proj"))]
     assert (len(stacked) == len(keys)) == (layout == "stacked"), keys[:4]  # the layout written
     r = parity(path)
-    assert r["max_abs"] < ATOL, f"logits differ by {r['max_abs']:.2e}"
-    assert r["tokens_equal"], f"{NEW} greedy tokens differ from from_pretrained's"
-    param_bytes = sum(p.numel() * p.element_size() for p in r["engine"].module.parameters())
-    assert r["bytes_read"] == param_bytes  # every tensor read once, nothing else (tied head)
+    assert_parity(r)
+    assert r["bytes_read"] == r["param_bytes"]  # every tensor read once, nothing else
 
 
 def test_bf16_from_a_per_expert_fp32_checkpoint(tmp_path):
@@ -126,8 +136,7 @@ def test_shardwise_save_of_a_per_expert_load_is_stacked(tmp_path):
     engine.save_checkpoint(tmp_path / "sw")
     (rank_file,) = weight_files(tmp_path / "sw")
     assert any(k.endswith("experts.gate_up_proj") for k in load_file(rank_file))
-    r = parity(tmp_path / "sw", ref_dir=src)
-    assert r["max_abs"] < ATOL and r["tokens_equal"]
+    assert_parity(parity(tmp_path / "sw", ref_dir=src))
 
 
 # ----- a rank's experts only --------------------------------------------------------------------
@@ -135,7 +144,8 @@ def test_shardwise_save_of_a_per_expert_load_is_stacked(tmp_path):
 @pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe"])
 def test_an_expert_range_reads_only_its_experts_tensors(tmp_path, arch):
     """transformers' converter builds experts [1, 3) from those experts' tensors alone: equal to
-    the same rows of the whole tensor, and exactly their bytes read."""
+    the same rows of the whole tensor, and exactly their bytes read; built in place (the
+    loader's path) it holds the same values."""
     path = save_moe(arch, tmp_path / arch)
     model = tiny_moe(arch)
     index = build_index(describe(path))
@@ -147,12 +157,14 @@ def test_an_expert_range_reads_only_its_experts_tensors(tmp_path, arch):
     with Reader(index) as reader:
         def load(key):
             return reader.read(key, None, None, None)
-        whole = entry.build(load)
+        whole = entry.build(load)  # transformers' own operations
         before = reader.bytes_read
         part = entry.build(load, select([(1, 3)]))
         read = reader.bytes_read - before
+        placed = entry.build(load, select([(1, 3)]), index.shapes)  # in place: the same values
     torch.testing.assert_close(whole, model.get_parameter(name).detach(), rtol=0, atol=0)
     torch.testing.assert_close(part, whole[1:3], rtol=0, atol=0)
+    torch.testing.assert_close(placed, part, rtol=0, atol=0)
     assert read == part.numel() * part.element_size()
 
 
@@ -211,3 +223,173 @@ def test_per_expert_shapes_that_do_not_build_the_parameter(tmp_path, monkeypatch
     with pytest.raises(CheckpointError, match=r"build .*gate_up_proj.* as \[4, 64, 64\] .* has "
                                               r"\[4, 96, 64\]"):
         shardwise.init_inference(None, checkpoint=str(path), device="cpu")
+
+
+# ----- expert parallelism on 2 gloo ranks: one pair of processes runs every case -----------------
+
+EP2 = {"moe": {"ep_size": 2}}
+#: a model whose experts dominate its bytes (48 MiB of experts, ~3 MiB else, fp32): what a rank
+#: holds at ep=2 is about half of it, so its peak memory while loading shows what it read
+RSS_MODEL = dict(hidden_size=256, intermediate_size=1024, num_local_experts=8,
+                 num_attention_heads=4, num_key_value_heads=2, vocab_size=256)
+#: the loader's peak above the parameters a rank holds: one expert's tensor read at a time (1 MiB
+#: here; a per-expert layout is built in place) plus allocator and bookkeeping slack; measured
+#: 4-7 MiB (per-expert) and 0 (stacked) on a shared 2-core machine
+RSS_SLACK = 8 << 20
+
+
+def _vm_kib(field_name: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field_name + ":"):
+            return int(line.split()[1])
+    raise AssertionError(f"/proc/self/status has no {field_name}")
+
+
+def _plain(r: dict) -> dict:
+    """A parity result without its engine (the rank results travel as JSON)."""
+    return {k: v for k, v in r.items() if k != "engine"}
+
+
+def _ep_parity(path: Path, **kwargs) -> dict:
+    return _plain(parity(path, **{**EP2, **kwargs}))
+
+
+def _ep2_load(path: Path):
+    """(the model, the load report): ``path`` loaded at ep=2 by the loader alone."""
+    from shardwise.checkpoint import load_checkpoint, skeleton
+    from shardwise.plan import build_plan
+
+    desc = describe(path)
+    model = skeleton(None, desc, torch.float32)  # parameters on meta: nothing allocated
+    plan = build_plan(model, ep_size=2)
+    return model, partial(load_checkpoint, model, desc, prepared=plan.sharding, rank=plan.rank)
+
+
+def _peak_load(path: Path, warm_up: Path) -> dict:
+    """This rank's peak resident memory while loading ``path`` at ep=2 (VmHWM reset to the
+    current RSS first), against the bytes of the parameters it holds after the load. A tiny
+    load of the same layout runs first, so the process's one-time costs (imports, torch's
+    thread pool) are not counted as the load's."""
+    from shardwise.accelerators.cpu import return_freed_memory
+
+    _ep2_load(warm_up)[1]()
+    model, load = _ep2_load(path)
+    gc.collect()
+    return_freed_memory()  # earlier cases' freed heap back to the system: new pages count
+    Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
+    base = _vm_kib("VmRSS")
+    report = load()
+    peak = (_vm_kib("VmHWM") - base) << 10
+    held = sum(p.numel() * p.element_size() for p in model.parameters())
+    return dict(peak=peak, held=held, bytes_read=report.bytes_read, whole=report.bytes_before)
+
+
+def _pair_cases(rank: int, root: str) -> dict:
+    root = Path(root)
+    cases = {f"rss-{layout}": partial(_peak_load, root / f"rss-{layout}",
+                                      root / f"mixtral-{layout}")
+             for layout in ("per_expert", "stacked")}  # first: a process with little history
+    for arch in MOE:
+        for layout in ("per_expert", "stacked"):
+            cases[f"ep2-{arch}-{layout}"] = partial(_ep_parity, root / f"{arch}-{layout}")
+    cases["ep2tp2-mixtral"] = partial(_ep_parity, root / "mixtral-per_expert",
+                                      tensor_parallel={"tp_size": 2})
+    # qwen3_moe has 5 experts: split 3 + 2
+    cases["save-ep2"] = partial(_ep_parity, root / "qwen3_moe-per_expert",
+                                save_mp_checkpoint_path=str(root / "sw-ep2"))
+    cases["same-ep2"] = partial(_ep_parity, root / "sw-ep2", ref_dir=root / "qwen3_moe-per_expert")
+    cases["tp2-from-ep2"] = lambda: _plain(parity(
+        root / "sw-ep2", ref_dir=root / "qwen3_moe-per_expert", tensor_parallel={"tp_size": 2}))
+    cases["ep2-from-ep1"] = partial(_ep_parity, root / "sw-ep1", ref_dir=root / "mixtral-stacked")
+    return run_cases(rank, cases)
+
+
+@pytest.fixture(scope="module")
+def ep_world(tmp_path_factory):
+    root = tmp_path_factory.mktemp("moe")
+    for arch in MOE:
+        for layout in ("per_expert", "stacked"):
+            save_moe(arch, root / f"{arch}-{layout}", layout)
+    ep1 = shardwise.init_inference(None, checkpoint=str(root / "mixtral-stacked"), device="cpu",
+                                   dtype=torch.float32)
+    ep1.save_checkpoint(root / "sw-ep1")
+    ep1.close()
+    for layout in ("per_expert", "stacked"):
+        big = transformers.MixtralConfig(**{**_COMMON, **RSS_MODEL})
+        torch.manual_seed(0)
+        transformers.AutoModelForCausalLM.from_config(big).save_pretrained(
+            root / f"rss-{layout}", **LAYOUTS[layout])
+    ranks = run_pair(partial(_pair_cases, root=str(root)), tmp_path_factory.mktemp("p"),
+                     deadline_s=420)
+    return root, ranks
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["per_expert", "stacked"])
+@pytest.mark.parametrize("arch", list(MOE))
+def test_ep2_reads_only_its_experts(ep_world, arch, layout):
+    """Each rank holds and reads its experts only (of the stacked tensors, or of the per-expert
+    ones), the dense parts whole; the two ranks' experts together give from_pretrained's output."""
+    total = MOE[arch][1].get("num_local_experts", MOE[arch][1].get("num_experts"))
+    r0, r1 = case(ep_world[1], f"ep2-{arch}-{layout}")
+    assert (r0["experts_held"], r1["experts_held"]) == ((total + 1) // 2, total // 2)
+    for r in (r0, r1):
+        assert_parity(r)
+        assert r["bytes_read"] == r["param_bytes"], r["summary"]
+
+
+@pytest.mark.slow
+def test_ep2_with_tp2(ep_world):
+    for r in case(ep_world[1], "ep2tp2-mixtral"):
+        assert_parity(r)
+        assert r["bytes_read"] == r["param_bytes"], r["summary"]
+
+
+@pytest.mark.slow
+def test_ep2_checkpoint_saves_each_ranks_experts(ep_world):
+    """save_checkpoint of an ep=2 engine: one file per rank with its experts, described as dim-0
+    slices of the whole tensors (3 + 2 of qwen3_moe's 5 experts)."""
+    root = ep_world[0]
+    for r in case(ep_world[1], "save-ep2"):
+        assert_parity(r)
+    desc = json.loads((root / "sw-ep2" / "shardwise_checkpoint.json").read_text())
+    assert desc["tp_size"] == 2 and desc["ep_size"] == 2 and len(desc["checkpoints"]) == 2
+    entry = desc["shards"]["model.layers.1.mlp.experts.gate_up_proj"]
+    assert (entry["dim"], entry["size"], entry["ranges"]) == (0, 5, [[[0, 3]], [[3, 5]]])
+    for rank, held in ((0, 3), (1, 2)):
+        tensors = load_file(root / "sw-ep2" / desc["checkpoints"][rank])
+        assert tensors["model.layers.1.mlp.experts.down_proj"].shape[0] == held
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["same-ep2", "tp2-from-ep2", "ep2-from-ep1"])
+def test_ep_checkpoints_reshard(ep_world, name):
+    """An ep=2 checkpoint at ep=2 (each rank reads its own file's experts), at tp=2 with every
+    expert on both ranks (merged from both files), and a one-rank save read at ep=2."""
+    for r in case(ep_world[1], name):
+        assert_parity(r)
+        if name != "tp2-from-ep2":
+            assert r["bytes_read"] == r["param_bytes"], r["summary"]
+
+
+@pytest.mark.slow
+def test_ep2_checkpoint_merges_to_one_rank(ep_world):
+    root = ep_world[0]
+    r = parity(root / "sw-ep2", ref_dir=root / "qwen3_moe-per_expert")
+    assert_parity(r)
+    assert r["experts_held"] == 5
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["per_expert", "stacked"])
+def test_ep2_peak_memory_is_own_experts_plus_replicated(ep_world, layout):
+    """Per-rank peak RSS while loading ≈ the parameters the rank holds (its experts + the
+    replicated parts) plus one expert's tensor and allocator slack, well under the whole model.
+    The measure is the process's VmHWM (reset before the load), so it is real memory."""
+    for r in case(ep_world[1], f"rss-{layout}"):
+        mib = {k: round(v / 2**20, 1) for k, v in r.items()
+               if isinstance(v, int) and not isinstance(v, bool)}
+        print(f"rss {layout}: {mib}")
+        assert r["bytes_read"] == r["held"] < 0.6 * r["whole"], mib
+        assert r["peak"] <= r["held"] + RSS_SLACK, mib
+        assert r["peak"] < 0.75 * r["whole"], mib

@@ -71,14 +71,59 @@ class Composite:
         a per-expert layout); the lists' lengths must agree (:func:`check_lists`)."""
         return len(next(iter(self.sources.values())))
 
-    def build(self, load: Callable[[str], torch.Tensor],
-              select: list[int] | None = None) -> torch.Tensor:
-        """The tensor, built by the converter's operations from ``load(key)`` of each key (of
-        list entries ``select`` only, when given: a range of :attr:`stack_dim`)."""
+    def build(self, load: Callable[[str], torch.Tensor], select: list[int] | None = None,
+              shapes: dict[str, tuple[int, ...]] | None = None) -> torch.Tensor:
+        """The tensor, built from ``load(key)`` of each key (of list entries ``select`` only,
+        when given: a range of :attr:`stack_dim`) as the converter's operations build it.
+
+        With the keys' ``shapes`` (their headers), a plain stack (``MergeModulelist``, then at
+        most one ``Concatenate`` of the patterns along another dim) is built in place: the
+        result is allocated once (its shape from the converter's own operations, run on the
+        meta device) and each tensor is copied into its slot as it is read, so no stacked or
+        concatenated intermediate copy is ever held. Otherwise the converter runs as it is."""
+        chosen = {p: keys if select is None else [keys[i] for i in select]
+                  for p, keys in self.sources.items()}
+        if shapes is not None and self._placement(len(next(iter(shapes.values()))) + 1):
+            return self._place(load, chosen, shapes)
+        return self._convert(load, chosen)
+
+    def _placement(self, ndim: int) -> tuple[int, int | None] | None:
+        """(stack dim, concatenation dim or None) of a plain stack of ``ndim`` dims, else None."""
+        ops = list(self.converter.operations)
+        if self.stack_dim is None or len(ops) > 2:
+            return None
+        stack = ops[0].dim % ndim
+        cat = ops[1].dim % ndim if len(ops) == 2 else None
+        return None if cat == stack else (stack, cat)
+
+    def _place(self, load: Callable[[str], torch.Tensor], chosen: dict[str, list[str]],
+               shapes: dict[str, tuple[int, ...]]) -> torch.Tensor:
+        def empty(key: str) -> torch.Tensor:
+            return torch.empty(shapes[key], device="meta")
+        shape = self._convert(empty, chosen).shape  # what the converter builds: its own ops
+        stack, cat = self._placement(len(shape))
+        out, offset = None, 0
+        for keys in chosen.values():  # the converter's pattern order, which Concatenate keeps
+            width = 0
+            for i, key in enumerate(keys):
+                piece = load(key)  # [..] one list entry, e.g. one expert's [I, H]
+                if out is None:
+                    out = torch.empty(shape, dtype=piece.dtype)
+                dest = out
+                if cat is not None:
+                    width = piece.shape[cat if cat < stack else cat - 1]
+                    dest = out.narrow(cat, offset, width)
+                dest.select(stack, i).copy_(piece)
+                del piece
+            offset += width
+        return out
+
+    def _convert(self, load: Callable[[str], torch.Tensor],
+                 chosen: dict[str, list[str]]) -> torch.Tensor:
+        """The converter's own operations over the ``chosen`` keys (``load``-ed on demand)."""
         conv = copy.deepcopy(self.converter)
-        for pattern, keys in self.sources.items():
-            chosen = keys if select is None else [keys[i] for i in select]
-            for key in chosen:
+        for pattern, keys in chosen.items():
+            for key in keys:
                 conv.add_tensor(self.name, key, pattern, partial(load, key))
         built = conv.convert(self.name)
         if self.name not in built:

@@ -48,8 +48,8 @@ TYPES = {"ds_model": "flat", "hf": "flat", "huggingface": "flat", "bloom": "flat
 #: versions of each kind of description this shardwise reads
 VERSIONS = {"flat": None, "shardwise": {1}}
 DESCRIPTION_NAME = "shardwise_checkpoint.json"
-_KEYS = {"type", "checkpoints", "version", "base_dir", "tp_size", "dtype", "parallelization",
-         "shards", "save_id", "config", "replicated", "format", "extensions",
+_KEYS = {"type", "checkpoints", "version", "base_dir", "tp_size", "ep_size", "dtype",
+         "parallelization", "shards", "save_id", "config", "replicated", "format", "extensions",
          *LEGACY_DESCRIPTION_KEYS}
 
 

@@ -93,8 +93,9 @@ class SavedEntries:
 @dataclass(frozen=True)
 class LoadContext:
     """What an extension is told when a checkpoint carrying it loads: ``source`` (the
-    checkpoint, for messages), ``saved_tp`` (the tp size it was saved at), ``tp_size`` and
-    ``rank`` (this load's), ``dtype`` (the compute dtype asked, None: not known yet) and
+    checkpoint, for messages), ``saved_tp`` (the ranks it was saved from: its rank files),
+    ``tp_size`` (the ranks this load splits the model over: the tp size, or the ep size where
+    experts are split over more) and ``rank`` (this load's), ``dtype`` (the compute dtype asked, None: not known yet) and
     ``hooks`` (the tensor hooks of this load)."""
 
     source: str

@@ -41,11 +41,13 @@ import torch
 from torch import nn
 
 from ..sharding.apply import PreparedShards, param_ranges, set_shard_sizes
+from ..sharding.specs import expert_param_ranges
 from .conversions import Composite, check_lists, expert_count_message, key_map, select
 from .description import Description, describe
 from .errors import CheckpointError, ExpertCountError
 from .extensions import LoadContext, TensorHook, TensorRef, extension
 from .progress import Progress
+from .saver import split_ranks
 from .sources import CheckpointIndex, Reader, build_index
 
 log = logging.getLogger(__name__)
@@ -112,8 +114,10 @@ def load_checkpoint(model: nn.Module, checkpoint: "str | os.PathLike | Mapping |
     Args:
         model: the model, normally on the meta device (real weights are replaced).
         checkpoint: a model directory, a description file or dict, or a :class:`Description`.
-        prepared: the tensor-parallel slices (``shardwise.sharding.prepare_for``); with it, this
-            rank reads and keeps only its slices, and module sizes follow the split.
+        prepared: the tensor-parallel slices (``shardwise.sharding.prepare_for``) and under
+            expert parallelism the experts modules' (``plan.sharding``); with it, this rank
+            reads and keeps only its slices and its experts, and module sizes follow the
+            tensor-parallel split (the experts' counts are set by ``apply_shards``).
         rank: the rank whose slices to read.
         device: where the tensors are materialised.
         dtype: floating tensors are converted to it while read (None keeps the stored dtype).
@@ -143,8 +147,7 @@ def load_checkpoint(model: nn.Module, checkpoint: "str | os.PathLike | Mapping |
     """
     desc = checkpoint if isinstance(checkpoint, Description) else describe(checkpoint, base_dir)
     hooks = tuple(hooks)
-    tp_size = prepared.tp_size if prepared is not None else 1
-    context = LoadContext(desc.source, desc.tp_size, tp_size, rank, dtype, hooks)
+    context = LoadContext(desc.source, desc.tp_size, split_ranks(prepared), rank, dtype, hooks)
     check_extensions(desc, context)
     index = build_index(desc, rank)
     bytes_before = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -295,10 +298,16 @@ def _targets(model: nn.Module) -> list[Target]:
 
 
 def _rank_slices(prepared: PreparedShards, rank: int) -> dict[str, Any]:
-    """Parameter name → what ``rank`` keeps, from the sharding plan's own range computation."""
+    """Parameter name → what ``rank`` keeps, from the sharding plan's own range computation:
+    its tensor-parallel slices and, under expert parallelism, its experts (dim 0 of every
+    parameter of an experts module)."""
     out = {}
     for spec in prepared.specs:
         for pname, keep in param_ranges(spec, rank).items():
+            out[f"{spec.name}.{pname}"] = keep
+    coord = prepared.ep_coord(rank)
+    for spec in prepared.experts:
+        for pname, keep in expert_param_ranges(spec, coord).items():
             out[f"{spec.name}.{pname}"] = keep
     return out
 
@@ -393,16 +402,16 @@ def _read_composite(t: Target, reader: Reader, dtype: torch.dtype | None) -> tor
     """``t`` built by transformers' converter from its checkpoint tensors (each read whole, in
     ``dtype``). A rank keeping a range of the stacked dim (its experts) reads only those list
     entries; any other slice is cut from the whole tensor."""
-    entry = t.composite
+    entry, shapes = t.composite, reader.index.shapes
 
     def load(key: str) -> torch.Tensor:
         return reader.read(key, None, None, dtype)
     if t.keep == "whole":
-        return entry.build(load)
+        return entry.build(load, shapes=shapes)
     dim, ranges = t.keep
     if dim == entry.stack_dim:
-        return entry.build(load, select(ranges))
-    whole = entry.build(load)
+        return entry.build(load, select(ranges), shapes)
+    whole = entry.build(load, shapes=shapes)
     return torch.cat([whole.narrow(dim, a, b - a) for a, b in ranges], dim=dim).contiguous()
 
 

@@ -1,10 +1,13 @@
 """Writing a sharded checkpoint: one safetensors file per rank plus a description.
 
-Each rank writes the slices it holds of the sharded tensors; rank 0's file also holds the
-replicated tensors (once). The description (``shardwise_checkpoint.json``, type ``"shardwise"``)
-records, per sharded tensor, the dim split, its full size and every rank's index ranges, so
-:func:`~shardwise.checkpoint.load_checkpoint` can load it at any tp size: the same one reads each
-rank's own file, another merges or splits the pieces. ``config.json`` is written next to it.
+Each rank writes the slices it holds of the sharded tensors (its tensor-parallel slices, and
+under expert parallelism its experts: dim 0 of each experts module's parameters); rank 0's file
+also holds the replicated tensors (once). The description (``shardwise_checkpoint.json``, type
+``"shardwise"``) records, per sharded tensor, the dim split, its full size and every rank's index
+ranges, so :func:`~shardwise.checkpoint.load_checkpoint` can load it at any tp or ep size: the
+same one reads each rank's own file, another merges or splits the pieces. Its ``tp_size`` is the
+number of rank files (the ranks the model was split over, by tp or ep); ``ep_size`` is recorded
+too. ``config.json`` is written next to it.
 
 Saving is atomic per file (a temporary name, renamed into place) and the description is the
 commit point: it is renamed into place last, after every rank's file is complete, and a re-save
@@ -27,6 +30,7 @@ from torch import nn
 
 from ..communicator import Communicator, LocalCommunicator
 from ..sharding.apply import PreparedShards, param_ranges
+from ..sharding.specs import expert_param_ranges
 from .description import DESCRIPTION_NAME
 from .extensions import RANK_METADATA, SavedEntries, registered
 
@@ -57,14 +61,14 @@ def save_checkpoint(model: nn.Module, path: str | Path, *, prepared: PreparedSha
     every rank's file is complete. An interrupted save leaves the old checkpoint loadable; a
     complete one removes the rank files its description does not name."""
     comm = communicator or LocalCommunicator()
-    tp = prepared.tp_size if prepared is not None else 1
+    tp = split_ranks(prepared)  # one file per rank holding its own slices
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
     save_id, plain = _shared_id(comm, out, tp)
     names = [rank_file(r, tp, None if plain else save_id) for r in range(tp)]
     saved = _extension_entries(model)
     per_rank = {k for entries in saved.values() for k in entries.tensors}  # stored whole per rank
-    shards = _shard_entries(prepared) if prepared is not None else {}
+    shards = _shard_entries(prepared, tp) if prepared is not None else {}
     shards = {k: v for k, v in shards.items() if k not in per_rank}
     if comm.rank < tp:
         _write_rank_file(model, out / names[comm.rank], shards, per_rank, saved,
@@ -72,7 +76,8 @@ def save_checkpoint(model: nn.Module, path: str | Path, *, prepared: PreparedSha
     comm.barrier()
     description = out / DESCRIPTION_NAME
     if comm.rank == 0:  # last, so a description means every rank file is complete
-        _write_description(model, description, tp, save_id, shards, saved, names)
+        _write_description(model, description, tp, save_id, shards, saved, names,
+                           prepared.ep_size if prepared is not None and prepared.experts else 1)
         _remove_stale(out, names)
     comm.barrier()
     return description
@@ -90,12 +95,13 @@ def _write_rank_file(model: nn.Module, file: Path, shards: dict, per_rank: set[s
 
 
 def _write_description(model: nn.Module, description: Path, tp: int, save_id: str,
-                       shards: dict, saved: dict[str, SavedEntries], names: list[str]) -> None:
+                       shards: dict, saved: dict[str, SavedEntries], names: list[str],
+                       ep: int = 1) -> None:
     config = getattr(model, "config", None)
     if config is not None and hasattr(config, "save_pretrained"):
         _atomic(description.parent / "config.json", lambda tmp: _save_config(config, tmp))
     stored = set(_unique_state(model))
-    body = {"type": "shardwise", "version": VERSION, "tp_size": tp,
+    body = {"type": "shardwise", "version": VERSION, "tp_size": tp, "ep_size": ep,
             "dtype": _dtype_name(model),
             "save_id": save_id, "checkpoints": names,
             "shards": {k: v for k, v in shards.items() if k in stored}}
@@ -159,10 +165,25 @@ def _shared_id(comm: Communicator, out: Path, tp: int) -> tuple[str, bool]:
     return f"{int(value[0].item()):016x}", bool(value[1].item())
 
 
-def _shard_entries(prepared: PreparedShards) -> dict[str, dict[str, Any]]:
+def split_ranks(prepared: PreparedShards | None) -> int:
+    """The ranks ``prepared`` splits the model over (one rank file each): the tp size, or the
+    ep size when experts are split over more (this version: each spans the world)."""
+    if prepared is None:
+        return 1
+    return max(prepared.tp_size, prepared.ep_size if prepared.experts else 1)
+
+
+def _shard_entries(prepared: PreparedShards, ranks: int) -> dict[str, dict[str, Any]]:
     """Tensor name → {dim, size, ranges per rank} for every sliced tensor (row-parallel biases,
-    kept whole on rank 0, are replicated)."""
+    kept whole on rank 0, are replicated; an experts module's parameters are split along dim 0
+    by each of the ``ranks`` ranks' experts)."""
     out = {}
+    for spec in prepared.experts:
+        per_rank = [expert_param_ranges(spec, prepared.ep_coord(r)) for r in range(ranks)]
+        for pname, (dim, _) in per_rank[0].items():
+            out[f"{spec.name}.{pname}"] = {
+                "dim": dim, "size": spec.total,
+                "ranges": [[list(r) for r in rank[pname][1]] for rank in per_rank]}
     for spec in prepared.specs:
         per_rank = [param_ranges(spec, r) for r in range(prepared.tp_size)]
         for pname, keep in per_rank[0].items():
