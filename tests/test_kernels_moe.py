@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_inputs import local_experts, moe_inputs
+from kernel_inputs import assert_moe_matches, local_experts, moe_inputs
 
 from shardwise import KernelError
 from shardwise.kernels.reference import moe as ref
@@ -212,10 +212,99 @@ def test_cpu_grouped_mlp_never_syncs_with_the_host(tokens):
     for inter in (32, 12):  # grouped_mm and the gathered path
         out = cpu_moe.moe_grouped_mlp(*_meta_inputs(tokens, inter))
         assert out.shape == (tokens, 64) and out.device.type == "meta"
+    out = cpu_moe.streamed_mlp(*_meta_inputs(tokens))  # the compiled decode path
+    assert out.shape == (tokens, 64) and out.device.type == "meta"
     w, e = cpu_moe.moe_route(torch.empty(tokens, 8, device="meta"), 2, renormalize=True)
     assert w.shape == e.shape == (tokens, 2)
     with pytest.raises((RuntimeError, NotImplementedError)):
         ref.moe_grouped_mlp(*_meta_inputs(tokens))
+
+
+#: name -> (tokens, hidden, inter, experts, top_k, adversarial, gpt_oss, remote) for the
+#: compiled decode path: 1 and 8 tokens, all tokens to one expert, GPT-OSS's biases and clamp,
+#: half the experts on this rank (the sentinel), rows not a multiple of the chunk (H=40, I=12)
+STREAMED = {"t1": (1, 64, 32, 8, 2, False, False, False),
+            "t8": (8, 64, 32, 8, 2, False, False, False),
+            "adversarial": (6, 64, 32, 8, 2, True, False, False),
+            "gpt-oss": (5, 64, 32, 4, 2, False, True, False),
+            "sentinel": (7, 64, 32, 8, 2, False, False, True),
+            "uneven": (3, 40, 12, 4, 3, False, False, False)}
+
+
+def _streamed_case(name, dtype):
+    t, h, i, e, k, adv, oss, remote = STREAMED[name]
+    x, gate_up, down, experts, weights = moe_inputs(t, h, i, e, k, dtype, adversarial=adv,
+                                                    remote=remote)
+    kwargs = {}
+    if oss:  # expert biases and a clamp that bites
+        n = gate_up.shape[0]
+        kwargs = dict(gate_up_bias=_x(n, 2 * i, 8).to(dtype), down_bias=_x(n, h, 9).to(dtype),
+                      clamp=0.5)
+    return (x, gate_up, down, experts, weights), kwargs
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("name", list(STREAMED))
+def test_streamed_decode_path_matches_the_reference(name, dtype):
+    """The path the compiled decode step takes (run eagerly here: the same torch code)."""
+    from shardwise.kernels.cpu import moe as cpu_moe
+
+    args, kwargs = _streamed_case(name, dtype)
+    assert_moe_matches(cpu_moe.streamed_mlp(*args, **kwargs),
+                       ref.moe_grouped_mlp(*args, **kwargs), dtype)
+
+
+def test_compiled_decode_traces_whole_into_the_streamed_path():
+    """Under torch.compile (fullgraph: no graph break, so no host sync) a decode call becomes one
+    graph with no grouped GEMM in it, and computes what the reference does, sentinel included;
+    a prompt-sized call keeps the grouped GEMMs in bf16 (fp32 grouped_mm does not trace: the
+    streamed path)."""
+    from shardwise.kernels.cpu import moe as cpu_moe
+
+    graphs = []
+
+    def keep(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    def call(*args):
+        return cpu_moe.moe_grouped_mlp(*args)
+
+    def grouped_gemms(gm):
+        return sum("grouped_mm" in str(node.target) for node in gm.graph.nodes)
+
+    args, _ = _streamed_case("sentinel", torch.float32)
+    compiled = torch.compile(call, backend=keep, fullgraph=True, dynamic=False)
+    assert_moe_matches(compiled(*args), ref.moe_grouped_mlp(*args), torch.float32)
+    assert len(graphs) == 1 and grouped_gemms(graphs[0]) == 0
+    tokens = cpu_moe.STREAMED_SLOTS // 2 + 1  # one slot more than the streamed path takes
+    for dtype, gemms in ((torch.bfloat16, 2), (torch.float32, 0)):
+        prompt = moe_inputs(tokens, 64, 32, 8, 2, dtype, remote=True)
+        assert_moe_matches(compiled(*prompt), ref.moe_grouped_mlp(*prompt), dtype)
+        assert grouped_gemms(graphs[-1]) == gemms
+    assert len(graphs) == 3
+
+
+def test_cpu_graph_strategy_compiles_the_decode_path():
+    """The CPU graph strategy (inductor, C++) captures a decode call, bf16 with the sentinel and
+    GPT-OSS's biases, and replays it with new routing."""
+    from shardwise.accelerators.cpu_graphs import CpuCompileStrategy
+    from shardwise.kernels.cpu import moe as cpu_moe
+
+    (x, gate_up, down, experts, weights), kw = _streamed_case("gpt-oss", torch.bfloat16)
+    gate_up, down = gate_up[:3], down[:3]  # 3 of the 4 experts here: 3 is the sentinel
+    bias = kw["gate_up_bias"][:3], kw["down_bias"][:3]
+
+    def step(x, experts, weights):
+        return cpu_moe.moe_grouped_mlp(x, gate_up, down, experts, weights, gate_up_bias=bias[0],
+                                       down_bias=bias[1], clamp=0.5)
+
+    graph = CpuCompileStrategy().capture(step, x, experts, weights)
+    for seed in (1, 2):
+        new = torch.randint(0, 4, experts.shape, generator=torch.Generator().manual_seed(seed))
+        want = ref.moe_grouped_mlp(x, gate_up, down, new, weights, gate_up_bias=bias[0],
+                                   down_bias=bias[1], clamp=0.5)
+        assert_moe_matches(graph(x, new, weights), want, torch.bfloat16)
 
 
 def test_cpu_grouped_mlp_refuses_what_the_reference_refuses():

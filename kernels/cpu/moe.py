@@ -1,31 +1,36 @@
 """The ``cpu`` backend's MoE ops: ``moe_route`` and ``moe_grouped_mlp`` without host syncs.
 
-Contracts are those of ``shardwise.kernels.reference.moe`` (shapes, layouts, options).
+Contracts are those of ``shardwise.kernels.reference.moe`` (shapes, layouts, options, the
+sentinel expert index E: a slot whose expert lives on another rank contributes nothing).
 
-* moe_grouped_mlp (fp32, bf16): one path for prefill and decode, with static shapes only: the
-  T*k token slots are sorted by expert (``argsort``, the permutation of ``moe_permute``), the
-  per-expert slot counts become ``offs`` by a scatter-add and a cumsum on the device, and
-  ``torch.nn.functional.grouped_mm`` (public in torch 2.13, CPU included) runs each expert's
-  GEMM over its segment of the sorted slots, reading the stacked [E, 2I, H] / [E, H, I] weights
-  in place (transposed views, no copy). Experts that get no slot are skipped inside the op, so
-  the bytes read are those of the experts hit. The activation is applied on the [T*k, 2I]
-  intermediate, the k weights multiply the [T*k, H] result and an ``index_add_`` combines the
-  slots into their tokens. No ``.item()``, ``nonzero`` or routing-dependent shape: dropless
-  (every slot computed, one expert may take all of them) and capturable, so the same call serves
-  prefill and the graph-captured decode step. The sentinel expert index E (another rank's
-  expert, expert parallelism) sorts after every segment, so no GEMM reads weights for it, and
-  its rows are masked to 0. Math in the input dtype (bf16 GEMMs accumulate in
-  float32 inside the op); the combine in float32, rounded once.
+* moe_grouped_mlp (fp32, bf16) has two paths, both with static shapes and no host sync
+  (no ``.item()``, ``nonzero`` or routing-dependent shape): dropless (every slot computed, one
+  expert may take all of them) and capturable.
+
+  - **Compiled decode** (under ``torch.compile``, i.e. the CPU graph strategy's captured step,
+    with at most :data:`STREAMED_SLOTS` token slots; in fp32 always, since torch cannot trace
+    an fp32 ``grouped_mm``): :func:`streamed_mlp`. Each slot's expert rows are dotted with its
+    token in a form inductor turns into C++ reduction loops that read the stacked weights in
+    place through the slot's expert index (no gathered copies), chunk by chunk so that slots of
+    one expert share what the first read brought into cache: about one read of each routed
+    expert's bytes per step. At 1-8 tokens this reads the experts several times faster than
+    ATen's grouped GEMM of 1-2 rows per expert, which is compute-bound on CPU.
+  - **Eager** (prompts, steps without graphs): the T*k token slots are sorted by expert
+    (``argsort``, the permutation of ``moe_permute``), the per-expert slot counts become
+    ``offs`` by a scatter-add and a cumsum on the device, and ``torch.nn.functional.grouped_mm``
+    runs each expert's GEMM over its segment of the sorted slots, reading the stacked
+    [E, 2I, H] / [E, H, I] weights in place (transposed views). Experts that get no slot are
+    skipped inside the op; the sentinel's slots sort after every segment (no weights read) and
+    are masked to 0. The activation is applied on the [T*k, 2I] intermediate, the k weights
+    multiply the [T*k, H] result and an ``index_add_`` combines the slots into their tokens.
+    Math in the input dtype (bf16 GEMMs accumulate in float32 inside the op); the combine in
+    float32, rounded once. Sizes ``grouped_mm`` refuses (rows not 16-byte aligned) gather each
+    slot's expert matrices (a copy: small shapes only).
 * moe_route (fp32, bf16): the reference's own code (already sync-free and static in shape),
   registered as capturable.
 
-Why registered where it is not faster: in fp32 the grouped path ties the reference at decode
-(both read the same bytes with torch's GEMMs) and in bf16 it is about 2x faster; it ties HF's
-``grouped_mm`` experts, which call the same torch op. It is registered in both dtypes for what
-the reference cannot give: static shapes and no host sync, hence graph capture.
-
-Speed against the reference and HF's ``eager``/``grouped_mm`` experts: benchmarks/README.md,
-"MoE kernels" (``python benchmarks/kernel_moe.py``).
+Speed against the reference and HF's ``eager``/``grouped_mm`` experts, eager and compiled:
+benchmarks/README.md, "MoE kernels" (``python benchmarks/kernel_moe.py``).
 """
 
 from __future__ import annotations
@@ -39,6 +44,13 @@ from . import DEVICE_TYPES
 
 BACKEND = "cpu"
 MOE_DTYPES = frozenset({torch.float32, torch.bfloat16})
+#: the most token slots (tokens × top-k) the compiled step gives :func:`streamed_mlp` (decode
+#: batches); more (a prompt) take the grouped GEMMs, where rows per expert make them efficient
+STREAMED_SLOTS = 64
+#: dtypes whose ``grouped_mm`` torch.compile can trace (its meta kernel takes bf16 only)
+GROUPED_MM_TRACES = frozenset({torch.bfloat16})
+#: rows per chunk in :func:`slot_rows` (64 fp32 rows of H=1024: 256 KiB, within L2)
+ROW_CHUNK = 64
 
 
 def sorted_slots(experts: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -79,6 +91,67 @@ def _gathered_mlp(x, gate_up, down, experts, weights, activation, gate_up_bias, 
     return y.sum(1).to(x.dtype)
 
 
+def row_chunk(rows: int) -> int:
+    """The rows of one expert the compiled loop streams for every slot before moving on: the
+    largest of :data:`ROW_CHUNK`, 32, ... 1 dividing ``rows``."""
+    chunk = ROW_CHUNK
+    while rows % chunk:
+        chunk //= 2
+    return chunk
+
+
+def slot_rows(w: torch.Tensor, slot_expert: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """``out[s, n] = w[slot_expert[s], n, :] · v[s, :]``: w [E, N, K] (K contiguous),
+    slot_expert [S] in 0..E-1, v [S, K] → [S, N] float32.
+
+    Written for inductor: the product is over a [N/C, S, C] output (C = :func:`row_chunk`), so
+    its C++ loops run over chunks of C rows (parallel), then the slots, then the rows of the
+    chunk, then K (vectorized), with the expert index read in the loop: the weights are read
+    in place, and slots of one expert (adjacent once sorted) find the chunk in cache — each
+    expert's bytes come from memory about once per call. Eager it would materialise
+    [N/C, S, C, K] (tests only)."""
+    e, n, k = w.shape
+    chunk = row_chunk(n)
+    blocks = w.view(e, n // chunk, chunk, k).transpose(0, 1)  # [N/C, E, C, K]
+    out = (blocks[:, slot_expert] * v[None, :, None, :]).sum(-1, dtype=torch.float32)
+    return out.transpose(0, 1).reshape(v.shape[0], n)  # [S, N]
+
+
+def streamed_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+                 experts: torch.Tensor, weights: torch.Tensor, activation: str = "silu",
+                 gate_up_bias: torch.Tensor | None = None, down_bias: torch.Tensor | None = None,
+                 clamp: float | None = None, alpha: float = ref.GPT_OSS_ALPHA) -> torch.Tensor:
+    """The decode path under ``torch.compile`` (the CPU graph strategy): each token slot's
+    expert rows dotted with its token (:func:`slot_rows`), which inductor makes into C++
+    reduction loops reading the stacked weights in place through the slot's expert index —
+    no gathered weight copies, and bandwidth-bound where ATen's grouped GEMM of a few rows
+    per expert is compute-bound.
+
+    The S = T*k slots are sorted by expert, so one expert's slots are adjacent. A sentinel slot
+    (expert E: another rank's; sorted last) reads the rows of the last expert read before it
+    (in cache) and is masked to 0; a call with no slot on this rank reads expert 0 for
+    nothing (static shapes cannot skip it). Returns [T, H] in x.dtype; float32 sums, the
+    activation rounded to the weights' dtype as the grouped path does."""
+    (t, k), (n_local, _, hidden) = experts.shape, gate_up.shape
+    flat = experts.reshape(-1)  # [S]
+    order = torch.argsort(flat, stable=True)  # [S]: slot ids by expert, the sentinel's last
+    rank = torch.argsort(order)  # [S]: where each slot went
+    slot_expert = flat[order]  # [S]
+    here = slot_expert < n_local  # [S]
+    read = torch.where(here, slot_expert, torch.where(here, slot_expert, 0).max())  # [S]
+    h = slot_rows(gate_up, read, x.float()[order // k])  # [S, 2I]
+    if gate_up_bias is not None:
+        h = h + gate_up_bias.float()[read]
+    # rank[order] is the identity, but inductor cannot see it: the indirect read makes it lay
+    # the activation out [S, I] (contiguous along down's reduction), not in h's chunked order
+    a = ref.glu(h[rank[order]], activation, clamp, alpha).to(gate_up.dtype)  # [S, I]
+    y = slot_rows(down, read, a.float())  # [S, H]
+    if down_bias is not None:
+        y = y + down_bias.float()[read]
+    y = torch.where(here[:, None], y, 0.0)[rank].view(t, k, hidden)  # [T, k, H], slot order
+    return (y * weights.float()[:, :, None]).sum(1).to(x.dtype)
+
+
 def moe_grouped_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
                     experts: torch.Tensor, weights: torch.Tensor, *, activation: str = "silu",
                     gate_up_bias: torch.Tensor | None = None,
@@ -89,6 +162,10 @@ def moe_grouped_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
     weights [T, k]. Returns [T, H] in x.dtype."""
     ref.check_grouped_mlp(x, gate_up, down, experts, weights, activation, gate_up_bias,
                           down_bias, clamp)
+    if torch.compiler.is_compiling() and (experts.numel() <= STREAMED_SLOTS
+                                          or gate_up.dtype not in GROUPED_MM_TRACES):
+        return streamed_mlp(x, gate_up, down, experts, weights, activation, gate_up_bias,
+                            down_bias, clamp, alpha)
     if not grouped_mm_fits(gate_up):
         return _gathered_mlp(x, gate_up, down, experts, weights, activation, gate_up_bias,
                              down_bias, clamp, alpha)
