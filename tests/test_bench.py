@@ -701,6 +701,9 @@ def test_ep_needs_ranks_the_node_hosts(no_heavy_work, capsys):
     assert main(["bench", "--preset", "moe-shared-12l-1024h-64e", "--ep", str(too_many)]) == 2
     err = capsys.readouterr().err
     assert f"--tp 1 --ep {too_many} needs {too_many} ranks" in err and "lower --tp/--ep" in err
+    # too many for the experts too: the experts are named, the more basic problem
+    assert main(["bench", "--preset", "moe-shared-2l-64h-8e", "--ep", "64"]) == 2
+    assert "--ep 64 is more than the 8 experts of moe-shared-2l-64h-8e" in capsys.readouterr().err
     four = type("Acc", (CpuAccelerator,), {"max_ranks_per_node": lambda s: 4})()
     assert check_tp(four, 2, 1, ep=4) == 4  # --tp 2 --ep 4: lcm = 4 ranks, on one node
     with pytest.raises(ConfigError, match="needs 6 ranks"):

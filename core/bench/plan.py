@@ -381,7 +381,7 @@ def check_expert_parallel(models: list[ModelSpec], ep: int, dispatch: str | None
     """Refuse ``--ep`` > 1 (or ``--moe-dispatch``) before any load for a model that is not MoE
     (or cannot be told to be: a GGUF file, the embedded default) and for an ``--ep`` larger
     than a model's expert count (each expert-parallel rank needs at least one expert)."""
-    if ep == 1 and dispatch is None:
+    if ep <= 1 and dispatch is None:  # (ep < 1: check_tp names it)
         return
     option = f"--ep {ep}" if ep > 1 else f"--moe-dispatch {dispatch}"
     for spec in models:

@@ -179,7 +179,7 @@ def check_combinations(args: argparse.Namespace) -> None:
                           "--graphs; without variant options the bench runs both)")
     if args.warmup < 0:
         raise ConfigError(f"--warmup must be 0 or more, got {args.warmup}")
-    if args.moe_dispatch and args.ep == 1:
+    if args.moe_dispatch and args.ep <= 1:
         raise ConfigError(f"--moe-dispatch {args.moe_dispatch} picks how expert-parallel ranks "
                           f"exchange the experts' work: it needs --ep > 1 (or drop it)")
     if args.nnodes == 1:
@@ -222,8 +222,9 @@ def _variants(args: argparse.Namespace, accelerator) -> tuple[list, str | None, 
 
 
 def _plan(args: argparse.Namespace):
-    """Validate everything cheap (options, device, dtypes, --tp/--ep and each model's plan on
-    their ranks, models, matrix, every variant's engine config) before heavy work; returns ``(plan, accelerator, nproc, notes)``."""
+    """Validate everything cheap (options, device, dtypes, models, --ep against them, --tp/--ep
+    against the ranks and each model's plan on those ranks, matrix, every variant's engine
+    config) before heavy work; returns ``(plan, accelerator, nproc, notes)``."""
     from ..bench.plan import (Plan, check_baseline_experts, check_cells_fit,
                               check_expert_parallel, check_parallel_plans, check_tp, make_cells,
                               resolve_models)
@@ -231,17 +232,17 @@ def _plan(args: argparse.Namespace):
 
     check_combinations(args)
     accelerator = get_accelerator(args.device)
+    models = resolve_models(args.model, args.preset)
+    check_expert_parallel(models, args.ep, args.moe_dispatch)  # before the ranks it would need
     nproc = check_tp(accelerator, args.tp, args.nnodes, args.ep)
     variants, baseline_dtype, notes = _variants(args, accelerator)
-    plan = Plan(models=resolve_models(args.model, args.preset),
-                cells=make_cells(args.batch, args.prompt_len, args.new_tokens),
+    plan = Plan(models=models, cells=make_cells(args.batch, args.prompt_len, args.new_tokens),
                 device=accelerator.name, variants=variants, tp=args.tp, nnodes=args.nnodes,
                 baseline_dtype=baseline_dtype, baseline_experts=args.baseline_experts,
                 warmup=args.warmup, repeats=args.repeats, seed=args.seed, ep=args.ep,
                 moe_dispatch=args.moe_dispatch)
     check_cells_fit(plan.models, plan.cells)
     check_baseline_experts(plan.models, plan.baseline_experts, accelerator, baseline_dtype)
-    check_expert_parallel(plan.models, plan.ep, plan.moe_dispatch)
     plan.check_variants()
     check_parallel_plans(plan.models, plan.tp, plan.ep)
     return plan, accelerator, nproc, notes
