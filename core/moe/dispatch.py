@@ -19,9 +19,11 @@ Two paths, chosen by ``moe={"dispatch": ...}`` (:func:`resolve_dispatch`):
 Both paths are dropless and have static shapes (no host synchronisation, no shape that depends
 on the routing): the all-to-all buffers are sized for the worst case, every token to every rank
 (T_local rows per rank), so a decode step stays capturable by a graph. ``auto`` picks
-``all_reduce`` while the ranks hold the same tokens (one collective of [T, H] instead of two
-all-to-alls of [T, H] plus an all-gather: measured in benchmarks/README.md), ``all_to_all`` when
-they hold their own.
+``all_reduce`` while the ranks hold the same tokens — one collective of [T, H] (on one node the
+CPU communicator's shared-memory path) where the all-to-all path takes three (two all-to-alls
+and an all-gather, each with a fixed cost far above these sizes' transfer; the all-to-all path
+measured slower at every decode and prefill size tried on 2 CPU ranks) — and ``all_to_all``
+when they hold their own.
 
 Every collective goes through the :class:`~shardwise.Communicator` (the ep group), so a rank
 dying inside the exchange makes the others fail with
@@ -155,21 +157,26 @@ class ExpertDispatch:
     def _exchange(self, experts_module: Experts, x: torch.Tensor, experts: torch.Tensor,
                   weights: torch.Tensor) -> torch.Tensor:
         """This rank's tokens x [Tl, H] to every ep rank and back: [Tl, H] summed over the
-        ranks' experts. The route (local indices, then weights) travels as float32 [Tl, 2k]
-        (indices are exact there: fewer than 2**24 experts)."""
+        ranks' experts. Each destination's message is one byte row per token, the token's
+        hidden state then its route (indices local to that rank, then weights, as float32:
+        indices are exact there) — one all-to-all out, one back (each collective has a fixed
+        cost far above these sizes' transfer)."""
         tl, k = experts.shape
-        routes = []
+        hidden = x.contiguous().view(torch.uint8)  # [Tl, H * bytes]
+        messages = []
         for start, stop in self.ranges:  # per destination: indices local to it, sentinel else
             local = to_local(experts, start, stop)
             mine = (local < stop - start).to(torch.float32)
-            routes.append(torch.cat([local.to(torch.float32), weights.float() * mine], dim=1))
-        route = self.group.all_to_all(torch.cat(routes))  # [ep * Tl, 2k]: each source's tokens
-        recv_x = self.group.all_to_all(x.repeat(self.size, 1).contiguous())  # [ep * Tl, H]
+            route = torch.cat([local.to(torch.float32), weights.float() * mine], dim=1)
+            messages.append(torch.cat([hidden, route.view(torch.uint8)], dim=1))
+        received = self.group.all_to_all(torch.cat(messages))  # [ep * Tl, bytes]: each source's
+        width = hidden.shape[1]
+        recv_x = received[:, :width].contiguous().view(x.dtype)  # [ep * Tl, H]
+        route = received[:, width:].contiguous().view(torch.float32)  # [ep * Tl, 2k]
         out = experts_module(recv_x, route[:, :k].to(torch.int64),
                              route[:, k:].to(weights.dtype))  # [ep * Tl, H]
         back = self.group.all_to_all(out.contiguous())  # chunk r: rank r's experts, my tokens
         return back.view(self.size, tl, -1).float().sum(0).to(out.dtype)  # [Tl, H]
-
 
 def ep_ranges(total: int, ep: int) -> tuple[tuple[int, int], ...]:
     """Every ep rank's experts ``[start, stop)``: ``total`` over ``ep`` ranks, ±1, the larger
