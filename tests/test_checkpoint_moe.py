@@ -5,7 +5,8 @@ mapping; a checkpoint whose expert count is not the config's is a named error be
 is read; a rank keeping a range of experts reads only their tensors.
 
 Every load is checked against ``from_pretrained`` of the same directory: fp32 logits within 1e-4
-and 16 greedy tokens identical.
+and 16 greedy tokens identical. The families are the registry's MoE families (tests/families.py:
+``moe=1`` read on one process, ``moe=2`` also at ep=2 on 2 gloo ranks).
 """
 
 from __future__ import annotations
@@ -24,25 +25,16 @@ import shardwise
 from shardwise.checkpoint import CheckpointError, ExpertCountError, build_index, describe
 from shardwise.checkpoint.conversions import key_map, select
 from shardwise.checkpoint.sources import Reader
+from shardwise.policy import GenericPolicy
+from families import families, family
 from models import prompt_ids
 from tp_harness import case, run_cases, run_pair
 
 NEW = 16
 ATOL = 1e-4
 GEN = dict(max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False, pad_token_id=0)
-_COMMON = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-               vocab_size=256, max_position_embeddings=256, num_experts_per_tok=2)
-#: tiny MoE models: name → (config class, kwargs, the config attribute holding the expert count)
-MOE = {
-    "mixtral": ("MixtralConfig", dict(intermediate_size=32, num_local_experts=4),
-                "num_local_experts"),
-    # a leading dense layer (mlp_only_layers) and a shared expert with its gate
-    "qwen2_moe": ("Qwen2MoeConfig", dict(intermediate_size=96, moe_intermediate_size=32,
-                                         shared_expert_intermediate_size=48, num_experts=6,
-                                         mlp_only_layers=[0]), "num_experts"),
-    "qwen3_moe": ("Qwen3MoeConfig", dict(intermediate_size=96, moe_intermediate_size=32,
-                                         num_experts=5), "num_experts"),
-}
+MOE_ARCHS = families(moe=1)  # every MoE family: its checkpoints read on one process
+EP_ARCHS = families(moe=2)  # read at ep=2 too (2 gloo ranks)
 #: save_pretrained's default writes the older per-expert layout (transformers reverts its
 #: conversion); save_original_format=False writes the stacked 3-D tensors as the model holds them
 LAYOUTS = {"per_expert": {}, "stacked": {"save_original_format": False},
@@ -52,15 +44,49 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def tiny_moe(arch: str, seed: int = 0, **overrides) -> transformers.PreTrainedModel:
-    cls, kwargs, _ = MOE[arch]
-    config = getattr(transformers, cls)(**_COMMON, **{**kwargs, **overrides})
+    """The registry's tiny ``arch`` (its config changed by ``overrides``), weights from ``seed``."""
+    spec = {**family(arch).config, **overrides}
+    config = getattr(transformers, spec.pop("cls"))(**spec)
     torch.manual_seed(seed)
     return transformers.AutoModelForCausalLM.from_config(config).eval()
 
 
-def save_moe(arch: str, path: Path, layout: str = "per_expert") -> Path:
-    tiny_moe(arch).save_pretrained(path, **LAYOUTS[layout])
+def save_moe(arch: str, path: Path, layout: str = "per_expert", **overrides) -> Path:
+    tiny_moe(arch, **overrides).save_pretrained(path, **LAYOUTS[layout])
     return path
+
+
+def expert_attr(config: dict) -> str:
+    """The config attribute holding the expert count (the names shardwise's policies read)."""
+    return next(a for a in GenericPolicy.moe_config["num_experts"] if a in config)
+
+
+def expert_count(arch: str) -> int:
+    return family(arch).config[expert_attr(family(arch).config)]
+
+
+def state_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the tensors a checkpoint holds for ``model``: its parameters and persistent
+    buffers (DeepSeek-V3's router correction bias), tied ones once."""
+    unique = {id(t): t for t in model.state_dict(keep_vars=True).values()}
+    return sum(t.numel() * t.element_size() for t in unique.values())
+
+
+def experts_held(model: torch.nn.Module) -> int:
+    """Experts in the last MoE layer's experts module (dim 0 of its stacked parameters)."""
+    held = [p.shape[0] for n, p in model.named_parameters() if p.dim() == 3 and ".experts." in n]
+    return held[-1]
+
+
+def has_per_expert_layout(arch: str) -> bool:
+    """Whether transformers converts ``arch``'s checkpoints from one tensor per expert (else
+    save_pretrained writes the stacked tensors whatever it is asked)."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter
+
+    with torch.device("meta"):
+        model = tiny_moe(arch)
+    return any(isinstance(t, WeightConverter) for t in get_model_conversion_mapping(model))
 
 
 def parity(path: Path, dtype=torch.float32, ref_dir: Path | None = None, **kwargs) -> dict:
@@ -72,12 +98,12 @@ def parity(path: Path, dtype=torch.float32, ref_dir: Path | None = None, **kwarg
     engine = shardwise.init_inference(None, checkpoint=str(path), device="cpu", dtype=dtype,
                                       **kwargs)
     logits, tokens = engine(input_ids=ids).logits, engine.generate(ids, **GEN)
-    experts = engine.module.model.layers[-1].mlp.experts
     return dict(max_abs=(logits.float() - want.float()).abs().max().item(),
                 tokens_equal=torch.equal(tokens, want_tokens), engine=engine,
                 bytes_read=engine.checkpoint_load.bytes_read,
-                param_bytes=sum(p.numel() * p.element_size() for p in engine.module.parameters()),
-                experts_held=experts.gate_up_proj.shape[0], summary=engine.checkpoint_load.summary())
+                param_bytes=state_bytes(engine.module),
+                experts_held=experts_held(engine.module),
+                summary=engine.checkpoint_load.summary())
 
 
 def assert_parity(r: dict, atol: float = ATOL) -> None:
@@ -110,12 +136,13 @@ def no_reads(monkeypatch) -> None:
 # ----- layouts ----------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-@pytest.mark.parametrize("arch", list(MOE))
+@pytest.mark.parametrize("arch", MOE_ARCHS)
 def test_moe_layouts_load_like_from_pretrained(tmp_path, arch, layout):
     path = save_moe(arch, tmp_path / arch, layout)
     keys = expert_keys(path)
-    stacked = [k for k in keys if k.endswith(("gate_up_proj", "down_proj"))]
-    assert (len(stacked) == len(keys)) == (layout == "stacked"), keys[:4]  # the layout written
+    stacked = [k for k in keys if ".experts." in k and not k.split(".experts.")[1][0].isdigit()]
+    per_expert = layout != "stacked" and has_per_expert_layout(arch)
+    assert (len(stacked) < len(keys)) == per_expert, keys[:4]  # the layout written
     r = parity(path)
     assert_parity(r)
     assert r["bytes_read"] == r["param_bytes"]  # every tensor read once, nothing else
@@ -152,8 +179,7 @@ def test_an_expert_range_reads_only_its_experts_tensors(tmp_path, arch):
     composite = key_map(model, index.keys()).composite
     name = "model.layers.1.mlp.experts.gate_up_proj"
     entry = composite[name]
-    assert entry.stack_dim == 0 and entry.count() == MOE[arch][1].get(
-        "num_local_experts", MOE[arch][1].get("num_experts"))
+    assert entry.stack_dim == 0 and entry.count() == expert_count(arch)
     with Reader(index) as reader:
         def load(key):
             return reader.read(key, None, None, None)
@@ -174,8 +200,8 @@ def test_an_expert_range_reads_only_its_experts_tensors(tmp_path, arch):
 @pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe"])
 def test_expert_count_differing_from_the_config(tmp_path, monkeypatch, arch, layout):
     path = save_moe(arch, tmp_path / arch, layout)
-    attr = MOE[arch][2]
     config = json.loads((path / "config.json").read_text())
+    attr = expert_attr(config)
     saved = config[attr]
     config[attr] = saved - 1
     (path / "config.json").write_text(json.dumps(config))
@@ -204,24 +230,25 @@ def test_missing_expert_tensor_is_named(tmp_path, monkeypatch):
 
 
 def test_expert_numbered_wrong_is_named(tmp_path, monkeypatch):
-    """Experts 0-3 and 9 (4 missing, 9 added): as many tensors as experts, misnumbered."""
+    """The last expert renumbered past the count: as many tensors as experts, misnumbered."""
     path = save_moe("qwen3_moe", tmp_path / "q")
-    five = MOE["qwen3_moe"][1]["num_experts"]
-    rewrite(path, lambda t: {k.replace(f".experts.{five - 1}.", ".experts.9."): v
+    n = expert_count("qwen3_moe")
+    rewrite(path, lambda t: {k.replace(f".experts.{n - 1}.", f".experts.{n + 5}."): v
                              for k, v in t.items()})
     no_reads(monkeypatch)
-    with pytest.raises(CheckpointError, match=r"numbered 0, 1, 2, 3, … .* not 0 … 4"):
+    with pytest.raises(CheckpointError, match=rf"numbered 0, 1, 2, 3, … .* not 0 … {n - 1}"):
         shardwise.init_inference(None, checkpoint=str(path), device="cpu")
 
 
 def test_per_expert_shapes_that_do_not_build_the_parameter(tmp_path, monkeypatch):
     path = save_moe("mixtral", tmp_path / "m")
     config = json.loads((path / "config.json").read_text())
-    config["intermediate_size"] = 48  # the experts' tensors are [32, 64]
+    e, i, h = config["num_local_experts"], config["intermediate_size"], config["hidden_size"]
+    config["intermediate_size"] = i + 16  # the experts' tensors are [i, h]
     (path / "config.json").write_text(json.dumps(config))
     no_reads(monkeypatch)
-    with pytest.raises(CheckpointError, match=r"build .*gate_up_proj.* as \[4, 64, 64\] .* has "
-                                              r"\[4, 96, 64\]"):
+    with pytest.raises(CheckpointError, match=rf"build .*gate_up_proj.* as \[{e}, {2 * i}, {h}\] "
+                                              rf".* has \[{e}, {2 * i + 32}, {h}\]"):
         shardwise.init_inference(None, checkpoint=str(path), device="cpu")
 
 
@@ -230,8 +257,9 @@ def test_per_expert_shapes_that_do_not_build_the_parameter(tmp_path, monkeypatch
 EP2 = {"moe": {"ep_size": 2}}
 #: a model whose experts dominate its bytes (48 MiB of experts, ~3 MiB else, fp32): what a rank
 #: holds at ep=2 is about half of it, so its peak memory while loading shows what it read
-RSS_MODEL = dict(hidden_size=256, intermediate_size=1024, num_local_experts=8,
-                 num_attention_heads=4, num_key_value_heads=2, vocab_size=256)
+RSS_MODEL = dict(hidden_size=256, intermediate_size=1024, num_local_experts=8)
+#: an expert count ep=2 splits unevenly (3 + 2)
+UNEVEN = dict(num_experts=5)
 #: the loader's peak above the parameters a rank holds: one expert's tensor read at a time (1 MiB
 #: here; a per-expert layout is built in place) plus allocator and bookkeeping slack; measured
 #: 4-7 MiB (per-expert) and 0 (stacked) on a shared 2-core machine
@@ -289,17 +317,16 @@ def _pair_cases(rank: int, root: str) -> dict:
     cases = {f"rss-{layout}": partial(_peak_load, root / f"rss-{layout}",
                                       root / f"mixtral-{layout}")
              for layout in ("per_expert", "stacked")}  # first: a process with little history
-    for arch in MOE:
+    for arch in EP_ARCHS:
         for layout in ("per_expert", "stacked"):
             cases[f"ep2-{arch}-{layout}"] = partial(_ep_parity, root / f"{arch}-{layout}")
     cases["ep2tp2-mixtral"] = partial(_ep_parity, root / "mixtral-per_expert",
                                       tensor_parallel={"tp_size": 2})
-    # qwen3_moe has 5 experts: split 3 + 2
-    cases["save-ep2"] = partial(_ep_parity, root / "qwen3_moe-per_expert",
+    cases["save-ep2"] = partial(_ep_parity, root / "uneven",  # experts split 3 + 2
                                 save_mp_checkpoint_path=str(root / "sw-ep2"))
-    cases["same-ep2"] = partial(_ep_parity, root / "sw-ep2", ref_dir=root / "qwen3_moe-per_expert")
+    cases["same-ep2"] = partial(_ep_parity, root / "sw-ep2", ref_dir=root / "uneven")
     cases["tp2-from-ep2"] = lambda: _plain(parity(
-        root / "sw-ep2", ref_dir=root / "qwen3_moe-per_expert", tensor_parallel={"tp_size": 2}))
+        root / "sw-ep2", ref_dir=root / "uneven", tensor_parallel={"tp_size": 2}))
     cases["ep2-from-ep1"] = partial(_ep_parity, root / "sw-ep1", ref_dir=root / "mixtral-stacked")
     return run_cases(rank, cases)
 
@@ -307,18 +334,16 @@ def _pair_cases(rank: int, root: str) -> dict:
 @pytest.fixture(scope="module")
 def ep_world(tmp_path_factory):
     root = tmp_path_factory.mktemp("moe")
-    for arch in MOE:
+    for arch in EP_ARCHS:
         for layout in ("per_expert", "stacked"):
             save_moe(arch, root / f"{arch}-{layout}", layout)
+    save_moe("qwen3_moe", root / "uneven", **UNEVEN)
     ep1 = shardwise.init_inference(None, checkpoint=str(root / "mixtral-stacked"), device="cpu",
                                    dtype=torch.float32)
     ep1.save_checkpoint(root / "sw-ep1")
     ep1.close()
     for layout in ("per_expert", "stacked"):
-        big = transformers.MixtralConfig(**{**_COMMON, **RSS_MODEL})
-        torch.manual_seed(0)
-        transformers.AutoModelForCausalLM.from_config(big).save_pretrained(
-            root / f"rss-{layout}", **LAYOUTS[layout])
+        save_moe("mixtral", root / f"rss-{layout}", layout, **RSS_MODEL)
     ranks = run_pair(partial(_pair_cases, root=str(root)), tmp_path_factory.mktemp("p"),
                      deadline_s=420)
     return root, ranks
@@ -326,11 +351,11 @@ def ep_world(tmp_path_factory):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", ["per_expert", "stacked"])
-@pytest.mark.parametrize("arch", list(MOE))
+@pytest.mark.parametrize("arch", EP_ARCHS)
 def test_ep2_reads_only_its_experts(ep_world, arch, layout):
     """Each rank holds and reads its experts only (of the stacked tensors, or of the per-expert
     ones), the dense parts whole; the two ranks' experts together give from_pretrained's output."""
-    total = MOE[arch][1].get("num_local_experts", MOE[arch][1].get("num_experts"))
+    total = expert_count(arch)
     r0, r1 = case(ep_world[1], f"ep2-{arch}-{layout}")
     assert (r0["experts_held"], r1["experts_held"]) == ((total + 1) // 2, total // 2)
     for r in (r0, r1):
@@ -348,7 +373,7 @@ def test_ep2_with_tp2(ep_world):
 @pytest.mark.slow
 def test_ep2_checkpoint_saves_each_ranks_experts(ep_world):
     """save_checkpoint of an ep=2 engine: one file per rank with its experts, described as dim-0
-    slices of the whole tensors (3 + 2 of qwen3_moe's 5 experts)."""
+    slices of the whole tensors (3 + 2 of 5 experts)."""
     root = ep_world[0]
     for r in case(ep_world[1], "save-ep2"):
         assert_parity(r)
@@ -375,9 +400,9 @@ def test_ep_checkpoints_reshard(ep_world, name):
 @pytest.mark.slow
 def test_ep2_checkpoint_merges_to_one_rank(ep_world):
     root = ep_world[0]
-    r = parity(root / "sw-ep2", ref_dir=root / "qwen3_moe-per_expert")
+    r = parity(root / "sw-ep2", ref_dir=root / "uneven")
     assert_parity(r)
-    assert r["experts_held"] == 5
+    assert r["experts_held"] == UNEVEN["num_experts"]
 
 
 @pytest.mark.slow
