@@ -7,8 +7,10 @@ tests/families.py, whole model quantized: attention, shared experts and the rout
 ``families.QUANT_BOUNDS``; teacher-forced argmax agreement over 2×16 positions ≥ 90% (int8) /
 50% (int4), int4's lower than the dense 60% because a router that sees int4-rounded hidden
 states picks another expert for some tokens (tiny random models, int4 groups of 32-64
-columns). Measured (``pytest -s``): int8 rel 0.6-1.2%, agreement 100%; int4 rel 12-17%,
-agreement 59-81%.
+columns). Measured (``pytest -s``): int8 rel 0.9-1.6%, agreement 100%; int4 rel 4-17%,
+agreement 59-94%. One family has a bound of its own (:data:`OWN_BOUNDS`): GPT-OSS int8 measures
+3.6% because of its attention — its q/k/v/o linears quantized alone give 3.6%, its experts alone
+0.24% — so it is held to 5%.
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ BF16 = torch.bfloat16
 MOE = families(moe=1)
 #: bits → (max relative logit error, min argmax agreement) against the fp32 model (docstring)
 BOUNDS = {8: QUANT_BOUNDS[8], 4: (QUANT_BOUNDS[4][0], 0.50)}
+#: (family, bits) → its own bounds where its dense parts alone exceed BOUNDS (docstring)
+OWN_BOUNDS = {("gpt_oss", 8): (0.05, 0.90)}
 
 
 def _experts(model) -> dict[str, torch.nn.Module]:
@@ -74,7 +78,7 @@ def test_parity_with_the_fp32_model(arch, bits):
                                       quant={"weight": {"num_bits": bits}})
     rel, agree = parity(ref_logits, engine(input_ids=ids).logits)
     print(f"{arch} int{bits}: rel {rel:.4f} agree {agree:.2f}")
-    max_rel, min_agree = BOUNDS[bits]
+    max_rel, min_agree = OWN_BOUNDS.get((arch, bits), BOUNDS[bits])
     assert rel <= max_rel and agree >= min_agree, (rel, agree)
     experts = _experts(ref)
     assert experts and all(isinstance(model.get_submodule(n), QuantExperts) for n in experts)
@@ -156,12 +160,19 @@ def test_the_decode_call_compiles_whole_and_never_recompiles():
     assert len(frames) == 1
 
 
-def test_close_gives_the_experts_back_dequantized():
+def test_an_fp32_model_runs_its_experts_in_bf16_and_close_gives_them_back_dequantized():
     ref, model = tiny_causal_lm("gpt_oss"), tiny_causal_lm("gpt_oss")
+    ids = prompt_ids(batch=2, length=16)
     engine = shardwise.init_inference(model, device="cpu", dtype=torch.float32,
                                       quant={"weight": {"num_bits": 8}})
     quantized = _experts(ref)
-    assert all(isinstance(model.get_submodule(n), QuantExperts) for n in quantized)
+    assert all(isinstance(model.get_submodule(n), QuantExperts)
+               and model.get_submodule(n).compute_dtype == BF16 for n in quantized)
+    with torch.no_grad():
+        rel, agree = parity(ref(ids).logits, engine(input_ids=ids).logits)
+    assert engine(input_ids=ids).logits.dtype == torch.float32
+    max_rel, min_agree = OWN_BOUNDS[("gpt_oss", 8)]
+    assert rel <= max_rel and agree >= min_agree, (rel, agree)
     engine.close()
     for name, original in quantized.items():
         back = model.get_submodule(name)
@@ -249,16 +260,19 @@ def test_a_full_precision_checkpoint_with_quant_quantizes_the_experts_too(tmp_pa
 
 # ----- expert parallelism on 2 gloo ranks -------------------------------------------------------
 
-#: name → (bits, tp, inject): ep=2 alone (dense parts replicated), and ep=2 with tp=2 (heads by
-#: tp, experts by ep) injected
-EP_CASES = {"ep2-int8": (8, 1, False), "ep2-tp2-int4-inject": (4, 2, True)}
+#: name → (bits, tp, inject, dispatch): ep=2 alone (dense parts replicated; the all-reduce and
+#: the all-to-all dispatch), and ep=2 with tp=2 (heads by tp, experts by ep) injected
+EP_CASES = {"ep2-int8": (8, 1, False, "all_reduce"),
+            "ep2-int8-all-to-all": (8, 1, False, "all_to_all"),
+            "ep2-tp2-int4-inject": (4, 2, True, "all_reduce")}
 
 
-def _ep_case(rank: int, bits: int, tp: int, inject: bool) -> dict:
+def _ep_case(rank: int, bits: int, tp: int, inject: bool, dispatch: str) -> dict:
     """Mixtral on this rank with ep=2 (and tp), quantized: what it holds, its logits on the test
     prompts, and what close() gives back."""
     settings = dict(device="cpu", dtype=BF16, quant={"weight": {"num_bits": bits}},
-                    moe={"ep_size": 2}, replace_with_kernel_inject=inject)
+                    moe={"ep_size": 2, "dispatch": dispatch},
+                    replace_with_kernel_inject=inject)
     if tp > 1:
         settings["tensor_parallel"] = {"tp_size": tp}
     model, original = tiny_causal_lm("mixtral"), tiny_causal_lm("mixtral")
@@ -298,7 +312,7 @@ def ep_ranks(tmp_path_factory):
 def test_under_expert_parallelism_each_rank_quantizes_its_own_experts(ep_ranks, name):
     from tp_harness import case
 
-    bits, tp, inject = EP_CASES[name]
+    bits, tp, inject, _ = EP_CASES[name]
     r0, r1 = case(ep_ranks, name)
     ref = tiny_causal_lm("mixtral")
     ids = prompt_ids(batch=2, length=16)

@@ -6,7 +6,8 @@ reference. A backend may only register ops defined here. The families and their 
 
 * ``rotary``: rotary; ``activations``: bias_gelu, bias_relu, silu_and_mul;
 * ``attention``: attention_prefill, attention_decode; ``kv_cache``: kv_cache_write;
-* ``norms``: rms_norm, layer_norm; ``quant``: quant_linear (and the weight format);
+* ``norms``: rms_norm, layer_norm; ``quant``: quant_linear, quant_moe_mlp (quantized experts)
+  (and the weight format);
 * ``moe``: moe_route, moe_permute, moe_grouped_mlp.
 
 ``example`` is not a family: it holds :class:`~.example.Example`, the shape of example inputs.
