@@ -1,21 +1,32 @@
-"""MoE experts at decode shapes: ``moe_grouped_mlp`` (reference, ``cpu``) vs HF's experts.
+"""MoE experts at decode shapes: ``moe_grouped_mlp`` (reference, ``cpu`` eager and compiled) vs
+HF's experts.
 
-    python benchmarks/kernel_moe.py --threads 2 --tokens 1 8 --hidden 1024 --inter 2816
+    python benchmarks/kernel_moe.py --threads 1 --tokens 1 8 --hidden 1024 --inter 2816
 
 For each dtype and token count: median µs per call of HF's ``MixtralExperts`` with its ``eager``
-and ``grouped_mm`` experts implementations, the torch reference and the ``cpu`` backend (calls
-interleaved so machine noise hits all alike), all on the same weights and routing (a softmax
-router, top-k, renormalised), and the GB/s of expert bytes read per call: the distinct experts
-hit × 3·H·I·itemsize (gate, up and down), the bytes a dropless MoE layer must read. A plain
-``sum`` over all stacked expert weights gives the machine's read bandwidth for comparison.
+and ``grouped_mm`` experts implementations, the torch reference, the ``cpu`` backend called
+eagerly (its grouped-GEMM path: prompts, steps without graphs) and the ``cpu`` backend captured
+by the CPU graph strategy (``CpuCompileStrategy``, the compiled decode step's path:
+``streamed_mlp``), calls interleaved so machine noise hits all alike, all on the same weights
+and routing (a softmax router, top-k, renormalised). GB/s is over the expert bytes read per
+call: the distinct experts hit × 3·H·I·itemsize (gate, up and down), the bytes a dropless MoE
+layer must read; ``%copy`` compares it with the machine's copy bandwidth, measured by a copy
+of a 256 MiB buffer (read + write, as ``shardwise bench``'s probe counts it) timed interleaved
+with the calls, on the same clock. ``--local-experts N`` times one expert-parallel
+rank holding the first N experts: slots routed elsewhere carry the sentinel index N.
+
+``--clock cpu`` times with the process's CPU time instead of the wall clock: on a shared machine
+it leaves out the time the benchmark waited for a core (it still counts the memory bandwidth
+others take); wall clock is the default.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
+import time
 
 import torch
-from timing import median_us
 
 from shardwise.kernels.cpu import moe as cpu_moe
 from shardwise.kernels.reference import moe as ref
@@ -37,6 +48,40 @@ def hf_experts(hidden, inter, n_experts, top_k, dtype, implementation):
     return experts.to(dtype).eval()
 
 
+def median_s(fns: dict, repeats: int, clock, warmup: int = 3) -> dict:
+    """Median seconds per call of each function, calls interleaved."""
+    for _ in range(warmup):
+        for f in fns.values():
+            f()
+    times: dict = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, f in fns.items():
+            start = clock()
+            f()
+            times[name].append(clock() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def captured(gate_up, down, x, experts, weights):
+    """The cpu backend's moe_grouped_mlp as the CPU graph strategy captures it (x, routing as
+    the graph's inputs, the expert weights read in place)."""
+    from shardwise.accelerators.cpu_graphs import CpuCompileStrategy
+
+    def step(x, experts, weights):
+        return cpu_moe.moe_grouped_mlp(x, gate_up, down, experts, weights)
+
+    graph = CpuCompileStrategy().capture(step, x, experts, weights)
+    return lambda: graph(x, experts, weights)
+
+
+def copy_probe(nbytes: int = 256 << 20):
+    """A copy of an ``nbytes`` buffer (past the last-level cache) and the bytes it moves."""
+    src = torch.ones(nbytes // 4)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # first touch
+    return (lambda: dst.copy_(src)), 2 * nbytes
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=None)
@@ -45,40 +90,58 @@ def main() -> None:
     ap.add_argument("--inter", type=int, default=2816)
     ap.add_argument("--experts", type=int, default=8)
     ap.add_argument("--top-k", type=int, default=2)
+    ap.add_argument("--local-experts", type=int, default=None,
+                    help="time one expert-parallel rank holding the first N experts")
     ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     ap.add_argument("--repeats", type=int, default=30)
+    ap.add_argument("--clock", choices=("wall", "cpu"), default="wall")
+    ap.add_argument("--no-compiled", action="store_true", help="skip the captured cpu column")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    clock = time.perf_counter if args.clock == "wall" else time.process_time
+    copy, copy_bytes = copy_probe()
     h, i, e, k = args.hidden, args.inter, args.experts, args.top_k
+    local = args.local_experts or e
+    rows = []
     for dtype in (getattr(torch, d) for d in args.dtypes):
         eager = hf_experts(h, i, e, k, dtype, "eager")
         grouped = hf_experts(h, i, e, k, dtype, "grouped_mm")
         grouped.load_state_dict(eager.state_dict())
         gate_up, down = eager.gate_up_proj.detach(), eager.down_proj.detach()
-        t_sum = median_us([lambda: (gate_up.sum(), down.sum())], args.repeats)[0]
-        all_bytes = (gate_up.numel() + down.numel()) * gate_up.element_size()
-        print(f"{str(dtype)[6:]} threads={torch.get_num_threads()} H={h} I={i} E={e} k={k}: "
-              f"read bandwidth (sum over all experts) {all_bytes / t_sum / 1e3:.1f} GB/s")
+        mine_gu, mine_down = gate_up[:local], down[:local]  # this rank's experts
+        expert_bytes = 3 * h * i * gate_up.element_size()
         for tokens in args.tokens:
             g = torch.Generator().manual_seed(tokens)
             x = torch.randn(tokens, h, generator=g).to(dtype)
             weights, experts = ref.moe_route(torch.randn(tokens, e, generator=g), k,
                                               renormalize=True)
-            read = len(experts.unique()) * all_bytes // e  # bytes of the experts hit
+            mine = torch.where(experts < local, experts, local)  # local ids, the sentinel
+            hit = len(mine[mine < local].unique())
             calls = {
                 "hf-eager": lambda: eager(x, experts, weights.to(dtype)),
                 "hf-grouped_mm": lambda: grouped(x, experts, weights.to(dtype)),
-                "reference": lambda: ref.moe_grouped_mlp(x, gate_up, down, experts, weights),
-                "cpu": lambda: cpu_moe.moe_grouped_mlp(x, gate_up, down, experts, weights),
+                "reference": lambda: ref.moe_grouped_mlp(x, mine_gu, mine_down, mine, weights),
+                "cpu": lambda: cpu_moe.moe_grouped_mlp(x, mine_gu, mine_down, mine, weights),
             }
+            if not args.no_compiled:
+                calls["cpu-graph"] = captured(mine_gu, mine_down, x, mine, weights)
+            calls["copy"] = copy
             with torch.no_grad():
-                times = median_us(list(calls.values()), args.repeats)
-            line = "  ".join(f"{name} {t:9.0f} us {read / t / 1e3:5.1f} GB/s"
-                             for name, t in zip(calls, times))
-            print(f"  tokens={tokens:3d} experts hit={len(experts.unique())}: {line}  "
-                  f"cpu vs eager {times[0] / times[3]:.2f}x, vs grouped_mm "
-                  f"{times[1] / times[3]:.2f}x")
+                times = median_s(calls, args.repeats, clock)
+            copy_gbps = copy_bytes / times.pop("copy") / 1e9
+            rows.append((dtype, tokens, hit, copy_gbps, {
+                name: (t, hit * expert_bytes / t / 1e9) for name, t in times.items()}))
+    print(f"threads={torch.get_num_threads()} H={h} I={i} E={e} k={k}"
+          f"{f' local experts={local}' if local != e else ''} clock={args.clock}")
+    for dtype, tokens, hit, copy_gbps, cols in rows:
+        line = "  ".join(f"{name} {t * 1e6:8.0f} us {gbps:5.1f} GB/s {gbps / copy_gbps:4.0%}"
+                         for name, (t, gbps) in cols.items())
+        best = "cpu-graph" if "cpu-graph" in cols else "cpu"
+        print(f"{str(dtype)[6:]:8s} tokens={tokens:3d} experts hit={hit} copy "
+              f"{copy_gbps:.1f} GB/s: {line}  {best} vs "
+              f"hf-eager {cols['hf-eager'][0] / cols[best][0]:.2f}x, vs hf-grouped_mm "
+              f"{cols['hf-grouped_mm'][0] / cols[best][0]:.2f}x")
 
 
 if __name__ == "__main__":
