@@ -716,21 +716,28 @@ def test_ep_world_variant_name_and_engine_kwargs():
     assert [world_size(*s) for s in ((1, 2), (2, 2), (2, 1), (4, 2), (2, 4), (2, 3))] == \
         [2, 2, 2, 4, 4, 6]  # the ranks are tp × dp with ep dividing them: lcm(tp, ep)
     plan = Plan(models=[ModelSpec("preset", MOE_TINY)], cells=[Cell(1, 8, 4)], device="cpu",
-                tp=2, ep=2, moe_dispatch="all_to_all",
-                variants=[Variant(inject=True, quant="int8")])
-    [variant] = plan.variants
-    assert plan.world == 2 and plan.variant_names == ["shardwise[tp2,ep2,all_to_all,inject,int8]"]
-    kwargs = plan.engine_kwargs(variant)
+                tp=2, moe_dispatch="all_to_all",
+                variants=[Variant(inject=True, quant="int8", ep=ep) for ep in (1, 2)])
+    one, two = plan.variants
+    assert plan.variant_names == ["shardwise[tp2,inject,int8]",
+                                  "shardwise[tp2,ep2,all_to_all,inject,int8]"]
+    assert [plan.world_of(v) for v in plan.variants] == [2, 2] and plan.world == 2
+    assert "moe" not in plan.engine_kwargs(one)  # the dispatch is the ep variants'
+    kwargs = plan.engine_kwargs(two)
     assert kwargs["moe"] == {"ep_size": 2, "dispatch": "all_to_all"}
     assert kwargs["tensor_parallel"] == {"tp_size": 2}
     assert Plan.from_dict(json.loads(json.dumps(plan.to_dict()))) == plan
-    alone = Plan([ModelSpec("preset", MOE_TINY)], [], "cpu", [Variant()], ep=2)
-    assert alone.world == 2 and alone.variant_names == ["shardwise[ep2]"]
-    assert alone.engine_kwargs(Variant())["moe"] == {"ep_size": 2}
-    assert "tensor_parallel" not in alone.engine_kwargs(Variant())
-    assert "moe" not in _plan().engine_kwargs(Variant())  # --tp alone asks nothing of MoE
+    assert list(plan.by_world()) == [2]  # both on the same 2 ranks: one launch
+    alone = Plan([ModelSpec("preset", MOE_TINY)], [], "cpu", [Variant(), Variant(ep=2)])
+    assert alone.variant_names == ["shardwise", "shardwise[ep2]"] and alone.world == 2
+    groups = alone.by_world()  # --ep 1 2: one variant here, one on 2 launched ranks
+    assert {w: g.variants for w, g in groups.items()} == {1: [Variant()], 2: [Variant(ep=2)]}
+    assert groups[2].world == 2 and groups[1].world == 1
+    assert alone.engine_kwargs(Variant(ep=2))["moe"] == {"ep_size": 2}
+    assert "tensor_parallel" not in alone.engine_kwargs(Variant(ep=2))
     old = alone.to_dict()
-    del old["ep"], old["moe_dispatch"]  # plans written before --ep
+    for variant in old["variants"]:
+        del variant["ep"]  # plans written before --ep
     assert Plan.from_dict(old).world == 1
 
 
@@ -739,8 +746,13 @@ def test_ep_plan_is_checked_and_recorded(many_cores):
 
     plan, _, nproc, _ = cli_plan(build_parser().parse_args(
         ["bench", "--preset", MOE_TINY, "--ep", "2", "--inject", "--moe-dispatch", "all_reduce"]))
-    assert (plan.ep, plan.tp, plan.world, nproc) == (2, 1, 2, 2)
+    assert (plan.tp, plan.world, nproc) == (1, 2, 2)
     assert plan.variant_names == ["shardwise[ep2,all_reduce,inject]"]
+    plan, _, nproc, _ = cli_plan(build_parser().parse_args(
+        ["bench", "--preset", MOE_TINY, "--ep", "1", "2", "2", "--inject"]))
+    assert plan.variant_names == ["shardwise[inject]", "shardwise[ep2,inject]"]  # once each
+    plan, *_ = cli_plan(build_parser().parse_args(["bench", "--preset", MOE_TINY, "--ep", "2"]))
+    assert all(v.ep == 2 for v in plan.variants) and len(plan.variants) == 3  # the default set
 
 
 def _sliced_experts_model(keep: int = 2):

@@ -50,12 +50,14 @@ class Cell:
 class Variant:
     """One shardwise variant: what ``init_inference`` is asked for beyond the device and the
     tensor-parallel size. ``dtype`` is a short torch name (None: the model's own); ``quant`` is
-    ``"int8"``, ``"int4"`` or None."""
+    ``"int8"``, ``"int4"`` or None; ``ep`` the expert-parallel size (``moe={"ep_size": ep}``
+    when > 1: one ``--ep`` value, so ``--ep 1 2`` runs each variant both ways in one run)."""
 
     dtype: str | None = None
     inject: bool = False
     graphs: bool = False
     quant: str | None = None
+    ep: int = 1
 
     def tags(self) -> list[str]:
         """The options as the words of the variant's name (``inject``, ``graphs``, ``int8``)."""
@@ -73,8 +75,9 @@ class Plan:
 
     The HF baseline runs in ``baseline_dtype`` (None: each model's own dtype; the model is
     loaded in it), then each of ``variants`` runs ``init_inference`` on its own copy of the
-    model (the last one on the model itself), on :attr:`world` ranks when ``tp`` or ``ep``
-    (expert parallelism, ``moe={"ep_size": ep}``; ``moe_dispatch``: its ``dispatch``) is > 1."""
+    model (the last one on the model itself), on :meth:`world_of` ranks: one process when
+    ``tp`` and the variant's ``ep`` are 1, else launched ranks (``moe_dispatch``: the
+    ``dispatch`` of the expert-parallel variants)."""
 
     models: list[ModelSpec]
     cells: list[Cell]
@@ -87,13 +90,25 @@ class Plan:
     seed: int = 0
     baseline_dtype: str | None = None
     baseline_experts: str | None = None
-    ep: int = 1
     moe_dispatch: str | None = None
+
+    def world_of(self, variant: Variant) -> int:
+        """Ranks ``variant`` runs on: :func:`world_size` of ``tp`` and its ``ep``."""
+        return world_size(self.tp, variant.ep)
 
     @property
     def world(self) -> int:
-        """Ranks the shardwise variants run on: :func:`world_size` of ``tp`` and ``ep``."""
-        return world_size(self.tp, self.ep)
+        """The most ranks a variant runs on (1: every variant runs in this process)."""
+        return max((self.world_of(v) for v in self.variants), default=world_size(self.tp))
+
+    def by_world(self) -> dict[int, "Plan"]:
+        """This plan split by :meth:`world_of`: ranks → the plan of the variants run on that
+        many (in order), e.g. ``--ep 1 2``'s one-process variants and its 2-rank ones."""
+        groups: dict[int, list[Variant]] = {}
+        for variant in self.variants:
+            groups.setdefault(self.world_of(variant), []).append(variant)
+        return {world: dataclasses.replace(self, variants=variants)
+                for world, variants in groups.items()}
 
     @property
     def baseline_name(self) -> str:
@@ -104,9 +119,9 @@ class Plan:
     def variant_name(self, variant: Variant) -> str:
         """A variant's name, its options in brackets (``shardwise[tp2,inject,graphs,int8]``,
         ``shardwise[ep2,all_to_all,inject]``: the MoE dispatch when one is asked for)."""
-        tags = ([f"tp{self.tp}"] if self.tp > 1 else []) + \
-            ([f"ep{self.ep}"] if self.ep > 1 else []) + \
-            ([self.moe_dispatch] if self.moe_dispatch else []) + variant.tags()
+        ep = [f"ep{variant.ep}"] + ([self.moe_dispatch] if self.moe_dispatch else []) \
+            if variant.ep > 1 else []
+        tags = ([f"tp{self.tp}"] if self.tp > 1 else []) + ep + variant.tags()
         return f"shardwise[{','.join(tags)}]" if tags else "shardwise"
 
     @property
@@ -119,9 +134,9 @@ class Plan:
         kwargs = {"device": self.device, "dtype": variant.dtype, **variant.engine_options()}
         if self.tp > 1:
             kwargs["tensor_parallel"] = {"tp_size": self.tp}
-        if self.ep > 1 or self.moe_dispatch:
-            kwargs["moe"] = {"ep_size": self.ep, **({"dispatch": self.moe_dispatch}
-                                                    if self.moe_dispatch else {})}
+        if variant.ep > 1:
+            kwargs["moe"] = {"ep_size": variant.ep, **({"dispatch": self.moe_dispatch}
+                                                       if self.moe_dispatch else {})}
         return kwargs
 
     def check_variants(self) -> None:

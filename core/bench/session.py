@@ -113,26 +113,30 @@ def _steps_in_the_bar(progress):
 
 
 def run_bench(plan: Plan, accelerator: Accelerator, *, command: str, options: dict[str, Any],
-              nproc_per_node: int = 1, rendezvous: dict[str, Any] | None = None,
+              rendezvous: dict[str, Any] | None = None,
               bandwidth_bytes: int | None = None, show_progress: bool = True,
               notes: list[str] | None = None) -> dict[str, Any]:
     """Run ``plan`` and return the result document (see :mod:`.report`; ``notes`` are lines
     it keeps and the table prints, e.g. why a default row is left out).
 
     The bandwidth probe runs first and again last, on an otherwise idle device (the higher
-    is the bar for the % of bandwidth figures). With ``plan.world > 1`` (``--tp``, ``--ep``)
-    the baseline runs here on one device and the shardwise variants on ``plan.world`` launched
-    ranks.
+    is the bar for the % of bandwidth figures). The baseline and the variants of one rank
+    run here on one device; the variants on several ranks (``--tp``, ``--ep``) on launched
+    ranks, one launch per rank count (:meth:`~.plan.Plan.by_world`), that count ÷
+    ``plan.nnodes`` per node.
     """
     bandwidth = measure_bandwidth(accelerator, bandwidth_bytes)
     release(accelerator)
-    local_variants = [] if plan.world > 1 else plan.variants
+    groups = plan.by_world()
+    local_variants = groups[1].variants if 1 in groups else []
     total = (len(plan.models) * len(plan.cells) * (1 + len(local_variants))
              * (plan.warmup + plan.repeats))
     with one_display(total, show_progress) as progress:
         runs = run_local(plan, accelerator, True, local_variants, progress)
-    if plan.world > 1:
-        runs += run_ranks(plan, accelerator, nproc_per_node, rendezvous, show_progress)
+    for world, group in groups.items():
+        if world > 1:
+            runs += run_ranks(group, accelerator, world // plan.nnodes, rendezvous,
+                              show_progress)
     release(accelerator)
     bandwidth = bandwidth.add(measure_bandwidth(accelerator, bandwidth.nbytes))
     runs = add_figures(_ordered(runs, plan), bandwidth.gbps)

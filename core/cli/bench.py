@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+from dataclasses import replace
 from pathlib import Path
 
 from ..errors import ConfigError
@@ -63,10 +64,12 @@ def _add_variant_options(p: argparse.ArgumentParser) -> None:
                         "model's own; auto: the device's preferred)")
     g.add_argument("--tp", type=int, default=1, metavar="N",
                    help="tensor-parallel ranks, started through torch.distributed.run")
-    g.add_argument("--ep", type=int, default=1, metavar="N",
+    g.add_argument("--ep", type=int, nargs="+", default=[1], metavar="N",
                    help="MoE models only: expert-parallel ranks (moe={'ep_size': N}), started "
-                        "as --tp's; with --tp the run has lcm(tp, ep) ranks (--tp 2 --ep 2: "
-                        "2 ranks splitting heads by tp and experts by ep)")
+                        "as --tp's; with --tp a variant runs on lcm(tp, ep) ranks (--tp 2 --ep "
+                        "2: 2 ranks splitting heads by tp and experts by ep). Several values "
+                        "run each variant at each size (--ep 1 2: in one process, and on 2 "
+                        "ranks)")
     g.add_argument("--moe-dispatch", choices=["all_reduce", "all_to_all", "auto"],
                    help="with --ep > 1: how the expert-parallel ranks combine the experts' "
                         "outputs (moe={'dispatch': ...}; default: the engine's)")
@@ -179,7 +182,7 @@ def check_combinations(args: argparse.Namespace) -> None:
                           "--graphs; without variant options the bench runs both)")
     if args.warmup < 0:
         raise ConfigError(f"--warmup must be 0 or more, got {args.warmup}")
-    if args.moe_dispatch and args.ep <= 1:
+    if args.moe_dispatch and max(args.ep) <= 1:
         raise ConfigError(f"--moe-dispatch {args.moe_dispatch} picks how expert-parallel ranks "
                           f"exchange the experts' work: it needs --ep > 1 (or drop it)")
     if args.nnodes == 1:
@@ -215,10 +218,13 @@ def _variants(args: argparse.Namespace, accelerator) -> tuple[list, str | None, 
 
     dtype = resolve_dtype_name(accelerator, args.dtype)
     baseline = resolve_dtype_name(accelerator, args.baseline_dtype)
+    eps = list(dict.fromkeys(args.ep))
     if any(getattr(args, d) for d in VARIANT_OPTIONS):
-        return [Variant(dtype, args.inject, args.graphs, args.quant)], baseline or dtype, []
+        variant = Variant(dtype, args.inject, args.graphs, args.quant)
+        return [replace(variant, ep=ep) for ep in eps], baseline or dtype, []
     variants, notes = default_variants(accelerator)
-    return variants, baseline or variants[0].dtype, notes
+    return ([replace(v, ep=ep) for ep in eps for v in variants], baseline or variants[0].dtype,
+            notes)
 
 
 def _plan(args: argparse.Namespace):
@@ -233,18 +239,20 @@ def _plan(args: argparse.Namespace):
     check_combinations(args)
     accelerator = get_accelerator(args.device)
     models = resolve_models(args.model, args.preset)
-    check_expert_parallel(models, args.ep, args.moe_dispatch)  # before the ranks it would need
-    nproc = check_tp(accelerator, args.tp, args.nnodes, args.ep)
+    for ep in args.ep:  # the model's experts first: the more basic problem than the ranks
+        check_expert_parallel(models, ep, args.moe_dispatch)
+    nproc = max(check_tp(accelerator, args.tp, args.nnodes, ep) for ep in args.ep)
     variants, baseline_dtype, notes = _variants(args, accelerator)
     plan = Plan(models=models, cells=make_cells(args.batch, args.prompt_len, args.new_tokens),
                 device=accelerator.name, variants=variants, tp=args.tp, nnodes=args.nnodes,
                 baseline_dtype=baseline_dtype, baseline_experts=args.baseline_experts,
-                warmup=args.warmup, repeats=args.repeats, seed=args.seed, ep=args.ep,
+                warmup=args.warmup, repeats=args.repeats, seed=args.seed,
                 moe_dispatch=args.moe_dispatch)
     check_cells_fit(plan.models, plan.cells)
     check_baseline_experts(plan.models, plan.baseline_experts, accelerator, baseline_dtype)
     plan.check_variants()
-    check_parallel_plans(plan.models, plan.tp, plan.ep)
+    for ep in dict.fromkeys(args.ep):
+        check_parallel_plans(plan.models, plan.tp, ep)
     return plan, accelerator, nproc, notes
 
 
@@ -284,12 +292,12 @@ def run(args: argparse.Namespace) -> int:
     from ..bench.report import command_line, format_table
     from ..bench.session import run_bench
 
-    plan, accelerator, nproc, notes = _plan(args)
+    plan, accelerator, _, notes = _plan(args)
     output = output_path(args)
     rendezvous = {"node_rank": args.node_rank, "master_addr": args.master_addr,
                   "master_port": args.master_port} if args.nnodes > 1 else None
     doc = run_bench(plan, accelerator, command=command_line(command_argv(args)),
-                    options=_options(args), nproc_per_node=nproc, rendezvous=rendezvous,
+                    options=_options(args), rendezvous=rendezvous,
                     bandwidth_bytes=args.bandwidth_mib and args.bandwidth_mib * 2**20,
                     show_progress=not args.no_progress, notes=notes)
     print(format_table(doc))
