@@ -10,15 +10,17 @@ Definitions (all over the timed repeats; warm-up samples are kept in the JSON bu
 * ``e2e_tokens_per_s``: ``batch × new tokens / median whole-generate time`` (prefill included).
 * ``decode_gbps`` / ``bandwidth_pct`` and ``prefill_tflops``: see :mod:`.roofline`
   (``prefill_tflops`` over the record's ``active_params``, for an MoE model the dense ones and
-  the top-k share of the experts, where a record has them; else ``nonembedding_params``). Decode GB/s
-  is over the record's ``decode_bytes`` (for an MoE model: the dense parts and the experts
-  routed to, not every expert), or its ``weight_bytes`` where a record has none;
+  the top-k share of the experts, where a record has them; else ``nonembedding_params``).
+  Decode GB/s is over the record's ``decode_bytes`` (for an MoE model: the dense parts and the
+  experts routed to, not every expert), or its ``weight_bytes`` where a record has none;
   ``decode_bytes_method`` says which.
 * ``speedup``: baseline latency ÷ this variant's latency, per phase (> 1 is faster).
 * ``ranks`` (records of several ranks, ``--tp``/``--ep``): each rank's ``decode_gbps`` and
   ``bandwidth_pct`` over the bytes *its* decode step read (under expert parallelism: its dense
   parts and the experts it holds that were routed to) and its own median step. The record's
-  own figures are rank 0's.
+  own figures are rank 0's. ``all_ranks``: the bytes all ranks read per step together, over
+  the slowest rank's median step (the step the group completes), as GB/s and % of the
+  bandwidth: what ranks sharing one memory (a CPU socket) draw from it together.
 """
 
 from __future__ import annotations

@@ -390,7 +390,7 @@ def probe_experts_implementation(experts: str, accelerator: Accelerator, dtype) 
                           f"{', '.join(experts_implementations())}") from None
 
 
-# ----- --ep and --tp against each model (MoE, expert parallelism) ----------------------------------
+# ----- --ep and --tp against each model (MoE, expert parallelism) -------------------------------
 
 def check_expert_parallel(models: list[ModelSpec], ep: int, dispatch: str | None = None) -> None:
     """Refuse ``--ep`` > 1 (or ``--moe-dispatch``) before any load for a model that is not MoE

@@ -46,7 +46,8 @@ def record(spec: ModelSpec, variant: str, cell: Cell, **fields: Any) -> dict[str
     base = {"model": spec.name, "model_kind": spec.kind, "variant": variant,
             "baseline": is_baseline(variant), **asdict(cell), "status": "ok", "error": None,
             "dtype": None, "kernel_dtype": None, "world_size": 1, "weight_bytes": None,
-            "nonembedding_params": None, "active_params": None, "decode_bytes": None, "decode_bytes_method": None,
+            "nonembedding_params": None, "active_params": None, "decode_bytes": None,
+            "decode_bytes_method": None,
             "peak_memory_bytes": None, "samples": {"warmup": [], "repeats": []}}
     base.update(fields)
     return base
