@@ -335,3 +335,18 @@ def test_under_expert_parallelism_each_rank_quantizes_its_own_experts(ep_ranks, 
                                        quant={"weight": {"num_bits": bits}})
         rel, agree = parity(one(input_ids=ids).logits, torch.tensor(r0["logits"]))
         assert rel <= 0.01 and agree >= 0.9, (rel, agree)
+
+
+def test_an_expert_index_past_the_sentinel_is_refused_like_the_reference():
+    from shardwise.kernels.cpu import quant as cpu_quant
+    from shardwise.errors import KernelError
+
+    weights = [ref_quant.quantize_experts(torch.randn(2, n, k), 8) for n, k in ((32, 64),
+                                                                               (64, 16))]
+    x, routing = torch.randn(2, 64).to(BF16), torch.rand(2, 2)
+    for kernel in (ref_quant.quant_moe_mlp, cpu_quant.quant_moe_mlp):
+        packed = [kernel.prepack(w, 2, "cpu", BF16) for w in weights]
+        assert kernel(x, *packed, torch.tensor([[0, 2], [1, 2]]), routing)[1].abs().sum() > 0
+        with pytest.raises(KernelError, match="expert indices must be in 0..") as err:
+            kernel(x, *packed, torch.tensor([[0, 3], [1, 1]]), routing)
+        assert "another rank" in str(err.value)

@@ -55,6 +55,7 @@ from typing import Any
 import torch
 
 from shardwise import _torch_private as private
+from shardwise.errors import KernelError
 from shardwise.kernels.reference import moe as ref_moe
 from shardwise.kernels.reference.quant import (PackedQuantExperts, PackedQuantWeight,
                                                QuantizedWeight, QuantLinearKernel,
@@ -252,7 +253,11 @@ def _hit_experts_mlp(x, experts, weights, gu, dn, bits, gu_group, dn_group, acti
     n_experts = gu[0].shape[0]
     flat = experts.reshape(-1)
     order = torch.argsort(flat, stable=True)  # [T*k]
-    counts = torch.bincount(flat, minlength=n_experts + 1)[:n_experts].tolist()  # host ints
+    counts = torch.bincount(flat, minlength=n_experts + 1).tolist()  # host ints
+    if len(counts) > n_experts + 1:  # past the sentinel: the reference refuses them too
+        raise KernelError(f"expert indices must be in 0..{n_experts} ({n_experts}: another "
+                          f"rank's expert), got {len(counts) - 1}")
+    counts = counts[:n_experts]
     tokens = order // k  # the token of each sorted slot
     slot_weights = weights.reshape(-1)[order].float()
     xs = x[tokens]  # [T*k, H]
