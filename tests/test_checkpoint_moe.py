@@ -148,6 +148,16 @@ def test_moe_layouts_load_like_from_pretrained(tmp_path, arch, layout):
     assert r["bytes_read"] == r["param_bytes"]  # every tensor read once, nothing else
 
 
+def test_per_expert_bin_checkpoint(tmp_path):
+    """A pytorch_model.bin in the per-expert layout (older Mixtral releases) loads the same."""
+    path = save_moe("mixtral", tmp_path / "bin")
+    (file,) = weight_files(path)
+    torch.save(load_file(file), path / "pytorch_model.bin")
+    file.unlink()
+    with pytest.warns(UserWarning, match=r"\.bin files cannot be read slice by slice"):
+        assert_parity(parity(path))
+
+
 def test_bf16_from_a_per_expert_fp32_checkpoint(tmp_path):
     r = parity(save_moe("mixtral", tmp_path / "m"), dtype=torch.bfloat16)
     assert r["max_abs"] < 0.05 and r["tokens_equal"], r["max_abs"]

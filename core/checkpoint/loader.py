@@ -359,7 +359,7 @@ def _keys_message(missing: list[str], unexpected: list[str], model: nn.Module) -
 def _materialise(model: nn.Module, targets: list[Target], reader: Reader, device: torch.device,
                  dtype: torch.dtype | None, bar: Progress, hooks: tuple[TensorHook, ...] = ()
                  ) -> int:
-    for t in sorted(targets, key=lambda t: _first_file(reader.index, t)):
+    for t in sorted(targets, key=lambda t: _first_file(reader.index, _first_key(t))):
         _fill(model, t, reader, device, dtype, hooks)
         bar.update(reader.bytes_read)
     return len(targets)
@@ -382,9 +382,13 @@ def _fill(model: nn.Module, t: Target, reader: Reader, device: torch.device,
         _assign(model, name, value, t.is_buffer)
 
 
-def _first_file(index: CheckpointIndex, t: Target) -> str:
-    key = t.key if t.composite is None else t.composite.keys[0]
+def _first_file(index: CheckpointIndex, key: str) -> str:
     return str(index.pieces[key][0].info.file)
+
+
+def _first_key(t: Target) -> str:
+    """The checkpoint key ``t`` is read from first (its first expert's, when built from many)."""
+    return t.key if t.composite is None else t.composite.keys[0]
 
 
 def _read_target(t: Target, reader: Reader, dtype: torch.dtype | None) -> torch.Tensor:
