@@ -22,6 +22,9 @@ The applier (:mod:`shardwise.sharding.apply`) reads:
                       counts from ``self.config`` (Phi-3): each attention instance gets its own
                       :class:`~shardwise.sharding.apply.ConfigView` of the shared config with these
                       attributes overridden; the model's config is untouched.
+``attention_head_params`` attribute → ``"heads"`` or ``"kv_heads"``: a parameter of each attention
+                      module with one entry per head along dim 0 (GPT-OSS's ``sinks``), sliced to
+                      the rank's heads under TP (undone by close()).
 ``head_sliced_inputs`` pattern → :class:`~shardwise.sharding.inputs.HeadSlicedInput` s: forward
                       arguments built above the module for all heads (BLOOM's ALiBi ``alibi``),
                       narrowed to the rank's heads by an instance pre-hook on each matching module.
@@ -81,6 +84,7 @@ class Policy:
     attention_modules: ClassVar[tuple[str, ...]] = ()
     attention_attrs: ClassVar[dict[str, str]] = {}
     attention_config_attrs: ClassVar[dict[str, str]] = {}
+    attention_head_params: ClassVar[dict[str, str]] = {}
     head_sliced_inputs: ClassVar[dict[str, tuple]] = {}
     require_attention_attrs: ClassVar[bool] = True
     #: the MoE block's layout (a shardwise.moe.MoESpec), None for a dense family

@@ -225,6 +225,20 @@ _FAMILIES = [
            positions="rotary", moe=_EVERY_WORLD),
     # -- moe: deepseek_v3 --
     # -- moe: gpt_oss --
+    # GPT-OSS: attention sinks, a sliding layer (window 4, shorter than the test prompts) then a
+    # full one, YaRN rotary (each frequency once), q/k/v/o biases; 4 experts top-2 with a router
+    # bias, expert biases and the clamped SwiGLU (limit 0.1: it bites at these tiny weights);
+    # tp=2, ep=2 and both on 2 ranks also in test_attention_sinks.py
+    Family("gpt_oss", _cfg("GptOssConfig", hidden_size=64, intermediate_size=32,
+                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                           head_dim=16, num_local_experts=4, num_experts_per_tok=2,
+                           sliding_window=4, swiglu_limit=0.1, vocab_size=256,
+                           max_position_embeddings=256,
+                           rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0,
+                                            "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                            "truncate": False,
+                                            "original_max_position_embeddings": 64}),
+           positions="rotary", inject=(1,), graph_step=True, moe=_EVERY_WORLD),
 ]
 
 #: family name → :class:`Family`, in registry order

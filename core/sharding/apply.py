@@ -23,8 +23,8 @@ import torch
 from torch import nn
 
 from ..communicator import Communicator, LocalCommunicator
-from ..layout import (Range, RowParallel, ShardingError, VocabParallelEmbedding,
-                      VocabParallelHead)
+from ..layout import (HeadPartition, HeadSlicedInput, Range, RowParallel, ShardingError,
+                      VocabParallelEmbedding, VocabParallelHead)
 from ..ledger import add_hook, record
 from .inputs import install_head_slicers
 from .plan import ShardingPlan
@@ -353,9 +353,11 @@ class ConfigView:
 
 
 def set_attention_attrs(prepared: PreparedShards, rank: int) -> dict[str, dict[str, int]]:
-    """Set the policy's per-rank attributes (``num_heads`` …) on each attention instance, and give
+    """Set the policy's per-rank attributes (``num_heads`` …) on each attention instance, give
     it a :class:`ConfigView` with the policy's ``attention_config_attrs`` overridden (reported
-    as ``config.<attr>``). Both recorded: undoing puts the whole model's values back."""
+    as ``config.<attr>``) and narrow its ``attention_head_params`` to the rank's heads
+    (reported as their local count). All recorded: undoing puts the whole model's values
+    back."""
     out = {}
     heads = prepared.heads[rank] if prepared.heads else None
     policy = prepared.policy
@@ -371,7 +373,28 @@ def set_attention_attrs(prepared: PreparedShards, rank: int) -> dict[str, dict[s
             set_recorded(module, {"config": ConfigView(config, overrides)},
                          f"per-rank config view of {name}")
             values.update({f"config.{attr}": value for attr, value in overrides.items()})
+        values.update(_slice_head_params(module, name, policy, heads))
         out[name] = values
+    return out
+
+
+def _slice_head_params(module: nn.Module, name: str, policy: "Policy",
+                       heads: HeadPartition | None) -> dict[str, int]:
+    """The policy's ``attention_head_params`` of ``module`` ([heads, ...] along dim 0) replaced by
+    the rank's heads' entries, a view of the whole parameter (small: one entry per head), which
+    so stays in memory and which undoing puts back (recorded); attribute → the entries kept."""
+    out = {}
+    for attr, unit in getattr(policy, "attention_head_params", {}).items():
+        param = getattr(module, attr, None)
+        if heads is None or not isinstance(param, torch.Tensor):
+            continue
+        total, first, stop = HeadSlicedInput(attr, dim=0, unit=unit).head_range(heads)
+        if param.dim() == 0 or param.shape[0] != total:
+            raise ShardingError(f"{name}.{attr} has shape {tuple(param.shape)}; the policy's "
+                                f"attention_head_params says dim 0 holds its {total} {unit}")
+        local = nn.Parameter(param.detach()[first:stop], requires_grad=False)
+        set_recorded(module, {attr: local}, f"per-rank {attr} of {name}")
+        out[attr] = stop - first
     return out
 
 

@@ -241,7 +241,7 @@ def plan_from_hf(model: nn.Module) -> tuple[ShardingPlan | None, str]:
     prefix = base_prefix(model)
     modules = [(n, m) for n, m in model.named_modules() if n]
     output = _output_embeddings(model)
-    rows, unusable = [], []
+    rows, unusable, beyond_head = [], [], False
     for pattern, style in raw.items():
         matched = [m for n, m in modules if pattern_matches(pattern, n, prefix)]
         role = _translate_hf(style, matched, output)
@@ -249,11 +249,15 @@ def plan_from_hf(model: nn.Module) -> tuple[ShardingPlan | None, str]:
             unusable.append(f"{pattern}: {style}")
         elif matched:
             rows.append(PlanRow(pattern, role))
+            beyond_head = beyond_head or any(m is not output for m in matched)
     if unusable:
         return None, (f"the model's HF tp_plan uses entries shardwise cannot apply faithfully "
                       f"({'; '.join(unusable)})")
     if not rows:
         return None, "the model's HF tp_plan matches no module"
+    if not beyond_head:  # a causal-LM class's own entry alone (GPT-OSS: no base_model_tp_plan)
+        return None, ("the model's HF tp_plan splits only its LM head (its config has no "
+                      "base_model_tp_plan): it would leave the attention whole")
     return ShardingPlan(rows, "hf_tp_plan", strict=False), ""
 
 
