@@ -1,0 +1,73 @@
+"""Quantized experts at decode shapes: ``quant_moe_mlp`` (cpu, int8/int4) vs the float experts.
+
+    python benchmarks/kernel_quant_moe.py --threads 2 --tokens 1 8 --hidden 1024 --inter 2816
+
+For each token count: median µs per call (calls interleaved so machine noise hits all alike) of
+the float experts in fp32 and bf16 (the ``cpu`` backend's ``moe_grouped_mlp``, which ties HF's
+``grouped_mm``), and of the quantized experts (``quant_moe_mlp``, bf16 activations) in int8 per
+channel and int4 groups of 128, all on the same weights and routing (a softmax router, top-k,
+renormalised); and the GB/s of weight bytes read per call: the distinct experts hit × their
+bytes in that format (packed bytes and scales for the quantized ones).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+from timing import median_us
+
+from shardwise.kernels.cpu import moe as cpu_moe
+from shardwise.kernels.cpu import quant as cpu_quant
+from shardwise.kernels.reference import moe as ref
+from shardwise.kernels.reference.quant import quantize_experts
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--tokens", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--hidden", type=int, default=1024)
+    ap.add_argument("--inter", type=int, default=2816)
+    ap.add_argument("--experts", type=int, default=8)
+    ap.add_argument("--top-k", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=30)
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    h, i, e, k = args.hidden, args.inter, args.experts, args.top_k
+    g = torch.Generator().manual_seed(0)
+    gate_up = torch.randn(e, 2 * i, h, generator=g) * h ** -0.5
+    down = torch.randn(e, h, i, generator=g) * i ** -0.5
+    floats = {"fp32": (gate_up, down), "bf16": (gate_up.bfloat16(), down.bfloat16())}
+    kernel = cpu_quant.quant_moe_mlp
+    quantized = {}
+    for name, bits, group in (("int8", 8, -1), ("int4", 4, 128)):
+        quantized[name] = tuple(kernel.prepack(quantize_experts(w, bits, group), e, "cpu",
+                                               torch.bfloat16) for w in (gate_up, down))
+    per_expert = {name: sum(t.numel() * t.element_size() for t in pair) / e
+                  for name, pair in floats.items()}
+    per_expert.update({name: sum(p.nbytes for p in pair) / e for name, pair in quantized.items()})
+    print(f"threads={torch.get_num_threads()} H={h} I={i} E={e} k={k}; bytes per expert: "
+          + ", ".join(f"{n} {b / 2**20:.1f} MiB" for n, b in per_expert.items()))
+    for tokens in args.tokens:
+        x = torch.randn(tokens, h, generator=g)
+        weights, experts = ref.moe_route(torch.randn(tokens, e, generator=g), k,
+                                          renormalize=True)
+        hit = len(experts.unique())
+        calls = {"fp32": lambda: cpu_moe.moe_grouped_mlp(x, *floats["fp32"], experts, weights),
+                 "bf16": lambda: cpu_moe.moe_grouped_mlp(x.bfloat16(), *floats["bf16"],
+                                                         experts, weights)}
+        for name, pair in quantized.items():
+            calls[name] = (lambda pair=pair: kernel(x.bfloat16(), *pair, experts, weights))
+        with torch.no_grad():
+            times = median_us(list(calls.values()), args.repeats)
+        line = "  ".join(f"{name} {t:8.0f} us {hit * per_expert[name] / t / 1e3:5.1f} GB/s"
+                         for name, t in zip(calls, times))
+        speed = ", ".join(f"{name} {times[0] / t:.2f}x / {times[1] / t:.2f}x"
+                          for name, t in zip(list(calls)[2:], times[2:]))
+        print(f"  tokens={tokens:3d} experts hit={hit}: {line}  (vs fp32 / bf16: {speed})")
+
+
+if __name__ == "__main__":
+    main()
