@@ -7,9 +7,16 @@ Tolerances (tiny random models, tests/families.py, batch 2 × 8-token prompts; c
 measured under load on x86-64, torch 2.13):
 * fp32: logits within ``FP32_ATOL`` = 1e-4 of HF (the issue's bound; measured ≤ 2.1e-7: the
   grouped GEMMs sum in another order than HF's grouped_mm experts), 32 greedy tokens identical.
-* bf16: logits within ``BF16_ATOL`` of HF bf16 along HF's own greedy continuation (the router
-  weights stay float32 into the experts' float32 combine where HF rounds them and each expert's
-  output to bf16) and teacher-forced next-token agreement ≥ ``MIN_FORCED_AGREEMENT`` = 0.9.
+* bf16: logits within ``BF16_ATOL`` = 0.016 of HF bf16 along HF's own greedy continuation
+  (measured ≤ 0.0042, about one bf16 ulp at |logit| in [0.5, 1): the router weights stay float32
+  into the experts' float32 combine where HF rounds them and each expert's output to bf16; the
+  bound is test_inject.py's) and teacher-forced next-token agreement ≥
+  ``MIN_FORCED_AGREEMENT`` = 0.9 (measured ≥ 0.985: at most 1 of 66 positions).
+
+Families come from tests/families.py (``moe``), so every MoE family a policy adds is checked
+here; the tests read the block's parts by the family's MoESpec names. A family whose injected
+layer differs from HF's in bf16 beyond the MoE block (its own attention) states its bound as
+``Family.tolerances["moe_bf16"]``, with the measured value.
 """
 
 from __future__ import annotations
@@ -23,14 +30,14 @@ from shardwise.inject.injector import injected_stack
 from shardwise.ledger import Ledger
 from shardwise.moe import MoEBlockForward, MoEError, install_moe, to_stacked_layout
 from shardwise.plan import build_plan
-from families import families
+from families import families, family
 from graph_doubles import ReplayOnCpu
 from models import (MIN_FORCED_AGREEMENT, prompt_ids, teacher_forced_agreement,
                     tiny_causal_lm)
 
 FAMILIES = families(moe=1)  # tests/families.py
 FP32_ATOL = 1e-4
-BF16_ATOL = 0.05
+BF16_ATOL = 0.016
 NEW = 32
 GREEDY = dict(max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False, pad_token_id=0)
 
@@ -46,6 +53,10 @@ def _engine(model, dtype=torch.float32, **kwargs):
                                     replace_with_kernel_inject=True, **kwargs)
 
 
+def _spec(model):
+    return build_plan(model).policy.moe
+
+
 def _blocks(model):
     """(layer index, MoE block) of every MoE layer of an HF model (or an injected one)."""
     plan = build_plan(model)
@@ -53,9 +64,27 @@ def _blocks(model):
     return [(i, layers[i].get_submodule(plan.policy.moe.block)) for i in plan.experts.moe_layers]
 
 
-def _compare(ref, model, ids):
+def _part(block, spec, name):
+    """The block's part ``name`` ("router", "experts") by the family's MoESpec."""
+    return block.get_submodule(getattr(spec, name))
+
+
+_REFERENCES: dict = {}
+
+
+def _reference(arch, ids):
+    """HF's fp32 (logits, greedy tokens) for ``ids``, computed once per case."""
+    key = (arch, tuple(ids.flatten().tolist()))
+    if key not in _REFERENCES:
+        ref = tiny_causal_lm(arch)
+        with torch.no_grad():
+            _REFERENCES[key] = ref(ids).logits, ref.generate(ids, **GREEDY)
+    return _REFERENCES[key]
+
+
+def _compare(arch, model, ids):
+    ref_logits, ref_tokens = _reference(arch, ids)
     with torch.no_grad():
-        ref_logits, ref_tokens = ref(ids).logits, ref.generate(ids, **GREEDY)
         logits, tokens = model(input_ids=ids).logits, model.generate(ids, **GREEDY)
     return (logits - ref_logits).abs().max().item(), ref_tokens, tokens
 
@@ -65,10 +94,10 @@ def _compare(ref, model, ids):
 
 @pytest.mark.parametrize("arch", FAMILIES)
 def test_fp32_parity_injected(arch):
-    ref, engine = tiny_causal_lm(arch), _engine(tiny_causal_lm(arch))
+    engine = _engine(tiny_causal_lm(arch))
     assert injected_stack(engine.module) is not None
     assert engine.moe.experts and set(engine.moe.experts.values()) == {"kernel"}
-    max_abs, ref_tokens, tokens = _compare(ref, engine, prompt_ids(batch=2, length=8))
+    max_abs, ref_tokens, tokens = _compare(arch, engine, prompt_ids(batch=2, length=8))
     print(f"{arch} injected fp32: max |logit diff| {max_abs:.2e}")
     assert max_abs < FP32_ATOL
     assert torch.equal(tokens, ref_tokens)
@@ -78,19 +107,21 @@ def test_fp32_parity_injected(arch):
 def test_fp32_parity_blocks_alone_and_ledger_gives_them_back(arch):
     """Without injection: install_moe alone on the HF layers (what ep > 1 and quant run on a
     model that is not injected), then the ledger's undo puts HF's forwards back."""
-    ref, model = tiny_causal_lm(arch), tiny_causal_lm(arch)
+    model = tiny_causal_lm(arch)
     ledger = Ledger(model)
     with ledger.recording():
         report = install_moe(model, build_plan(model), _cpu(), torch.float32)
     assert report.layers == build_plan(model).experts.moe_layers
     assert all("forward" in vars(block) for _, block in _blocks(model))
-    max_abs, ref_tokens, tokens = _compare(ref, model, prompt_ids(batch=2, length=8))
+    max_abs, ref_tokens, tokens = _compare(arch, model, prompt_ids(batch=2, length=8))
     print(f"{arch} blocks alone fp32: max |logit diff| {max_abs:.2e}")
     assert max_abs < FP32_ATOL
     assert torch.equal(tokens, ref_tokens)
     ledger.give_back()
+    spec = _spec(model)
     for _, block in _blocks(model):
-        assert "forward" not in vars(block) and "forward" not in vars(block.experts)
+        assert "forward" not in vars(block)
+        assert "forward" not in vars(_part(block, spec, "experts"))
 
 
 @pytest.mark.parametrize("arch", FAMILIES)
@@ -105,7 +136,7 @@ def test_bf16_parity(arch):
     max_abs = (logits - ref_logits).abs().max().item()
     forced = teacher_forced_agreement(ref_logits, logits, ids.shape[1])
     print(f"{arch} bf16: max |logit diff| {max_abs:.4f}, teacher-forced agreement {forced:.3f}")
-    assert max_abs < BF16_ATOL
+    assert max_abs < family(arch).tolerances.get("moe_bf16", BF16_ATOL)
     assert forced >= MIN_FORCED_AGREEMENT
 
 
@@ -116,20 +147,19 @@ def test_graph_decode_step_matches(monkeypatch, arch):
     from shardwise.accelerators.cpu import CpuAccelerator
 
     monkeypatch.setattr(CpuAccelerator, "graph_strategy", lambda self: ReplayOnCpu())
-    ref, engine = tiny_causal_lm(arch), _engine(tiny_causal_lm(arch), enable_graph=True)
+    engine = _engine(tiny_causal_lm(arch), enable_graph=True)
     assert engine.moe.capturable  # the cpu backend's moe ops are
-    max_abs, ref_tokens, tokens = _compare(ref, engine, prompt_ids(batch=2, length=8))
+    max_abs, ref_tokens, tokens = _compare(arch, engine, prompt_ids(batch=2, length=8))
     assert max_abs < FP32_ATOL and torch.equal(tokens, ref_tokens)
 
 
 def test_moe_compiled_graph_decode():
     """The CPU's compiled decode step (torch.compile) traces the MoE block: no host sync, same
     tokens as HF."""
-    ref, engine = tiny_causal_lm("mixtral"), _engine(tiny_causal_lm("mixtral"),
-                                                     enable_graph=True)
+    engine = _engine(tiny_causal_lm("mixtral"), enable_graph=True)
     ids = prompt_ids(batch=1, length=8)
     with torch.no_grad():
-        assert torch.equal(engine.generate(ids, **GREEDY), ref.generate(ids, **GREEDY))
+        assert torch.equal(engine.generate(ids, **GREEDY), _reference("mixtral", ids)[1])
     assert engine.module.base_model.graphs.buckets() == {1}
 
 
@@ -139,20 +169,29 @@ def test_moe_compiled_graph_decode():
 def _zero_routers(model):
     """Every router weight zero: equal scores, so every token's top-k is experts 0..k-1 (the
     lowest indices win ties, in HF's topk as in the kernel's)."""
+    spec = _spec(model)
     with torch.no_grad():
         for _, block in _blocks(model):
-            block.gate.weight.zero_()
+            router = _part(block, spec, "router")
+            router.weight.zero_()
+            if getattr(router, "bias", None) is not None:  # GPT-OSS's router bias
+                router.bias.zero_()
+            if spec.correction_bias:  # DeepSeek-V3's: for the choice only
+                getattr(router, spec.correction_bias).zero_()
     return model
 
 
 @pytest.mark.parametrize("arch", FAMILIES)
 def test_adversarial_routing_every_token_to_the_same_experts(arch):
-    """Every token of every MoE layer to the same experts: exact (HF's output), no token
+    """Every token of every MoE layer to the same experts (a 2 × 16-token prompt: 32 tokens on
+    one expert pair, far past an even share): HF's logits at every position, so no token was
     dropped."""
-    ref, model = _zero_routers(tiny_causal_lm(arch)), _zero_routers(tiny_causal_lm(arch))
-    engine = _engine(model)
-    max_abs, ref_tokens, tokens = _compare(ref, engine, prompt_ids(batch=2, length=8))
-    assert max_abs < FP32_ATOL and torch.equal(tokens, ref_tokens)
+    ref = _zero_routers(tiny_causal_lm(arch))
+    engine = _engine(_zero_routers(tiny_causal_lm(arch)))
+    ids = prompt_ids(batch=2, length=16)
+    with torch.no_grad():
+        max_abs = (engine(input_ids=ids).logits - ref(ids).logits).abs().max().item()
+    assert max_abs < FP32_ATOL
 
 
 def test_block_is_dropless_with_every_token_on_one_expert():
@@ -235,8 +274,10 @@ def test_close_restores_the_hf_blocks(arch):
     before = {k: v.clone() for k, v in model.state_dict().items()}
     engine = _engine(model, enable_graph=False)
     assert engine.close() is model
+    spec = _spec(model)
     for _, block in _blocks(model):
-        assert "forward" not in vars(block) and "forward" not in vars(block.experts)
+        assert "forward" not in vars(block)
+        assert "forward" not in vars(_part(block, spec, "experts"))
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     ids = prompt_ids(batch=2, length=8)
     with torch.no_grad():
@@ -252,7 +293,7 @@ def test_a_policy_without_moe_spec_is_refused_before_any_change(monkeypatch):
     with pytest.raises(MoEError, match="gives no MoESpec"):
         _engine(model)
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
-    assert all("forward" not in vars(block) for _, block in _blocks(model))
+    assert all("forward" not in vars(layer.mlp) for layer in model.model.layers)
 
 
 def test_a_block_not_where_the_spec_says_is_named(monkeypatch):

@@ -295,7 +295,7 @@ def check_moe(model: nn.Module, plan, accelerator=None, dtype: torch.dtype | Non
     return spec
 
 
-# ----- the GPT-OSS layout hook ----------------------------------------------------------------------
+# ----- the GPT-OSS layout hook ------------------------------------------------------------------
 
 
 def to_stacked_layout(experts: nn.Module, layout: str) -> None:
