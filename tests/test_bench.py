@@ -601,7 +601,8 @@ def test_recorded_command_parses_back_to_the_same_options():
     from shardwise.cli.bench import command_argv
 
     argv = ["bench", "--preset", TINY, "--preset", "gpt2-2l-64h", "--batch", "1", "4",
-            "--tp", "2", "--quant", "int4", "--graphs", "--output", "x.json"]
+            "--tp", "2", "--quant", "int4", "--graphs", "--output", "x.json", "--ep", "1", "2",
+            "--moe-dispatch", "all_to_all"]
     words = command_argv(build_parser().parse_args(argv))
     assert words[:4] == ["--preset", TINY, "--preset", "gpt2-2l-64h"]
     assert _options(["bench", *words]) == _options(argv)
