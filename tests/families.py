@@ -224,6 +224,33 @@ _FAMILIES = [
                              vocab_size=256, max_position_embeddings=256),
            positions="rotary", moe=_EVERY_WORLD),
     # -- moe: deepseek_v3 --
+    # DeepSeek-V3: multi-head latent attention (query LoRA, latent 32 + rotary 8, key part 16,
+    # value 16: v narrower than q/k), interleaved rotary; a leading dense layer
+    # (first_k_dense_replace), 8 experts in 4 groups (2 chosen), top-2, sigmoid router with
+    # correction bias, routed_scaling_factor 1.5, 1 shared expert. Its bf16 bound is its own:
+    # sigmoid scores of tiny random routers lie within a bf16 ulp of each other, so HF's own
+    # bf16 model re-routes tokens against its fp32 one and lands 0.037 from it (at V3's scale
+    # 2.5: 0.067); shardwise's bf16 is 0.004 from HF fp32 and 0.037 from HF bf16 (measured;
+    # another group split only moves which model re-routes: 2 groups, HF 0.004, shardwise 0.018)
+    Family("deepseek_v3", _cfg("DeepseekV3Config", hidden_size=64, intermediate_size=128,
+                               moe_intermediate_size=32, num_hidden_layers=3,
+                               num_attention_heads=4, num_key_value_heads=4, q_lora_rank=32,
+                               kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
+                               v_head_dim=16, n_routed_experts=8, n_group=4, topk_group=2,
+                               num_experts_per_tok=2, n_shared_experts=1,
+                               routed_scaling_factor=1.5, first_k_dense_replace=1,
+                               num_mtp_layers=0, vocab_size=256, max_position_embeddings=256),
+           positions="rotary", moe=(1,), tolerances={"moe_bf16": 0.05}),
+    # its attention alone (every layer dense): one q_proj (no query LoRA), "half" rotary
+    # (rope_interleave off), a value wider than q/k (v 32 > 16 + 8)
+    Family("deepseek_v3-mla", _cfg("DeepseekV3Config", hidden_size=64, intermediate_size=128,
+                                   num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=32,
+                                   qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=32,
+                                   rope_interleave=False, first_k_dense_replace=2,
+                                   num_mtp_layers=0, vocab_size=256,
+                                   max_position_embeddings=256),
+           positions="rotary", inject=(1,), graph_step=True),
     # -- moe: gpt_oss --
     # GPT-OSS: attention sinks, a sliding layer (window 4, shorter than the test prompts) then a
     # full one, YaRN rotary (each frequency once), q/k/v/o biases; 4 experts top-2 with a router

@@ -60,11 +60,12 @@ class KVCacheMemoryError(ConfigError):
 
 
 def kv_cache_bytes(num_layers: int, batch: int, kv_heads: int, max_tokens: int, head_dim: int,
-                   dtype: torch.dtype) -> int:
+                   dtype: torch.dtype, tensors: int = 2) -> int:
     """Bytes of a static cache: layers × 2 (k, v) × batch × kv heads × max_tokens × head_dim ×
-    the dtype's size (kv heads: this rank's under tensor parallelism)."""
+    the dtype's size (kv heads: this rank's under tensor parallelism). ``tensors``: 1 for a
+    latent cache, whose one tensor is both keys and values (:mod:`shardwise.inject.mla`)."""
     itemsize = torch.empty((), dtype=dtype).element_size()
-    return num_layers * 2 * batch * kv_heads * max_tokens * head_dim * itemsize
+    return num_layers * tensors * batch * kv_heads * max_tokens * head_dim * itemsize
 
 
 def free_memory_of(free_memory: Callable[[int], int] | None, device: torch.device) -> int | None:
@@ -109,16 +110,20 @@ def kv_memory_error(need: int, free: int | None, *, batch: int, max_tokens: int,
 
 
 class KVBuffers:
-    """Preallocated keys and values of every layer (see the module docstring)."""
+    """Preallocated keys and values of every layer (see the module docstring). ``values=False``:
+    one tensor per layer that is keys and values at once (``v`` is ``k``: multi-head latent
+    attention's latent cache, :mod:`shardwise.inject.mla`)."""
 
     def __init__(self, num_layers: int, batch: int, kv_heads: int, max_tokens: int,
-                 head_dim: int, dtype: torch.dtype, device: torch.device) -> None:
+                 head_dim: int, dtype: torch.dtype, device: torch.device,
+                 values: bool = True) -> None:
         shape = (batch, kv_heads, max_tokens, head_dim)
         # never inference tensors (even when the first forward runs in inference mode): those
         # could not be written by a later forward under no_grad
         with torch.inference_mode(False):
             self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-            self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+            self.v = ([torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+                      if values else self.k)
         self.batch, self.max_tokens = batch, max_tokens
         self.dtype, self.device = dtype, device
 
@@ -132,8 +137,13 @@ class KVBuffers:
         return self.batch == batch and self.dtype == dtype and self.device == device
 
     @property
+    def tensors(self) -> list[torch.Tensor]:
+        """Every cache tensor once (a latent cache's ``v`` is its ``k``)."""
+        return list(self.k) if self.v is self.k else [*self.k, *self.v]
+
+    @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (*self.k, *self.v))
+        return sum(t.numel() * t.element_size() for t in self.tensors)
 
 
 class StaticKVCache(Cache):
@@ -158,7 +168,8 @@ class StaticKVCache(Cache):
                                  f"{buffers.batch}")
         rows = slice(0, self.batch)
         self.k = buffers.k if self.batch == buffers.batch else [t[rows] for t in buffers.k]
-        self.v = buffers.v if self.batch == buffers.batch else [t[rows] for t in buffers.v]
+        self.v = (self.k if buffers.v is buffers.k else  # a latent cache: keys = values
+                  buffers.v if self.batch == buffers.batch else [t[rows] for t in buffers.v])
         self.length = 0  # tokens written (same for every sequence: left padding, not ragged)
         self.starts: torch.Tensor | None = None  # [batch] first real token, None: no padding
         self._owner, self._generation = owner, generation
@@ -237,7 +248,7 @@ class StaticKVCache(Cache):
         self.check_live()
         idx = beam_idx.to(self.buffers.device)
         n = self.length
-        for t in (*self.k, *self.v):
+        for t in (self.k if self.v is self.k else (*self.k, *self.v)):  # each tensor once
             t[:, :, :n].copy_(t[:, :, :n].index_select(0, idx))
         if self.starts is not None:
             self.starts = self.starts.index_select(0, idx)

@@ -24,7 +24,8 @@ from ..policy import HeadCounts
 from ..sharding.partition import HeadPartition
 from .cache import check_kv_fits, free_memory_of, kv_cache_bytes
 from .layers import InjectedModel, Kernels, LayerSetup
-from .spec import ACTIVATIONS, Attention, InjectionSpec, Positions
+from .mla import latent_cache_width
+from .spec import ACTIVATIONS, Attention, InjectionSpec, LatentAttention, Positions
 
 log = logging.getLogger(__name__)
 
@@ -204,12 +205,16 @@ def _setups(model: nn.Module, spec: InjectionSpec, hf_layers: nn.ModuleList, cou
         raise InjectionError(f"{type(model).__name__}: the sequential residual form needs the "
                              f"norm before the MLP, which the policy does not name")
     out = []
+    # latent attention decodes as multi-query attention over one latent "kv head" of L + R
+    cache_heads, cache_dim = ((1, latent_cache_width(hf_layers, spec.attention, q_heads))
+                              if isinstance(spec.attention, LatentAttention)
+                              else (kv_heads, head_dim))
     windows = _windows(config, spec.attention, len(hf_layers), max_tokens)
     for index, (layer, window) in enumerate(zip(hf_layers, windows)):
         scale = _scale(config, spec.attention, layer, index, head_dim)
         alibi = None if slopes is None else slopes * (scale if positions.alibi_scaled else 1.0)
         sinks = _sinks(model, spec.attention, layer, index, counts, heads)
-        out.append(LayerSetup(q_heads, kv_heads, head_dim, scale, window, alibi, act[1],
+        out.append(LayerSetup(q_heads, cache_heads, cache_dim, scale, window, alibi, act[1],
                               parallel, sinks))
     return out
 
@@ -272,7 +277,7 @@ class InjectionPlan:
     def kv_bytes(self, dtype: torch.dtype, batch: int = 1) -> int:
         """Bytes of the static KV cache for ``batch`` sequences (this rank's kv heads)."""
         return kv_cache_bytes(len(self.hf_layers), batch, self.kv_heads, self.max_tokens,
-                              self.head_dim, dtype)
+                              self.head_dim, dtype, tensors=self.spec.attention.cache_tensors)
 
 
 def plan_injection(model: nn.Module, accelerator: Accelerator, dtype: torch.dtype,

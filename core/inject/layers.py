@@ -41,6 +41,7 @@ from shardwise.kernels.reference.rotary import rotary_cos_sin
 from ..errors import ShardwiseError
 from .cache import (THREADS_HINT, ConcurrentUseError, KVBuffers, StaticKVCache, check_kv_fits,
                     free_memory_of, kv_cache_bytes, kv_memory_error)
+from .mla import latent_core
 from .spec import InjectionSpec
 
 log = logging.getLogger(__name__)
@@ -206,8 +207,10 @@ class InjectedLayer(nn.Module):
         self.widths = [self.q_heads * self.head_dim, *[self.kv_heads * self.head_dim] * 2]
         self._bind_adopted()
         self.fused_qkv = len(self.parts.qkv) == 1
+        # multi-head latent attention (DeepSeek): its own attention, over a latent cache
+        self.latent_attn = latent_core(self, spec, self.q_heads, index)
         width = sum(out_width(proj) for proj in self.parts.qkv)
-        if width != sum(self.widths):
+        if self.latent_attn is None and width != sum(self.widths):
             raise ShardwiseError(f"layer {index}: the q/k/v projections give {width} features, "
                                  f"not {self.q_heads} q + 2 × {self.kv_heads} kv heads of "
                                  f"{self.head_dim}; the policy's head counts do not match the "
@@ -289,6 +292,8 @@ class InjectedLayer(nn.Module):
 
     def _attention(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         """x [b, s, hidden] → the output projection of the attention [b, s, hidden]."""
+        if self.latent_attn is not None:
+            return self.latent_attn(self, x, ctx)
         b, s, _ = x.shape
         kernels = self.kernels
         q, k, v = self._qkv(x)  # [b, s, heads, d]
@@ -566,15 +571,16 @@ class InjectedModel(nn.Module):
     def _allocate(self, rows: int, dtype: torch.dtype, device: torch.device) -> KVBuffers:
         """New buffers for ``rows`` sequences, checked against the device's free memory first
         (an allocator failure is reported the same way)."""
+        tensors = self.spec.attention.cache_tensors  # 1: a latent cache (keys = values)
         need = kv_cache_bytes(len(self.parts.layers), rows, self.kv_heads, self.max_tokens,
-                              self.head_dim, dtype)
+                              self.head_dim, dtype, tensors=tensors)
         free = free_memory_of(self.free_memory, device)
         where = f"device {device}"
         if free is not None:
             check_kv_fits(need, free, batch=rows, max_tokens=self.max_tokens, where=where)
         try:
             return KVBuffers(len(self.parts.layers), rows, self.kv_heads, self.max_tokens,
-                             self.head_dim, dtype, device)
+                             self.head_dim, dtype, device, values=tensors == 2)
         except (torch.OutOfMemoryError, RuntimeError) as exc:
             if not isinstance(exc, torch.OutOfMemoryError) and "alloc" not in str(exc).lower():
                 raise

@@ -166,6 +166,12 @@ class Attention:
         """One fused q/k/v projection (else three)."""
         return len(self.qkv) == 1
 
+    @property
+    def cache_tensors(self) -> int:
+        """Tensors per layer in the static KV cache: keys and values (a
+        :class:`LatentAttention`'s latent is both: 1)."""
+        return 2
+
     def __post_init__(self) -> None:
         problems = []
         if not _is_names(self.qkv, (1, 3)):
@@ -181,6 +187,62 @@ class Attention:
         if self.sinks is not None and (not isinstance(self.sinks, str) or not self.sinks):
             problems.append(f"sinks={self.sinks!r} (a dotted parameter name, or None)")
         _check("Attention", problems)
+
+
+@dataclass(frozen=True)
+class LatentAttention(Attention):
+    """Multi-head latent attention (DeepSeek-V2/V3's MLA; validated on construction): keys and
+    values come from one low-rank latent per token shared by every head, plus one rotary key
+    part shared by every head. The injected layer runs it with :mod:`shardwise.inject.mla`,
+    whose docstring gives the math and the KV cache it keeps (the latent: :attr:`cache_tensors`
+    is 1). ``qkv`` stays empty; the score scale, windows and ``out_proj`` are as
+    :class:`Attention` (the scale: the attention module's ``scaling``, YaRN's factor included,
+    or ``scale``). The widths (latent, key parts, value) are read from the weights' shapes.
+
+    Attributes:
+        q_proj: the one query projection [heads * (nope + rope), hidden] of a model without
+            query LoRA (DeepSeek's ``q_lora_rank=None``).
+        q_a_proj / q_a_norm / q_b_proj: the query LoRA: down-projection, its RMS norm, and the
+            up-projection to [heads * (nope + rope)]. A model has these or ``q_proj``; the
+            policy may name both and each layer uses what it holds.
+        kv_a_proj: hidden → [latent | rotary key] (``kv_a_proj_with_mqa``).
+        kv_a_norm: the RMS norm of the latent.
+        kv_b_proj: latent → per head [key without rotary | value] (column-parallel by heads
+            under TP); it has no bias.
+    """
+
+    qkv: tuple[str, ...] = ()
+    out_proj: str = ""
+    q_proj: str | None = None
+    q_a_proj: str | None = None
+    q_a_norm: str | None = None
+    q_b_proj: str | None = None
+    kv_a_proj: str = ""
+    kv_a_norm: str = ""
+    kv_b_proj: str = ""
+
+    @property
+    def cache_tensors(self) -> int:
+        """The latent cache is keys and values at once (:mod:`shardwise.inject.mla`)."""
+        return 1
+
+    def __post_init__(self) -> None:
+        problems = []
+        if self.qkv:
+            problems.append(f"qkv={self.qkv!r} (latent attention has no q/k/v projections: "
+                            f"leave it empty)")
+        for name in ("out_proj", "kv_a_proj", "kv_a_norm", "kv_b_proj"):
+            value = getattr(self, name)
+            if not isinstance(value, str) or not value:
+                problems.append(f"{name}={value!r} (a dotted module name)")
+        lora = (self.q_a_proj, self.q_a_norm, self.q_b_proj)
+        if not self.q_proj and not all(lora):
+            problems.append("the queries need q_proj or all of q_a_proj, q_a_norm, q_b_proj")
+        if self.qkv_layout != "blocks" or self.qk_norm is not None:
+            problems.append("qkv_layout / qk_norm do not apply to latent attention")
+        if self.windowed_kinds and not self.layer_kinds_config:
+            problems.append("windowed_kinds needs layer_kinds_config (where the kinds are read)")
+        _check("LatentAttention", problems)
 
 
 @dataclass(frozen=True)
