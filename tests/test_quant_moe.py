@@ -68,16 +68,17 @@ def _oracle(float_experts, quantized: QuantExperts, x, ids, weights):
 
 
 @pytest.mark.parametrize("arch", MOE)
-@pytest.mark.parametrize("bits", [8, 4])
-def test_parity_with_the_fp32_model(arch, bits):
+@pytest.mark.parametrize("bits,inject", [(8, False), (4, False), (8, True)])
+def test_parity_with_the_fp32_model(arch, bits, inject):
     ref, model = tiny_causal_lm(arch), tiny_causal_lm(arch)
     ids = prompt_ids(batch=2, length=16)
     with torch.no_grad():
         ref_logits = ref(ids).logits
     engine = shardwise.init_inference(model, device="cpu", dtype=BF16,
-                                      quant={"weight": {"num_bits": bits}})
+                                      quant={"weight": {"num_bits": bits}},
+                                      replace_with_kernel_inject=inject)
     rel, agree = parity(ref_logits, engine(input_ids=ids).logits)
-    print(f"{arch} int{bits}: rel {rel:.4f} agree {agree:.2f}")
+    print(f"{arch} int{bits}{' injected' if inject else ''}: rel {rel:.4f} agree {agree:.2f}")
     max_rel, min_agree = OWN_BOUNDS.get((arch, bits), BOUNDS[bits])
     assert rel <= max_rel and agree >= min_agree, (rel, agree)
     experts = _experts(ref)
