@@ -178,6 +178,11 @@ def check_dims(world: int, rank: int, tp: int = 1, pp: int = 1, dp: int | None =
             f"world = pp × tp × dp: {pp} × {tp} × {dp_size} = {pp * tp * dp_size}, not the "
             f"world of {world} ranks; with pp_size={pp} and tp_size={tp}, dp_size would be "
             f"{world // (pp * tp)}")
+    if ep > 1 and world == 1:
+        raise ShardingError(
+            f"ep_size={ep} needs {ep} ranks (one share of the experts each), but this process "
+            f"runs alone (WORLD_SIZE is unset or 1); launch {ep} ranks, e.g. `torchrun "
+            f"--nproc-per-node {ep} your_script.py` (WORLD_SIZE={ep})")
     if (tp * dp_size) % ep:
         raise ShardingError(
             f"ep_size={ep} must divide tp × dp = {tp * dp_size} (the expert-parallel group is "

@@ -83,6 +83,8 @@ def test_a_model_no_plan_fits_has_no_roles_on_one_rank_and_the_plan_says_why():
     (dict(world=4, rank=0, tp=4, ep=2), NotSupportedYetError,
      r"expert parallelism over part of the world \(ep_size=2 of 4 ranks.*run with ep_size=4"),
     (dict(world=4, rank=0, tp=1, ep=2), NotSupportedYetError, "ep_size=2 of 4 ranks"),
+    (dict(world=1, rank=0, ep=2), ShardingError,
+     r"ep_size=2 needs 2 ranks .*this process runs alone.*torchrun --nproc-per-node 2"),
     (dict(world=4, rank=0, tp=4, ep=3), ShardingError,
      "ep_size=3 must divide tp × dp = 4.*ep sizes that would work: 1, 2, 4"),
     (dict(world=6, rank=0, tp=4, pp=1, dp=1), ShardingError,
