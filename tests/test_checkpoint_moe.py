@@ -272,7 +272,8 @@ RSS_MODEL = dict(hidden_size=256, intermediate_size=1024, num_local_experts=8)
 UNEVEN = dict(num_experts=5)
 #: the loader's peak above the parameters a rank holds: one expert's tensor read at a time (1 MiB
 #: here; a per-expert layout is built in place) plus allocator and bookkeeping slack; measured
-#: 4-7 MiB (per-expert) and 0 (stacked) on a shared 2-core machine
+#: 1-7 MiB (per-expert) and ≤ 0.3 MiB (stacked) on a shared 2-core machine, the loader alone or
+#: all of init_inference
 RSS_SLACK = 8 << 20
 
 
@@ -292,41 +293,52 @@ def _ep_parity(path: Path, **kwargs) -> dict:
     return _plain(parity(path, **{**EP2, **kwargs}))
 
 
-def _ep2_load(path: Path):
-    """(the model, the load report): ``path`` loaded at ep=2 by the loader alone."""
+def _loader_alone(path: Path):
+    """A callable loading ``path`` at ep=2 with the loader alone (the plan's slices), returning
+    (the model, the load report)."""
     from shardwise.checkpoint import load_checkpoint, skeleton
     from shardwise.plan import build_plan
 
     desc = describe(path)
     model = skeleton(None, desc, torch.float32)  # parameters on meta: nothing allocated
     plan = build_plan(model, ep_size=2)
-    return model, partial(load_checkpoint, model, desc, prepared=plan.sharding, rank=plan.rank)
+    return lambda: (model, load_checkpoint(model, desc, prepared=plan.sharding, rank=plan.rank))
 
 
-def _peak_load(path: Path, warm_up: Path) -> dict:
-    """This rank's peak resident memory while loading ``path`` at ep=2 (VmHWM reset to the
-    current RSS first), against the bytes of the parameters it holds after the load. A tiny
-    load of the same layout runs first, so the process's one-time costs (imports, torch's
-    thread pool) are not counted as the load's."""
+def _engine(path: Path):
+    """A callable building the ep=2 engine from ``path`` (every step of init_inference)."""
+    def build():
+        engine = shardwise.init_inference(None, checkpoint=str(path), device="cpu",
+                                          dtype=torch.float32, **EP2)
+        return engine.module, engine.checkpoint_load
+    return build
+
+
+def _peak_load(how, path: Path, warm_up: Path) -> dict:
+    """This rank's peak resident memory while loading ``path`` at ep=2 (``how``: the loader
+    alone or init_inference; VmHWM reset to the current RSS first), against the bytes of the
+    parameters it holds after. The same load of a tiny checkpoint of the same layout runs first,
+    so the process's one-time costs (imports, torch's thread pool) are not counted."""
     from shardwise.accelerators.cpu import return_freed_memory
 
-    _ep2_load(warm_up)[1]()
-    model, load = _ep2_load(path)
+    how(warm_up)()
+    load = how(path)
     gc.collect()
     return_freed_memory()  # earlier cases' freed heap back to the system: new pages count
     Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
     base = _vm_kib("VmRSS")
-    report = load()
+    model, report = load()
     peak = (_vm_kib("VmHWM") - base) << 10
-    held = sum(p.numel() * p.element_size() for p in model.parameters())
-    return dict(peak=peak, held=held, bytes_read=report.bytes_read, whole=report.bytes_before)
+    return dict(peak=peak, held=state_bytes(model), bytes_read=report.bytes_read,
+                whole=report.bytes_before)
 
 
 def _pair_cases(rank: int, root: str) -> dict:
     root = Path(root)
-    cases = {f"rss-{layout}": partial(_peak_load, root / f"rss-{layout}",
-                                      root / f"mixtral-{layout}")
-             for layout in ("per_expert", "stacked")}  # first: a process with little history
+    cases = {f"rss-{name}-{layout}": partial(_peak_load, how, root / f"rss-{layout}",
+                                             root / f"mixtral-{layout}")
+             for layout in ("per_expert", "stacked")  # first: a process with little history
+             for name, how in (("loader", _loader_alone), ("engine", _engine))}
     for arch in EP_ARCHS:
         for layout in ("per_expert", "stacked"):
             cases[f"ep2-{arch}-{layout}"] = partial(_ep_parity, root / f"{arch}-{layout}")
@@ -417,14 +429,16 @@ def test_ep2_checkpoint_merges_to_one_rank(ep_world):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", ["per_expert", "stacked"])
-def test_ep2_peak_memory_is_own_experts_plus_replicated(ep_world, layout):
+@pytest.mark.parametrize("how", ["loader", "engine"])
+def test_ep2_peak_memory_is_own_experts_plus_replicated(ep_world, how, layout):
     """Per-rank peak RSS while loading ≈ the parameters the rank holds (its experts + the
-    replicated parts) plus one expert's tensor and allocator slack, well under the whole model.
-    The measure is the process's VmHWM (reset before the load), so it is real memory."""
-    for r in case(ep_world[1], f"rss-{layout}"):
+    replicated parts) plus one expert's tensor and allocator slack, well under the whole model:
+    for the loader alone and for the whole init_inference. The measure is the process's VmHWM
+    (reset before the load), so it is real memory."""
+    for r in case(ep_world[1], f"rss-{how}-{layout}"):
         mib = {k: round(v / 2**20, 1) for k, v in r.items()
                if isinstance(v, int) and not isinstance(v, bool)}
-        print(f"rss {layout}: {mib}")
+        print(f"rss {how} {layout}: {mib}")
         assert r["bytes_read"] == r["held"] < 0.6 * r["whole"], mib
         assert r["peak"] <= r["held"] + RSS_SLACK, mib
         assert r["peak"] < 0.75 * r["whole"], mib
