@@ -265,6 +265,8 @@ def _activation_cases():
 
 # ----- attention ------------------------------------------------------------------------------
 
+#: attention sinks for 4 heads (GPT-OSS): one dominating, one vanishing, two in the scores' range
+SINKS = torch.tensor([6.0, -30.0, 0.5, -1.0])
 PREFILL_CASES = {  # name: (batch, q_heads, kv_heads, q_len, kv_len, kwargs(device))
     "causal-gqa": (2, 4, 2, 13, 13, lambda dev: {}),
     "encoder-mqa": (2, 4, 1, 13, 13, lambda dev: {"causal": False}),
@@ -281,8 +283,12 @@ PREFILL_CASES = {  # name: (batch, q_heads, kv_heads, q_len, kv_len, kwargs(devi
     "window-padding-alibi-gqa": (3, 4, 2, 13, 13, lambda dev: {
         "window": 5, "alibi_slopes": alibi_slopes(4, dev),
         "key_padding_mask": padding_mask(3, 13, dev)}),
+    "sinks-window-gqa": (2, 4, 2, 13, 13, lambda dev: {"window": 4, "sinks": SINKS.to(dev)}),
+    "sinks-padding-chunk-mqa": (3, 4, 1, 5, 13, lambda dev: {
+        "key_padding_mask": padding_mask(3, 13, dev), "sinks": SINKS.to(dev)}),
 }
-GPU_PREFILL = ["causal-gqa", "padding-alibi", "encoder", "window-gqa", "window-padding-alibi"]
+GPU_PREFILL = ["causal-gqa", "padding-alibi", "encoder", "window-gqa", "window-padding-alibi",
+               "sinks-window-gqa"]
 
 
 def _prefill_build(batch, q_heads, kv_heads, q_len, kv_len, kwargs, d=24):
@@ -309,8 +315,10 @@ def _gpu_prefill_build(case, seq):
         if "padding-alibi" in case:
             kw.update(key_padding_mask=padding_mask(batch, seq, device),
                       alibi_slopes=alibi_slopes(32, device))
-        if case.startswith("window"):  # 256 (Mistral-like, tile-aligned), 100 (not aligned)
+        if "window" in case:  # 256 (Mistral-like, tile-aligned), 100 (not aligned)
             kw["window"] = 256 if gqa else 100
+        if "sinks" in case:
+            kw["sinks"] = randn(32, device=device, seed=9)
         return [Call((q, k, v), kw, resolve={"head_dim": 128})]
     return build
 
@@ -323,12 +331,14 @@ DECODE_CASES = [(2, False, False, None), (1, True, True, None), (4, False, True,
                 (2, False, False, 8), (1, True, True, 20), (4, False, True, 1),
                 (2, True, False, 100)]
 TRITON_DECODE = {0, 1, 2, 7, 8, 9, 10}
+#: attention sinks: (kv_heads, starts, window); cpu and triton (in the reduction of 3 splits)
+SINK_DECODE = [(2, True, 8), (1, False, None), (4, True, None)]
 #: the interpreter's decode: 40 tokens in splits of 16 (3 splits, the last one partial; length
 #: 23 ends mid-split, start 17 begins in the second)
 SPLITS = {"num_splits": 3, "block_n": 16}
 
 
-def _decode_build(kv_heads, alibi, starts, window, same=False):
+def _decode_build(kv_heads, alibi, starts, window, same=False, sinks=False):
     def build(dtype, device, target):
         q = heads(4, 4, 1, 24, dtype, device)
         lengths, firsts = DECODE_LENGTHS, DECODE_STARTS if starts else None
@@ -340,6 +350,8 @@ def _decode_build(kv_heads, alibi, starts, window, same=False):
         kw = {"alibi_slopes": alibi_slopes(4, device) if alibi else None, "window": window}
         if firsts:
             kw["starts"] = torch.tensor(firsts, device=device)
+        if sinks:
+            kw["sinks"] = SINKS.to(device)
         n = torch.tensor(lengths, device=device, dtype=torch.int32 if target == "triton"
                          else torch.int64)
         return [Call((q, k_cache, v_cache, n), kw,
@@ -353,7 +365,7 @@ def _decode_default_split(dtype, device, target):
     return [Call((q, k_cache, v_cache, torch.tensor([36, 5], device=device)))]
 
 
-def _gpu_decode_build(batch, kv_heads, alibi, window):
+def _gpu_decode_build(batch, kv_heads, alibi, window, sinks=False):
     def build(dtype, device, target):
         g = torch.Generator().manual_seed(batch)
         lengths = torch.randint(1, 4097, (batch,), generator=g).tolist()
@@ -367,6 +379,8 @@ def _gpu_decode_build(batch, kv_heads, alibi, window):
         kw = {"starts": torch.tensor(starts, device=device), "window": window}
         if alibi:
             kw["alibi_slopes"] = alibi_slopes(32, device)
+        if sinks:
+            kw["sinks"] = randn(32, device=device, seed=9)
         return [Call((q, k_cache, v_cache, lens), kw, resolve={"head_dim": 128})]
     return build
 
@@ -390,10 +404,21 @@ def _attention_cases():
                        _decode_build(kvh, alibi, starts, None, same=True), {"cpu": ALL}, close)
     yield Case("attention_decode", "default-split", _decode_default_split,
                {"cpu": ALL, "triton": (F32,)}, close)
+    for kvh, starts, window in SINK_DECODE:  # attention sinks (GPT-OSS)
+        yield Case("attention_decode", f"sinks-kv{kvh}-starts{int(starts)}-window{window}",
+                   _decode_build(kvh, False, starts, window, sinks=True),
+                   {"cpu": ALL, "triton": (F32, BF16)}, decode_check)
+    yield Case("attention_decode", "sinks-same-ranges", _decode_build(2, False, True, None, True,
+                                                                      sinks=True),
+               {"cpu": ALL}, close)
     for batch, kvh, alibi, window in itertools.product((1, 4, 16), (8, 1), (False, True),
                                                        (None, 1000)):
         yield Case("attention_decode", f"gpu-b{batch}-kv{kvh}-alibi{int(alibi)}-w{window}",
                    _gpu_decode_build(batch, kvh, alibi, window), {"cuda": HALF}, decode_check)
+    for batch, window in itertools.product((1, 16), (None, 128)):
+        yield Case("attention_decode", f"gpu-b{batch}-kv8-sinks-w{window}",
+                   _gpu_decode_build(batch, 8, False, window, sinks=True), {"cuda": HALF},
+                   decode_check)
 
 
 # ----- kv cache -------------------------------------------------------------------------------
