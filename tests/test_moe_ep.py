@@ -7,7 +7,7 @@ routing), and a rank dying inside the all-to-all. Every case runs in ONE pair of
 (tests/tp_harness.py pattern); the rank that dies gets a pair of its own.
 
 Measured under load (x86-64, torch 2.13): fp32 logits within 2.1e-7 of HF, the dispatch paths
-within 3.6e-7 of one process; bf16 within 0.005 of HF bf16.
+within 3.6e-7 of one process; bf16 within 0.005 of HF bf16 (DeepSeek-V3 0.037: its own bound).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import transformers
 
 import shardwise
 from distributed import run_ranks
-from families import families
+from families import families, family
 from models import MIN_FORCED_AGREEMENT, prompt_ids, teacher_forced_agreement, tiny_causal_lm
 from tp_harness import case, digest, run_cases, run_pair
 
@@ -32,7 +32,8 @@ FAMILIES = families(moe=2)  # tests/families.py
 #: fp32 logits of a whole model vs HF (the issue's bound)
 FP32_ATOL = 1e-4
 #: bf16 logits vs HF bf16 along HF's greedy continuation (as tests/test_moe.py; the ep
-#: all-reduce adds the ranks' bf16 partial outputs, one more rounding)
+#: all-reduce adds the ranks' bf16 partial outputs, one more rounding), unless the family states
+#: its own ``tolerances["moe_bf16"]``
 BF16_ATOL = 0.05
 NEW = 32
 GREEDY = dict(max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False, pad_token_id=0)
@@ -326,7 +327,8 @@ def test_family_matches_hf_over_ep_and_tp(ranks, name):
             assert r["max_abs"] < FP32_ATOL, f"{name}: {r['max_abs']:.2e}"
             assert r["tokens_equal"], f"{name}: {NEW} greedy tokens differ from HF's"
         else:
-            assert r["max_abs"] < BF16_ATOL, f"{name}: {r['max_abs']:.3f}"
+            bound = family(arch).tolerances.get("moe_bf16", BF16_ATOL)
+            assert r["max_abs"] < bound, f"{name}: {r['max_abs']:.3f}"
             assert r["forced"] >= MIN_FORCED_AGREEMENT, f"{name}: {r['forced']:.3f}"
     assert r0["digest"] == r1["digest"] and r0["tokens"] == r1["tokens"]
     if ep == 2:
