@@ -333,6 +333,29 @@ def _peak_load(how, path: Path, warm_up: Path) -> dict:
                 whole=report.bytes_before)
 
 
+def _loaded_slices(path: Path) -> dict:
+    """``path`` loaded at ep=2 by the loader alone, each tensor compared with from_pretrained's:
+    equal, or (an experts module's) equal to its rows [start, stop) of this rank's experts."""
+    from shardwise.checkpoint import load_checkpoint, skeleton
+    from shardwise.plan import build_plan
+
+    desc = describe(path)
+    model = skeleton(None, desc, torch.float32)
+    plan = build_plan(model, ep_size=2)
+    load_checkpoint(model, desc, prepared=plan.sharding, rank=plan.rank)
+    start, stop = plan.experts.range
+    ref = dict(transformers.AutoModelForCausalLM.from_pretrained(path).state_dict())
+    sliced, wrong = [], []
+    for name, tensor in model.state_dict().items():
+        want = ref[name]
+        if any(name.startswith(s.name + ".") for s in plan.sharding.experts):
+            want = want[start:stop]
+            sliced.append(name)
+        if tensor.shape != want.shape or not torch.equal(tensor, want):
+            wrong.append(name)
+    return dict(sliced=sliced, wrong=wrong, range=[start, stop])
+
+
 def _pair_cases(rank: int, root: str) -> dict:
     root = Path(root)
     cases = {f"rss-{name}-{layout}": partial(_peak_load, how, root / f"rss-{layout}",
@@ -342,6 +365,8 @@ def _pair_cases(rank: int, root: str) -> dict:
     for arch in EP_ARCHS:
         for layout in ("per_expert", "stacked"):
             cases[f"ep2-{arch}-{layout}"] = partial(_ep_parity, root / f"{arch}-{layout}")
+    for arch in MOE_ARCHS:
+        cases[f"slices-{arch}"] = partial(_loaded_slices, root / f"{arch}-per_expert")
     cases["ep2tp2-mixtral"] = partial(_ep_parity, root / "mixtral-per_expert",
                                       tensor_parallel={"tp_size": 2})
     cases["save-ep2"] = partial(_ep_parity, root / "uneven",  # experts split 3 + 2
@@ -356,8 +381,8 @@ def _pair_cases(rank: int, root: str) -> dict:
 @pytest.fixture(scope="module")
 def ep_world(tmp_path_factory):
     root = tmp_path_factory.mktemp("moe")
-    for arch in EP_ARCHS:
-        for layout in ("per_expert", "stacked"):
+    for arch in MOE_ARCHS:
+        for layout in ("per_expert", "stacked") if arch in EP_ARCHS else ("per_expert",):
             save_moe(arch, root / f"{arch}-{layout}", layout)
     save_moe("qwen3_moe", root / "uneven", **UNEVEN)
     ep1 = shardwise.init_inference(None, checkpoint=str(root / "mixtral-stacked"), device="cpu",
@@ -383,6 +408,19 @@ def test_ep2_reads_only_its_experts(ep_world, arch, layout):
     for r in (r0, r1):
         assert_parity(r)
         assert r["bytes_read"] == r["param_bytes"], r["summary"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", MOE_ARCHS)
+def test_ep2_loader_reads_every_familys_expert_rows(ep_world, arch):
+    """For every MoE family (GPT-OSS's expert biases and DeepSeek-V3's per-expert layout too):
+    the loader alone at ep=2 gives each rank exactly its rows of every experts-module tensor
+    and every other tensor whole, as from_pretrained has them."""
+    r0, r1 = case(ep_world[1], f"slices-{arch}")
+    for r in (r0, r1):
+        assert r["sliced"] and not r["wrong"], r
+    assert r0["range"][1] == r1["range"][0] and r0["range"][0] == 0
+    assert r1["range"][1] == expert_count(arch)
 
 
 @pytest.mark.slow
