@@ -7,20 +7,37 @@ the float experts in fp32 and bf16 (the ``cpu`` backend's ``moe_grouped_mlp``, w
 ``grouped_mm``), and of the quantized experts (``quant_moe_mlp``, bf16 activations) in int8 per
 channel and int4 groups of 128, all on the same weights and routing (a softmax router, top-k,
 renormalised); and the GB/s of weight bytes read per call: the distinct experts hit × their
-bytes in that format (packed bytes and scales for the quantized ones).
+bytes in that format (packed bytes and scales for the quantized ones). ``--clock cpu`` times with
+the process's CPU time instead of the wall clock (on a shared machine it leaves out the time
+other processes take; with ``--threads 1`` it is the call's own compute time).
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
+import time
 
 import torch
-from timing import median_us
 
 from shardwise.kernels.cpu import moe as cpu_moe
 from shardwise.kernels.cpu import quant as cpu_quant
 from shardwise.kernels.reference import moe as ref
 from shardwise.kernels.reference.quant import quantize_experts
+
+
+def median_us(fns, repeats: int, clock, warmup: int = 3) -> list[float]:
+    """Median microseconds per call of each function on ``clock``, calls interleaved."""
+    for _ in range(warmup):
+        for f in fns:
+            f()
+    times: list[list[float]] = [[] for _ in fns]
+    for _ in range(repeats):
+        for i, f in enumerate(fns):
+            start = clock()
+            f()
+            times[i].append(clock() - start)
+    return [statistics.median(t) * 1e6 for t in times]
 
 
 def main() -> None:
@@ -32,7 +49,9 @@ def main() -> None:
     ap.add_argument("--experts", type=int, default=8)
     ap.add_argument("--top-k", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=30)
+    ap.add_argument("--clock", choices=("wall", "cpu"), default="wall")
     args = ap.parse_args()
+    clock = time.perf_counter if args.clock == "wall" else time.process_time
     if args.threads:
         torch.set_num_threads(args.threads)
     h, i, e, k = args.hidden, args.inter, args.experts, args.top_k
@@ -48,7 +67,8 @@ def main() -> None:
     per_expert = {name: sum(t.numel() * t.element_size() for t in pair) / e
                   for name, pair in floats.items()}
     per_expert.update({name: sum(p.nbytes for p in pair) / e for name, pair in quantized.items()})
-    print(f"threads={torch.get_num_threads()} H={h} I={i} E={e} k={k}; bytes per expert: "
+    print(f"threads={torch.get_num_threads()} clock={args.clock} H={h} I={i} E={e} k={k}; "
+          f"bytes per expert: "
           + ", ".join(f"{n} {b / 2**20:.1f} MiB" for n, b in per_expert.items()))
     for tokens in args.tokens:
         x = torch.randn(tokens, h, generator=g)
@@ -61,7 +81,7 @@ def main() -> None:
         for name, pair in quantized.items():
             calls[name] = (lambda pair=pair: kernel(x.bfloat16(), *pair, experts, weights))
         with torch.no_grad():
-            times = median_us(list(calls.values()), args.repeats)
+            times = median_us(list(calls.values()), args.repeats, clock)
         line = "  ".join(f"{name} {t:8.0f} us {hit * per_expert[name] / t / 1e3:5.1f} GB/s"
                          for name, t in zip(calls, times))
         speed = ", ".join(f"{name} {times[0] / t:.2f}x / {times[1] / t:.2f}x"
