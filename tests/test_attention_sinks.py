@@ -12,10 +12,13 @@
   sliding and full layers once injected, the policy's tensor-parallel plan (not HF's, which
   splits only the LM head), and on 2 gloo ranks tp=2, ep=2 and both with and without injection
   (fp32 logits within ``RANKS_ATOL`` of HF, 32 greedy tokens identical; measured <= 2e-7,
-  under load, x86-64, torch 2.13), with close() giving back HF's model bit for bit.
+  under load, x86-64, torch 2.13), with close() giving back HF's model bit for bit; a TP=2
+  checkpoint (each rank its heads' sinks) read back at tp 2 and 1.
 """
 
 from __future__ import annotations
+
+from functools import partial
 
 import pytest
 import torch
@@ -26,7 +29,7 @@ import shardwise
 from shardwise import KernelError
 from shardwise.kernels.cpu import attention as cpu
 from shardwise.kernels.reference import attention as ref
-from tp_harness import _with_random_biases, case, digest, table_fixture
+from tp_harness import _with_random_biases, case, digest, run_pair, run_table
 
 F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
 #: sink logits per head (4 heads): one dominating, one vanishing, two in the scores' range
@@ -320,7 +323,7 @@ RANK_CASES = {
 }
 
 
-def _rank_case(rank: int, settings: dict, inject: bool) -> dict:
+def _rank_case(rank: int, settings: dict, inject: bool, save_to: str | None = None) -> dict:
     from models import prompt_ids, tiny_causal_lm
 
     ref_model = _with_random_biases(tiny_causal_lm("gpt_oss"))
@@ -335,21 +338,37 @@ def _rank_case(rank: int, settings: dict, inject: bool) -> dict:
     sinks_held = model.model.layers[0].self_attn.sinks.numel()
     logits = engine(input_ids=ids).logits
     tokens = engine.generate(ids, **gen)
+    reload_max_abs = None
+    if save_to:  # each rank writes its heads' sinks; read back at the same tp size
+        engine.save_checkpoint(save_to)
+        again = shardwise.init_inference(None, checkpoint=save_to, device="cpu",
+                                         dtype=torch.float32, **settings)
+        reload_max_abs = (again(input_ids=ids).logits - want).abs().max().item()
+        again.close()
     engine.close()
     after = model.state_dict()
-    return dict(max_abs=(logits - want).abs().max().item(),
+    return dict(max_abs=(logits - want).abs().max().item(), reload_max_abs=reload_max_abs,
                 tokens_equal=torch.equal(tokens, want_tokens), digest=digest(logits),
                 sinks_held=sinks_held,
                 restored=after.keys() == before.keys() and all(
                     torch.equal(after[k], v) for k, v in before.items()))
 
 
-ranks = table_fixture(_rank_case, RANK_CASES, "gpt_oss_ranks", deadline_s=420)
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    """Every case of RANK_CASES in ONE pair of ranks; "tp2" also saves a checkpoint: (each rank's
+    results, the checkpoint's directory)."""
+    saved = tmp_path_factory.mktemp("gpt_oss_tp2_checkpoint")
+    table = {name: (*args, str(saved) if name == "tp2" else None)
+             for name, args in RANK_CASES.items()}
+    results = run_pair(partial(run_table, fn=_rank_case, table=table),
+                       tmp_path_factory.mktemp("gpt_oss_ranks"), deadline_s=420)
+    return results, saved
 
 
 @pytest.mark.parametrize("name", list(RANK_CASES))
 def test_gpt_oss_on_two_ranks_matches_hf(ranks, name):
-    r0, r1 = case(ranks, name)
+    r0, r1 = case(ranks[0], name)
     settings, _ = RANK_CASES[name]
     print(f"gpt_oss {name}: max |logit diff| {max(r0['max_abs'], r1['max_abs']):.2e}")
     for r in (r0, r1):
@@ -358,3 +377,22 @@ def test_gpt_oss_on_two_ranks_matches_hf(ranks, name):
         assert r["restored"]  # sinks whole, experts gathered and back in GPT-OSS's layout
         assert r["sinks_held"] == (2 if "tensor_parallel" in settings else 4)
     assert r0["digest"] == r1["digest"]
+
+
+def test_gpt_oss_tp2_checkpoint_reads_back_at_tp2_and_tp1(ranks):
+    """The sinks are split by heads in a TP=2 checkpoint like the q projection (saved as the
+    rank's half of a whole tensor they would not load: a shape error at tp 1)."""
+    from models import prompt_ids, tiny_causal_lm
+
+    results, saved = ranks
+    r0, r1 = case(results, "tp2")
+    assert r0["reload_max_abs"] < RANKS_ATOL and r1["reload_max_abs"] < RANKS_ATOL
+    ref_model = _with_random_biases(tiny_causal_lm("gpt_oss"))
+    ids = prompt_ids(batch=2, length=8)
+    with torch.no_grad():
+        want = ref_model(ids).logits
+    engine = shardwise.init_inference(None, checkpoint=str(saved), device="cpu",
+                                      dtype=torch.float32)
+    assert engine.module.model.layers[0].self_attn.sinks.shape == (4,)
+    assert (engine(input_ids=ids).logits - want).abs().max().item() < RANKS_ATOL
+    engine.close()

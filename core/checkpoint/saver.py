@@ -191,6 +191,26 @@ def _shard_entries(prepared: PreparedShards, ranks: int) -> dict[str, dict[str, 
                 out[f"{spec.name}.{pname}"] = {
                     "dim": keep[0], "size": spec.size,
                     "ranges": [[list(r) for r in rank[pname][1]] for rank in per_rank]}
+    out.update(_head_param_entries(prepared))
+    return out
+
+
+def _head_param_entries(prepared: PreparedShards) -> dict[str, dict[str, Any]]:
+    """The attention modules' per-head parameters the policy narrows to each rank's heads
+    (``Policy.attention_head_params``: GPT-OSS's sinks), split along dim 0 by the heads."""
+    out = {}
+    params = getattr(prepared.policy, "attention_head_params", {})
+    if not prepared.heads or not params:
+        return out
+    for name, module in prepared.attention.items():
+        for attr, unit in params.items():
+            if not isinstance(getattr(module, attr, None), torch.Tensor):
+                continue
+            ranges = [h.q_range if unit == "heads" else h.kv_range for h in prepared.heads]
+            total = prepared.heads[0].num_heads if unit == "heads" else \
+                prepared.heads[0].num_kv_heads
+            out[f"{name}.{attr}"] = {"dim": 0, "size": total,
+                                     "ranges": [[list(r)] for r in ranges]}
     return out
 
 
