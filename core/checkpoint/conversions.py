@@ -83,7 +83,7 @@ class Composite:
         concatenated intermediate copy is ever held. Otherwise the converter runs as it is."""
         chosen = {p: keys if select is None else [keys[i] for i in select]
                   for p, keys in self.sources.items()}
-        if shapes is not None and self._placement(len(next(iter(shapes.values()))) + 1):
+        if shapes is not None and self._placement(len(shapes[self.keys[0]]) + 1):
             return self._place(load, chosen, shapes)
         return self._convert(load, chosen)
 
