@@ -139,7 +139,11 @@ def streamed_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
     slot_expert = flat[order]  # [S]
     here = slot_expert < n_local  # [S]
     read = torch.where(here, slot_expert, torch.where(here, slot_expert, 0).max())  # [S]
-    h = slot_rows(gate_up, read, x.float()[order // k])  # [S, 2I]
+    # each token once per slot, sorted, float32: written by a scatter, which inductor always
+    # writes out (a gather it would fold into the loop, converting x again for every row)
+    xs = x.new_empty(flat.shape[0], hidden, dtype=torch.float32).index_copy_(
+        0, rank, x.float().repeat_interleave(k, 0))  # [S, H]
+    h = slot_rows(gate_up, read, xs)  # [S, 2I]
     if gate_up_bias is not None:
         h = h + gate_up_bias.float()[read]
     # rank[order] is the identity, but inductor cannot see it: the indirect read makes it lay
