@@ -351,3 +351,15 @@ def test_an_expert_index_past_the_sentinel_is_refused_like_the_reference():
         with pytest.raises(KernelError, match="expert indices must be in 0..") as err:
             kernel(x, *packed, torch.tensor([[0, 3], [1, 1]]), routing)
         assert "another rank" in str(err.value)
+
+
+@pytest.mark.parametrize("bits,symmetric", [(8, True), (4, False)])
+def test_stacked_experts_quantize_row_by_row_as_one_linear(bits, symmetric):
+    """quantize_experts (one expert at a time) is the [E * N, K] linear's format exactly: every
+    expert row its own scales (and zero points)."""
+    w = torch.randn(3, 16, 64, generator=torch.Generator().manual_seed(2))
+    stacked = ref_quant.quantize_experts(w, bits, 32, symmetric)
+    flat = ref_quant.quantize_weight(w.reshape(-1, 64), bits, 32, symmetric)
+    assert torch.equal(stacked.qweight, flat.qweight) and torch.equal(stacked.scales, flat.scales)
+    assert (stacked.zeros is None) == symmetric
+    assert symmetric or torch.equal(stacked.zeros, flat.zeros)

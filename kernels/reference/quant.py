@@ -393,7 +393,11 @@ def quantize_experts(w: torch.Tensor, bits: int = 8, group_size: int | None = -1
     if w.dim() != 3:
         raise QuantizationError(f"expected stacked expert weights [experts, out, in], got "
                                 f"{tuple(w.shape)}")
-    return quantize_weight(w.reshape(-1, w.shape[2]), bits, group_size, symmetric)
+    # one expert at a time: the float32 working copy is one expert's, not the layer's
+    parts = [quantize_weight(w[e], bits, group_size, symmetric) for e in range(w.shape[0])]
+    zeros = torch.cat([p.zeros for p in parts]) if not symmetric else None
+    return QuantizedWeight(torch.cat([p.qweight for p in parts]),
+                           torch.cat([p.scales for p in parts]), zeros, bits, parts[0].group_size)
 
 
 def expert_spec(qw: QuantizedWeight, experts: int) -> QuantSpec:
