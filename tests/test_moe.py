@@ -305,6 +305,17 @@ def test_a_block_not_where_the_spec_says_is_named(monkeypatch):
         _engine(tiny_causal_lm("mixtral"))
 
 
+def test_an_unknown_dispatch_is_refused_before_any_change():
+    from shardwise.errors import ConfigError
+
+    model = tiny_causal_lm("mixtral")
+    with pytest.raises(ConfigError, match="dispatch must be one of"):
+        install_moe(model, build_plan(model), _cpu(), torch.float32, dispatch="broadcast")
+    assert all("forward" not in vars(block) for _, block in _blocks(model))
+    report = install_moe(model, build_plan(model), _cpu(), torch.float32, dispatch="auto")
+    assert report.dispatch == "all_reduce"  # the same tokens on every rank
+
+
 def test_moe_ep1_without_injection_leaves_the_hf_blocks():
     """moe={"ep_size": 1} alone does not run the MoE step (nothing to change)."""
     engine = shardwise.init_inference(tiny_causal_lm("mixtral"), moe={"ep_size": 1},

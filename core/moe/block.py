@@ -115,6 +115,8 @@ class MoEReport:
     ep_size: int
     backends: dict[str, str]
     capturable: bool
+    #: how the ep ranks combine the routed outputs: "all_reduce" or "all_to_all"
+    dispatch: str = "all_reduce"
     #: layer index → ``"kernel"`` (HF's experts module on the moe kernels) or the class name of
     #: a replacement called as it is (a quantized experts module)
     experts: dict[int, str] = field(default_factory=dict)
@@ -124,8 +126,9 @@ class MoEReport:
         kinds = sorted(set(self.experts.values()))
         return (f"MoE: {len(self.layers)} blocks through the moe kernels "
                 f"({', '.join(f'{op}={b}' for op, b in self.backends.items())}), experts "
-                f"[{start}, {end}) of {self.total} on this rank (ep={self.ep_size}); experts "
-                f"modules: {', '.join(kinds) or 'none'}")
+                f"[{start}, {end}) of {self.total} on this rank (ep={self.ep_size}"
+                f"{', ' + self.dispatch if self.ep_size > 1 else ''}); experts modules: "
+                f"{', '.join(kinds) or 'none'}")
 
 
 def _moe_spec(policy) -> MoESpec:
@@ -454,11 +457,17 @@ def install_moe(model: nn.Module, plan, accelerator, dtype: torch.dtype | None =
         plan: the model's :class:`~shardwise.plan.Plan` (its policy's MoESpec, its experts and,
             with ep > 1, the bound ep group).
         accelerator: resolves the moe kernels; ``dtype``: theirs (None: the router weight's).
-        dispatch: ``"all_reduce"`` (every rank holds the same tokens) or ``"all_to_all"``.
+        dispatch: ``"all_reduce"``, ``"all_to_all"`` or ``"auto"`` (the ``moe=`` setting;
+            the engine's ranks hold the same tokens, so auto is all_reduce:
+            :func:`shardwise.moe.dispatch.resolve_dispatch`).
 
     Raises:
         MoEError: no MoESpec, a block or weight not as the spec says, an unsupported activation.
+        ConfigError: an unknown ``dispatch``.
     """
+    from .dispatch import resolve_dispatch
+
+    dispatch = resolve_dispatch(dispatch)  # before any change
     if plan.experts is None:
         raise MoEError(f"{type(model).__name__} is not a Mixture-of-Experts model (the plan has "
                        f"no experts)")
@@ -479,7 +488,7 @@ def install_moe(model: nn.Module, plan, accelerator, dtype: torch.dtype | None =
         if report is None:
             kernels = resolve_moe_kernels(accelerator, dtype)
             report = MoEReport(experts_plan.moe_layers, experts_plan.range, experts_plan.total,
-                               plan.ep.size, kernels.backends, kernels.capturable)
+                               plan.ep.size, kernels.backends, kernels.capturable, dispatch)
         if is_hf_experts(parts.experts):
             to_stacked_layout(parts.experts, spec.layout)
             set_forward(parts.experts, ExpertsKernelForward(
@@ -492,6 +501,7 @@ def install_moe(model: nn.Module, plan, accelerator, dtype: torch.dtype | None =
                                                  experts_plan.range, experts_plan.total,
                                                  ep_group, dispatch), "MoE block forward")
     if report is None:  # no MoE layer (possible for a config with every layer dense)
-        report = MoEReport((), experts_plan.range, experts_plan.total, plan.ep.size, {}, True)
+        report = MoEReport((), experts_plan.range, experts_plan.total, plan.ep.size, {}, True,
+                           dispatch)
     log.info("shardwise: %s", report.summary())
     return report
