@@ -204,6 +204,33 @@ def test_an_expert_range_reads_only_its_experts_tensors(tmp_path, arch):
     assert read == part.numel() * part.element_size()
 
 
+@pytest.mark.parametrize("cat", [1, -1, -3])
+def test_in_place_and_per_range_builds_follow_the_converters_dims(cat):
+    """A stack then a concatenation (along dim 1, the last, or -3: the stacked dim itself) built
+    in place and per expert range gives what transformers' operations give on the whole, sliced;
+    only a concatenation along a known other dim lets a range be built from its entries."""
+    from transformers.core_model_loading import Concatenate, MergeModulelist, WeightConverter
+
+    from shardwise.checkpoint.conversions import Composite
+
+    conv = WeightConverter(["experts.*.a", "experts.*.b"], "experts.ab",
+                           operations=[MergeModulelist(dim=0), Concatenate(dim=cat)])
+    g = torch.Generator().manual_seed(0)
+    tensors = {f"experts.{e}.{p}": torch.randn(3, 2, generator=g)
+               for e in range(4) for p in ("a", "b")}
+    entry = Composite("experts.ab", conv, {
+        "experts.*.a": [f"experts.{e}.a" for e in range(4)],
+        "experts.*.b": [f"experts.{e}.b" for e in range(4)]})
+    shapes = {"norm.weight": (7, 7, 7), **{k: tuple(v.shape) for k, v in tensors.items()}}
+    whole = entry.build(tensors.__getitem__)  # transformers' operations
+    assert entry.stack_dim == (0 if cat == 1 else None)
+    torch.testing.assert_close(entry.build(tensors.__getitem__, shapes=shapes), whole,
+                               rtol=0, atol=0)
+    if entry.stack_dim == 0:
+        got = entry.build(tensors.__getitem__, select([(1, 3)]), shapes)
+        torch.testing.assert_close(got, whole[1:3], rtol=0, atol=0)
+
+
 # ----- bad input: named, before any weight is read ----------------------------------------------
 
 @pytest.mark.parametrize("layout", ["per_expert", "stacked"])

@@ -54,15 +54,16 @@ class Composite:
     @property
     def stack_dim(self) -> int | None:
         """The dim the per-module lists are stacked along when a range of it can be built from
-        the matching list entries alone (``MergeModulelist`` first, then only operations that
-        leave that dim alone); None otherwise (the tensor is built whole, then narrowed)."""
+        the matching list entries alone (``MergeModulelist`` first, then only concatenations
+        along other dims); None otherwise (the tensor is built whole, then narrowed). Negative
+        dims are not resolved here (the rank is not known): such a converter counts as None."""
         from transformers.core_model_loading import Concatenate, MergeModulelist
 
         ops = list(self.converter.operations)
-        if not ops or type(ops[0]) is not MergeModulelist:
+        if not ops or type(ops[0]) is not MergeModulelist or ops[0].dim < 0:
             return None
         dim = ops[0].dim
-        if all(type(op) is Concatenate and op.dim != dim for op in ops[1:]):
+        if all(type(op) is Concatenate and 0 <= op.dim != dim for op in ops[1:]):
             return dim
         return None
 
@@ -83,25 +84,23 @@ class Composite:
         concatenated intermediate copy is ever held. Otherwise the converter runs as it is."""
         chosen = {p: keys if select is None else [keys[i] for i in select]
                   for p, keys in self.sources.items()}
-        if shapes is not None and self._placement(len(shapes[self.keys[0]]) + 1):
+        if shapes is not None and self._placement() is not None:
             return self._place(load, chosen, shapes)
         return self._convert(load, chosen)
 
-    def _placement(self, ndim: int) -> tuple[int, int | None] | None:
-        """(stack dim, concatenation dim or None) of a plain stack of ``ndim`` dims, else None."""
+    def _placement(self) -> tuple[int, int | None] | None:
+        """(stack dim, concatenation dim or None) of a plain stack, else None."""
         ops = list(self.converter.operations)
         if self.stack_dim is None or len(ops) > 2:
             return None
-        stack = ops[0].dim % ndim
-        cat = ops[1].dim % ndim if len(ops) == 2 else None
-        return None if cat == stack else (stack, cat)
+        return self.stack_dim, ops[1].dim if len(ops) == 2 else None
 
     def _place(self, load: Callable[[str], torch.Tensor], chosen: dict[str, list[str]],
                shapes: dict[str, tuple[int, ...]]) -> torch.Tensor:
         def empty(key: str) -> torch.Tensor:
             return torch.empty(shapes[key], device="meta")
         shape = self._convert(empty, chosen).shape  # what the converter builds: its own ops
-        stack, cat = self._placement(len(shape))
+        stack, cat = self._placement()
         out, offset = None, 0
         for keys in chosen.values():  # the converter's pattern order, which Concatenate keeps
             width = 0
