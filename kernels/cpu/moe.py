@@ -112,7 +112,7 @@ def slot_rows(w: torch.Tensor, slot_expert: torch.Tensor, v: torch.Tensor) -> to
     [N/C, S, C, K] (tests only)."""
     e, n, k = w.shape
     chunk = row_chunk(n)
-    blocks = w.view(e, n // chunk, chunk, k).transpose(0, 1)  # [N/C, E, C, K]
+    blocks = w.reshape(e, n // chunk, chunk, k).transpose(0, 1)  # [N/C, E, C, K]
     out = (blocks[:, slot_expert] * v[None, :, None, :]).sum(-1, dtype=torch.float32)
     return out.transpose(0, 1).reshape(v.shape[0], n)  # [S, N]
 
