@@ -7,10 +7,11 @@
   each sequence's range;
 * bad input (shape, dtype, with ALiBi) is the same KernelError everywhere;
 * the injected layer: the sink slice a rank keeps, the graph-safe step's masked fallback;
-* the GPT-OSS model (its parity with and without injection, bf16, graphs and its MoE block are
-  checked by tests/test_inject.py and tests/test_moe.py through the ``gpt_oss`` family): its
-  sliding and full layers once injected, the policy's tensor-parallel plan (not HF's, which
-  splits only the LM head), and on 2 gloo ranks tp=2, ep=2 and both with and without injection
+* the GPT-OSS model (its parity with and without injection, bf16, graphs, its MoE block and its
+  ep/tp cases are checked by tests/test_inject.py, tests/test_moe.py and tests/test_moe_ep.py
+  through the ``gpt_oss`` family): its sliding and full layers once injected, the policy's
+  tensor-parallel plan (not HF's, which splits only the LM head), and on 2 gloo ranks HF's own
+  attention at tp=2 (the sinks narrowed to the rank's heads), alone and with ep=2, and injected
   (fp32 logits within ``RANKS_ATOL`` of HF, 32 greedy tokens identical; measured <= 2e-7,
   under load, x86-64, torch 2.13), with close() giving back HF's model bit for bit; a TP=2
   checkpoint (each rank its heads' sinks) read back at tp 2 and 1.
@@ -313,11 +314,10 @@ def test_gpt_oss_tensor_parallel_plan_is_the_policys():
     assert any("only its LM head" in note for note in plan.notes)
 
 
-#: name -> (settings, inject)
+#: name -> (settings, inject). HF's own attention on the rank's heads (the sinks narrowed by the
+#: sharding), and injected; tests/test_moe_ep.py runs the ``gpt_oss`` family's other ep/tp cases
 RANK_CASES = {
-    "tp2-injected": ({"tensor_parallel": {"tp_size": 2}}, True),
     "tp2": ({"tensor_parallel": {"tp_size": 2}}, False),
-    "ep2-injected": ({"moe": {"ep_size": 2}}, True),
     "tp2-ep2": ({"tensor_parallel": {"tp_size": 2}, "moe": {"ep_size": 2}}, False),
     "tp2-ep2-injected": ({"tensor_parallel": {"tp_size": 2}, "moe": {"ep_size": 2}}, True),
 }
