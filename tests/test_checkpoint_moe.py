@@ -176,6 +176,18 @@ def test_shardwise_save_of_a_per_expert_load_is_stacked(tmp_path):
     assert_parity(parity(tmp_path / "sw", ref_dir=src))
 
 
+@pytest.mark.parametrize("arch", MOE_ARCHS)
+def test_an_injected_engine_saves_the_models_own_layout(tmp_path, arch):
+    """The MoE step may hold the experts in the kernels' layout (GPT-OSS's are converted in
+    place): engine.save_checkpoint still writes the layout the model is built with, so the
+    checkpoint loads like the original one."""
+    src = save_moe(arch, tmp_path / "hf")
+    engine = shardwise.init_inference(None, checkpoint=str(src), device="cpu",
+                                      dtype=torch.float32, replace_with_kernel_inject=True)
+    engine.save_checkpoint(tmp_path / "sw")
+    assert_parity(parity(tmp_path / "sw", ref_dir=src))
+
+
 # ----- a rank's experts only --------------------------------------------------------------------
 
 @pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe"])

@@ -25,12 +25,13 @@ older one-tensor-per-expert layouts), :mod:`.loader`, :mod:`.saver`, :mod:`.prog
 from .build import build_meta_model, skeleton
 from .description import DESCRIPTION_NAME, Description, describe
 from .errors import CheckpointError, ExpertCountError
-from .extensions import (CheckpointExtension, TensorHook, TensorRef, register_extension)
+from .extensions import (CHECKPOINT_VIEW, CheckpointExtension, TensorHook, TensorRef,
+                         register_extension)
 from .loader import LoadReport, check_extensions, default_dtype, load_checkpoint
 from .saver import save_checkpoint
 from .sources import build_index
 
-__all__ = ["build_meta_model", "skeleton", "DESCRIPTION_NAME", "Description", "describe",
+__all__ = ["CHECKPOINT_VIEW", "build_meta_model", "skeleton", "DESCRIPTION_NAME", "Description", "describe",
            "CheckpointError", "ExpertCountError", "CheckpointExtension", "TensorHook", "TensorRef",
            "register_extension", "LoadReport", "check_extensions", "default_dtype",
            "load_checkpoint", "save_checkpoint", "build_index"]

@@ -36,6 +36,11 @@ from .errors import CheckpointError
 RANK_METADATA = "shardwise_extensions"
 #: description keys and rank-file metadata keys of files saved before the extensions section
 #: existed → the extension their entry belongs to
+#: a module attribute for a transform that holds the module's parameters in another layout (the
+#: MoE kernels' stacked experts, converted in place from GPT-OSS's): a callable returning
+#: {parameter name: the tensor in the module's own layout}, which save_checkpoint writes instead,
+#: so the checkpoint loads into the model as built (the transform removes it when undone)
+CHECKPOINT_VIEW = "_shardwise_checkpoint_view"
 LEGACY_DESCRIPTION_KEYS = {"quant": "shardwise.quant"}
 LEGACY_RANK_KEYS = {"shardwise_quant": "shardwise.quant"}
 _IMPORTABLE = re.compile(r"shardwise(\.[a-z_][a-z0-9_]*)+")

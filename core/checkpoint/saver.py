@@ -32,7 +32,7 @@ from ..communicator import Communicator, LocalCommunicator
 from ..sharding.apply import PreparedShards, param_ranges
 from ..sharding.specs import expert_param_ranges
 from .description import DESCRIPTION_NAME
-from .extensions import RANK_METADATA, SavedEntries, registered
+from .extensions import CHECKPOINT_VIEW, RANK_METADATA, SavedEntries, registered
 
 VERSION = 1
 
@@ -214,13 +214,21 @@ def _head_param_entries(prepared: PreparedShards) -> dict[str, dict[str, Any]]:
     return out
 
 
-def _unique_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The state dict with tied tensors once (the first name)."""
+def _unique_state(model: nn.Module, views: bool = False) -> dict[str, torch.Tensor]:
+    """The state dict with tied tensors once (the first name); with ``views``, a module's
+    parameters a transform holds in another layout as that module's own layout gives them
+    (:data:`~shardwise.checkpoint.extensions.CHECKPOINT_VIEW`)."""
     seen, out = set(), {}
     for name, tensor in model.state_dict(keep_vars=True).items():
         if id(tensor) not in seen:
             seen.add(id(tensor))
             out[name] = tensor
+    if views:
+        for module_name, module in model.named_modules():
+            view = vars(module).get(CHECKPOINT_VIEW)
+            if callable(view):
+                prefix = f"{module_name}." if module_name else ""
+                out.update({prefix + k: v for k, v in view().items() if prefix + k in out})
     return out
 
 
@@ -229,7 +237,7 @@ def _rank_tensors(model: nn.Module, shards: dict, rank: int,
     """What ``rank``'s file holds: its slices of the sharded tensors, its own whole tensors of
     extensions (``per_rank``), and on rank 0 the replicated rest."""
     out = {}
-    for name, tensor in _unique_state(model).items():
+    for name, tensor in _unique_state(model, views=True).items():
         if name in shards or name in per_rank or rank == 0:
             out[name] = tensor.detach().to("cpu").contiguous()
     return out

@@ -42,6 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..checkpoint.extensions import CHECKPOINT_VIEW
 from ..errors import ConfigError
 from ..kernel_registry import registry
 from ..ledger import record, set_forward
@@ -322,16 +323,27 @@ def to_stacked_layout(experts: nn.Module, layout: str) -> None:
                                                         down.data, experts.down_proj_bias.data)
     gate_up.data, gate_up_bias.data, down.data = new_gate_up, new_bias, new_down
     experts._shardwise_stacked = True
+    # save_checkpoint writes the GPT-OSS layout the model is built with, not the kernels'
+    setattr(experts, CHECKPOINT_VIEW, lambda: _gpt_oss_layout_back(experts))
 
-    def undo() -> None:  # stacked → GPT-OSS: transpose back, re-interleave gate/up
-        def interleave(t):  # [..., 2I] gate half then up half → [..., 2I] interleaved
-            half = t.shape[-1] // 2
-            return torch.stack([t[..., :half], t[..., half:]], dim=-1).flatten(-2)
-        gate_up.data = interleave(gate_up.data.transpose(1, 2)).contiguous()
-        gate_up_bias.data = interleave(gate_up_bias.data).contiguous()
-        down.data = down.data.transpose(1, 2).contiguous()
+    def undo() -> None:  # stacked → GPT-OSS
+        back = _gpt_oss_layout_back(experts)
+        gate_up.data, gate_up_bias.data = back["gate_up_proj"], back["gate_up_proj_bias"]
+        down.data = back["down_proj"]
         vars(experts).pop("_shardwise_stacked", None)
+        vars(experts).pop(CHECKPOINT_VIEW, None)
     record(f"expert weights of {type(experts).__name__} converted to the stacked layout", undo)
+
+
+def _gpt_oss_layout_back(experts: nn.Module) -> dict[str, torch.Tensor]:
+    """The GPT-OSS layout of converted ``experts``' weights, as new tensors (transposed back,
+    gate/up re-interleaved); the biases of ``down_proj`` never changed."""
+    def interleave(t):  # [..., 2I] gate half then up half → [..., 2I] interleaved
+        half = t.shape[-1] // 2
+        return torch.stack([t[..., :half], t[..., half:]], dim=-1).flatten(-2)
+    return {"gate_up_proj": interleave(experts.gate_up_proj.data.transpose(1, 2)).contiguous(),
+            "gate_up_proj_bias": interleave(experts.gate_up_proj_bias.data).contiguous(),
+            "down_proj": experts.down_proj.data.transpose(1, 2).contiguous()}
 
 
 # ----- the forwards -------------------------------------------------------------------------------
