@@ -41,6 +41,8 @@ here; the applier only ever asks for ranges.
 * ``Even()`` — contiguous equal slices (size must divide by tp_size); ``Even(uneven=True)``
   allows counts differing by one (vocabularies).
 * ``Heads("heads")`` / ``Heads("kv_heads")`` — [heads, head_dim]: the rank's q (or kv) heads.
+* ``HeadBlocks("heads")`` — [heads, width], the width the size over the heads (not head_dim):
+  multi-head latent attention's per-head widths.
 * ``Fused(parts=(("q", "heads"), ("k", "kv_heads"), ("v", "kv_heads")))`` — parts concatenated
   along the dimension ([q | k | v], or ``(("gate", "even"), ("up", "even"))`` for [gate | up]);
   each part is split by its own unit and the rank keeps its slice of every part, in order.
@@ -282,6 +284,29 @@ class Heads(Layout):
         _expect_size(size, total * heads.head_dim, what, f"{total} {self.unit} × head_dim "
                                                            f"{heads.head_dim}")
         return [(h0 * heads.head_dim, h1 * heads.head_dim)]
+
+
+@dataclass(frozen=True)
+class HeadBlocks(Layout):
+    """[heads, width] along the dimension with a per-head width of its own, the dimension's size
+    over the head count (not head_dim): multi-head latent attention's query and ``kv_b_proj``
+    outputs ([heads, nope + rope], [heads, nope + v]) and its output projection's input
+    ([heads, v]). The rank keeps its q heads (``"heads"``) or kv heads (``"kv_heads"``)."""
+
+    unit: str = "heads"
+
+    def describe(self):
+        return f"{self.unit}(blocks)"
+
+    def ranges(self, size, ctx, what="dimension"):
+        heads = ctx.require_heads(what)
+        total, (h0, h1) = _head_slice(self.unit, heads)
+        if size % total:
+            raise ShardingError(f"{what} has size {size}, which is not {total} {self.unit} of one "
+                                f"width; the policy's layout or head_config does not fit this "
+                                f"model")
+        width = size // total
+        return [(h0 * width, h1 * width)]
 
 
 @dataclass(frozen=True)

@@ -16,16 +16,19 @@ The family's three quirks, each data:
   the same name ``mlp`` (the plan's ``moe_layers`` through ``Policy.moe_layer_rules``).
 
 Tensor parallelism: HF's plan (experts and MLPs only, in names shardwise does not apply) is not
-used; this one splits the dense and shared-expert MLPs, the embedding and the head, and keeps
-the attention whole on every rank (its per-head widths differ between q, kv_b and o: no head
-layout for them yet).
+used; this one splits the attention by heads — the queries (``q_proj`` or LoRA's ``q_b_proj``)
+and ``kv_b_proj`` column-parallel, ``o_proj`` row-parallel, each in whole head blocks of its own
+width (``HeadBlocks``: nope + rope, nope + v, v) — while the low-rank down-projections, their
+norms and so the latent cache stay whole on every rank; the dense and shared-expert MLPs, the
+embedding and the head split as Llama's. HF's attention forward reshapes with -1 heads: no
+attribute follows the split.
 """
 
 from shardwise.inject.spec import MLP, InjectionSpec, LatentAttention, Positions, Residual
 from shardwise.moe import MoESpec
 from shardwise.policy import Policy
-from shardwise.sharding.roles import (ColumnParallel, RowParallel, VocabParallelEmbedding,
-                                      VocabParallelHead)
+from shardwise.sharding.roles import (ColumnParallel, HeadBlocks, RowParallel,
+                                      VocabParallelEmbedding, VocabParallelHead)
 
 _ROTARY = Positions("rotary", rotary_module="rotary_emb", rotary_style="interleaved")
 _ROTARY_HALF = Positions("rotary", rotary_module="rotary_emb", rotary_style="half")
@@ -36,6 +39,10 @@ class DeepseekV3Policy(Policy):
     model_types = ("deepseek_v3",)
     tp_plan = {
         "embed_tokens": VocabParallelEmbedding(),
+        "layers.*.self_attn.q_proj": ColumnParallel(),
+        "layers.*.self_attn.q_b_proj": ColumnParallel(),
+        "layers.*.self_attn.kv_b_proj": ColumnParallel(),
+        "layers.*.self_attn.o_proj": RowParallel(),
         "layers.*.mlp.gate_proj": ColumnParallel(),  # the leading dense layers
         "layers.*.mlp.up_proj": ColumnParallel(),
         "layers.*.mlp.down_proj": RowParallel(),
@@ -43,6 +50,12 @@ class DeepseekV3Policy(Policy):
         "layers.*.mlp.shared_experts.up_proj": ColumnParallel(),
         "layers.*.mlp.shared_experts.down_proj": RowParallel(),
         "lm_head": VocabParallelHead(),
+    }
+    layouts = {  # [heads, nope + rope], [heads, nope + v], input side [hidden, heads * v]
+        "layers.*.self_attn.q_proj": HeadBlocks("heads"),
+        "layers.*.self_attn.q_b_proj": HeadBlocks("heads"),
+        "layers.*.self_attn.kv_b_proj": HeadBlocks("heads"),
+        "layers.*.self_attn.o_proj": HeadBlocks("heads"),
     }
     moe = MoESpec(block="mlp", router="gate", experts="experts", layout="stacked",
                   scoring="sigmoid", router_dtype="float32", renormalize="norm_topk_prob",

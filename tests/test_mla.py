@@ -1,6 +1,7 @@
 """Multi-head latent attention (DeepSeek-V3's MLA, :mod:`shardwise.inject.mla`) under kernel
 injection: prefill, the absorbed decode step and graphs against HF, the latent KV cache, bad
-policies. The MoE side of DeepSeek-V3: tests/test_moe.py; the ``deepseek_v3-mla`` family's
+policies, tensor parallelism (2 gloo ranks). The MoE side of DeepSeek-V3: tests/test_moe.py
+(one process) and tests/test_moe_ep.py (ep × tp); the ``deepseek_v3-mla`` family's
 generic injection checks (bf16, beam search, left padding, the graph-safe step): test_inject.py.
 
 Families: every ``model_type="deepseek_v3"`` family of tests/families.py — ``deepseek_v3``
@@ -15,6 +16,7 @@ Tolerance: fp32 logits within ``FP32_ATOL`` = 1e-6 of HF, prompt and every decod
 from __future__ import annotations
 
 import dataclasses
+from functools import partial
 
 import pytest
 import torch
@@ -28,10 +30,13 @@ from shardwise.policy import policy_for
 from families import families
 from graph_doubles import ReplayOnCpu
 from models import forced_decode_logits, prompt_ids, tiny_causal_lm
+from tp_harness import case, run_cases, run_pair
 
 FAMILIES = families(model_type="deepseek_v3")  # tests/families.py
 FP32_ATOL = 1e-6
-NEW = 32
+#: decode steps checked (test_moe.py and test_inject.py generate 32 greedy tokens of these
+#: families; here each step's logits are compared)
+NEW = 16
 GREEDY = dict(max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False, pad_token_id=0)
 
 
@@ -168,6 +173,77 @@ def test_state_dict_unchanged_and_close_restores(arch):
         assert torch.equal(model(ids).logits, ref(ids).logits)
 
 
+# ----- tensor parallelism: heads split, the latent whole on every rank -------------------------
+
+
+def _tp_case(rank: int, arch: str, graphs: bool, split: bool) -> dict:
+    """``arch`` at tp_size=2 with injection: each decode step's logits against HF's (one
+    process), the local widths, the cache's shape."""
+    from shardwise.accelerators.cpu import CpuAccelerator
+
+    ref = tiny_causal_lm(arch)
+    ids = prompt_ids(batch=2, length=8)
+    with torch.no_grad():
+        tokens = ref.generate(ids, max_new_tokens=8, min_new_tokens=8, do_sample=False,
+                              pad_token_id=0)
+        expected = forced_decode_logits(ref, tokens, ids.shape[1])
+    original = CpuAccelerator.graph_strategy
+    if graphs:
+        CpuAccelerator.graph_strategy = lambda self: ReplayOnCpu()
+    try:
+        engine = _engine(arch, enable_graph=graphs, tensor_parallel={"tp_size": 2})
+        got = forced_decode_logits(engine.module, tokens, ids.shape[1])
+    finally:
+        CpuAccelerator.graph_strategy = original
+    attn = engine.module.model.layers[0].self_attn
+    query = attn.q_proj if attn.q_proj is not None else attn.q_b_proj
+    stack = injected_stack(engine.module)
+    return {"max_abs": (got - expected).abs().max().item(),
+            "shapes": [list(m.weight.shape) for m in (query, attn.kv_b_proj, attn.o_proj,
+                                                      attn.kv_a_proj_with_mqa)],
+            "cache": [stack.kv_heads, stack.head_dim], "graphs": stack.graphs is not None,
+            "source": engine.plan.sharding.plan.source}
+
+
+#: name → (family, graphs, heads split): DeepSeek-V3's policy plan splits the heads; the dense
+#: variant gets HF's own tp_plan (its MLPs alone: the attention whole on every rank)
+_TP_CASES = {"deepseek_v3-mla-hf-plan": ("deepseek_v3-mla", False, False),
+             "deepseek_v3-graphs": ("deepseek_v3", True, True)}
+
+
+def _tp_cases(rank: int) -> dict:
+    return run_cases(rank, {name: partial(_tp_case, rank, *args)
+                            for name, args in _TP_CASES.items()})
+
+
+@pytest.fixture(scope="module")
+def tp_ranks(tmp_path_factory):
+    return run_pair(_tp_cases, tmp_path_factory.mktemp("mla_tp"), deadline_s=240)
+
+
+@pytest.mark.parametrize("name", list(_TP_CASES))
+def test_tensor_parallel_splits_the_heads_or_keeps_them_whole(tp_ranks, name):
+    """tp_size=2: the policy's plan keeps half the heads of the queries and kv_b_proj (column)
+    and of o_proj's input (row); HF's plan (the dense variant) keeps the attention whole, the
+    injected layer reading the heads from the weights. The down-projection and the latent
+    cache stay whole; every decode step (eager, or the graph-safe one) matches HF's single
+    process."""
+    arch, graphs, split = _TP_CASES[name]
+    model = tiny_causal_lm(arch)
+    heads, latent, nope, rope, value = _dims(model)
+    hidden = model.config.hidden_size
+    query_in = model.config.q_lora_rank or hidden
+    local = heads // 2 if split else heads
+    for r in case(tp_ranks, name):
+        print(f"{name} TP=2: max |logit diff| {r['max_abs']:.2e}")
+        assert r["max_abs"] < FP32_ATOL
+        assert r["source"] == ("policy:deepseek_v3" if split else "hf_tp_plan")
+        assert r["shapes"] == [[local * (nope + rope), query_in],
+                               [local * (nope + value), latent],
+                               [hidden, local * value], [latent + rope, hidden]]
+        assert r["cache"] == [1, latent + rope] and r["graphs"] == graphs
+
+
 # ----- bad input ------------------------------------------------------------------------------
 
 
@@ -192,7 +268,7 @@ def _with_attention(monkeypatch, model, **changes):
 
 @pytest.mark.parametrize("changes, match", [
     (dict(kv_b_proj="self_attn.nothing"), "no module 'self_attn.nothing'"),
-    (dict(kv_a_norm="input_layernorm"), "do not fit 4 heads"),
+    (dict(kv_a_norm="input_layernorm"), "fit no head count"),
 ])
 def test_a_policy_that_does_not_match_the_weights_fails_before_any_change(monkeypatch, changes,
                                                                           match):

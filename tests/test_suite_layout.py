@@ -64,7 +64,9 @@ def test_each_family_is_consistent(name):
     assert not (fam.tp_even and fam.uneven_heads)
     if fam.graph_step:  # the captured decode step is checked on an injected model
         assert 1 in fam.inject
-    assert fam.tolerances == {} or fam.kind == "encoder"  # causal families share each bound
+    # causal families share each bound, but for test_moe.py's bf16 one (an MoE family's own,
+    # measured and explained in its row: test_moe.py's docstring)
+    assert set(fam.tolerances) <= {"moe_bf16"} or fam.kind == "encoder"
 
 
 def test_selections_keep_registry_order_and_match_every_criterion():

@@ -206,7 +206,7 @@ def _setups(model: nn.Module, spec: InjectionSpec, hf_layers: nn.ModuleList, cou
                              f"norm before the MLP, which the policy does not name")
     out = []
     # latent attention decodes as multi-query attention over one latent "kv head" of L + R
-    cache_heads, cache_dim = ((1, latent_cache_width(hf_layers, spec.attention, q_heads))
+    cache_heads, cache_dim = ((1, latent_cache_width(hf_layers, spec.attention))
                               if isinstance(spec.attention, LatentAttention)
                               else (kv_heads, head_dim))
     windows = _windows(config, spec.attention, len(hf_layers), max_tokens)

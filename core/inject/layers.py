@@ -208,7 +208,7 @@ class InjectedLayer(nn.Module):
         self._bind_adopted()
         self.fused_qkv = len(self.parts.qkv) == 1
         # multi-head latent attention (DeepSeek): its own attention, over a latent cache
-        self.latent_attn = latent_core(self, spec, self.q_heads, index)
+        self.latent_attn = latent_core(self, spec, index)
         width = sum(out_width(proj) for proj in self.parts.qkv)
         if self.latent_attn is None and width != sum(self.widths):
             raise ShardwiseError(f"layer {index}: the q/k/v projections give {width} features, "

@@ -23,6 +23,9 @@ the kernel keeps them in place: q and k get the same permutation, so every score
 Why: per token and layer that is L + R values instead of H (N + R + V) — DeepSeek-V3: 576
 instead of 40,960, 71× less memory and 71× less to read per decode step — and it is what HF's
 own cache holds.
+Under tensor parallelism each rank keeps its heads of the queries, ``kv_b_proj`` and ``o_proj``
+(or all of them, when the plan leaves the attention whole: the widths are read from the
+weights) and the whole latent.
 
 **Prompt (prefill)**: as HF. ``kv_b_proj`` (called as a module, so quantized or head-sharded
 linears and their hooks work) expands the latents of the prompt — and of the cached tokens
@@ -75,6 +78,16 @@ def _out_width(module: nn.Module) -> int:
     raise LatentAttentionError(f"cannot read the output width of {type(module).__name__}")
 
 
+def _in_width(module: nn.Module) -> int:
+    """Input features of a linear (``nn.Linear`` or one with ``in_features``: quantized)."""
+    if isinstance(module, nn.Linear):
+        return module.weight.shape[1]
+    width = getattr(module, "in_features", None)
+    if isinstance(width, int):
+        return width
+    raise LatentAttentionError(f"cannot read the input width of {type(module).__name__}")
+
+
 def _optional(layer: nn.Module, name: str | None) -> nn.Module | None:
     """``layer``'s submodule ``name``; None when the spec names none or the layer holds None
     there (DeepSeek sets ``q_proj = None`` when it has query LoRA, and the LoRA parts None
@@ -86,11 +99,10 @@ def _optional(layer: nn.Module, name: str | None) -> nn.Module | None:
     return module if isinstance(module, nn.Module) else None
 
 
-def latent_cache_width(hf_layers: nn.ModuleList, attention: LatentAttention,
-                       q_heads: int) -> int:
+def latent_cache_width(hf_layers: nn.ModuleList, attention: LatentAttention) -> int:
     """L + R, the width of one token's cache entry (the latent and the shared rotary key), after
-    checking every HF decoder layer's modules and widths against ``attention`` and this rank's
-    ``q_heads`` (shapes only: at ``init_inference``'s checks, before anything changes).
+    checking every HF decoder layer's modules and widths against ``attention`` (shapes only: at
+    ``init_inference``'s checks, before anything changes).
 
     Raises:
         LatentAttentionError: a module is missing, the widths do not fit, the layers differ.
@@ -98,7 +110,7 @@ def latent_cache_width(hf_layers: nn.ModuleList, attention: LatentAttention,
     widths = set()
     for index, layer in enumerate(hf_layers):
         parts = LatentParts.of(layer, attention, index)
-        dims = LatentDims.of(parts, q_heads, index)
+        dims = LatentDims.of(parts, index)
         if getattr(parts.kv_b, "bias", None) is not None:
             raise LatentAttentionError(
                 f"layer {index}: latent attention's kv_b_proj has a bias, which the absorbed "
@@ -149,9 +161,10 @@ class LatentParts:
                     kv_a=get(attention.kv_a_proj), kv_a_norm=get(attention.kv_a_norm),
                     kv_b=get(attention.kv_b_proj), out_proj=get(attention.out_proj))
         if parts.q_proj is None and None in (parts.q_a, parts.q_a_norm, parts.q_b):
-            raise LatentAttentionError(f"layer {index}: latent attention finds neither q_proj "
-                                 f"({attention.q_proj!r}) nor the query LoRA ({attention.q_a_proj!r}"
-                                 f", {attention.q_a_norm!r}, {attention.q_b_proj!r})")
+            raise LatentAttentionError(
+                f"layer {index}: latent attention finds neither q_proj ({attention.q_proj!r}) "
+                f"nor the query LoRA ({attention.q_a_proj!r}, {attention.q_a_norm!r}, "
+                f"{attention.q_b_proj!r})")
         return parts
 
     @property
@@ -172,24 +185,30 @@ class LatentDims:
     value: int
 
     @classmethod
-    def of(cls, parts: LatentParts, heads: int, index: int) -> "LatentDims":
-        """Read from the weights' shapes (``heads``: this rank's, from the plan), each width
-        checked against the others so a policy naming the wrong module fails here."""
+    def of(cls, parts: LatentParts, index: int) -> "LatentDims":
+        """Read from the weights' shapes alone, so they hold whether tensor parallelism split
+        the heads (this rank's) or left the attention whole (all of them): with the query width
+        H (N + R), kv_b_proj's H (N + V) and o_proj's input H V, the rotary part R (kv_a_proj's
+        width less the latent's, kv_a_norm's) gives H = (H (N + R) - H (N + V) + H V) / R. Each
+        width is checked, so a policy naming the wrong module fails here."""
         latent = parts.kv_a_norm.weight.shape[-1]
         rope = _out_width(parts.kv_a) - latent
         q_width, kv_width = _out_width(parts.query), _out_width(parts.kv_b)
-        if heads < 1 or rope < 2 or rope % 2 or q_width % heads or kv_width % heads:
+        o_width = _in_width(parts.out_proj)
+        head_rope = q_width - kv_width + o_width  # H R
+        heads = head_rope // rope if rope > 0 and head_rope > 0 and head_rope % rope == 0 else 0
+        if heads < 1 or rope % 2 or q_width % heads or o_width % heads:
             raise LatentAttentionError(
-                f"layer {index}: latent attention's widths do not fit {heads} heads: kv_a_proj "
-                f"gives {latent + rope} = latent {latent} (kv_a_norm) + rotary {rope}, the "
-                f"queries {q_width}, kv_b_proj {kv_width}; the policy's names or head counts do "
-                f"not match the weights")
-        nope = q_width // heads - rope
-        value = kv_width // heads - nope
-        if nope < 1 or value < 1:
-            raise LatentAttentionError(f"layer {index}: latent attention reads a key part of {nope} and "
-                                 f"a value of {value} per head from the weights; the policy's "
-                                 f"names or head counts do not match them")
+                f"layer {index}: latent attention's widths fit no head count: kv_a_proj gives "
+                f"{latent + rope} = latent {latent} (kv_a_norm) + rotary {rope} (even, > 0), the "
+                f"queries {q_width} = H (nope + rotary), kv_b_proj {kv_width} = H (nope + v), "
+                f"o_proj's input {o_width} = H v; the policy's names do not match the weights")
+        nope, value = q_width // heads - rope, o_width // heads
+        if nope < 1 or kv_width != heads * (nope + value):
+            raise LatentAttentionError(
+                f"layer {index}: latent attention reads {heads} heads with a key part of {nope} "
+                f"from the queries, which kv_b_proj's {kv_width} features do not fit; the "
+                f"policy's names do not match the weights")
         return cls(heads, latent, nope, rope, value)
 
 
@@ -216,11 +235,10 @@ class LatentAttentionCore(nn.Module):
     [H, L, V], the absorbed halves of ``kv_b_proj``.
     """
 
-    def __init__(self, layer: nn.Module, attention: LatentAttention, q_heads: int,
-                 index: int) -> None:
+    def __init__(self, layer: nn.Module, attention: LatentAttention, index: int) -> None:
         super().__init__()
         self.parts = LatentParts.of(layer, attention, index)
-        self.dims = LatentDims.of(self.parts, q_heads, index)
+        self.dims = LatentDims.of(self.parts, index)
         weight = self.parts.kv_a_norm.weight
         w_uk, w_uv_t = absorbed_weights(self.parts.kv_b, self.dims, weight.dtype, weight.device)
         self.register_buffer("w_uk", w_uk, persistent=False)
@@ -309,10 +327,9 @@ class LatentAttentionCore(nn.Module):
         return torch.matmul(context[..., :d.latent], self.w_uv_t)
 
 
-def latent_core(layer: nn.Module, spec: Any, q_heads: int, index: int
-                ) -> LatentAttentionCore | None:
+def latent_core(layer: nn.Module, spec: Any, index: int) -> LatentAttentionCore | None:
     """The layer's :class:`LatentAttentionCore` when ``spec.attention`` is latent attention,
     else None (the layer's own q/k/v attention runs)."""
     if not isinstance(spec.attention, LatentAttention):
         return None
-    return LatentAttentionCore(layer, spec.attention, q_heads, index)
+    return LatentAttentionCore(layer, spec.attention, index)

@@ -6,9 +6,9 @@ roles and the list of layouts), re-exported here under their sharding names so p
 from __future__ import annotations
 
 from ..layout import (HEAD_UNITS, ROLE_NAMES, ColumnParallel, Even, Fused, GroupedInterleaved,
-                      Heads, Layout, PerHeadInterleaved, Replicated, Role, RowParallel,
+                      HeadBlocks, Heads, Layout, PerHeadInterleaved, Replicated, Role, RowParallel,
                       ShardContext, VocabParallelEmbedding, VocabParallelHead)
 
 __all__ = ["HEAD_UNITS", "ROLE_NAMES", "ColumnParallel", "Even", "Fused", "GroupedInterleaved",
-           "Heads", "Layout", "PerHeadInterleaved", "Replicated", "Role", "RowParallel",
-           "ShardContext", "VocabParallelEmbedding", "VocabParallelHead"]
+           "HeadBlocks", "Heads", "Layout", "PerHeadInterleaved", "Replicated", "Role",
+           "RowParallel", "ShardContext", "VocabParallelEmbedding", "VocabParallelHead"]
