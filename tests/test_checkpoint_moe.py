@@ -395,6 +395,14 @@ def _loaded_slices(path: Path) -> dict:
     return dict(sliced=sliced, wrong=wrong, range=[start, stop])
 
 
+def _save_at_ep2(path: Path, out: Path) -> dict:
+    """An ep=2 engine built from ``path`` saves itself to ``out`` (its parity at ep=2 is
+    test_moe_ep.py's); what the rank holds."""
+    engine = shardwise.init_inference(None, checkpoint=str(path), device="cpu",
+                                      dtype=torch.float32, save_mp_checkpoint_path=str(out), **EP2)
+    return dict(experts_held=experts_held(engine.module))
+
+
 def _pair_cases(rank: int, root: str) -> dict:
     root = Path(root)
     cases = {f"rss-{name}-{layout}": partial(_peak_load, how, root / f"rss-{layout}",
@@ -406,6 +414,8 @@ def _pair_cases(rank: int, root: str) -> dict:
             cases[f"ep2-{arch}-{layout}"] = partial(_ep_parity, root / f"{arch}-{layout}")
     for arch in MOE_ARCHS:
         cases[f"slices-{arch}"] = partial(_loaded_slices, root / f"{arch}-per_expert")
+        cases[f"save-ep2-{arch}"] = partial(_save_at_ep2, root / f"{arch}-per_expert",
+                                            root / f"sw-ep2-{arch}")
     cases["ep2tp2-mixtral"] = partial(_ep_parity, root / "mixtral-per_expert",
                                       tensor_parallel={"tp_size": 2})
     cases["save-ep2"] = partial(_ep_parity, root / "uneven",  # experts split 3 + 2
@@ -460,6 +470,20 @@ def test_ep2_loader_reads_every_familys_expert_rows(ep_world, arch):
         assert r["sliced"] and not r["wrong"], r
     assert r0["range"][1] == r1["range"][0] and r0["range"][0] == 0
     assert r1["range"][1] == expert_count(arch)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", MOE_ARCHS)
+def test_every_familys_ep2_checkpoint_loads_on_one_rank(ep_world, arch):
+    """save_checkpoint of an ep=2 engine of every MoE family (its experts as the MoE step holds
+    them: GPT-OSS's converted to the kernels' layout) merges back on one process into what
+    from_pretrained gives."""
+    root = ep_world[0]
+    held = [r["experts_held"] for r in case(ep_world[1], f"save-ep2-{arch}")]
+    assert sum(held) == expert_count(arch)
+    r = parity(root / f"sw-ep2-{arch}", ref_dir=root / f"{arch}-per_expert")
+    assert_parity(r)
+    assert r["experts_held"] == expert_count(arch)
 
 
 @pytest.mark.slow
