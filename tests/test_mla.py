@@ -1,6 +1,7 @@
 """Multi-head latent attention (DeepSeek-V3's MLA, :mod:`shardwise.inject.mla`) under kernel
 injection: prefill, the absorbed decode step and graphs against HF, the latent KV cache, bad
-policies, tensor parallelism (2 gloo ranks). The MoE side of DeepSeek-V3: tests/test_moe.py
+policies, tensor parallelism (2 gloo ranks); and the DeepSeek-V3 policy's router correction bias,
+which a fresh model holds as zeros. The MoE side of DeepSeek-V3: tests/test_moe.py
 (one process) and tests/test_moe_ep.py (ep × tp); the ``deepseek_v3-mla`` family's
 generic injection checks (bf16, beam search, left padding, the graph-safe step): test_inject.py.
 
@@ -171,6 +172,39 @@ def test_state_dict_unchanged_and_close_restores(arch):
     ids = prompt_ids(batch=1, length=6)
     with torch.no_grad():
         assert torch.equal(model(ids).logits, ref(ids).logits)
+
+
+# ----- DeepSeek-V3's router: the correction bias (zero in a fresh model) -----------------------
+
+
+def _with_correction_bias(model):
+    """Random e_score_correction_bias on every MoE layer (HF initialises it to zeros, which would
+    hide a bias ignored or added to the weights instead of to the choice)."""
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for layer in model.model.layers[model.config.first_k_dense_replace:]:
+            bias = layer.mlp.gate.e_score_correction_bias
+            bias.copy_(torch.randn(bias.shape, generator=g) * 0.1)
+    return model
+
+
+def test_router_correction_bias_moves_the_choice_as_hf():
+    """The policy's MoESpec (sigmoid, float32, correction bias for the choice only, routed
+    scale, renormalised) under injection: with a bias that re-routes every token of the first
+    MoE layer (checked on HF), the logits and greedy tokens are still HF's."""
+    ref, plain = _with_correction_bias(tiny_causal_lm("deepseek_v3")), tiny_causal_lm("deepseek_v3")
+    engine = shardwise.init_inference(_with_correction_bias(tiny_causal_lm("deepseek_v3")),
+                                      device="cpu", replace_with_kernel_inject=True)
+    ids = prompt_ids(batch=2, length=8)
+    routes = []
+    for model in (ref, plain):
+        gate = model.model.layers[model.config.first_k_dense_replace].mlp.gate
+        gate.register_forward_hook(lambda m, i, out: routes.append(out[2].sort(-1).values))
+    with torch.no_grad():
+        expected, _ = ref(ids).logits, plain(ids)
+        assert (routes[0] != routes[1]).any(-1).float().mean() > 0.5  # the bias re-routes
+        assert (engine(input_ids=ids).logits - expected).abs().max().item() < FP32_ATOL
+        assert torch.equal(engine.generate(ids, **GREEDY), ref.generate(ids, **GREEDY))
 
 
 # ----- tensor parallelism: heads split, the latent whole on every rank -------------------------
