@@ -487,6 +487,17 @@ def test_every_familys_ep2_checkpoint_loads_on_one_rank(ep_world, arch):
 
 
 @pytest.mark.slow
+def test_ep2_checkpoint_with_another_expert_count(ep_world, monkeypatch):
+    """A sharded (ep=2) checkpoint of 5 experts into a model built with 4: named from the
+    description and headers, before any weight is read."""
+    with torch.device("meta"):
+        model = tiny_moe("qwen3_moe", num_experts=UNEVEN["num_experts"] - 1)
+    no_reads(monkeypatch)
+    with pytest.raises(ExpertCountError, match=r"holds 5 experts .* has 4"):
+        shardwise.init_inference(model, checkpoint=str(ep_world[0] / "sw-ep2"), device="cpu")
+
+
+@pytest.mark.slow
 def test_ep2_with_tp2(ep_world):
     for r in case(ep_world[1], "ep2tp2-mixtral"):
         assert_parity(r)
