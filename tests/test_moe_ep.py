@@ -128,6 +128,22 @@ _DISPATCH_CASES = {
 }
 
 
+def test_dispatch_settings_are_checked_before_any_collective():
+    from shardwise.moe.dispatch import ExpertDispatch, resolve_dispatch, to_local
+    assert resolve_dispatch("auto") == "all_reduce"
+    assert resolve_dispatch("auto", tokens="local") == "all_to_all"
+    with pytest.raises(shardwise.ConfigError, match="ranks holding different tokens need "
+                                                    "dispatch='all_to_all'"):
+        resolve_dispatch("all_reduce", tokens="local")
+    with pytest.raises(shardwise.ConfigError, match="moe dispatch must be one of"):
+        resolve_dispatch("alltoall")
+    with pytest.raises(shardwise.ConfigError, match="over 2 ep ranks needs their communicator; "
+                                                    "got no group"):
+        ExpertDispatch(((0, 2), (2, 4)), 0, None)
+    ids = torch.tensor([[0, 3], [2, 1]])
+    assert to_local(ids, 2, 4).tolist() == [[2, 1], [0, 2]]  # 2 = E_local: another rank's
+
+
 # ----- the experts split by init_inference, and given back by close() ---------------------------
 
 def _expert_bytes(model) -> int:
@@ -228,12 +244,20 @@ def _family_case(rank: int, arch: str, ep: int, tp: int, dispatch: str = "auto",
                 forced = teacher_forced_agreement(ref_logits, logits, ids.shape[1])
     finally:
         CpuAccelerator.graph_strategy = original
-    moe = engine.moe
+    moe, plan = engine.moe, engine.plan
+    engine.close()  # every rank: the experts all-gathered back, forwards and hooks removed
+    whole = tiny_causal_lm(arch)
+    if adversarial:
+        _zero_routers(whole)
+    mine, theirs = dict(model.named_parameters()), dict(whole.named_parameters())
+    restored = sorted(mine) == sorted(theirs) and all(  # bf16: cast back, lossy (as said),
+        torch.equal(mine[n], theirs[n])  # but what was kept aside comes back exact (sinks)
+        or torch.equal(mine[n], theirs[n].to(dtype).to(theirs[n].dtype)) for n in theirs)
     return {"max_abs": (logits.float() - ref_logits).abs().max().item(),
             "tokens_equal": torch.equal(tokens, ref_tokens), "forced": forced,
             "digest": digest(logits.float()), "logits": logits.float().flatten()[:512].tolist(),
-            "tokens": tokens.tolist(), "ep": engine.plan.ep.size, "tp": engine.plan.tp.size,
-            "expert_range": list(engine.plan.experts.range),
+            "tokens": tokens.tolist(), "ep": plan.ep.size, "tp": plan.tp.size,
+            "expert_range": list(plan.experts.range), "restored": restored,
             "moe_ep": moe.ep_size if moe is not None else None,
             "captures": ReplayOnCpu.captures - captures}
 
@@ -314,7 +338,7 @@ def test_each_rank_keeps_its_experts_and_close_gathers_them_back(ranks, name):
 @pytest.mark.parametrize("name", list(_FAMILY_CASES))
 def test_family_matches_hf_over_ep_and_tp(ranks, name):
     """fp32: logits within 1e-4 of HF and 32 greedy tokens identical; bf16: within BF16_ATOL
-    with teacher-forced agreement >= 0.9; both ranks alike."""
+    with teacher-forced agreement >= 0.9; both ranks alike; close() gives the model back."""
     r0, r1 = case(ranks, name)
     arch, ep, tp = _FAMILY_CASES[name][:3]
     print(f"{name}: max |logit diff| {max(r0['max_abs'], r1['max_abs']):.2e}")
@@ -330,6 +354,7 @@ def test_family_matches_hf_over_ep_and_tp(ranks, name):
             bound = family(arch).tolerances.get("moe_bf16", BF16_ATOL)
             assert r["max_abs"] < bound, f"{name}: {r['max_abs']:.3f}"
             assert r["forced"] >= MIN_FORCED_AGREEMENT, f"{name}: {r['forced']:.3f}"
+        assert r["restored"], f"{name}: close() did not give the model back (bf16: as cast)"
     assert r0["digest"] == r1["digest"] and r0["tokens"] == r1["tokens"]
     if ep == 2:
         assert r0["expert_range"][1] == r1["expert_range"][0]

@@ -394,8 +394,20 @@ def _slice_head_params(module: nn.Module, name: str, policy: "Policy",
                                 f"attention_head_params says dim 0 holds its {total} {unit}")
         local = nn.Parameter(param.detach()[first:stop], requires_grad=False)
         set_recorded(module, {attr: local}, f"per-rank {attr} of {name}")
+        record(f"whole {attr} of {name} (a copy: one entry per head)",
+               _refill(param, param.detach().clone()))
         out[attr] = stop - first
     return out
+
+
+def _refill(param: torch.Tensor, whole: torch.Tensor) -> Callable[[], None]:
+    """Undo: ``param`` holds ``whole`` again. A later step may have replaced the narrowed view's
+    data (a cast), so the whole Parameter is no longer the model's and the ledger lets its data
+    go (``Ledger.drop_replaced``); this copy (one entry per head) puts it back, exact."""
+    def undo() -> None:
+        if param.shape != whole.shape or param.dtype != whole.dtype:
+            param.data = whole
+    return undo
 
 
 def param_bytes(model: nn.Module) -> int:
