@@ -401,10 +401,15 @@ def parse_moe(value: Any) -> MoESettings | None:
             raise MoEConfigError(f"moe={dict(value)!r} says enabled=False but sets other fields; "
                                  f"drop enabled=False, or the other fields")
         return None
-    return MoESettings(ep_size=_moe_ep_size(fields.get("ep_size", 1)),
-                       num_experts=_moe_expert_counts(fields.get("num_experts")),
-                       type=_moe_type(fields.get("type")),
-                       dispatch=_moe_dispatch(fields.get("dispatch", "auto")))
+    settings = MoESettings(ep_size=_moe_ep_size(fields.get("ep_size", 1)),
+                           num_experts=_moe_expert_counts(fields.get("num_experts")),
+                           type=_moe_type(fields.get("type")),
+                           dispatch=_moe_dispatch(fields.get("dispatch", "auto")))
+    if settings.dispatch != "auto" and settings.ep_size == 1:
+        raise MoEConfigError(f"moe dispatch={settings.dispatch!r} says how the ranks of an "
+                             f"expert-parallel group combine their experts' outputs, but "
+                             f"ep_size=1 has no such group; give ep_size > 1 or drop dispatch")
+    return settings
 
 
 _MOE_FIELDS = tuple(f.name for f in dataclasses.fields(MoESettings))

@@ -101,6 +101,7 @@ def test_moe_accepts_deepspeeds_names_and_spellings():
 
 def test_moe_dispatch_is_auto_unless_named():
     assert InferenceConfig.build(moe={"ep_size": 2}).moe.dispatch == "auto"
+    assert InferenceConfig.build(moe={"dispatch": "auto"}).moe.dispatch == "auto"
     for name in ("all_reduce", "all_to_all", "auto"):
         assert InferenceConfig.build(moe={"ep_size": 2, "dispatch": name}).moe.dispatch == name
 
@@ -127,6 +128,8 @@ def test_moe_in_the_config_and_as_a_keyword_merge_by_meaning():
     ({"moe_experts": 8, "num_experts": 4}, "given twice with different values"),
     ({"dispatch": "alltoall"}, "moe dispatch must be one of auto, all_reduce, all_to_all, got "
                                "'alltoall'"),
+    ({"dispatch": "all_to_all"}, "dispatch='all_to_all' says how the ranks of an expert-parallel "
+                                 "group .* ep_size=1 has no such group; give ep_size > 1"),
     ("ep2", "moe must be True, None or a dict"),
 ])
 def test_malformed_moe_is_a_named_config_error(moe, match):
