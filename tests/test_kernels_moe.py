@@ -257,8 +257,8 @@ def test_streamed_decode_path_matches_the_reference(name, dtype):
 def test_compiled_decode_traces_whole_into_the_streamed_path():
     """Under torch.compile (fullgraph: no graph break, so no host sync) a decode call becomes one
     graph with no grouped GEMM in it, and computes what the reference does, sentinel included;
-    a prompt-sized call keeps the grouped GEMMs in bf16 (fp32 grouped_mm does not trace: the
-    streamed path)."""
+    a call with more slots per expert keeps the grouped GEMMs in bf16 (fp32 grouped_mm does not
+    trace: the streamed path)."""
     from shardwise.kernels.cpu import moe as cpu_moe
 
     graphs = []
@@ -273,16 +273,14 @@ def test_compiled_decode_traces_whole_into_the_streamed_path():
     def grouped_gemms(gm):
         return sum("grouped_mm" in str(node.target) for node in gm.graph.nodes)
 
-    args, _ = _streamed_case("sentinel", torch.float32)
     compiled = torch.compile(call, backend=keep, fullgraph=True, dynamic=False)
-    assert_moe_matches(compiled(*args), ref.moe_grouped_mlp(*args), torch.float32)
-    assert len(graphs) == 1 and grouped_gemms(graphs[0]) == 0
-    tokens = cpu_moe.STREAMED_SLOTS // 2 + 1  # one slot more than the streamed path takes
-    for dtype, gemms in ((torch.bfloat16, 2), (torch.float32, 0)):
-        prompt = moe_inputs(tokens, 64, 32, 8, 2, dtype, remote=True)
-        assert_moe_matches(compiled(*prompt), ref.moe_grouped_mlp(*prompt), dtype)
-        assert grouped_gemms(graphs[-1]) == gemms
-    assert len(graphs) == 3
+    many = cpu_moe.STREAMED_SLOTS_PER_EXPERT * 4 // 2 + 1  # tokens: 4 local experts, top-2
+    for tokens, dtype, gemms in ((3, torch.float32, 0), (1, torch.bfloat16, 0),
+                                 (many, torch.bfloat16, 2), (many, torch.float32, 0)):
+        args = moe_inputs(tokens, 64, 32, 8, 2, dtype, remote=True)  # 4 experts here
+        assert_moe_matches(compiled(*args), ref.moe_grouped_mlp(*args), dtype)
+        assert grouped_gemms(graphs[-1]) == gemms, (tokens, dtype)
+    assert len(graphs) == 4
 
 
 def test_cpu_graph_strategy_compiles_the_decode_path():

@@ -8,8 +8,8 @@ sentinel expert index E: a slot whose expert lives on another rank contributes n
   expert may take all of them) and capturable.
 
   - **Compiled decode** (under ``torch.compile``, i.e. the CPU graph strategy's captured step,
-    with at most :data:`STREAMED_SLOTS` token slots; in fp32 always, since torch cannot trace
-    an fp32 ``grouped_mm``): :func:`streamed_mlp`. Each slot's expert rows are dotted with its
+    with at most :data:`STREAMED_SLOTS_PER_EXPERT` token slots per local expert; in fp32
+    always, since torch cannot trace an fp32 ``grouped_mm``): :func:`streamed_mlp`. Each slot's expert rows are dotted with its
     token in a form inductor turns into C++ reduction loops that read the stacked weights in
     place through the slot's expert index (no gathered copies), chunk by chunk so that slots of
     one expert share what the first read brought into cache: about one read of each routed
@@ -44,9 +44,11 @@ from . import DEVICE_TYPES
 
 BACKEND = "cpu"
 MOE_DTYPES = frozenset({torch.float32, torch.bfloat16})
-#: the most token slots (tokens × top-k) the compiled step gives :func:`streamed_mlp` (decode
-#: batches); more (a prompt) take the grouped GEMMs, where rows per expert make them efficient
-STREAMED_SLOTS = 64
+#: the most token slots (tokens × top-k) per local expert the compiled step gives
+#: :func:`streamed_mlp` (decode batches) in bf16; more take the grouped GEMMs, whose rows per
+#: expert then make them efficient (Mixtral-like, 1 thread: streamed 1.3x faster at 2 slots per
+#: expert, even at 4, 0.68x at 8; fp32 streamed was still 1.3x faster at 8: benchmarks/README.md)
+STREAMED_SLOTS_PER_EXPERT = 3
 #: dtypes whose ``grouped_mm`` torch.compile can trace (its meta kernel takes bf16 only)
 GROUPED_MM_TRACES = frozenset({torch.bfloat16})
 #: rows per chunk in :func:`slot_rows` (64 fp32 rows of H=1024: 256 KiB, within L2)
@@ -166,8 +168,9 @@ def moe_grouped_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
     weights [T, k]. Returns [T, H] in x.dtype."""
     ref.check_grouped_mlp(x, gate_up, down, experts, weights, activation, gate_up_bias,
                           down_bias, clamp)
-    if torch.compiler.is_compiling() and (experts.numel() <= STREAMED_SLOTS
-                                          or gate_up.dtype not in GROUPED_MM_TRACES):
+    if torch.compiler.is_compiling() and (
+            experts.numel() <= STREAMED_SLOTS_PER_EXPERT * gate_up.shape[0]
+            or gate_up.dtype not in GROUPED_MM_TRACES):
         return streamed_mlp(x, gate_up, down, experts, weights, activation, gate_up_bias,
                             down_bias, clamp, alpha)
     if not grouped_mm_fits(gate_up):
