@@ -47,8 +47,10 @@ MOE_DTYPES = frozenset({torch.float32, torch.bfloat16})
 #: the most token slots (tokens × top-k) per local expert the compiled step gives
 #: :func:`streamed_mlp` (decode batches) in bf16; more take the grouped GEMMs, whose rows per
 #: expert then make them efficient (Mixtral-like, 1 thread: streamed 1.3x faster at 2 slots per
-#: expert, even at 4, 0.68x at 8; fp32 streamed was still 1.3x faster at 8: benchmarks/README.md)
-STREAMED_SLOTS_PER_EXPERT = 3
+#: expert, even at 4, 0.68x at 8; fp32 streamed was still 1.3x faster at 8: benchmarks/README.md).
+#: Ties go to the streamed path: a ``grouped_mm`` in the step makes the CPU graph strategy
+#: compile it a second time with ATen's GEMMs as candidates (and every later capture with them)
+STREAMED_SLOTS_PER_EXPERT = 4
 #: dtypes whose ``grouped_mm`` torch.compile can trace (its meta kernel takes bf16 only)
 GROUPED_MM_TRACES = frozenset({torch.bfloat16})
 #: rows per chunk in :func:`slot_rows` (64 fp32 rows of H=1024: 256 KiB, within L2)
