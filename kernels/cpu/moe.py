@@ -134,8 +134,9 @@ def streamed_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
     The S = T*k slots are sorted by expert, so one expert's slots are adjacent. A sentinel slot
     (expert E: another rank's; sorted last) reads the rows of the last expert read before it
     (in cache) and is masked to 0; a call with no slot on this rank reads expert 0 for
-    nothing (static shapes cannot skip it). Returns [T, H] in x.dtype; float32 sums, the
-    activation rounded to the weights' dtype as the grouped path does."""
+    nothing (static shapes cannot skip it). Returns [T, H] in x.dtype; float32 sums; the
+    activation is rounded to the weights' dtype as the grouped path does (eager: inductor keeps
+    it in float32, which is closer to the reference)."""
     (t, k), (n_local, _, hidden) = experts.shape, gate_up.shape
     flat = experts.reshape(-1)  # [S]
     order = torch.argsort(flat, stable=True)  # [S]: slot ids by expert, the sentinel's last
@@ -165,9 +166,11 @@ def moe_grouped_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
                     gate_up_bias: torch.Tensor | None = None,
                     down_bias: torch.Tensor | None = None, clamp: float | None = None,
                     alpha: float = ref.GPT_OSS_ALPHA) -> torch.Tensor:
-    """The routed experts' output by two grouped GEMMs over the expert-sorted slots; contract of
-    the reference ``moe_grouped_mlp``: x [T, H], gate_up [E, 2I, H], down [E, H, I], experts and
-    weights [T, k]. Returns [T, H] in x.dtype."""
+    """The routed experts' output; contract of the reference ``moe_grouped_mlp``: x [T, H],
+    gate_up [E, 2I, H], down [E, H, I], experts (local ids, E the sentinel) and weights [T, k].
+    Under ``torch.compile`` at decode sizes :func:`streamed_mlp`, else two grouped GEMMs over
+    the expert-sorted slots (the module docstring says which when). Returns [T, H] in
+    x.dtype."""
     ref.check_grouped_mlp(x, gate_up, down, experts, weights, activation, gate_up_bias,
                           down_bias, clamp)
     if torch.compiler.is_compiling() and (
