@@ -9,12 +9,13 @@ sentinel expert index E: a slot whose expert lives on another rank contributes n
 
   - **Compiled decode** (under ``torch.compile``, i.e. the CPU graph strategy's captured step,
     with at most :data:`STREAMED_SLOTS_PER_EXPERT` token slots per local expert; in fp32
-    always, since torch cannot trace an fp32 ``grouped_mm``): :func:`streamed_mlp`. Each slot's expert rows are dotted with its
-    token in a form inductor turns into C++ reduction loops that read the stacked weights in
-    place through the slot's expert index (no gathered copies), chunk by chunk so that slots of
-    one expert share what the first read brought into cache: about one read of each routed
-    expert's bytes per step. At 1-8 tokens this reads the experts several times faster than
-    ATen's grouped GEMM of 1-2 rows per expert, which is compute-bound on CPU.
+    always, since torch cannot trace an fp32 ``grouped_mm``): :func:`streamed_mlp`. Each
+    slot's expert rows are dotted with its token in a form inductor turns into C++ reduction
+    loops that read the stacked weights in place through the slot's expert index (no gathered
+    copies), chunk by chunk so that slots of one expert share what the first read brought
+    into cache: about one read of each routed expert's bytes per step. At 1-8 tokens it was
+    1.25-2.2x as fast as ATen's grouped GEMM of 1-2 rows per expert, which is compute-bound on
+    CPU (fp32 gains most; bf16 is bound by converting the rows).
   - **Eager** (prompts, steps without graphs): the T*k token slots are sorted by expert
     (``argsort``, the permutation of ``moe_permute``), the per-expert slot counts become
     ``offs`` by a scatter-add and a cumsum on the device, and ``torch.nn.functional.grouped_mm``
