@@ -243,14 +243,20 @@ _FAMILIES = [
                                num_mtp_layers=0, vocab_size=256, max_position_embeddings=256),
            positions="rotary", moe=_EVERY_WORLD, tolerances={"moe_bf16": 0.05}),
     # its attention alone (every layer dense): one q_proj (no query LoRA), "half" rotary
-    # (rope_interleave off), a value wider than q/k (v 32 > 16 + 8)
+    # (rope_interleave off), a value wider than q/k (v 32 > 16 + 8), YaRN as V3's (mscale in
+    # the score scale: 0.265, not 24 ** -0.5)
     Family("deepseek_v3-mla", _cfg("DeepseekV3Config", hidden_size=64, intermediate_size=128,
                                    num_hidden_layers=2, num_attention_heads=4,
                                    num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=32,
                                    qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=32,
                                    rope_interleave=False, first_k_dense_replace=2,
                                    num_mtp_layers=0, vocab_size=256,
-                                   max_position_embeddings=256),
+                                   max_position_embeddings=256,
+                                   rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0,
+                                                    "factor": 4.0, "mscale": 1.0,
+                                                    "mscale_all_dim": 1.0, "beta_fast": 32.0,
+                                                    "beta_slow": 1.0,
+                                                    "original_max_position_embeddings": 64}),
            positions="rotary", inject=(1,), graph_step=True),
     # -- moe: gpt_oss --
     # GPT-OSS: attention sinks, a sliding layer (window 4, shorter than the test prompts) then a
