@@ -24,7 +24,7 @@ import torch
 
 import shardwise
 from shardwise.inject import InjectionError, StaticKVCache
-from shardwise.inject.injector import injected_stack
+from shardwise.inject.injector import injected_stack, plan_injection
 from shardwise.inject.mla import LatentAttentionCore, LatentAttentionError, absorbed_weights
 from shardwise.inject.spec import LatentAttention
 from shardwise.policy import policy_for
@@ -122,6 +122,9 @@ def test_the_cache_holds_one_latent_per_token(arch):
     assert len(cache.k) == layers and cache.v is cache.k
     assert all(t.shape == (2, 1, 64, latent + rope) for t in cache.k)
     assert cache.buffers.nbytes == layers * 2 * 64 * (latent + rope) * 4
+    plan = plan_injection(tiny_causal_lm(arch), shardwise.get_accelerator("cpu"), torch.float32,
+                          64)  # what init_inference checks against the free memory
+    assert plan.kv_bytes(torch.float32, batch=2) == cache.buffers.nbytes
     # per-head keys and values would take heads × (N + R + V) per token
     assert latent + rope < heads * (nope + rope + value)
     stack = injected_stack(engine.module)

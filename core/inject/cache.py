@@ -103,7 +103,8 @@ def kv_memory_error(need: int, free: int | None, *, batch: int, max_tokens: int,
     refusal = "the allocator refused it: " if refused else ""
     return KVCacheMemoryError(
         f"the static KV cache for {seqs} of max_tokens={max_tokens} needs {need} bytes "
-        f"({_gib(need)}: layers x 2 x kv heads x head_dim x max_tokens x batch x dtype size); "
+        f"({_gib(need)}: layers x 2 (k, v; 1 for a latent cache) x kv heads x head_dim x "
+        f"max_tokens x batch x dtype size); "
         f"{refusal}{where} {have}{fits}. Lower it with init_inference(..., max_tokens=N) "
         f"(DeepSpeed alias max_out_tokens)"
         + ("" if batch == 1 else " or generate with a smaller batch"))
