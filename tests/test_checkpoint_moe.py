@@ -193,8 +193,8 @@ def test_an_injected_engine_saves_the_models_own_layout(tmp_path, arch):
 @pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe"])
 def test_an_expert_range_reads_only_its_experts_tensors(tmp_path, arch):
     """transformers' converter builds experts [1, 3) from those experts' tensors alone: equal to
-    the same rows of the whole tensor, and exactly their bytes read; built in place (the
-    loader's path) it holds the same values."""
+    the same rows of the whole tensor, and exactly their bytes read; built in place (copied
+    into, or read straight into its slots converted to bf16: the loader's path) the same."""
     path = save_moe(arch, tmp_path / arch)
     model = tiny_moe(arch)
     index = build_index(describe(path))
@@ -210,10 +210,15 @@ def test_an_expert_range_reads_only_its_experts_tensors(tmp_path, arch):
         part = entry.build(load, select([(1, 3)]))
         read = reader.bytes_read - before
         placed = entry.build(load, select([(1, 3)]), index.shapes)  # in place: the same values
+        before = reader.bytes_read
+        filled = entry.build(load, select([(1, 3)]), index.shapes,  # read straight into place
+                             (reader.read_into, torch.bfloat16))
+        filled_read = reader.bytes_read - before
     torch.testing.assert_close(whole, model.get_parameter(name).detach(), rtol=0, atol=0)
     torch.testing.assert_close(part, whole[1:3], rtol=0, atol=0)
     torch.testing.assert_close(placed, part, rtol=0, atol=0)
-    assert read == part.numel() * part.element_size()
+    torch.testing.assert_close(filled, part.to(torch.bfloat16), rtol=0, atol=0)
+    assert read == filled_read == part.numel() * part.element_size()
 
 
 @pytest.mark.parametrize("cat", [1, -1, -3])

@@ -73,19 +73,23 @@ class Composite:
         return len(next(iter(self.sources.values())))
 
     def build(self, load: Callable[[str], torch.Tensor], select: list[int] | None = None,
-              shapes: dict[str, tuple[int, ...]] | None = None) -> torch.Tensor:
+              shapes: dict[str, tuple[int, ...]] | None = None,
+              into: "tuple[Callable[[str, torch.Tensor], None], torch.dtype] | None" = None
+              ) -> torch.Tensor:
         """The tensor, built from ``load(key)`` of each key (of list entries ``select`` only,
         when given: a range of :attr:`stack_dim`) as the converter's operations build it.
 
         With the keys' ``shapes`` (their headers), a plain stack (``MergeModulelist``, then at
         most one ``Concatenate`` of the patterns along another dim) is built in place: the
         result is allocated once (its shape from the converter's own operations, run on the
-        meta device) and each tensor is copied into its slot as it is read, so no stacked or
-        concatenated intermediate copy is ever held. Otherwise the converter runs as it is."""
+        meta device) and each tensor goes into its slot as it is read — by ``into``'s
+        ``fill(key, slot)`` (the result in ``into``'s dtype), else copied from ``load(key)`` —
+        so no stacked or concatenated intermediate copy is ever held. Otherwise the converter
+        runs as it is."""
         chosen = {p: keys if select is None else [keys[i] for i in select]
                   for p, keys in self.sources.items()}
         if shapes is not None and self._placement() is not None:
-            return self._place(load, chosen, shapes)
+            return self._place(load, chosen, shapes, into)
         return self._convert(load, chosen)
 
     def _placement(self) -> tuple[int, int | None] | None:
@@ -96,23 +100,27 @@ class Composite:
         return self.stack_dim, ops[1].dim if len(ops) == 2 else None
 
     def _place(self, load: Callable[[str], torch.Tensor], chosen: dict[str, list[str]],
-               shapes: dict[str, tuple[int, ...]]) -> torch.Tensor:
+               shapes: dict[str, tuple[int, ...]], into=None) -> torch.Tensor:
         def empty(key: str) -> torch.Tensor:
             return torch.empty(shapes[key], device="meta")
         shape = self._convert(empty, chosen).shape  # what the converter builds: its own ops
         stack, cat = self._placement()
-        out, offset = None, 0
+        out = None if into is None else torch.empty(shape, dtype=into[1])
+        offset = 0
         for keys in chosen.values():  # the converter's pattern order, which Concatenate keeps
             width = 0
-            for i, key in enumerate(keys):
-                piece = load(key)  # [..] one list entry, e.g. one expert's [I, H]
+            for i, key in enumerate(keys):  # each one list entry, e.g. one expert's [I, H]
+                piece = None if into is not None else load(key)
                 if out is None:
                     out = torch.empty(shape, dtype=piece.dtype)
                 dest = out
                 if cat is not None:
-                    width = piece.shape[cat if cat < stack else cat - 1]
+                    width = shapes[key][cat if cat < stack else cat - 1]
                     dest = out.narrow(cat, offset, width)
-                dest.select(stack, i).copy_(piece)
+                if into is not None:
+                    into[0](key, dest.select(stack, i))
+                else:
+                    dest.select(stack, i).copy_(piece)
                 del piece
             offset += width
         return out

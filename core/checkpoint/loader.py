@@ -407,15 +407,17 @@ def _read_composite(t: Target, reader: Reader, dtype: torch.dtype | None) -> tor
     ``dtype``). A rank keeping a range of the stacked dim (its experts) reads only those list
     entries; any other slice is cut from the whole tensor."""
     entry, shapes = t.composite, reader.index.shapes
+    stored = reader.index.dtypes[entry.keys[0]]
+    into = (reader.read_into, dtype if dtype is not None and stored.is_floating_point else stored)
 
     def load(key: str) -> torch.Tensor:
         return reader.read(key, None, None, dtype)
     if t.keep == "whole":
-        return entry.build(load, shapes=shapes)
+        return entry.build(load, shapes=shapes, into=into)
     dim, ranges = t.keep
     if dim == entry.stack_dim:
-        return entry.build(load, select(ranges), shapes)
-    whole = entry.build(load, shapes=shapes)
+        return entry.build(load, select(ranges), shapes, into)
+    whole = entry.build(load, shapes=shapes, into=into)
     return torch.cat([whole.narrow(dim, a, b - a) for a, b in ranges], dim=dim).contiguous()
 
 

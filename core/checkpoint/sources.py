@@ -27,7 +27,7 @@ import torch
 from .description import Description
 from .errors import CheckpointError
 from .extensions import extension, rank_entries
-from .preads import StagingBuffer, read_slice
+from .preads import StagingBuffer, read_contiguous, read_slice
 
 log = logging.getLogger(__name__)
 
@@ -379,6 +379,21 @@ class Reader:
             os.close(fd)
         self._fds.clear()
         self._stage.release()
+
+    def read_into(self, key: str, dest: torch.Tensor) -> None:
+        """Fill ``dest`` (the whole tensor's shape; its dtype: a floating one, or the stored)
+        with ``key``. A whole tensor of a safetensors file is read straight into a contiguous
+        ``dest`` (converted through the staging buffer if the dtypes differ): no temporary
+        copy, and the kernel, not a copy loop, touches ``dest``'s fresh pages."""
+        pieces = self.index.pieces[key]
+        info = pieces[0].info
+        if len(pieces) > 1 or pieces[0].dim is not None or info.file in self.index.bins \
+                or not dest.is_contiguous() or tuple(dest.shape) != info.shape:
+            dest.copy_(self.read(key, None, None, dest.dtype))
+            return
+        read_contiguous(self._fd(info.file), info.offset, dest.reshape(-1), info.dtype,
+                        self._stage, info.file)
+        self.bytes_read += dest.numel() * info.dtype.itemsize
 
     def read(self, key: str, dim: int | None, ranges: list[Range] | None,
              dtype: torch.dtype | None) -> torch.Tensor:
