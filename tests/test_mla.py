@@ -27,6 +27,7 @@ from shardwise.inject import InjectionError, StaticKVCache
 from shardwise.inject.injector import injected_stack, plan_injection
 from shardwise.inject.mla import LatentAttentionCore, LatentAttentionError, absorbed_weights
 from shardwise.inject.spec import LatentAttention
+from shardwise.layout import HeadBlocks, HeadPartition, ShardContext, ShardingError
 from shardwise.policy import policy_for
 from families import QUANT_BOUNDS, families
 from graph_doubles import ReplayOnCpu
@@ -304,6 +305,19 @@ def test_tensor_parallel_splits_the_heads_or_keeps_them_whole(tp_ranks, name):
                                [local * (nope + value), latent],
                                [hidden, local * value], [latent + rope, hidden]]
         assert r["cache"] == [1, latent + rope] and r["graphs"] == graphs
+
+
+def test_head_blocks_keep_whole_heads_of_their_own_width():
+    """HeadBlocks: each rank keeps its heads' blocks whatever the per-head width (here 24 and
+    40, neither the config's head_dim of 8); a size that is no whole number of heads is a
+    ShardingError naming the dimension. Uneven heads (7 over 2 ranks: 4 | 3) split as Heads."""
+    ranks = [ShardContext(2, r, HeadPartition.compute(4, 4, 8, 2, r)) for r in (0, 1)]
+    assert [HeadBlocks("heads").ranges(96, c) for c in ranks] == [[(0, 48)], [(48, 96)]]
+    assert [HeadBlocks("heads").ranges(160, c) for c in ranks] == [[(0, 80)], [(80, 160)]]
+    uneven = [ShardContext(2, r, HeadPartition.compute(7, 7, 8, 2, r)) for r in (0, 1)]
+    assert [HeadBlocks("heads").ranges(7 * 24, c) for c in uneven] == [[(0, 96)], [(96, 168)]]
+    with pytest.raises(ShardingError, match="q_b_proj.*size 97.*not 4 heads"):
+        HeadBlocks("heads").ranges(97, ranks[0], "q_b_proj (column, output features)")
 
 
 # ----- bad input ------------------------------------------------------------------------------
