@@ -17,8 +17,10 @@ usable alone) gives each MoE block of the plan's ``moe_layers`` an instance forw
    experts module gets an instance forward on ``kernels.moe_grouped_mlp``
    (:class:`ExpertsKernelForward`); a replacement that already honours the contract (a
    quantized experts module) is called as it is;
-4. with ep > 1 the routed output is summed over the ep group (every rank holds the same tokens
-   and computed its own experts' share: one all-reduce);
+4. with ep > 1 the ranks' shares are combined over the ep group (``moe={"dispatch": ...}``):
+   one all-reduce of the routed output (every rank holds the same tokens and computed its own
+   experts' share), or the tokens sent to their experts' ranks and back by all-to-all
+   (:mod:`shardwise.moe.dispatch`);
 5. the shared expert(s), called as modules (their tensor-parallel hooks run), scaled by
    ``sigmoid(shared_gate(x))`` where the family has one, added.
 
