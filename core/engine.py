@@ -404,6 +404,7 @@ def _build_engine(model: nn.Module | None, cfg: InferenceConfig) -> InferenceEng
             log.info("shardwise: %s", report.summary())
     quant_report = _quantize_and_cast(model, cfg, accelerator, dtype, device, plan,
                                       loaded)  # 6.
+    moe_report = _moe_step(model, cfg, accelerator, dtype, plan)  # 6b. before injection
     injected = None
     if cfg.replace_with_kernel_inject:  # 7. adopts the linears as they are (sharded, quantized)
         from .inject import inject_model
@@ -419,11 +420,39 @@ def _build_engine(model: nn.Module | None, cfg: InferenceConfig) -> InferenceEng
     engine = InferenceEngine(model, cfg, accelerator, communicator, device, dtype, report,
                              plan=plan)
     engine.quantization = quant_report
+    engine.moe = moe_report
     engine.checkpoint_load = loaded
     engine._stack = injected if hasattr(injected, "session") else None
     if cfg.save_mp_checkpoint_path:
         engine.save_checkpoint(cfg.save_mp_checkpoint_path)
     return engine
+
+
+def _runs_moe_step(cfg: InferenceConfig, plan: Plan) -> bool:
+    """Whether the MoE step runs: the model is Mixture-of-Experts and its blocks must leave HF's
+    forward — kernel injection (the injected layer calls the block; graphs capture it), expert
+    parallelism (ep > 1: this rank's experts, then the ep all-reduce) or quantization (the
+    quantized experts honour the experts-module contract the block calls). Otherwise the HF
+    blocks run as they are (``moe={"ep_size": 1}`` alone changes nothing)."""
+    if plan.experts is None:
+        return False
+    if cfg.replace_with_kernel_inject or plan.ep.enabled:
+        return True
+    return cfg.quant is not None and plan.policy.moe is not None
+
+
+def _moe_step(model: nn.Module, cfg: InferenceConfig, accelerator: Accelerator,
+              dtype: torch.dtype, plan: Plan):
+    """Step 6b (after quantization, before injection; see :func:`_runs_moe_step`): every MoE
+    block of the plan gets the generic forward on the moe kernels, this rank's experts only
+    (:func:`shardwise.moe.install_moe`). Returns its :class:`~shardwise.moe.MoEReport`, or
+    None when the step does not run."""
+    if not _runs_moe_step(cfg, plan):
+        return None
+    from .moe import install_moe
+
+    dispatch = getattr(cfg.moe, "dispatch", None) or "all_reduce"
+    return install_moe(model, plan, accelerator, dtype, dispatch=dispatch)
 
 
 def _max_tokens(cfg: InferenceConfig) -> int | None:
@@ -451,6 +480,10 @@ def _check_later_steps(model: nn.Module, cfg: InferenceConfig, accelerator: Acce
         for rank in range(plan.tp.size):
             check_fits(model, cfg.quant, accelerator, dtype, prepared=prepared, rank=rank,
                        plan=plan, device=device)
+    if _runs_moe_step(cfg, plan):
+        from .moe import check_moe
+
+        check_moe(model, plan, accelerator, dtype)
     if cfg.replace_with_kernel_inject:
         from .inject.injector import check_injection
 
