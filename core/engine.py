@@ -550,6 +550,11 @@ def _quantize_and_cast(model: nn.Module, cfg: InferenceConfig, accelerator: Acce
         if report is not None:
             return report  # quantize_model cast and moved the rest
     else:
+        from .quant import quantize_model_experts
+
+        # the reader quantized the linears; MoE experts (3-D weights, read whole: this rank's
+        # after sharding) are quantized now
+        quantize_model_experts(model, report, accelerator, dtype, device)
         log.info("shardwise: %s", report.summary())
     transforms.cast_and_move(model, device, dtype)
     return report
