@@ -394,7 +394,8 @@ def _build_engine(model: nn.Module | None, cfg: InferenceConfig) -> InferenceEng
     if desc is not None:  # 4. each rank reads only its slices, straight onto its device
         loaded = _checkpoint.load_checkpoint(
             model, desc, prepared=prepared, rank=communicator.rank, device=device, dtype=dtype,
-            hooks=_reading_hooks(model, cfg, accelerator, dtype, device, plan, desc))
+            hooks=_reading_hooks(model, cfg, accelerator, dtype, device, plan, desc),
+            experts=plan.experts.total if plan.experts is not None else None)
     report = None
     if prepared is not None:
         report = sharding.apply_shards(  # 5. (the loader already sliced the weights)
