@@ -15,8 +15,10 @@ The family's three quirks, each data:
 * **leading dense layers**: the first ``first_k_dense_replace`` layers keep a dense MLP under
   the same name ``mlp`` (the plan's ``moe_layers`` through ``Policy.moe_layer_rules``).
 
-Tensor parallelism: HF's plan (experts and MLPs only, in names shardwise does not apply) is not
-used; this one splits the attention by heads — the queries (``q_proj`` or LoRA's ``q_b_proj``)
+Tensor parallelism: HF's plan names the MLPs and experts only, the experts in styles shardwise
+does not apply, so a model with MoE layers defers to this plan (a config whose layers are all
+dense gets HF's MLP-only plan: the attention whole on every rank, the injected layer reading its
+heads from the weights). This one splits the attention by heads — the queries (``q_proj`` or LoRA's ``q_b_proj``)
 and ``kv_b_proj`` column-parallel, ``o_proj`` row-parallel, each in whole head blocks of its own
 width (``HeadBlocks``: nope + rope, nope + v, v) — while the low-rank down-projections, their
 norms and so the latent cache stay whole on every rank; the dense and shared-expert MLPs, the
