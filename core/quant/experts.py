@@ -40,6 +40,7 @@ from torch import nn
 from ..errors import ConfigError
 from ..kernel_registry import REFERENCE, KernelImpl, registry
 from ..ledger import active, record, replace_module
+from .modules import PackedLayout
 from shardwise.kernels.reference import moe as ref_moe
 from shardwise.kernels.reference.quant import (PackedQuantExperts, QuantizationError, QuantSpec,
                                                quantize_experts)
@@ -144,7 +145,7 @@ def _bias(module: nn.Module, name: str) -> torch.Tensor | None:
 # ----- the module -------------------------------------------------------------------------------
 
 
-class QuantExperts(nn.Module):
+class QuantExperts(PackedLayout):
     """The experts of one MoE layer with int8/int4 weights (module docstring): called as
     ``experts(x [T, H], ids [T, k], weights [T, k]) → [T, H]``.
 
@@ -179,9 +180,9 @@ class QuantExperts(nn.Module):
         self.gate_up_proj_bias = _param(gate_up_bias)
         self.down_proj_bias = _param(down_bias)
         self._math = shape.math()
-        self._packed = self._views()
+        self._packed = self.packed_view()
 
-    def _views(self) -> dict[str, PackedQuantExperts]:
+    def packed_view(self) -> dict[str, PackedQuantExperts]:
         specs = {"gate_up": self.spec, "down": self.down_spec}
         return {part: PackedQuantExperts(self.backend, specs[part], self.num_experts,
                                          self.compute_dtype,
@@ -218,27 +219,6 @@ class QuantExperts(nn.Module):
         (the kernel's own ``dequantize``: exact for int8, the identity run for CPU int4)."""
         return (self.kernel.fn.dequantize(self._packed["gate_up"]),
                 self.kernel.fn.dequantize(self._packed["down"]))
-
-    def _apply(self, fn, recurse=True):
-        buffers, self._buffers = self._buffers, {}
-        try:
-            super()._apply(fn, recurse)  # the biases as usual
-        finally:
-            self._buffers = buffers
-        for name, buf in buffers.items():
-            if buf is None:
-                continue
-            moved = fn(buf)
-            if moved.dtype != buf.dtype:  # a dtype cast: move only, never re-round the layout
-                moved = buf.to(moved.device)
-            buffers[name] = moved
-        self._packed = self._views()
-        return self
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        super().__setattr__(name, value)
-        if "_packed" in self.__dict__ and name in self.__dict__.get("_buffers", {}):
-            self._packed = self._views()
 
     def extra_repr(self) -> str:
         s, d = self.spec, self.down_spec

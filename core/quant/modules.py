@@ -35,7 +35,43 @@ _HOOK_ATTRS = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_a
                "_backward_pre_hooks")
 
 
-class QuantLinear(nn.Module):
+class PackedLayout(nn.Module):
+    """Base of the quantized modules whose buffers hold a packed weight layout, and ``_packed``
+    the kernel's view over them (built by :meth:`packed_view`). ``.to(dtype)`` moves those
+    buffers but never re-rounds them (a dtype cast would ruin the layout); moving, loading a
+    state dict or assigning a buffer rebuilds the view eagerly (never lazily in ``forward``: a
+    compiled step would otherwise guard on it and recompile)."""
+
+    def packed_view(self) -> Any:
+        raise NotImplementedError
+
+    def _apply(self, fn, recurse=True):
+        buffers, self._buffers = self._buffers, {}
+        try:
+            super()._apply(fn, recurse)  # the biases (and any child) as usual
+        finally:
+            self._buffers = buffers
+        for name, buf in buffers.items():
+            if buf is None:
+                continue
+            moved = fn(buf)
+            if moved.dtype != buf.dtype:  # a dtype cast: move only, never re-round the layout
+                moved = buf.to(moved.device)
+            buffers[name] = moved
+        self._packed = self.packed_view()
+        return self
+
+    def _load_from_state_dict(self, *args, **kwargs):
+        super()._load_from_state_dict(*args, **kwargs)
+        self._packed = self.packed_view()
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        super().__setattr__(name, value)
+        if "_packed" in self.__dict__ and name in self.__dict__.get("_buffers", {}):
+            self._packed = self.packed_view()
+
+
+class QuantLinear(PackedLayout):
     """``y = x @ dequant(W)ᵀ + bias`` with a packed quantized ``W [out, in]`` (F.linear layout
     whatever the replaced module's layout was).
 
@@ -66,7 +102,7 @@ class QuantLinear(nn.Module):
         for name, tensor in packed.tensors.items():
             self.register_buffer(name, tensor)
         self.bias = nn.Parameter(bias.detach(), requires_grad=False) if bias is not None else None
-        self._packed: PackedQuantWeight = self._view()
+        self._packed: PackedQuantWeight = self.packed_view()
 
     # ----- construction --------------------------------------------------------------------------
 
@@ -100,14 +136,9 @@ class QuantLinear(nn.Module):
         (CPU graphs) would otherwise guard on the cache being empty and recompile."""
         return self._packed
 
-    def _view(self) -> PackedQuantWeight:
+    def packed_view(self) -> PackedQuantWeight:
         return PackedQuantWeight(self.backend, self.spec, self.compute_dtype,
                                  {n: getattr(self, n) for n in self._tensor_names}, self.meta)
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        super().__setattr__(name, value)
-        if name in self.__dict__.get("_tensor_names", ()) and "_packed" in self.__dict__:
-            self._packed = self._view()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., in] → [..., out] in x.dtype (module docstring for another dtype than the
@@ -122,28 +153,6 @@ class QuantLinear(nn.Module):
         """Bytes of the packed weight (scales and zeros included), bias excluded."""
         return sum(getattr(self, n).numel() * getattr(self, n).element_size()
                    for n in self._tensor_names)
-
-    # ----- keeping the packed layout intact ----------------------------------------------------
-
-    def _apply(self, fn, recurse=True):
-        buffers, self._buffers = self._buffers, {}
-        try:
-            super()._apply(fn, recurse)  # the bias (and any child) as usual
-        finally:
-            self._buffers = buffers
-        for name, buf in buffers.items():
-            if buf is None:
-                continue
-            moved = fn(buf)
-            if moved.dtype != buf.dtype:  # a dtype cast: move only, never re-round the layout
-                moved = buf.to(moved.device)
-            buffers[name] = moved
-        self._packed = self._view()
-        return self
-
-    def _load_from_state_dict(self, *args, **kwargs):
-        super()._load_from_state_dict(*args, **kwargs)
-        self._packed = self._view()
 
     def extra_repr(self) -> str:
         s = self.spec
