@@ -126,13 +126,13 @@ class Policy:
         None when the config has no head count (the model then cannot use head layouts)."""
         if config is None:
             return None
-        num_heads = _first_attr(config, self.head_config.get("num_heads", ()))
+        num_heads = first_config_value(config, self.head_config.get("num_heads", ()))
         if not num_heads:
             return None
-        num_kv = _first_attr(config, self.head_config.get("num_kv_heads", ())) or num_heads
-        head_dim = _first_attr(config, self.head_config.get("head_dim", ()))
+        num_kv = first_config_value(config, self.head_config.get("num_kv_heads", ())) or num_heads
+        head_dim = first_config_value(config, self.head_config.get("head_dim", ()))
         if not head_dim:
-            hidden = _first_attr(config, self.head_config.get("hidden_size", ()))
+            hidden = first_config_value(config, self.head_config.get("hidden_size", ()))
             if not hidden:
                 return None
             head_dim = hidden // num_heads
@@ -143,19 +143,19 @@ class Policy:
         and :attr:`moe_layer_rules`; None for a dense model (no positive expert count)."""
         if config is None:
             return None
-        total = _first_attr(config, self.moe_config.get("num_experts", ()))
+        total = first_config_value(config, self.moe_config.get("num_experts", ()))
         if isinstance(total, bool) or not isinstance(total, int) or total < 1:
             return None
-        top_k = _first_attr(config, self.moe_config.get("top_k", ()))
-        shared = _first_attr(config, self.moe_config.get("shared_experts", ()))
+        top_k = first_config_value(config, self.moe_config.get("top_k", ()))
+        shared = first_config_value(config, self.moe_config.get("shared_experts", ()))
         if shared is None:  # one shared expert of that width (Qwen2-MoE), or none
-            shared = int(bool(_first_attr(config, self.moe_config.get("shared_expert_size", ()))))
-        layers = _first_attr(config, self.moe_config.get("num_layers", ())) or 0
+            shared = int(bool(first_config_value(config, self.moe_config.get("shared_expert_size", ()))))
+        layers = first_config_value(config, self.moe_config.get("num_layers", ())) or 0
         rules = [(MOE_LAYER_RULES[kind], getattr(config, attr))
                  for attr, kind in self.moe_layer_rules if getattr(config, attr, None) is not None]
         moe_layers = tuple(i for i in range(int(layers)) if all(rule(i, v) for rule, v in rules))
-        num_groups = _first_attr(config, self.moe_config.get("num_groups", ())) or 1
-        top_groups = _first_attr(config, self.moe_config.get("top_groups", ())) or num_groups
+        num_groups = first_config_value(config, self.moe_config.get("num_groups", ())) or 1
+        top_groups = first_config_value(config, self.moe_config.get("top_groups", ())) or num_groups
         groups = (int(num_groups), int(top_groups)) if num_groups > 1 else None
         return MoEFacts(total, int(top_k) if top_k else 1, int(shared), moe_layers, groups)
 
@@ -214,7 +214,9 @@ class IfConfig:
         return all(getattr(config, k, None) == v for k, v in self.when.items())
 
 
-def _first_attr(config: Any, names: tuple[str, ...]) -> Any:
+def first_config_value(config: Any, names: tuple[str, ...]) -> Any:
+    """The first of the config attributes ``names`` that is set (not None), or None; an entry may
+    be an :class:`IfConfig` (its value, where its condition holds)."""
     for name in names:
         if isinstance(name, IfConfig):
             if name.applies(config):

@@ -20,7 +20,7 @@ from ..accelerator import Accelerator, dtype_name
 from ..errors import ConfigError
 from ..kernel_registry import REFERENCE, KernelImpl, registry
 from ..ledger import replace_module
-from ..policy import HeadCounts
+from ..policy import HeadCounts, first_config_value
 from ..sharding.partition import HeadPartition
 from .cache import check_kv_fits, free_memory_of, kv_cache_bytes
 from .layers import InjectedModel, Kernels, LayerSetup
@@ -70,14 +70,6 @@ def _policy_and_spec(model: nn.Module, policy=None):
         raise InjectionError(f"policy {policy.name!r}: injection must be an InjectionSpec or an "
                              f"EncoderInjectionSpec, got {type(spec).__name__}")
     return policy, spec
-
-
-def _config_value(config: Any, names: tuple[str, ...]) -> Any:
-    for name in names:
-        value = getattr(config, name, None)
-        if value is not None:
-            return value
-    return None
 
 
 def resolve_ops(accelerator: Accelerator, dtype: torch.dtype, ops: dict[str, str],
@@ -130,7 +122,7 @@ def _check_config(model: nn.Module, spec: InjectionSpec) -> tuple[str, str]:
     """The (kernel op, GELU approximation) of the model's activation; refuses settings the
     injected layer does not implement."""
     config, mlp = model.config, spec.mlp
-    act = _config_value(config, mlp.activation_config) or mlp.activation
+    act = first_config_value(config, mlp.activation_config) or mlp.activation
     if act not in ACTIVATIONS or (ACTIVATIONS[act][0] == "silu_and_mul") != (mlp.kind == "gated"):
         raise InjectionError(f"activation {act!r} of {type(model).__name__} is not supported by "
                              f"the injected {mlp.kind} MLP (supported: "

@@ -48,6 +48,7 @@ from ..checkpoint.extensions import CHECKPOINT_VIEW
 from ..errors import ConfigError
 from ..kernel_registry import registry
 from ..ledger import record, set_forward
+from ..policy import first_config_value
 from .spec import MoESpec
 
 log = logging.getLogger(__name__)
@@ -146,14 +147,6 @@ def _moe_spec(policy) -> MoESpec:
     return spec
 
 
-def _config_value(config: Any, names: tuple[str, ...]) -> Any:
-    for name in names:
-        value = getattr(config, name, None)
-        if value is not None:
-            return value
-    return None
-
-
 def router_settings(spec: MoESpec, config: Any, experts_plan) -> RouterSettings:
     """The router's scoring from ``spec``, the model ``config`` and the plan's experts."""
     renormalize = spec.renormalize
@@ -169,7 +162,7 @@ def router_settings(spec: MoESpec, config: Any, experts_plan) -> RouterSettings:
 
 def expert_math(spec: MoESpec, config: Any) -> ExpertMath:
     """The experts' activation (and clamped SwiGLU) from ``spec`` and ``config``."""
-    act = _config_value(config, spec.activation_config) or "silu"
+    act = first_config_value(config, spec.activation_config) or "silu"
     if act not in ACTIVATIONS:
         raise MoEError(f"the experts' activation {act!r} ({'/'.join(spec.activation_config)}) "
                        f"is not one the moe kernels run ({', '.join(ACTIVATIONS)}); run without "
@@ -204,7 +197,7 @@ def decoder_layers(model: nn.Module, policy) -> nn.ModuleList:
             return model.get_submodule(f"{spec.base_model}.{spec.layers}")
         except AttributeError:
             pass
-    count = _config_value(config, ("num_hidden_layers", "n_layer", "num_layers"))
+    count = first_config_value(config, ("num_hidden_layers", "n_layer", "num_layers"))
     for module in model.modules():
         if isinstance(module, nn.ModuleList) and len(module) == count:
             return module
