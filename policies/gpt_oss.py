@@ -22,27 +22,15 @@ split by expert (expert parallelism).
 from shardwise.inject.spec import MLP, Attention, InjectionSpec, Positions, Residual
 from shardwise.moe import MoESpec
 from shardwise.policy import Policy
-from shardwise.sharding.roles import (ColumnParallel, Heads, RowParallel, VocabParallelEmbedding,
-                                      VocabParallelHead)
+from shardwise.policies.mixtral import ATTENTION_LAYOUTS, ATTENTION_TP_PLAN
+from shardwise.sharding.roles import VocabParallelHead
 
 
 class GptOssPolicy(Policy):
     name = "gpt_oss"
     model_types = ("gpt_oss",)
-    tp_plan = {
-        "embed_tokens": VocabParallelEmbedding(),
-        "layers.*.self_attn.q_proj": ColumnParallel(),
-        "layers.*.self_attn.k_proj": ColumnParallel(),
-        "layers.*.self_attn.v_proj": ColumnParallel(),
-        "layers.*.self_attn.o_proj": RowParallel(),
-        "lm_head": VocabParallelHead(),
-    }
-    layouts = {
-        "layers.*.self_attn.q_proj": Heads("heads"),  # weight [heads*head_dim, hidden]
-        "layers.*.self_attn.k_proj": Heads("kv_heads"),  # [kv_heads*head_dim, hidden]
-        "layers.*.self_attn.v_proj": Heads("kv_heads"),
-        "layers.*.self_attn.o_proj": Heads("heads"),  # input side [hidden, heads*head_dim]
-    }
+    tp_plan = {**ATTENTION_TP_PLAN, "lm_head": VocabParallelHead()}
+    layouts = ATTENTION_LAYOUTS
     attention_modules = ("layers.*.self_attn",)
     attention_attrs = {"num_key_value_groups": "kv_groups"}
     attention_head_params = {"sinks": "heads"}  # [heads]: the HF forward reads the rank's
