@@ -135,14 +135,15 @@ def attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 def _decode_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                lengths: torch.Tensor, starts: torch.Tensor | None,
                alibi_slopes: torch.Tensor | None, scale: float | None,
-               window: int | None, sinks: torch.Tensor | None) -> torch.Tensor:
-    """:func:`attention_decode` as an op the compiler calls without tracing into it."""
+               window: int | None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`attention_decode` as an op the compiler calls without tracing into it (``sinks``
+    last and optional: callers written before it keep working)."""
     return _attention_decode(q, k_cache, v_cache, lengths, alibi_slopes, scale, starts, window,
                              sinks)
 
 
 @_decode_op.register_fake
-def _(q, k_cache, v_cache, lengths, starts, alibi_slopes, scale, window, sinks):
+def _(q, k_cache, v_cache, lengths, starts, alibi_slopes, scale, window, sinks=None):
     return q.new_empty(q.shape)  # contiguous [batch, q_heads, 1, d], as the real op returns
 
 
