@@ -24,13 +24,12 @@ others take); wall clock is the default.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
 
 from shardwise.kernels.cpu import moe as cpu_moe
 from shardwise.kernels.reference import moe as ref
+from timing import CLOCKS, median_us
 
 
 def hf_experts(hidden, inter, n_experts, top_k, dtype, implementation):
@@ -47,20 +46,6 @@ def hf_experts(hidden, inter, n_experts, top_k, dtype, implementation):
         for p in experts.parameters():
             p.copy_(torch.randn(p.shape, generator=g) * p.shape[-1] ** -0.5)
     return experts.to(dtype).eval()
-
-
-def median_s(fns: dict, repeats: int, clock, warmup: int = 3) -> dict:
-    """Median seconds per call of each function, calls interleaved."""
-    for _ in range(warmup):
-        for f in fns.values():
-            f()
-    times: dict = {name: [] for name in fns}
-    for _ in range(repeats):
-        for name, f in fns.items():
-            start = clock()
-            f()
-            times[name].append(clock() - start)
-    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def captured(gate_up, down, x, experts, weights):
@@ -95,12 +80,12 @@ def main() -> None:
                     help="time one expert-parallel rank holding the first N experts")
     ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     ap.add_argument("--repeats", type=int, default=30)
-    ap.add_argument("--clock", choices=("wall", "cpu"), default="wall")
+    ap.add_argument("--clock", choices=tuple(CLOCKS), default="wall")
     ap.add_argument("--no-compiled", action="store_true", help="skip the captured cpu column")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    clock = time.perf_counter if args.clock == "wall" else time.process_time
+    clock = CLOCKS[args.clock]
     copy, copy_bytes = copy_probe()
     h, i, e, k = args.hidden, args.inter, args.experts, args.top_k
     local = args.local_experts or e
@@ -130,7 +115,8 @@ def main() -> None:
                 calls["cpu-graph"] = captured(mine_gu, mine_down, x, mine, weights)
             calls["copy"] = copy
             with torch.no_grad():
-                times = median_s(calls, args.repeats, clock)
+                times = dict(zip(calls, (t / 1e6 for t in median_us(
+                    list(calls.values()), args.repeats, warmup=3, clock=clock))))
             copy_gbps = copy_bytes / times.pop("copy") / 1e9
             rows.append((dtype, tokens, hit, copy_gbps, {
                 name: (t, hit * expert_bytes / t / 1e9) for name, t in times.items()}))

@@ -15,8 +15,6 @@ other processes take; with ``--threads 1`` it is the call's own compute time).
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
 
@@ -24,20 +22,7 @@ from shardwise.kernels.cpu import moe as cpu_moe
 from shardwise.kernels.cpu import quant as cpu_quant
 from shardwise.kernels.reference import moe as ref
 from shardwise.kernels.reference.quant import quantize_experts
-
-
-def median_us(fns, repeats: int, clock, warmup: int = 3) -> list[float]:
-    """Median microseconds per call of each function on ``clock``, calls interleaved."""
-    for _ in range(warmup):
-        for f in fns:
-            f()
-    times: list[list[float]] = [[] for _ in fns]
-    for _ in range(repeats):
-        for i, f in enumerate(fns):
-            start = clock()
-            f()
-            times[i].append(clock() - start)
-    return [statistics.median(t) * 1e6 for t in times]
+from timing import CLOCKS, median_us
 
 
 def main() -> None:
@@ -49,9 +34,9 @@ def main() -> None:
     ap.add_argument("--experts", type=int, default=8)
     ap.add_argument("--top-k", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=30)
-    ap.add_argument("--clock", choices=("wall", "cpu"), default="wall")
+    ap.add_argument("--clock", choices=tuple(CLOCKS), default="wall")
     args = ap.parse_args()
-    clock = time.perf_counter if args.clock == "wall" else time.process_time
+    clock = CLOCKS[args.clock]
     if args.threads:
         torch.set_num_threads(args.threads)
     h, i, e, k = args.hidden, args.inter, args.experts, args.top_k
@@ -81,7 +66,7 @@ def main() -> None:
         for name, pair in quantized.items():
             calls[name] = (lambda pair=pair: kernel(x.bfloat16(), *pair, experts, weights))
         with torch.no_grad():
-            times = median_us(list(calls.values()), args.repeats, clock)
+            times = median_us(list(calls.values()), args.repeats, warmup=3, clock=clock)
         line = "  ".join(f"{name} {t:8.0f} us {hit * per_expert[name] / t / 1e3:5.1f} GB/s"
                          for name, t in zip(calls, times))
         speed = ", ".join(f"{name} {times[0] / t:.2f}x / {times[1] / t:.2f}x"
