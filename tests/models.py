@@ -65,6 +65,22 @@ def logit_parity(ref_logits: torch.Tensor, logits: torch.Tensor) -> tuple[float,
 MIN_FORCED_AGREEMENT = 0.9
 
 
+def bf16_against_hf(ref: torch.nn.Module, engine, batch: int = 2, length: int = 8,
+                    new_tokens: int = 32) -> tuple[float, float]:
+    """(max |logit difference|, teacher-forced agreement) of ``engine`` against the HF model
+    ``ref``: HF's own greedy continuation of a fixed prompt ``[batch, length + new_tokens]`` fed
+    to both in one forward (the reduced-precision parity check of every injected family)."""
+    ids = prompt_ids(batch=batch, length=length)
+    greedy = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                  pad_token_id=0)
+    with torch.no_grad():
+        ref_tokens = ref.generate(ids, **greedy)
+        ref_logits = ref(ref_tokens).logits.float()
+        logits = engine(input_ids=ref_tokens).logits.float()
+    forced = teacher_forced_agreement(ref_logits, logits, length)
+    return (logits - ref_logits).abs().max().item(), forced
+
+
 def teacher_forced_agreement(ref_logits: torch.Tensor, logits: torch.Tensor,
                              prompt_len: int) -> float:
     """Teacher-forced greedy agreement: the fraction of positions where the model under test

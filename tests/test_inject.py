@@ -29,7 +29,7 @@ from shardwise.inject import (InjectedModel, InjectionError, MaxTokensError, Sta
                               StaticKVCache)
 from families import families
 from graph_doubles import ReplayOnCpu
-from models import (MIN_FORCED_AGREEMENT, forced_decode_logits, prompt_ids,
+from models import (MIN_FORCED_AGREEMENT, bf16_against_hf, forced_decode_logits, prompt_ids,
                     teacher_forced_agreement, tiny_causal_lm)
 
 #: every decoder family with injection data, and the config variants that change the layer:
@@ -70,13 +70,7 @@ def test_fp32_parity(arch):
 @pytest.mark.parametrize("arch", FAMILIES)
 def test_bf16_parity(arch):
     ref, engine = _pair(arch, torch.bfloat16)
-    ids = prompt_ids(batch=2, length=8)
-    with torch.no_grad():  # both fed HF's own greedy continuation [2, 8 + 32] in one forward
-        ref_tokens = ref.generate(ids, **GREEDY)
-        ref_logits = ref(ref_tokens).logits.float()
-    logits = engine(input_ids=ref_tokens).logits.float()
-    max_abs = (logits - ref_logits).abs().max().item()
-    forced = teacher_forced_agreement(ref_logits, logits, ids.shape[1])
+    max_abs, forced = bf16_against_hf(ref, engine, new_tokens=NEW)
     print(f"{arch} bf16: max |logit diff| {max_abs:.4f}, teacher-forced agreement {forced:.3f}")
     assert max_abs < BF16_ATOL, max_abs
     assert forced >= MIN_FORCED_AGREEMENT, forced

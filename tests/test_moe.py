@@ -32,7 +32,7 @@ from shardwise.moe import MoEBlockForward, MoEError, install_moe, to_stacked_lay
 from shardwise.plan import build_plan
 from families import families, family
 from graph_doubles import ReplayOnCpu
-from models import (MIN_FORCED_AGREEMENT, prompt_ids, teacher_forced_agreement,
+from models import (MIN_FORCED_AGREEMENT, bf16_against_hf, prompt_ids,
                     tiny_causal_lm)
 
 FAMILIES = families(moe=1)  # tests/families.py
@@ -128,13 +128,7 @@ def test_fp32_parity_blocks_alone_and_ledger_gives_them_back(arch):
 def test_bf16_parity(arch):
     ref, engine = tiny_causal_lm(arch, dtype=torch.bfloat16), _engine(tiny_causal_lm(arch),
                                                                       torch.bfloat16)
-    ids = prompt_ids(batch=2, length=8)
-    with torch.no_grad():  # both fed HF's own greedy continuation [2, 8 + 32] in one forward
-        ref_tokens = ref.generate(ids, **GREEDY)
-        ref_logits = ref(ref_tokens).logits.float()
-        logits = engine(input_ids=ref_tokens).logits.float()
-    max_abs = (logits - ref_logits).abs().max().item()
-    forced = teacher_forced_agreement(ref_logits, logits, ids.shape[1])
+    max_abs, forced = bf16_against_hf(ref, engine, new_tokens=NEW)
     print(f"{arch} bf16: max |logit diff| {max_abs:.4f}, teacher-forced agreement {forced:.3f}")
     assert max_abs < family(arch).tolerances.get("moe_bf16", BF16_ATOL)
     assert forced >= MIN_FORCED_AGREEMENT
