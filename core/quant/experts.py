@@ -39,8 +39,7 @@ from torch import nn
 
 from ..errors import ConfigError
 from ..kernel_registry import REFERENCE, KernelImpl, registry
-from ..ledger import active, record, replace_module
-from .modules import PackedLayout
+from .modules import PackedLayout, swap_quantized
 from shardwise.kernels.reference import moe as ref_moe
 from shardwise.kernels.reference.quant import (PackedQuantExperts, QuantizationError, QuantSpec,
                                                quantize_experts)
@@ -338,20 +337,10 @@ def swap_in_experts(model: nn.Module, name: str, new: QuantExperts) -> None:
     """Put ``new`` in place of experts module ``name`` (its instance hooks carried), recorded in
     the active ledger: the undo puts the original back with its weights rebuilt by
     dequantizing ``new`` (lossy), in their own layout, dtype and device."""
-    from .modules import carry_hooks
-
-    old = model.get_submodule(name)
-    carry_hooks(old, new)
-    parent_name, _, child = name.rpartition(".")
-    parent = model.get_submodule(parent_name) if parent_name else model
-    replace_module(parent, child, new, "quantized experts")
-    record(f"expert weights of {name!r} rebuilt by dequantizing their int{new.spec.bits} "
-           f"weights (lossy: the float weights were not kept)", _dequantize_into(old, new))
-    if active() is not None:  # init_inference: the undo rebuilds them; free the float copies
-        for param in ("gate_up_proj", "down_proj"):
-            tensor = getattr(old, param)
-            if not tensor.is_meta:
-                tensor.data = tensor.data.new_empty(0)
+    swap_quantized(model, name, new, "quantized experts",
+                   f"expert weights of {name!r} rebuilt by dequantizing their int{new.spec.bits} "
+                   f"weights (lossy: the float weights were not kept)",
+                   lambda old: _dequantize_into(old, new), ("gate_up_proj", "down_proj"))
 
 
 def _dequantize_into(old: nn.Module, new: QuantExperts):

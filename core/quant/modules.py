@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from ..kernel_registry import KernelImpl, registry
+from ..ledger import active, record, replace_module
 from shardwise.kernels.reference.quant import PackedQuantWeight, QuantSpec
 
 #: Hook dicts carried from the module a QuantLinear replaces (shared, so handles keep working).
@@ -235,3 +236,25 @@ def carry_hooks(old: nn.Module, new: nn.Module) -> None:
     for attr in _HOOK_ATTRS:
         if hasattr(old, attr):
             setattr(new, attr, getattr(old, attr))
+
+
+def swap_quantized(model: nn.Module, name: str, new: nn.Module, what: str, undo_what: str,
+                   make_undo, float_params: tuple[str, ...]) -> None:
+    """Put the quantized ``new`` in place of module ``name``, carrying its instance hooks, and
+    record in the active ledger ``make_undo(old)``: the undo that puts ``old`` back with its
+    weights rebuilt by dequantizing ``new`` (``undo_what`` says so). Inside ``init_inference``
+    ``old``'s ``float_params`` are emptied (the undo rebuilds them; ``old`` outlives the swap in
+    the undo, and would otherwise hold a second, float copy of the weights)."""
+    old = model.get_submodule(name)
+    carry_hooks(old, new)
+    parent_name, _, child = name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    replace_module(parent, child, new, what)
+    record(undo_what, make_undo(old))
+    if active() is None:
+        return
+    with torch.no_grad():
+        for param in float_params:
+            tensor = getattr(old, param)
+            if not tensor.is_meta:
+                tensor.data = tensor.data.new_empty(0)

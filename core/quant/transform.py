@@ -49,13 +49,12 @@ from torch import nn
 from ..accelerator import Accelerator
 from ..checkpoint.extensions import TensorHook, TensorRef
 from ..errors import ConfigError
-from ..ledger import active, record, replace_module
 from ..kernel_registry import REFERENCE, KernelImpl, registry
 from ..sharding.plan import _conv1d_class, choose_plan
 from ..sharding.roles import ColumnParallel, RowParallel
 from .config import QuantConfig, is_mlp, parse_quant
 from .experts import QuantExperts, check_experts, expert_modules, quantize_experts_module
-from .modules import QuantLinear, carry_hooks
+from .modules import QuantLinear, swap_quantized
 from shardwise.kernels.reference.quant import QuantizationError, QuantSpec, quantize_weight
 
 
@@ -464,16 +463,10 @@ def swap_in(model: nn.Module, name: str, new: QuantLinear) -> None:
     """Put ``new`` in place of module ``name`` (a Linear/Conv1D), carrying its instance hooks,
     recorded in the active ledger: undoing puts the original module back, its weight rebuilt
     by dequantizing ``new`` (lossy; the float weight is not kept)."""
-    old = model.get_submodule(name)
-    carry_hooks(old, new)
-    parent_name, _, child = name.rpartition(".")
-    parent = model.get_submodule(parent_name) if parent_name else model
-    replace_module(parent, child, new, "quantized linear")
-    record(f"weight of {name!r} rebuilt by dequantizing its int{new.spec.bits} weight (lossy: "
-           f"dequantized, the float weight was not kept)", _dequantize_into(old, new))
-    if active() is not None and not old.weight.is_meta:  # init_inference: the undo rebuilds
-        with torch.no_grad():  # it, and ``old`` outlives the swap (the undo, a TP plan hold
-            old.weight.data = old.weight.data.new_empty(0)  # it): its float weight goes
+    swap_quantized(model, name, new, "quantized linear",
+                   f"weight of {name!r} rebuilt by dequantizing its int{new.spec.bits} weight "
+                   f"(lossy: dequantized, the float weight was not kept)",
+                   lambda old: _dequantize_into(old, new), ("weight",))
 
 
 def _dequantize_into(old: nn.Module, new: QuantLinear):
