@@ -73,3 +73,33 @@ def run_ranks(fn, world_size: int, tmp_path, *args, deadline_s: float = 120.0,
         results.append(json.loads(f.read_text()) if f.exists()
                        else {"ok": False, "error": f"no result (exit code {p.exitcode})"})
     return results
+
+
+def after_peer_death(rank: int, call) -> dict:
+    """Rank 1 exits (code 9); rank 0 then runs ``call()``, which must fail with
+    ``shardwise.CollectiveError``: its message and the seconds it took, for
+    :func:`assert_survivor_failed` (error None: ``call`` returned although its peer was dead)."""
+    import time
+
+    import shardwise
+
+    if rank == 1:
+        os._exit(9)
+    start = time.monotonic()
+    try:
+        call()
+    except shardwise.CollectiveError as exc:
+        return {"error": str(exc), "seconds": time.monotonic() - start}
+    return {"error": None}
+
+
+def assert_survivor_failed(results: list[dict], what: str, timeout_s: float) -> None:
+    """The results of :func:`run_ranks` over a function ending in :func:`after_peer_death`:
+    rank 1 died, rank 0 got a CollectiveError naming ``what`` within the collective timeout
+    (plus slack for a loaded machine)."""
+    assert results[1]["error"].startswith("no result (exit code 9)")
+    assert results[0]["ok"], results[0].get("trace")
+    survivor = results[0]["value"]
+    assert survivor["error"], "rank 0's call returned although rank 1 was dead"
+    assert f"{what} on rank 0/2" in survivor["error"], survivor["error"]
+    assert survivor["seconds"] < timeout_s + 10

@@ -12,8 +12,6 @@ within 3.6e-7 of one process; bf16 within 0.005 of HF bf16 (DeepSeek-V3 0.037: i
 
 from __future__ import annotations
 
-import os
-import time
 from functools import partial
 
 import pytest
@@ -21,7 +19,7 @@ import torch
 import transformers
 
 import shardwise
-from distributed import run_ranks
+from distributed import after_peer_death, assert_survivor_failed, run_ranks
 from families import families, family
 from models import MIN_FORCED_AGREEMENT, prompt_ids, teacher_forced_agreement, tiny_causal_lm
 from tp_harness import case, digest, run_cases, run_pair
@@ -384,21 +382,10 @@ def _dies_in_all_to_all(rank: int) -> dict:
     dispatch = ExpertDispatch(ranges, rank, comm, "all_to_all")
     x, ids, w = _routing(4, 4)
     dispatch(_Experts(gate_up, down, *ranges[rank]), x, ids, w)  # both alive: works
-    if rank == 1:
-        os._exit(9)
-    start = time.monotonic()
-    try:
-        dispatch(_Experts(gate_up, down, *ranges[rank]), x, ids, w)
-    except shardwise.CollectiveError as exc:
-        return {"error": str(exc), "seconds": time.monotonic() - start}
-    return {"error": None}
+    return after_peer_death(rank, lambda: dispatch(_Experts(gate_up, down, *ranges[rank]),
+                                                   x, ids, w))
 
 
 def test_a_rank_dying_inside_the_all_to_all_fails_the_other_within_the_timeout(tmp_path):
     results = run_ranks(_dies_in_all_to_all, 2, tmp_path, deadline_s=120)
-    assert results[1]["error"].startswith("no result (exit code 9)")
-    assert results[0]["ok"], results[0].get("trace")
-    survivor = results[0]["value"]
-    assert survivor["error"], "rank 0 finished the exchange although rank 1 was dead"
-    assert "all_to_all failed on rank 0/2" in survivor["error"]
-    assert survivor["seconds"] < TIMEOUT_S + 10
+    assert_survivor_failed(results, "all_to_all failed", TIMEOUT_S)
