@@ -350,16 +350,8 @@ def check_baseline_experts(models: list[ModelSpec], experts: str | None,
     if experts not in known:
         raise ConfigError(f"--baseline-experts {experts!r} is not an experts implementation of "
                           f"this transformers; choose one of {', '.join(known)}")
-    for spec in models:
-        count = model_experts(spec)
-        if count is None:
-            raise ConfigError(f"--baseline-experts needs an MoE model, and {spec.name} is not a "
-                              f"preset or HF directory whose config says; bench an MoE preset "
-                              f"(--list-presets) or directory, or drop --baseline-experts")
-        if count == 0:
-            raise ConfigError(f"--baseline-experts {experts} picks how HF's MoE blocks run their "
-                              f"experts, and {spec.name} is a dense model (no experts); drop it "
-                              f"or bench an MoE model (e.g. --preset mixtral-18l-1024h-8e)")
+    _require_moe_models(models, f"--baseline-experts {experts}", "picks how HF's MoE blocks run "
+                        "their experts")
     probe_experts_implementation(experts, accelerator, parse_dtype(dtype))
 
 
@@ -399,17 +391,10 @@ def check_expert_parallel(models: list[ModelSpec], ep: int, dispatch: str | None
     if ep <= 1 and dispatch is None:  # (ep < 1: check_tp names it)
         return
     option = f"--ep {ep}" if ep > 1 else f"--moe-dispatch {dispatch}"
+    _require_moe_models(models, option, "splits the experts of a Mixture-of-Experts model over "
+                        "ranks")
     for spec in models:
         count = model_experts(spec)
-        if count is None:
-            raise ConfigError(f"{option} needs an MoE model, and {spec.name} is not a preset or "
-                              f"HF directory whose config says; bench an MoE preset "
-                              f"(--list-presets) or directory, or drop {option.split()[0]}")
-        if count == 0:
-            raise ConfigError(f"{option} splits the experts of a Mixture-of-Experts model over "
-                              f"ranks, and {spec.name} is a dense model (no experts); drop "
-                              f"{option.split()[0]} or bench an MoE model (e.g. --preset "
-                              f"mixtral-18l-1024h-8e)")
         if ep > count:
             raise ConfigError(f"--ep {ep} is more than the {count} experts of {spec.name} "
                               f"(each expert-parallel rank needs at least one); use --ep "
@@ -464,3 +449,19 @@ def check_parallel_plans(models: list[ModelSpec], tp: int, ep: int) -> None:
             build_plan(model, tp_size=tp, world=world, rank=0, moe=moe)
         except ConfigError as exc:
             raise ConfigError(f"{sizes} on {spec.name}: {exc}") from None
+
+
+def _require_moe_models(models, option: str, does: str) -> None:
+    """Every benched model is a Mixture-of-Experts one whose config is at hand, else a
+    ConfigError naming ``option`` (what ``does``) and the model."""
+    flag = option.split()[0]
+    for spec in models:
+        count = model_experts(spec)
+        if count is None:
+            raise ConfigError(f"{option} needs an MoE model, and {spec.name} is not a preset or "
+                              f"HF directory whose config says; bench an MoE preset "
+                              f"(--list-presets) or directory, or drop {flag}")
+        if count == 0:
+            raise ConfigError(f"{option} {does}, and {spec.name} is a dense model (no experts); "
+                              f"drop {flag} or bench an MoE model (e.g. --preset "
+                              f"mixtral-18l-1024h-8e)")

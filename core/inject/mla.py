@@ -68,24 +68,15 @@ class LatentAttentionError(ConfigError):
     module missing, widths that do not fit the head count, a bias on ``kv_b_proj``)."""
 
 
-def _out_width(module: nn.Module) -> int:
-    """Output features of a linear (``nn.Linear`` or one with ``out_features``: quantized)."""
+def _width(module: nn.Module, side: str) -> int:
+    """A linear's ``"out"`` or ``"in"`` features (``nn.Linear``, or a module with
+    ``out_features``/``in_features``: quantized)."""
     if isinstance(module, nn.Linear):
-        return module.weight.shape[0]
-    width = getattr(module, "out_features", None)
+        return module.weight.shape[0 if side == "out" else 1]
+    width = getattr(module, f"{side}_features", None)
     if isinstance(width, int):
         return width
-    raise LatentAttentionError(f"cannot read the output width of {type(module).__name__}")
-
-
-def _in_width(module: nn.Module) -> int:
-    """Input features of a linear (``nn.Linear`` or one with ``in_features``: quantized)."""
-    if isinstance(module, nn.Linear):
-        return module.weight.shape[1]
-    width = getattr(module, "in_features", None)
-    if isinstance(width, int):
-        return width
-    raise LatentAttentionError(f"cannot read the input width of {type(module).__name__}")
+    raise LatentAttentionError(f"cannot read the {side}put width of {type(module).__name__}")
 
 
 def _optional(layer: nn.Module, name: str | None) -> nn.Module | None:
@@ -192,9 +183,9 @@ class LatentDims:
         width less the latent's, kv_a_norm's) gives H = (H (N + R) - H (N + V) + H V) / R. Each
         width is checked, so a policy naming the wrong module fails here."""
         latent = parts.kv_a_norm.weight.shape[-1]
-        rope = _out_width(parts.kv_a) - latent
-        q_width, kv_width = _out_width(parts.query), _out_width(parts.kv_b)
-        o_width = _in_width(parts.out_proj)
+        rope = _width(parts.kv_a, "out") - latent
+        q_width, kv_width = _width(parts.query, "out"), _width(parts.kv_b, "out")
+        o_width = _width(parts.out_proj, "in")
         head_rope = q_width - kv_width + o_width  # H R
         heads = head_rope // rope if rope > 0 and head_rope > 0 and head_rope % rope == 0 else 0
         if heads < 1 or rope % 2 or q_width % heads or o_width % heads:
