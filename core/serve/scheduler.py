@@ -1,0 +1,469 @@
+"""The continuous-batching scheduler of ``shardwise serve``: a :class:`~shardwise.serve.types.Backend`
+over a :class:`~shardwise.serve.types.Runner` (one static KV cache of ``max_batch`` slots).
+
+One background thread makes every model call. Each iteration of its loop:
+
+1. ends the cancelled sequences (their slot is released at once, ``FinishEvent("cancelled")``);
+2. admits waiting sequences first in, first out into free slots, lowest slot first (so the
+   runner's batch bucket stays small);
+3. prefills prompt chunks under a per-iteration token budget (``prefill_budget``): a long prompt
+   is prefilled over several iterations while the running sequences keep decoding, and the
+   logits of its final chunk give its first token;
+4. runs ONE ``runner.decode`` step over every decoding sequence and samples each with its own
+   sampler; a sequence ends on an end-of-sequence id (``"stop"``, the id itself is delivered) or
+   after ``max_tokens`` tokens (``"length"``) and frees its slot for the next iteration.
+
+Faults: an exception while sampling or handling one sequence ends that sequence only
+(``FinishEvent("error", exc)``); an exception from the runner (prefill, decode, release,
+heartbeat: e.g. a :class:`~shardwise.errors.CollectiveError` when a tensor-parallel rank died)
+is fatal: every sequence ends with a :class:`~shardwise.serve.types.ServerUnhealthyError`,
+:meth:`Scheduler.healthy` turns False, the loop ends and later submits are refused. When idle,
+the loop sleeps on a condition and calls ``runner.heartbeat()`` every ``heartbeat_s`` seconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import heapq
+import logging
+import math
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+
+from .metrics import ServeMetrics
+from .types import (FinishEvent, GenRequest, QueueFullError, Runner, SamplingParams,
+                    SequenceHandle, ServerUnhealthyError, ServeStats, TokenEvent)
+
+log = logging.getLogger(__name__)
+
+#: ``factory(params, index, vocab_size)`` → an object with ``sample(logits[vocab]) -> TokenEvent``
+SamplerFactory = Callable[[SamplingParams, int, int], Any]
+
+
+def default_sampler_factory(params: SamplingParams, index: int, vocab_size: int) -> Any:
+    """:class:`shardwise.serve.sampling.Sampler` (imported on first use)."""
+    from .sampling import Sampler
+    return Sampler(params, index, vocab_size)
+
+
+class _RunnerFailed(Exception):
+    """A runner call raised: the model side is broken for every sequence."""
+
+    def __init__(self, call: str, error: BaseException) -> None:
+        super().__init__(f"runner.{call} raised {type(error).__name__}: {error}")
+        self.call = call
+        self.error = error
+
+
+@dataclass(eq=False)
+class _Sequence:
+    """The scheduler's state of one submitted sequence."""
+
+    handle: SequenceHandle
+    sampler: Any
+    submitted_s: float
+    slot: int | None = None          # its KV slot once admitted
+    admitted_s: float = 0.0
+    prefilled: int = 0               # prompt tokens already in the slot's cache
+    next_token: int | None = None    # the last sampled token: the next decode step feeds it
+    generated: int = 0
+    last_token_s: float = 0.0
+
+    @property
+    def prompt(self) -> list[int]:
+        return self.handle.request.prompt_ids
+
+    @property
+    def max_new(self) -> int:
+        return self.handle.request.params.max_tokens
+
+    @property
+    def decoding(self) -> bool:
+        return self.prefilled == len(self.prompt)
+
+
+class Scheduler:
+    """Continuous batching over ``runner``'s slots (implements :class:`~shardwise.serve.types.Backend`).
+
+    Args:
+        runner: the model side (:class:`~shardwise.serve.types.Runner`); every call to it is made
+            by this scheduler's thread (or by :meth:`step` when driven without one).
+        eos_token_ids: token ids that end a sequence with reason ``"stop"``.
+        max_waiting: sequences that may wait for a slot; one more is refused with
+            :class:`~shardwise.serve.types.QueueFullError` (HTTP 429) and a retry-after estimate.
+        prefill_budget: prompt tokens prefilled per iteration, over all sequences (≥ 1): bounds
+            how long one iteration — and so every running stream's next token — can be delayed by
+            a long prompt.
+        metrics: a :class:`~shardwise.serve.metrics.ServeMetrics` to record into, or None.
+        heartbeat_s: when idle, ``runner.heartbeat()`` is called this often (seconds).
+        sampler_factory: ``factory(params, index, vocab_size)`` making each sequence's sampler;
+            :class:`shardwise.serve.sampling.Sampler` by default.
+        join_timeout_s: how long :meth:`stop` waits for the loop beyond ``drain_s`` (one model call
+            in flight) before giving up on it.
+
+    Call :meth:`start` to run the loop on its thread.
+    """
+
+    def __init__(self, runner: Runner, *, eos_token_ids: Sequence[int] = (), max_waiting: int = 64,
+                 prefill_budget: int = 512, metrics: ServeMetrics | None = None,
+                 heartbeat_s: float = 5.0, sampler_factory: SamplerFactory | None = None,
+                 join_timeout_s: float = 30.0) -> None:
+        _check_positive("max_waiting", max_waiting, integer=True)
+        _check_positive("prefill_budget", prefill_budget, integer=True)
+        _check_positive("heartbeat_s", heartbeat_s)
+        _check_positive("runner.max_batch", runner.max_batch, integer=True)
+        _check_positive("runner.max_tokens", runner.max_tokens, integer=True)
+        self.runner = runner
+        #: tokens one sequence may hold (prompt + max_tokens)
+        self.max_tokens = int(runner.max_tokens)
+        self.max_batch = int(runner.max_batch)
+        self.vocab_size = int(runner.vocab_size)
+        self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
+        self.max_waiting = max_waiting
+        self.prefill_budget = prefill_budget
+        self.heartbeat_s = float(heartbeat_s)
+        self.metrics = metrics
+        self.join_timeout_s = join_timeout_s
+        self._sampler_factory = sampler_factory or default_sampler_factory
+
+        self._cond = threading.Condition()         # guards the fields below; the loop waits on it
+        self._waiting: collections.deque[_Sequence] = collections.deque()
+        self._running: list[_Sequence] = []        # admitted (prefilling or decoding), in order
+        self._free = list(range(self.max_batch))   # a heap: the lowest free slot is taken first
+        self._healthy = True
+        self._failure: ServerUnhealthyError | None = None
+        self._accepting = True
+        self._drain_until: float | None = None     # set by stop()
+        self._thread: threading.Thread | None = None
+        self._closed = False
+        self._last_model_call_s = time.monotonic()
+        self._service_s: float | None = None       # moving average of admitted → finished
+        self._record_load()
+
+    # ---- Backend ----------------------------------------------------------------------------
+
+    def submit(self, request: GenRequest,
+               loop: asyncio.AbstractEventLoop | None) -> SequenceHandle:
+        """Queue ``request``; its events arrive on the returned handle (on ``loop``).
+
+        Raises:
+            ValueError: an empty prompt, a token id outside the vocabulary, ``max_tokens`` < 1, or
+                prompt + ``max_tokens`` beyond the runner's ``max_tokens`` (checked before any work).
+            QueueFullError: ``max_waiting`` sequences already wait for a slot.
+            ServerUnhealthyError: the model side failed, or the scheduler is stopping.
+        """
+        self._check_request(request)
+        sampler = self._sampler_factory(request.params, request.index, self.vocab_size)
+        with self._cond:
+            if not self._healthy:
+                raise self._failure
+            if not self._accepting:
+                raise ServerUnhealthyError("the server is shutting down and takes no new requests; "
+                                           "send the request to another server")
+            if len(self._waiting) >= self.max_waiting:
+                retry = self._retry_after_s()
+                raise QueueFullError(
+                    f"{len(self._waiting)} requests already wait for one of {self.max_batch} slots "
+                    f"(max_waiting={self.max_waiting}); retry in about {retry:.0f} s",
+                    retry_after_s=retry)
+            handle = SequenceHandle(request, loop)
+            self._waiting.append(_Sequence(handle, sampler, time.monotonic()))
+            self._cond.notify_all()
+        self._record_load()
+        return handle
+
+    def healthy(self) -> bool:
+        """False once the model side has failed."""
+        return self._healthy
+
+    def start(self) -> "Scheduler":
+        """Start the loop on its own thread (once)."""
+        with self._cond:
+            if self._thread is not None:
+                raise RuntimeError("the scheduler is already started")
+            if self._drain_until is not None:
+                raise RuntimeError("the scheduler was stopped; build a new one")
+            self._thread = threading.Thread(target=self._loop, name="shardwise-scheduler",
+                                            daemon=True)
+            self._thread.start()
+        return self
+
+    def stop(self, drain_s: float) -> None:
+        """Stop accepting; let the sequences already submitted finish for up to ``drain_s``
+        seconds, cancel the rest (``FinishEvent("cancelled")``), close the runner and join the
+        loop's thread (waiting at most ``drain_s + join_timeout_s``). Idempotent."""
+        drain_s = max(0.0, float(drain_s))
+        with self._cond:
+            self._accepting = False
+            if self._drain_until is None:
+                self._drain_until = time.monotonic() + drain_s
+            thread = self._thread
+            self._cond.notify_all()
+        if thread is None:  # never started: nothing ran, end the queued ones here
+            self._cancel_all()
+            self._close_runner()
+            return
+        if thread is not threading.current_thread():
+            thread.join(timeout=drain_s + self.join_timeout_s)
+            if thread.is_alive():
+                log.warning("the scheduler's loop did not end within %.1f s of stop(); a model "
+                            "call is still running", drain_s + self.join_timeout_s)
+
+    def stats(self) -> ServeStats:
+        """Occupancy now (for ``/health`` and ``/metrics``)."""
+        with self._cond:
+            return ServeStats(running=len(self._running), waiting=len(self._waiting),
+                              slots_in_use=self.max_batch - len(self._free), slots=self.max_batch,
+                              extra={"healthy": self._healthy, "accepting": self._accepting})
+
+    def step(self) -> bool:
+        """Run one iteration of the loop on the calling thread — for a caller that drives the
+        scheduler itself (tests) instead of :meth:`start`. Returns whether sequences remain."""
+        if self._thread is not None:
+            raise RuntimeError("the scheduler runs its own thread (start() was called); "
+                               "step() is only for driving it without one")
+        try:
+            self._step()
+        except _RunnerFailed as failure:
+            self._fail(failure.error)
+        except BaseException as exc:
+            self._fail(exc)
+            raise
+        return self._has_work()
+
+    # ---- the loop -----------------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        try:
+            while self._wait_for_work():
+                self._step()
+        except _RunnerFailed as failure:
+            log.error("the model side failed, serving ends: %s", failure)
+            self._fail(failure.error)
+        except BaseException as exc:  # a scheduler bug: every sequence still hears about it
+            log.exception("the scheduler's loop failed")
+            self._fail(exc)
+        finally:
+            self._close_runner()
+
+    def _wait_for_work(self) -> bool:
+        """Block until there is a step to run (True) or the loop should end (False); when idle,
+        call ``runner.heartbeat()`` every ``heartbeat_s`` seconds."""
+        while True:
+            with self._cond:
+                if self._has_work():
+                    return True
+                if self._drain_until is not None:
+                    return False
+                idle_for = time.monotonic() - self._last_model_call_s
+                if idle_for < self.heartbeat_s:
+                    self._cond.wait(self.heartbeat_s - idle_for)
+                    continue
+            self._call("heartbeat")
+
+    def _has_work(self) -> bool:
+        return bool(self._running or self._waiting)
+
+    def _step(self) -> None:
+        if self._drain_until is not None and time.monotonic() >= self._drain_until:
+            self._cancel_all()
+        self._finish_cancelled()
+        self._admit()
+        self._prefill()
+        self._decode()
+        self._record_load()
+
+    def _finish_cancelled(self) -> None:
+        with self._cond:
+            cancelled = [s for s in (*self._running, *self._waiting) if s.handle.cancelled.is_set()]
+        for seq in cancelled:
+            self._finish(seq, "cancelled")
+
+    def _cancel_all(self) -> None:
+        with self._cond:
+            remaining = [*self._running, *self._waiting]
+        for seq in remaining:
+            self._finish(seq, "cancelled")
+
+    def _admit(self) -> None:
+        """Waiting sequences take free slots, first in first out, lowest slot first."""
+        now = time.monotonic()
+        with self._cond:
+            while self._waiting and self._free:
+                seq = self._waiting.popleft()
+                seq.slot = heapq.heappop(self._free)
+                seq.admitted_s = now
+                self._running.append(seq)
+
+    def _prefill(self) -> None:
+        """Prefill prompt chunks, in admission order, until ``prefill_budget`` tokens are spent;
+        a prompt's final chunk yields its first token."""
+        budget = self.prefill_budget
+        for seq in [s for s in self._running if not s.decoding]:
+            if budget == 0:
+                return
+            start = seq.prefilled
+            n = min(len(seq.prompt) - start, budget)
+            last = start + n == len(seq.prompt)
+            logits = self._call("prefill", seq.slot, seq.prompt[start:start + n], last)
+            seq.prefilled += n
+            budget -= n
+            if self.metrics is not None:
+                self.metrics.add_prompt_tokens(n)
+            if last:
+                self._accept_isolated(seq, logits, time.monotonic())
+
+    def _decode(self) -> None:
+        """One decode step over every decoding sequence (by slot), then sample each."""
+        batch = sorted((s for s in self._running if s.decoding), key=lambda s: s.slot)
+        if not batch:
+            return
+        logits = self._call("decode", [s.slot for s in batch], [s.next_token for s in batch])
+        if logits.shape[0] != len(batch):
+            raise _RunnerFailed("decode", RuntimeError(
+                f"runner.decode returned {logits.shape[0]} rows of logits for {len(batch)} slots"))
+        now = time.monotonic()
+        for seq, row in zip(batch, logits):
+            self._accept_isolated(seq, row, now)
+
+    def _accept_isolated(self, seq: _Sequence, logits: torch.Tensor, now: float) -> None:
+        """Sample and deliver ``seq``'s next token; an error there ends ``seq`` only."""
+        try:
+            self._accept(seq, logits, now)
+        except _RunnerFailed:
+            raise
+        except Exception as exc:
+            log.warning("request %s (index %d) failed: %r", seq.handle.request.id,
+                        seq.handle.request.index, exc)
+            self._finish(seq, "error", exc)
+
+    def _accept(self, seq: _Sequence, logits: torch.Tensor, now: float) -> None:
+        """``logits``: float32 [vocab] of ``seq``'s next position."""
+        event: TokenEvent = seq.sampler.sample(logits)
+        token = int(event.token_id)
+        if not 0 <= token < self.vocab_size:
+            raise ValueError(f"the sampler chose token {token}, outside the vocabulary "
+                             f"[0, {self.vocab_size})")
+        if seq.generated == 0:
+            seq.handle.first_token_s = now - seq.submitted_s
+            if self.metrics is not None:
+                self.metrics.observe_first_token(seq.handle.first_token_s)
+        elif self.metrics is not None:
+            self.metrics.observe_inter_token(now - seq.last_token_s)
+        if self.metrics is not None:
+            self.metrics.add_generation_tokens(1, now)
+        seq.generated += 1
+        seq.last_token_s = now
+        seq.next_token = token
+        seq.handle.push(event)
+        if token in self.eos_token_ids:
+            self._finish(seq, "stop")
+        elif seq.generated >= seq.max_new:
+            self._finish(seq, "length")
+
+    def _finish(self, seq: _Sequence, reason: str, error: BaseException | None = None) -> None:
+        """End ``seq``: release its slot (free for the next iteration), tell its handle."""
+        if seq.slot is not None:
+            self._call("release", seq.slot)
+        with self._cond:
+            if seq.slot is not None:
+                self._running.remove(seq)
+                heapq.heappush(self._free, seq.slot)
+                self._note_service_time(time.monotonic() - seq.admitted_s)
+            elif seq in self._waiting:
+                self._waiting.remove(seq)
+        self._tell(seq, FinishEvent(reason, error))
+
+    def _fail(self, cause: BaseException) -> None:
+        """The model side failed: end every sequence with a ServerUnhealthyError; refuse more."""
+        error = ServerUnhealthyError(
+            f"the model side failed ({type(cause).__name__}: {cause}); every request was ended "
+            "and the server must be restarted")
+        error.__cause__ = cause
+        with self._cond:
+            self._healthy = False
+            self._accepting = False
+            self._failure = error
+            ended = [*self._running, *self._waiting]
+            self._running.clear()
+            self._waiting.clear()
+            self._cond.notify_all()
+        for seq in ended:
+            self._tell(seq, FinishEvent("error", error))
+        self._record_load()
+
+    def _tell(self, seq: _Sequence, event: FinishEvent) -> None:
+        """Deliver the final event; a handle that cannot take it (its event loop closed) is
+        logged, never allowed to stop the loop."""
+        if self.metrics is not None:
+            self.metrics.finish(event.reason)
+        try:
+            seq.handle.push(event)
+        except Exception as exc:
+            log.warning("could not deliver the end of request %s: %r", seq.handle.request.id, exc)
+
+    def _close_runner(self) -> None:
+        with self._cond:
+            if self._closed:
+                return
+            self._closed = True
+        try:
+            self.runner.close()
+        except Exception:
+            log.exception("runner.close() failed")
+
+    def _call(self, name: str, *args: Any) -> Any:
+        """Call ``runner.<name>(*args)``; any exception is the model side failing."""
+        try:
+            return getattr(self.runner, name)(*args)
+        except Exception as exc:
+            raise _RunnerFailed(name, exc) from exc
+        finally:
+            self._last_model_call_s = time.monotonic()
+
+    # ---- helpers ------------------------------------------------------------------------------
+
+    def _check_request(self, request: GenRequest) -> None:
+        prompt, params = request.prompt_ids, request.params
+        if len(prompt) == 0:
+            raise ValueError(f"request {request.id}: the prompt is empty; send at least one token")
+        if params.max_tokens < 1:
+            raise ValueError(f"request {request.id}: max_tokens must be ≥ 1, got {params.max_tokens}")
+        if len(prompt) + params.max_tokens > self.max_tokens:
+            raise ValueError(
+                f"request {request.id}: the prompt ({len(prompt)} tokens) + max_tokens "
+                f"({params.max_tokens}) = {len(prompt) + params.max_tokens} tokens exceeds the "
+                f"{self.max_tokens} tokens a sequence may hold; shorten the prompt or lower "
+                "max_tokens (or serve with a larger --max-tokens)")
+        low, high = min(prompt), max(prompt)
+        if low < 0 or high >= self.vocab_size:
+            raise ValueError(f"request {request.id}: prompt token id {low if low < 0 else high} is "
+                             f"outside the vocabulary [0, {self.vocab_size})")
+
+    def _note_service_time(self, seconds: float) -> None:
+        """Moving average of how long a sequence holds a slot (for the retry-after estimate)."""
+        self._service_s = seconds if self._service_s is None else 0.8 * self._service_s + 0.2 * seconds
+
+    def _retry_after_s(self) -> float:
+        """About when a slot frees for one more waiting sequence: the queue ahead drains
+        ``max_batch`` at a time, each round taking about one sequence's time in a slot."""
+        rounds = math.ceil((len(self._waiting) + 1) / self.max_batch)
+        return max(1.0, (self._service_s or 1.0) * rounds)
+
+    def _record_load(self) -> None:
+        if self.metrics is None:
+            return
+        stats = self.stats()
+        self.metrics.set_load(stats.running, stats.waiting, stats.slots_in_use, stats.slots)
+
+
+def _check_positive(name: str, value: Any, integer: bool = False) -> None:
+    if integer and (isinstance(value, bool) or not isinstance(value, int)):
+        raise ValueError(f"{name} must be an integer ≥ 1, got {value!r}")
+    if not value > 0:
+        raise ValueError(f"{name} must be > 0, got {value!r}")

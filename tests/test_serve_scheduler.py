@@ -1,0 +1,488 @@
+"""The continuous-batching scheduler (``shardwise.serve.scheduler``) and the server's Prometheus
+metrics (``shardwise.serve.metrics``).
+
+Most tests drive the scheduler against :class:`FakeRunner`, whose next-token logits are a
+deterministic function of the token history held in each slot: a sequence's greedy output equals
+what it gives alone only if every chunk and step went to the right slot. The runner records its
+calls, so the tests can check when sequences join and leave, how prompts are chunked, and which
+slot each one takes. Scheduling tests drive the loop one iteration at a time (``step()``); fault,
+stop and heartbeat tests run its thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+import torch
+
+from shardwise.errors import CollectiveError
+from shardwise.serve.metrics import ServeMetrics
+from shardwise.serve.scheduler import Scheduler
+from shardwise.serve.types import (FinishEvent, GenRequest, QueueFullError, SamplingParams,
+                                   ServerUnhealthyError, TokenEvent)
+
+VOCAB = 32
+WAIT_S = 10.0  # every wait on the scheduler's thread is bounded by this
+
+
+def next_token(history: list[int]) -> int:
+    """The fake model: the next token depends on every token before it and on its position."""
+    return (sum((i + 1) * t for i, t in enumerate(history)) * 7 + len(history) * 3) % VOCAB
+
+
+def alone(prompt: list[int], n: int) -> list[int]:
+    """What greedy decoding of ``prompt`` alone gives for ``n`` tokens."""
+    history, out = list(prompt), []
+    for _ in range(n):
+        out.append(next_token(history))
+        history.append(out[-1])
+    return out
+
+
+def one_hot(token: int) -> torch.Tensor:
+    logits = torch.zeros(VOCAB)
+    logits[token] = 10.0
+    return logits
+
+
+class FakeRunner:
+    """A :class:`~shardwise.serve.types.Runner` over per-slot token histories; ``calls`` records
+    ``("prefill", slot, n_tokens, last)``, ``("decode", slots)``, ``("release", slot)``,
+    ``("heartbeat",)`` and ``("close",)``; ``fail_on`` makes one kind of call raise."""
+
+    def __init__(self, max_batch: int = 4, max_tokens: int = 64, decode_s: float = 0.0,
+                 fail_on: str | None = None, fail_after: int = 0) -> None:
+        self.max_batch, self.max_tokens, self.vocab_size = max_batch, max_tokens, VOCAB
+        self.slots: list[list[int]] = [[] for _ in range(max_batch)]
+        self.calls: list[tuple] = []
+        self.decode_s = decode_s               # simulated compute time of one decode step
+        self.fail_on, self.fail_after = fail_on, fail_after
+        self.heartbeats = threading.Semaphore(0)
+        self.closed = threading.Event()
+        self.thread_ids: set[int] = set()
+
+    def _record(self, *call) -> None:
+        self.thread_ids.add(threading.get_ident())
+        self.calls.append(call)
+        if call[0] == self.fail_on:
+            if sum(c[0] == self.fail_on for c in self.calls) > self.fail_after:
+                raise CollectiveError("rank 1 did not answer within 5 s (it died?)")
+
+    def prefill(self, slot, token_ids, last):
+        self._record("prefill", slot, len(token_ids), last)
+        assert len(token_ids) >= 1
+        self.slots[slot].extend(token_ids)
+        assert len(self.slots[slot]) <= self.max_tokens
+        return one_hot(next_token(self.slots[slot])) if last else None
+
+    def decode(self, slots, token_ids):
+        self._record("decode", tuple(slots))
+        assert len(set(slots)) == len(slots)
+        if self.decode_s:
+            time.sleep(self.decode_s)
+        rows = []
+        for slot, token in zip(slots, token_ids):
+            assert self.slots[slot], f"decode into empty slot {slot}"
+            self.slots[slot].append(token)
+            assert len(self.slots[slot]) <= self.max_tokens
+            rows.append(one_hot(next_token(self.slots[slot])))
+        return torch.stack(rows)
+
+    def release(self, slot):
+        self._record("release", slot)
+        self.slots[slot] = []
+
+    def length(self, slot):
+        return len(self.slots[slot])
+
+    def heartbeat(self):
+        self._record("heartbeat")
+        self.heartbeats.release()
+
+    def close(self):
+        self._record("close")
+        self.closed.set()
+
+    def prefills(self, slot=None):
+        return [c for c in self.calls if c[0] == "prefill" and (slot is None or c[1] == slot)]
+
+
+class Greedy:
+    """A stand-in for ``shardwise.serve.sampling.Sampler``: argmax; raises for prompts whose
+    first token is in ``RAISE_FOR``."""
+
+    def __init__(self, params, index, vocab_size, explode=False):
+        assert vocab_size == VOCAB
+        self.explode = explode
+
+    def sample(self, logits):
+        assert logits.shape == (VOCAB,) and logits.dtype == torch.float32
+        if self.explode:
+            raise RuntimeError("sampler blew up")
+        return TokenEvent(int(logits.argmax()))
+
+
+def greedy(params, index, vocab_size):
+    return Greedy(params, index, vocab_size)
+
+
+def request(rid: str, prompt: list[int], max_tokens: int) -> GenRequest:
+    return GenRequest(rid, list(prompt), SamplingParams(max_tokens=max_tokens, temperature=0.0))
+
+
+def prompt(n: int, seed: int) -> list[int]:
+    return [(seed * 5 + 3 * i) % VOCAB for i in range(n)]
+
+
+def drain(handle) -> list:
+    """Events already delivered to a handle submitted with ``loop=None`` (step() driving)."""
+    events = []
+    while not handle.queue.empty():
+        events.append(handle.queue.get_nowait())
+    return events
+
+
+def tokens(events) -> list[int]:
+    return [e.token_id for e in events if isinstance(e, TokenEvent)]
+
+
+def finish(events) -> FinishEvent:
+    assert isinstance(events[-1], FinishEvent), events
+    return events[-1]
+
+
+def run_steps(scheduler, limit: int = 500) -> int:
+    for n in range(1, limit + 1):
+        if not scheduler.step():
+            return n
+    raise AssertionError(f"still busy after {limit} steps")
+
+
+async def collect(handle) -> list:
+    async def all_events():
+        return [e async for e in handle.events()]
+    return await asyncio.wait_for(all_events(), WAIT_S)
+
+
+def run_threaded(scheduler, requests):
+    """Submit ``requests`` to a started scheduler from an event loop; every handle's events."""
+    async def main():
+        loop = asyncio.get_running_loop()
+        handles = [scheduler.submit(r, loop) for r in requests]
+        return await asyncio.gather(*(collect(h) for h in handles))
+    return asyncio.run(main())
+
+
+# ---- scheduling ---------------------------------------------------------------------------------
+
+def test_concurrent_sequences_each_equal_their_output_alone():
+    runner = FakeRunner(max_batch=3)
+    sched = Scheduler(runner, sampler_factory=greedy, prefill_budget=7)
+    shapes = [(5, 9), (12, 4), (1, 7), (20, 11), (3, 1), (9, 14), (16, 6)]  # (prompt, max_tokens)
+    reqs = [request(f"r{i}", prompt(p, i), m) for i, (p, m) in enumerate(shapes)]
+    handles = [sched.submit(r, None) for r in reqs]
+    run_steps(sched)
+    for req, handle in zip(reqs, handles):
+        events = drain(handle)
+        assert tokens(events) == alone(req.prompt_ids, req.params.max_tokens), req.id
+        assert finish(events).reason == "length"
+        assert handle.completion_tokens == req.params.max_tokens
+        assert handle.first_token_s is not None and handle.first_token_s >= 0
+    assert all(len(s) == 0 for s in runner.slots)           # every slot released
+    assert sched.stats().slots_in_use == 0 and sched.stats().running == 0
+    assert max(len(c[1]) for c in runner.calls if c[0] == "decode") == 3
+
+
+def test_a_finished_sequence_frees_its_slot_for_a_waiting_one_at_the_next_step():
+    runner = FakeRunner(max_batch=2)
+    sched = Scheduler(runner, sampler_factory=greedy)
+    short = sched.submit(request("short", prompt(4, 1), 2), None)
+    long = sched.submit(request("long", prompt(4, 2), 6), None)
+    queued = sched.submit(request("queued", prompt(3, 3), 3), None)
+
+    # step 1: short and long prefill into slots 0 and 1 (first token each), one decode step:
+    # short has its 2 tokens and leaves; queued still waits (no slot was free at admission)
+    sched.step()
+    assert finish(drain(short)).reason == "length"
+    assert runner.calls[-1] == ("release", 0)
+    assert sched.stats().waiting == 1 and sched.stats().running == 1
+    assert runner.prefills(slot=0) == [("prefill", 0, 4, True)]
+
+    # step 2: queued joins in slot 0 while long keeps decoding in slot 1
+    mark = len(runner.calls)
+    sched.step()
+    assert runner.calls[mark] == ("prefill", 0, 3, True)
+    assert ("decode", (0, 1)) in runner.calls[mark:]
+    assert sched.stats().waiting == 0
+    run_steps(sched)
+    assert tokens(drain(long)) == alone(prompt(4, 2), 6)
+    assert tokens(drain(queued)) == alone(prompt(3, 3), 3)
+
+
+def test_long_prompt_is_prefilled_in_chunks_while_the_others_decode():
+    runner = FakeRunner(max_batch=2)
+    sched = Scheduler(runner, sampler_factory=greedy, prefill_budget=4)
+    running = sched.submit(request("running", prompt(2, 1), 12), None)
+    long = sched.submit(request("long", prompt(11, 2), 3), None)
+    run_steps(sched)
+
+    # step 1 spends 2 of the budget on running's prompt and the other 2 on long's first chunk;
+    # then 4, and the final 1 (3 chunks over 3 steps)
+    assert [c[2:] for c in runner.prefills(slot=1)] == [(2, False), (4, False), (4, False), (1, True)]
+    chunks = [i for i, c in enumerate(runner.calls) if c[0] == "prefill" and c[1] == 1]
+    for before, after in zip(chunks, chunks[1:]):
+        assert ("decode", (0,)) in runner.calls[before:after], "running stalled during a prefill"
+    per_step = [c for c in runner.calls if c[0] == "prefill"]
+    assert all(c[2] <= 4 for c in per_step)
+    assert tokens(drain(running)) == alone(prompt(2, 1), 12)
+    assert tokens(drain(long)) == alone(prompt(11, 2), 3)
+
+
+def test_lowest_free_slot_is_taken_first():
+    runner = FakeRunner(max_batch=4)
+    sched = Scheduler(runner, sampler_factory=greedy)
+    for i, n in enumerate([8, 2, 8]):           # slots 0, 1, 2; slot 1 finishes first
+        sched.submit(request(f"r{i}", prompt(3, i), n), None)
+    sched.step()
+    sched.step()
+    assert ("release", 1) in runner.calls and runner.slots[3] == []
+    sched.submit(request("late", prompt(3, 9), 2), None)
+    sched.step()
+    assert runner.prefills()[-1][:2] == ("prefill", 1)   # slot 1, not the never-used slot 3
+    run_steps(sched)
+
+
+def test_cancel_frees_the_slot_at_the_next_step():
+    runner = FakeRunner(max_batch=1)
+    sched = Scheduler(runner, sampler_factory=greedy)
+    victim = sched.submit(request("victim", prompt(3, 1), 40), None)
+    queued_cancelled = sched.submit(request("gone", prompt(3, 2), 4), None)
+    next_one = sched.submit(request("next", prompt(3, 3), 4), None)
+    sched.step()
+    victim.cancel()
+    queued_cancelled.cancel()
+    mark = len(runner.calls)
+    sched.step()
+    assert runner.calls[mark] == ("release", 0)
+    assert runner.calls[mark + 1] == ("prefill", 0, 3, True)   # "next" took the freed slot
+    victim_events = drain(victim)
+    assert finish(victim_events).reason == "cancelled"
+    assert tokens(victim_events) == alone(prompt(3, 1), 40)[:2]
+    assert drain(queued_cancelled) == [FinishEvent("cancelled")]
+    run_steps(sched)
+    assert tokens(drain(next_one)) == alone(prompt(3, 3), 4)
+    assert not any(c[0] == "prefill" and c[2] == 3 and c[1] != 0 for c in runner.calls)
+
+
+def test_a_sampler_raising_ends_only_its_sequence():
+    runner = FakeRunner(max_batch=3)
+    bad_prompt = prompt(4, 7)
+
+    def factory(params, index, vocab_size):
+        return Greedy(params, index, vocab_size, explode=params.max_tokens == 13)
+
+    sched = Scheduler(runner, sampler_factory=factory)
+    good = [sched.submit(request(f"g{i}", prompt(5, i), 6), None) for i in range(2)]
+    bad = sched.submit(request("bad", bad_prompt, 13), None)
+    run_steps(sched)
+    bad_events = drain(bad)
+    assert bad_events[0].reason == "error" and "sampler blew up" in str(bad_events[0].error)
+    for i, handle in enumerate(good):
+        assert tokens(drain(handle)) == alone(prompt(5, i), 6)
+    assert ("release", 2) in runner.calls and sched.healthy()
+
+
+def test_eos_token_finishes_with_stop_and_is_delivered():
+    ref = alone(prompt(6, 4), 10)
+    eos = ref[3]
+    cut = ref.index(eos) + 1
+    runner = FakeRunner()
+    sched = Scheduler(runner, sampler_factory=greedy, eos_token_ids=[eos])
+    handle = sched.submit(request("r", prompt(6, 4), 10), None)
+    run_steps(sched)
+    events = drain(handle)
+    assert tokens(events) == ref[:cut] and finish(events).reason == "stop"
+
+
+# ---- admission ----------------------------------------------------------------------------------
+
+def test_queue_full_is_refused_with_a_retry_estimate():
+    sched = Scheduler(FakeRunner(max_batch=1), sampler_factory=greedy, max_waiting=2)
+    for i in range(2):
+        sched.submit(request(f"r{i}", prompt(3, i), 4), None)
+    with pytest.raises(QueueFullError, match="max_waiting=2") as info:
+        sched.submit(request("one-too-many", prompt(3, 9), 4), None)
+    assert info.value.retry_after_s >= 1.0
+    assert sched.stats().waiting == 2
+    sched.step()                                     # one admitted: room in the queue again
+    sched.submit(request("now-fits", prompt(3, 9), 4), None)
+
+
+def test_requests_that_cannot_fit_are_refused_before_any_work():
+    runner = FakeRunner(max_tokens=16)
+    sched = Scheduler(runner, sampler_factory=greedy)
+    with pytest.raises(ValueError, match=r"\(10 tokens\) \+ max_tokens \(7\) = 17 .* 16 tokens"):
+        sched.submit(request("long", prompt(10, 1), 7), None)
+    with pytest.raises(ValueError, match="prompt is empty"):
+        sched.submit(request("empty", [], 4), None)
+    with pytest.raises(ValueError, match="max_tokens must be"):
+        sched.submit(request("zero", prompt(3, 1), 0), None)
+    with pytest.raises(ValueError, match=r"token id 32 is outside the vocabulary \[0, 32\)"):
+        sched.submit(request("oov", [1, VOCAB], 4), None)
+    sched.submit(request("fits", prompt(10, 1), 6), None)   # exactly 16
+    assert runner.calls == [] and sched.stats().waiting == 1
+
+
+def test_bad_settings_are_refused():
+    with pytest.raises(ValueError, match="prefill_budget"):
+        Scheduler(FakeRunner(), prefill_budget=0)
+    with pytest.raises(ValueError, match="max_waiting"):
+        Scheduler(FakeRunner(), max_waiting=1.5)
+    with pytest.raises(ValueError, match="heartbeat_s"):
+        Scheduler(FakeRunner(), heartbeat_s=0)
+
+
+# ---- the thread: faults, stop, heartbeat ----------------------------------------------------------
+
+def test_runs_on_its_own_thread_and_matches_each_alone():
+    runner = FakeRunner(max_batch=4)
+    sched = Scheduler(runner, sampler_factory=greedy, prefill_budget=8).start()
+    reqs = [request(f"r{i}", prompt(3 + 2 * i, i), 4 + i) for i in range(8)]
+    results = run_threaded(sched, reqs)
+    for req, events in zip(reqs, results):
+        assert tokens(events) == alone(req.prompt_ids, req.params.max_tokens)
+    sched.stop(drain_s=1.0)
+    assert runner.closed.is_set()
+    assert runner.thread_ids.isdisjoint({threading.get_ident()})   # never the caller's thread
+    assert len(runner.thread_ids) == 1
+
+
+@pytest.mark.parametrize("fail_on", ["decode", "prefill"])
+def test_a_runner_failure_makes_the_scheduler_unhealthy_and_ends_every_sequence(fail_on):
+    runner = FakeRunner(max_batch=2, fail_on=fail_on, fail_after=2)
+    sched = Scheduler(runner, sampler_factory=greedy, prefill_budget=2).start()
+    reqs = [request(f"r{i}", prompt(4, i), 20) for i in range(4)]   # two run, two wait
+    results = run_threaded(sched, reqs)
+    for events in results:
+        end = finish(events)
+        assert end.reason == "error" and isinstance(end.error, ServerUnhealthyError)
+        assert isinstance(end.error.__cause__, CollectiveError)
+        assert "rank 1 did not answer" in str(end.error)
+    assert not sched.healthy() and not sched.stats().extra["healthy"]
+    with pytest.raises(ServerUnhealthyError, match="model side failed"):
+        sched.submit(request("after", prompt(3, 1), 2), None)
+    assert runner.closed.wait(WAIT_S)
+    sched.stop(drain_s=0)
+
+
+def test_heartbeat_while_idle_and_its_failure_is_fatal():
+    runner = FakeRunner(fail_on="heartbeat", fail_after=3)
+    sched = Scheduler(runner, sampler_factory=greedy, heartbeat_s=0.02).start()
+    started = time.monotonic()
+    for _ in range(3):
+        assert runner.heartbeats.acquire(timeout=WAIT_S)
+    assert time.monotonic() - started >= 2 * 0.02          # paced, not a busy loop
+    assert runner.closed.wait(WAIT_S)                       # the 4th heartbeat raised: loop ended
+    assert not sched.healthy()
+    assert [c[0] for c in runner.calls] == ["heartbeat"] * 4 + ["close"]
+    sched.stop(drain_s=0)
+
+
+def test_stop_lets_running_sequences_finish_within_the_drain():
+    runner = FakeRunner(max_batch=2)
+    sched = Scheduler(runner, sampler_factory=greedy).start()
+    reqs = [request(f"r{i}", prompt(3, i), 5) for i in range(3)]
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        handles = [sched.submit(r, loop) for r in reqs]
+        await asyncio.to_thread(sched.stop, 5.0)
+        with pytest.raises(ServerUnhealthyError, match="shutting down"):
+            sched.submit(request("late", prompt(3, 1), 2), loop)
+        return await asyncio.gather(*(collect(h) for h in handles))
+
+    for req, events in zip(reqs, asyncio.run(main())):
+        assert finish(events).reason == "length"
+        assert tokens(events) == alone(req.prompt_ids, 5)
+    assert runner.calls[-1] == ("close",)
+
+
+def test_stop_cancels_what_the_drain_did_not_finish():
+    runner = FakeRunner(max_batch=2, max_tokens=256, decode_s=0.005)
+    sched = Scheduler(runner, sampler_factory=greedy).start()
+    reqs = [request(f"r{i}", prompt(3, i), 200) for i in range(3)]
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        handles = [sched.submit(r, loop) for r in reqs]
+        first = await asyncio.wait_for(handles[0].queue.get(), WAIT_S)   # decoding has begun
+        started = time.monotonic()
+        await asyncio.to_thread(sched.stop, 0.05)
+        stop_s = time.monotonic() - started
+        return [[first, *await collect(handles[0])]] + [await collect(h) for h in handles[1:]], stop_s
+
+    results, stop_s = asyncio.run(main())
+    assert stop_s < 2.0
+    for req, events in zip(reqs, results):
+        assert finish(events).reason == "cancelled"
+        got = tokens(events)
+        assert len(got) < 200 and got == alone(req.prompt_ids, len(got))
+    assert runner.closed.is_set() and all(len(s) == 0 for s in runner.slots)
+
+
+def test_stop_before_start_cancels_the_queue():
+    runner = FakeRunner()
+    sched = Scheduler(runner, sampler_factory=greedy)
+    handle = sched.submit(request("r", prompt(3, 1), 4), None)
+    sched.stop(drain_s=1.0)
+    assert drain(handle) == [FinishEvent("cancelled")]
+    assert runner.calls == [("close",)]
+    with pytest.raises(RuntimeError, match="stopped"):
+        sched.start()
+
+
+# ---- metrics ------------------------------------------------------------------------------------
+
+def test_metrics_record_the_load_latencies_and_tokens():
+    metrics = ServeMetrics()
+    runner = FakeRunner(max_batch=2)
+    sched = Scheduler(runner, sampler_factory=greedy, metrics=metrics)
+    handles = [sched.submit(request(f"r{i}", prompt(4 + i, i), 3 + i), None) for i in range(3)]
+    sched.step()
+    assert metrics.running._value.get() == 2 and metrics.waiting._value.get() == 1
+    assert metrics.slots_in_use._value.get() == 2 and metrics.slots_capacity._value.get() == 2
+    handles[2].cancel()
+    run_steps(sched)
+    body, content_type = metrics.render()
+    text = body.decode()
+    assert content_type.startswith("text/plain")
+    for series in ["shardwise_requests_running 0.0", "shardwise_requests_waiting 0.0",
+                   "shardwise_kv_slots_in_use 0.0", "shardwise_kv_slots_capacity 2.0",
+                   "shardwise_prompt_tokens_total 9.0",             # 4 + 5 (the third never ran)
+                   "shardwise_generation_tokens_total 7.0",         # 3 + 4
+                   'shardwise_requests_finished_total{reason="length"} 2.0',
+                   'shardwise_requests_finished_total{reason="cancelled"} 1.0',
+                   'shardwise_requests_finished_total{reason="error"} 0.0',
+                   "shardwise_time_to_first_token_seconds_count 2.0",
+                   "shardwise_inter_token_latency_seconds_count 5.0",  # 7 tokens - 2 first
+                   'shardwise_time_to_first_token_seconds_bucket{le="0.001"}',
+                   "shardwise_generation_tokens_per_second 0.7"]:   # 7 tokens / 10 s window
+        assert series in text, series
+
+
+def test_tokens_per_second_is_over_the_recent_window():
+    metrics = ServeMetrics(window_s=2.0)
+    metrics.add_generation_tokens(10, now=100.0)
+    metrics.add_generation_tokens(6, now=101.5)
+    assert metrics.recent_tokens_per_second(now=101.9) == 8.0
+    assert metrics.recent_tokens_per_second(now=103.0) == 3.0      # the first 10 fell out
+    assert metrics.recent_tokens_per_second(now=104.0) == 0.0
+
+
+def test_each_metrics_instance_has_its_own_registry():
+    a, b = ServeMetrics(), ServeMetrics()
+    a.add_prompt_tokens(5)
+    assert b"shardwise_prompt_tokens_total 0.0" in b.render()[0]
