@@ -25,6 +25,7 @@ at ``init_inference`` (one sequence) and before each allocation (the batch asked
 from __future__ import annotations
 
 import threading
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -128,6 +129,16 @@ class KVBuffers:
         self.batch, self.max_tokens = batch, max_tokens
         self.dtype, self.device = dtype, device
 
+    def first_rows(self, rows: int) -> "KVBuffers":
+        """The same keys and values, viewed as the first ``rows`` rows (no copy: a write through
+        the view is a write to these buffers)."""
+        view = object.__new__(KVBuffers)
+        view.k = [t[:rows] for t in self.k]
+        view.v = view.k if self.v is self.k else [t[:rows] for t in self.v]
+        view.batch, view.max_tokens = rows, self.max_tokens
+        view.dtype, view.device = self.dtype, self.device
+        return view
+
     def release(self) -> None:
         """Let go of the keys and values (every layer's; in place, so a cache sharing these
         lists loses them too): their memory is freed once no view of them is held."""
@@ -147,6 +158,29 @@ class KVBuffers:
         return sum(t.numel() * t.element_size() for t in self.tensors)
 
 
+@dataclass
+class DecodeRows:
+    """Per-sequence inputs of one decode step (one new token per row): ``position_ids``
+    [rows, 1] int64, ``write_index`` [rows] int64 (the cache position each row's new key and
+    value are written at), ``lengths`` [rows] int64 (valid cache positions per row, the new token
+    included) and ``starts`` [rows] int64 or None (each row's first valid position; None: 0).
+    A left-padded batch has one write position for every row; the slots of
+    :mod:`shardwise.inject.slots` each their own."""
+
+    position_ids: torch.Tensor
+    write_index: torch.Tensor
+    lengths: torch.Tensor
+    starts: torch.Tensor | None
+
+
+def write_rows(cache: torch.Tensor, index: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+    """Write one token per row in place, each row at its own position, without a host sync
+    (graph-safe): ``cache`` [rows, heads, max_tokens, d], ``index`` [rows] int64, ``new``
+    [rows, heads, 1, d] → ``cache`` with ``cache[r, :, index[r]] = new[r, :, 0]``."""
+    rows, heads, _, d = new.shape
+    return cache.scatter_(2, index.view(rows, 1, 1, 1).expand(rows, heads, 1, d), new)
+
+
 class StaticKVCache(Cache):
     """``transformers`` cache over :class:`KVBuffers` (see the module docstring).
 
@@ -156,6 +190,9 @@ class StaticKVCache(Cache):
     """
 
     is_compileable = False  # generate must not build 4-d masks for it: the layers need none
+    #: True for a cache whose rows hold sequences of different lengths (each one-token forward
+    #: is then a decode step with the cache's own :meth:`decode_rows`)
+    ragged = False
 
     def __init__(self, buffers: KVBuffers, owner: "object", generation: int,
                  batch: int | None = None) -> None:
@@ -202,6 +239,27 @@ class StaticKVCache(Cache):
             raise MaxTokensError(f"{what}, more than the static KV cache holds (max_tokens="
                                  f"{cap}); {RAISE_HINT}")
         return start
+
+    @property
+    def graph_key(self) -> object | None:
+        """Which captured decode graph serves this cache (its buffers' row count: the batch
+        bucket); None: decode eagerly."""
+        return self.buffers.batch
+
+    def decode_rows(self, position_ids: torch.Tensor) -> DecodeRows:
+        """The per-row inputs of a decode step after ``length`` cached tokens (every row writes
+        at ``length``), ``position_ids`` [batch, 1] as the forward computed them."""
+        device = position_ids.device
+        return DecodeRows(position_ids=position_ids,
+                          write_index=torch.full((self.batch,), self.length, dtype=torch.int64,
+                                                 device=device),
+                          lengths=torch.full((self.batch,), self.length + 1, dtype=torch.int64,
+                                             device=device),
+                          starts=self.starts)
+
+    def advance(self, n_new: int) -> None:
+        """``n_new`` tokens were written after the cached ones."""
+        self.length += n_new
 
     # ----- the transformers Cache interface ----------------------------------------------------
 

@@ -31,7 +31,7 @@ from ..accelerator import Accelerator, GraphStrategy
 from ..errors import ConfigError
 from ..graphs import progress
 from ..ledger import set_forward
-from .cache import StaticKVCache
+from .cache import DecodeRows, StaticKVCache
 from .layers import InjectedModel
 
 log = logging.getLogger(__name__)
@@ -40,9 +40,10 @@ log = logging.getLogger(__name__)
 class DecodeGraphs:
     """The decode step captured by a graph strategy, one graph per batch bucket (each with its
     own static cache buffers of that many rows, kept by the model while the graph exists, and
-    reused by every later ``generate`` whose batch size falls in the bucket). Inputs of the
-    captured step: input_ids and position_ids [rows, 1], the write index [1], lengths and
-    starts [rows].
+    reused by every later ``generate`` whose batch size falls in the bucket; the slots of
+    :mod:`~shardwise.inject.slots` have their own graph per bucket, over their own buffers).
+    Inputs of the captured step: input_ids and position_ids [rows, 1], the per-row write
+    index, lengths and starts [rows].
 
     ``head_forward``: the output head's forward (hooks excluded), captured with the step; its
     logits are then kept for :meth:`take_logits` until the next step.
@@ -62,23 +63,25 @@ class DecodeGraphs:
         self._pending = None
 
     def buckets(self) -> set[int]:
-        """The captured batch buckets (rows of their graphs)."""
-        return set(self.graphs)
+        """The captured batch buckets of ``generate``'s caches (rows of their graphs; the
+        graphs of other caches, e.g. :mod:`~shardwise.inject.slots`, are keyed otherwise)."""
+        return {key for key in self.graphs if isinstance(key, int)}
 
     def run(self, stack: InjectedModel, cache: StaticKVCache, input_ids: torch.Tensor,
-            position_ids: torch.Tensor, past: int) -> torch.Tensor:
-        """One decode step (capturing the graph of the cache's row count — its batch bucket —
-        on first use): hidden [batch, 1, hidden] after the final norm. A batch smaller than
-        the bucket is padded with rows that attend to their own (unused) cache rows; their
-        results are dropped."""
-        rows, b = cache.buffers.batch, cache.batch
-        args = _step_args(cache, input_ids.reshape(b, 1), position_ids.reshape(b, 1), past, rows)
-        graph = self.graphs.get(rows)
+            rows: DecodeRows) -> torch.Tensor:
+        """One decode step (capturing the graph of the cache's ``graph_key`` — for generate's
+        cache its row count, the batch bucket — on first use): hidden [batch, 1, hidden] after
+        the final norm. A batch smaller than the bucket is padded with rows that attend to
+        their own (unused) cache rows; their results are dropped."""
+        bucket, b = cache.buffers.batch, cache.batch
+        args = _step_args(input_ids.reshape(b, 1), rows, bucket)
+        key = cache.graph_key
+        graph = self.graphs.get(key)
         if graph is None:
-            with progress(f"capturing the decode step for batch bucket {rows} with "
+            with progress(f"capturing the decode step for batch bucket {bucket} with "
                           f"{self.strategy.name}"):
                 graph = self.strategy.capture(self._step(stack, cache), *args)
-            self.graphs[rows] = graph
+            self.graphs[key] = graph
         out = graph(*args)  # static outputs, overwritten by the next replay: copied
         with torch.inference_mode(False):  # normal tensors: their version counter is tracked
             if self.head_forward is None:
@@ -110,21 +113,23 @@ class DecodeGraphs:
         return logits if same else None
 
 
-def _step_args(cache: StaticKVCache, ids: torch.Tensor, pos: torch.Tensor, past: int,
-               rows: int) -> tuple[torch.Tensor, ...]:
-    """The captured step's inputs for ``rows`` sequences: input_ids, position_ids [rows, 1],
-    the write index [1], lengths and starts [rows] (int64; padding rows: token 0 at ``past``,
-    no left padding)."""
-    device, pad = ids.device, rows - ids.shape[0]
-    starts = (cache.starts.to(torch.int64) if cache.starts is not None
-              else torch.zeros(ids.shape[0], dtype=torch.int64, device=device))
+def _step_args(ids: torch.Tensor, rows: DecodeRows, bucket: int) -> tuple[torch.Tensor, ...]:
+    """The captured step's inputs for ``bucket`` rows: input_ids, position_ids [bucket, 1], the
+    write index, lengths and starts [bucket] (int64) from ``ids`` [b, 1] and ``rows``; padding
+    rows (b < bucket) repeat the last row's write position, length and position (their own
+    cache rows are unused), token 0, no left padding."""
+    b, device = ids.shape[0], ids.device
+    pos, write, lengths = rows.position_ids.reshape(b, 1), rows.write_index, rows.lengths
+    starts = (rows.starts.to(torch.int64) if rows.starts is not None
+              else torch.zeros(b, dtype=torch.int64, device=device))
+    pad = bucket - b
     if pad:
         ids = torch.cat([ids, ids.new_zeros(pad, 1)])
-        pos = torch.cat([pos, pos.new_full((pad, 1), past)])
+        pos = torch.cat([pos, pos[-1:].expand(pad, 1)])
+        write = torch.cat([write, write[-1:].expand(pad)])
+        lengths = torch.cat([lengths, lengths[-1:].expand(pad)])
         starts = torch.cat([starts, starts.new_zeros(pad)])
-    return (ids.to(torch.int64), pos.to(torch.int64),
-            torch.full((1,), past, dtype=torch.int64, device=device),
-            torch.full((rows,), past + 1, dtype=torch.int64, device=device), starts)
+    return tuple(t.to(torch.int64).contiguous() for t in (ids, pos, write, lengths, starts))
 
 
 class HeadFromGraph:
@@ -235,9 +240,8 @@ def _trial_capture(stack: InjectedModel, graphs: DecodeGraphs, accelerator: Acce
     try:
         with torch.inference_mode():
             cache = stack.new_cache(1, weight.dtype, weight.device)
-            cache.length = 1
             ids = torch.zeros(1, 1, dtype=torch.int64, device=weight.device)
-            graphs.run(stack, cache, ids, ids, 0)
+            graphs.run(stack, cache, ids, cache.decode_rows(ids))
     except Exception as exc:
         raise ConfigError(
             f"enable_graph: the {accelerator.name!r} graph strategy {strategy.name!r} cannot "

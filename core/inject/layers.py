@@ -39,8 +39,8 @@ from shardwise.kernels.reference.attention import softmax_with_sinks
 from shardwise.kernels.reference.rotary import rotary_cos_sin
 
 from ..errors import ShardwiseError
-from .cache import (THREADS_HINT, ConcurrentUseError, KVBuffers, StaticKVCache, check_kv_fits,
-                    free_memory_of, kv_cache_bytes, kv_memory_error)
+from .cache import (THREADS_HINT, ConcurrentUseError, DecodeRows, KVBuffers, StaticKVCache,
+                    check_kv_fits, free_memory_of, kv_cache_bytes, kv_memory_error, write_rows)
 from .mla import latent_core
 from .spec import InjectionSpec
 
@@ -84,12 +84,14 @@ class StepContext:
     decode: bool  # one new token per sequence after cached ones
     cos: torch.Tensor | None = None  # rotary table [b, s, rotary_dim // 2] float32
     sin: torch.Tensor | None = None
-    write_pos: int = 0  # the cache slot of this forward's first token
+    #: the cache position of this forward's first token: an int (a prompt), or per row
+    #: [b] int64 (decode: DecodeRows.write_index)
+    write_pos: int | torch.Tensor = 0
     lengths: torch.Tensor | None = None  # [b] int64: valid cache slots per sequence (decode)
     starts: torch.Tensor | None = None  # [b] int64: each sequence's first real token
     key_padding_mask: torch.Tensor | None = None  # [b, past + s] bool, True = a real token
     graph_safe: bool = False  # decode step under graph capture: no host syncs
-    write_index: torch.Tensor | None = None  # [1] int64, graph_safe only
+    write_index: torch.Tensor | None = None  # [b] int64 per-row write position, graph_safe only
     masks: dict = field(default_factory=dict)  # graph_safe: (window, alibi id) → SDPA mask
 
     def mask_for(self, layer: "InjectedLayer") -> torch.Tensor:
@@ -310,9 +312,9 @@ class InjectedLayer(nn.Module):
         else:
             # this layer's cache [batch, kv_heads, max_tokens, d]
             k_cache, v_cache = cache.k[self.index], cache.v[self.index]
-            if ctx.graph_safe:  # no host sync: index_copy_ at a device index
-                k_cache.index_copy_(2, ctx.write_index, k)
-                v_cache.index_copy_(2, ctx.write_index, v)
+            if ctx.graph_safe:  # no host sync: each row at its device index
+                write_rows(k_cache, ctx.write_index, k)
+                write_rows(v_cache, ctx.write_index, v)
                 context = self._captured_decode(q, k_cache, v_cache, ctx)
             else:
                 kernels.kv_cache_write(k_cache, v_cache, k, v, ctx.write_pos)
@@ -568,24 +570,27 @@ class InjectedModel(nn.Module):
         self._guard.cache_thread = (threading.get_ident(), threading.current_thread().name)
         return StaticKVCache(kv, self, self._cache_generation, batch)
 
-    def _allocate(self, rows: int, dtype: torch.dtype, device: torch.device) -> KVBuffers:
-        """New buffers for ``rows`` sequences, checked against the device's free memory first
-        (an allocator failure is reported the same way)."""
+    def _allocate(self, rows: int, dtype: torch.dtype, device: torch.device,
+                  positions: int | None = None) -> KVBuffers:
+        """New buffers for ``rows`` sequences of ``positions`` cache positions (default
+        ``max_tokens``), checked against the device's free memory first (an allocator failure
+        is reported the same way)."""
         tensors = self.spec.attention.cache_tensors  # 1: a latent cache (keys = values)
-        need = kv_cache_bytes(len(self.parts.layers), rows, self.kv_heads, self.max_tokens,
+        positions = self.max_tokens if positions is None else positions
+        need = kv_cache_bytes(len(self.parts.layers), rows, self.kv_heads, positions,
                               self.head_dim, dtype, tensors=tensors)
         free = free_memory_of(self.free_memory, device)
         where = f"device {device}"
         if free is not None:
-            check_kv_fits(need, free, batch=rows, max_tokens=self.max_tokens, where=where)
+            check_kv_fits(need, free, batch=rows, max_tokens=positions, where=where)
         try:
-            return KVBuffers(len(self.parts.layers), rows, self.kv_heads, self.max_tokens,
+            return KVBuffers(len(self.parts.layers), rows, self.kv_heads, positions,
                              self.head_dim, dtype, device, values=tensors == 2)
         except (torch.OutOfMemoryError, RuntimeError) as exc:
             if not isinstance(exc, torch.OutOfMemoryError) and "alloc" not in str(exc).lower():
                 raise
             raise kv_memory_error(need, free_memory_of(self.free_memory, device), batch=rows,
-                                  max_tokens=self.max_tokens, where=where, refused=True) from exc
+                                  max_tokens=positions, where=where, refused=True) from exc
 
     def _cache_for(self, past: Any, batch: int, x: torch.Tensor,
                    use_cache: bool) -> StaticKVCache | None:
@@ -611,10 +616,15 @@ class InjectedModel(nn.Module):
                 output_attentions: bool | None = None, output_hidden_states: bool | None = None,
                 encoder_hidden_states: torch.Tensor | None = None,
                 encoder_attention_mask: torch.Tensor | None = None,
-                **kwargs: Any) -> StackOutput:
+                cache: Any = None, **kwargs: Any) -> StackOutput:
         """What HF's base model forward takes (input_ids [b, s] or inputs_embeds [b, s, hidden],
-        a 2-d [b, past + s] attention mask, position_ids [b, s]) → ``last_hidden_state``
-        [b, s, hidden] and the static cache as ``past_key_values``."""
+        a 2-d [b, past + s] attention mask, position_ids [b, s]; the cache as
+        ``past_key_values`` or, as transformers ≥ 5.2x names it, ``cache``) →
+        ``last_hidden_state`` [b, s, hidden] and the static cache as ``past_key_values``."""
+        if cache is not None:
+            if past_key_values is not None:
+                raise ValueError("pass the cache as one of past_key_values or cache, not both")
+            past_key_values = cache
         if output_attentions or output_hidden_states or encoder_hidden_states is not None:
             raise ShardwiseError("the injected model does not return attentions or hidden states "
                                  "and has no cross-attention; init_inference without "
@@ -630,24 +640,37 @@ class InjectedModel(nn.Module):
         cache = self._cache_for(past_key_values, b, self.parts.final_norm.weight, use_cache)
         past = cache.length if cache is not None else 0
         write_pos = cache.reserve(s) if cache is not None else 0
-        decode = cache is not None and s == 1 and past > 0
+        decode = cache is not None and s == 1 and (past > 0 or cache.ragged)
         position_ids = self._position_ids(position_ids, attention_mask, past, b, s, ref.device)
-        if decode and self.graphs is not None and input_ids is not None:
-            hidden = self.graphs.run(self, cache, input_ids, position_ids, past)
-            cache.length = past + 1
+        # token embeddings [b, s, hidden]; GPT-2's token types use the same table
+        types = None if token_type_ids is None else self.parts.embed(token_type_ids.expand(b, s))
+        if decode:
+            rows = cache.decode_rows(position_ids)
+            if self.graphs is not None and input_ids is not None and types is None \
+                    and cache.graph_key is not None:
+                hidden = self.graphs.run(self, cache, input_ids, rows)
+            else:
+                x = self.parts.embed(input_ids) if inputs_embeds is None else \
+                    inputs_embeds.to(dtype)
+                hidden = self._decode_eagerly(cache, x, rows, types)
+            cache.advance(1)
             return self.output_type(last_hidden_state=hidden, past_key_values=cache)
         ctx = StepContext(cache, past, decode, write_pos=write_pos)
         self._padding(ctx, attention_mask, cache, past, s)
-        # token embeddings [b, s, hidden]; GPT-2's token types use the same table
         x = self.parts.embed(input_ids) if inputs_embeds is None else inputs_embeds.to(dtype)
-        types = None if token_type_ids is None else self.parts.embed(token_type_ids.expand(b, s))
         x = self._embedded(ctx, x, position_ids, types)
-        if decode:
-            ctx.lengths = torch.full((b,), past + 1, dtype=torch.int64, device=x.device)
         hidden = self.run_layers(x, ctx)
         if cache is not None:
-            cache.length = past + s
+            cache.advance(s)
         return self.output_type(last_hidden_state=hidden, past_key_values=cache)
+
+    def _decode_eagerly(self, cache: StaticKVCache, x: torch.Tensor, rows: DecodeRows,
+                        types: torch.Tensor | None) -> torch.Tensor:
+        """One decode step run op by op: token embeddings ``x`` [b, 1, hidden], the per-row
+        positions, write index, lengths and starts ``rows`` → hidden [b, 1, hidden]."""
+        ctx = StepContext(cache, cache.length, True, write_pos=rows.write_index,
+                          lengths=rows.lengths, starts=rows.starts)
+        return self.run_layers(self._embedded(ctx, x, rows.position_ids, types), ctx)
 
     def _position_ids(self, position_ids: torch.Tensor | None, mask: torch.Tensor | None,
                       past: int, b: int, s: int, device: torch.device) -> torch.Tensor:
@@ -732,7 +755,7 @@ class InjectedModel(nn.Module):
                     position_ids: torch.Tensor, write_index: torch.Tensor,
                     lengths: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
         """One decode step with static shapes and no host sync (what graph strategies capture):
-        input_ids/position_ids [batch, 1], write_index [1], lengths/starts [batch] → hidden
+        input_ids/position_ids [batch, 1], write_index/lengths/starts [batch] → hidden
         [batch, 1, hidden] after the final norm."""
         ctx = StepContext(cache, past=-1, decode=True, graph_safe=True, write_index=write_index,
                           lengths=lengths, starts=starts)

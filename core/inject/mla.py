@@ -57,6 +57,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import ConfigError
+from .cache import write_rows
 from .spec import LatentAttention
 
 if TYPE_CHECKING:  # the layer imports this module
@@ -307,11 +308,11 @@ class LatentAttentionCore(nn.Module):
         q_latent = torch.matmul(q_nope, self.w_uk)  # [b, H, 1, N] @ [H, N, L] → [b, H, 1, L]
         query = torch.cat([q_latent, q_rot], -1)  # [b, H, 1, L + R]
         cache = ctx.cache.k[layer.index]  # [batch, 1, max_tokens, L + R]: keys and values
-        if ctx.graph_safe:  # no host sync: index_copy_ at a device index
-            cache.index_copy_(2, ctx.write_index, entry)
+        if ctx.graph_safe:  # no host sync: each row at its device index
+            write_rows(cache, ctx.write_index, entry)
             context = layer._captured_decode(query, cache, cache, ctx)
         else:
-            cache[:, :, ctx.write_pos:ctx.write_pos + 1] = entry
+            write_rows(cache, ctx.write_pos, entry)  # write_pos: [b], each row's position
             context = layer.kernels.attention_decode(query, cache, cache, ctx.lengths,
                                                      starts=ctx.starts, **layer.attn_kw)
         # Σ p c [b, H, 1, L] @ W_UV^T [H, L, V] → each head's value context [b, H, 1, V]
