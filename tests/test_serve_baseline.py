@@ -14,6 +14,7 @@ import torch
 from models import prompt_ids, tiny_causal_lm
 from shardwise.errors import ConfigError
 from shardwise.serve.baseline import HFSerialBackend
+from shardwise.serve.metrics import ServeMetrics
 from shardwise.serve.types import (FinishEvent, GenRequest, QueueFullError, SamplingParams,
                                    ServerUnhealthyError, TokenEvent)
 
@@ -96,8 +97,10 @@ def test_greedy_streams_equal_generate_and_requests_run_one_at_a_time(model):
         finally:
             active[0] -= 1
 
+    metrics = ServeMetrics()
+
     async def main():
-        backend = HFSerialBackend(model, None, max_tokens=64)
+        backend = HFSerialBackend(model, None, max_tokens=64, metrics=metrics)
         loop = asyncio.get_running_loop()
         handles = [backend.submit(request(f"r{i}", p, max_tokens=12), loop)
                    for i, p in enumerate(prompts)]
@@ -117,6 +120,16 @@ def test_greedy_streams_equal_generate_and_requests_run_one_at_a_time(model):
         assert tokens == expected
         assert finish.reason == ("stop" if expected[-1] == EOS else "length")
         assert h.completion_tokens == len(tokens) and h.first_token_s > 0
+    value = metrics.registry.get_sample_value
+    generated = sum(len(tokens) for tokens, _ in results)
+    assert value("shardwise_generation_tokens_total") == generated
+    assert value("shardwise_prompt_tokens_total") == sum(map(len, prompts))
+    assert value("shardwise_time_to_first_token_seconds_count") == len(prompts)
+    assert value("shardwise_inter_token_latency_seconds_count") == generated - len(prompts)
+    finished = {r: value("shardwise_requests_finished_total", {"reason": r})
+                for r in ("stop", "length")}
+    assert sum(finished.values()) == len(prompts)
+    assert value("shardwise_requests_running") == 0 and value("shardwise_kv_slots_capacity") == 1
 
 
 def test_seeded_sampling_reproduces(model):

@@ -41,11 +41,13 @@ class _HandleStreamer(BaseStreamer):
     the prompt is skipped. Once the handle is cancelled nothing more is pushed (``generate``
     streams the token of the step whose stopping criterion saw the cancel)."""
 
-    def __init__(self, handle: SequenceHandle, submitted_s: float) -> None:
+    def __init__(self, handle: SequenceHandle, submitted_s: float, metrics=None) -> None:
         self.handle = handle
         self.submitted_s = submitted_s
+        self.metrics = metrics
         self.prompt_seen = False
         self.last_token: int | None = None
+        self.last_token_s = 0.0
 
     def put(self, value: torch.Tensor) -> None:
         if not self.prompt_seen:
@@ -54,9 +56,16 @@ class _HandleStreamer(BaseStreamer):
         if self.handle.cancelled.is_set():
             return
         for token in value.reshape(-1).tolist():
+            now = time.perf_counter()
             if self.handle.first_token_s is None:
-                self.handle.first_token_s = time.perf_counter() - self.submitted_s
-            self.last_token = token
+                self.handle.first_token_s = now - self.submitted_s
+                if self.metrics is not None:
+                    self.metrics.observe_first_token(self.handle.first_token_s)
+            elif self.metrics is not None:
+                self.metrics.observe_inter_token(now - self.last_token_s)
+            if self.metrics is not None:
+                self.metrics.add_generation_tokens(1)
+            self.last_token, self.last_token_s = token, now
             self.handle.push(TokenEvent(token))
 
     def end(self) -> None:
@@ -88,6 +97,8 @@ class HFSerialBackend:
             :class:`~shardwise.serve.types.QueueFullError` (HTTP 429).
         eos_token_ids: tokens that end a sequence (``finish_reason`` "stop"); default: the
             model's ``generation_config.eos_token_id``.
+        metrics: a :class:`~shardwise.serve.metrics.ServeMetrics` to record into (time to
+            first token, inter-token latency, tokens, finishes, occupancy), or None.
 
     Requests run in arrival order. Greedy when ``temperature`` is 0, else sampling with the
     request's ``temperature`` and ``top_p`` (no top-k, as OpenAI), from seed ``seed + index``
@@ -97,7 +108,7 @@ class HFSerialBackend:
     """
 
     def __init__(self, model, tokenizer, max_tokens: int, max_waiting: int = 64, *,
-                 eos_token_ids: Iterable[int] | None = None) -> None:
+                 eos_token_ids: Iterable[int] | None = None, metrics=None) -> None:
         if max_tokens < 2:
             raise ConfigError(f"max_tokens must be at least 2 (a prompt token and a generated "
                               f"one), got {max_tokens}")
@@ -111,6 +122,7 @@ class HFSerialBackend:
             eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
             eos_token_ids = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
         self.eos_token_ids = tuple(int(t) for t in eos_token_ids)
+        self.metrics = metrics
         self._waiting: collections.deque[_Job] = collections.deque()
         self._running: _Job | None = None
         self._lock = threading.Condition()
@@ -142,6 +154,7 @@ class HFSerialBackend:
                                      f"server queues); retry later", retry_after_s=1.0)
             self._waiting.append(job)
             self._lock.notify_all()
+        self._record_load()
         return handle
 
     def healthy(self) -> bool:
@@ -182,8 +195,9 @@ class HFSerialBackend:
                 self._lock.wait(timeout=1.0)
             if not self._waiting:
                 return None
-            self._running = self._waiting.popleft()
-            return self._running
+            job = self._running = self._waiting.popleft()
+        self._record_load()
+        return job
 
     def _work(self) -> None:
         try:
@@ -194,6 +208,7 @@ class HFSerialBackend:
                     with self._lock:
                         self._running = None
                         self._lock.notify_all()
+                    self._record_load()
         except BaseException as exc:  # noqa: BLE001 - reported through healthy()/submit
             self._failure = exc
             raise
@@ -202,12 +217,12 @@ class HFSerialBackend:
         """Run one request to its end and push its :class:`FinishEvent`."""
         handle = job.handle
         if handle.cancelled.is_set():
-            handle.push(FinishEvent("cancelled"))
+            self._finish(handle, FinishEvent("cancelled"))
             return
         try:
             streamer = self._generate(job)
         except Exception as exc:  # noqa: BLE001 - this request fails, the server goes on
-            handle.push(FinishEvent("error", error=exc))
+            self._finish(handle, FinishEvent("error", error=exc))
             return
         if handle.cancelled.is_set():
             reason = "cancelled"
@@ -215,7 +230,17 @@ class HFSerialBackend:
             reason = "stop"
         else:
             reason = "length"
-        handle.push(FinishEvent(reason))
+        self._finish(handle, FinishEvent(reason))
+
+    def _finish(self, handle: SequenceHandle, event: FinishEvent) -> None:
+        if self.metrics is not None:
+            self.metrics.finish(event.reason)
+        handle.push(event)
+
+    def _record_load(self) -> None:
+        if self.metrics is not None:
+            stats = self.stats()
+            self.metrics.set_load(stats.running, stats.waiting, stats.slots_in_use, stats.slots)
 
     def _generate(self, job: _Job) -> _HandleStreamer:
         """``model.generate`` on the request's prompt, streaming into its handle."""
@@ -227,7 +252,9 @@ class HFSerialBackend:
                 "presence/frequency penalties need the shardwise scheduler")
         device = next(self.model.parameters()).device
         input_ids = torch.tensor([request.prompt_ids], dtype=torch.long, device=device)
-        streamer = _HandleStreamer(handle, job.submitted_s)
+        streamer = _HandleStreamer(handle, job.submitted_s, self.metrics)
+        if self.metrics is not None:
+            self.metrics.add_prompt_tokens(len(request.prompt_ids))
         sampling = ({"do_sample": False} if params.greedy else
                     {"do_sample": True, "temperature": params.temperature, "top_p": params.top_p,
                      "top_k": 0})
