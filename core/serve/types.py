@@ -87,7 +87,12 @@ class TokenEvent:
 class FinishEvent:
     """The sequence ended: ``reason`` is ``"stop"`` (an end-of-sequence token), ``"length"``
     (``max_tokens`` reached), ``"cancelled"`` (the client went away or a stop string matched),
-    or ``"error"`` (``error`` says why; the other sequences go on)."""
+    or ``"error"`` (``error`` says why; the other sequences go on).
+
+    With ``"stop"`` the end-of-sequence token itself came as the last :class:`TokenEvent` (as
+    ``generate`` returns it; it counts in ``completion_tokens``, and the text skips it as a special
+    token). When the model side failed for every sequence, ``error`` is a
+    :class:`ServerUnhealthyError` whose ``__cause__`` is the runner's exception."""
 
     reason: str
     error: BaseException | None = None
