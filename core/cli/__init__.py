@@ -16,6 +16,7 @@ SUBCOMMANDS = {
     "conformance": ".conformance",
     "bench": ".bench",
     "launch": ".launch",
+    "serve": ".serve",
 }
 
 

@@ -1,0 +1,292 @@
+"""``shardwise serve``: bad options fail fast (exit 2, one line naming the problem, before any
+model loads); a real server process answers the ``openai`` client a greedy completion equal to
+Hugging Face ``generate``; SIGTERM during a stream ends the stream and the process (exit 0);
+``--tp 2`` answers the same completion, and killing rank 1 makes the server exit non-zero
+within the collective timeout.
+
+Every subprocess runs with a deadline and is killed (with its children) in a ``finally``."""
+
+from __future__ import annotations
+
+import os
+import queue
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import psutil
+import pytest
+import torch
+import transformers
+from openai import APIError, OpenAI
+
+import shardwise.models
+import shardwise.serve.server as server_module
+from shardwise.cli import main
+from shardwise.plugins import get_accelerator
+
+from models import tiny_causal_lm, tiny_tokenizer
+
+#: the prompt every completion here continues, and how many tokens it asks for
+PROMPT = "t5 t17 t42 t7 t99"
+NEW_TOKENS = 8
+#: seconds a server may take from start to its ready line (model load, injection, warmup)
+READY_S = 60.0
+#: --comm-timeout of the --tp server, and how much longer its exit may take after rank 1 dies
+COMM_TIMEOUT_S = 5.0
+EXIT_MARGIN_S = 20.0
+READY_LINE = re.compile(r"^serving (\S+) on (http://\S+) \((.*)\)$")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """A tiny Llama (256 positions) and its word-level tokenizer, saved with save_pretrained."""
+    path = tmp_path_factory.mktemp("tiny-llama")
+    tiny_causal_lm("llama").save_pretrained(path)
+    tiny_tokenizer().save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def hf_completion(model_dir) -> str:
+    """Plain HF greedy ``generate`` of PROMPT from the saved model, decoded."""
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    ids = tokenizer(PROMPT, return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False)
+    return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+
+
+# ----- bad options: exit 2 and a message, before loading ----------------------------------------
+
+@pytest.fixture
+def no_loading(monkeypatch):
+    """Loading a model or starting ranks fails the test: the options must be refused first."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("the server started work for options it should have refused")
+    monkeypatch.setattr(shardwise.models, "load_model", refuse)
+    monkeypatch.setattr(server_module, "build_from_settings", refuse)
+    monkeypatch.setattr(server_module, "serve_tp", refuse)
+
+
+def serve_error(capsys, *argv: str) -> str:
+    """Run ``shardwise serve ARGV`` in-process; assert exit code 2 and no traceback; the
+    error line."""
+    try:
+        code = main(["serve", *argv])
+    except SystemExit as exc:  # argparse's own refusals (choices, types)
+        code = exc.code
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err, err
+    return err.strip().splitlines()[-1]
+
+
+def test_unknown_quant(capsys, no_loading):
+    line = serve_error(capsys, "--quant", "int3")
+    assert "--quant" in line and "int3" in line and "int8" in line
+
+
+def test_max_batch_zero(capsys, no_loading, model_dir):
+    line = serve_error(capsys, "--model", str(model_dir), "--max-batch", "0")
+    assert "--max-batch must be at least 1" in line
+
+
+def test_missing_model_dir(capsys, no_loading, tmp_path):
+    missing = tmp_path / "nowhere"
+    line = serve_error(capsys, "--model", str(missing))
+    assert f"model path {str(missing)!r} does not exist" in line
+
+
+@pytest.mark.parametrize("port", ["-1", "65536"])
+def test_port_out_of_range(capsys, no_loading, model_dir, port):
+    line = serve_error(capsys, "--model", str(model_dir), "--port", port)
+    assert f"--port must be a TCP port from 0 to 65535" in line and port in line
+
+
+def test_tp_beyond_the_ranks_of_this_node(capsys, no_loading, model_dir):
+    limit = get_accelerator("cpu").max_ranks_per_node()
+    line = serve_error(capsys, "--model", str(model_dir), "--device", "cpu",
+                       "--tp", str(limit + 1))
+    assert f"--tp {limit + 1} needs {limit + 1} ranks" in line and f"--tp {limit} or less" in line
+
+
+def test_port_in_use(capsys, no_loading, model_dir):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        line = serve_error(capsys, "--model", str(model_dir), "--port", str(port))
+    assert f"cannot listen on 127.0.0.1:{port}" in line and "another --port" in line
+
+
+def test_model_without_tokenizer(capsys, no_loading, tmp_path):
+    tiny_causal_lm("llama").save_pretrained(tmp_path)
+    line = serve_error(capsys, "--model", str(tmp_path))
+    assert "has no tokenizer" in line and "tokenizer.save_pretrained(DIR)" in line
+
+
+def test_max_tokens_beyond_the_context(capsys, no_loading, model_dir):
+    line = serve_error(capsys, "--model", str(model_dir), "--max-tokens", "257")
+    assert "--max-tokens 257 is more than the model's context of 256 positions" in line
+
+
+def test_no_inject_for_a_causal_model(capsys, no_loading, model_dir):
+    line = serve_error(capsys, "--model", str(model_dir), "--no-inject")
+    assert "--no-inject" in line and "replace_with_kernel_inject" in line
+
+
+def test_defaults_come_from_the_accelerator(model_dir):
+    """Without variant options: injection, graphs where the device's strategy accelerates, its
+    preferred dtype; --max-tokens the model's context (256 here, under the cap)."""
+    from shardwise.cli.serve import rank_parser
+
+    accelerator = get_accelerator("cpu")
+    args = rank_parser("t").parse_args(["--model", str(model_dir), "--device", "cpu"])
+    settings = server_module.resolve_settings(args)
+    assert settings.inject is True
+    assert settings.graphs is accelerator.graph_strategy().accelerates
+    assert settings.dtype == str(accelerator.preferred_dtype).removeprefix("torch.")
+    assert settings.max_tokens == 256 and settings.name == model_dir.name
+    # the ranks of --tp parse what the parent resolved back to the same settings
+    again = server_module.resolve_settings(rank_parser("t").parse_args(
+        server_module.rank_argv(settings)))
+    assert again == settings
+
+
+# ----- real server processes ---------------------------------------------------------------------
+
+class ServerProcess:
+    """``shardwise serve ARGV`` as a subprocess whose output lines are collected by a thread;
+    :meth:`wait_ready` waits for the ready line (with a deadline) and gives the base URL."""
+
+    def __init__(self, *argv: str) -> None:
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+        self.proc = subprocess.Popen([sys.executable, "-m", "shardwise", "serve", *argv],
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     env=env)
+        self.lines: list[str] = []
+        self._queue: queue.Queue = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.append(line.rstrip("\n"))
+            self._queue.put(line.rstrip("\n"))
+        self._queue.put(None)  # end of output: the process exited
+
+    def output(self) -> str:
+        return "\n".join(self.lines)
+
+    def wait_ready(self, timeout: float = READY_S) -> tuple[str, str]:
+        """(base URL, the settings the ready line names)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                line = self._queue.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                raise AssertionError(f"no ready line within {timeout} s:\n{self.output()}")
+            if line is None:
+                raise AssertionError(f"the server exited ({self.proc.wait()}) before it was "
+                                     f"ready:\n{self.output()}")
+            found = READY_LINE.match(line)
+            if found:
+                return found.group(2), found.group(3)
+
+    def kill(self) -> None:
+        """Kill the process and everything it started (the --tp launcher and ranks)."""
+        try:
+            procs = psutil.Process(self.proc.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            procs = []
+        for proc in [psutil.Process(self.proc.pid), *procs] if self.proc.poll() is None \
+                else procs:
+            try:
+                proc.kill()
+            except psutil.NoSuchProcess:
+                pass
+        self.proc.wait(10)
+
+
+def client(url: str) -> OpenAI:
+    return OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=60)
+
+
+def greedy_completion(url: str, model: str) -> str:
+    answer = client(url).completions.create(model=model, prompt=PROMPT, max_tokens=NEW_TOKENS,
+                                            temperature=0)
+    return answer.choices[0].text
+
+
+def rank_process(root_pid: int, rank: int) -> psutil.Process:
+    """The --tp rank ``rank`` among the server's descendants (its environment says RANK)."""
+    for proc in psutil.Process(root_pid).children(recursive=True):
+        try:
+            if "shardwise.serve.rank_main" in " ".join(proc.cmdline()) \
+                    and proc.environ().get("RANK") == str(rank):
+                return proc
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    raise AssertionError(f"no process of rank {rank} under {root_pid}")
+
+
+COMMON = ("--dtype", "fp32", "--no-graphs", "--port", "0", "--max-batch", "4",
+          "--served-model-name", "tiny")
+
+
+def test_serves_hf_greedy_then_sigterm_mid_stream_exits_0(model_dir, hf_completion):
+    server = ServerProcess("--model", str(model_dir), "--device", "cpu", *COMMON,
+                           "--drain-timeout", "3")
+    try:
+        url, described = server.wait_ready()
+        assert described == "cpu, float32, inject, no graphs, no quant, tp=1"
+        models = client(url).models.list()
+        assert [m.id for m in models.data] == ["tiny"]
+        assert greedy_completion(url, "tiny") == hf_completion
+
+        # a long stream; SIGTERM once its first token arrived
+        stream = client(url).completions.create(model="tiny", prompt=PROMPT, max_tokens=240,
+                                                temperature=0, stream=True)
+        chunks = iter(stream)
+        first = next(chunks)
+        assert first.choices[0].text or first.choices[0].finish_reason
+        server.proc.send_signal(signal.SIGTERM)
+        finish = None
+        try:
+            for chunk in chunks:
+                if chunk.choices and chunk.choices[0].finish_reason:
+                    finish = chunk.choices[0].finish_reason
+        except APIError as exc:  # cancelled by the drain: an error event ends the stream
+            assert "cancelled" in str(exc) or "stopping" in str(exc), exc
+            finish = "cancelled"
+        assert finish in ("stop", "length", "cancelled")
+        assert server.proc.wait(timeout=30) == 0, server.output()
+        assert "SIGTERM" in server.output()
+    finally:
+        server.kill()
+
+
+def test_tp2_same_completion_and_rank_death_exits_nonzero(model_dir, hf_completion):
+    server = ServerProcess("--model", str(model_dir), "--device", "cpu", "--tp", "2", *COMMON,
+                           "--comm-timeout", str(COMM_TIMEOUT_S))
+    try:
+        url, described = server.wait_ready(timeout=2 * READY_S)
+        assert described.endswith("tp=2")
+        assert greedy_completion(url, "tiny") == hf_completion  # = the TP=1 server's answer
+
+        rank_process(server.proc.pid, 1).kill()
+        died = time.monotonic()
+        try:
+            code = server.proc.wait(timeout=COMM_TIMEOUT_S + EXIT_MARGIN_S)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"the server still runs {COMM_TIMEOUT_S + EXIT_MARGIN_S} s after "
+                                 f"rank 1 died:\n{server.output()}") from None
+        assert code != 0, server.output()
+        assert time.monotonic() - died < COMM_TIMEOUT_S + EXIT_MARGIN_S
+    finally:
+        server.kill()
