@@ -129,13 +129,13 @@ class KVBuffers:
         self.batch, self.max_tokens = batch, max_tokens
         self.dtype, self.device = dtype, device
 
-    def first_rows(self, rows: int) -> "KVBuffers":
-        """The same keys and values, viewed as the first ``rows`` rows (no copy: a write through
-        the view is a write to these buffers)."""
+    def row_range(self, start: int, stop: int) -> "KVBuffers":
+        """Rows ``start .. stop - 1`` of these keys and values, as buffers of their own (views,
+        no copy: a write through them is a write to these buffers)."""
         view = object.__new__(KVBuffers)
-        view.k = [t[:rows] for t in self.k]
-        view.v = view.k if self.v is self.k else [t[:rows] for t in self.v]
-        view.batch, view.max_tokens = rows, self.max_tokens
+        view.k = [t[start:stop] for t in self.k]
+        view.v = view.k if self.v is self.k else [t[start:stop] for t in self.v]
+        view.batch, view.max_tokens = stop - start, self.max_tokens
         view.dtype, view.device = self.dtype, self.device
         return view
 

@@ -62,6 +62,11 @@ class DecodeGraphs:
         self.graphs.clear()
         self._pending = None
 
+    def drop(self, key: object) -> None:
+        """Drop the graph captured for ``key`` (a cache's ``graph_key``), if any."""
+        self.graphs.pop(key, None)
+        self._pending = None
+
     def buckets(self) -> set[int]:
         """The captured batch buckets of ``generate``'s caches (rows of their graphs; the
         graphs of other caches, e.g. :mod:`~shardwise.inject.slots`, are keyed otherwise)."""

@@ -1,0 +1,161 @@
+"""Slots of one static KV cache, for continuous batching (``shardwise serve``).
+
+``generate``'s :class:`~shardwise.inject.cache.StaticKVCache` holds one left-padded batch: every
+sequence has the same length. A server's sequences join and leave at any step, so
+:class:`SlotKVCache` gives each row of its buffers — a *slot* — its own length:
+
+* **join / prefill**: a sequence takes a free slot (length 0) and its prompt is written into that
+  row, in one or several chunks of any size (a chunk continues after the slot's cached tokens):
+  :meth:`SlotKVCache.row` is the slot as a batch-1 cache, run through the model's usual
+  prompt path.
+* **decode**: one step appends one token to each active slot, each at its own position (its
+  length; rotary and learned positions are that length too): :meth:`SlotKVCache.step` is a
+  cache over the first ``bucket`` rows whose one-token forward writes row ``r`` at its own
+  position (:class:`~shardwise.inject.cache.DecodeRows`). Rows of the bucket that hold no
+  active sequence write to the *scratch* position — the buffers' last one, which therefore is
+  never a token of a sequence (a slot holds ``max_tokens``, its buffers ``max_tokens + 1``) —
+  and attend only to it; their results are dropped.
+* **leave**: :meth:`SlotKVCache.release` sets the slot's length to 0; it is reusable at once
+  (its old keys are overwritten before they are read again).
+
+With graph capture the decode step of each bucket is captured once (keyed by this cache and
+the bucket, over views of the same buffers), so sequences joining and leaving only change the
+step's input tensors: nothing is captured again. Slot caches are never "stale": they live as
+long as their :class:`SlotKVCache` and do not retire (nor are retired by) ``generate``'s cache.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from ..errors import ConfigError
+from .cache import RAISE_HINT, DecodeRows, KVBuffers, MaxTokensError, StaticKVCache
+
+
+class SlotRow(StaticKVCache):
+    """One slot as a batch-1 cache (a view of its row): a prompt chunk run with it is written
+    after the slot's ``length`` cached tokens. Decoded eagerly (a one-token chunk is a decode
+    step of one row), never through a captured graph."""
+
+    def __init__(self, buffers: KVBuffers, length: int, capacity: int) -> None:
+        super().__init__(buffers, None, -1)
+        self.length, self.capacity = length, capacity
+
+    def check_live(self) -> None:
+        """Slot caches are never retired."""
+
+    @property
+    def graph_key(self) -> None:
+        return None
+
+    def reserve(self, n_new: int) -> int:
+        if self.length + n_new > self.capacity:
+            raise MaxTokensError(f"the slot holds {self.length} tokens and the next chunk has "
+                                 f"{n_new}: more than a slot holds (max_tokens="
+                                 f"{self.capacity}); {RAISE_HINT}")
+        return self.length
+
+
+class SlotStep(StaticKVCache):
+    """The cache of one decode step over the first ``bucket`` rows of a :class:`SlotKVCache`:
+    its one-token forward uses the per-row inputs ``rows`` (each row at its own position)."""
+
+    ragged = True
+
+    def __init__(self, buffers: KVBuffers, rows: DecodeRows, key: object) -> None:
+        super().__init__(buffers, None, -1)
+        self.rows, self._key = rows, key
+        self.length = -1  # no one length: each row has its own
+
+    def check_live(self) -> None:
+        """Slot caches are never retired."""
+
+    @property
+    def graph_key(self) -> object:
+        return self._key
+
+    def decode_rows(self, position_ids: torch.Tensor) -> DecodeRows:
+        return self.rows
+
+    def reserve(self, n_new: int) -> int:
+        if n_new != 1:
+            raise MaxTokensError(f"a decode step over slots appends one token per slot, got "
+                                 f"{n_new}")
+        return 0  # each row's position is in ``rows``; the slot store checked they fit
+
+    def advance(self, n_new: int) -> None:
+        """The slot store counts each slot's tokens."""
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return int(self.rows.lengths.max()) - 1
+
+
+class SlotKVCache:
+    """``rows`` slots of ``max_tokens`` tokens each over one set of static KV buffers (see the
+    module docstring). ``lengths[slot]``: tokens in the slot (host ints)."""
+
+    def __init__(self, stack, rows: int, max_tokens: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        if rows < 1 or max_tokens < 1:
+            raise ConfigError(f"a slot cache needs at least one slot of at least one token, got "
+                              f"{rows} slots of max_tokens={max_tokens}")
+        # one more position than a slot holds: the scratch position of idle rows
+        self.buffers = stack._allocate(rows, dtype, device, positions=max_tokens + 1)
+        self.rows, self.capacity, self.scratch = rows, max_tokens, max_tokens
+        self.device = device
+        self.lengths = [0] * rows
+        self._buckets: dict[int, KVBuffers] = {}  # bucket → view of its first rows (kept)
+
+    def release_buffers(self) -> None:
+        """Free the keys and values (the store is unusable afterwards)."""
+        self.buffers.release()
+        self._buckets.clear()
+
+    def check_slot(self, slot: int) -> None:
+        if not isinstance(slot, int) or not 0 <= slot < self.rows:
+            raise ValueError(f"slot {slot!r} is not one of the cache's slots 0..{self.rows - 1}")
+
+    def row(self, slot: int) -> SlotRow:
+        """Slot ``slot`` as a batch-1 cache after its cached tokens (for a prompt chunk)."""
+        self.check_slot(slot)
+        return SlotRow(self.buffers.row_range(slot, slot + 1), self.lengths[slot],
+                       self.capacity)
+
+    def step(self, slots: Sequence[int], bucket: int) -> SlotStep:
+        """The cache of one decode step appending one token to each of ``slots`` (each < the
+        ``bucket`` of rows the step runs over; the other rows write to the scratch position and
+        attend only to it). Raises :class:`MaxTokensError` for a full slot."""
+        if not max(slots, default=-1) < bucket <= self.rows:
+            raise ValueError(f"a decode step over {bucket} rows cannot hold slots {list(slots)}")
+        write = [self.scratch] * bucket
+        positions = [0] * bucket
+        starts = [self.scratch] * bucket
+        for slot in slots:
+            n = self.lengths[slot]
+            if n == 0:
+                raise ValueError(f"slot {slot} holds no tokens: prefill its prompt before "
+                                 f"decoding it")
+            if n >= self.capacity:
+                raise MaxTokensError(f"slot {slot} holds {n} tokens, as many as a slot holds "
+                                     f"(max_tokens={self.capacity}); {RAISE_HINT}")
+            write[slot], positions[slot], starts[slot] = n, n, 0
+        as_tensor = lambda v: torch.tensor(v, dtype=torch.int64, device=self.device)  # noqa: E731
+        write_index = as_tensor(write)
+        rows = DecodeRows(position_ids=as_tensor(positions)[:, None], write_index=write_index,
+                          lengths=write_index + 1, starts=as_tensor(starts))
+        return SlotStep(self._bucket(bucket), rows, ("slots", id(self), bucket))
+
+    def _bucket(self, bucket: int) -> KVBuffers:
+        if bucket not in self._buckets:
+            self._buckets[bucket] = self.buffers.row_range(0, bucket)
+        return self._buckets[bucket]
+
+    def advance(self, slot: int, n_new: int) -> None:
+        self.lengths[slot] += n_new
+
+    def release(self, slot: int) -> None:
+        """Forget ``slot``'s tokens: reusable at once."""
+        self.check_slot(slot)
+        self.lengths[slot] = 0
