@@ -207,10 +207,11 @@ def test_completion_logprobs_shape(fake):
     _, _, client = fake
     out = client.completions.create(model=MODEL, prompt="t5 t6", max_tokens=3, logprobs=2)
     lp = out.choices[0].logprobs
-    assert lp.tokens == ["t7", "t8", "t9"]
+    # a token's own text keeps its leading space (detok.IncrementalDetokenizer.token_text)
+    assert lp.tokens == [" t7", " t8", " t9"]
     assert lp.token_logprobs == [-0.5, -0.75, -1.0]
-    assert lp.top_logprobs == [{"t7": -0.5, "t8": -1.5}, {"t8": -0.75, "t9": -1.75},
-                               {"t9": -1.0, "t10": -2.0}]
+    assert lp.top_logprobs == [{" t7": -0.5, " t8": -1.5}, {" t8": -0.75, " t9": -1.75},
+                               {" t9": -1.0, " t10": -2.0}]
     assert len(lp.text_offset) == 3 and lp.text_offset == sorted(lp.text_offset)
     assert lp.text_offset[0] == 0
 
@@ -221,13 +222,13 @@ def test_chat_logprobs_shape_streaming_and_not(fake):
                   logprobs=True, top_logprobs=1)
     content = client.chat.completions.create(**kwargs).choices[0].logprobs.content
     assert [(t.token, t.logprob, t.bytes) for t in content] == [
-        ("t4", -0.5, list(b"t4")), ("t5", -0.75, list(b"t5"))]
+        (" t4", -0.5, list(b" t4")), (" t5", -0.75, list(b" t5"))]
     assert [[(x.token, x.logprob) for x in t.top_logprobs] for t in content] == [
-        [("t4", -0.5)], [("t5", -0.75)]]
+        [(" t4", -0.5)], [(" t5", -0.75)]]
     chunks = list(client.chat.completions.create(stream=True, **kwargs))
     streamed = [t for c in chunks if c.choices and c.choices[0].logprobs
                 for t in c.choices[0].logprobs.content]
-    assert [(t.token, t.logprob) for t in streamed] == [("t4", -0.5), ("t5", -0.75)]
+    assert [(t.token, t.logprob) for t in streamed] == [(" t4", -0.5), (" t5", -0.75)]
     no_top = client.chat.completions.create(**{**kwargs, "top_logprobs": None})
     assert [t.top_logprobs for t in no_top.choices[0].logprobs.content] == [[], []]
 
@@ -438,3 +439,55 @@ def test_embeddings_tensor_roundtrip():
     mask = torch.tensor([[1, 1, 0]])
     # mean of the two real rows = (2, 2) → normalised (0.7071, 0.7071); the padded row ignored
     assert torch.allclose(mean_pool(hidden, mask), torch.tensor([[0.5 ** 0.5, 0.5 ** 0.5]]))
+
+
+# ----- part 2: the real pieces --------------------------------------------------------------------
+
+def _hf_sentence_embeddings(model: torch.nn.Module, inputs: list[list[int]]) -> torch.Tensor:
+    """sentence-transformers' mean pooling written out on the plain HF model, one input at a
+    time (no padding at all): mean of the last hidden state, L2-normalised → [n, hidden]."""
+    base = model.base_model
+    rows = []
+    with torch.no_grad():
+        for ids in inputs:
+            hidden = base(input_ids=torch.tensor([ids])).last_hidden_state[0]  # [seq, hidden]
+            rows.append(torch.nn.functional.normalize(hidden.mean(0), dim=0))
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("head", ["masked_lm", "base"])
+def test_embeddings_on_an_injected_bert_match_hf_mean_pooling(head):
+    import copy
+
+    import numpy as np
+
+    import shardwise
+    from models import tiny_encoder
+    from shardwise.serve.embeddings import Embedder
+
+    model = tiny_encoder("bert", seed=3, head=head)
+    reference = copy.deepcopy(model)
+    engine = shardwise.init_inference(model, device="cpu", replace_with_kernel_inject=True)
+    tok = tiny_tokenizer()
+    state = ServeState(None, tok, "tiny-bert", max_context=64, metrics=None,
+                       embedder=Embedder(engine, tok))
+    texts = ["t5 t6 t7 t8 t9", "t40", "t7 t100 t200"]  # different lengths: padded together
+    expected = _hf_sentence_embeddings(reference, [tok(t)["input_ids"] for t in texts])
+    with serving(build_app(state)) as server:
+        client = openai_client(server)
+        as_base64 = client.embeddings.create(model="tiny-bert", input=texts)  # client default
+        as_float = client.embeddings.create(model="tiny-bert", input=[[5, 6, 7]],
+                                            encoding_format="float")
+        with pytest.raises(openai.BadRequestError, match="encoder"):
+            client.completions.create(model="tiny-bert", prompt="t5", max_tokens=2)
+        with pytest.raises(openai.BadRequestError) as excinfo:
+            client.embeddings.create(model="tiny-bert", input="t5", dimensions=8)
+        assert _error(excinfo)["param"] == "dimensions"
+    got = torch.tensor(np.array([d.embedding for d in as_base64.data]), dtype=torch.float32)
+    assert [d.index for d in as_base64.data] == [0, 1, 2]
+    assert got.shape == (3, reference.config.hidden_size)
+    assert torch.allclose(got.norm(dim=1), torch.ones(3), atol=1e-5)
+    assert torch.allclose(got, expected, atol=2e-5), (got - expected).abs().max()
+    assert torch.allclose(torch.tensor(as_float.data[0].embedding),
+                          _hf_sentence_embeddings(reference, [[5, 6, 7]])[0], atol=2e-5)
+    assert as_base64.usage.prompt_tokens == 5 + 1 + 3

@@ -29,7 +29,7 @@ import math
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -130,6 +130,9 @@ class _Choice:
         return Delta(self.index, text, [event], self.chars, "stop" if matched else None)
 
     def _on_finish(self, event: FinishEvent) -> Delta:
+        if event.reason == "error" and isinstance(event.error, ServerUnhealthyError):
+            raise APIError(503, f"the model side failed: {event.error}", type="server_error",
+                           code="unhealthy")
         if event.reason == "error":
             raise APIError(500, f"generation failed: {type(event.error).__name__}: "
                            f"{event.error}", type="server_error", code="generation_error")
@@ -152,6 +155,7 @@ class _Generation:
         self.id = f"{prefix}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.choices: list[_Choice] = []
+        self.by_index: dict[int, _Choice] = {}
         self._watcher: asyncio.Task | None = None
 
     def submit(self, request: Request) -> None:
@@ -169,6 +173,7 @@ class _Generation:
         except ServerUnhealthyError as exc:
             self.cancel()
             raise APIError(503, str(exc), type="server_error", code="unhealthy") from None
+        self.by_index = {c.index: c for c in self.choices}
         self._watcher = asyncio.create_task(self._watch(request))
 
     async def _watch(self, request: Request) -> None:
@@ -226,61 +231,56 @@ class _Generation:
 
 # ----- OpenAI response objects -------------------------------------------------------------------
 
-def _token_text(tokenizer: Any, token_id: int) -> str:
-    return tokenizer.decode([token_id])
+TokenText = Callable[[int], str]
 
 
-def completion_logprobs(tokenizer: Any, deltas: list[Delta]) -> dict[str, list]:
+def completion_logprobs(token_text: TokenText, deltas: list[Delta]) -> dict[str, list]:
     """The completions API's logprobs: ``tokens``, ``token_logprobs``, ``top_logprobs``
-    (a {token: logprob} dict per position), ``text_offset``."""
+    (a {token: logprob} dict per position), ``text_offset``; ``token_text(id)`` is a token's
+    own text (leading space included)."""
     out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [],
                             "text_offset": []}
     for delta in deltas:
         for event in delta.tokens:
-            out["tokens"].append(_token_text(tokenizer, event.token_id))
+            out["tokens"].append(token_text(event.token_id))
             out["token_logprobs"].append(event.logprob)
-            out["top_logprobs"].append({_token_text(tokenizer, t): lp
-                                        for t, lp in event.top_logprobs or ()})
+            out["top_logprobs"].append({token_text(t): lp for t, lp in event.top_logprobs or ()})
             out["text_offset"].append(delta.offset)
     return out
 
 
-def _chat_token(tokenizer: Any, token_id: int, logprob: float | None) -> dict[str, Any]:
-    text = _token_text(tokenizer, token_id)
+def _chat_token(token_text: TokenText, token_id: int, logprob: float | None) -> dict[str, Any]:
+    text = token_text(token_id)
     return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
 
 
-def chat_logprobs(tokenizer: Any, deltas: list[Delta]) -> dict[str, list]:
+def chat_logprobs(token_text: TokenText, deltas: list[Delta]) -> dict[str, list]:
     """The chat API's logprobs: ``{"content": [{token, logprob, bytes, top_logprobs}]}``."""
     content = []
     for delta in deltas:
         for event in delta.tokens:
-            entry = _chat_token(tokenizer, event.token_id, event.logprob)
-            entry["top_logprobs"] = [_chat_token(tokenizer, t, lp)
+            entry = _chat_token(token_text, event.token_id, event.logprob)
+            entry["top_logprobs"] = [_chat_token(token_text, t, lp)
                                      for t, lp in event.top_logprobs or ()]
             content.append(entry)
     return {"content": content}
 
 
-def _logprobs(state: ServeState, job: GenerationJob, deltas: list[Delta]) -> dict | None:
-    if job.params.logprobs is None:
-        return None
-    if job.kind == "chat":
-        return chat_logprobs(state.tokenizer, deltas)
-    return completion_logprobs(state.tokenizer, deltas)
-
-
-def _choice(state: ServeState, job: GenerationJob, index: int, deltas: list[Delta],
+def _choice(choice: _Choice, job: GenerationJob, deltas: list[Delta],
             streaming: bool) -> dict[str, Any]:
     """One choice of a response (``deltas``: all of it) or of a stream chunk (one delta)."""
     text = "".join(d.text for d in deltas)
     reason = deltas[-1].finish_reason if deltas else None
-    logprobs = _logprobs(state, job, deltas)
+    logprobs = None
+    if job.params.logprobs is not None:
+        build = chat_logprobs if job.kind == "chat" else completion_logprobs
+        logprobs = build(choice.detok.token_text, deltas)
     if job.kind == "completion":
-        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason}
+        return {"index": choice.index, "text": text, "logprobs": logprobs,
+                "finish_reason": reason}
     body = {"delta": {"content": text}} if streaming else {
         "message": {"role": "assistant", "content": text}}
-    return {"index": index, **body, "logprobs": logprobs, "finish_reason": reason}
+    return {"index": choice.index, **body, "logprobs": logprobs, "finish_reason": reason}
 
 
 def _envelope(gen: _Generation, streaming: bool) -> dict[str, Any]:
@@ -329,14 +329,14 @@ async def _generate(request: Request, state: ServeState, job: GenerationJob,
     per_choice: dict[int, list[Delta]] = {c.index: [] for c in gen.choices}
     async for delta in deltas:
         per_choice[delta.index].append(delta)
-    choices = [_choice(state, job, i, d, streaming=False) for i, d in per_choice.items()]
+    choices = [_choice(c, job, per_choice[c.index], streaming=False) for c in gen.choices]
     return JSONResponse({**_envelope(gen, False), "choices": choices, "usage": gen.usage()})
 
 
 async def _stream(gen: _Generation, deltas: AsyncIterator[Delta],
                   first: Delta | None) -> AsyncIterator[str]:
     """Server-sent events of a streamed answer (an ``error`` event if a sequence fails)."""
-    state, job, envelope = gen.state, gen.job, _envelope(gen, True)
+    job, envelope = gen.job, _envelope(gen, True)
     try:
         if job.kind == "chat":  # OpenAI's first chunk per choice: the role
             for choice in gen.choices:
@@ -345,8 +345,8 @@ async def _stream(gen: _Generation, deltas: AsyncIterator[Delta],
                     "logprobs": None, "finish_reason": None}]})
         delta = first
         while delta is not None:
-            yield _sse({**envelope, "choices": [_choice(state, job, delta.index, [delta],
-                                                        streaming=True)]})
+            choice = gen.by_index[delta.index]
+            yield _sse({**envelope, "choices": [_choice(choice, job, [delta], streaming=True)]})
             delta = await anext(deltas, None)
         if job.include_usage:
             yield _sse({**envelope, "choices": [], "usage": gen.usage()})
