@@ -307,6 +307,21 @@ def test_eos_token_finishes_with_stop_and_is_delivered():
     assert tokens(events) == ref[:cut] and finish(events).reason == "stop"
 
 
+def test_the_default_sampler_is_the_serve_sampler_seeded_per_sequence():
+    runner = FakeRunner(max_batch=4)
+    sched = Scheduler(runner)                       # shardwise.serve.sampling.Sampler
+    greedy_req = request("greedy", prompt(5, 1), 8)
+    seeded = [GenRequest(f"s{i}", prompt(5, 2), SamplingParams(max_tokens=8, temperature=2.0,
+                                                               seed=11, logprobs=1))
+              for i in range(2)]
+    handles = [sched.submit(r, None) for r in (greedy_req, *seeded)]
+    run_steps(sched)
+    greedy_events, *seeded_events = [drain(h) for h in handles]
+    assert tokens(greedy_events) == alone(prompt(5, 1), 8)
+    assert tokens(seeded_events[0]) == tokens(seeded_events[1])   # same seed, same index
+    assert all(e.logprob is not None for e in seeded_events[0][:-1])
+
+
 # ---- admission ----------------------------------------------------------------------------------
 
 def test_queue_full_is_refused_with_a_retry_estimate():
@@ -486,3 +501,49 @@ def test_each_metrics_instance_has_its_own_registry():
     a, b = ServeMetrics(), ServeMetrics()
     a.add_prompt_tokens(5)
     assert b"shardwise_prompt_tokens_total 0.0" in b.render()[0]
+
+
+# ---- integration: the real runner over an injected Llama ------------------------------------------
+
+def test_eight_concurrent_greedy_sequences_over_slot_runner_each_equal_hf_generate_alone():
+    """8 sequences of different prompt lengths and max_tokens over 4 slots (so they join and
+    leave, and the longer prompts are prefilled in chunks of ``prefill_budget``) through the real
+    ``SlotRunner`` and ``Sampler``: each is token-for-token HF ``generate`` of its prompt alone."""
+    import shardwise
+    from models import prompt_ids, tiny_causal_lm
+    from shardwise.serve.runner import SlotRunner
+
+    ref = tiny_causal_lm("llama")
+    engine = shardwise.init_inference(tiny_causal_lm("llama"), device="cpu",
+                                      replace_with_kernel_inject=True, max_tokens=64)
+    runner = SlotRunner(engine, max_batch=4, max_tokens=64)
+    chunks = []                                             # (slot, tokens, last) per prefill
+    real_prefill = runner.prefill
+
+    def recording_prefill(slot, token_ids, last):
+        chunks.append((slot, len(token_ids), last))
+        return real_prefill(slot, token_ids, last)
+
+    runner.prefill = recording_prefill                      # this instance only
+    eos = ref.generation_config.eos_token_id                # tiny Llama: 2, which greedy hits
+    eos_ids = [eos] if isinstance(eos, int) else list(eos)
+    sched = Scheduler(runner, eos_token_ids=eos_ids, prefill_budget=16).start()  # H2's Sampler
+    shapes = [(3, 10), (17, 4), (8, 16), (30, 7), (1, 12), (12, 9), (5, 20), (21, 5)]
+    reqs = [GenRequest(f"r{i}", prompt_ids(1, p, seed=i)[0].tolist(),
+                       SamplingParams(max_tokens=m, temperature=0.0))
+            for i, (p, m) in enumerate(shapes)]
+    try:
+        results = run_threaded(sched, reqs)
+    finally:
+        sched.stop(drain_s=1.0)
+    for req, events in zip(reqs, results):
+        n = req.params.max_tokens
+        with torch.no_grad():
+            expected = ref.generate(torch.tensor([req.prompt_ids]), max_new_tokens=n,
+                                    do_sample=False, pad_token_id=0)[0, len(req.prompt_ids):]
+        expected = expected.tolist()
+        assert tokens(events) == expected, req.id
+        assert finish(events).reason == ("stop" if expected[-1] in eos_ids else "length"), req.id
+    assert {finish(events).reason for events in results} == {"stop", "length"}  # both paths ran
+    assert any(not last for _, _, last in chunks) and max(n for _, n, _ in chunks) <= 16
+    assert sum(last for _, _, last in chunks) == 8 and {s for s, _, _ in chunks} == {0, 1, 2, 3}
