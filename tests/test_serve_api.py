@@ -491,3 +491,104 @@ def test_embeddings_on_an_injected_bert_match_hf_mean_pooling(head):
     assert torch.allclose(torch.tensor(as_float.data[0].embedding),
                           _hf_sentence_embeddings(reference, [[5, 6, 7]])[0], atol=2e-5)
     assert as_base64.usage.prompt_tokens == 5 + 1 + 3
+
+
+@pytest.fixture(scope="module")
+def smol_tokenizer():
+    """SmolLM2's tokenizer (vocab 49152, a chat template), read from the embedded GGUF file
+    without loading the 135M model's weights (~5 s)."""
+    from transformers import AutoTokenizer
+
+    from shardwise.models import default_model_path
+
+    path = default_model_path()
+    return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+
+
+@pytest.fixture(scope="module")
+def real_stack(smol_tokenizer):
+    """(plain HF reference, stack, server, async client factory): a tiny random Llama with
+    SmolLM2's vocabulary, injected, served by the real scheduler over 8 slots of 96 tokens."""
+    import copy
+
+    import transformers
+
+    from families import family
+    from shardwise.serve.server import build_stack
+
+    spec = dict(family("llama").config)
+    config = getattr(transformers, spec.pop("cls"))(**{**spec, "vocab_size": 49152,
+                                                        "max_position_embeddings": 256})
+    torch.manual_seed(11)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    reference = copy.deepcopy(model)
+    stack = build_stack(model, smol_tokenizer, max_batch=8, max_tokens=96, name="tiny-llama",
+                        device="cpu", replace_with_kernel_inject=True)
+    try:
+        with serving(build_app(stack.state)) as server:
+            yield reference, stack, server
+    finally:
+        stack.scheduler.stop(5.0)
+
+
+def _greedy_alone(reference, ids: list[int], max_tokens: int, eos: tuple[int, ...]) -> list[int]:
+    """HF ``generate`` of one prompt on its own, greedy → the new token ids."""
+    with torch.no_grad():
+        out = reference.generate(torch.tensor([ids]), max_new_tokens=max_tokens, do_sample=False,
+                                 eos_token_id=list(eos), pad_token_id=eos[0])
+    return out[0, len(ids):].tolist()
+
+
+def test_16_concurrent_requests_each_equal_its_offline_greedy_output(real_stack,
+                                                                     smol_tokenizer):
+    from serve_harness import async_openai_client
+
+    reference, stack, server = real_stack
+    tok, eos = smol_tokenizer, tuple(stack.scheduler.eos_token_ids)
+    prompts = [f"Request {i}: " + "the quick brown fox jumps " * (i % 5) + f"over dog {i}"
+               for i in range(12)]
+    chats = [[{"role": "user", "content": f"Tell me about number {i}."}] for i in range(4)]
+    max_tokens = 10
+
+    async def ask(client, i):
+        if i < len(prompts):
+            kwargs = dict(model="tiny-llama", prompt=prompts[i], max_tokens=max_tokens,
+                          temperature=0)
+            if i % 2:
+                chunks = [c async for c in await client.completions.create(stream=True,
+                                                                            **kwargs)]
+                return "".join(c.choices[0].text for c in chunks if c.choices)
+            return (await client.completions.create(**kwargs)).choices[0].text
+        out = await client.chat.completions.create(model="tiny-llama", temperature=0,
+                                                   messages=chats[i - len(prompts)],
+                                                   max_tokens=max_tokens)
+        return out.choices[0].message.content
+
+    async def all_at_once():
+        client = async_openai_client(server)
+        return await asyncio.gather(*(ask(client, i) for i in range(16)))
+
+    got = asyncio.run(all_at_once())
+    ids = [tok(p)["input_ids"] for p in prompts] + [
+        tok(tok.apply_chat_template(c, add_generation_prompt=True, tokenize=False),
+            add_special_tokens=False)["input_ids"] for c in chats]
+    expected = [tok.decode(_greedy_alone(reference, p, max_tokens, eos),
+                           skip_special_tokens=True) for p in ids]
+    assert all(expected), "the reference generated no text: the comparison would be empty"
+    for i, (g, e) in enumerate(zip(got, expected)):
+        assert g == e, f"request {i}: served {g!r}, generate alone gave {e!r}"
+
+
+def test_seed_reproduces_a_sampled_completion(real_stack):
+    reference, stack, server = real_stack
+    client = openai_client(server)
+    kwargs = dict(model="tiny-llama", prompt="Once upon a time", max_tokens=12,
+                  temperature=1.0, n=2)
+    first = client.completions.create(seed=7, **kwargs)
+    again = client.completions.create(seed=7, **kwargs)
+    other = client.completions.create(seed=8, **kwargs)
+    texts = [c.text for c in first.choices]
+    assert texts == [c.text for c in again.choices]
+    assert texts[0] != texts[1], "choice 1 samples with seed + 1: it should differ"
+    assert texts != [c.text for c in other.choices]
+    assert first.usage.completion_tokens == again.usage.completion_tokens
