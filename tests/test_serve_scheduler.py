@@ -111,8 +111,8 @@ class FakeRunner:
 
 
 class Greedy:
-    """A stand-in for ``shardwise.serve.sampling.Sampler``: argmax; raises for prompts whose
-    first token is in ``RAISE_FOR``."""
+    """A stand-in for ``shardwise.serve.sampling.Sampler`` (the scheduling tests' samplers):
+    argmax, or with ``explode`` a sampler that raises on every call."""
 
     def __init__(self, params, index, vocab_size, explode=False):
         assert vocab_size == VOCAB
