@@ -125,6 +125,16 @@ def test_top_p_keeps_exactly_the_nucleus(top_p, kept):
     assert seen == set(kept)
 
 
+def test_a_nucleus_reaching_top_p_exactly_stops_there():
+    # powers of two: the sums are exact, so "mass ≥ top_p" is tested at its boundary
+    probs = torch.tensor([0.25, 0.5, 0.125, 0.125])
+    assert nucleus(probs, 0.5)[1].tolist() == [1]
+    assert nucleus(probs, 0.75)[1].tolist() == [1, 0]
+    assert len(nucleus(probs, 0.875)[1]) == 3 and len(nucleus(probs, 1.0)[1]) == 4
+    warped = TopPLogitsWarper(0.75)(None, probs.log()[None])[0]
+    assert torch.nonzero(warped > -math.inf).flatten().tolist() == [0, 1]
+
+
 @pytest.mark.parametrize("temperature", [0.5, 1.0, 3.0])
 @pytest.mark.parametrize("top_p", [0.3, 0.9, 0.95])
 def test_nucleus_is_what_transformers_top_p_warper_keeps(temperature, top_p):

@@ -103,7 +103,8 @@ class StopMatcher:
     stop string completes (anywhere, also across chunks), ``safe`` is everything before it, the
     stop string itself is not sent, and ``matched`` is True — the caller then ends the sequence
     (later feeds return ``("", True)``). ``flush()`` returns the held-back text at the end of a
-    sequence that no stop string ended.
+    sequence that no stop string ended. When several stop strings complete in the same chunk, the
+    one starting first wins, so the text sent never contains any of them.
     """
 
     def __init__(self, stops: Sequence[str]) -> None:

@@ -13,6 +13,12 @@ drawn by inverse CDF (one uniform number, ``cumsum`` + ``searchsorted``: ~45 µs
 vocabulary). A flat distribution (temperature > 1 with top_p) still needs the full sort. The kept set is exactly transformers' ``TopPLogitsWarper``'s (a test checks it);
 temperature is a division (transformers' ``TemperatureLogitsWarper`` is the same division on a
 ``[1, vocab]`` tensor).
+
+Per call, median over 40 real SmolLM2 logit rows (vocab 49152, one thread, a busy 2-core CPU):
+greedy 32 µs; greedy with logprobs=5 104 µs; temperature 1 74 µs; temperature 0.7 + top_p 0.9
+112 µs; with both penalties and logprobs=5 203 µs; temperature 1.5 + top_p 0.95 (a flat
+distribution, nucleus of thousands) ~1 ms. transformers' TopPLogitsWarper + multinomial on the
+same rows: 3–12 ms.
 """
 
 from __future__ import annotations
