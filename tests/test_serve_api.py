@@ -592,3 +592,44 @@ def test_seed_reproduces_a_sampled_completion(real_stack):
     assert texts[0] != texts[1], "choice 1 samples with seed + 1: it should differ"
     assert texts != [c.text for c in other.choices]
     assert first.usage.completion_tokens == again.usage.completion_tokens
+
+
+def _finished(server, reason: str) -> float:
+    """``shardwise_requests_finished{reason=...}`` from the server's ``GET /metrics``."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx2.get(f"{server.url}/metrics", timeout=10).text
+    for family_ in text_string_to_metric_families(text):
+        for sample in family_.samples:
+            if sample.name == "shardwise_requests_finished_total" and \
+                    sample.labels.get("reason") == reason:
+                return sample.value
+    raise AssertionError(f"no shardwise_requests_finished{{reason={reason!r}}} in /metrics")
+
+
+def test_disconnect_and_stop_strings_cancel_real_sequences(real_stack):
+    import time
+
+    reference, stack, server = real_stack
+    client = openai_client(server)
+    before = _finished(server, "cancelled")
+    stream = client.completions.create(model="tiny-llama", prompt="Hello", max_tokens=90,
+                                       temperature=0, stream=True)
+    next(iter(stream))
+    stream.close()  # the client goes away after its first token
+    other = client.completions.create(model="tiny-llama", prompt="Hi there", max_tokens=20,
+                                      temperature=0)
+    assert other.usage.completion_tokens == 20 or other.choices[0].finish_reason == "stop"
+    # the scheduler counts the cancellation at its next step: wait for it, bounded
+    deadline = time.monotonic() + 10
+    while _finished(server, "cancelled") < before + 1 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert _finished(server, "cancelled") == before + 1
+    assert stack.scheduler.stats().running == 0
+    # a stop string taken from the greedy text itself ends that choice early
+    full = client.completions.create(model="tiny-llama", prompt="Hello", max_tokens=12,
+                                     temperature=0).choices[0].text
+    cut = full[len(full) // 2:len(full) // 2 + 3]
+    stopped = client.completions.create(model="tiny-llama", prompt="Hello", max_tokens=12,
+                                        temperature=0, stop=[cut]).choices[0]
+    assert stopped.finish_reason == "stop" and stopped.text == full[:full.index(cut)]
