@@ -108,6 +108,13 @@ def test_draw_never_picks_zero_weight_entries():
     assert picked == {1, 3}
 
 
+def test_draw_on_the_last_edge_still_avoids_zero_weight_entries(monkeypatch):
+    # a uniform number that rounds up to the total (u == cdf[-1]) is past every bucket
+    weights = torch.tensor([0.3, 0.7, 0.0, 0.0])
+    monkeypatch.setattr(torch, "rand", lambda *a, **k: torch.ones(1))
+    assert draw(weights, torch.Generator()) == 1
+
+
 # ----- top_p -------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("top_p, kept", [(0.4, [9]), (0.7, [9, 2]), (0.85, [9, 2, 5]),

@@ -80,8 +80,10 @@ def draw(probs: torch.Tensor, generator: torch.Generator) -> int:
         raise ValueError(_GARBAGE)
     u = torch.rand(1, generator=generator, device=probs.device) * total
     index = int(torch.searchsorted(cdf, u, right=True).item())
-    # u < total, but rounding can put it on the last edge: clamp into range
-    return min(index, probs.shape[0] - 1)
+    if index == probs.shape[0]:
+        # u < total, but rounding can put it on the last edge: the last entry of weight > 0
+        index = int(torch.searchsorted(cdf, total, right=False).item())
+    return index
 
 
 class Sampler:
