@@ -633,3 +633,36 @@ def test_disconnect_and_stop_strings_cancel_real_sequences(real_stack):
     stopped = client.completions.create(model="tiny-llama", prompt="Hello", max_tokens=12,
                                         temperature=0, stop=[cut]).choices[0]
     assert stopped.finish_reason == "stop" and stopped.text == full[:full.index(cut)]
+
+
+def test_real_queue_full_is_429_then_the_queued_request_is_served():
+    import time
+
+    from models import tiny_causal_lm
+    from shardwise.serve.server import build_stack
+
+    tok = tiny_tokenizer()
+    stack = build_stack(tiny_causal_lm("llama", seed=5), tok, max_batch=1, max_tokens=32,
+                        max_waiting=1, name="tiny", start=False, device="cpu",
+                        replace_with_kernel_inject=True)
+    try:
+        with serving(build_app(stack.state)) as server:
+            client = openai_client(server)
+            results = {}
+            queued = threading.Thread(target=lambda: results.setdefault(
+                "out", client.completions.create(model="tiny", prompt="t5 t6", max_tokens=4,
+                                                 temperature=0)))
+            queued.start()  # the scheduler is not started: it waits in the queue
+            deadline = time.monotonic() + 10
+            while stack.scheduler.stats().waiting < 1 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            with pytest.raises(openai.RateLimitError) as excinfo:
+                client.completions.create(model="tiny", prompt="t7", max_tokens=4)
+            assert int(excinfo.value.response.headers["retry-after"]) >= 1
+            stack.scheduler.start()
+            queued.join(20)
+            out = results["out"]
+            assert out.usage.completion_tokens >= 1 and out.choices[0].finish_reason in (
+                "length", "stop")
+    finally:
+        stack.scheduler.stop(5.0)
