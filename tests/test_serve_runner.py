@@ -1,0 +1,243 @@
+"""SlotRunner (``shardwise.serve.runner``): continuous batching over the slots of one static KV
+cache gives each sequence what Hugging Face ``generate`` gives it alone.
+
+A tiny greedy loop (this file's, not the scheduler's) drives several prompts of different
+lengths through one runner: sequences join while others decode, a prompt is prefilled in chunks
+(one of them a single token) between decode steps, a finished sequence leaves and a new one
+takes its slot. Every sequence's greedy tokens equal plain HF ``generate`` of its prompt alone
+(fp32), and the logits behind them are within ``FP32_ATOL`` of HF's (teacher forced: one HF
+forward over the prompt and the tokens). With graphs (an accelerating strategy on CPU tensors,
+tests/graph_doubles.py) warmup captures one step per batch bucket and joining and leaving
+captures nothing more, while every decode step replays a captured graph.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+
+import shardwise
+from shardwise.accelerators.cpu import CpuAccelerator
+from shardwise.errors import ConfigError
+from shardwise.inject.cache import MaxTokensError
+from shardwise.serve.runner import SlotRunner
+from graph_doubles import ReplayOnCpu
+from models import prompt_ids, tiny_causal_lm, tiny_encoder
+
+FP32_ATOL = 1e-4
+ARCHS = ["llama", "gpt2", "opt", "mixtral"]  # rotary, learned, learned with offset 2, MoE
+
+
+class CountingReplay(ReplayOnCpu):
+    """ReplayOnCpu that also counts the steps it replays (calls of the captured function
+    beyond the one each capture makes)."""
+
+    calls = 0
+
+    def capture(self, fn, *example_args):
+        def counted(*args):
+            type(self).calls += 1
+            return fn(*args)
+        return super().capture(counted, *example_args)
+
+
+def replays() -> int:
+    return CountingReplay.calls - CountingReplay.captures
+
+
+@pytest.fixture(scope="module")
+def engines():
+    """(arch, graphs) -> (HF reference, injected engine); built once per module."""
+    made = {}
+
+    def get(arch: str, graphs: bool):
+        if (arch, graphs) not in made:
+            original = CpuAccelerator.graph_strategy
+            if graphs:
+                CpuAccelerator.graph_strategy = lambda self: CountingReplay()
+            try:
+                engine = shardwise.init_inference(tiny_causal_lm(arch), device="cpu",
+                                                  replace_with_kernel_inject=True,
+                                                  enable_graph=graphs, max_tokens=64)
+            finally:
+                CpuAccelerator.graph_strategy = original
+            made[arch, graphs] = (tiny_causal_lm(arch), engine)
+        return made[arch, graphs]
+    yield get
+    made.clear()
+
+
+@dataclass
+class Seq:
+    """One sequence of the greedy loop: its prompt, how many tokens it generates, its slot,
+    the tokens and logits it got."""
+
+    prompt: list[int]
+    new: int
+    slot: int | None = None
+    tokens: list[int] = field(default_factory=list)
+    logits: list[torch.Tensor] = field(default_factory=list)
+
+    @property
+    def done(self) -> bool:
+        return len(self.tokens) == self.new
+
+    def take(self, logits: torch.Tensor) -> None:
+        assert logits.dtype == torch.float32 and logits.dim() == 1
+        self.logits.append(logits)
+        self.tokens.append(int(logits.argmax()))
+
+
+def prefill(runner: SlotRunner, seq: Seq, slot: int, chunks: list[int]) -> None:
+    """Prefill the next tokens of ``seq``'s prompt into ``slot``, in chunks of these sizes."""
+    seq.slot, start = slot, runner.length(slot)
+    for size in chunks:
+        end = start + size
+        logits = runner.prefill(slot, seq.prompt[start:end], last=end == len(seq.prompt))
+        assert (logits is None) == (end < len(seq.prompt))
+        if logits is not None:
+            seq.take(logits)
+        start = end
+    assert runner.length(slot) == start
+
+
+#: decode steps the greedy loop ran (all tests of this module)
+DECODES = [0]
+
+
+def step(runner: SlotRunner, running: list[Seq]) -> list[Seq]:
+    """One decode step over the running sequences; a sequence that is done leaves (its slot
+    is released). Returns the ones still running."""
+    active = [s for s in running if not s.done]
+    if active:
+        DECODES[0] += 1
+        logits = runner.decode([s.slot for s in active], [s.tokens[-1] for s in active])
+        assert logits.shape == (len(active), runner.vocab_size) and logits.dtype == torch.float32
+        for seq, row in zip(active, logits):
+            seq.take(row)
+    for seq in [s for s in running if s.done]:
+        runner.release(seq.slot)
+        assert runner.length(seq.slot) == 0
+    return [s for s in running if not s.done]
+
+
+def scenario(runner: SlotRunner) -> list[Seq]:
+    """A joins slot 0; B is prefilled into slot 2 in chunks (4, 1, rest) between A's decode
+    steps; C joins slot 1; A leaves and D takes slot 0; all run to the end."""
+    prompts = [prompt_ids(1, n, seed=10 + n)[0].tolist() for n in (5, 9, 3, 6)]
+    a, b, c, d = Seq(prompts[0], 4), Seq(prompts[1], 8), Seq(prompts[2], 7), Seq(prompts[3], 6)
+    prefill(runner, a, 0, [5])
+    prefill(runner, b, 2, [4])  # B joins: a first chunk, no logits yet
+    running = step(runner, [a])
+    prefill(runner, b, 2, [1])  # a one-token chunk after cached tokens
+    running = step(runner, running)
+    prefill(runner, b, 2, [4])  # B's last chunk: its first token
+    prefill(runner, c, 1, [3])
+    running = step(runner, running + [b, c])
+    while a in running:
+        running = step(runner, running)
+    prefill(runner, d, 0, [2, 4])  # A's slot, reused at once
+    running.append(d)
+    while running:
+        running = step(runner, running)
+    return [a, b, c, d]
+
+
+def check_against_hf(ref, seqs: list[Seq]) -> float:
+    """Each sequence's tokens equal HF generate of its prompt alone; its logits are within
+    FP32_ATOL of HF's over prompt + tokens. Returns the max |logit diff|."""
+    worst = 0.0
+    for seq in seqs:
+        ids = torch.tensor([seq.prompt])
+        with torch.no_grad():
+            expected = ref.generate(ids, max_new_tokens=seq.new, min_new_tokens=seq.new,
+                                    do_sample=False, pad_token_id=0)[0, len(seq.prompt):]
+            full = torch.tensor([seq.prompt + seq.tokens[:-1]])
+            ref_logits = ref(full).logits[0, len(seq.prompt) - 1:].float()
+        assert seq.tokens == expected.tolist()
+        worst = max(worst, (torch.stack(seq.logits) - ref_logits).abs().max().item())
+    assert worst < FP32_ATOL, worst
+    return worst
+
+
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_slots_give_each_sequence_its_greedy_hf_tokens(engines, arch, graphs):
+    ref, engine = engines(arch, graphs)
+    runner = SlotRunner(engine, max_batch=3, max_tokens=32)
+    try:
+        runner.warmup()
+        graph_keys = set(runner.stack.graphs.graphs) if graphs else set()
+        captured, replayed, decodes = CountingReplay.captures, replays(), DECODES[0]
+        seqs = scenario(runner)
+        worst = check_against_hf(ref, seqs)
+        print(f"{arch} {'graphs' if graphs else 'eager'}: max |logit diff| {worst:.2e}")
+        assert all(runner.length(slot) == 0 for slot in range(3))
+        if graphs:
+            assert runner.buckets() == [1, 2, 4]
+            assert CountingReplay.captures == captured  # joining and leaving captured nothing
+            assert set(runner.stack.graphs.graphs) == graph_keys
+            # every decode step of the scenario replayed a captured step
+            assert replays() - replayed == DECODES[0] - decodes > 0
+    finally:
+        runner.close()
+    if graphs:  # closing drops the runner's graphs; generate's stay
+        assert all(isinstance(k, int) for k in runner.stack.graphs.graphs)
+
+
+def test_generate_between_steps_leaves_the_slots_alone(engines):
+    ref, engine = engines("llama", False)
+    runner = SlotRunner(engine, max_batch=2, max_tokens=32)
+    seq = Seq(prompt_ids(1, 6, seed=3)[0].tolist(), 5)
+    prefill(runner, seq, 1, [6])
+    running = [seq]
+    while running:
+        engine.generate(prompt_ids(2, 7, seed=4), max_new_tokens=3, do_sample=False,
+                        pad_token_id=0)
+        running = step(runner, running)
+    check_against_hf(ref, [seq])
+    runner.close()
+
+
+def test_bad_calls_are_refused_before_any_work(engines):
+    _, engine = engines("llama", False)
+    runner = SlotRunner(engine, max_batch=2, max_tokens=8)
+    assert runner.max_tokens == 8 and runner.max_batch == 2 and runner.vocab_size == 256
+    with pytest.raises(MaxTokensError, match="max_tokens=8"):
+        runner.prefill(0, list(range(9)), last=True)
+    assert runner.length(0) == 0  # nothing written
+    logits = runner.prefill(0, list(range(3, 10)), last=True)
+    runner.decode([0], [int(logits.argmax())])  # the slot is full now: 8 tokens
+    with pytest.raises(MaxTokensError, match="max_tokens=8"):
+        runner.decode([0], [1])
+    with pytest.raises(ValueError, match="holds no tokens"):
+        runner.decode([1], [1])
+    with pytest.raises(ValueError, match="slot twice"):
+        runner.decode([0, 0], [1, 1])
+    with pytest.raises(ValueError, match="one token per slot"):
+        runner.decode([0], [1, 2])
+    with pytest.raises(ValueError, match="not one of"):
+        runner.prefill(2, [1], last=True)
+    with pytest.raises(ValueError, match="at least one token"):
+        runner.prefill(1, [], last=True)
+    runner.release(0)
+    assert runner.length(0) == 0
+    runner.close()
+    with pytest.raises(shardwise.ShardwiseError, match="closed"):
+        runner.prefill(0, [1], last=True)
+    with pytest.raises(ConfigError, match="max_tokens"):
+        SlotRunner(engine, max_batch=2, max_tokens=65)  # the engine holds 64
+    with pytest.raises(ConfigError, match="max_batch"):
+        SlotRunner(engine, max_batch=0)
+
+
+def test_engines_without_an_injected_decoder_are_refused():
+    plain = shardwise.init_inference(tiny_causal_lm("llama"), device="cpu")
+    with pytest.raises(ConfigError, match="replace_with_kernel_inject"):
+        SlotRunner(plain, max_batch=2)
+    encoder = shardwise.init_inference(tiny_encoder("bert"), device="cpu",
+                                       replace_with_kernel_inject=True)
+    with pytest.raises(ConfigError, match="encoder"):
+        SlotRunner(encoder, max_batch=2)
