@@ -10,9 +10,10 @@ vocabulary takes ~3 ms and ``torch.multinomial`` over it ~0.8 ms, which is as lo
 step of the default model. So the nucleus is found with ``torch.topk`` on a growing ``k`` (64,
 512, 4096, ... : a peaked distribution's nucleus is found in the first ~55 µs) and the token is
 drawn by inverse CDF (one uniform number, ``cumsum`` + ``searchsorted``: ~45 µs over the whole
-vocabulary). A flat distribution (temperature > 1 with top_p) still needs the full sort. The kept set is exactly transformers' ``TopPLogitsWarper``'s (a test checks it);
-temperature is a division (transformers' ``TemperatureLogitsWarper`` is the same division on a
-``[1, vocab]`` tensor).
+vocabulary). A flat distribution (temperature > 1 with top_p) still needs the full sort. The
+kept set is exactly transformers' ``TopPLogitsWarper``'s (a test checks it); temperature is a
+division (transformers' ``TemperatureLogitsWarper`` is the same division on a ``[1, vocab]``
+tensor).
 
 Per call, median over 40 real SmolLM2 logit rows (vocab 49152, one thread, a busy 2-core CPU):
 greedy 32 µs; greedy with logprobs=5 104 µs; temperature 1 74 µs; temperature 0.7 + top_p 0.9
@@ -93,7 +94,8 @@ class Sampler:
     are dropped first):
 
     1. **Penalties** (OpenAI's definition, over the tokens this sampler has returned so far, not
-       the prompt): ``logit[j] -= count[j] * frequency_penalty + (count[j] > 0) * presence_penalty``.
+       the prompt):
+       ``logit[j] -= count[j] * frequency_penalty + (count[j] > 0) * presence_penalty``.
     2. **Log-probabilities** (``params.logprobs`` = k ≥ 0): ``log_softmax`` of the penalised logits,
        *before* temperature and ``top_p``. The chosen token's value and the k largest
        ``(token id, logprob)`` pairs, most likely first, go in the event. This is the model's
