@@ -17,6 +17,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 
 import psutil
 import pytest
@@ -53,13 +54,16 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def hf_completion(model_dir) -> str:
-    """Plain HF greedy ``generate`` of PROMPT from the saved model, decoded."""
+    """Plain HF greedy ``generate`` of PROMPT from the saved model: the text it adds to the
+    prompt's (the word-level tokenizer makes one word per token: compare ``.split()``)."""
     tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir).eval()
     ids = tokenizer(PROMPT, return_tensors="pt")["input_ids"]
     with torch.no_grad():
         out = model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False)
-    return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+    assert out.shape[1] == ids.shape[1] + NEW_TOKENS  # no early end: the full length compares
+    prompt = tokenizer.decode(ids[0], skip_special_tokens=True)
+    return tokenizer.decode(out[0], skip_special_tokens=True)[len(prompt):]
 
 
 # ----- bad options: exit 2 and a message, before loading ----------------------------------------
@@ -159,6 +163,85 @@ def test_defaults_come_from_the_accelerator(model_dir):
     assert again == settings
 
 
+# ----- the stack and the HTTP loop, in this process ----------------------------------------------
+
+def test_build_stack_of_an_encoder_serves_embeddings_only():
+    """An encoder gets an Embedder and no runner or scheduler: /v1/embeddings answers HF's mean
+    pooled, normalised last hidden state; completions are refused."""
+    from serve_harness import openai_client, serving
+    from shardwise.serve.api import build_app
+
+    from models import tiny_encoder
+
+    reference = tiny_encoder("bert", head="base")
+    stack = server_module.build_stack(tiny_encoder("bert", head="base"), tiny_tokenizer(),
+                                      max_tokens=64, name="enc", device="cpu", dtype="fp32",
+                                      replace_with_kernel_inject=True)
+    assert stack.runner is None and stack.scheduler is None
+    ids = [5, 17, 42]
+    with torch.no_grad():
+        hidden = reference(input_ids=torch.tensor([ids])).last_hidden_state[0].mean(0)
+    expected = torch.nn.functional.normalize(hidden, dim=0)
+    with serving(build_app(stack.state)) as http:
+        api = openai_client(http)
+        got = api.embeddings.create(model="enc", input="t5 t17 t42").data[0].embedding
+        torch.testing.assert_close(torch.tensor(got), expected, atol=1e-4, rtol=1e-4)
+        with pytest.raises(APIError):
+            api.completions.create(model="enc", prompt="t5", max_tokens=2)
+
+
+class FailingBackend:
+    """A backend whose model side fails when the test says so (``fail``)."""
+
+    max_tokens = 64
+
+    def __init__(self) -> None:
+        self.failed = threading.Event()
+        self.stopped: list[float] = []
+
+    def submit(self, request, loop):
+        raise AssertionError("no request is submitted in this test")
+
+    def healthy(self) -> bool:
+        return not self.failed.is_set()
+
+    def stop(self, drain_s: float) -> None:
+        self.stopped.append(drain_s)
+
+
+def test_watchdog_exits_1_when_the_backend_fails(model_dir, monkeypatch):
+    """uvicorn's loop checks the backend's health: /health is 200, then once the model side
+    failed the server says why and run_http returns 1 (a timer would end the process if a
+    model thread hung: recorded here instead)."""
+    from shardwise.cli.serve import rank_parser
+    from shardwise.serve.api import ServeState
+
+    exits = []
+    monkeypatch.setattr(server_module, "_exit_later", lambda code, delay: exits.append(code))
+    settings = server_module.resolve_settings(rank_parser("t").parse_args(
+        ["--model", str(model_dir), "--device", "cpu", "--port", "0"]))
+    backend = FailingBackend()
+    stack = server_module.Stack(None, None, backend,
+                                ServeState(backend, tiny_tokenizer(), "tiny", 64, None))
+    sock = server_module.bind_socket("127.0.0.1", 0)
+    sock.listen(8)  # connections wait in the backlog until uvicorn accepts them
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    result: list[int] = []
+    thread = threading.Thread(target=lambda: result.append(
+        server_module.run_http(stack, sock, settings)), daemon=True)
+    thread.start()
+    try:
+        with urllib.request.urlopen(f"{url}/health", timeout=30) as health:
+            assert health.status == 200
+        backend.failed.set()
+        thread.join(timeout=15)
+        assert not thread.is_alive(), "the server did not stop after its backend failed"
+        assert result == [1] and exits == [1]
+        assert backend.stopped == []  # a failed model side is not drained
+    finally:
+        sock.close()
+
+
 # ----- real server processes ---------------------------------------------------------------------
 
 class ServerProcess:
@@ -241,13 +324,13 @@ COMMON = ("--dtype", "fp32", "--no-graphs", "--port", "0", "--max-batch", "4",
 
 def test_serves_hf_greedy_then_sigterm_mid_stream_exits_0(model_dir, hf_completion):
     server = ServerProcess("--model", str(model_dir), "--device", "cpu", *COMMON,
-                           "--drain-timeout", "3")
+                           "--drain-timeout", "0")  # running streams are cancelled at once
     try:
         url, described = server.wait_ready()
         assert described == "cpu, float32, inject, no graphs, no quant, tp=1"
         models = client(url).models.list()
         assert [m.id for m in models.data] == ["tiny"]
-        assert greedy_completion(url, "tiny") == hf_completion
+        assert greedy_completion(url, "tiny").split() == hf_completion.split()
 
         # a long stream; SIGTERM once its first token arrived
         stream = client(url).completions.create(model="tiny", prompt=PROMPT, max_tokens=240,
@@ -277,7 +360,8 @@ def test_tp2_same_completion_and_rank_death_exits_nonzero(model_dir, hf_completi
     try:
         url, described = server.wait_ready(timeout=2 * READY_S)
         assert described.endswith("tp=2")
-        assert greedy_completion(url, "tiny") == hf_completion  # = the TP=1 server's answer
+        # = the TP=1 server's answer (both equal HF's)
+        assert greedy_completion(url, "tiny").split() == hf_completion.split()
 
         rank_process(server.proc.pid, 1).kill()
         died = time.monotonic()

@@ -281,14 +281,15 @@ def build_stack(model, tokenizer, *, max_batch: int = 16, max_tokens: int = 256,
     from .api import ServeState
     from .metrics import ServeMetrics
 
-    engine = init_inference(model, max_tokens=max_tokens, **engine_kwargs)
     metrics = ServeMetrics()
-    if is_encoder(model.config.to_dict()):
+    if is_encoder(model.config.to_dict()):  # no KV cache: max_tokens only bounds the inputs
         from .embeddings import Embedder
 
+        engine = init_inference(model, **engine_kwargs)
         state = ServeState(None, tokenizer, name, max_tokens, metrics,
                            embedder=Embedder(engine, tokenizer))
         return Stack(engine, None, None, state)
+    engine = init_inference(model, max_tokens=max_tokens, **engine_kwargs)
     from .runner import SlotRunner
     from .scheduler import Scheduler
 
