@@ -11,7 +11,7 @@ tiny injected Llama with the SmolLM2 tokenizer) and embeddings on a tiny BERT.
 Fake tokens, with the tiny word-level tokenizer (``"t7"`` is id 7): choice ``i`` of a prompt
 ending in id ``last`` generates ids ``3 + (last - 3 + 1 + k + 7 i) % 253`` for k = 0, 1, …, so
 "t5 t6" continues " t7 t8 t9 …". A prompt containing ``t13`` fails before its first token,
-``t14`` after it.
+``t14`` after it; ``t15`` is refused by submit (ValueError), ``t16`` crashes it.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from models import tiny_tokenizer
 from serve_harness import openai_client, serving
 
 MODEL = "tiny-fake"
-FAIL_AT_START, FAIL_AFTER_ONE = 13, 14
+FAIL_AT_START, FAIL_AFTER_ONE, REFUSED, CRASH = 13, 14, 15, 16
 CHAT_TEMPLATE = ("{% for m in messages %}{{ m['content'] }} {% endfor %}"
                  "{% if add_generation_prompt %}t3{% endif %}")
 
@@ -64,6 +64,10 @@ class FakeBackend:
             raise ServerUnhealthyError("the fake model side failed")
         if self.full:
             raise QueueFullError("the queue is full (64 waiting)", retry_after_s=2.5)
+        if REFUSED in request.prompt_ids:
+            raise ValueError(f"prompt token id {REFUSED} is outside the model's vocabulary")
+        if CRASH in request.prompt_ids:
+            raise RuntimeError("the fake backend's submit crashed")
         handle = SequenceHandle(request, loop)
         self.handles.append(handle)
         threading.Thread(target=self._run, args=(handle,), daemon=True).start()
@@ -364,6 +368,17 @@ def test_unhealthy_backend_is_503(fake):
     with pytest.raises(openai.InternalServerError) as excinfo:
         client.completions.create(model=MODEL, prompt="t5", max_tokens=2)
     assert excinfo.value.status_code == 503
+
+
+def test_backend_refusal_is_400_and_a_crash_is_an_openai_500(fake):
+    _, _, client = fake
+    with pytest.raises(openai.BadRequestError, match="outside the model's vocabulary"):
+        client.completions.create(model=MODEL, prompt="t5 t15", max_tokens=2)
+    with pytest.raises(openai.InternalServerError) as excinfo:
+        client.completions.create(model=MODEL, prompt="t5 t16", max_tokens=2)
+    assert "submit crashed" in _error(excinfo)["message"]
+    assert _error(excinfo)["type"] == "server_error"
+    assert client.completions.create(model=MODEL, prompt="t5", max_tokens=2).choices
 
 
 def test_a_failing_sequence_is_500_and_the_others_go_on(fake):

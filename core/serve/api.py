@@ -173,6 +173,9 @@ class _Generation:
         except ServerUnhealthyError as exc:
             self.cancel()
             raise APIError(503, str(exc), type="server_error", code="unhealthy") from None
+        except ValueError as exc:  # the backend's own check of the request (vocabulary, length)
+            self.cancel()
+            raise APIError(400, str(exc), code="invalid_value") from None
         self.by_index = {c.index: c for c in self.choices}
         self._watcher = asyncio.create_task(self._watch(request))
 
@@ -393,6 +396,11 @@ def build_app(state: ServeState) -> FastAPI:
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> JSONResponse:
         return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, exc: Exception) -> JSONResponse:
+        return JSONResponse(APIError(500, f"internal error: {type(exc).__name__}: {exc}",
+                                     type="server_error").body(), status_code=500)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
