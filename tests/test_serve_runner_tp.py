@@ -1,0 +1,148 @@
+"""SlotRunner under tensor parallelism (2 gloo ranks): rank 0 drives the runner, rank 1 runs
+``follow`` and executes every step rank 0 broadcasts. The tokens equal HF ``generate`` of each
+prompt alone, and a rank dying makes the other fail with CollectiveError within the collective
+timeout instead of hanging."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from distributed import after_peer_death, assert_survivor_failed, run_ranks
+from models import prompt_ids, tiny_causal_lm
+
+TIMEOUT_S = 5
+PROMPTS = [(5, 6), (9, 5), (3, 4)]  # (prompt length, new tokens)
+
+
+def _engine():
+    import shardwise
+
+    os.environ.pop("OMP_NUM_THREADS", None)
+    return shardwise.init_inference(tiny_causal_lm("llama"), device="cpu", mp_size=2,
+                                    replace_with_kernel_inject=True, comm_timeout=TIMEOUT_S,
+                                    max_tokens=32)
+
+
+def _prompts() -> list[list[int]]:
+    return [prompt_ids(1, n, seed=20 + n)[0].tolist() for n, _ in PROMPTS]
+
+
+def _greedy(runner) -> list[list[int]]:
+    """Prompt 0 in slot 0; prompt 1 joins slot 1 in chunks (4, 1, rest) while 0 decodes;
+    prompt 0 leaves and prompt 2 takes its slot; all run to the end."""
+    prompts, news = _prompts(), [new for _, new in PROMPTS]
+    tokens: list[list[int]] = [[], [], []]
+    slot_of = {0: 0, 1: 1, 2: 0}
+
+    def take(i, logits):
+        tokens[i].append(int(logits.argmax()))
+
+    def decode(seqs):
+        live = [i for i in seqs if len(tokens[i]) < news[i]]
+        if live:
+            logits = runner.decode([slot_of[i] for i in live], [tokens[i][-1] for i in live])
+            for i, row in zip(live, logits):
+                take(i, row)
+        for i in [i for i in live if len(tokens[i]) == news[i]]:
+            runner.release(slot_of[i])
+
+    take(0, runner.prefill(0, prompts[0], last=True))
+    assert runner.prefill(1, prompts[1][:4], last=False) is None
+    decode([0])
+    runner.heartbeat()
+    runner.prefill(1, prompts[1][4:5], last=False)
+    decode([0])
+    take(1, runner.prefill(1, prompts[1][5:], last=True))
+    while len(tokens[0]) < news[0]:
+        decode([0, 1])
+    take(2, runner.prefill(0, prompts[2], last=True))
+    while any(len(tokens[i]) < news[i] for i in (1, 2)):
+        decode([1, 2])
+    return tokens
+
+
+def _serve(rank: int):
+    from shardwise.serve.runner import SlotRunner, follow
+
+    engine = _engine()
+    if rank != 0:
+        follow(engine)  # returns when rank 0 closes
+        return None
+    runner = SlotRunner(engine, max_batch=2)
+    runner.warmup()
+    tokens = _greedy(runner)
+    runner.close()
+    return tokens
+
+
+def test_two_ranks_give_hf_greedy_tokens(tmp_path):
+    results = run_ranks(_serve, 2, tmp_path, deadline_s=120)
+    assert all(r["ok"] for r in results), [r.get("trace") for r in results]
+    ref = tiny_causal_lm("llama")
+    for prompt, (_, new), got in zip(_prompts(), PROMPTS, results[0]["value"]):
+        with torch.no_grad():
+            expected = ref.generate(torch.tensor([prompt]), max_new_tokens=new,
+                                    min_new_tokens=new, do_sample=False, pad_token_id=0)
+        assert got == expected[0, len(prompt):].tolist()
+    assert results[1]["value"] is None  # the follower left its loop at close
+
+
+def _follower_dies(rank: int) -> dict:
+    """Rank 1 dies after following one prefill; rank 0's next decode fails."""
+    from shardwise.serve import runner as runner_mod
+
+    engine = _engine()
+    if rank == 1:
+        receive, seen = runner_mod._receive, []
+
+        def receive_then_die(engine, n=None):
+            if len(seen) == 3:  # init, the prefill's header and payload
+                os._exit(9)
+            seen.append(n)
+            return receive(engine, n)
+        runner_mod._receive = receive_then_die
+        runner_mod.follow(engine)
+    runner = runner_mod.SlotRunner(engine, max_batch=2)
+    logits = runner.prefill(0, _prompts()[0], last=True)
+    token = int(logits.argmax())
+
+    def decode_many():
+        for _ in range(20):
+            runner.decode([0], [token])
+    return after_peer_death(rank, decode_many)
+
+
+def test_rank_0_fails_within_the_timeout_when_a_follower_dies(tmp_path):
+    results = run_ranks(_follower_dies, 2, tmp_path, deadline_s=120)
+    assert_survivor_failed(results, "failed", TIMEOUT_S)
+
+
+def _leader_dies(rank: int) -> dict:
+    """Rank 0 dies after one prefill; rank 1's follow fails within the timeout."""
+    import time
+
+    import shardwise
+    from shardwise.serve.runner import SlotRunner, follow
+
+    engine = _engine()
+    if rank == 0:
+        SlotRunner(engine, max_batch=2).prefill(0, _prompts()[0], last=True)
+        os._exit(9)
+    start = time.monotonic()
+    try:
+        follow(engine)
+    except shardwise.CollectiveError as exc:
+        return {"error": str(exc), "seconds": time.monotonic() - start}
+    return {"error": None}
+
+
+def test_follower_fails_within_the_timeout_when_rank_0_dies(tmp_path):
+    results = run_ranks(_leader_dies, 2, tmp_path, deadline_s=120)
+    assert results[0]["error"].startswith("no result (exit code 9)")
+    assert results[1]["ok"], results[1].get("trace")
+    follower = results[1]["value"]
+    assert follower["error"], "follow returned although rank 0 was dead"
+    assert "on rank 1/2" in follower["error"], follower["error"]
+    assert follower["seconds"] < TIMEOUT_S + 10
