@@ -243,8 +243,12 @@ def _messages(value: Any) -> list[dict[str, str]]:
         if message.get("role") not in _ROLES:
             raise bad(f"messages[{i}].role", f"'messages[{i}].role' must be one of "
                       f"{', '.join(_ROLES)}, got {message.get('role')!r}")
-        out.append({"role": message["role"],
-                    "content": _message_text(i, message.get("content"))})
+        turn = {"role": message["role"], "content": _message_text(i, message.get("content"))}
+        if "name" in message:  # handed to the chat template, which may show it
+            if not isinstance(message["name"], str):
+                raise bad(f"messages[{i}].name", f"'messages[{i}].name' must be a string")
+            turn["name"] = message["name"]
+        out.append(turn)
     return out
 
 
