@@ -13,6 +13,7 @@ why on stderr and exits 1 — within the collective timeout and a few seconds, n
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import math
 import os
@@ -24,7 +25,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, Iterator, NamedTuple
 
 from .. import models
 from ..errors import ConfigError
@@ -268,12 +269,14 @@ def heartbeat_seconds(comm_timeout: float | None) -> float:
 
 def build_stack(model, tokenizer, *, max_batch: int = 16, max_tokens: int = 256,
                 name: str = "model", max_waiting: int = 64, prefill_budget: int = 512,
-                heartbeat_s: float = 5.0, start: bool = True, **engine_kwargs: Any) -> Stack:
+                heartbeat_s: float = 5.0, start: bool = True, progress=None,
+                **engine_kwargs: Any) -> Stack:
     """Build the server's layers over ``model``: ``init_inference(model, max_tokens=...,
     **engine_kwargs)`` (a causal LM needs ``replace_with_kernel_inject=True``), a warmed-up
     ``SlotRunner(engine, max_batch, max_tokens)``, a ``Scheduler`` with the model's
     end-of-sequence ids and ``ServeMetrics`` (started unless ``start=False``), and the API's
     ``ServeState``. An encoder model (BERT-like) gets an ``Embedder`` and no runner or scheduler.
+    ``progress(text)``, when given, is told what the slow steps are doing.
 
     Returns a :class:`Stack` ``(engine, runner, scheduler, state)``; pass ``state`` to
     ``shardwise.serve.api.build_app``. Stop with ``scheduler.stop(drain_s)``."""
@@ -294,6 +297,10 @@ def build_stack(model, tokenizer, *, max_batch: int = 16, max_tokens: int = 256,
     from .scheduler import Scheduler
 
     runner = SlotRunner(engine, max_batch, max_tokens)
+    if progress is not None:
+        graphs = "capturing" if engine.config.enable_graph else "running"
+        progress(f"{graphs} the decode step of batch buckets {runner.buckets()} (once, before "
+                 f"serving)")
     runner.warmup()
     scheduler = Scheduler(runner, eos_token_ids=eos_token_ids(model, tokenizer),
                           max_waiting=max_waiting, prefill_budget=prefill_budget,
@@ -329,13 +336,17 @@ def load(settings: ServeSettings):
 
 
 def build_from_settings(settings: ServeSettings) -> Stack:
-    """Load the model and build the stack as the settings say."""
+    """Load the model and build the stack as the settings say (saying so on stderr)."""
+    def progress(text: str) -> None:
+        print(f"shardwise serve: {text}", file=sys.stderr, flush=True)
+
+    progress(f"loading {settings.model_path} ({settings.describe()})")
     model, tokenizer, max_tokens = load(settings)
     return build_stack(
         model, tokenizer, max_batch=settings.max_batch, max_tokens=max_tokens,
         name=settings.name, max_waiting=settings.max_waiting,
         prefill_budget=settings.prefill_budget,
-        heartbeat_s=heartbeat_seconds(settings.comm_timeout),
+        heartbeat_s=heartbeat_seconds(settings.comm_timeout), progress=progress,
         **{k: v for k, v in settings.engine_options(max_tokens).items() if k != "max_tokens"})
 
 
@@ -441,12 +452,7 @@ def serve(args: argparse.Namespace) -> int:
     settings = resolve_settings(args)
     if settings.tp > 1:
         return serve_tp(settings)
-    sock = bind_socket(settings.host, settings.port)
-    try:
-        stack = build_from_settings(settings)
-        return run_http(stack, sock, settings)
-    finally:
-        sock.close()
+    return serve_here(settings)
 
 
 def run_rank(args: argparse.Namespace) -> int:
@@ -455,17 +461,46 @@ def run_rank(args: argparse.Namespace) -> int:
     (:func:`shardwise.serve.runner.follow`) until rank 0 closes, and fail with a
     CollectiveError within the collective timeout when rank 0 dies."""
     settings = resolve_settings(args)
-    rank = int(os.environ.get("RANK", "0"))
-    if rank != 0:
-        from ..engine import init_inference
-        from .runner import follow
+    if int(os.environ.get("RANK", "0")) == 0:
+        return serve_here(settings)
+    from ..engine import init_inference
+    from .runner import follow
 
-        model, _, max_tokens = load(settings)
-        follow(init_inference(model, **settings.engine_options(max_tokens)))
-        return 0
+    model, _, max_tokens = load(settings)
+    follow(init_inference(model, **settings.engine_options(max_tokens)))
+    return 0
+
+
+class _StoppedBeforeServing(Exception):
+    """A stop signal arrived while the model was loading or warming up."""
+
+
+@contextlib.contextmanager
+def _stop_on_signal() -> Iterator[None]:
+    """While loading and warming up, SIGTERM / SIGINT stop at once (nothing to drain yet)."""
+    def stop(sig: int, frame) -> None:
+        raise _StoppedBeforeServing(signal.Signals(sig).name)
+
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def serve_here(settings: ServeSettings) -> int:
+    """Bind the port (a taken one fails before loading), build the stack, serve it over HTTP
+    until a stop signal or a failure; the exit code."""
     sock = bind_socket(settings.host, settings.port)
     try:
-        return run_http(build_from_settings(settings), sock, settings)
+        try:
+            with _stop_on_signal():
+                stack = build_from_settings(settings)
+        except _StoppedBeforeServing as exc:
+            print(f"shardwise serve: {exc}: stopped before serving", file=sys.stderr, flush=True)
+            return 0
+        return run_http(stack, sock, settings)
     finally:
         sock.close()
 
