@@ -254,6 +254,7 @@ class ServerProcess:
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                      env=env)
         self.lines: list[str] = []
+        self.started: list[psutil.Process] = []
         self._queue: queue.Queue = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
 
@@ -279,16 +280,21 @@ class ServerProcess:
                                      f"ready:\n{self.output()}")
             found = READY_LINE.match(line)
             if found:
+                self.started = self._descendants()  # to kill even if the parent exits first
                 return found.group(2), found.group(3)
 
-    def kill(self) -> None:
-        """Kill the process and everything it started (the --tp launcher and ranks)."""
+    def _descendants(self) -> list[psutil.Process]:
         try:
-            procs = psutil.Process(self.proc.pid).children(recursive=True)
+            return psutil.Process(self.proc.pid).children(recursive=True)
         except psutil.NoSuchProcess:
-            procs = []
-        for proc in [psutil.Process(self.proc.pid), *procs] if self.proc.poll() is None \
-                else procs:
+            return []
+
+    def kill(self) -> None:
+        """Kill the process and everything it started (the --tp launcher and ranks, also
+        those left behind by a parent that already exited)."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+        for proc in {*self.started, *self._descendants()}:
             try:
                 proc.kill()
             except psutil.NoSuchProcess:
@@ -372,5 +378,22 @@ def test_tp2_same_completion_and_rank_death_exits_nonzero(model_dir, hf_completi
                                  f"rank 1 died:\n{server.output()}") from None
         assert code != 0, server.output()
         assert time.monotonic() - died < COMM_TIMEOUT_S + EXIT_MARGIN_S
+    finally:
+        server.kill()
+
+
+def test_tp2_sigterm_to_the_parent_stops_every_rank_with_exit_0(model_dir):
+    """The --tp parent forwards SIGTERM to rank 0, which drains and closes the runner, so the
+    follower leaves its loop and the launcher exits 0: no rank is left behind."""
+    server = ServerProcess("--model", str(model_dir), "--device", "cpu", "--tp", "2", *COMMON,
+                           "--comm-timeout", str(COMM_TIMEOUT_S), "--drain-timeout", "0")
+    try:
+        url, _ = server.wait_ready(timeout=2 * READY_S)
+        ranks = [rank_process(server.proc.pid, r) for r in (0, 1)]
+        server.proc.send_signal(signal.SIGTERM)
+        assert server.proc.wait(timeout=30) == 0, server.output()
+        gone, alive = psutil.wait_procs(ranks, timeout=10)
+        assert not alive, f"ranks still running after the server exited: {alive}"
+        assert "stopping the ranks" in server.output()
     finally:
         server.kill()
