@@ -110,7 +110,7 @@ def test_missing_model_dir(capsys, no_loading, tmp_path):
 @pytest.mark.parametrize("port", ["-1", "65536"])
 def test_port_out_of_range(capsys, no_loading, model_dir, port):
     line = serve_error(capsys, "--model", str(model_dir), "--port", port)
-    assert f"--port must be a TCP port from 0 to 65535" in line and port in line
+    assert "--port must be a TCP port from 0 to 65535" in line and port in line
 
 
 def test_tp_beyond_the_ranks_of_this_node(capsys, no_loading, model_dir):

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import logging
 import math
 import os
 import signal
@@ -22,15 +21,12 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, NamedTuple
 
 from .. import models
 from ..errors import ConfigError
-
-log = logging.getLogger("shardwise.serve")
 
 #: The module each ``--tp`` rank runs (through ``shardwise launch``).
 RANK_MODULE = "shardwise.serve.rank_main"
