@@ -99,6 +99,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-context", type=int, default=512,
                         help="tokens per sequence (prompt + generated) the servers hold "
                              "(default: 512)")
+    parser.add_argument("--prefill-budget", type=int, default=None,
+                        help="shardwise's prompt tokens prefilled per scheduler step (default: "
+                             "the server's)")
     parser.add_argument("--output", default=None,
                         help="JSON file (default: benchmarks/results/serve_load-<date>.json)")
     args = parser.parse_args(argv)
@@ -119,6 +122,8 @@ def check_args(args: argparse.Namespace) -> None:
     args.concurrency = sorted(set(args.concurrency))
     if args.max_batch is None:
         args.max_batch = max(args.concurrency)
+    if args.prefill_budget is not None and args.prefill_budget < 1:
+        raise ConfigError(f"--prefill-budget must be ≥ 1, got {args.prefill_budget}")
     if args.max_batch < 1:
         raise ConfigError(f"--max-batch must be ≥ 1, got {args.max_batch}")
     if max(PROMPT_LENGTHS) + args.max_tokens > args.max_context:
@@ -210,8 +215,9 @@ def shardwise_stack(model, tokenizer, args, accelerator, name: str):
     ``--max-batch`` slots, every batch bucket captured → the Scheduler."""
     from shardwise.serve.server import build_stack
 
+    budget = {} if args.prefill_budget is None else {"prefill_budget": args.prefill_budget}
     return build_stack(model, tokenizer, max_batch=args.max_batch, max_tokens=args.max_context,
-                       name=name, max_waiting=queue_bound(args),
+                       name=name, max_waiting=queue_bound(args), **budget,
                        replace_with_kernel_inject=True, enable_graph=True,
                        dtype=accelerator.preferred_dtype)
 
