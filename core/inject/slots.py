@@ -60,13 +60,14 @@ class SlotRow(StaticKVCache):
 
 class SlotStep(StaticKVCache):
     """The cache of one decode step over the first ``bucket`` rows of a :class:`SlotKVCache`:
-    its one-token forward uses the per-row inputs ``rows`` (each row at its own position)."""
+    its one-token forward uses the per-row inputs ``rows`` (each row at its own position);
+    ``longest``: the most tokens an active row holds before the step."""
 
     ragged = True
 
-    def __init__(self, buffers: KVBuffers, rows: DecodeRows, key: object) -> None:
+    def __init__(self, buffers: KVBuffers, rows: DecodeRows, key: object, longest: int) -> None:
         super().__init__(buffers, None, -1)
-        self.rows, self._key = rows, key
+        self.rows, self._key, self.longest = rows, key, longest
         self.length = -1  # no one length: each row has its own
 
     def check_live(self) -> None:
@@ -89,23 +90,26 @@ class SlotStep(StaticKVCache):
         """The slot store counts each slot's tokens."""
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        return int(self.rows.lengths.max()) - 1
+        return self.longest
 
 
 class SlotKVCache:
-    """``rows`` slots of ``max_tokens`` tokens each over one set of static KV buffers (see the
-    module docstring). ``lengths[slot]``: tokens in the slot (host ints)."""
+    """``slots`` slots of ``max_tokens`` tokens each over one set of static KV buffers of
+    ``rows`` ≥ ``slots`` rows (the batch bucket of ``slots``: a decode step runs over a bucket's
+    rows; see the module docstring). ``lengths[slot]``: tokens in the slot (host ints)."""
 
-    def __init__(self, stack, rows: int, max_tokens: int, dtype: torch.dtype,
+    def __init__(self, stack, slots: int, rows: int, max_tokens: int, dtype: torch.dtype,
                  device: torch.device) -> None:
-        if rows < 1 or max_tokens < 1:
-            raise ConfigError(f"a slot cache needs at least one slot of at least one token, got "
-                              f"{rows} slots of max_tokens={max_tokens}")
+        if not 1 <= slots <= rows or max_tokens < 1:
+            raise ConfigError(f"a slot cache needs at least one slot of at least one token "
+                              f"(and rows for every slot), got {slots} slots over {rows} rows "
+                              f"of max_tokens={max_tokens}")
         # one more position than a slot holds: the scratch position of idle rows
         self.buffers = stack._allocate(rows, dtype, device, positions=max_tokens + 1)
-        self.rows, self.capacity, self.scratch = rows, max_tokens, max_tokens
+        self.slots, self.rows, self.capacity = slots, rows, max_tokens
+        self.scratch = max_tokens
         self.device = device
-        self.lengths = [0] * rows
+        self.lengths = [0] * slots
         self._buckets: dict[int, KVBuffers] = {}  # bucket → view of its first rows (kept)
 
     def release_buffers(self) -> None:
@@ -113,9 +117,40 @@ class SlotKVCache:
         self.buffers.release()
         self._buckets.clear()
 
+    # ----- checks (callers run them before any work, e.g. before telling other ranks) --------
+
     def check_slot(self, slot: int) -> None:
-        if not isinstance(slot, int) or not 0 <= slot < self.rows:
-            raise ValueError(f"slot {slot!r} is not one of the cache's slots 0..{self.rows - 1}")
+        if isinstance(slot, bool) or not isinstance(slot, int) or not 0 <= slot < self.slots:
+            raise ValueError(f"slot {slot!r} is not one of the slots 0..{self.slots - 1}")
+
+    def check_chunk(self, slot: int, n_new: int) -> None:
+        """Raise unless ``n_new`` ≥ 1 more tokens fit ``slot`` (:class:`MaxTokensError`)."""
+        self.check_slot(slot)
+        if n_new < 1:
+            raise ValueError("a prompt chunk needs at least one token")
+        if self.lengths[slot] + n_new > self.capacity:
+            raise MaxTokensError(f"slot {slot} holds {self.lengths[slot]} tokens and the chunk "
+                                 f"has {n_new}: more than max_tokens={self.capacity}; "
+                                 f"{RAISE_HINT}")
+
+    def check_step(self, slots: Sequence[int]) -> None:
+        """Raise unless a decode step can append one token to each of ``slots``: distinct,
+        each holding at least one token and fewer than ``max_tokens``."""
+        if not slots:
+            raise ValueError("a decode step needs at least one slot")
+        if len(set(slots)) != len(slots):
+            raise ValueError(f"a decode step got a slot twice: {list(slots)}")
+        for slot in slots:
+            self.check_slot(slot)
+            n = self.lengths[slot]
+            if n == 0:
+                raise ValueError(f"slot {slot} holds no tokens: prefill its prompt before "
+                                 f"decoding it")
+            if n >= self.capacity:
+                raise MaxTokensError(f"slot {slot} holds {n} tokens, as many as a slot holds "
+                                     f"(max_tokens={self.capacity}); {RAISE_HINT}")
+
+    # ----- the caches of one forward ---------------------------------------------------------
 
     def row(self, slot: int) -> SlotRow:
         """Slot ``slot`` as a batch-1 cache after its cached tokens (for a prompt chunk)."""
@@ -124,9 +159,11 @@ class SlotKVCache:
                        self.capacity)
 
     def step(self, slots: Sequence[int], bucket: int) -> SlotStep:
-        """The cache of one decode step appending one token to each of ``slots`` (each < the
-        ``bucket`` of rows the step runs over; the other rows write to the scratch position and
-        attend only to it). Raises :class:`MaxTokensError` for a full slot."""
+        """The cache of one decode step appending one token to each of ``slots`` (each <
+        ``bucket``, the rows the step runs over; the other rows write to the scratch position
+        and attend only to it). No ``slots``: every row idle (a warmup step)."""
+        if slots:
+            self.check_step(slots)
         if not max(slots, default=-1) < bucket <= self.rows:
             raise ValueError(f"a decode step over {bucket} rows cannot hold slots {list(slots)}")
         write = [self.scratch] * bucket
@@ -134,18 +171,13 @@ class SlotKVCache:
         starts = [self.scratch] * bucket
         for slot in slots:
             n = self.lengths[slot]
-            if n == 0:
-                raise ValueError(f"slot {slot} holds no tokens: prefill its prompt before "
-                                 f"decoding it")
-            if n >= self.capacity:
-                raise MaxTokensError(f"slot {slot} holds {n} tokens, as many as a slot holds "
-                                     f"(max_tokens={self.capacity}); {RAISE_HINT}")
             write[slot], positions[slot], starts[slot] = n, n, 0
         as_tensor = lambda v: torch.tensor(v, dtype=torch.int64, device=self.device)  # noqa: E731
         write_index = as_tensor(write)
         rows = DecodeRows(position_ids=as_tensor(positions)[:, None], write_index=write_index,
                           lengths=write_index + 1, starts=as_tensor(starts))
-        return SlotStep(self._bucket(bucket), rows, ("slots", id(self), bucket))
+        longest = max((self.lengths[s] for s in slots), default=0)
+        return SlotStep(self._bucket(bucket), rows, ("slots", id(self), bucket), longest)
 
     def _bucket(self, bucket: int) -> KVBuffers:
         if bucket not in self._buckets:
@@ -153,6 +185,7 @@ class SlotKVCache:
         return self._buckets[bucket]
 
     def advance(self, slot: int, n_new: int) -> None:
+        """``n_new`` tokens were written to ``slot``."""
         self.lengths[slot] += n_new
 
     def release(self, slot: int) -> None:

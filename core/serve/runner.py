@@ -1,5 +1,6 @@
-"""The model side of ``shardwise serve``: :class:`SlotRunner`, a :class:`~shardwise.serve.types.Runner`
-over the slots of one static KV cache of an injected engine (:mod:`shardwise.inject.slots`).
+"""The model side of ``shardwise serve``: :class:`SlotRunner`, a
+:class:`~shardwise.serve.types.Runner` over the slots of one static KV cache of an injected
+engine (:mod:`shardwise.inject.slots`).
 
 Each call is one forward of the engine's own Hugging Face model (``engine.module``), so its
 output head — and under tensor parallelism the head's hooks, e.g. the vocab all-gather — runs
@@ -26,7 +27,7 @@ from typing import Any, Sequence
 import torch
 
 from ..errors import ConfigError, ShardwiseError
-from ..inject.cache import MaxTokensError, RAISE_HINT, StaticKVCache
+from ..inject.cache import RAISE_HINT, StaticKVCache
 from ..inject.injector import injected_stack
 from ..inject.layers import InjectedModel
 from ..inject.slots import SlotKVCache
@@ -99,8 +100,8 @@ class SlotRunner:
             self._send(INIT, max_batch, max_tokens)
         self.strategy = stack.graphs.strategy if stack.graphs is not None else None
         weight = stack.parts.final_norm.weight
-        self.cache = SlotKVCache(stack, self._bucket(max_batch), max_tokens, weight.dtype,
-                                 weight.device)
+        self.cache = SlotKVCache(stack, max_batch, self._bucket(max_batch), max_tokens,
+                                 weight.dtype, weight.device)
         self._cache_kw = "cache" if "cache" in inspect.signature(
             engine.module.forward).parameters else "past_key_values"
         self._keep_kw = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(
@@ -111,17 +112,12 @@ class SlotRunner:
 
     def prefill(self, slot: int, token_ids: Sequence[int], last: bool) -> torch.Tensor | None:
         """Append the prompt chunk ``token_ids`` (≥ 1 token) to ``slot``; with ``last`` the
-        logits of its final token, float32 [vocab]. Raises :class:`MaxTokensError` (nothing
-        written) when the slot would hold more than ``max_tokens``."""
+        logits of its final token, float32 [vocab]. Raises
+        :class:`~shardwise.inject.cache.MaxTokensError` (nothing written) when the slot would
+        hold more than ``max_tokens``."""
         self._check_open()
-        self.cache.check_slot(slot)
         tokens = [int(t) for t in token_ids]
-        if not tokens:
-            raise ValueError("a prompt chunk needs at least one token")
-        if self.cache.lengths[slot] + len(tokens) > self.max_tokens:
-            raise MaxTokensError(f"slot {slot} holds {self.cache.lengths[slot]} tokens and the "
-                                 f"chunk has {len(tokens)}: more than max_tokens="
-                                 f"{self.max_tokens}; {RAISE_HINT}")
+        self.cache.check_chunk(slot, len(tokens))
         if self.tp:
             self._send(PREFILL, slot, len(tokens), int(bool(last)), payload=tokens)
         return self._prefill(slot, tokens, bool(last))
@@ -131,7 +127,10 @@ class SlotRunner:
         [len(slots), vocab] (row i for ``slots[i]``)."""
         self._check_open()
         slots, tokens = [int(s) for s in slots], [int(t) for t in token_ids]
-        self._check_decode(slots, tokens)
+        if len(slots) != len(tokens):
+            raise ValueError(f"decode takes one token per slot, got {len(slots)} slots and "
+                             f"{len(tokens)} tokens")
+        self.cache.check_step(slots)
         if self.tp:
             self._send(DECODE, len(slots), payload=slots + tokens)
         return self._decode(slots, tokens)
@@ -227,24 +226,6 @@ class SlotRunner:
     def _check_open(self) -> None:
         if self.closed:
             raise ShardwiseError("this SlotRunner is closed")
-
-    def _check_decode(self, slots: list[int], tokens: list[int]) -> None:
-        if not slots or len(slots) != len(tokens):
-            raise ValueError(f"decode takes one token per slot and at least one slot, got "
-                             f"{len(slots)} slots and {len(tokens)} tokens")
-        if len(set(slots)) != len(slots):
-            raise ValueError(f"decode got a slot twice: {slots}")
-        for slot in slots:
-            if not 0 <= slot < self.max_batch:
-                raise ValueError(f"slot {slot} is not one of the runner's slots 0.."
-                                 f"{self.max_batch - 1}")
-            n = self.cache.lengths[slot]
-            if n == 0:
-                raise ValueError(f"slot {slot} holds no tokens: prefill its prompt before "
-                                 f"decoding it")
-            if n >= self.max_tokens:
-                raise MaxTokensError(f"slot {slot} holds {n} tokens, as many as a slot holds "
-                                     f"(max_tokens={self.max_tokens}); {RAISE_HINT}")
 
     # ----- the wire (tensor parallelism) ---------------------------------------------------------
 
