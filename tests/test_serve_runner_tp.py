@@ -90,7 +90,11 @@ def test_two_ranks_give_hf_greedy_tokens(tmp_path):
 
 
 def _follower_dies(rank: int) -> dict:
-    """Rank 1 dies after following one prefill; rank 0's next decode fails."""
+    """Rank 1 dies after following one prefill; rank 0's next decode fails, later steps are
+    refused and closing returns at once."""
+    import time
+
+    import shardwise
     from shardwise.serve import runner as runner_mod
 
     engine = _engine()
@@ -111,12 +115,23 @@ def _follower_dies(rank: int) -> dict:
     def decode_many():
         for _ in range(20):
             runner.decode([0], [token])
-    return after_peer_death(rank, decode_many)
+    result = after_peer_death(rank, decode_many)
+    try:  # the ranks may be out of step now: every later step is refused
+        runner.decode([0], [token])
+    except shardwise.ShardwiseError as exc:
+        result["later"] = str(exc)
+    start = time.monotonic()
+    runner.close()  # sends nothing to the dead rank: no second timeout
+    result["close_s"] = time.monotonic() - start
+    return result
 
 
 def test_rank_0_fails_within_the_timeout_when_a_follower_dies(tmp_path):
     results = run_ranks(_follower_dies, 2, tmp_path, deadline_s=120)
     assert_survivor_failed(results, "failed", TIMEOUT_S)
+    survivor = results[0]["value"]
+    assert "earlier step failed under tensor parallelism" in survivor["later"]
+    assert survivor["close_s"] < TIMEOUT_S / 2
 
 
 def _leader_dies(rank: int) -> dict:

@@ -21,8 +21,9 @@ next operation does not time out.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 
@@ -107,6 +108,9 @@ class SlotRunner:
         self._keep_kw = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(
             engine.module.forward).parameters else {}
         self.closed = False
+        #: under tensor parallelism, the error of a step that failed once it had started (the
+        #: ranks may be out of step: every later call is refused)
+        self.failed: BaseException | None = None
 
     # ----- the Runner contract -------------------------------------------------------------------
 
@@ -118,9 +122,10 @@ class SlotRunner:
         self._check_open()
         tokens = [int(t) for t in token_ids]
         self.cache.check_chunk(slot, len(tokens))
-        if self.tp:
-            self._send(PREFILL, slot, len(tokens), int(bool(last)), payload=tokens)
-        return self._prefill(slot, tokens, bool(last))
+        with self._in_step():
+            if self.tp:
+                self._send(PREFILL, slot, len(tokens), int(bool(last)), payload=tokens)
+            return self._prefill(slot, tokens, bool(last))
 
     def decode(self, slots: Sequence[int], token_ids: Sequence[int]) -> torch.Tensor:
         """One step appending ``token_ids[i]`` to ``slots[i]`` → the next logits, float32
@@ -131,17 +136,19 @@ class SlotRunner:
             raise ValueError(f"decode takes one token per slot, got {len(slots)} slots and "
                              f"{len(tokens)} tokens")
         self.cache.check_step(slots)
-        if self.tp:
-            self._send(DECODE, len(slots), payload=slots + tokens)
-        return self._decode(slots, tokens)
+        with self._in_step():
+            if self.tp:
+                self._send(DECODE, len(slots), payload=slots + tokens)
+            return self._decode(slots, tokens)
 
     def release(self, slot: int) -> None:
         """Forget ``slot``'s tokens: a new sequence can take it at once."""
         self._check_open()
         self.cache.check_slot(slot)
-        if self.tp:
-            self._send(RELEASE, slot)
-        self.cache.release(slot)
+        with self._in_step():
+            if self.tp:
+                self._send(RELEASE, slot)
+            self.cache.release(slot)
 
     def length(self, slot: int) -> int:
         """Tokens in ``slot``."""
@@ -151,25 +158,29 @@ class SlotRunner:
     def heartbeat(self) -> None:
         """Tell the other ranks rank 0 is alive (a no-op on one rank)."""
         self._check_open()
-        if self.tp:
-            self._send(HEARTBEAT)
+        with self._in_step():
+            if self.tp:
+                self._send(HEARTBEAT)
 
     def warmup(self) -> None:
         """Run (with graphs: capture) the decode step of every batch bucket up to
         ``max_batch`` once, so serving never compiles mid-request. Slot contents are kept:
         the steps write only the scratch position."""
         self._check_open()
-        if self.tp:
-            self._send(WARMUP)
-        self._warmup()
+        with self._in_step():
+            if self.tp:
+                self._send(WARMUP)
+            self._warmup()
 
     def close(self) -> None:
         """Stop: the other ranks leave :func:`follow`; the slot buffers and their captured
-        steps are freed. Idempotent."""
+        steps are freed. Idempotent. After a failed step under tensor parallelism nothing is
+        sent (the other ranks are gone or out of step: waiting on them would only add another
+        collective timeout to the server's exit)."""
         if self.closed:
             return
         try:
-            if self.tp:
+            if self.tp and self.failed is None:
                 self._send(CLOSE)
         finally:
             self._close()
@@ -226,6 +237,23 @@ class SlotRunner:
     def _check_open(self) -> None:
         if self.closed:
             raise ShardwiseError("this SlotRunner is closed")
+        if self.failed is not None:
+            raise ShardwiseError(f"an earlier step failed under tensor parallelism "
+                                 f"({type(self.failed).__name__}: {self.failed}); the ranks may "
+                                 f"be out of step, so this runner takes no more steps: restart "
+                                 f"the server") from self.failed
+
+    @contextlib.contextmanager
+    def _in_step(self) -> Iterator[None]:
+        """Around a step once its arguments are checked: under tensor parallelism, a failure
+        from here on (a collective, the forward) leaves the ranks possibly out of step, so the
+        runner refuses every later step (:attr:`failed`)."""
+        try:
+            yield
+        except BaseException as exc:
+            if self.tp:
+                self.failed = exc
+            raise
 
     # ----- the wire (tensor parallelism) ---------------------------------------------------------
 
