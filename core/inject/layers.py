@@ -654,7 +654,7 @@ class InjectedModel(nn.Module):
                     inputs_embeds.to(dtype)
                 hidden = self._decode_eagerly(cache, x, rows, types)
             cache.advance(1)
-            return self.output_type(last_hidden_state=hidden, past_key_values=cache)
+            return self._output(hidden, cache)
         ctx = StepContext(cache, past, decode, write_pos=write_pos)
         self._padding(ctx, attention_mask, cache, past, s)
         x = self.parts.embed(input_ids) if inputs_embeds is None else inputs_embeds.to(dtype)
@@ -662,7 +662,13 @@ class InjectedModel(nn.Module):
         hidden = self.run_layers(x, ctx)
         if cache is not None:
             cache.advance(s)
-        return self.output_type(last_hidden_state=hidden, past_key_values=cache)
+        return self._output(hidden, cache)
+
+    def _output(self, hidden: torch.Tensor, cache: StaticKVCache | None):
+        """The forward's output: ``last_hidden_state`` and the cache under the name the
+        installed transformers gives it (``cache`` from 5.2x, else ``past_key_values``)."""
+        name = "cache" if "cache" in self.output_type.__dataclass_fields__ else "past_key_values"
+        return self.output_type(last_hidden_state=hidden, **{name: cache})
 
     def _decode_eagerly(self, cache: StaticKVCache, x: torch.Tensor, rows: DecodeRows,
                         types: torch.Tensor | None) -> torch.Tensor:
