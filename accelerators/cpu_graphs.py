@@ -235,13 +235,13 @@ class CpuCompileStrategy(GraphStrategy):
             raise RuntimeError(f"torch.compile ran {name!r} without compiling it (dynamo "
                                f"skipped the frame); run the step eagerly ({CPU_GRAPHS_ENV}="
                                f"eager, or enable_graph=False)")
-        compiled_at = self.compiles
         single = isinstance(outputs, torch.Tensor)
         # static outputs made outside inference mode (the caller's), written inside it on replay
         outputs = outputs.clone() if single else tuple(o.clone() for o in outputs)
 
         def replay() -> None:
-            nonlocal compiled_at
+            # counted around this call only: captures of other buckets also add to the count
+            compiled_before = self.compiles
             with self._scope(options):  # a recompile (some guard failed) compiles the same way
                 new = compiled(*inputs)
                 if single:
@@ -249,8 +249,7 @@ class CpuCompileStrategy(GraphStrategy):
                 else:
                     for static, value in zip(outputs, new):
                         static.copy_(value)
-            if self.compiles != compiled_at:  # correct, but a capture's time spent again
-                compiled_at = self.compiles
+            if self.compiles != compiled_before:  # correct, but a capture's time spent again
                 log.warning("shardwise: the compiled CPU decode step %r was recompiled on "
                             "replay (a dynamo guard failed); results are right, but each "
                             "recompile costs a capture's time", name)
