@@ -301,8 +301,9 @@ def test_gpt_oss_injected_layers_alternate_windows_and_keep_the_sinks():
 
 
 def test_gpt_oss_tensor_parallel_plan_is_the_policys():
-    """HF's GPT-OSS has no base_model_tp_plan, only the causal-LM class's LM-head entry: used
-    alone it would leave the attention whole on every rank."""
+    """HF's GPT-OSS plan splits only vocab tables (transformers 4.x: the causal-LM class's
+    LM-head entry; 5.x: the embedding too), none of the blocks: used alone it would leave the
+    attention whole on every rank."""
     from models import tiny_causal_lm
 
     from shardwise.policy import policy_for
@@ -311,7 +312,7 @@ def test_gpt_oss_tensor_parallel_plan_is_the_policys():
     model = tiny_causal_lm("gpt_oss")
     plan = choose_plan(model, policy=policy_for(model))
     assert plan.source == "policy:gpt_oss"
-    assert any("only its LM head" in note for note in plan.notes)
+    assert any("only its vocab tables" in note for note in plan.notes)
 
 
 #: name -> (settings, inject). HF's own attention on the rank's heads (the sinks narrowed by the

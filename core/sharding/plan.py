@@ -241,6 +241,9 @@ def plan_from_hf(model: nn.Module) -> tuple[ShardingPlan | None, str]:
     prefix = base_prefix(model)
     modules = [(n, m) for n, m in model.named_modules() if n]
     output = _output_embeddings(model)
+    get_input = getattr(model, "get_input_embeddings", None)
+    # the vocab tables: a plan that splits only these leaves every block whole
+    tables = {id(output), id(get_input() if callable(get_input) else None)}
     rows, unusable, beyond_head = [], [], False
     for pattern, style in raw.items():
         matched = [m for n, m in modules if pattern_matches(pattern, n, prefix)]
@@ -249,15 +252,15 @@ def plan_from_hf(model: nn.Module) -> tuple[ShardingPlan | None, str]:
             unusable.append(f"{pattern}: {style}")
         elif matched:
             rows.append(PlanRow(pattern, role))
-            beyond_head = beyond_head or any(m is not output for m in matched)
+            beyond_head = beyond_head or any(id(m) not in tables for m in matched)
     if unusable:
         return None, (f"the model's HF tp_plan uses entries shardwise cannot apply faithfully "
                       f"({'; '.join(unusable)})")
     if not rows:
         return None, "the model's HF tp_plan matches no module"
-    if not beyond_head:  # a causal-LM class's own entry alone (GPT-OSS: no base_model_tp_plan)
-        return None, ("the model's HF tp_plan splits only its LM head (its config has no "
-                      "base_model_tp_plan): it would leave the attention whole")
+    if not beyond_head:  # GPT-OSS: only the LM head (transformers 4.x) or embeddings (5.x)
+        return None, ("the model's HF tp_plan splits only its vocab tables (embeddings, LM "
+                      "head), none of its blocks: it would leave the attention whole")
     return ShardingPlan(rows, "hf_tp_plan", strict=False), ""
 
 
