@@ -141,14 +141,30 @@ def test_each_rank_holds_half_of_the_sharded_weights(ranks, name):
         assert r["counted_bytes"] == r["expected_bytes"], r["summary"]
 
 
+def _hf_plan(model_type: str) -> dict:
+    """The installed transformers' base_model_tp_plan of a family (it grows between releases:
+    5.x added GPT-J's and the embedding rows)."""
+    from transformers import AutoConfig
+
+    return dict(AutoConfig.for_model(model_type).base_model_tp_plan or {})
+
+
+def _embedding_row(model_type: str) -> dict:
+    """The vocab_embedding role when the family's HF plan splits the input embedding."""
+    return ({"vocab_embedding": 1} if "embedding_rowwise" in _hf_plan(model_type).values()
+            else {})
+
+
 #: case → (plan source, roles, lm_head tied to the input embedding)
 PLANS = {
     "gpt_neo": ("policy:gpt_neo", {"column": 8, "row": 4, "vocab_embedding": 1,
                                    "vocab_head": 1}, True),
-    "gptj": ("policy:gptj", {"column": 8, "row": 4, "vocab_embedding": 1, "vocab_head": 1},
-             False),
-    # HF's base_model_tp_plan (no embedding row) + the class's lm_head row
-    "gpt_neox": ("hf_tp_plan", {"column": 4, "row": 4, "vocab_head": 1}, False),
+    # HF's plan where the installed transformers has one, else the policy's: the same roles
+    "gptj": ("hf_tp_plan" if _hf_plan("gptj") else "policy:gptj",
+             {"column": 8, "row": 4, "vocab_embedding": 1, "vocab_head": 1}, False),
+    # HF's base_model_tp_plan (an embedding row from transformers 5.x) + the class's lm_head row
+    "gpt_neox": ("hf_tp_plan", {"column": 4, "row": 4, **_embedding_row("gpt_neox"),
+                                "vocab_head": 1}, False),
     "gpt_neox-policy-plan": ("injection_policy", {"column": 4, "row": 4, "vocab_embedding": 1,
                                                   "vocab_head": 1}, False),
     "phi3": ("policy:phi3", {"column": 4, "row": 4, "vocab_embedding": 1, "vocab_head": 1},
