@@ -132,16 +132,17 @@ class HFSerialBackend:
         self._worker = threading.Thread(target=self._work, name="hf-serial-backend", daemon=True)
         self._worker.start()
 
-    # ----- Backend -------------------------------------------------------------------------------
+    # ----- Backend ------------------------------------------------------------------------------
 
     def submit(self, request: GenRequest,
                loop: asyncio.AbstractEventLoop | None) -> SequenceHandle:
         """Queue ``request`` behind the others (see the class docstring)."""
         needed = len(request.prompt_ids) + request.params.max_tokens
         if not request.prompt_ids or needed > self.max_tokens:
-            raise ConfigError(f"request {request.id}: prompt ({len(request.prompt_ids)} tokens) + "
-                              f"max_tokens ({request.params.max_tokens}) must be 1..{self.max_tokens}"
-                              f" tokens; shorten the prompt or lower max_tokens")
+            raise ConfigError(f"request {request.id}: prompt ({len(request.prompt_ids)} tokens) "
+                              f"+ max_tokens ({request.params.max_tokens}) must be "
+                              f"1..{self.max_tokens} tokens; shorten the prompt or lower "
+                              f"max_tokens")
         handle = SequenceHandle(request, loop)
         job = _Job(handle, time.perf_counter())
         with self._lock:
@@ -186,7 +187,7 @@ class HFSerialBackend:
             return ServeStats(running=running, waiting=len(self._waiting),
                               slots_in_use=running, slots=1)
 
-    # ----- the worker -------------------------------------------------------------------------------
+    # ----- the worker ---------------------------------------------------------------------------
 
     def _next(self) -> _Job | None:
         """The next request to run (None: stopping and nothing left); waits for one."""
