@@ -457,14 +457,27 @@ def run_rank(args: argparse.Namespace) -> int:
     (:func:`shardwise.serve.runner.follow`) until rank 0 closes, and fail with a
     CollectiveError within the collective timeout when rank 0 dies."""
     settings = resolve_settings(args)
-    if int(os.environ.get("RANK", "0")) == 0:
-        return serve_here(settings)
-    from ..engine import init_inference
-    from .runner import follow
+    try:
+        if int(os.environ.get("RANK", "0")) == 0:
+            return serve_here(settings)
+        from ..engine import init_inference
+        from .runner import follow
 
-    model, _, max_tokens = load(settings)
-    follow(init_inference(model, **settings.engine_options(max_tokens)))
-    return 0
+        model, _, max_tokens = load(settings)
+        follow(init_inference(model, **settings.engine_options(max_tokens)))
+        return 0
+    finally:
+        _leave_group()
+
+
+def _leave_group() -> None:
+    """Destroy this rank's process group before the interpreter exits: left to the exit, the
+    group's threads can be torn down mid-flight and abort the process (a clean stop would then
+    exit non-zero). Local to this rank: no collective, nothing to wait for."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 class _StoppedBeforeServing(Exception):
