@@ -241,6 +241,37 @@ def test_long_prompt_is_prefilled_in_chunks_while_the_others_decode():
     assert tokens(drain(long)) == alone(prompt(11, 2), 3)
 
 
+class TimedRunner(FakeRunner):
+    """FakeRunner whose prefill takes ``token_s`` per prompt token and a decode step
+    ``decode_s`` (real sleeps: the scheduler measures both)."""
+
+    def __init__(self, token_s: float, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.token_s = token_s
+
+    def prefill(self, slot, token_ids, last):
+        time.sleep(self.token_s * len(token_ids))
+        return super().prefill(slot, token_ids, last)
+
+
+def test_prefill_chunks_shrink_to_a_fraction_of_a_decode_step_while_streams_decode():
+    # 2 ms a prompt token, 40 ms a step, stall 0.75: while a stream decodes, a chunk is about
+    # 0.75 * 40 / 2 = 15 tokens (sleeps only overrun: 8..20); with nothing decoding, the
+    # whole budget (a first prompt in one chunk: time to first token first)
+    runner = TimedRunner(token_s=0.002, max_batch=2, max_tokens=128, decode_s=0.04)
+    sched = Scheduler(runner, sampler_factory=greedy, prefill_budget=64, prefill_stall=0.75)
+    first = sched.submit(request("first", prompt(40, 1), 30), None)
+    sched.step()
+    assert runner.prefills(slot=0) == [("prefill", 0, 40, True)]
+    joining = sched.submit(request("joining", prompt(90, 2), 2), None)
+    run_steps(sched)
+    chunks = [c[2] for c in runner.prefills(slot=1)]
+    assert sum(chunks) == 90 and len(chunks) > 2, chunks
+    assert all(8 <= n <= 20 for n in chunks[:-1]), chunks
+    assert tokens(drain(first)) == alone(prompt(40, 1), 30)
+    assert tokens(drain(joining)) == alone(prompt(90, 2), 2)
+
+
 def test_lowest_free_slot_is_taken_first():
     runner = FakeRunner(max_batch=4)
     sched = Scheduler(runner, sampler_factory=greedy)

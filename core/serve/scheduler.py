@@ -6,9 +6,13 @@ One background thread makes every model call. Each iteration of its loop:
 1. ends the cancelled sequences (their slot is released at once, ``FinishEvent("cancelled")``);
 2. admits waiting sequences first in, first out into free slots, lowest slot first (so the
    runner's batch bucket stays small);
-3. prefills prompt chunks under a per-iteration token budget (``prefill_budget``): a long prompt
-   is prefilled over several iterations while the running sequences keep decoding, and the
-   logits of its final chunk give its first token;
+3. prefills prompt chunks under a per-iteration token budget: a long prompt is prefilled over
+   several iterations while the running sequences keep decoding, and the logits of its final
+   chunk give its first token. The budget is ``prefill_budget`` tokens while nothing decodes
+   (time to first token first); while streams decode it is cut to what the measured prefill
+   speed does in ``prefill_stall`` × one measured decode step (at least ``MIN_PREFILL_CHUNK``
+   tokens, so prompts always progress): a joining prompt delays the running streams' next token
+   by a bounded fraction of a step instead of by its whole prefill;
 4. runs ONE ``runner.decode`` step over every decoding sequence and samples each with its own
    sampler; a sequence ends on an end-of-sequence id (``"stop"``, the id itself is delivered) or
    after ``max_tokens`` tokens (``"length"``) and frees its slot for the next iteration.
@@ -40,6 +44,9 @@ from .types import (FinishEvent, GenRequest, QueueFullError, Runner, SamplingPar
                     SequenceHandle, ServerUnhealthyError, ServeStats, TokenEvent)
 
 log = logging.getLogger(__name__)
+
+#: the fewest prompt tokens an iteration prefills while streams decode (prompts always progress)
+MIN_PREFILL_CHUNK = 8
 
 #: ``factory(params, index, vocab_size)`` → an object with ``sample(logits[vocab]) -> TokenEvent``
 SamplerFactory = Callable[[SamplingParams, int, int], Any]
@@ -96,9 +103,12 @@ class Scheduler:
         eos_token_ids: token ids that end a sequence with reason ``"stop"``.
         max_waiting: sequences that may wait for a slot; one more is refused with
             :class:`~shardwise.serve.types.QueueFullError` (HTTP 429) and a retry-after estimate.
-        prefill_budget: prompt tokens prefilled per iteration, over all sequences (≥ 1): bounds
-            how long one iteration — and so every running stream's next token — can be delayed by
-            a long prompt.
+        prefill_budget: prompt tokens prefilled per iteration, over all sequences (≥ 1), the
+            most ever; while other sequences decode, ``prefill_stall`` cuts it further.
+        prefill_stall: while sequences decode, the prefill of one iteration may take at most
+            this fraction of a decode step (both measured as the server runs, as moving
+            averages), bounding the running streams' inter-token latency; None: always
+            ``prefill_budget``.
         metrics: a :class:`~shardwise.serve.metrics.ServeMetrics` to record into, or None.
         heartbeat_s: when idle, ``runner.heartbeat()`` is called this often (seconds).
         sampler_factory: ``factory(params, index, vocab_size)`` making each sequence's sampler;
@@ -112,7 +122,7 @@ class Scheduler:
     def __init__(self, runner: Runner, *, eos_token_ids: Sequence[int] = (), max_waiting: int = 64,
                  prefill_budget: int = 512, metrics: ServeMetrics | None = None,
                  heartbeat_s: float = 5.0, sampler_factory: SamplerFactory | None = None,
-                 join_timeout_s: float = 30.0) -> None:
+                 join_timeout_s: float = 30.0, prefill_stall: float | None = 0.75) -> None:
         _check_positive("max_waiting", max_waiting, integer=True)
         _check_positive("prefill_budget", prefill_budget, integer=True)
         _check_positive("heartbeat_s", heartbeat_s)
@@ -126,6 +136,12 @@ class Scheduler:
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
         self.max_waiting = max_waiting
         self.prefill_budget = prefill_budget
+        if prefill_stall is not None:
+            _check_positive("prefill_stall", prefill_stall)
+        self.prefill_stall = prefill_stall
+        #: moving averages: seconds per prefilled prompt token, seconds per decode step
+        self._prefill_token_s: float | None = None
+        self._decode_step_s: float | None = None
         self.heartbeat_s = float(heartbeat_s)
         self.metrics = metrics
         self.join_timeout_s = join_timeout_s
@@ -303,14 +319,17 @@ class Scheduler:
     def _prefill(self) -> None:
         """Prefill prompt chunks, in admission order, until ``prefill_budget`` tokens are spent;
         a prompt's final chunk yields its first token."""
-        budget = self.prefill_budget
+        budget = self._prefill_tokens()
         for seq in [s for s in self._running if not s.decoding]:
             if budget == 0:
                 return
             start = seq.prefilled
             n = min(len(seq.prompt) - start, budget)
             last = start + n == len(seq.prompt)
+            began = time.perf_counter()
             logits = self._call("prefill", seq.slot, seq.prompt[start:start + n], last)
+            self._prefill_token_s = _average(self._prefill_token_s,
+                                             (time.perf_counter() - began) / n)
             seq.prefilled += n
             budget -= n
             if self.metrics is not None:
@@ -318,12 +337,23 @@ class Scheduler:
             if last:
                 self._accept_isolated(seq, logits, time.monotonic())
 
+    def _prefill_tokens(self) -> int:
+        """This iteration's prefill budget (see the module docstring, step 3)."""
+        decoding = any(s.decoding for s in self._running)
+        if (not decoding or self.prefill_stall is None or self._prefill_token_s is None
+                or self._decode_step_s is None):
+            return self.prefill_budget
+        fits = int(self.prefill_stall * self._decode_step_s / self._prefill_token_s)
+        return min(self.prefill_budget, max(MIN_PREFILL_CHUNK, fits))
+
     def _decode(self) -> None:
         """One decode step over every decoding sequence (by slot), then sample each."""
         batch = sorted((s for s in self._running if s.decoding), key=lambda s: s.slot)
         if not batch:
             return
+        began = time.perf_counter()
         logits = self._call("decode", [s.slot for s in batch], [s.next_token for s in batch])
+        self._decode_step_s = _average(self._decode_step_s, time.perf_counter() - began)
         if logits.shape[0] != len(batch):
             raise _RunnerFailed("decode", RuntimeError(
                 f"runner.decode returned {logits.shape[0]} rows of logits for {len(batch)} slots"))
@@ -460,6 +490,11 @@ class Scheduler:
             return
         stats = self.stats()
         self.metrics.set_load(stats.running, stats.waiting, stats.slots_in_use, stats.slots)
+
+
+def _average(mean: float | None, sample: float, weight: float = 0.2) -> float:
+    """Exponential moving average: ``sample`` weighs ``weight``; the first sample is the mean."""
+    return sample if mean is None else (1 - weight) * mean + weight * sample
 
 
 def _check_positive(name: str, value: Any, integer: bool = False) -> None:
