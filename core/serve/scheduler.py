@@ -9,8 +9,9 @@ One background thread makes every model call. Each iteration of its loop:
 3. prefills prompt chunks under a per-iteration token budget: a long prompt is prefilled over
    several iterations while the running sequences keep decoding, and the logits of its final
    chunk give its first token. The budget is ``prefill_budget`` tokens while nothing decodes
-   (time to first token first); while streams decode it is cut to what the measured prefill
-   speed does in ``prefill_stall`` × one measured decode step (at least ``MIN_PREFILL_CHUNK``
+   (time to first token first); while streams decode it is cut to what fits in
+   ``prefill_stall`` × one measured decode step, by the prefill cost fitted to the last calls
+   (a per-call overhead plus a per-token time) (at least ``MIN_PREFILL_CHUNK``
    tokens, so prompts always progress): a joining prompt delays the running streams' next token
    by a bounded fraction of a step instead of by its whole prefill;
 4. runs ONE ``runner.decode`` step over every decoding sequence and samples each with its own
@@ -47,6 +48,8 @@ log = logging.getLogger(__name__)
 
 #: the fewest prompt tokens an iteration prefills while streams decode (prompts always progress)
 MIN_PREFILL_CHUNK = 8
+#: prefill calls the cost model (overhead + per token) is fitted over
+PREFILL_FIT_CALLS = 32
 
 #: ``factory(params, index, vocab_size)`` → an object with ``sample(logits[vocab]) -> TokenEvent``
 SamplerFactory = Callable[[SamplingParams, int, int], Any]
@@ -139,8 +142,10 @@ class Scheduler:
         if prefill_stall is not None:
             _check_positive("prefill_stall", prefill_stall)
         self.prefill_stall = prefill_stall
-        #: moving averages: seconds per prefilled prompt token, seconds per decode step
-        self._prefill_token_s: float | None = None
+        #: the last prefill calls' (tokens, seconds): a call costs about a + b × tokens
+        self._prefill_calls: collections.deque[tuple[int, float]] = collections.deque(
+            maxlen=PREFILL_FIT_CALLS)
+        #: moving average of a decode step's seconds
         self._decode_step_s: float | None = None
         self.heartbeat_s = float(heartbeat_s)
         self.metrics = metrics
@@ -328,8 +333,7 @@ class Scheduler:
             last = start + n == len(seq.prompt)
             began = time.perf_counter()
             logits = self._call("prefill", seq.slot, seq.prompt[start:start + n], last)
-            self._prefill_token_s = _average(self._prefill_token_s,
-                                             (time.perf_counter() - began) / n)
+            self._prefill_calls.append((n, time.perf_counter() - began))
             seq.prefilled += n
             budget -= n
             if self.metrics is not None:
@@ -340,10 +344,11 @@ class Scheduler:
     def _prefill_tokens(self) -> int:
         """This iteration's prefill budget (see the module docstring, step 3)."""
         decoding = any(s.decoding for s in self._running)
-        if (not decoding or self.prefill_stall is None or self._prefill_token_s is None
+        if (not decoding or self.prefill_stall is None or not self._prefill_calls
                 or self._decode_step_s is None):
             return self.prefill_budget
-        fits = int(self.prefill_stall * self._decode_step_s / self._prefill_token_s)
+        overhead_s, token_s = _linear_fit(self._prefill_calls)
+        fits = int((self.prefill_stall * self._decode_step_s - overhead_s) / token_s)
         return min(self.prefill_budget, max(MIN_PREFILL_CHUNK, fits))
 
     def _decode(self) -> None:
@@ -495,6 +500,19 @@ class Scheduler:
 def _average(mean: float | None, sample: float, weight: float = 0.2) -> float:
     """Exponential moving average: ``sample`` weighs ``weight``; the first sample is the mean."""
     return sample if mean is None else (1 - weight) * mean + weight * sample
+
+
+def _linear_fit(calls: Sequence[tuple[int, float]]) -> tuple[float, float]:
+    """(a, b) of seconds ≈ a + b × tokens over ``calls`` (least squares; a ≥ 0, b > 0). One
+    chunk size seen so far: no overhead known, b = seconds / tokens (pessimistic)."""
+    n = [float(c[0]) for c in calls]
+    t = [c[1] for c in calls]
+    mean_n, mean_t = sum(n) / len(n), sum(t) / len(t)
+    var = sum((x - mean_n) ** 2 for x in n)
+    b = sum((x - mean_n) * (y - mean_t) for x, y in zip(n, t)) / var if var > 0 else 0.0
+    if b <= 0:  # no spread of sizes (or noise swamped it)
+        return 0.0, max(mean_t / mean_n, 1e-9)
+    return max(0.0, mean_t - b * mean_n), b
 
 
 def _check_positive(name: str, value: Any, integer: bool = False) -> None:
