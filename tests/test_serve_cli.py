@@ -1,7 +1,8 @@
 """``shardwise serve``: bad options fail fast (exit 2, one line naming the problem, before any
 model loads); a real server process answers the ``openai`` client a greedy completion equal to
 Hugging Face ``generate``; SIGTERM during a stream ends the stream and the process (exit 0);
-``--tp 2`` answers the same completion, and killing rank 1 makes the server exit non-zero
+``--tp 2`` answers the same completion (and several prompts sent at once each HF's), and
+killing rank 1 makes the server exit non-zero
 within the collective timeout.
 
 Every subprocess runs with a deadline and is killed (with its children) in a ``finally``."""
@@ -18,6 +19,7 @@ import sys
 import threading
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 
 import psutil
 import pytest
@@ -52,18 +54,33 @@ def model_dir(tmp_path_factory):
     return path
 
 
-@pytest.fixture(scope="module")
-def hf_completion(model_dir) -> str:
-    """Plain HF greedy ``generate`` of PROMPT from the saved model: the text it adds to the
-    prompt's (the word-level tokenizer makes one word per token: compare ``.split()``)."""
+#: prompts of different lengths sent at once to the --tp 2 server (one word per token)
+CONCURRENT = ("t5", "t9 t33 t71", PROMPT, "t200 t3 t150 t77 t12 t19 t60 t8 t91 t44 t23")
+
+
+def hf_greedy(model_dir, prompts) -> dict[str, tuple[str, int]]:
+    """Plain HF greedy ``generate`` of each prompt alone from the saved model: prompt → (the
+    text it adds to the prompt's, new tokens). The word-level tokenizer makes one word per
+    token: compare ``.split()``."""
     tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir).eval()
-    ids = tokenizer(PROMPT, return_tensors="pt")["input_ids"]
-    with torch.no_grad():
-        out = model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False)
-    assert out.shape[1] == ids.shape[1] + NEW_TOKENS  # no early end: the full length compares
-    prompt = tokenizer.decode(ids[0], skip_special_tokens=True)
-    return tokenizer.decode(out[0], skip_special_tokens=True)[len(prompt):]
+    texts = {}
+    for text in prompts:
+        ids = tokenizer(text, return_tensors="pt")["input_ids"]
+        with torch.no_grad():
+            out = model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False)
+        prompt = tokenizer.decode(ids[0], skip_special_tokens=True)
+        texts[text] = (tokenizer.decode(out[0], skip_special_tokens=True)[len(prompt):],
+                       out.shape[1] - ids.shape[1])
+    return texts
+
+
+@pytest.fixture(scope="module")
+def hf_completion(model_dir) -> str:
+    """HF's greedy completion of PROMPT (:func:`hf_greedy`), the full NEW_TOKENS long."""
+    text, new = hf_greedy(model_dir, [PROMPT])[PROMPT]
+    assert new == NEW_TOKENS  # no early end: the full length compares
+    return text
 
 
 # ----- bad options: exit 2 and a message, before loading ----------------------------------------
@@ -312,6 +329,15 @@ def greedy_completion(url: str, model: str) -> str:
     return answer.choices[0].text
 
 
+def concurrent_completion(url: str, prompt: str, stream: bool) -> str:
+    """A greedy completion of ``prompt`` (NEW_TOKENS at most), streamed or not: its text."""
+    answer = client(url).completions.create(model="tiny", prompt=prompt, max_tokens=NEW_TOKENS,
+                                            temperature=0, stream=stream)
+    if not stream:
+        return answer.choices[0].text
+    return "".join(chunk.choices[0].text for chunk in answer if chunk.choices)
+
+
 def rank_process(root_pid: int, rank: int) -> psutil.Process:
     """The --tp rank ``rank`` among the server's descendants (its environment says RANK)."""
     for proc in psutil.Process(root_pid).children(recursive=True):
@@ -368,6 +394,13 @@ def test_tp2_same_completion_and_rank_death_exits_nonzero(model_dir, hf_completi
         assert described.endswith("tp=2")
         # = the TP=1 server's answer (both equal HF's)
         assert greedy_completion(url, "tiny").split() == hf_completion.split()
+        # prompts of different lengths at once, streamed and not: each is HF's for it alone
+        expected = hf_greedy(model_dir, CONCURRENT)
+        with ThreadPoolExecutor(len(CONCURRENT)) as pool:
+            answers = list(pool.map(lambda i: concurrent_completion(url, CONCURRENT[i], i % 2 == 1),
+                                    range(len(CONCURRENT))))
+        for text, answer in zip(CONCURRENT, answers):
+            assert answer.split() == expected[text][0].split(), text
 
         rank_process(server.proc.pid, 1).kill()
         died = time.monotonic()
