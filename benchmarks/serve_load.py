@@ -43,9 +43,7 @@ import datetime
 import os
 import platform
 import shlex
-import socket
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -72,8 +70,7 @@ TEXT = (
     "to look out over the water and imagine the ships that passed in the dark.")
 #: prompt lengths in tokens, one per request in turn (32-128)
 PROMPT_LENGTHS = (32, 96, 48, 128, 64, 112, 40, 80)
-#: every wait ends: server start, each request (seconds)
-START_TIMEOUT_S = 120.0
+#: every wait ends: each request (seconds)
 REQUEST_TIMEOUT_S = 600.0
 
 
@@ -158,55 +155,22 @@ def build_prompts(tokenizer, lengths=PROMPT_LENGTHS) -> list[str]:
 
 # ----- servers ------------------------------------------------------------------------------------
 
-class InProcessServer:
-    """``app`` under uvicorn on 127.0.0.1 at a free port, in a background thread."""
-
-    def __init__(self, app, name: str) -> None:
-        import uvicorn
-
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.sock.bind(("127.0.0.1", 0))
-        self.port = self.sock.getsockname()[1]
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False,
-                                                    timeout_graceful_shutdown=5))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
-                                       name=f"uvicorn-{name}", daemon=True)
-
-    @property
-    def base_url(self) -> str:
-        return f"http://127.0.0.1:{self.port}/v1"
-
-    def start(self) -> "InProcessServer":
-        self.thread.start()
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while not self.server.started:  # uvicorn offers a flag, not an event
-            if not self.thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError(f"the server on port {self.port} did not start within "
-                                   f"{START_TIMEOUT_S:.0f} s")
-            time.sleep(0.02)
-        return self
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=30)
-        self.sock.close()
-
-
 @dataclasses.dataclass
 class Served:
     """One backend behind its HTTP server."""
 
     name: str
     backend: Any
-    server: InProcessServer
+    server: Any  # shardwise.serve.server.ServerThread
     model_name: str
 
 
 def serve(name: str, backend, state) -> Served:
     from shardwise.serve.api import build_app
+    from shardwise.serve.server import ServerThread
 
-    return Served(name, backend, InProcessServer(build_app(state), name).start(), state.model_name)
+    server = ServerThread(build_app(state), graceful_s=5.0, join_s=30.0).start()
+    return Served(name, backend, server, state.model_name)
 
 
 def shardwise_stack(model, tokenizer, args, accelerator, name: str):
@@ -292,7 +256,7 @@ async def run_level(served: Served, prompts: list[str], concurrency: int,
     figures."""
     import openai
 
-    async with openai.AsyncOpenAI(base_url=served.server.base_url, api_key="unused",
+    async with openai.AsyncOpenAI(base_url=f"{served.server.url}/v1", api_key="unused",
                                   max_retries=0, timeout=REQUEST_TIMEOUT_S) as client:
 
         async def stream(s: int) -> list[RequestSample]:

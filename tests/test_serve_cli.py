@@ -340,14 +340,9 @@ def concurrent_completion(url: str, prompt: str, stream: bool) -> str:
 
 def rank_process(root_pid: int, rank: int) -> psutil.Process:
     """The --tp rank ``rank`` among the server's descendants (its environment says RANK)."""
-    for proc in psutil.Process(root_pid).children(recursive=True):
-        try:
-            if "shardwise.serve.rank_main" in " ".join(proc.cmdline()) \
-                    and proc.environ().get("RANK") == str(rank):
-                return proc
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            continue
-    raise AssertionError(f"no process of rank {rank} under {root_pid}")
+    proc = server_module.rank_process(root_pid, rank)
+    assert proc is not None, f"no process of rank {rank} under {root_pid}"
+    return proc
 
 
 COMMON = ("--dtype", "fp32", "--no-graphs", "--port", "0", "--max-batch", "4",

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from ..accelerator import Accelerator
+from ..launch import module_command
 from .plan import Plan
 from .runner import record
 from .stats import median
@@ -31,18 +32,9 @@ WORKER_MODULE = "shardwise.bench.worker"
 def launch_command(spec_path: str, nproc_per_node: int, nnodes: int = 1, node_rank: int = 0,
                    master_addr: str | None = None, master_port: int | None = None,
                    device: str | None = None) -> list[str]:
-    """The launcher command line: standalone rendezvous on one node, static (node rank, master
-    address and port) across several."""
-    cmd = [sys.executable, "-m", "shardwise.launch", f"--nproc-per-node={nproc_per_node}",
-           f"--nnodes={nnodes}"]
-    if device:
-        cmd.append(f"--device={device}")
-    if nnodes == 1:
-        cmd.append("--standalone")
-    else:
-        cmd += [f"--node-rank={node_rank}", f"--master-addr={master_addr or 'localhost'}",
-                f"--master-port={master_port or 29500}"]
-    return [*cmd, "-m", WORKER_MODULE, "--spec", spec_path]
+    """The launcher command line of the bench worker (:func:`shardwise.launch.module_command`)."""
+    return module_command(WORKER_MODULE, ["--spec", spec_path], nproc_per_node, nnodes,
+                          node_rank, master_addr, master_port, device)
 
 
 def merge_ranks(per_rank: dict[int, list[dict]], plan: Plan, returncode: int) -> list[dict]:

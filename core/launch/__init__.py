@@ -51,7 +51,26 @@ from .environment import USER_ENV_MARKER, uniform_environment, user_set_names
 #: The module torch's launcher runs once per rank.
 RANK_ENTRY = "shardwise.launch.rank_entry"
 
-__all__ = ["RANK_ENTRY", "build_parser", "main", "resolve_nproc", "torchrun_args", "validate"]
+__all__ = ["RANK_ENTRY", "build_parser", "main", "module_command", "resolve_nproc",
+           "torchrun_args", "validate"]
+
+
+def module_command(module: str, args: list[str], nproc_per_node: int, nnodes: int = 1,
+                   node_rank: int = 0, master_addr: str | None = None,
+                   master_port: int | None = None, device: str | None = None) -> list[str]:
+    """The command line that launches ``python -m module args`` on ``nproc_per_node`` ranks
+    here (what ``shardwise bench --tp`` and ``shardwise serve --tp`` run): standalone
+    rendezvous on one node, static (node rank, master address and port) across several."""
+    cmd = [sys.executable, "-m", "shardwise.launch", f"--nproc-per-node={nproc_per_node}",
+           f"--nnodes={nnodes}"]
+    if device:
+        cmd.append(f"--device={device}")
+    if nnodes == 1:
+        cmd.append("--standalone")
+    else:
+        cmd += [f"--node-rank={node_rank}", f"--master-addr={master_addr or 'localhost'}",
+                f"--master-port={master_port or 29500}"]
+    return [*cmd, "-m", module, *args]
 
 
 def build_parser(prog: str = "shardwise launch") -> argparse.ArgumentParser:

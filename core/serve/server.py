@@ -210,6 +210,42 @@ def resolve_settings(args: argparse.Namespace) -> ServeSettings:
         comm_timeout=args.comm_timeout, drain_timeout=args.drain_timeout)
 
 
+class ServerThread:
+    """uvicorn serving ``app`` on ``127.0.0.1`` at a free port from a daemon thread, in this
+    process (the tests' servers, the load benchmark's): the socket listens from construction,
+    so requests sent before uvicorn has started wait in its backlog."""
+
+    def __init__(self, app: Any, graceful_s: float = 2.0, join_s: float = 15.0) -> None:
+        import uvicorn
+
+        self.sock = bind_socket("127.0.0.1", 0)
+        self.sock.listen(128)
+        self.port = self.sock.getsockname()[1]
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off",
+                                                    access_log=False,
+                                                    timeout_graceful_shutdown=graceful_s))
+        self.join_s = join_s
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
+                                       name=f"uvicorn-{self.port}", daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> "ServerThread":
+        self.thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop uvicorn (its graceful shutdown bounded by ``graceful_s``) and close the socket;
+        a thread still alive after ``join_s`` is an error."""
+        self.server.should_exit = True
+        self.thread.join(self.join_s)
+        self.sock.close()
+        if self.thread.is_alive():
+            raise RuntimeError(f"uvicorn on port {self.port} did not stop within {self.join_s} s")
+
+
 def bind_socket(host: str, port: int) -> socket.socket:
     """A socket bound to ``host:port`` (not yet listening), so a taken port or a bad address
     fails before the model loads; uvicorn listens on it once the server is ready."""
@@ -537,17 +573,18 @@ def rank_argv(settings: ServeSettings) -> list[str]:
 def launch_command(settings: ServeSettings) -> list[str]:
     """``python -m shardwise.launch --nproc-per-node N --standalone -m shardwise.serve.rank_main
     <options>``: the ranks on this node, each set up for the device."""
-    return [sys.executable, "-m", "shardwise.launch", f"--nproc-per-node={settings.tp}",
-            "--nnodes=1", f"--device={settings.device}", "--standalone",
-            "-m", RANK_MODULE, *rank_argv(settings)]
+    from ..launch import module_command
+
+    return module_command(RANK_MODULE, rank_argv(settings), settings.tp, device=settings.device)
 
 
-def _rank_process(launcher, rank: int):
-    """The process of ``rank`` among the launcher's descendants (None when it is gone)."""
+def rank_process(root_pid: int, rank: int):
+    """The ``psutil.Process`` of ``--tp`` rank ``rank`` among the descendants of ``root_pid``
+    (the launcher, or the serve process above it); None when it is gone."""
     import psutil
 
     try:
-        children = psutil.Process(launcher.pid).children(recursive=True)
+        children = psutil.Process(root_pid).children(recursive=True)
     except psutil.NoSuchProcess:
         return None
     for child in children:
@@ -587,7 +624,7 @@ class _TPStopper:
             self._signal_launcher()
             return
         self.signalled = True
-        rank0 = _rank_process(self.launcher, 0)
+        rank0 = rank_process(self.launcher.pid, 0)
         print(f"shardwise serve: {signal.Signals(sig).name}: stopping the ranks", file=sys.stderr,
               flush=True)
         if rank0 is None:
