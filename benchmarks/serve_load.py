@@ -97,8 +97,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="tokens per sequence (prompt + generated) the servers hold "
                              "(default: 512)")
     parser.add_argument("--prefill-budget", type=int, default=None,
-                        help="shardwise's prompt tokens prefilled per scheduler step (default: "
-                             "the server's)")
+                        help="the most prompt tokens shardwise's scheduler prefills in one step "
+                             "(default: the server's)")
     parser.add_argument("--output", default=None,
                         help="JSON file (default: benchmarks/results/serve_load-<date>.json)")
     args = parser.parse_args(argv)

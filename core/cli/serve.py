@@ -71,8 +71,9 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help=f"requests queued beyond the running batch before answering 429 "
                         f"(default {DEFAULT_MAX_WAITING})")
     s.add_argument("--prefill-budget", type=int, default=DEFAULT_PREFILL_BUDGET, metavar="N",
-                   help=f"prompt tokens prefilled per scheduler step, so a long prompt does not "
-                        f"stall the running streams (default {DEFAULT_PREFILL_BUDGET})")
+                   help=f"the most prompt tokens prefilled in one scheduler step; while streams "
+                        f"decode, each step's share is also held to 0.75 of a measured "
+                        f"decode step (default {DEFAULT_PREFILL_BUDGET})")
     s.add_argument("--drain-timeout", type=float, default=DEFAULT_DRAIN_S, metavar="S",
                    help=f"on SIGTERM / Ctrl-C: seconds running requests may still finish "
                         f"before they are cancelled (default {DEFAULT_DRAIN_S:g})")
