@@ -28,7 +28,7 @@ from .types import (FinishEvent, GenRequest, QueueFullError, SequenceHandle, Ser
 
 @dataclass
 class _Job:
-    """A queued request: its handle and when it was submitted (``perf_counter`` seconds)."""
+    """A queued request: its handle and when it was submitted (``time.monotonic()`` seconds)."""
 
     handle: SequenceHandle
     submitted_s: float
@@ -56,15 +56,13 @@ class _HandleStreamer(BaseStreamer):
         if self.handle.cancelled.is_set():
             return
         for token in value.reshape(-1).tolist():
-            now = time.perf_counter()
-            if self.handle.first_token_s is None:
-                self.handle.first_token_s = now - self.submitted_s
-                if self.metrics is not None:
-                    self.metrics.observe_first_token(self.handle.first_token_s)
-            elif self.metrics is not None:
-                self.metrics.observe_inter_token(now - self.last_token_s)
+            now = time.monotonic()
+            first = self.handle.first_token_s is None
+            since = now - (self.submitted_s if first else self.last_token_s)
+            if first:
+                self.handle.first_token_s = since
             if self.metrics is not None:
-                self.metrics.add_generation_tokens(1)
+                self.metrics.observe_token(since, first, now)
             self.last_token, self.last_token_s = token, now
             self.handle.push(TokenEvent(token))
 
@@ -144,7 +142,7 @@ class HFSerialBackend:
                               f"1..{self.max_tokens} tokens; shorten the prompt or lower "
                               f"max_tokens")
         handle = SequenceHandle(request, loop)
-        job = _Job(handle, time.perf_counter())
+        job = _Job(handle, time.monotonic())
         with self._lock:
             if self._failure is not None:
                 raise ServerUnhealthyError(f"the HF baseline's worker failed: {self._failure!r}")

@@ -92,6 +92,13 @@ class ServeMetrics:
     def observe_inter_token(self, seconds: float) -> None:
         self.itl.observe(seconds)
 
+    def observe_token(self, since_s: float, first: bool, now: float | None = None) -> None:
+        """One generated token, ``since_s`` seconds after its request was submitted (``first``:
+        the time to first token) or after the request's previous token; ``now``: as in
+        :meth:`add_generation_tokens`."""
+        (self.observe_first_token if first else self.observe_inter_token)(since_s)
+        self.add_generation_tokens(1, now)
+
     def add_prompt_tokens(self, n: int) -> None:
         self.prompt_tokens.inc(n)
 

@@ -384,14 +384,12 @@ class Scheduler:
         if not 0 <= token < self.vocab_size:
             raise ValueError(f"the sampler chose token {token}, outside the vocabulary "
                              f"[0, {self.vocab_size})")
-        if seq.generated == 0:
-            seq.handle.first_token_s = now - seq.submitted_s
-            if self.metrics is not None:
-                self.metrics.observe_first_token(seq.handle.first_token_s)
-        elif self.metrics is not None:
-            self.metrics.observe_inter_token(now - seq.last_token_s)
+        first = seq.generated == 0
+        since = now - (seq.submitted_s if first else seq.last_token_s)
+        if first:
+            seq.handle.first_token_s = since
         if self.metrics is not None:
-            self.metrics.add_generation_tokens(1, now)
+            self.metrics.observe_token(since, first, now)
         seq.generated += 1
         seq.last_token_s = now
         seq.next_token = token
