@@ -177,7 +177,11 @@ class SlotKVCache:
         rows = DecodeRows(position_ids=as_tensor(positions)[:, None], write_index=write_index,
                           lengths=write_index + 1, starts=as_tensor(starts))
         longest = max((self.lengths[s] for s in slots), default=0)
-        return SlotStep(self._bucket(bucket), rows, ("slots", id(self), bucket), longest)
+        return SlotStep(self._bucket(bucket), rows, self.graph_key(bucket), longest)
+
+    def graph_key(self, bucket: int) -> tuple:
+        """The key of the decode step captured over this cache's first ``bucket`` rows."""
+        return ("slots", id(self), bucket)
 
     def _bucket(self, bucket: int) -> KVBuffers:
         if bucket not in self._buckets:

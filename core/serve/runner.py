@@ -231,7 +231,7 @@ class SlotRunner:
         graphs = self.stack.graphs
         if graphs is not None:
             for bucket in self.buckets():
-                graphs.drop(("slots", id(self.cache), bucket))
+                graphs.drop(self.cache.graph_key(bucket))
         self.cache.release_buffers()
 
     def _check_open(self) -> None:
