@@ -36,7 +36,7 @@ class GptOssPolicy(Policy):
     attention_head_params = {"sinks": "heads"}  # [heads]: the HF forward reads the rank's
     moe = MoESpec(block="mlp", router="router", experts="experts", layout="gpt_oss",
                   renormalize=True, clamp_config="swiglu_limit", alpha_config="swiglu_alpha",
-                  returns_router_scores=True)
+                  clamp_attrs=("limit", "alpha"), returns_router_scores=True)
     injection = InjectionSpec(
         base_model="model", layers="layers", embed="embed_tokens",
         positions=Positions("rotary", rotary_module="rotary_emb", rotary_style="half",

@@ -103,6 +103,24 @@ def test_fp32_parity_injected(arch):
     assert torch.equal(tokens, ref_tokens)
 
 
+def test_gpt_oss_clamp_read_from_the_experts_where_the_config_lacks_it():
+    """transformers before 5.2x kept GPT-OSS's SwiGLU limit and alpha on the experts module,
+    not the config: with the config's fields gone the module's are used, with the same result;
+    with both gone the error names both places."""
+    model = tiny_causal_lm("gpt_oss")
+    for name in ("swiglu_limit", "swiglu_alpha"):  # as an older config: absent (past the
+        model.config.__dict__[name] = None          # validation a newer config does)
+    engine = _engine(model)
+    max_abs, ref_tokens, tokens = _compare("gpt_oss", engine, prompt_ids(batch=2, length=8))
+    assert max_abs < FP32_ATOL and torch.equal(tokens, ref_tokens)
+    bare = tiny_causal_lm("gpt_oss")
+    bare.config.__dict__["swiglu_limit"] = None
+    for layer in bare.model.layers:
+        del layer.mlp.experts.limit
+    with pytest.raises(MoEError, match="swiglu_limit.*experts' limit and alpha"):
+        _engine(bare)
+
+
 @pytest.mark.parametrize("arch", FAMILIES)
 def test_fp32_parity_blocks_alone_and_ledger_gives_them_back(arch):
     """Without injection: install_moe alone on the HF layers (what ep > 1 and quant run on a

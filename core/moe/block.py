@@ -160,8 +160,10 @@ def router_settings(spec: MoESpec, config: Any, experts_plan) -> RouterSettings:
                           topk_group=int(topk_group))
 
 
-def expert_math(spec: MoESpec, config: Any) -> ExpertMath:
-    """The experts' activation (and clamped SwiGLU) from ``spec`` and ``config``."""
+def expert_math(spec: MoESpec, config: Any, experts: nn.Module | None = None) -> ExpertMath:
+    """The experts' activation (and clamped SwiGLU) from ``spec`` and ``config``; the clamp's
+    limit and alpha from the ``experts`` module (``spec.clamp_attrs``) where the config lacks
+    them."""
     act = first_config_value(config, spec.activation_config) or "silu"
     if act not in ACTIVATIONS:
         raise MoEError(f"the experts' activation {act!r} ({'/'.join(spec.activation_config)}) "
@@ -171,9 +173,12 @@ def expert_math(spec: MoESpec, config: Any) -> ExpertMath:
         return ExpertMath(ACTIVATIONS[act])
     clamp, alpha = getattr(config, spec.clamp_config, None), getattr(config, spec.alpha_config,
                                                                        None)
+    if (clamp is None or alpha is None) and spec.clamp_attrs and experts is not None:
+        clamp, alpha = (getattr(experts, name, None) for name in spec.clamp_attrs)
     if clamp is None or alpha is None:
+        where = f" or the experts' {' and '.join(spec.clamp_attrs)}" if spec.clamp_attrs else ""
         raise MoEError(f"the policy's clamped SwiGLU reads config.{spec.clamp_config} and "
-                       f"config.{spec.alpha_config}; the model's config lacks them")
+                       f"config.{spec.alpha_config}{where}; the model has neither")
     return ExpertMath(ACTIVATIONS[act], float(clamp), float(alpha))
 
 
@@ -282,7 +287,6 @@ def check_moe(model: nn.Module, plan, accelerator=None, dtype: torch.dtype | Non
     spec = _moe_spec(plan.policy)
     experts_plan = plan.experts
     config = model.config
-    expert_math(spec, config)
     layers = decoder_layers(model, plan.policy)
     start, end = experts_plan.range
     hidden = getattr(config, "hidden_size", None)
@@ -291,6 +295,7 @@ def check_moe(model: nn.Module, plan, accelerator=None, dtype: torch.dtype | Non
             raise MoEError(f"the plan lists layer {index} as MoE; the model has {len(layers)}")
         parts = BlockParts.of(layers[index], spec, index)
         _check_block(parts, index, experts_plan.total, end - start, hidden, spec)
+        expert_math(spec, config, parts.experts)
     return spec
 
 
@@ -482,7 +487,9 @@ def install_moe(model: nn.Module, plan, accelerator, dtype: torch.dtype | None =
     experts_plan, config = plan.experts, model.config
     layers = decoder_layers(model, plan.policy)
     router = router_settings(spec, config, experts_plan)
-    math = expert_math(spec, config)
+    first = next(iter(experts_plan.moe_layers), None)  # None: every layer dense
+    math = expert_math(spec, config, None if first is None else
+                       BlockParts.of(layers[first], spec, first).experts)
     ep_group = plan.ep.group if plan.ep.enabled else None
     if plan.ep.enabled and ep_group is None:
         raise MoEError(f"ep_size={plan.ep.size}: the plan's expert-parallel group is not bound "

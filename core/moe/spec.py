@@ -57,6 +57,8 @@ class MoESpec:
         activation_config: config attributes naming the experts' activation, tried in order.
         clamp_config / alpha_config: config attributes of GPT-OSS's clamped SwiGLU (limit,
             alpha); None: the plain GLU.
+        clamp_attrs: the experts module's attributes holding the same (limit, alpha), read
+            where the config lacks them (transformers before 5.2x kept them on the module).
         shared: the always-on shared expert(s) on the block, a dense gated MLP
             (``"shared_expert"``, ``"shared_experts"``); None: none.
         shared_gate: a linear [1, H] on the block whose sigmoid scales the shared expert's
@@ -77,6 +79,7 @@ class MoESpec:
     activation_config: tuple[str, ...] = ("hidden_act",)
     clamp_config: str | None = None
     alpha_config: str | None = None
+    clamp_attrs: tuple[str, str] | None = None
     shared: str | None = None
     shared_gate: str | None = None
     returns_router_scores: bool = False
