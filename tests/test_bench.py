@@ -3,6 +3,7 @@ input, failure capture, and small end-to-end runs on tiny presets."""
 
 from __future__ import annotations
 
+import dataclasses
 import copy
 import json
 import sys
@@ -624,6 +625,18 @@ def test_variant_name_and_engine_kwargs():
     assert Plan.from_dict(json.loads(json.dumps(plan.to_dict()))) == plan
     both = Variant("bfloat16", inject=True, graphs=True, quant="int4")
     assert Plan([], [], "cpu", [both]).variant_names == ["shardwise[inject,graphs,int4]"]
+
+
+def test_an_injected_variant_gets_a_cache_for_the_longest_cell():
+    """A prompt + new tokens beyond the engine's default KV cache (1024) sizes the static cache
+    to the longest cell; within it the default stays (so runs compare at one cache size)."""
+    inject = Variant(inject=True)
+    long = Plan([ModelSpec("preset", TINY)], [Cell(1, 128, 64), Cell(1, 2048, 8)], "cpu",
+                [inject, Variant()])
+    assert long.engine_kwargs(inject)["max_tokens"] == 2056
+    assert "max_tokens" not in long.engine_kwargs(Variant())  # no static cache without it
+    short = dataclasses.replace(long, cells=[Cell(8, 128, 64)])
+    assert "max_tokens" not in short.engine_kwargs(inject)
 
 
 def test_launch_command_and_environment():

@@ -10,7 +10,7 @@ from importlib.util import find_spec
 from typing import Any
 
 from ..accelerator import Accelerator, dtype_name
-from ..config import parse_dtype
+from ..config import InferenceConfig, parse_dtype
 from ..errors import ConfigError
 from ..models import (DEFAULT_MODEL_NAME, check_model_path, default_model_path, max_positions,
                       read_config)
@@ -132,6 +132,9 @@ class Plan:
     def engine_kwargs(self, variant: Variant) -> dict[str, Any]:
         """Keywords of ``init_inference`` for ``variant``."""
         kwargs = {"device": self.device, "dtype": variant.dtype, **variant.engine_options()}
+        longest = max((c.prompt_len + c.new_tokens for c in self.cells), default=0)
+        if variant.inject and longest > InferenceConfig.max_tokens:  # the static cache holds it
+            kwargs["max_tokens"] = longest
         if self.tp > 1:
             kwargs["tensor_parallel"] = {"tp_size": self.tp}
         if variant.ep > 1:
@@ -142,8 +145,6 @@ class Plan:
     def check_variants(self) -> None:
         """Validate every variant's ``init_inference`` keywords with the engine's own config
         (e.g. graphs without injection), so a bad combination fails before any model loads."""
-        from ..config import InferenceConfig
-
         if not self.variants:
             raise ConfigError("the plan has no shardwise variant to run")
         for variant in self.variants:
