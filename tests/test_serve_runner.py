@@ -150,27 +150,28 @@ def hf_greedy(ref, prompt: list[int], new: int) -> list[int]:
     """HF generate's greedy tokens for ``prompt`` alone: ``new`` of them, or fewer ending in
     an end-of-sequence token (the loop here runs on past it, as nothing stops it)."""
     with torch.no_grad():
-        out = ref.generate(torch.tensor([prompt]), max_new_tokens=new, do_sample=False,
-                           pad_token_id=0)
+        out = ref.generate(torch.tensor([prompt], device=ref.device), max_new_tokens=new,
+                           do_sample=False, pad_token_id=0)
     tokens = out[0, len(prompt):].tolist()
     eos = ref.generation_config.eos_token_id
     assert len(tokens) == new or tokens[-1] in (eos if isinstance(eos, list) else [eos])
     return tokens
 
 
-def check_against_hf(ref, seqs: list[Seq]) -> float:
+def check_against_hf(ref, seqs: list[Seq], atol: float = FP32_ATOL) -> float:
     """Each sequence's tokens equal HF generate of its prompt alone (up to an end-of-sequence
-    token); its logits are within FP32_ATOL of HF's over prompt + tokens. Returns the max
+    token); its logits are within ``atol`` of HF's over prompt + tokens. Returns the max
     |logit diff|."""
     worst = 0.0
     for seq in seqs:
         expected = hf_greedy(ref, seq.prompt, seq.new)
         with torch.no_grad():
-            full = torch.tensor([seq.prompt + seq.tokens[:-1]])
+            full = torch.tensor([seq.prompt + seq.tokens[:-1]], device=ref.device)
             ref_logits = ref(full).logits[0, len(seq.prompt) - 1:].float()
         assert seq.tokens[:len(expected)] == expected
-        worst = max(worst, (torch.stack(seq.logits) - ref_logits).abs().max().item())
-    assert worst < FP32_ATOL, worst
+        logits = torch.stack(seq.logits).to(ref_logits.device)
+        worst = max(worst, (logits - ref_logits).abs().max().item())
+    assert worst < atol, worst
     return worst
 
 
