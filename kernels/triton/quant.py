@@ -5,7 +5,7 @@ Imported by ``shardwise.kernels.triton.register`` (so it imports triton), never 
 
 Two paths, chosen per call by the number of rows ``M`` of ``x [M, K]``:
 
-* GEMV (``M <= gemv_max_rows``, 8): a program owns ``BLOCK_N`` outputs for every row and walks
+* GEMV (``M <= gemv_max_rows``, 2): a program owns ``BLOCK_N`` outputs for every row and walks
   its share of K in ``BLOCK_K`` steps, loading the quantized tile ``[BLOCK_N, BLOCK_K]``,
   dequantizing it in registers and reducing ``x[:, None, :] * w[None, :, :]`` over K. When the N
   blocks alone are too few programs to fill the GPU, K is split over a second grid axis and the
@@ -25,8 +25,12 @@ Packed layout (``PackedQuantWeight.tensors``; made once by ``prepack`` on the GP
 [N, n_groups]; ``offsets`` float32 [N, n_groups] when asymmetric.
 
 Block sizes are defaults for an H100-class GPU, checked by compiling ahead of time for sm_90
-(GEMV 37-72 registers per thread, GEMM 138-175, no spills) but not yet timed on a GPU; the
-interpreter tests pass small ones.
+(GEMV 37-72 registers per thread, GEMM 138-175, no spills); the interpreter tests pass small
+ones. Timed on an H200 (benchmarks/results/cuda-h200-kernels.json): the GEMV at 8 rows took
+6-8x its 1-row time (its K tile shrinks to 32: Llama-7B qkv int8 394 us against 51 us), while
+the GEMM kernel ran 32 rows of the same weight in 62 us, so rows beyond 2 take the GEMM path.
+Both paths are still far from cuBLAS fp16 at model sizes (int8 GEMV 0.2-0.7x, int4 0.1-0.4x; int4
+GEMM 0.03x): the tiles are not yet tuned.
 """
 
 from __future__ import annotations
@@ -268,7 +272,7 @@ class TritonQuantLinear(QuantLinearKernel):
     backend = BACKEND
 
     def __init__(self, gemv: GemvConfig = GemvConfig(), gemm: GemmConfig = GemmConfig(),
-                 gemv_max_rows: int = 8, device_types: frozenset[str] = DEVICE_TYPES) -> None:
+                 gemv_max_rows: int = 2, device_types: frozenset[str] = DEVICE_TYPES) -> None:
         self.gemv, self.gemm = gemv, gemm
         self.gemv_max_rows, self.device_types = gemv_max_rows, frozenset(device_types)
 
