@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# Everything a CUDA GPU must show, in one run (README, "Testing on a GPU"):
+#
+#     bash benchmarks/gpu_check.sh [RESULTS_DIR] [STEP...]
+#
+# Run from the repository root with shardwise installed (`pip install -e '.[test]'` on a CUDA
+# build of torch). Steps, in this order unless named: tests (every gpu-marked test), bench
+# (`shardwise bench`, inject + graphs, fp16, batch 1/8/32), kernels (benchmarks/kernel_cuda.py),
+# quant (the bench with int8 and int4 weights), prefill (the bench at a 2k-token prompt). Each step has its own time limit, writes its log and JSON under
+# RESULTS_DIR (default benchmarks/results/gpu-<date>) and a failing step does not stop the next;
+# the exit code is non-zero when any step failed. With ARCHIVE=FILE.tgz set, the results folder is
+# archived there after every step (for machines that hand back a few files only).
+set -u
+out=${1:-benchmarks/results/gpu-$(date +%Y-%m-%d-%H%M)}
+shift || true
+steps=${*:-tests bench kernels quant prefill}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+status=0
+
+step() {  # step NAME SECONDS COMMAND...: run with a limit, log to $out/NAME.log
+    local name=$1 limit=$2
+    shift 2
+    local start=$SECONDS
+    timeout --signal=INT --kill-after=15 "$limit" "$@" >"$out/$name.log" 2>&1
+    local rc=$?
+    echo "== $name: exit $rc in $((SECONDS - start)) s"
+    tail -n "${TAIL:-6}" "$out/$name.log"
+    [ "$rc" -eq 0 ] || status=1
+    if [ -n "${ARCHIVE:-}" ]; then tar czf "$ARCHIVE" -C "$(dirname "$out")" "$(basename "$out")"; fi
+}
+
+python3 - <<'EOF' | tee "$out/env.txt"
+import torch, triton, transformers
+print("torch", torch.__version__, "cuda", torch.version.cuda, "triton", triton.__version__,
+      "transformers", transformers.__version__)
+print(torch.cuda.get_device_name(), torch.cuda.get_device_capability(),
+      f"{torch.cuda.get_device_properties(0).total_memory / 2**30:.0f} GiB")
+EOF
+
+preset=llama-22l-2048h-gqa
+bench() {  # bench NAME SECONDS ARGS...
+    local name=$1 limit=$2
+    shift 2
+    step "bench-$name" "$limit" shardwise bench --preset $preset --device cuda --dtype fp16 \
+        --inject --graphs --no-progress --no-chart --output "$out/cuda-$name-$preset.json" "$@"
+}
+
+for s in $steps; do
+    case $s in
+    tests)
+        # a module that cannot import here (a serving extra missing) must not stop the rest
+        step tests "${TESTS_LIMIT:-170}" python3 -m pytest -m gpu -q -p no:cacheprovider \
+            -n "${WORKERS:-12}" --timeout 150 -rfE --continue-on-collection-errors \
+            --junitxml="$out/gpu-tests.xml" ${TESTS:-tests} ;;
+    bench)
+        bench fp16-inject-graphs 110 --batch 1 8 32 --prompt-len 128 --new-tokens 64 ;;
+    quant)
+        bench int8-inject-graphs "${QUANT_LIMIT:-120}" --quant int8 --batch 1 8 32 --prompt-len 128 --new-tokens 64
+        bench int4-inject-graphs "${QUANT_LIMIT:-120}" --quant int4 --batch 1 8 32 --prompt-len 128 --new-tokens 64 ;;
+    prefill)
+        bench prefill2k-fp16 60 --batch 1 --prompt-len 2048 --new-tokens 8 ;;
+    kernels)
+        TAIL=120 step kernels 110 python3 benchmarks/kernel_cuda.py \
+            --output "$out/cuda-kernels.json" ;;
+    kernels-graphs)  # decode attention as the captured step runs it (no launch cost)
+        TAIL=30 step kernels-graphs 60 python3 benchmarks/kernel_cuda.py --graphs --parts decode \
+            --output "$out/cuda-kernels-decode-graphs.json" ;;
+    *) echo "unknown step $s (tests, bench, kernels, kernels-graphs, quant, prefill)"
+       status=2 ;;
+    esac
+done
+exit $status
