@@ -70,7 +70,7 @@ def bf16_against_hf(ref: torch.nn.Module, engine, batch: int = 2, length: int = 
     """(max |logit difference|, teacher-forced agreement) of ``engine`` against the HF model
     ``ref``: HF's own greedy continuation of a fixed prompt ``[batch, length + new_tokens]`` fed
     to both in one forward (the reduced-precision parity check of every injected family)."""
-    ids = prompt_ids(batch=batch, length=length)
+    ids = prompt_ids(batch=batch, length=length).to(ref.device)
     greedy = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
                   pad_token_id=0)
     with torch.no_grad():

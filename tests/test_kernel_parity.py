@@ -386,9 +386,12 @@ def _gpu_decode_build(batch, kv_heads, alibi, window, sinks=False):
 
 
 def _attention_cases():
-    for name, (b, qh, kvh, ql, kvl, kw) in PREFILL_CASES.items():
+    for name, (b, qh, kvh, ql, kvl, kw) in PREFILL_CASES.items():  # cuda too: small heads
         yield Case("attention_prefill", name, _prefill_build(b, qh, kvh, ql, kvl, kw),
-                   {"cpu": ALL, "triton": (F32, BF16)}, close)
+                   {"cpu": ALL, "triton": (F32, BF16), "cuda": ALL}, close)
+    yield Case("attention_prefill", "head-dim-16", _prefill_build(2, 4, 2, 16, 16,  # tiny models'
+                                                                  lambda dev: {}, d=16),
+               {"cpu": ALL, "triton": (F32, BF16), "cuda": ALL}, close)
     yield Case("attention_prefill", "window-skips-key-tiles", _prefill_skips_tiles,
                {"triton": (F32, BF16)}, close)
     for case, seq in itertools.product(GPU_PREFILL, (1, 333, 2048)):
@@ -396,7 +399,8 @@ def _attention_cases():
                    {"cuda": HALF}, close)
     for i, (kvh, alibi, starts, window) in enumerate(DECODE_CASES):
         name = f"kv{kvh}-alibi{int(alibi)}-starts{int(starts)}-window{window}"
-        dtypes = {"cpu": ALL, **({"triton": (F32, BF16)} if i in TRITON_DECODE else {})}
+        dtypes = {"cpu": ALL, **({"triton": (F32, BF16), "cuda": ALL} if i in TRITON_DECODE
+                                 else {})}
         yield Case("attention_decode", name, _decode_build(kvh, alibi, starts, window), dtypes,
                    decode_check)
         if window is None:
