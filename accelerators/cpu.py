@@ -90,6 +90,7 @@ class CpuAccelerator(Accelerator):
     supported_dtypes = (torch.float32, torch.bfloat16)
     kernel_backends = ("cpu",)
     bandwidth_probe_bytes = 512 << 20  # well past the last-level cache, quick on a small host
+    computes_in_host_memory = True  # tensors on "cpu" are host memory: no device copy to make
 
     @classmethod
     def availability(cls) -> Availability:

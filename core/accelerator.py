@@ -96,6 +96,12 @@ class Accelerator:
     kernel_backends: ClassVar[tuple[str, ...]] = ()
     #: Buffer size the benchmark's bandwidth probe copies (large enough to defeat caches).
     bandwidth_probe_bytes: ClassVar[int] = 2 << 30
+    #: True when the device computes on tensors in the process's own host memory (the CPU), so
+    #: there is no separate device memory to copy weights into: offload's ``"cpu"`` tier (host
+    #: memory streamed to the device) has nothing to do there, and the ``"nvme"`` tier reads
+    #: straight into the memory the layers compute from. False for devices with their own
+    #: memory (CUDA, HPU), including ones that share physical memory but need an explicit copy.
+    computes_in_host_memory: ClassVar[bool] = False
 
     # ----- availability and devices -------------------------------------------------------------
 

@@ -14,12 +14,15 @@ import difflib
 import json
 import os
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 import torch
 
 from .communicator import resolve_timeout
 from .errors import ConfigError, NotSupportedYetError
+
+if TYPE_CHECKING:
+    from .offload.config import OffloadConfig
 
 _DTYPES: dict[str, torch.dtype] = {
     "fp32": torch.float32, "float32": torch.float32, "float": torch.float32,
@@ -29,7 +32,7 @@ _DTYPES: dict[str, torch.dtype] = {
 }
 #: DeepSpeed keyword → shardwise field.
 ALIASES = {"mp_size": "tp_size", "enable_cuda_graph": "enable_graph",
-           "max_out_tokens": "max_tokens"}
+           "max_out_tokens": "max_tokens", "offload_param": "offload"}
 #: Keys accepted inside ``tensor_parallel={...}`` (DeepSpeed's DeepSpeedTPConfig names).
 _TP_KEYS = {"tp_size", "enabled"}
 #: The seeds ``torch.manual_seed`` accepts: any int64 or uint64 value.
@@ -73,6 +76,13 @@ class InferenceConfig:
             ``dispatch``: ``auto``, ``all_reduce`` or ``all_to_all``) or ``True``; normalised
             to a :class:`MoESettings` (every key used or refused by name: see
             :func:`parse_moe`). Checked against the model in the plan.
+        offload: ZeRO-Inference: keep the weights in host memory or on disk and stream each
+            layer in just before it runs (alias ``offload_param``, DeepSpeed's names):
+            ``{"device": "cpu" | "nvme", "nvme_path": DIR, "buffer_count": K, "pin_memory":
+            bool}``; normalised to an :class:`~shardwise.offload.config.OffloadConfig`
+            (``{"device": "none"}`` → None; every key used or refused by name: see
+            :func:`~shardwise.offload.config.parse_offload`). Needs ``enable_graph=False``.
+            Checked against the machine and the model before anything changes.
     """
 
     device: str | None = None
@@ -89,6 +99,7 @@ class InferenceConfig:
     comm_timeout: float | None = None
     seed: int | None = None
     moe: "MoESettings | dict | bool | None" = None
+    offload: "OffloadConfig | dict | None" = None
 
     # ----- construction -------------------------------------------------------------------------
 
@@ -123,6 +134,7 @@ class InferenceConfig:
         _check_checkpoint_fields(self)
         resolve_timeout(self.comm_timeout)  # the field, or the variable it falls back on
         _reject_unlanded(self)
+        _check_offload(self)  # before injection's: its graph message says the whole fix
         _check_injection(self)
         _check_quant(self)
         self.moe = parse_moe(self.moe)
@@ -213,8 +225,9 @@ def _normalise(values: Mapping[str, Any], where: str) -> dict[str, Any]:
                               f"(valid fields: {', '.join(known)})")
         if key == "tensor_parallel":
             items = _tp_items(value)
-        elif key == "moe":  # normalised first, so equal settings spelled differently agree
-            items = {"moe": parse_moe(value)}
+        elif ALIASES.get(key, key) in _NORMALISERS:  # normalised first, so equal settings
+            name = ALIASES.get(key, key)               # spelled differently agree
+            items = {name: _NORMALISERS[name](value)}
         elif key in ALIASES:
             items = {ALIASES[key]: value}
         elif key in known:
@@ -230,6 +243,12 @@ def _normalise(values: Mapping[str, Any], where: str) -> dict[str, Any]:
                                   f"({out[name]!r} and {v!r}) in the {where} arguments")
             out[name] = v
     return out
+
+
+def _parse_offload(value: Any) -> "OffloadConfig | None":
+    from .offload.config import parse_offload  # here: shardwise.offload is loaded on first use
+
+    return parse_offload(value)
 
 
 def _tp_items(value: Any) -> dict[str, Any]:
@@ -317,6 +336,16 @@ def _check_injection(cfg: InferenceConfig) -> None:
     if cfg.max_tokens != InferenceConfig.max_tokens:
         raise ConfigError(f"max_tokens={cfg.max_tokens!r} (max_out_tokens) sizes the static KV "
                           f"cache of injected models; it needs replace_with_kernel_inject=True")
+
+
+def _check_offload(cfg: InferenceConfig) -> None:
+    """Normalise ``offload`` (see :func:`~shardwise.offload.config.parse_offload`) and refuse it
+    with graphs: captured graphs replay on weights at fixed addresses, offload moves them."""
+    from .offload.config import GRAPH_REFUSAL, OffloadError
+
+    cfg.offload = _parse_offload(cfg.offload)
+    if cfg.offload is not None and cfg.enable_graph:
+        raise OffloadError(GRAPH_REFUSAL)
 
 
 # ----- moe ----------------------------------------------------------------------------------------
@@ -456,3 +485,8 @@ def _moe_type(value: Any) -> str | None:
     if name not in MOE_TYPES:
         raise MoEConfigError(f"moe type must be one of {', '.join(MOE_TYPES)}, got {value!r}")
     return str(name)
+
+
+#: Fields normalised as they are read (before the config and keyword values are compared), so
+#: equal settings spelled differently agree: field → its parser.
+_NORMALISERS: dict[str, Any] = {"moe": parse_moe, "offload": _parse_offload}
