@@ -1,0 +1,1 @@
+"""Offloaded inference: weights streamed layer by layer from host memory or disk."""
