@@ -202,14 +202,15 @@ GRAPH_REFUSAL = ("offload streams each layer's weights into ring slots that chan
                  "addresses it was captured with; pass enable_graph=False with offload")
 
 
-def check_offload(settings: OffloadConfig, accelerator: "Accelerator",
+def check_offload(settings: "OffloadConfig | Mapping | None", accelerator: "Accelerator",
                   model: "nn.Module | None", device: "torch.device", *,
                   enable_graph: bool) -> None:
     """Check ``offload=`` against this machine and ``model`` before anything is changed.
 
     Args:
-        settings: the parsed ``offload=`` (re-validated here, so an :class:`OffloadConfig`
-            built by hand is held to the same rules).
+        settings: the config's ``offload`` (re-validated here, so an :class:`OffloadConfig`
+            built by hand is held to the same rules; None or ``device="none"``: nothing to
+            check).
         accelerator: the accelerator the engine runs on.
         model: the model as handed to ``init_inference`` (real weights, on the meta device, or
             None when it is built from a checkpoint).
@@ -221,7 +222,9 @@ def check_offload(settings: OffloadConfig, accelerator: "Accelerator",
             the ``"cpu"`` tier on a device that computes in host memory; a model whose
             parameters are all on ``device`` already (nothing to stream from).
     """
-    parse_offload(settings)
+    settings = parse_offload(settings)
+    if settings is None:
+        return
     if enable_graph:
         raise OffloadError(GRAPH_REFUSAL)
     if settings.nvme_path is not None:
@@ -274,7 +277,7 @@ def _check_model_not_on_device(model: "nn.Module | None", accelerator: "Accelera
         nbytes = sum(p.numel() * p.element_size() for p in params)
         raise OffloadError(
             f"offload streams the weights to {device} from host memory or disk, but every "
-            f"parameter of the model is on {device} already ({_gib(nbytes)}); load the model on "
+            f"parameter of the model is on {device} already ({_size(nbytes)}); load the model on "
             f"the CPU (from_pretrained's default) or on the meta device with checkpoint=..., "
             f"and shardwise streams it from there")
 
@@ -320,10 +323,15 @@ def check_ring_fits(accelerator: "Accelerator", device: "torch.device", largest_
         raise OffloadError(
             f"the offload ring does not fit {device}: {buffer_count} slots of the largest unit "
             f"{largest_unit!r} ({_gib(unit_bytes)}, {unit_bytes} bytes each) need {_gib(need)} "
-            f"({need} bytes) but {_gib(free)} is free; lower buffer_count (at least "
+            f"({need} bytes) but {_gib(free)} ({free} bytes) is free; lower buffer_count (at least "
             f"{MIN_BUFFER_COUNT}), quantize the weights (quant=) or split them (tensor_parallel) "
             f"to shrink the layers")
 
 
 def _gib(nbytes: int) -> str:
     return f"{nbytes / 2**30:.2f} GiB"
+
+
+def _size(nbytes: int) -> str:
+    """GiB from 1 GiB on, MiB below (a small model's size is not "0.00 GiB")."""
+    return _gib(nbytes) if nbytes >= 2**30 else f"{nbytes / 2**20:.2f} MiB"
