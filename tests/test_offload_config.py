@@ -108,9 +108,12 @@ def test_deepspeed_keys_shardwise_does_not_take_are_refused_with_why(key, value,
 
 
 def test_an_unknown_key_is_refused_listing_the_known_ones():
-    with pytest.raises(OffloadError, match="unknown offload field 'ratio'; valid: device, "
-                                           "nvme_path, buffer_count, pin_memory"):
+    with pytest.raises(OffloadError, match="unknown offload field 'ratio' \\(valid: device, "
+                                           "nvme_path, buffer_count, pin_memory: DeepSpeed's"):
         parse_offload({"device": "cpu", "ratio": 0.5})
+    with pytest.raises(OffloadError, match="unknown offload field 'path'; did you mean "
+                                           "'nvme_path'\\? \\(valid: device, nvme_path"):
+        parse_offload({"device": "nvme", "path": "/tmp"})
 
 
 @pytest.mark.parametrize("value,match", [
@@ -193,8 +196,9 @@ def test_offload_with_graphs_is_refused_saying_why(graph):
 def test_bad_offload_in_the_config_is_refused_at_build():
     with pytest.raises(OffloadError, match="give nvme_path=DIR"):
         InferenceConfig.build(offload_param={"device": "nvme"})
-    with pytest.raises(OffloadError, match="unknown offload field 'path'"):
-        InferenceConfig.build({"offload": {"device": "nvme", "path": "/tmp"}})
+    with pytest.raises(OffloadError, match="unknown offload field 'buffers'; did you mean "
+                                           "'buffer_count'"):
+        InferenceConfig.build({"offload": {"device": "cpu", "buffers": 3}})
     with pytest.raises(ConfigError, match="unknown keyword field 'offload_params'; did you mean "
                                           "'offload_param'"):
         InferenceConfig.build(offload_params={"device": "cpu"})

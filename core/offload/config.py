@@ -21,6 +21,7 @@ is wrong and what to do. This module imports no other part of :mod:`shardwise.of
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import os
 import shutil
 import tempfile
@@ -119,8 +120,10 @@ def parse_offload(value: Any) -> OffloadConfig | None:
         return None
     settings = OffloadConfig(device=device,
                              nvme_path=_nvme_path(fields.get("nvme_path")),
-                             buffer_count=_buffer_count(fields.get("buffer_count", 4)),
-                             pin_memory=_pin_memory(fields.get("pin_memory", True)))
+                             buffer_count=_buffer_count(fields.get("buffer_count",
+                                                                      OffloadConfig.buffer_count)),
+                             pin_memory=_pin_memory(fields.get("pin_memory",
+                                                               OffloadConfig.pin_memory)))
     _check_path_for_tier(settings)
     return settings
 
@@ -133,8 +136,10 @@ def _refuse_keys(value: Mapping) -> None:
                 raise OffloadError(f"offload {key}={value[key]!r} is DeepSpeed's, and shardwise "
                                    f"does not take it: {_REFUSED_KEYS[key]}. Remove {key}")
         elif key not in _FIELDS:
-            raise OffloadError(f"unknown offload field {key!r}; valid: {', '.join(_FIELDS)} "
-                               f"(DeepSpeed's offload_param names)")
+            close = difflib.get_close_matches(str(key), _FIELDS, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise OffloadError(f"unknown offload field {key!r}{hint} (valid: "
+                               f"{', '.join(_FIELDS)}: DeepSpeed's offload_param names)")
 
 
 def _offload_device(value: Any) -> str:
