@@ -40,6 +40,7 @@ import shutil
 import tempfile
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
@@ -201,7 +202,8 @@ def layout_unit(index: int, name: str, tensors: Sequence[tuple[str, torch.Tensor
     entries, offset, seen = [], 0, set()
     for key, t in tensors:
         if key in seen:
-            raise ValueError(f"unit {name!r}: tensor key {key!r} appears twice; keys must be distinct")
+            raise ValueError(f"unit {name!r}: tensor key {key!r} appears twice; keys must be "
+                             "distinct")
         if t.layout != torch.strided:
             raise ValueError(f"unit {name!r}: tensor {key!r} has layout {t.layout}; only dense "
                              "(strided) tensors can be streamed")
@@ -292,12 +294,65 @@ def _hugepage_hint(m: mmap.mmap) -> None:
             pass  # THP disabled: ordinary pages work the same
 
 
+def _mmap_address(m: mmap.mmap) -> int:
+    """The address of an mmap's first byte (the temporary buffer export is released at once,
+    so the mmap can still be closed later)."""
+    first = ctypes.c_char.from_buffer(m)
+    try:
+        return ctypes.addressof(first)
+    finally:
+        del first
+
+
+def _host_register_runtime() -> Any | None:
+    """The accelerator runtime's ``cudaHostRegister`` API where torch exposes one (CUDA, and
+    ROCm through its CUDA names), found by capability; None elsewhere."""
+    if not torch.accelerator.is_available():
+        return None
+    module = torch.get_device_module(torch.accelerator.current_accelerator())
+    cudart = getattr(module, "cudart", None)
+    runtime = cudart() if cudart is not None else None
+    return runtime if hasattr(runtime, "cudaHostRegister") else None
+
+
+def _unregister(runtime: Any, address: int, m: mmap.mmap) -> None:
+    """Undo :func:`_registered_buffer`: unpin the pages, then unmap them (in that order)."""
+    runtime.cudaHostUnregister(address)
+    m.close()
+
+
+def _registered_buffer(size: int, runtime: Any) -> torch.Tensor:
+    """An exact-size page-locked uint8 [size] tensor: an anonymous mmap registered with the
+    accelerator runtime (``cudaHostRegister``) and unregistered when the tensor is freed.
+
+    torch's pinned allocator (``pin_memory=True``) rounds every block up to a power of two, so
+    pinning a model's units that way can take up to twice the model's bytes; registering the
+    mmap pins exactly ``size`` bytes.
+    """
+    m = mmap.mmap(-1, size)  # size >= ALIGN
+    _hugepage_hint(m)
+    address = _mmap_address(m)
+    status = runtime.cudaHostRegister(address, size, 0)
+    if status != runtime.cudaError.success:
+        m.close()
+        raise RuntimeError(f"could not pin {size} bytes of host memory ({status}): the locked-"
+                           "memory limit (ulimit -l) or host memory is too small; pass "
+                           "pin_memory=False to stream from pageable memory")
+    holder = (ctypes.c_ubyte * size).from_address(address)  # a buffer torch.frombuffer can hold
+    weakref.finalize(holder, _unregister, runtime, address, m)  # keeps m mapped until then
+    return torch.frombuffer(holder, dtype=torch.uint8)
+
+
 def _pinned_buffer(size: int) -> torch.Tensor:
-    """A page-locked uint8 [size] tensor at an ALIGN-aligned address, from torch's host
-    allocator for the current accelerator (over-allocated by ALIGN and sliced)."""
+    """A page-locked uint8 [size] tensor at an ALIGN-aligned address: registered mmap memory
+    where the runtime allows it, else torch's pinned host allocator for the current accelerator
+    (over-allocated by ALIGN and sliced)."""
+    runtime = _host_register_runtime()
+    if runtime is not None:
+        return _registered_buffer(max(size, ALIGN), runtime)[:size]
     raw = torch.empty(size + ALIGN, dtype=torch.uint8, pin_memory=True)
     skip = (-raw.data_ptr()) % ALIGN
-    return raw[skip:skip + size]
+    return raw[skip:skip + size].zero_()
 
 
 def aligned_host_buffer(nbytes: int, pin: bool = False) -> torch.Tensor:
@@ -305,11 +360,15 @@ def aligned_host_buffer(nbytes: int, pin: bool = False) -> torch.Tensor:
 
     Without ``pin`` (or where torch has no accelerator), the memory is an anonymous ``mmap``:
     page-aligned, zero-filled lazily, and returned to the OS when the tensor is freed (the mmap
-    stays alive as long as the tensor does: ``torch.frombuffer`` holds it). With ``pin`` and an
-    accelerator available (``torch.accelerator.is_available()``), the memory comes from torch's
-    pinned host allocator (``pin_memory=True``: ``cudaHostAlloc`` on CUDA), so host-to-device
-    copies from it are asynchronous and run at full speed; on a host-only machine pinning has
-    nothing to speed up and is skipped (``buffer.is_pinned()`` tells which happened).
+    stays alive as long as the tensor does: ``torch.frombuffer`` holds it).
+
+    With ``pin`` and an accelerator available (``torch.accelerator.is_available()``), the
+    memory is page-locked so host-to-device copies from it are asynchronous and at full speed:
+    where the accelerator's torch module exposes ``cudart().cudaHostRegister`` (CUDA, ROCm) an
+    mmap of exactly the rounded size is registered and unregistered when the tensor is freed;
+    elsewhere torch's pinned allocator is used (``pin_memory=True``; it rounds blocks up to a
+    power of two). On a host-only machine pinning has nothing to speed up and is skipped
+    (``buffer.is_pinned()`` tells which happened).
 
     Args:
         nbytes: the bytes needed; the tensor's length is ``align_up(nbytes)``.
@@ -317,12 +376,16 @@ def aligned_host_buffer(nbytes: int, pin: bool = False) -> torch.Tensor:
 
     Returns:
         uint8 [align_up(nbytes)], ``data_ptr() % ALIGN == 0``, zero-filled, writable.
+
+    Raises:
+        ValueError: ``nbytes`` < 0.
+        RuntimeError: pinning was refused by the runtime (locked-memory limit).
     """
     if nbytes < 0:
         raise ValueError(f"aligned_host_buffer: nbytes must be >= 0, got {nbytes}")
     size = align_up(nbytes)
     if pin and torch.accelerator.is_available():
-        return _pinned_buffer(size).zero_()
+        return _pinned_buffer(size)
     m = mmap.mmap(-1, max(size, ALIGN))  # anonymous: page-aligned, zero-filled
     _hugepage_hint(m)
     return torch.frombuffer(m, dtype=torch.uint8)[:size]
@@ -540,7 +603,8 @@ class DiskStore:
             size = self._file_size(u)
             if size != u.nbytes:
                 raise OSError(errno.EIO, f"unit {u.name!r} was not fully written ({size} of "
-                              f"{u.nbytes} bytes); write it before finish()", str(self.unit_path(u)))
+                              f"{u.nbytes} bytes); write it before finish()",
+                              str(self.unit_path(u)))
         self.staging_release()
         manifest = {"format": FORMAT_VERSION, "fingerprint": self.fingerprint,
                     "units": [u.to_json() for u in units]}
@@ -591,7 +655,8 @@ class BlobReader:
         if direct and not hasattr(os, "O_DIRECT"):
             self.fallback_reason = "this platform has no O_DIRECT"
         self._lock = threading.Lock()
-        self._pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="shardwise-read")
+        self._pool = concurrent.futures.ThreadPoolExecutor(
+            threads, thread_name_prefix="shardwise-read")
 
     def path(self, entry: UnitEntry) -> Path:
         """The file holding ``entry``'s blob."""
@@ -700,7 +765,8 @@ class BlobReader:
             except OSError as err:
                 if direct and err.errno == errno.EINVAL:
                     raise
-                raise OSError(err.errno, f"reading at byte {done}: {err.strerror}", str(path)) from err
+                raise OSError(err.errno, f"reading at byte {done}: {err.strerror}",
+                              str(path)) from err
             if n <= 0:
                 raise OSError(errno.EIO, f"short read: the file ended at byte {done} of "
                               f"{nbytes}", str(path))
