@@ -52,6 +52,9 @@ class InferenceEngine:
     """
 
     quantization = None
+    #: the :class:`~shardwise.offload.OffloadReport` with ``offload=`` (the ring, its stats), else
+    #: None
+    offload = None
     #: the record of the model as handed in (:meth:`close` gives it back); None for an engine
     #: built from a checkpoint with ``model=None``, and once closed
     _ledger: Ledger | None = None
@@ -171,6 +174,8 @@ class InferenceEngine:
         """After giving back: the communicator's buffers, the engine's references, the
         ledger's record, and the memory freed by all that."""
         self.communicator.release_buffers()
+        if self.offload is not None:  # after give_back: its undo reads the units back
+            self.offload.close()
         self.checkpoint_load = self._stack = None
         if ledger is not None:
             ledger.release()
@@ -413,6 +418,7 @@ def _build_engine(model: nn.Module | None, cfg: InferenceConfig) -> InferenceEng
         injected = inject_model(model, accelerator, dtype, _max_tokens(cfg),
                                 policy=plan.found_policy, heads=_injected_heads(plan))
         injected.to(device=device, dtype=dtype)  # its own new tensors (ALiBi slopes)
+    offload = _offload_step(model, cfg, accelerator, dtype, device, plan, injected)  # 7b.
     if cfg.enable_graph:  # 8. (the config requires injection for it)
         from .inject import enable_graphs
 
@@ -422,6 +428,7 @@ def _build_engine(model: nn.Module | None, cfg: InferenceConfig) -> InferenceEng
                              plan=plan)
     engine.quantization = quant_report
     engine.moe = moe_report
+    engine.offload = offload
     engine.checkpoint_load = loaded
     engine._stack = injected if hasattr(injected, "session") else None
     if cfg.save_mp_checkpoint_path:
@@ -454,6 +461,24 @@ def _moe_step(model: nn.Module, cfg: InferenceConfig, accelerator: Accelerator,
 
     dispatch = getattr(cfg.moe, "dispatch", None) or "all_reduce"
     return install_moe(model, plan, accelerator, dtype, dispatch=dispatch)
+
+
+def _offload_step(model: nn.Module, cfg: InferenceConfig, accelerator: Accelerator,
+                  dtype: torch.dtype, device: torch.device, plan: Plan, injected):
+    """Step 7b with ``offload=`` (after injection, before graphs): the units' weights repacked
+    into the store (or a complete one reused), the resident copies freed, the ring and its hooks
+    installed (:func:`shardwise.offload.offload_model`). Returns its
+    :class:`~shardwise.offload.OffloadReport`, or None without ``offload``."""
+    if cfg.offload is None:
+        return None
+    from .offload import offload_model
+
+    quant = cfg.quant.to_dict() if hasattr(cfg.quant, "to_dict") else repr(cfg.quant)
+    report = offload_model(model, cfg.offload, accelerator, device, plan, stack=injected,
+                           fingerprint_extra={"dtype": str(dtype), "quant": quant,
+                                              "inject": bool(cfg.replace_with_kernel_inject)})
+    log.info("shardwise: %s", report.summary())
+    return report
 
 
 def _max_tokens(cfg: InferenceConfig) -> int | None:
@@ -490,6 +515,10 @@ def _check_later_steps(model: nn.Module, cfg: InferenceConfig, accelerator: Acce
 
         check_injection(model, accelerator, dtype, _max_tokens(cfg), device,
                         policy=plan.found_policy, heads=_injected_heads(plan))
+    if cfg.offload is not None:
+        from .offload.config import check_offload
+
+        check_offload(cfg.offload, accelerator, model, device, enable_graph=cfg.enable_graph)
 
 
 def _keep_ledger(engine: InferenceEngine, ledger: Ledger) -> None:

@@ -1,0 +1,454 @@
+"""The offload step of ``init_inference``: repack the streamed units, free them, build the ring.
+
+Runs after injection and before graphs, over the model as the earlier steps left it (sharded
+per rank, cast, quantized, injected), so what is streamed is exactly what runs:
+
+1. :func:`offload_units` — the *units*, in cyclic execution order: the input embedding, each
+   decoder (or encoder) layer (the injected ones when the model is injected: they own the same
+   HF submodules), the output embedding. Each unit's tensors are every parameter and buffer of
+   its submodules, deduplicated by identity; a tensor a resident module shares stays resident.
+   Everything else (final norm, positions, rotary tables) stays resident. Tied embeddings: the
+   shared Parameter is in both units' blobs; acquiring either unit rebinds it.
+2. The store: the units' blobs in this rank's directory under ``nvme_path`` (keyed by a
+   fingerprint of the model config, dtype, quant settings, injection, tp size and rank, the
+   shardwise version and a digest of each unit's tensors: a changed model or setting never
+   reuses stale blobs), reused as they are when complete; or, for the ``"cpu"`` tier, pinned
+   host buffers.
+3. The resident copies are freed: every unit tensor is pointed at a zero-copy view of a ring
+   slot (Parameters keep their object: ``param.data = view``; buffers are replaced in
+   ``module._buffers``; quantized modules' packed views are rebuilt), so steady memory holds the
+   resident parts plus the ring.
+4. The :class:`~shardwise.offload.ring.Ring` and each unit's forward hooks: pre-forward acquires
+   the unit (binding its tensors to its slot), post-forward releases it and prefetches the next.
+
+Every change is recorded in the active :class:`~shardwise.ledger.Ledger`: ``engine.close()``
+removes the hooks, reads each unit back into ordinary tensors (older undos — dequantize, cast
+back, un-inject — then run on those), and closes the ring; a failed init restores the snapshot
+and closes the ring.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+import torch
+from torch import nn
+
+from ..ledger import active, add_hook, record
+from . import store as _store
+from .config import OffloadConfig, check_ring_fits, check_space, parse_offload
+from .ring import DeviceLoader, HostLoader, Loader, Ring
+
+log = logging.getLogger(__name__)
+
+#: bumped when what the fingerprint covers or the unit layout changes
+FINGERPRINT_FORMAT = 1
+#: reader threads filling host slots from disk
+READ_THREADS = 2
+
+
+# ----- the units ----------------------------------------------------------------------------------
+
+
+@dataclass
+class TensorRef:
+    """One streamed tensor of a unit.
+
+    key: its path inside the unit (``"mlp.down_proj.weight"``); owner, attr: the module and
+    name it is registered under (first place); is_parameter: a Parameter (rebound through
+    ``.data``, the object stays) or a buffer (replaced in ``owner._buffers``); places: every
+    (module, name) it is registered under inside the unit (a shared submodule: several);
+    tensor: the Parameter object (for a buffer, the buffer as found).
+    """
+
+    key: str
+    owner: nn.Module
+    attr: str
+    is_parameter: bool
+    tensor: torch.Tensor
+    places: list[tuple[nn.Module, str]] = field(default_factory=list)
+
+    def current(self) -> torch.Tensor:
+        """The tensor the model holds at this place now."""
+        table = self.owner._parameters if self.is_parameter else self.owner._buffers
+        return table[self.attr].detach()
+
+    def point(self, value: torch.Tensor) -> None:
+        """Make the model hold ``value`` here (a Parameter keeps its object)."""
+        if self.is_parameter:
+            self.tensor.data = value
+        else:
+            for owner, attr in self.places:
+                owner._buffers[attr] = value
+
+
+@dataclass
+class Unit:
+    """A module whose forward runs as one piece and whose tensors stream together.
+
+    index: position in cyclic execution order; name: its qualified name in the model; module;
+    tensors: its :class:`TensorRef`\\ s; repacked: the modules with a packed view over their
+    buffers (quantized linears and experts) to rebuild after a rebind."""
+
+    index: int
+    name: str
+    module: nn.Module
+    tensors: list[TensorRef]
+    repacked: list[nn.Module] = field(default_factory=list)
+
+
+def _unit_modules(model: nn.Module, plan: Any, stack: nn.Module | None) -> list[nn.Module]:
+    """Input embedding, the layers, output embedding (each once; missing ones left out)."""
+    if stack is not None and hasattr(stack, "_layers"):
+        layers = list(stack._layers[0])  # the injected layers (they adopted the HF children)
+    else:
+        from ..moe.block import decoder_layers
+
+        layers = list(decoder_layers(model, getattr(plan, "policy", None)))
+    found = [model.get_input_embeddings(), *layers, model.get_output_embeddings()]
+    out, seen = [], set()
+    for module in found:
+        if isinstance(module, nn.Module) and id(module) not in seen:
+            seen.add(id(module))
+            out.append(module)
+    return out
+
+
+def _resident_tensor_ids(model: nn.Module, units: Sequence[nn.Module]) -> set[int]:
+    """ids of the tensors registered on modules outside every unit (they stay resident)."""
+    inside = {id(m) for unit in units for m in unit.modules()}
+    ids = set()
+    for module in model.modules():
+        if id(module) in inside:
+            continue
+        for table in (module._parameters, module._buffers):
+            ids.update(id(t) for t in table.values() if t is not None)
+        ids.update(id(v) for v in vars(module).values() if isinstance(v, torch.Tensor))
+    return ids
+
+
+def _unit_tensors(module: nn.Module, resident: set[int]) -> list[TensorRef]:
+    """The unit's streamed tensors (see :class:`TensorRef`), in module order."""
+    refs: dict[int, TensorRef] = {}
+    for path, sub in module.named_modules(remove_duplicate=False):
+        for is_param, table in ((True, sub._parameters), (False, sub._buffers)):
+            for attr, t in table.items():
+                if t is None or t.numel() == 0 or id(t) in resident:
+                    continue
+                ref = refs.get(id(t))
+                if ref is None:
+                    key = f"{path}.{attr}" if path else attr
+                    ref = refs[id(t)] = TensorRef(key, sub, attr, is_param, t)
+                if all(o is not sub or a != attr for o, a in ref.places):
+                    ref.places.append((sub, attr))
+    return list(refs.values())
+
+
+def _packed_modules(module: nn.Module) -> list[nn.Module]:
+    """Submodules keeping a packed view over their buffers (``PackedLayout``: quantized linears
+    and experts), which must be rebuilt whenever their buffers are rebound."""
+    from ..quant.modules import PackedLayout
+
+    return [m for m in module.modules() if isinstance(m, PackedLayout)]
+
+
+def offload_units(model: nn.Module, plan: Any, stack: nn.Module | None = None) -> list[Unit]:
+    """The units of ``model`` in cyclic execution order (module docstring).
+
+    Args:
+        model: the model as the earlier steps left it.
+        plan: the engine's :class:`~shardwise.plan.Plan` (its policy locates the layers).
+        stack: the injected stack (``InjectedModel`` / ``InjectedEncoder``), if any: its layers
+            are the units.
+    """
+    modules = _unit_modules(model, plan, stack)
+    names = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
+    resident = _resident_tensor_ids(model, modules)
+    units = []
+    for module in modules:
+        tensors = _unit_tensors(module, resident)
+        if tensors:
+            units.append(Unit(len(units), names.get(id(module), type(module).__name__), module,
+                              tensors, _packed_modules(module)))
+    return units
+
+
+# ----- the fingerprint ----------------------------------------------------------------------------
+
+
+def _jsonable(value: Any) -> Any:
+    """``value`` as plain JSON data (anything else by ``str``)."""
+    return json.loads(json.dumps(value, sort_keys=True, default=str))
+
+
+def _model_config(model: nn.Module) -> Any:
+    config = getattr(model, "config", None)
+    to_dict = getattr(config, "to_dict", None)
+    return _jsonable(to_dict()) if callable(to_dict) else repr(config)
+
+
+def store_fingerprint(model: nn.Module, units: Sequence[Unit], plan: Any,
+                      extra: Mapping | None = None) -> dict:
+    """What the blobs depend on: the format, the shardwise version, the model config, this
+    rank's place (tp and ep size and coordinate), ``extra`` (the engine's dtype, quant settings,
+    injection) and each unit's name and :func:`~shardwise.offload.store.content_digest`."""
+    from .. import __version__
+
+    dims = {name: [getattr(plan, name).size, getattr(plan, name).coord]
+            for name in ("tp", "ep") if hasattr(plan, name)}
+    return {"format": FINGERPRINT_FORMAT, "shardwise": __version__, "model": _model_config(model),
+            "dims": dims, "extra": _jsonable(dict(extra or {})),
+            "units": [[u.name, _store.content_digest(r.current() for r in u.tensors)]
+                      for u in units]}
+
+
+# ----- the report ---------------------------------------------------------------------------------
+
+
+@dataclass
+class OffloadReport:
+    """What the offload step did (``engine.offload``).
+
+    tier: ``"nvme"`` or ``"cpu"``; path: the store directory (None for ``"cpu"``); units: the
+    units' names in execution order; ring_bytes: bytes of the ring's slots (buffer_count × the
+    largest unit); resident_bytes: bytes of the model's tensors that stay resident;
+    streamed_bytes_per_pass: bytes read for one pass over every unit; direct_io /
+    fallback_reason: whether disk reads bypass the page cache, and why not; stale: sibling
+    store directories of other models or settings (never read); reused: the store was complete
+    and nothing was written.
+    """
+
+    tier: str
+    path: str | None
+    units: list[str]
+    ring_bytes: int
+    resident_bytes: int
+    streamed_bytes_per_pass: int
+    direct_io: bool
+    fallback_reason: str | None
+    stale: list[str]
+    reused: bool
+    buffer_count: int = 0
+    ring: Ring | None = field(default=None, repr=False)
+
+    def stats(self) -> dict:
+        """Reading since the last :meth:`reset_stats`: ``bytes_read``, ``read_s``, ``wait_s``
+        (compute waiting for reads), ``overlap`` (1 - wait / read), ``passes`` (passes over the
+        units), ``bytes_per_pass``, ``units_read`` and ``per_pass`` (the recent passes)."""
+        return self.ring.stats.as_dict()
+
+    def reset_stats(self) -> None:
+        """Start counting afresh (e.g. after a warm-up)."""
+        self.ring.stats.reset()
+
+    @property
+    def events(self) -> list[tuple[str, int, int]]:
+        """The ring's recent events ``(kind, unit, slot)``: ``submit`` (a load started),
+        ``acquire`` (a unit's forward starts), ``release`` (it ended)."""
+        return list(self.ring.stats.events)
+
+    def summary(self) -> str:
+        """One line for the init log: tier, units, ring size, resident bytes, the store."""
+        where = f" in {self.path}" if self.path else ""
+        store = ("reused" if self.reused else "written") + where
+        io = "" if self.tier != "nvme" else (
+            ", direct I/O" if self.direct_io else f", buffered reads ({self.fallback_reason})")
+        stale = f"; {len(self.stale)} stale store(s) beside it, not used" if self.stale else ""
+        return (f"offload ({self.tier}): {len(self.units)} units streamed, "
+                f"{_mib(self.streamed_bytes_per_pass)} per pass; ring of {self.buffer_count} slots "
+                f"= {_mib(self.ring_bytes)}; resident {_mib(self.resident_bytes)}; blobs {store}"
+                f"{io}{stale}")
+
+    def close(self) -> None:
+        """Stop the ring's reader threads (``engine.close()`` does it). Idempotent."""
+        if self.ring is not None:
+            self.ring.close()
+
+
+def _mib(nbytes: int) -> str:
+    """MiB from 1 MiB on, KiB below (a tiny model's resident part is not "0.00 MiB")."""
+    return f"{nbytes / 2**20:.2f} MiB" if nbytes >= 2**20 else f"{nbytes / 2**10:.1f} KiB"
+
+
+# ----- the step -----------------------------------------------------------------------------------
+
+
+def offload_model(model: nn.Module, settings: OffloadConfig | Mapping, accelerator: Any,
+                  device: torch.device, plan: Any, *, stack: nn.Module | None = None,
+                  fingerprint_extra: Mapping | None = None) -> OffloadReport:
+    """Stream ``model``'s units from ``settings``' tier through a ring (module docstring).
+
+    Args:
+        model: the model as the earlier steps left it (its tensors on ``device``).
+        settings: the ``offload=`` settings (an :class:`OffloadConfig` or its dict).
+        accelerator: the engine's accelerator (``computes_in_host_memory`` picks the loader).
+        device: the device the layers compute on.
+        plan: the engine's plan (layers, tp/ep coordinates for the fingerprint).
+        stack: the injected stack, if any.
+        fingerprint_extra: more of what the blobs depend on (the engine passes dtype, quant
+            settings, injection).
+
+    Returns:
+        The :class:`OffloadReport` (``engine.offload``).
+
+    Raises:
+        OffloadError: too little disk space for the blobs (checked before writing), or a ring
+            that does not fit the device (naming the largest unit).
+    """
+    settings = parse_offload(settings)
+    units = offload_units(model, plan, stack)
+    if not units:
+        raise ValueError(f"{type(model).__name__} has no embedding or layer to stream")
+    with torch.no_grad():
+        entries = [_store.layout_unit(u.index, u.name, [(r.key, r.current()) for r in u.tensors])
+                   for u in units]
+        largest = max(entries, key=lambda e: e.nbytes)
+        check_ring_fits(accelerator, device, largest.name, largest.nbytes, settings.buffer_count)
+        fingerprint = store_fingerprint(model, units, plan, fingerprint_extra)
+        source = _fill_store(settings, units, entries, fingerprint)
+        host = accelerator.computes_in_host_memory
+        loader = _loader(settings, source, device, largest.nbytes, host)
+        views = _views(entries, loader.slots)
+        ring = Ring(entries, loader, lambda i, s: _bind(units[i], views[i][s]))
+        streamed = {id(r.tensor) for u in units for r in u.tensors}
+        resident = _resident_bytes(model, streamed)  # before the buffers are replaced
+        try:
+            for unit in units:  # free the resident copies: every unit on views of slot 0
+                _bind(unit, views[unit.index][0])
+            _record_undo(units, ring, views)
+            _install_hooks(units, ring)
+            ring.start()
+        except BaseException:
+            ring.close()
+            raise
+    return OffloadReport(
+        tier=settings.device, path=str(source.path) if settings.device == "nvme" else None,
+        units=[u.name for u in units], ring_bytes=sum(s.numel() for s in loader.slots),
+        resident_bytes=resident,
+        streamed_bytes_per_pass=sum(e.nbytes for e in entries),
+        direct_io=bool(getattr(loader, "direct_io", False)),
+        fallback_reason=getattr(loader, "fallback_reason", None),
+        stale=[str(p) for p in getattr(source, "stale", [])], reused=bool(source.reused),
+        buffer_count=settings.buffer_count, ring=ring)
+
+
+def _fill_store(settings: OffloadConfig, units: Sequence[Unit], entries: Sequence[Any],
+                fingerprint: Mapping) -> Any:
+    """The tier's store holding every unit's blob: a complete :class:`DiskStore` is reused as it
+    is (``store.reused``), else written after the space check; the ``"cpu"`` tier packs a
+    :class:`MemoryStore`."""
+    if settings.device == "nvme":
+        store = _store.DiskStore(settings.nvme_path, fingerprint)
+        store.reused = store.complete(entries)
+        if store.reused:
+            return store
+        check_space(settings, _store.required_bytes(entries))
+    else:
+        store = _store.MemoryStore(pin=settings.pin_memory)
+        store.reused = False
+    for unit, entry in zip(units, entries):
+        store.write_unit(entry, [r.current() for r in unit.tensors])
+    if settings.device == "nvme":
+        store.finish(entries)
+    return store
+
+
+def _loader(settings: OffloadConfig, store: Any, device: torch.device, slot_bytes: int,
+            host: bool) -> Loader:
+    """The ring's loader: straight into host slots on a device that computes in host memory,
+    else through host memory and a copy stream into device slots."""
+    count = settings.buffer_count
+    if host:
+        reader = store.reader(threads=READ_THREADS)
+        loader = HostLoader(reader, [_store.aligned_host_buffer(slot_bytes) for _ in range(count)])
+        loader.direct_io, loader.fallback_reason = reader.direct_io, reader.fallback_reason
+        return loader
+    slots = [torch.empty(_store.align_up(slot_bytes), dtype=torch.uint8, device=device)
+             for _ in range(count)]
+    if settings.device == "cpu":  # pinned host blobs: nothing to read
+        return DeviceLoader(device, slots, lambda entry, s: store.buffer(entry), workers=1)
+    reader = store.reader(threads=READ_THREADS)
+    staging = [_store.aligned_host_buffer(slot_bytes, pin=settings.pin_memory)
+               for _ in range(count)]
+
+    def read(entry: Any, s: int) -> torch.Tensor:
+        reader.submit(entry, staging[s]).result()
+        return staging[s]
+    loader = DeviceLoader(device, slots, read, workers=count - 1, on_close=reader.close)
+    loader.direct_io, loader.fallback_reason = reader.direct_io, reader.fallback_reason
+    return loader
+
+
+def _views(entries: Sequence[Any], slots: Sequence[torch.Tensor]) -> list[list[list]]:
+    """views[unit][slot]: the unit's tensors (in its TensorRef order) as zero-copy views of the
+    slot, made once (outside inference mode, so rebinding never mixes tensor kinds)."""
+    out = []
+    for entry in entries:
+        per_slot = []
+        for slot in slots:
+            by_key = _store.unit_views(entry, slot)
+            per_slot.append([by_key[t.key] for t in entry.tensors])
+        out.append(per_slot)
+    return out
+
+
+def _bind(unit: Unit, views: Sequence[torch.Tensor]) -> None:
+    """Point ``unit``'s tensors at ``views`` and rebuild its packed views."""
+    for ref, view in zip(unit.tensors, views):
+        ref.point(view)
+    for module in unit.repacked:
+        module._packed = module.packed_view()
+
+
+def _install_hooks(units: Sequence[Unit], ring: Ring) -> None:
+    """Each unit's pre-forward hook acquires it, its post-forward hook (also after a failed
+    forward) releases it; both recorded (undone at close)."""
+    for unit in units:
+        index = unit.index
+
+        def acquire(module, args, index=index):
+            ring.acquire(index)
+
+        def release(module, args, output, index=index):
+            ring.release(index)
+        add_hook(unit.module.register_forward_pre_hook(acquire),
+                 f"offload pre-forward hook of {unit.name}")
+        add_hook(unit.module.register_forward_hook(release, always_call=True),
+                 f"offload post-forward hook of {unit.name}")
+
+
+def _record_undo(units: Sequence[Unit], ring: Ring, views: list) -> None:
+    """Record in the active ledger: at close, read each unit back into ordinary tensors on its
+    device (through the ring, then copied out of the slot), before the older undos run; and
+    close the ring whenever the model is given back (a failed init too)."""
+    def rebuild() -> None:
+        with torch.no_grad():
+            for unit in units:
+                ring.acquire(unit.index)
+                try:
+                    for ref in unit.tensors:
+                        ref.point(ref.current().clone())
+                    for module in unit.repacked:
+                        module._packed = module.packed_view()
+                finally:
+                    ring.release(unit.index)
+    record(f"offloaded weights of {len(units)} units (read back from the store)", rebuild)
+    ledger = active()
+    if ledger is not None:
+        ledger.on_restore("close the offload ring", ring.close)
+
+
+def _resident_bytes(model: nn.Module, streamed: set[int]) -> int:
+    """Bytes of the model's parameters and buffers that are not streamed."""
+    seen, total = set(), 0
+    for module in model.modules():
+        for table in (module._parameters, module._buffers):
+            for t in table.values():
+                if t is None or id(t) in seen or id(t) in streamed:
+                    continue
+                seen.add(id(t))
+                total += t.numel() * t.element_size()
+    return total
