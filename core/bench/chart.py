@@ -21,6 +21,11 @@ PANELS = (("decode latency, ms/token (median, p90 whisker)", ("decode_ms", "medi
            ("prefill_ms", "p90")),
           ("decode tokens/s", ("tokens_per_s",), None),
           ("decode weight bandwidth, % of measured", ("bandwidth_pct",), None))
+#: Panels added for a run with offloading variants (``--offload``; empty for the other rows).
+OFFLOAD_PANELS = (("offload: weights streamed per decode step, % of the tier's probe",
+                   ("offload", "probe_pct"), None),
+                  ("offload: read/compute overlap (1 = reads hidden)", ("offload", "overlap"),
+                   None))
 
 
 def plotting_available() -> bool:
@@ -81,10 +86,12 @@ def write_chart(doc: dict, path: str | os.PathLike) -> Path | None:
 
     runs, prov = doc["runs"], doc["provenance"]
     cells, variants = _cells(runs), _variants(runs)
+    panels = PANELS + (OFFLOAD_PANELS if any(r.get("offload") for r in runs) else ())
+    rows = (len(panels) + 1) // 2
     width = max(10.0, 2.4 * len(cells) * max(1, len(variants)) / 2)
-    fig, axes = plt.subplots(2, 2, figsize=(width, 8.5))
+    fig, axes = plt.subplots(rows, 2, figsize=(width, 4.25 * rows))
     axes = axes.ravel()
-    for ax, (title, fig_path, whisker) in zip(axes, PANELS):
+    for ax, (title, fig_path, whisker) in zip(axes, panels):
         _panel(ax, runs, cells, variants, title, fig_path, whisker)
     axes[0].legend(fontsize=8, handles=[plt.Rectangle((0, 0), 1, 1, color=f"C{j}")
                                         for j in range(len(variants))], labels=variants)

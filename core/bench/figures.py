@@ -21,6 +21,9 @@ Definitions (all over the timed repeats; warm-up samples are kept in the JSON bu
   own figures are rank 0's. ``all_ranks``: the bytes all ranks read per step together, over
   the slowest rank's median step (the step the group completes), as GB/s and % of the
   bandwidth: what ranks sharing one memory (a CPU socket) draw from it together.
+* ``offload`` (records of an offloading variant, ``--offload``): the bytes streamed per step,
+  their GB/s against the tier's read probe, the read/compute overlap and the peak RSS; see
+  :mod:`.offload`.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from __future__ import annotations
 from typing import Any
 
 from . import roofline
+from .offload import offload_figures
 from .stats import median, ratio, summarize
 
 
@@ -35,8 +39,10 @@ def _ms(summary: dict) -> dict:
     return {k: (v * 1e3 if k != "n" else v) for k, v in summary.items()}
 
 
-def figures(rec: dict[str, Any], device_gbps: float | None) -> dict[str, Any]:
-    """The figures of one record (empty when it failed or has no timed repeats)."""
+def figures(rec: dict[str, Any], device_gbps: float | None,
+            probe_gbps: float | None = None) -> dict[str, Any]:
+    """The figures of one record (empty when it failed or has no timed repeats);
+    ``probe_gbps``: the offload tier's probe (``--offload``)."""
     repeats = rec["samples"]["repeats"]
     if rec["status"] != "ok" or not repeats:
         return {}
@@ -61,6 +67,8 @@ def figures(rec: dict[str, Any], device_gbps: float | None) -> dict[str, Any]:
         out["decode_gbps"] = roofline.decode_gbps(read, step)
         if device_gbps:
             out["bandwidth_pct"] = roofline.bandwidth_pct(out["decode_gbps"], device_gbps)
+    if rec.get("offload"):
+        out["offload"] = offload_figures(rec, median(steps) if steps else None, probe_gbps)
     if rec.get("ranks"):
         out["ranks"] = [rank_figures(r, device_gbps) for r in rec["ranks"]]
         out["all_ranks"] = all_ranks_figures(rec["ranks"], device_gbps)
@@ -113,10 +121,12 @@ def speedup(rec: dict[str, Any], base: dict[str, Any] | None) -> dict[str, float
             "e2e": ratio(b["e2e_s"], f["e2e_s"])}
 
 
-def add_figures(records: list[dict[str, Any]], device_gbps: float | None) -> list[dict]:
-    """Set ``figures`` (with ``speedup`` over the same cell's baseline) on every record."""
+def add_figures(records: list[dict[str, Any]], device_gbps: float | None,
+                probe_gbps: float | None = None) -> list[dict]:
+    """Set ``figures`` (with ``speedup`` over the same cell's baseline) on every record
+    (``probe_gbps``: the offload tier's probe, for the offloading records)."""
     for rec in records:
-        rec["figures"] = figures(rec, device_gbps)
+        rec["figures"] = figures(rec, device_gbps, probe_gbps)
     baselines = {cell_key(r): r for r in records if r["baseline"] and r["status"] == "ok"}
     for rec in records:
         if rec["figures"]:

@@ -51,18 +51,23 @@ class Variant:
     """One shardwise variant: what ``init_inference`` is asked for beyond the device and the
     tensor-parallel size. ``dtype`` is a short torch name (None: the model's own); ``quant`` is
     ``"int8"``, ``"int4"`` or None; ``ep`` the expert-parallel size (``moe={"ep_size": ep}``
-    when > 1: one ``--ep`` value, so ``--ep 1 2`` runs each variant both ways in one run)."""
+    when > 1: one ``--ep`` value, so ``--ep 1 2`` runs each variant both ways in one run);
+    ``offload`` the tier its weights stream from (``"nvme"``, ``"cpu"`` or None: resident; the
+    directory and ring size are the plan's, :meth:`Plan.offload_settings`)."""
 
     dtype: str | None = None
     inject: bool = False
     graphs: bool = False
     quant: str | None = None
     ep: int = 1
+    offload: str | None = None
 
     def tags(self) -> list[str]:
-        """The options as the words of the variant's name (``inject``, ``graphs``, ``int8``)."""
+        """The options as the words of the variant's name (``inject``, ``graphs``, ``int8``,
+        ``offload-nvme``)."""
         return [t for t, on in (("inject", self.inject), ("graphs", self.graphs)) if on] + \
-            ([self.quant] if self.quant else [])
+            ([self.quant] if self.quant else []) + \
+            ([f"offload-{self.offload}"] if self.offload else [])
 
     def engine_options(self) -> dict[str, Any]:
         """The ``init_inference`` keywords of these options (dtype aside)."""
@@ -91,6 +96,8 @@ class Plan:
     baseline_dtype: str | None = None
     baseline_experts: str | None = None
     moe_dispatch: str | None = None
+    nvme_path: str | None = None
+    buffer_count: int | None = None
 
     def world_of(self, variant: Variant) -> int:
         """Ranks ``variant`` runs on: :func:`world_size` of ``tp`` and its ``ep``."""
@@ -140,7 +147,21 @@ class Plan:
         if variant.ep > 1:
             kwargs["moe"] = {"ep_size": variant.ep, **({"dispatch": self.moe_dispatch}
                                                        if self.moe_dispatch else {})}
+        if variant.offload:
+            kwargs["offload"] = self.offload_settings(variant.offload)
         return kwargs
+
+    def offload_settings(self, tier: str) -> dict[str, Any]:
+        """``init_inference``'s ``offload=`` for ``tier`` with this plan's directory and ring
+        size (DeepSpeed's ``offload_param`` names; the unset ones left to the engine)."""
+        settings = {"device": tier, "nvme_path": self.nvme_path,
+                    "buffer_count": self.buffer_count}
+        return {k: v for k, v in settings.items() if v is not None}
+
+    @property
+    def offload_tier(self) -> str | None:
+        """The tier the offloading variants stream from (one per run), or None."""
+        return next((v.offload for v in self.variants if v.offload), None)
 
     def check_variants(self) -> None:
         """Validate every variant's ``init_inference`` keywords with the engine's own config
@@ -466,3 +487,33 @@ def _require_moe_models(models, option: str, does: str) -> None:
             raise ConfigError(f"{option} {does}, and {spec.name} is a dense model (no experts); "
                               f"drop {flag} or bench an MoE model (e.g. --preset "
                               f"mixtral-18l-1024h-8e)")
+
+
+# ----- --offload ----------------------------------------------------------------------------------
+
+#: The engine's names for the offload settings, and the bench options that set them (named
+#: after an engine message that speaks of them).
+OFFLOAD_OPTIONS = {"nvme_path": "--nvme-path", "buffer_count": "--buffer-count",
+                   "enable_graph": "--graphs"}
+
+
+def check_offload_variants(plan: Plan, accelerator: Accelerator) -> None:
+    """Every offloading variant's settings against this machine, before any load: the engine's
+    own checks (:func:`shardwise.offload.config.check_offload`: ``--nvme-path`` given for the
+    ``nvme`` tier, an existing writable directory; ``--buffer-count`` at least 2; the ``cpu``
+    tier only on a device with memory of its own; no ``--graphs``), their errors prefixed with
+    the ``--offload`` option and the bench options the message's settings are."""
+    from ..offload.config import check_offload, parse_offload
+
+    for variant in plan.variants:
+        if not variant.offload:
+            continue
+        try:
+            settings = parse_offload(plan.offload_settings(variant.offload))
+            check_offload(settings, accelerator, None, accelerator.device(),
+                          enable_graph=variant.graphs)
+        except ConfigError as exc:
+            text = str(exc)
+            named = [f"{key} is {flag}" for key, flag in OFFLOAD_OPTIONS.items() if key in text]
+            raise ConfigError(f"--offload {variant.offload}: {text}"
+                              + (f" (here {', '.join(named)})" if named else "")) from None

@@ -24,8 +24,20 @@ A result file is one JSON object::
                decode_bytes, decode_bytes_method, peak_memory_bytes and median step
                decode_s; figures.ranks has each rank's GB/s, figures.all_ranks theirs
                together),
+               "offload" (rows of an offloading variant, --offload: the engine's report
+               "tier", "path", "units", "ring_bytes", "resident_bytes",
+               "streamed_bytes_per_pass", "direct_io", "fallback_reason", "reused", "stale";
+               "stats" over the timed repeats: "bytes_read", "read_s", "wait_s", "overlap",
+               "passes"; and the process's "rss_before_load_bytes", "rss_start_bytes" (at
+               the cell's start), "peak_rss_bytes" (over the cell); figures.offload has
+               "step_bytes", "stream_gbps", "probe_pct", "overlap", "wait_ms_per_step",
+               "peak_rss_bytes", "rss_growth_bytes": see offload.py),
                "samples": {"warmup": [...], "repeats": [{"prefill_s", "per_token_s"}]},
                "figures": {...}}],             # see figures.py
+     "offload_probe": {"tier", "method" ("O_DIRECT read", "buffered read" where the
+                       filesystem refuses direct I/O, or "pinned host-to-device copy"),
+                       "bytes", "path", "direct_io", "probes_gbps" (before and after the
+                       runs), "gbps" (their highest)},   # only with --offload
      "notes": [...]}                           # optional: e.g. why a default row is left out
 """
 
@@ -41,6 +53,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError
+from .offload import format_offload
 
 SCHEMA = "shardwise-bench/1"
 DOCUMENT_KEYS = ("schema", "command", "provenance", "plan", "bandwidth", "runs")
@@ -97,10 +110,13 @@ def provenance(accelerator, options: dict[str, Any]) -> dict[str, Any]:
 # ----- the document -------------------------------------------------------------------------------
 
 def build_document(command: str, prov: dict, plan: dict, bandwidth: dict,
-                   runs: list[dict], notes: list[str] | None = None) -> dict[str, Any]:
+                   runs: list[dict], notes: list[str] | None = None,
+                   offload_probe: dict | None = None) -> dict[str, Any]:
     """The result document (see the module docstring)."""
     doc = {"schema": SCHEMA, "command": command, "provenance": prov, "plan": plan,
            "bandwidth": bandwidth, "runs": runs}
+    if offload_probe is not None:
+        doc["offload_probe"] = offload_probe
     if notes:
         doc["notes"] = list(notes)
     return doc
@@ -246,7 +262,8 @@ def format_table(doc: dict) -> str:
     text += [f"note: {line}" for line in decode_bytes_notes(doc["runs"])]
     text += [f"note: {line}" for line in rank_notes(doc["runs"])]
     text += [f"note: {line}" for line in doc.get("notes") or []]
-    return "\n".join(text)
+    offload = format_offload(doc)
+    return "\n".join(text + ([offload] if offload else []))
 
 
 def decode_bytes_notes(runs: list[dict]) -> list[str]:

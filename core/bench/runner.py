@@ -16,7 +16,7 @@ import gc
 import os
 from dataclasses import asdict
 from functools import partial
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -25,6 +25,7 @@ from ..accelerator import Accelerator, dtype_name
 from ..config import parse_dtype
 from ..generation import timed_generate
 from ..transforms import model_dtype
+from .offload import OffloadMeter, process_memory
 from .plan import Cell, ModelSpec, Plan, Variant, is_baseline
 from .presets import build_preset
 from .roofline import (RoutingCounter, active_parameters, expert_modules, moe_decode_bytes,
@@ -157,15 +158,22 @@ def time_generate(generate_on: Any, inputs: dict, kwargs: dict, new_tokens: int,
 
 
 def measure_cell(generate_on: Any, model, inputs: dict, cell: Cell, plan: Plan,
-                 accelerator: Accelerator, progress: Progress, rec: dict) -> dict:
+                 accelerator: Accelerator, progress: Progress, rec: dict,
+                 meter: OffloadMeter | None = None) -> dict:
     """Fill ``rec`` with warm-up and repeat samples, the peak memory of this cell and the bytes
     a decode step reads (for an MoE model, the experts routed to during the timed repeats are
-    counted: see :func:`~.roofline.moe_decode_bytes`)."""
+    counted: see :func:`~.roofline.moe_decode_bytes`); with a ``meter`` (an offloading
+    variant), ``rec["offload"]``: what the engine streamed during the timed repeats and the
+    process's peak RSS over the cell."""
     check_positions(model, cell)
     kwargs = generation_kwargs(model, cell.new_tokens)
     accelerator.reset_peak_memory()
+    if meter is not None:
+        meter.start_cell()
     counter = RoutingCounter(model)
     for phase, count in (("warmup", plan.warmup), ("repeats", plan.repeats)):
+        if phase == "repeats" and meter is not None:
+            meter.start_timed()
         with counter if phase == "repeats" else contextlib.nullcontext():
             for _ in range(count):
                 counter.next_generate()
@@ -175,7 +183,19 @@ def measure_cell(generate_on: Any, model, inputs: dict, cell: Cell, plan: Plan,
     accelerator.synchronize()
     rec["peak_memory_bytes"] = accelerator.peak_memory()
     rec["decode_bytes"], rec["decode_bytes_method"] = moe_decode_bytes(model, counter, cell.batch)
+    if meter is not None:
+        rec["offload"] = meter.finish()
     return rec
+
+
+class Prepared(NamedTuple):
+    """A variant ready to time: what ``generate`` is called on, the module it runs, extra
+    record fields, and the engine's offload report (None: the weights are resident)."""
+
+    generate_on: Any
+    module: Any
+    extra: dict[str, Any]
+    offload: Any = None
 
 
 def prepare_baseline(model, dtype: torch.dtype | None, accelerator: Accelerator,
@@ -188,7 +208,7 @@ def prepare_baseline(model, dtype: torch.dtype | None, accelerator: Accelerator,
     model.to(device=accelerator.device(), dtype=dtype)
     if experts is not None:
         model.set_experts_implementation(experts)
-    return model, model, {}
+    return Prepared(model, model, {})
 
 
 #: What an experts module given an instance forward by shardwise (its MoE step) runs.
@@ -215,15 +235,16 @@ def experts_implementation(module) -> str | None:
 
 def prepare_shardwise(model, plan: Plan, variant: Variant, accelerator: Accelerator):
     """``init_inference`` on ``model`` (in place) with ``variant``'s options; returns
-    ``(engine.module, engine.module, extra record fields)``: generate runs on the engine's
-    module, as a user's code does (the inputs are already on the device, and every rank under
+    :class:`Prepared` ``(engine.module, engine.module, extra record fields, engine.offload)``:
+    generate runs on the engine's module, as a user's code does (the inputs are already on the device, and every rank under
     tensor parallelism builds the same ones). The engine, its graphs and its cache go with the
     module when the variant is done (``engine.close()`` would rebuild the original weights of a
     model that is dropped anyway)."""
     from ..engine import init_inference
 
     engine = init_inference(model, **plan.engine_kwargs(variant))
-    return engine.module, engine.module, {"kernel_dtype": kernel_dtypes(engine)}
+    return Prepared(engine.module, engine.module, {"kernel_dtype": kernel_dtypes(engine)},
+                    getattr(engine, "offload", None))
 
 
 def kernel_dtypes(engine: Any) -> str | None:
@@ -234,15 +255,18 @@ def kernel_dtypes(engine: Any) -> str | None:
 
 
 def run_variant(variant: str, prepare: Callable, tokenizer, spec: ModelSpec, plan: Plan,
-                accelerator: Accelerator, progress: Progress) -> list[dict]:
-    """All cells of one variant of one model; a failure fails that cell (or, while preparing,
-    every cell) and the rest go on."""
+                accelerator: Accelerator, progress: Progress,
+                rss_before_load: int | None = None) -> list[dict]:
+    """All cells of one variant of one model (``prepare`` returns its :class:`Prepared`); a
+    failure fails that cell (or, while preparing, every cell) and the rest go on.
+    ``rss_before_load``: the process's resident set before the model was loaded, which an
+    offloading variant's RSS growth is counted from."""
     steps = plan.warmup + plan.repeats
     world = _world_size()
     progress.set_description(f"{spec.name} {variant}: preparing"
                              + ("" if is_baseline(variant) else " (init_inference)"))
     try:
-        generate_on, module, extra = prepare()
+        generate_on, module, extra, offload = prepare()
     except Exception as exc:  # the engine's or the device's error, reported per row
         progress.update(steps * len(plan.cells))
         return [record(spec, variant, c, status="failed", error=error_text(exc),
@@ -260,8 +284,9 @@ def run_variant(variant: str, prepare: Callable, tokenizer, spec: ModelSpec, pla
         rec = record(spec, variant, cell, **facts)
         inputs = make_inputs(tokenizer, _vocab_size(module, tokenizer), cell, plan.seed)
         try:
+            meter = OffloadMeter(offload, rss_before_load) if offload is not None else None
             measure_cell(generate_on, module, _on(inputs, accelerator), cell, plan,
-                         accelerator, progress, rec)
+                         accelerator, progress, rec, meter)
         except Exception as exc:
             rec.update(status="failed", error=error_text(exc))
             progress.update(steps - len(rec["samples"]["warmup"]) - len(rec["samples"]["repeats"]))
@@ -277,6 +302,7 @@ def bench_model(spec: ModelSpec, plan: Plan, accelerator: Accelerator, baseline:
     names = ([plan.baseline_name] if baseline else []) + [plan.variant_name(v) for v in variants]
     base_dtype = parse_dtype(plan.baseline_dtype)
     progress.set_description(f"loading {spec.name}")
+    rss_before_load = process_memory().get("rss")
     try:
         model, tokenizer = load(spec, base_dtype, plan.seed)
     except Exception as exc:
@@ -295,14 +321,15 @@ def bench_model(spec: ModelSpec, plan: Plan, accelerator: Accelerator, baseline:
     for i, variant in enumerate(variants):
         last = i == len(variants) - 1
         records += _run_on_copy(model if last else None, model, variant, tokenizer, spec, plan,
-                                accelerator, progress)
+                                accelerator, progress, rss_before_load)
     del model
     release(accelerator)
     return records
 
 
 def _run_on_copy(own, pristine, variant: Variant, tokenizer, spec: ModelSpec, plan: Plan,
-                 accelerator: Accelerator, progress: Progress) -> list[dict]:
+                 accelerator: Accelerator, progress: Progress,
+                 rss_before_load: int | None = None) -> list[dict]:
     """Run ``variant`` on ``own`` (the model itself, transformed in place) or, when None, on a
     deep copy of ``pristine`` that is dropped afterwards."""
     name = plan.variant_name(variant)
@@ -312,7 +339,8 @@ def _run_on_copy(own, pristine, variant: Variant, tokenizer, spec: ModelSpec, pl
         return prepare_shardwise(target, plan, variant, accelerator)
 
     try:
-        return run_variant(name, prepare, tokenizer, spec, plan, accelerator, progress)
+        return run_variant(name, prepare, tokenizer, spec, plan, accelerator, progress,
+                           rss_before_load)
     finally:
         release(accelerator)
 

@@ -13,6 +13,7 @@ from typing import Any
 from ..accelerator import Accelerator
 from .figures import add_figures
 from .launch import run_ranks
+from .offload import probe_tier
 from .plan import Plan
 from .report import build_document, provenance
 from .roofline import measure_bandwidth
@@ -124,8 +125,13 @@ def run_bench(plan: Plan, accelerator: Accelerator, *, command: str, options: di
     run here on one device; the variants on several ranks (``--tp``, ``--ep``) on launched
     ranks, one launch per rank count (:meth:`~.plan.Plan.by_world`), that count ÷
     ``plan.nnodes`` per node.
+
+    With offloading variants (``--offload``) the tier they stream from is probed as well,
+    also before and after the runs (:func:`~.offload.probe_tier`, ``bandwidth_bytes`` its size
+    when given): the document's ``offload_probe``.
     """
     bandwidth = measure_bandwidth(accelerator, bandwidth_bytes)
+    tier = _probe_tier(plan, accelerator, bandwidth_bytes)
     release(accelerator)
     groups = plan.by_world()
     local_variants = groups[1].variants if 1 in groups else []
@@ -139,9 +145,20 @@ def run_bench(plan: Plan, accelerator: Accelerator, *, command: str, options: di
                               show_progress)
     release(accelerator)
     bandwidth = bandwidth.add(measure_bandwidth(accelerator, bandwidth.nbytes))
-    runs = add_figures(_ordered(runs, plan), bandwidth.gbps)
+    if tier is not None:
+        tier = tier.add(_probe_tier(plan, accelerator, tier.nbytes))
+    runs = add_figures(_ordered(runs, plan), bandwidth.gbps, tier.gbps if tier else None)
     return build_document(command, provenance(accelerator, options), plan.to_dict(),
-                          bandwidth.to_dict(), runs, notes)
+                          bandwidth.to_dict(), runs, notes,
+                          offload_probe=tier.to_dict() if tier is not None else None)
+
+
+def _probe_tier(plan: Plan, accelerator: Accelerator, nbytes: int | None):
+    """The offload tier's probe (:class:`~.offload.TierProbe`), or None without offloading
+    variants."""
+    if plan.offload_tier is None:
+        return None
+    return probe_tier(plan.offload_tier, accelerator, plan.nvme_path, nbytes)
 
 
 def _ordered(runs: list[dict], plan: Plan) -> list[dict]:

@@ -1,7 +1,7 @@
 """``shardwise bench``: time the plain Hugging Face model against shardwise on this device, over
 a matrix of models × batch sizes × prompt lengths × new tokens, with roofline figures.
 
-Without variant options (--inject, --graphs, --quant, --dtype, --plain) it runs what shardwise
+Without variant options (--inject, --graphs, --quant, --dtype, --offload, --plain) it runs what shardwise
 does fastest on this device, as the accelerator says: kernel injection with graphs in its
 preferred dtype, then the same with int8 and with int4 weights (where it has fast kernels),
 against the HF model in that dtype. With them it runs the one variant they describe.
@@ -55,7 +55,7 @@ def _add_variant_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group(
         "the shardwise variant",
         "The baseline is the plain HF model. With none of --dtype, --inject, --graphs,\n"
-        "--quant, --plain: the device's default set (injection + graphs, then also int8 and\n"
+        "--quant, --offload, --plain: the device's default set (injection + graphs, then also int8 and\n"
         "int4, in the device's preferred dtype, HF too); with any, the one variant they describe.")
     g.add_argument("--device", help="accelerator plugin (default: $SHARDWISE_ACCELERATOR or "
                                     "detection)")
@@ -82,6 +82,20 @@ def _add_variant_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--inject", action="store_true", help="kernel injection")
     g.add_argument("--graphs", action="store_true", help="graph capture (needs --inject)")
     g.add_argument("--quant", choices=["int8", "int4"], help="weight quantization")
+    g.add_argument("--offload", choices=["nvme", "cpu"],
+                   help="ZeRO-Inference: the variant's weights stream layer by layer from files "
+                        "under --nvme-path (nvme) or from host memory to an accelerator (cpu), "
+                        "read ahead while the previous layer computes (offload=); the run "
+                        "first probes that tier's read bandwidth and each row reports the bytes "
+                        "streamed per decode step, their GB/s against the probe, the read/compute "
+                        "overlap and the peak RSS")
+    g.add_argument("--nvme-path", metavar="DIR",
+                   help="with --offload nvme: an existing writable directory on a fast local "
+                        "disk for the repacked weights (reused by later runs of the same model "
+                        "and settings)")
+    g.add_argument("--buffer-count", type=int, metavar="K",
+                   help="with --offload: ring slots, at least 2, each the size of the largest "
+                        "layer; K-1 layers are read ahead (default: the engine's, 4)")
     g.add_argument("--plain", action="store_true",
                    help="one shardwise variant with no optimising option (init_inference only "
                         "places and casts the model; with --tp it shards it)")
@@ -103,7 +117,8 @@ def _add_output_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-chart", action="store_true", help="skip the PNG chart")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
     g.add_argument("--bandwidth-mib", type=_positive, metavar="MiB",
-                   help="size of the bandwidth probe's buffer (default 512 on CPU, 2048 else)")
+                   help="size of the bandwidth probe's buffer (default 512 on CPU, 2048 else); "
+                        "with --offload also of the tier's probe (default 256)")
     g.add_argument("--compare", nargs=2, metavar=("A.json", "B.json"),
                    help="print the ratios B/A of two saved runs and exit")
     g.add_argument("--list-presets", action="store_true", help="list the presets and exit")
@@ -146,7 +161,9 @@ def _options(args: argparse.Namespace) -> dict:
 
 
 #: Options that pick the shardwise variant; with none of them the device's default set runs.
-VARIANT_OPTIONS = ("dtype", "inject", "graphs", "quant", "plain")
+VARIANT_OPTIONS = ("dtype", "inject", "graphs", "quant", "offload", "plain")
+#: Options that only --offload reads.
+OFFLOAD_ONLY_OPTIONS = ("nvme_path", "buffer_count")
 #: Options only a multi-node run (--nnodes > 1) reads.
 MULTI_NODE_OPTIONS = ("node_rank", "master_addr", "master_port")
 #: Modes that do something else than running, and take no run options.
@@ -180,6 +197,11 @@ def check_combinations(args: argparse.Namespace) -> None:
     if args.graphs and not args.inject:
         raise ConfigError("--graphs captures the injected decode step: add --inject (or drop "
                           "--graphs; without variant options the bench runs both)")
+    stray = [d for d in OFFLOAD_ONLY_OPTIONS if d in given]
+    if stray and not args.offload:
+        raise ConfigError(f"{', '.join(map(_flag, stray))}: used only by --offload (how the "
+                          f"weights stream in); add --offload nvme (or cpu), or drop "
+                          f"{'them' if len(stray) > 1 else 'it'}")
     if args.warmup < 0:
         raise ConfigError(f"--warmup must be 0 or more, got {args.warmup}")
     if args.moe_dispatch and max(args.ep) <= 1:
@@ -220,7 +242,7 @@ def _variants(args: argparse.Namespace, accelerator) -> tuple[list, str | None, 
     baseline = resolve_dtype_name(accelerator, args.baseline_dtype)
     eps = list(dict.fromkeys(args.ep))
     if any(getattr(args, d) for d in VARIANT_OPTIONS):
-        variant = Variant(dtype, args.inject, args.graphs, args.quant)
+        variant = Variant(dtype, args.inject, args.graphs, args.quant, offload=args.offload)
         return [replace(variant, ep=ep) for ep in eps], baseline or dtype, []
     variants, notes = default_variants(accelerator)
     return ([replace(v, ep=ep) for ep in eps for v in variants], baseline or variants[0].dtype,
@@ -232,8 +254,8 @@ def _plan(args: argparse.Namespace):
     against the ranks and each model's plan on those ranks, matrix, every variant's engine
     config) before heavy work; returns ``(plan, accelerator, nproc, notes)``."""
     from ..bench.plan import (Plan, check_baseline_experts, check_cells_fit,
-                              check_expert_parallel, check_parallel_plans, check_tp, make_cells,
-                              resolve_models)
+                              check_expert_parallel, check_offload_variants,
+                              check_parallel_plans, check_tp, make_cells, resolve_models)
     from ..plugins import get_accelerator
 
     check_combinations(args)
@@ -247,7 +269,9 @@ def _plan(args: argparse.Namespace):
                 device=accelerator.name, variants=variants, tp=args.tp, nnodes=args.nnodes,
                 baseline_dtype=baseline_dtype, baseline_experts=args.baseline_experts,
                 warmup=args.warmup, repeats=args.repeats, seed=args.seed,
-                moe_dispatch=args.moe_dispatch)
+                moe_dispatch=args.moe_dispatch, nvme_path=args.nvme_path,
+                buffer_count=args.buffer_count)
+    check_offload_variants(plan, accelerator)  # the engine's own checks, in the bench's words
     check_cells_fit(plan.models, plan.cells)
     check_baseline_experts(plan.models, plan.baseline_experts, accelerator, baseline_dtype)
     plan.check_variants()
