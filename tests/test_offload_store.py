@@ -289,6 +289,24 @@ def test_file_bytes_are_the_packed_blob(tmp_path):
     assert store.unit_path(entries[0]).read_bytes() == bytes(buf.tolist())
 
 
+def test_write_packed_from_views_filled_one_by_one(tmp_path):
+    named = _tensors(5)
+    entry = layout_unit(0, "model.layers.0", named)
+    buf = aligned_host_buffer(entry.nbytes)  # zeroed: the padding is zero already
+    for key, value in named:  # as a checkpoint streams tensors in
+        unit_views(entry, buf)[key].copy_(value)
+    store = DiskStore(tmp_path, FP)
+    store.write_packed(entry, buf)
+    store.finish([entry])
+    assert store.complete([entry])
+    with store.reader() as reader:
+        back = aligned_host_buffer(entry.nbytes)
+        reader.submit(entry, back).result()
+    assert torch.equal(back, buf)
+    with pytest.raises(ValueError, match="needs"):
+        store.write_packed(entry, buf[:ALIGN])
+
+
 def test_direct_and_buffered_reads_give_identical_bytes(tmp_path):
     store, entries, _ = _written_store(tmp_path)
     with store.reader(direct=True) as direct, store.reader(direct=False) as buffered:
@@ -513,4 +531,14 @@ def test_read_probe_reports_a_fall_back(tmp_path, monkeypatch):
     result = read_probe(tmp_path, nbytes=1 << 20, threads=1)
     assert result["gbps"] > 0 and result["direct_io"] is False
     assert "O_DIRECT open failed" in result["fallback_reason"]
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_read_probe_refuses_bad_arguments(tmp_path):
+    with pytest.raises(ValueError, match="nbytes and threads must be >= 1"):
+        read_probe(tmp_path, nbytes=0)
+    with pytest.raises(ValueError, match="nbytes and threads must be >= 1"):
+        read_probe(tmp_path, nbytes=ALIGN, threads=0)
+    with pytest.raises(FileNotFoundError, match="no such directory"):
+        read_probe(tmp_path / "missing", nbytes=ALIGN)
     assert list(tmp_path.iterdir()) == []

@@ -566,9 +566,8 @@ class DiskStore:
         return self._staging
 
     def write_unit(self, entry: UnitEntry, tensors: Sequence[torch.Tensor]) -> None:
-        """Write one unit's blob: packed in ``entry``'s layout (zero padding) into a host staging
-        buffer, written to a temp file in the store directory, fsynced, renamed into place,
-        and dropped from the page cache (the store may be larger than RAM).
+        """Write one unit's blob from its tensors: packed in ``entry``'s layout (zero padding)
+        into a reused host staging buffer, then written as by :meth:`write_packed`.
 
         Args:
             entry: the unit's layout.
@@ -577,10 +576,28 @@ class DiskStore:
         self._prepare()
         staging = self._staging_buffer(entry.nbytes)
         pack_into(entry, tensors, staging)
+        self.write_packed(entry, staging)
+
+    def write_packed(self, entry: UnitEntry, buffer: torch.Tensor) -> None:
+        """Write one unit's blob from a host buffer already in its layout (e.g. filled tensor by
+        tensor through :func:`unit_views` while a checkpoint streams in): written to a temp file
+        in the store directory, fsynced, renamed into place, and dropped from the page cache
+        (the store may be larger than RAM).
+
+        Args:
+            entry: the unit's layout.
+            buffer: a contiguous 1-D uint8 host tensor whose first ``entry.nbytes`` bytes are
+                the blob (padding included: zero it, as :func:`pack_into` does).
+        """
+        _check_host_buffer(buffer, entry.nbytes, f"writing unit {entry.name!r}")
+        if buffer.device.type != "cpu":
+            raise ValueError(f"writing unit {entry.name!r}: the buffer must be in host memory, "
+                             f"got device {buffer.device}")
+        self._prepare()
         target = self.unit_path(entry)
         fd, tmp = tempfile.mkstemp(dir=self.path, prefix=f".{target.name}.", suffix=".tmp")
         try:
-            _write_all(fd, _writable_view(staging, entry.nbytes))
+            _write_all(fd, _writable_view(buffer, entry.nbytes))
             os.fsync(fd)
             _drop_cache(fd)
             os.close(fd)
@@ -864,6 +881,11 @@ def read_probe(directory: str | Path, nbytes: int = 256 << 20, direct: bool = Tr
         ``{"gbps": GB/s (1e9 bytes), "direct_io": whether the reads bypassed the page cache,
         "fallback_reason": why not (or None), "nbytes": bytes read, "seconds": wall time}``.
     """
+    if nbytes < 1 or threads < 1:
+        raise ValueError(f"read_probe: nbytes and threads must be >= 1, got {nbytes} and "
+                         f"{threads}")
+    if not Path(directory).is_dir():
+        raise FileNotFoundError(errno.ENOENT, "read_probe: no such directory", str(directory))
     parts = 2 * threads
     part = align_up(max(1, math.ceil(nbytes / parts)))
     units = [UnitEntry(i, f"probe{i}", part, ()) for i in range(parts)]
@@ -872,6 +894,7 @@ def read_probe(directory: str | Path, nbytes: int = 256 << 20, direct: bool = Tr
         dest = aligned_host_buffer(part * parts)  # uint8 [parts * part]
         for u in units:
             _write_probe_file(tmp / unit_filename(u.index), part, dest[:min(part, CHUNK)])
+        dest.fill_(0)  # fault every page in now: the timing is the disk's, as for ring slots
         with BlobReader(tmp, threads=threads, direct=direct) as reader:
             start = time.perf_counter()
             futures = [reader.submit(u, dest[u.index * part:(u.index + 1) * part]) for u in units]
