@@ -5,6 +5,7 @@ import errno
 import gc
 import json
 import os
+import threading
 
 import pytest
 import torch
@@ -332,6 +333,26 @@ def test_concurrent_submits_of_several_units(tmp_path, monkeypatch):
         _assert_unit_equal(e, ring[i * slot:(i + 1) * slot], v)
 
 
+def test_reads_run_on_several_threads_at_once(tmp_path, monkeypatch):
+    store, entries, values = _written_store(tmp_path, n=3)
+    real_preadv = os.preadv
+    together = threading.Barrier(3, timeout=20)  # broken unless 3 reads are in flight at once
+
+    def meeting_preadv(fd, buffers, offset, *args):
+        if offset == 0:
+            together.wait()
+        return real_preadv(fd, buffers, offset, *args)
+
+    monkeypatch.setattr(os, "preadv", meeting_preadv)
+    bufs = [aligned_host_buffer(e.nbytes) for e in entries]
+    with BlobReader(store.path, threads=3) as reader:
+        futures = [reader.submit(e, b) for e, b in zip(entries, bufs)]
+        for f in futures:
+            f.result(timeout=30)
+    for e, b, v in zip(entries, bufs, values):
+        _assert_unit_equal(e, b, v)
+
+
 def test_submit_refuses_a_bad_destination(tmp_path):
     store, entries, _ = _written_store(tmp_path, n=1)
     e = entries[0]
@@ -393,6 +414,15 @@ def test_rewrite_drops_the_manifest_before_the_first_unit(tmp_path):
     again.finish(entries)
     assert again.complete(entries)
     assert not list(again.path.glob("*.tmp"))  # temp files renamed or removed
+
+
+def test_an_interrupted_write_leaves_no_temp_files_behind(tmp_path):
+    store, entries, values = _written_store(tmp_path)
+    leftover = store.path / ".unit-00001.bin.abc123.tmp"  # a crash between write and rename
+    leftover.write_bytes(b"partial")
+    again = DiskStore(tmp_path, FP)
+    again.write_unit(entries[1], values[1])
+    assert not leftover.exists()
 
 
 def test_finish_refuses_an_unwritten_unit(tmp_path):

@@ -547,8 +547,9 @@ class DiskStore:
             return -1
 
     def _prepare(self) -> None:
-        """Create the directory with its marker and remove an old manifest, once, before the
-        first unit is written (a half-rewritten store must never look complete)."""
+        """Create the directory with its marker, remove an old manifest (a half-rewritten store
+        must never look complete) and temp files left by an interrupted write; once, before the
+        first unit is written."""
         if self._invalidated:
             return
         if not self.root.is_dir():
@@ -556,6 +557,8 @@ class DiskStore:
                                     "exist; create it or pass another nvme_path", str(self.root))
         self.path.mkdir(exist_ok=True)
         (self.path / MANIFEST).unlink(missing_ok=True)
+        for leftover in self.path.glob(".*.tmp"):  # from a write that was interrupted
+            leftover.unlink(missing_ok=True)
         _write_atomic(self.path / MARKER, _canonical(self.fingerprint).encode())
         self._invalidated = True
 
