@@ -147,8 +147,8 @@ def reset_process_peak() -> None:
 # ----- one cell -----------------------------------------------------------------------------------
 
 #: The engine's report facts a record keeps (``rec["offload"]``), as the engine says them.
-REPORT_FACTS = ("tier", "path", "ring_bytes", "resident_bytes", "streamed_bytes_per_pass",
-                "direct_io", "fallback_reason", "reused")
+REPORT_FACTS = ("tier", "path", "buffer_count", "ring_bytes", "resident_bytes",
+                "streamed_bytes_per_pass", "direct_io", "fallback_reason", "reused")
 
 
 def report_facts(report: Any) -> dict[str, Any]:
@@ -230,7 +230,11 @@ def _num(value: float | None, spec: str) -> str:
 
 
 def _mib(nbytes: float | None) -> str:
-    return "-" if nbytes is None else f"{nbytes / 2**20:.0f}"
+    """MiB, 3 significant digits under 100 (a tiny model's 0.422), whole ones above."""
+    if nbytes is None:
+        return "-"
+    mib = nbytes / 2**20
+    return f"{mib:.3g}" if mib < 100 else f"{mib:.0f}"
 
 
 def offload_row(rec: dict[str, Any]) -> list[str]:
