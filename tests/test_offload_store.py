@@ -460,6 +460,32 @@ def test_an_unfinished_store_of_another_fingerprint_is_stale_too(tmp_path):
     assert DiskStore(tmp_path, {**FP, "rank": 1}).stale == [half.path]
 
 
+def test_shards_of_one_model_are_not_stale_to_each_other(tmp_path):
+    entries, values = _units(2)
+    ranks = [DiskStore(tmp_path, FP, shard={"tp": [2, r]}) for r in range(2)]
+    for store in ranks:
+        for e, v in zip(entries, values):
+            store.write_unit(e, v)
+        store.finish(entries)
+    assert ranks[0].group == ranks[1].group == tmp_path / fingerprint_key(FP)
+    assert ranks[0].path != ranks[1].path and ranks[0].path.parent == ranks[0].group
+    for r in range(2):
+        again = DiskStore(tmp_path, FP, shard={"tp": [2, r]})
+        assert again.stale == [] and again.complete(entries)
+    assert not DiskStore(tmp_path, FP).complete(entries)  # the unsharded store is another one
+    # a manifest moved to another shard's directory is not that shard's
+    (ranks[1].path / MANIFEST).write_bytes((ranks[0].path / MANIFEST).read_bytes())
+    assert not DiskStore(tmp_path, FP, shard={"tp": [2, 1]}).complete(entries)
+    # another model sees the whole group as one stale store
+    assert DiskStore(tmp_path, {**FP, "model": "other"}).stale == [ranks[0].group]
+
+
+def test_a_manifest_that_is_not_an_object_is_not_complete(tmp_path):
+    store, entries, _ = _written_store(tmp_path)
+    (store.path / MANIFEST).write_text("[1, 2]")
+    assert not store.complete(entries)
+
+
 def test_writing_into_a_missing_root_says_so(tmp_path):
     entries, values = _units(1)
     store = DiskStore(tmp_path / "nope", FP)

@@ -488,6 +488,13 @@ def _read_manifest(path: Path) -> dict | None:
         return None
 
 
+def _is_store(d: Path) -> bool:
+    """Whether ``d`` is a store directory (marker or manifest), or a group of shard stores."""
+    def marked(p: Path) -> bool:
+        return (p / MANIFEST).exists() or (p / MARKER).exists()
+    return d.is_dir() and (marked(d) or any(marked(s) for s in d.glob("shard-*")))
+
+
 class DiskStore:
     """The ``nvme`` tier: one blob file per unit under ``root / fingerprint_key(fingerprint)``.
 
@@ -495,33 +502,44 @@ class DiskStore:
     :meth:`write_unit` for every unit, then :meth:`finish`; next time, :meth:`complete` says
     whether the files can be reused as they are.
 
+    Ranks of one sharded model (tensor / expert parallel) pass the same ``fingerprint`` (what
+    all shards share: model, dtype, quant, TP *size* ...) and their own ``shard`` (their
+    coordinates): each gets ``root / fingerprint_key(fingerprint) / "shard-<key of shard>"``,
+    and the other ranks' stores are siblings of the same model, not stale.
+
     Attributes:
         root: the user's ``nvme_path``.
-        fingerprint: what the blobs depend on (model identity, dtype, quant, TP rank, ...).
-        path: this fingerprint's directory, ``root / fingerprint_key(fingerprint)``.
-        stale: sibling store directories of other fingerprints (a model or settings since
-            changed). They are listed so the caller can report them; they are never read.
+        fingerprint: what the blobs depend on (model identity, dtype, quant, ...), as JSON.
+        shard: this rank's coordinates (JSON), or None for an unsharded store.
+        group: ``root / fingerprint_key(fingerprint)``: this model's directory.
+        path: the directory holding the blobs: ``group``, or ``group / "shard-<key>"``.
+        stale: directories under ``root`` holding stores of other fingerprints (a model or
+            settings since changed). They are listed so the caller can report them; they are
+            never read.
 
     Not thread-safe for writing: write units from one thread.
     """
 
-    def __init__(self, root: str | Path, fingerprint: Mapping[str, Any]) -> None:
+    def __init__(self, root: str | Path, fingerprint: Mapping[str, Any],
+                 shard: Mapping[str, Any] | None = None) -> None:
         self.root = Path(root)
         self.fingerprint = json.loads(_canonical(fingerprint))  # as it reads back from JSON
-        self.path = self.root / fingerprint_key(fingerprint)
+        self.shard = None if shard is None else json.loads(_canonical(shard))
+        self.group = self.root / fingerprint_key(fingerprint)
+        self.path = self.group if shard is None else self.group / f"shard-{fingerprint_key(shard)}"
         self.stale = self._find_stale()
         self._invalidated = False
         self._staging: torch.Tensor | None = None
 
     def _find_stale(self) -> list[Path]:
-        """Sibling directories that are stores (marker or manifest) of another fingerprint."""
+        """Directories under ``root`` other than ``group`` that are stores (or shard groups)."""
         if not self.root.is_dir():
             return []
-        return sorted(
-            d for d in self.root.iterdir()
-            if d.is_dir() and d.name != self.path.name
-            and ((d / MANIFEST).exists() or (d / MARKER).exists())
-        )
+        return sorted(d for d in self.root.iterdir() if d != self.group and _is_store(d))
+
+    def _identity(self) -> dict:
+        """What the marker and manifest record, and :meth:`complete` compares."""
+        return {"format": FORMAT_VERSION, "fingerprint": self.fingerprint, "shard": self.shard}
 
     def unit_path(self, entry: UnitEntry) -> Path:
         """The blob file of ``entry``."""
@@ -533,9 +551,10 @@ class DiskStore:
         manifest = _read_manifest(self.path / MANIFEST)
         if manifest is None:
             return False
-        if (manifest.get("format") != FORMAT_VERSION
-                or manifest.get("fingerprint") != self.fingerprint
-                or manifest.get("units") != [u.to_json() for u in units]):
+        if not isinstance(manifest, dict):
+            return False
+        identity = {k: manifest.get(k) for k in ("format", "fingerprint", "shard")}
+        if identity != self._identity() or manifest.get("units") != [u.to_json() for u in units]:
             return False
         return all(self._file_size(u) == u.nbytes for u in units)
 
@@ -555,11 +574,11 @@ class DiskStore:
         if not self.root.is_dir():
             raise FileNotFoundError(errno.ENOENT, "the offload directory (nvme_path) does not "
                                     "exist; create it or pass another nvme_path", str(self.root))
-        self.path.mkdir(exist_ok=True)
+        self.path.mkdir(parents=True, exist_ok=True)
         (self.path / MANIFEST).unlink(missing_ok=True)
         for leftover in self.path.glob(".*.tmp"):  # from a write that was interrupted
             leftover.unlink(missing_ok=True)
-        _write_atomic(self.path / MARKER, _canonical(self.fingerprint).encode())
+        _write_atomic(self.path / MARKER, _canonical(self._identity()).encode())
         self._invalidated = True
 
     def _staging_buffer(self, nbytes: int) -> torch.Tensor:
@@ -626,8 +645,7 @@ class DiskStore:
                               f"{u.nbytes} bytes); write it before finish()",
                               str(self.unit_path(u)))
         self.staging_release()
-        manifest = {"format": FORMAT_VERSION, "fingerprint": self.fingerprint,
-                    "units": [u.to_json() for u in units]}
+        manifest = {**self._identity(), "units": [u.to_json() for u in units]}
         _write_atomic(self.path / MANIFEST, json.dumps(manifest, indent=1).encode())
 
     def staging_release(self) -> None:
