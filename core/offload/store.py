@@ -14,8 +14,9 @@ Pieces:
 * :func:`pack_into`, :func:`unit_views`, :func:`aligned_host_buffer`: bytes in and out of
   ALIGN-aligned host buffers.
 * :class:`DiskStore`: one directory per fingerprint (model + settings) under the user's
-  ``nvme_path``; unit files are written to a temp name and renamed; the manifest is written last,
-  atomically, so a store is either complete (manifest matches, every file full size) or unused.
+  ``nvme_path`` (one subdirectory per rank of a sharded model); unit files are written to a
+  temp name and renamed; the manifest is written last, atomically, so a store is either
+  complete (manifest matches, every file full size) or unused.
   Sibling stores of other fingerprints are listed in ``stale`` and never read.
 * :class:`BlobReader`: reader threads that fill host slots with ``os.preadv`` in chunks (the GIL
   is released during each read), with ``O_DIRECT`` where the filesystem allows it and a recorded
@@ -680,6 +681,7 @@ class BlobReader:
 
     Attributes:
         directory: the store directory (files named by :func:`unit_filename`).
+        threads: reader threads (reads in flight at once).
         direct_io: whether reads bypass the page cache (False after a fall back, or if asked).
         fallback_reason: why direct I/O is not used (None while it is, or when not asked for).
     """
@@ -688,6 +690,7 @@ class BlobReader:
         if threads < 1:
             raise ValueError(f"BlobReader: threads must be >= 1, got {threads}")
         self.directory = Path(directory)
+        self.threads = threads
         self.direct_io = bool(direct) and hasattr(os, "O_DIRECT")
         self.fallback_reason: str | None = None
         if direct and not hasattr(os, "O_DIRECT"):
@@ -706,8 +709,8 @@ class BlobReader:
             if self.direct_io:
                 self.direct_io = False
                 self.fallback_reason = (f"O_DIRECT {where} failed on {path} ({err.strerror}): the "
-                                        "filesystem does not support direct I/O; reads go "
-                                        "through the page cache")
+                                        f"filesystem refuses direct I/O with {ALIGN}-byte "
+                                        "alignment; reads go through the page cache")
 
     def _open(self, path: Path) -> tuple[int, bool]:
         """Open ``path`` for reading: ``(fd, direct)``; falls back on EINVAL from O_DIRECT."""
