@@ -265,10 +265,48 @@ def test_close_gives_back_a_model_that_generates_the_same(inject, tmp_path):
         assert torch.equal(back(ids).logits, tiny_causal_lm("llama")(ids).logits)
 
 
+def test_a_quantized_engine_closes_like_its_resident_twin(tmp_path):
+    ids = prompt_ids(batch=2, length=8)
+    settings = _settings(True, 8)
+    resident = shardwise.init_inference(tiny_causal_lm("llama"), **settings)
+    engine = shardwise.init_inference(tiny_causal_lm("llama"), offload=_offload(tmp_path),
+                                      **settings)
+    assert torch.equal(engine.generate(ids, **GREEDY), resident.generate(ids, **GREEDY))
+    mine, theirs = engine.close(), resident.close()  # both dequantized from the same bytes
+    with torch.no_grad():
+        assert torch.equal(mine(ids).logits, theirs(ids).logits)
+
+
+def test_a_failed_init_after_the_repack_gives_the_model_back(tmp_path, monkeypatch):
+    from shardwise.offload import transform
+
+    model = tiny_causal_lm("llama")
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    params = dict(model.named_parameters())
+    rings = []
+    real_ring = transform.Ring
+
+    def failing_hooks(units, ring):
+        rings.append(ring)
+        raise RuntimeError("injected failure after the weights were freed")
+    monkeypatch.setattr(transform, "_install_hooks", failing_hooks)
+    monkeypatch.setattr(transform, "Ring", real_ring)
+    with pytest.raises(RuntimeError, match="injected failure"):
+        shardwise.init_inference(model, device="cpu", dtype=torch.float32,
+                                 offload=_offload(tmp_path))
+    assert rings and rings[0].closed
+    slots = [(s.data_ptr(), s.data_ptr() + s.numel()) for s in rings[0].loader.slots]
+    for name, p in model.named_parameters():
+        assert p is params[name] and torch.equal(p, before[name]), name
+        assert not _in_slots(p, slots), name
+    assert all(not m._forward_pre_hooks and not m._forward_hooks for m in model.modules())
+
+
 # ----- tensor parallelism --------------------------------------------------------------------------
 
 
 def _tp_case(rank: int, arch: str, inject: bool, bits: int | None, store: str) -> dict:
+    os.makedirs(store, exist_ok=True)  # this case's own: the two ranks' stores side by side
     ids = prompt_ids(batch=2, length=8)
     settings = _settings(inject, bits)
     resident = shardwise.init_inference(tiny_causal_lm(arch), **settings, **TP)
@@ -288,7 +326,7 @@ def _tp_case(rank: int, arch: str, inject: bool, bits: int | None, store: str) -
                 tokens_equal=torch.equal(tokens, ref_tokens), tokens=tokens.tolist(),
                 streamed=engine.offload.streamed_bytes_per_pass, whole=whole_bytes,
                 path=engine.offload.path, units_read=stats["units_read"],
-                units=len(engine.offload.units),
+                units=len(engine.offload.units), stale=engine.offload.stale,
                 in_slots=all(_in_slots(t, ranges) for t in _unit_tensors(engine)))
 
 
@@ -299,7 +337,7 @@ TP_TABLE = {"llama": ("llama", False, None), "llama-inject": ("llama", True, Non
 @pytest.fixture(scope="module")
 def tp_ranks(tmp_path_factory):
     store = str(tmp_path_factory.mktemp("offload-tp-store"))
-    table = {name: (*args, store) for name, args in TP_TABLE.items()}
+    table = {name: (*args, os.path.join(store, name)) for name, args in TP_TABLE.items()}
     return run_pair(partial(run_table, fn=_tp_case, table=table),
                     tmp_path_factory.mktemp("offload-tp"), deadline_s=300)
 
@@ -315,3 +353,4 @@ def test_tp2_each_rank_streams_its_shard_and_matches_resident_tp(tp_ranks, name)
         assert r["streamed"] < 0.8 * r["whole"], (r["streamed"], r["whole"])
     assert r0["tokens"] == r1["tokens"]
     assert r0["path"] != r1["path"], "the ranks share one store: each must stream its own shard"
+    assert r0["stale"] == r1["stale"] == [], "a rank's store counted as stale by the other"

@@ -191,18 +191,26 @@ def _model_config(model: nn.Module) -> Any:
 
 
 def store_fingerprint(model: nn.Module, units: Sequence[Unit], plan: Any,
-                      extra: Mapping | None = None) -> dict:
-    """What the blobs depend on: the format, the shardwise version, the model config, this
-    rank's place (tp and ep size and coordinate), ``extra`` (the engine's dtype, quant settings,
-    injection) and each unit's name and :func:`~shardwise.offload.store.content_digest`."""
+                      extra: Mapping | None = None) -> tuple[dict, dict | None]:
+    """What the blobs depend on, as (fingerprint, shard).
+
+    ``fingerprint``, the same on every rank: the format, the shardwise version, the model
+    config, the parallel sizes (tp, ep) and ``extra`` (the engine's dtype, quant settings,
+    injection). ``shard``: this rank's coordinates and each unit's name and
+    :func:`~shardwise.offload.store.content_digest` (what this rank holds) — None on a single
+    rank, where the digests join the fingerprint. A changed model or setting thus never
+    reuses stale blobs, and the ranks of one run keep their shards side by side
+    (:class:`~shardwise.offload.store.DiskStore`)."""
     from .. import __version__
 
-    dims = {name: [getattr(plan, name).size, getattr(plan, name).coord]
-            for name in ("tp", "ep") if hasattr(plan, name)}
-    return {"format": FINGERPRINT_FORMAT, "shardwise": __version__, "model": _model_config(model),
-            "dims": dims, "extra": _jsonable(dict(extra or {})),
-            "units": [[u.name, _store.content_digest(r.current() for r in u.tensors)]
-                      for u in units]}
+    dims = {name: getattr(plan, name) for name in ("tp", "ep") if hasattr(plan, name)}
+    digests = [[u.name, _store.content_digest(r.current() for r in u.tensors)] for u in units]
+    fingerprint = {"format": FINGERPRINT_FORMAT, "shardwise": __version__,
+                   "model": _model_config(model), "sizes": {k: d.size for k, d in dims.items()},
+                   "extra": _jsonable(dict(extra or {}))}
+    if all(d.size == 1 for d in dims.values()):
+        return {**fingerprint, "units": digests}, None
+    return fingerprint, {"coords": {k: d.coord for k, d in dims.items()}, "units": digests}
 
 
 # ----- the report ---------------------------------------------------------------------------------
@@ -307,8 +315,8 @@ def offload_model(model: nn.Module, settings: OffloadConfig | Mapping, accelerat
                    for u in units]
         largest = max(entries, key=lambda e: e.nbytes)
         check_ring_fits(accelerator, device, largest.name, largest.nbytes, settings.buffer_count)
-        fingerprint = store_fingerprint(model, units, plan, fingerprint_extra)
-        source = _fill_store(settings, units, entries, fingerprint)
+        fingerprint, shard = store_fingerprint(model, units, plan, fingerprint_extra)
+        source = _fill_store(settings, units, entries, fingerprint, shard)
         host = accelerator.computes_in_host_memory
         loader = _loader(settings, source, device, largest.nbytes, host)
         views = _views(entries, loader.slots)
@@ -336,12 +344,12 @@ def offload_model(model: nn.Module, settings: OffloadConfig | Mapping, accelerat
 
 
 def _fill_store(settings: OffloadConfig, units: Sequence[Unit], entries: Sequence[Any],
-                fingerprint: Mapping) -> Any:
+                fingerprint: Mapping, shard: Mapping | None) -> Any:
     """The tier's store holding every unit's blob: a complete :class:`DiskStore` is reused as it
     is (``store.reused``), else written after the space check; the ``"cpu"`` tier packs a
     :class:`MemoryStore`."""
     if settings.device == "nvme":
-        store = _store.DiskStore(settings.nvme_path, fingerprint)
+        store = _store.DiskStore(settings.nvme_path, fingerprint, shard=shard)
         store.reused = store.complete(entries)
         if store.reused:
             return store
