@@ -83,8 +83,8 @@ class CountingWriteThrough(WriteThrough):
 
 def _load(model, desc, units, nvme: Path, dtype=torch.float32, hooks=(), prepared=None,
           rank=0, quantizer=None):
-    store = DiskStore(nvme, checkpoint_fingerprint(desc, dtype=dtype, rank=rank, tp_size=1,
-                                                   units=units))
+    store = DiskStore(nvme, *checkpoint_fingerprint(desc, dtype=dtype, rank=rank, tp_size=1,
+                                                    units=units))
     hook = CountingWriteThrough(store, units, dtype, hooks, _settings(nvme), quantizer)
     loaded = ck.load_checkpoint(model, desc, prepared=prepared, rank=rank, dtype=dtype,
                                 hooks=[hook])

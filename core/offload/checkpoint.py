@@ -52,7 +52,7 @@ from torch import nn
 from ..checkpoint.extensions import TensorHook, TensorRef
 from ..errors import ConfigError
 from .config import OffloadConfig, OffloadError, check_space
-from .store import ALIGN, DiskStore, UnitEntry, align_up, layout_unit
+from .store import ALIGN, DiskStore, MemoryStore, UnitEntry, align_up, layout_unit
 
 #: ``LoadReport.results`` key of :class:`WriteThrough`'s :class:`WrittenStore`
 HOOK_NAME = "shardwise.offload"
@@ -76,7 +76,8 @@ class WrittenStore:
     slots from it instead of repacking.
 
     Attributes:
-        store: the :class:`~shardwise.offload.store.DiskStore` (its manifest written: complete).
+        store: the :class:`~shardwise.offload.store.DiskStore` (its manifest written: complete),
+            or for the ``"cpu"`` tier the :class:`~shardwise.offload.store.MemoryStore`.
         units: every unit's :class:`~shardwise.offload.store.UnitEntry`, in index order; the
             entries' keys are the tensors streamed (everything else stays resident).
         bytes_written: the blobs' bytes (padded).
@@ -91,7 +92,8 @@ class WrittenStore:
     max_units_resident: int = 0
 
     def summary(self) -> str:
-        return (f"{len(self.units)} units written to {self.store.path} while reading the "
+        where = getattr(self.store, "path", "host memory")
+        return (f"{len(self.units)} units written to {where} while reading the "
                 f"checkpoint ({self.bytes_written / 2**20:.1f} MiB, {self.write_seconds:.2f} s; "
                 f"at most {self.max_units_resident} unit(s) resident at once)")
 
@@ -122,22 +124,32 @@ def checkpoint_units(model: nn.Module, policy: Any = None) -> list[CheckpointUni
     return units
 
 
-def unit_tensors(module: nn.Module) -> list[tuple[str, nn.Module, str, torch.Tensor]]:
+def unit_tensors(module: nn.Module, resident: set[int] = frozenset()
+                 ) -> list[tuple[str, nn.Module, str, torch.Tensor]]:
     """What a unit streams: ``(key, owner, attribute, tensor)`` for each parameter and each
     packed buffer of a quantized module (``counts_buffers_as_weights``) under ``module``, in
-    module order, each tensor once (its first key). Other buffers stay resident."""
-    out, seen = [], set()
+    module order, each tensor once (its first key). Other buffers stay resident, and so do
+    empty tensors and those whose id is in ``resident`` (a module outside every unit holds
+    them too: :func:`resident_ids`), as the offload step decides."""
+    out, seen = [], set(resident)
     for prefix, owner in module.named_modules():
         tables = [owner._parameters]
         if getattr(owner, "counts_buffers_as_weights", False):
             tables.append(owner._buffers)
         for table in tables:
             for attr, t in table.items():
-                if t is None or id(t) in seen:
+                if t is None or id(t) in seen or t.numel() == 0:
                     continue
                 seen.add(id(t))
                 out.append((f"{prefix}.{attr}" if prefix else attr, owner, attr, t))
     return out
+
+
+def resident_ids(model: nn.Module, units: Sequence[CheckpointUnit]) -> set[int]:
+    """ids of the tensors registered on a module outside every unit (they stay resident)."""
+    inside = {id(m) for u in units for m in u.module.modules()}
+    return {id(t) for m in model.modules() if id(m) not in inside
+            for table in (m._parameters, m._buffers) for t in table.values() if t is not None}
 
 
 def _unit_of(name: str, units: Sequence[CheckpointUnit]) -> list[int]:
@@ -149,21 +161,27 @@ def _unit_of(name: str, units: Sequence[CheckpointUnit]) -> list[int]:
 
 def checkpoint_fingerprint(desc: Any, *, dtype: torch.dtype, rank: int, tp_size: int,
                            units: Sequence[CheckpointUnit], quant: Any = None,
-                           extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """What blobs written from a checkpoint depend on: the checkpoint's files (path, size,
-    modification time), the compute dtype, the quant settings, this rank of the tp size, the
-    units, and :data:`CHECKPOINT_FORMAT`. Another checkpoint or setting gives another store
-    directory (the old one is listed as stale, never read)."""
+                           extra: Mapping[str, Any] | None = None
+                           ) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """What blobs written from a checkpoint depend on, as ``(fingerprint, shard)`` (the
+    :class:`~shardwise.offload.store.DiskStore` arguments, split as the offload step splits
+    them). ``fingerprint``, the same on every rank: the checkpoint's files (path, size,
+    modification time), the compute dtype, the quant settings, the tp size, the units,
+    :data:`CHECKPOINT_FORMAT` and ``extra``; ``shard``: this rank (None at tp size 1). Another
+    checkpoint or setting gives another store directory (the old one is listed as stale, never
+    read); the ranks of one run keep their shards side by side."""
     files = []
     for f in desc.files:
         st = Path(f).stat()
         files.append([str(Path(f).resolve()), st.st_size, st.st_mtime_ns])
     to_dict = getattr(quant, "to_dict", None)
-    return {"kind": "checkpoint", "format": CHECKPOINT_FORMAT, "source": str(desc.source),
-            "files": files, "dtype": str(dtype).removeprefix("torch."), "rank": rank,
-            "tp_size": tp_size, "units": [u.name for u in units],
-            "quant": to_dict() if callable(to_dict) else (None if quant is None else str(quant)),
-            **dict(extra or {})}
+    fingerprint = {
+        "kind": "checkpoint", "format": CHECKPOINT_FORMAT, "source": str(desc.source),
+        "files": files, "dtype": str(dtype).removeprefix("torch."), "tp_size": tp_size,
+        "units": [u.name for u in units],
+        "quant": to_dict() if callable(to_dict) else (None if quant is None else str(quant)),
+        **dict(extra or {})}
+    return fingerprint, ({"rank": rank} if tp_size > 1 else None)
 
 
 # ----- the hook ------------------------------------------------------------------------------
@@ -210,8 +228,9 @@ class WriteThrough(TensorHook):
         """Map every tensor the load reads to its unit(s), refuse units already holding real
         tensors, check the disk holds the blobs; then the inner hooks plan."""
         self._root = model
+        resident = resident_ids(model, self.units)
         for u in self.units:
-            real = [k for k, _, _, t in unit_tensors(u.module) if not t.is_meta]
+            real = [k for k, _, _, t in unit_tensors(u.module, resident) if not t.is_meta]
             if real:
                 raise OffloadError(
                     f"offload while loading a checkpoint: unit {u.name!r} already holds real "
@@ -224,15 +243,16 @@ class WriteThrough(TensorHook):
             self._refs[key] = ref
             if ref.is_buffer:
                 continue  # buffers stay resident: the loader assigns them
-            owners = sorted({i for n in ref.names for i in _unit_of(n, self.units)})
-            if not owners:
-                continue
+            owners = [_unit_of(n, self.units) for n in ref.names]
+            if not all(owners):
+                continue  # not in a unit, or a module outside every unit holds it too
+            owners = sorted({i for found in owners for i in found})
             self._ref_units[key] = owners
             size = align_up(math.prod(ref.shape) * self._itemsize(ref.dtype))
             for i in owners:
                 self._pending[i].add(key)
                 nbytes[i] += size
-        self._check_raw(tensors)
+        self._check_raw(tensors, resident)
         empty = [u.name for u in self.units if not self._pending[u.index]]
         if empty:
             raise OffloadError(f"offload while loading a checkpoint: the checkpoint fills no "
@@ -249,13 +269,13 @@ class WriteThrough(TensorHook):
             return self.dtype.itemsize
         return dtype.itemsize
 
-    def _check_raw(self, tensors: list[TensorRef]) -> None:
+    def _check_raw(self, tensors: list[TensorRef], resident: set[int]) -> None:
         """Every streamed tensor of every unit must reach the hooks as a plain tensor: one the
         checkpoint lacks, or one the load reads as an extension stores it (a saved quantized
         checkpoint's packed layers, never shown to hooks), is refused by name."""
         read = {n for ref in tensors if not ref.is_buffer for n in ref.names}
         for u in self.units:
-            for key, _, _, _ in unit_tensors(u.module):
+            for key, _, _, _ in unit_tensors(u.module, resident):
                 if f"{u.name}.{key}" not in read:
                     raise OffloadError(
                         f"offload while loading a checkpoint: {u.name}.{key} is not read from "
@@ -303,7 +323,7 @@ class WriteThrough(TensorHook):
         for i in ready:
             unit = self.units[i]
             self._quantize_experts(unit)
-            tensors = unit_tensors(unit.module)
+            tensors = unit_tensors(unit.module, resident_ids(self._root, self.units))
             meta = [k for k, _, _, t in tensors if t.is_meta]
             if meta:
                 raise OffloadError(f"offload while loading a checkpoint: unit {unit.name!r} is "
@@ -374,7 +394,9 @@ class WriteThrough(TensorHook):
             owner._buffers[attr] = meta
         self._stashed.clear()
         entries = tuple(self.entries[u.index] for u in self.units)
-        self.store.finish(entries)  # also frees its staging buffer
+        finish = getattr(self.store, "finish", None)  # a DiskStore's manifest (the cpu tier: none)
+        if callable(finish):
+            finish(entries)  # also frees its staging buffer
         release_heap()
         self.inner_results = {h.name: h.finish(model) for h in self.inner}
         return WrittenStore(self.store, entries, self.bytes_written, self.write_seconds,
@@ -423,8 +445,10 @@ def load_to_store(model: nn.Module, desc: Any, settings: OffloadConfig, *,
                   experts: int | None = None, quant: Any = None,
                   fingerprint_extra: Mapping[str, Any] | None = None):
     """:func:`shardwise.checkpoint.load_checkpoint` with :class:`WriteThrough`: the units are
-    written to a :class:`~shardwise.offload.store.DiskStore` under ``settings.nvme_path`` as
-    they are read and left on meta; everything else is loaded as usual.
+    written to a :class:`~shardwise.offload.store.DiskStore` under ``settings.nvme_path`` (the
+    ``"nvme"`` tier; the ``"cpu"`` tier: a :class:`~shardwise.offload.store.MemoryStore` of
+    host buffers, pinned with ``pin_memory``) as they are read and left on meta; everything
+    else is loaded as usual.
 
     Args:
         model: the meta skeleton (``_checkpoint.skeleton``).
@@ -443,15 +467,16 @@ def load_to_store(model: nn.Module, desc: Any, settings: OffloadConfig, *,
     """
     from .. import checkpoint as _checkpoint
 
-    if settings.device != "nvme" or not settings.nvme_path:
-        raise OffloadError(f"loading a checkpoint straight into offload blobs needs the 'nvme' "
-                           f"tier with an nvme_path, got device={settings.device!r}")
+    if settings.device == "nvme" and not settings.nvme_path:
+        raise OffloadError("loading a checkpoint straight into offload blobs on the 'nvme' tier "
+                           "needs an nvme_path (the directory the blobs are written to)")
     if dtype is None:
         raise OffloadError("loading a checkpoint straight into offload blobs needs the compute "
                            "dtype (the blobs hold the weights as they run)")
-    fingerprint = checkpoint_fingerprint(desc, dtype=dtype, rank=rank, tp_size=tp_size,
-                                         units=units, quant=quant, extra=fingerprint_extra)
-    store = DiskStore(settings.nvme_path, fingerprint)
+    fingerprint, shard = checkpoint_fingerprint(desc, dtype=dtype, rank=rank, tp_size=tp_size,
+                                                units=units, quant=quant, extra=fingerprint_extra)
+    store = DiskStore(settings.nvme_path, fingerprint, shard) if settings.device == "nvme" else \
+        MemoryStore(pin=settings.pin_memory)
     quantizer = next((getattr(h, "quantizer") for h in hooks if hasattr(h, "quantizer")), None)
     hook = WriteThrough(store, units, dtype, hooks, settings, quantizer)
     loaded = _checkpoint.load_checkpoint(model, desc, prepared=prepared, rank=rank,
@@ -476,6 +501,47 @@ def to_resident(module: nn.Module, device: torch.device | str, dtype: torch.dtyp
         cast = dtype if (t.is_floating_point() or t.is_complex()) else None
         return t.to(device, cast)
     return module._apply(convert)
+
+
+def adopt_written(units: Sequence[Any], written: WrittenStore) -> list[UnitEntry]:
+    """Match the offload step's units (:func:`shardwise.offload.transform.offload_units`, after
+    the later steps: injected layers included) with the blobs :class:`WriteThrough` wrote, in
+    place: each unit's tensors are narrowed to its blob's keys, in the blob's order (what the
+    ring binds), the others stay resident. Returns the entries, one per unit.
+
+    Raises:
+        OffloadError: the units differ from the written ones (names, order), or a unit holds a
+            tensor on meta that its blob lacks (it could never be bound): a step between the
+            load and the offload step changed the units.
+    """
+    entries = {e.name: e for e in written.units}
+    names = [u.name for u in units]
+    if names != [e.name for e in written.units]:
+        raise OffloadError(f"the offload step's units {names[:4]}... are not the units written "
+                           f"while loading the checkpoint {[e.name for e in written.units][:4]}"
+                           f"...; a step changed the model's layers in between")
+    out = []
+    for unit in units:
+        entry = entries[unit.name]
+        by_key = {r.key: r for r in unit.tensors}
+        missing = [t.key for t in entry.tensors if t.key not in by_key]
+        unbound = [r.key for r in unit.tensors
+                   if r.current().is_meta and r.key not in {t.key for t in entry.tensors}]
+        if missing or unbound:
+            raise OffloadError(f"unit {unit.name!r}: its blob written while loading holds "
+                               f"{[t.key for t in entry.tensors][:4]}..., the model has "
+                               f"{missing[:2] or unbound[:2]} {'missing' if missing else 'on meta'}"
+                               f"; a step changed the unit between the load and the offload step")
+        for t in entry.tensors:
+            ref = by_key[t.key]
+            got = ref.current()
+            if tuple(got.shape) != t.shape or got.dtype != t.dtype:
+                raise OffloadError(f"{unit.name}.{t.key} is {got.dtype} {list(got.shape)} in the "
+                                   f"model but {t.dtype} {list(t.shape)} in its blob; a step "
+                                   f"cast or resized it after the load")
+        unit.tensors[:] = [by_key[t.key] for t in entry.tensors]
+        out.append(entry)
+    return out
 
 
 def meta_units(model: nn.Module) -> list[str]:
