@@ -418,7 +418,8 @@ def _build_engine(model: nn.Module | None, cfg: InferenceConfig) -> InferenceEng
         injected = inject_model(model, accelerator, dtype, _max_tokens(cfg),
                                 policy=plan.found_policy, heads=_injected_heads(plan))
         injected.to(device=device, dtype=dtype)  # its own new tensors (ALiBi slopes)
-    offload = _offload_step(model, cfg, accelerator, dtype, device, plan, injected)  # 7b.
+    offload = _offload_step(model, cfg, accelerator, dtype, device, plan, injected,
+                            loaded)  # 7b.
     if cfg.enable_graph:  # 8. (the config requires injection for it)
         from .inject import enable_graphs
 
@@ -464,19 +465,24 @@ def _moe_step(model: nn.Module, cfg: InferenceConfig, accelerator: Accelerator,
 
 
 def _offload_step(model: nn.Module, cfg: InferenceConfig, accelerator: Accelerator,
-                  dtype: torch.dtype, device: torch.device, plan: Plan, injected):
+                  dtype: torch.dtype, device: torch.device, plan: Plan, injected, loaded):
     """Step 7b with ``offload=`` (after injection, before graphs): the units' weights repacked
-    into the store (or a complete one reused), the resident copies freed, the ring and its hooks
-    installed (:func:`shardwise.offload.offload_model`). Returns its
+    into the store (or a complete one reused; or, when the checkpoint was loaded straight into
+    blobs, that store as written), the resident copies freed, the ring and its hooks installed
+    (:func:`shardwise.offload.offload_model`). Returns its
     :class:`~shardwise.offload.OffloadReport`, or None without ``offload``."""
     if cfg.offload is None:
         return None
     from .offload import offload_model
+    from .offload.checkpoint import HOOK_NAME
+
+    written = loaded.results.get(HOOK_NAME) if loaded is not None and loaded.results else None
 
     quant = cfg.quant.to_dict() if hasattr(cfg.quant, "to_dict") else repr(cfg.quant)
     report = offload_model(model, cfg.offload, accelerator, device, plan, stack=injected,
                            fingerprint_extra={"dtype": str(dtype), "quant": quant,
-                                              "inject": bool(cfg.replace_with_kernel_inject)})
+                                              "inject": bool(cfg.replace_with_kernel_inject)},
+                           written=written)
     log.info("shardwise: %s", report.summary())
     return report
 

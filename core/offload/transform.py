@@ -286,7 +286,8 @@ def _mib(nbytes: int) -> str:
 
 def offload_model(model: nn.Module, settings: OffloadConfig | Mapping, accelerator: Any,
                   device: torch.device, plan: Any, *, stack: nn.Module | None = None,
-                  fingerprint_extra: Mapping | None = None) -> OffloadReport:
+                  fingerprint_extra: Mapping | None = None,
+                  written: Any = None) -> OffloadReport:
     """Stream ``model``'s units from ``settings``' tier through a ring (module docstring).
 
     Args:
@@ -298,6 +299,9 @@ def offload_model(model: nn.Module, settings: OffloadConfig | Mapping, accelerat
         stack: the injected stack, if any.
         fingerprint_extra: more of what the blobs depend on (the engine passes dtype, quant
             settings, injection).
+        written: the :class:`~shardwise.offload.checkpoint.WrittenStore` of a checkpoint loaded
+            straight into blobs (the units' tensors then on meta): its store is used as it is,
+            nothing is repacked.
 
     Returns:
         The :class:`OffloadReport` (``engine.offload``).
@@ -311,12 +315,19 @@ def offload_model(model: nn.Module, settings: OffloadConfig | Mapping, accelerat
     if not units:
         raise ValueError(f"{type(model).__name__} has no embedding or layer to stream")
     with torch.no_grad():
-        entries = [_store.layout_unit(u.index, u.name, [(r.key, r.current()) for r in u.tensors])
-                   for u in units]
+        if written is not None:  # the blobs were written while loading the checkpoint
+            from .checkpoint import adopt_written
+
+            entries, source, reused = adopt_written(units, written), written.store, False
+        else:
+            entries = [_store.layout_unit(u.index, u.name,
+                                          [(r.key, r.current()) for r in u.tensors])
+                       for u in units]
         largest = max(entries, key=lambda e: e.nbytes)
         check_ring_fits(accelerator, device, largest.name, largest.nbytes, settings.buffer_count)
-        fingerprint, shard = store_fingerprint(model, units, plan, fingerprint_extra)
-        source = _fill_store(settings, units, entries, fingerprint, shard)
+        if written is None:
+            fingerprint, shard = store_fingerprint(model, units, plan, fingerprint_extra)
+            source, reused = _fill_store(settings, units, entries, fingerprint, shard)
         host = accelerator.computes_in_host_memory
         loader = _loader(settings, source, device, largest.nbytes, host)
         views = _views(entries, loader.slots)
@@ -333,35 +344,33 @@ def offload_model(model: nn.Module, settings: OffloadConfig | Mapping, accelerat
             ring.close()
             raise
     return OffloadReport(
-        tier=settings.device, path=str(source.path) if settings.device == "nvme" else None,
+        tier=settings.device, path=str(getattr(source, "path", "")) or None,
         units=[u.name for u in units], ring_bytes=sum(s.numel() for s in loader.slots),
         resident_bytes=resident,
         streamed_bytes_per_pass=sum(e.nbytes for e in entries),
         direct_io=bool(getattr(loader, "direct_io", False)),
         fallback_reason=getattr(loader, "fallback_reason", None),
-        stale=[str(p) for p in getattr(source, "stale", [])], reused=bool(source.reused),
+        stale=[str(p) for p in getattr(source, "stale", [])], reused=reused,
         buffer_count=settings.buffer_count, ring=ring)
 
 
 def _fill_store(settings: OffloadConfig, units: Sequence[Unit], entries: Sequence[Any],
-                fingerprint: Mapping, shard: Mapping | None) -> Any:
-    """The tier's store holding every unit's blob: a complete :class:`DiskStore` is reused as it
-    is (``store.reused``), else written after the space check; the ``"cpu"`` tier packs a
-    :class:`MemoryStore`."""
+                fingerprint: Mapping, shard: Mapping | None) -> tuple[Any, bool]:
+    """(the tier's store holding every unit's blob, whether it was reused): a complete
+    :class:`DiskStore` is reused as it is, else written after the space check; the ``"cpu"``
+    tier packs a :class:`MemoryStore`."""
     if settings.device == "nvme":
         store = _store.DiskStore(settings.nvme_path, fingerprint, shard=shard)
-        store.reused = store.complete(entries)
-        if store.reused:
-            return store
+        if store.complete(entries):
+            return store, True
         check_space(settings, _store.required_bytes(entries))
     else:
         store = _store.MemoryStore(pin=settings.pin_memory)
-        store.reused = False
     for unit, entry in zip(units, entries):
         store.write_unit(entry, [r.current() for r in unit.tensors])
     if settings.device == "nvme":
         store.finish(entries)
-    return store
+    return store, False
 
 
 def _loader(settings: OffloadConfig, store: Any, device: torch.device, slot_bytes: int,
