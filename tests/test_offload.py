@@ -194,6 +194,22 @@ def _first(out):
     return out[0] if isinstance(out, tuple) else out
 
 
+def test_a_failed_read_names_the_file_and_the_next_forward_reads_again(tmp_path):
+    from shardwise.offload.store import unit_filename
+
+    ids = prompt_ids(batch=1, length=8)
+    ref_tokens = tiny_causal_lm("llama").generate(ids, **GREEDY)
+    engine = shardwise.init_inference(tiny_causal_lm("llama"), device="cpu", dtype=torch.float32,
+                                      offload=_offload(tmp_path, 2))
+    blob = Path(engine.offload.path) / unit_filename(2)  # model.layers.1: not in the first slots
+    saved = blob.read_bytes()
+    blob.write_bytes(saved[:len(saved) // 2])
+    with pytest.raises(OSError, match=blob.name):
+        engine.generate(ids, **GREEDY)
+    blob.write_bytes(saved)
+    assert torch.equal(engine.generate(ids, **GREEDY), ref_tokens)
+
+
 # ----- the store -----------------------------------------------------------------------------------
 
 

@@ -15,8 +15,9 @@ slot is a :class:`Loader`:
   into the device slot on a copy stream of ``torch.get_device_module(device.type)``; an event
   recorded after the compute that last used the slot makes the copy wait for it.
 
-Every change of state happens in the thread that runs the model (hooks); loads complete in
-worker threads and are collected from their futures. :class:`RingStats` counts what was read,
+Every change of state happens in a thread that runs the model (hooks), under the ring's lock
+(forwards from several threads are served one hook at a time; a slot in use is never reloaded);
+loads complete in worker threads and are collected from their futures. :class:`RingStats` counts what was read,
 how long reading took and how long compute waited for it, per pass over the units, and keeps a
 short log of the ring's events (submit / acquire / release) so the overlap can be checked from
 what happened, not from timing.
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -191,7 +193,7 @@ class _Slot:
 class Ring:
     """``len(loader.slots)`` slots serving ``entries`` (the units' layouts, in cyclic execution
     order). ``bind(unit, slot)`` points the unit's tensors at the slot's views (the transform
-    provides it). Used from the thread running the model only."""
+    provides it). Thread-safe: acquire and release hold the ring's lock."""
 
     def __init__(self, entries: Sequence[Any], loader: Loader,
                  bind: Callable[[int, int], None]) -> None:
@@ -200,6 +202,7 @@ class Ring:
         self.where: dict[int, int] = {}  # unit → slot holding or loading it
         self.stats = RingStats()
         self._last: int | None = None
+        self._lock = threading.Lock()
         self.closed = False
 
     @property
@@ -213,6 +216,10 @@ class Ring:
     def acquire(self, unit: int) -> None:
         """The unit's pre-forward: wait for it to be in a slot (loading it now if it is not),
         then bind its tensors there."""
+        with self._lock:
+            self._acquire(unit)
+
+    def _acquire(self, unit: int) -> None:
         if self.closed:
             raise RingError("the offload ring is closed (engine.close() gave the model back)")
         if self._last is None or unit < self._last:
@@ -235,6 +242,10 @@ class Ring:
     def release(self, unit: int) -> None:
         """The unit's post-forward: free its slot and load the units that come next into the free
         slots (units ``unit+1 … unit+K`` in cyclic order stay or come in)."""
+        with self._lock:
+            self._release(unit)
+
+    def _release(self, unit: int) -> None:
         s = self.where.get(unit)
         if s is None or self.slots[s].users == 0:
             return
@@ -304,13 +315,18 @@ class Ring:
 
     def close(self) -> None:
         """Wait for loads in flight, then stop the loader. Idempotent."""
-        if self.closed:
-            return
-        self.closed = True
+        with self._lock:
+            if self.closed:
+                return
+            self.closed = True
+            self._drain()
+        self.loader.close()
+
+    def _drain(self) -> None:
+        """Wait for every load in flight (closing: a failed one no longer matters)."""
         for s, slot in enumerate(self.slots):
             if slot.future is not None:
                 try:
                     self._collect(s)
-                except Exception:  # closing: a failed read no longer matters
+                except Exception:
                     pass
-        self.loader.close()
