@@ -210,6 +210,63 @@ def test_a_failed_read_names_the_file_and_the_next_forward_reads_again(tmp_path)
     assert torch.equal(engine.generate(ids, **GREEDY), ref_tokens)
 
 
+@pytest.mark.parametrize("tier", ["cpu", "nvme"])
+def test_the_copy_stream_path_of_an_accelerator_on_host_slots(tier, tmp_path, monkeypatch):
+    """The generic accelerator path (host blob or staging slot → slot on a copy stream, events
+    for compute), run on this CPU by telling the offload step the device has memory of its own
+    (the engine's checks would refuse a model already there: the step is called directly). The
+    CPU has no device events: a stand-in logs what the path asks of them."""
+    from shardwise.offload import ring as ring_module
+    from shardwise.offload.ring import DeviceLoader
+    from shardwise.offload.transform import offload_model
+
+    log = []
+
+    class LoggedEvent:
+        def __init__(self, device):
+            self.id = len(log)
+            log.append(("new", self.id))
+
+        def record(self, stream=None):
+            log.append(("record", self.id))
+
+        def wait(self, stream=None):
+            log.append(("wait", self.id))
+
+        def synchronize(self):
+            log.append(("synchronize", self.id))
+    monkeypatch.setattr(ring_module, "device_event", LoggedEvent)
+
+    ids = prompt_ids(batch=2, length=8)
+    resident = shardwise.init_inference(tiny_causal_lm("llama"), device="cpu",
+                                        dtype=torch.float32)
+    ref_tokens = resident.generate(ids, **GREEDY)
+    engine = shardwise.init_inference(tiny_causal_lm("llama"), device="cpu",
+                                      dtype=torch.float32)
+    monkeypatch.setattr(engine.accelerator, "computes_in_host_memory", False)
+    settings = {"device": tier, "buffer_count": 3, "pin_memory": False,
+                **({"nvme_path": str(tmp_path)} if tier == "nvme" else {})}
+    report = offload_model(engine.module, settings, engine.accelerator, engine.device,
+                           engine.plan)
+    try:
+        loader = report.ring.loader
+        assert isinstance(loader, DeviceLoader) and report.tier == tier
+        assert (report.path is not None) == (tier == "nvme")
+        assert torch.equal(engine.generate(ids, **GREEDY), ref_tokens)
+        stats = report.stats()
+        assert stats["units_read"] == len(report.units) and loader.copies >= NEW_TOKENS
+        ranges = [(t.data_ptr(), t.data_ptr() + t.numel()) for t in loader.slots]
+        assert all(_in_slots(t, ranges) for t in _unit_tensors(engine))
+        # every copy waited for its slot's last compute and was waited for; releases recorded
+        free, copied = ({e.id for e in events} for events in (loader.free, loader.copied))
+        waits = [i for kind, i in log if kind == "wait"]
+        assert len(waits) == loader.copies and set(waits) <= free
+        assert sum(kind == "synchronize" and i in copied for kind, i in log) == loader.copies
+        assert sum(kind == "record" and i in free for kind, i in log) >= loader.copies - 3
+    finally:
+        report.close()
+
+
 # ----- the store -----------------------------------------------------------------------------------
 
 

@@ -80,27 +80,34 @@ class HostLoader(Loader):
         self.reader.close()
 
 
+def device_event(device: torch.device) -> Any:
+    """A ``torch.Event`` of ``device`` (record / wait / synchronize)."""
+    return torch.Event(device=device)
+
+
 class DeviceLoader(Loader):
     """An accelerator: host bytes → device slot on a copy stream.
 
     ``source(entry, s)`` returns the host uint8 tensor holding ``entry``'s blob, blocking until
     it is there (the ``"cpu"`` tier: its pinned buffer; ``"nvme"``: the reader's read into host
-    staging slot ``s``). A worker thread then waits (on the copy stream, not the host) for the
-    compute that last used the device slot, copies, and waits for the copy, so a finished future
-    means the slot holds the unit."""
+    staging slot ``s``). A worker thread then makes the copy stream wait (on the device, not the
+    host) for the compute that last used the device slot, copies on that stream and waits for
+    the copy, so a finished future means the slot holds the unit. Streams and events are torch's
+    device-generic ones (``torch.Stream`` / ``torch.Event`` of ``device``); the compute stream
+    is the device module's current stream."""
 
     def __init__(self, device: torch.device, slots: list[torch.Tensor],
                  source: Callable[[Any, int], torch.Tensor], workers: int,
                  on_close: Callable[[], None] | None = None) -> None:
-        runtime = torch.get_device_module(device.type)
         self.device, self.slots, self.source = device, slots, source
-        self.runtime = runtime
-        self.stream = runtime.Stream(device=device)
-        self.free = [runtime.Event() for _ in slots]  # compute done with the slot
-        self.copied = [runtime.Event() for _ in slots]  # the copy into the slot done
+        self.runtime = torch.get_device_module(device.type)
+        self.stream = torch.Stream(device=device)  # the copy stream
+        self.free = [device_event(device) for _ in slots]  # compute done with the slot
+        self.copied = [device_event(device) for _ in slots]  # the copy into it done
         self.pool = concurrent.futures.ThreadPoolExecutor(max(1, workers),
                                                           thread_name_prefix="shardwise-offload")
         self.on_close = on_close
+        self.copies = 0  # copies made (for tests and reports)
 
     def start(self, entry: Any, s: int) -> concurrent.futures.Future:
         return self.pool.submit(self._load, entry, s)
@@ -108,11 +115,12 @@ class DeviceLoader(Loader):
     def _load(self, entry: Any, s: int) -> float:
         start = time.perf_counter()
         host = self.source(entry, s)  # uint8 [>= entry.nbytes] in host memory
-        with self.runtime.stream(self.stream):
-            self.stream.wait_event(self.free[s])
+        with self.stream:
+            self.free[s].wait(self.stream)  # the device waits, not this thread
             self.slots[s][:entry.nbytes].copy_(host[:entry.nbytes], non_blocking=True)
             self.copied[s].record(self.stream)
         self.copied[s].synchronize()
+        self.copies += 1
         return time.perf_counter() - start
 
     def released(self, s: int) -> None:
