@@ -39,7 +39,8 @@ from torch import nn
 
 from ..ledger import active, add_hook, record
 from . import store as _store
-from .config import OffloadConfig, check_ring_fits, check_space, parse_offload
+from .config import (OffloadConfig, OffloadError, check_ring_fits, check_space,
+                     parse_offload)
 from .ring import DeviceLoader, HostLoader, Loader, Ring
 
 log = logging.getLogger(__name__)
@@ -307,13 +308,15 @@ def offload_model(model: nn.Module, settings: OffloadConfig | Mapping, accelerat
         The :class:`OffloadReport` (``engine.offload``).
 
     Raises:
-        OffloadError: too little disk space for the blobs (checked before writing), or a ring
-            that does not fit the device (naming the largest unit).
+        OffloadError: nothing to stream, too little disk space for the blobs (checked before
+            writing), or a ring that does not fit the device (naming the largest unit).
     """
     settings = parse_offload(settings)
     units = offload_units(model, plan, stack)
     if not units:
-        raise ValueError(f"{type(model).__name__} has no embedding or layer to stream")
+        raise OffloadError(f"offload found nothing to stream in {type(model).__name__}: no input "
+                           f"embedding, decoder layers or output embedding with weights; offload "
+                           f"streams those of a transformer (drop offload for this model)")
     with torch.no_grad():
         if written is not None:  # the blobs were written while loading the checkpoint
             from .checkpoint import adopt_written
