@@ -216,12 +216,61 @@ def test_to_resident_moves_and_casts_the_real_tensors_only(tmp_path):
         model.to("cpu")
 
 
+def test_the_offload_steps_units_adopt_the_written_blobs(tmp_path):
+    """What the offload step does with a model loaded this way (before binding the ring):
+    its units match the written ones, narrowed to and ordered as the blobs' keys, and every
+    meta Parameter becomes a one-element placeholder on the device (tied ones one object)."""
+    from types import SimpleNamespace
+
+    from shardwise.offload.checkpoint import adopt_written
+    from shardwise.offload.transform import offload_units
+
+    ref = tiny_causal_lm("gpt2")
+    desc, model, units = _skeleton(_saved(ref, tmp_path / "ckpt"))
+    _, written = _load(model, desc, units, tmp_path)
+    plan = SimpleNamespace(policy=policy_for(model))
+    step_units = offload_units(model, plan)
+    entries = adopt_written(step_units, written, "cpu")
+    assert entries == list(written.units)
+    for unit, entry in zip(step_units, entries):
+        assert [r.key for r in unit.tensors] == [t.key for t in entry.tensors]
+        for r in unit.tensors:
+            assert not r.current().is_meta and r.current().untyped_storage().nbytes() == 4
+    assert model.lm_head.weight is model.transformer.wte.weight
+    assert not any(p.is_meta for p in model.parameters())
+    # a step that changed a unit between the load and the offload step is named
+    desc, model, units = _skeleton(_saved(ref, tmp_path / "ckpt2"))
+    _, written = _load(model, desc, units, tmp_path)
+    layer = model.transformer.h[0].mlp.c_fc
+    layer.weight = nn.Parameter(torch.empty(layer.weight.shape, dtype=torch.float16,
+                                            device="meta"), requires_grad=False)
+    with pytest.raises(OffloadError, match="c_fc.weight is torch.float16"):
+        adopt_written(offload_units(model, plan), written, "cpu")
+
+
+def test_the_cpu_tier_writes_host_blobs(tmp_path):
+    from shardwise.offload.store import MemoryStore
+
+    ref = tiny_causal_lm("llama")
+    desc, model, units = _skeleton(_saved(ref, tmp_path / "ckpt"))
+    loaded = load_to_store(model, desc, parse_offload({"device": "cpu", "pin_memory": False}),
+                           units=units, dtype=torch.float32)
+    written = loaded.results[HOOK_NAME]
+    assert isinstance(written.store, MemoryStore) and written.max_units_resident == 1
+    for entry in written.units:
+        views = unit_views(entry, written.store.buffer(entry))
+        for key, value in ref.get_submodule(entry.name).named_parameters():
+            assert torch.equal(views[key], value), (entry.name, key)
+
+
 # ----- peak RSS in a fresh process -------------------------------------------------------------
 
-#: the RSS model: Llama, hidden 384, 8 layers of 7.1 MB fp32, untied 6.3 MB embeddings: 69 MB
+#: the RSS model: Llama, hidden 384, 8 layers of 7.1 MB fp32, untied 6.3 MB embeddings: 69 MB;
+#: weights drawn wider than HF's default (std 0.1, not 0.02), so greedy decoding does not repeat
+#: one token (it did at 0.02: a weak parity check)
 BIG = dict(hidden_size=384, intermediate_size=1024, num_hidden_layers=8, num_attention_heads=6,
            num_key_value_heads=6, vocab_size=4096, max_position_embeddings=256,
-           tie_word_embeddings=False)
+           tie_word_embeddings=False, initializer_range=0.1)
 
 
 def _big_llama() -> nn.Module:
@@ -307,3 +356,85 @@ def test_loading_a_checkpoint_into_blobs_peaks_at_about_one_unit(tmp_path):
     assert got["units"] == 1
     assert got["growth"] < bound, (got, bound, total)
     assert bound < total / 3  # the bound means something: a third of the model
+
+
+_ENGINE_SCRIPT = _COMMON + textwrap.dedent("""
+    import shardwise
+
+    big, tiny, nvme, prompt = sys.argv[1:5]
+    ids = torch.tensor([json.loads(prompt)])
+
+    def run(path, tokens):
+        engine = shardwise.init_inference(
+            None, checkpoint=path, dtype=torch.float32,
+            offload={"device": "nvme", "nvme_path": nvme, "buffer_count": 2})
+        out = engine.generate(ids, max_new_tokens=tokens, min_new_tokens=tokens,
+                              do_sample=False)
+        return engine, out
+
+    warm, _ = run(tiny, 2)  # warm-up: imports, code pages, reader threads, arenas
+    warm.close()
+    del warm
+    before = rss()
+    engine, out = run(big, 8)
+    growth = peak() - before
+    written = engine.checkpoint_load.results.get("shardwise.offload")  # None: loaded whole
+    logits = engine(ids).logits[0, -1]  # after the measurement: [vocab]
+    print(json.dumps({"growth": growth, "tokens": out[0, ids.shape[1]:].tolist(),
+                      "logits": logits.tolist(),
+                      "ring": engine.offload.ring_bytes,
+                      "resident": engine.offload.resident_bytes,
+                      "units": written.max_units_resident if written else None,
+                      "meta": [n for n, p in engine.module.named_parameters() if p.is_meta]}))
+""")
+
+#: what the engine may hold beyond the ring and the resident tensors (test below)
+OVERHEAD = 12 << 20
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
+    "pending engine wiring: init_inference must load through shardwise.offload.checkpoint."
+    "load_to_store with offload= and hand the WrittenStore to offload_model (H5's report); "
+    "until then the whole model is loaded, then repacked (growth 73 MiB > bound 25.5 MiB). "
+    "Remove this marker with the wiring"))
+def test_an_offloaded_checkpoint_generates_like_the_resident_model_within_the_ring(tmp_path):
+    """``init_inference(None, checkpoint=..., offload={"device": "nvme", "buffer_count": 2})``
+    on the 69 MB Llama: 8 greedy tokens identical to the resident model's, and the process's
+    peak RSS growth below ring + resident tensors + :data:`OVERHEAD`.
+
+    Ring: 2 slots of the largest unit (a 7.1 MB layer) = 14.2 MB; resident: the final norm and
+    the rotary table (< 2 KB). The overhead (12 MiB) covers: during the load, one unit being
+    read plus the store's staging buffer of one unit (14.2 MB, freed before the ring is
+    allocated, but ``ru_maxrss`` keeps whichever phase peaked: measured 13.8 MiB for the load
+    alone), so with the ring it is the larger of the two phases; while generating, the
+    activations of 8 + 8 tokens (logits 16 x 4096 x 4 B = 256 KB), HF's dynamic KV cache
+    (8 layers x 2 x 16 x 384 x 4 B = 0.4 MB), reader-thread stacks and allocator slack.
+    The bound (25.5 MiB) is 0.4x the model's 66 MiB: a load that held the whole model fails.
+    Measured: 16.8 MiB with the wiring (prototyped), 73.4 MiB without it (loaded whole, then
+    repacked)."""
+    model = _big_llama()
+    units = _unit_bytes(model)
+    total = sum(units)
+    ids = prompt_ids(1, 8)  # ids < 256: the tiny warm-up model's vocabulary too
+    with torch.no_grad():
+        ref = model.generate(ids, max_new_tokens=8, min_new_tokens=8, do_sample=False)
+        ref_logits = model(ids).logits[0, -1]
+    expected = ref[0, ids.shape[1]:].tolist()
+    assert len(set(expected)) > 4  # a parity check worth its name
+    big = _saved(model, tmp_path / "big")
+    tiny = _saved(tiny_causal_lm("llama"), tmp_path / "tiny")
+    resident = sum(t.numel() * t.element_size() for t in model.model.norm.parameters()) + \
+        model.model.rotary_emb.inv_freq.numel() * 4
+    del model
+    nvme = tmp_path / "nvme"
+    nvme.mkdir()
+    got = _run_fresh(_ENGINE_SCRIPT, str(big), str(tiny), str(nvme), json.dumps(ids[0].tolist()))
+    assert got["tokens"] == expected
+    torch.testing.assert_close(torch.tensor(got["logits"]), ref_logits, rtol=1e-5, atol=1e-5)
+    assert got["meta"] == []  # every unit bound to a ring slot, nothing left on meta
+    ring = 2 * max(units)
+    assert got["ring"] == ring
+    bound = ring + resident + OVERHEAD
+    assert bound < 0.4 * total
+    assert got["growth"] < bound, (got["growth"], bound)
+    assert got["units"] == 1  # written straight from the checkpoint, one unit at a time

@@ -503,11 +503,16 @@ def to_resident(module: nn.Module, device: torch.device | str, dtype: torch.dtyp
     return module._apply(convert)
 
 
-def adopt_written(units: Sequence[Any], written: WrittenStore) -> list[UnitEntry]:
+def adopt_written(units: Sequence[Any], written: WrittenStore,
+                  device: torch.device | str) -> list[UnitEntry]:
     """Match the offload step's units (:func:`shardwise.offload.transform.offload_units`, after
     the later steps: injected layers included) with the blobs :class:`WriteThrough` wrote, in
     place: each unit's tensors are narrowed to its blob's keys, in the blob's order (what the
-    ring binds), the others stay resident. Returns the entries, one per unit.
+    ring binds), the others stay resident; and each meta Parameter is replaced, under every
+    name the units give it (tied ones stay one object), by a placeholder on ``device`` of its
+    shape and dtype holding one element (a stride-0 view), since the ring rebinds a Parameter
+    through ``.data``, which cannot turn a meta tensor into a real one. Returns the entries, one
+    per unit.
 
     Raises:
         OffloadError: the units differ from the written ones (names, order), or a unit holds a
@@ -541,7 +546,25 @@ def adopt_written(units: Sequence[Any], written: WrittenStore) -> list[UnitEntry
                                    f"cast or resized it after the load")
         unit.tensors[:] = [by_key[t.key] for t in entry.tensors]
         out.append(entry)
+    _placeholders(units, torch.device(device))
     return out
+
+
+def _placeholders(units: Sequence[Any], device: torch.device) -> None:
+    """Every meta Parameter of ``units``' tensors becomes a one-element stride-0 Parameter on
+    ``device`` (same shape and dtype) at each of its places, the refs pointing at it."""
+    new: dict[int, nn.Parameter] = {}
+    for unit in units:
+        for ref in unit.tensors:
+            old = ref.tensor
+            if not (ref.is_parameter and old.is_meta):
+                continue
+            if id(old) not in new:
+                one = torch.zeros(1, dtype=old.dtype, device=device)
+                new[id(old)] = nn.Parameter(one.expand(old.shape), requires_grad=False)
+            ref.tensor = new[id(old)]
+            for owner, attr in ref.places:
+                owner._parameters[attr] = ref.tensor
 
 
 def meta_units(model: nn.Module) -> list[str]:
