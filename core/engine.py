@@ -236,6 +236,8 @@ class InferenceEngine:
         only (packed layouts cannot be merged or split: to change the tp size, save an engine
         built without ``quant=`` and quantize while loading)."""
         self._check_open()
+        if self.offload is not None:
+            raise ConfigError(_OFFLOAD_SAVE_REFUSAL)
         prepared = self.plan.sharding if self.sharding is not None and self.plan else None
         return str(_checkpoint.save_checkpoint(self.module, path, prepared=prepared,
                                                communicator=self.communicator))
@@ -525,6 +527,16 @@ def _check_later_steps(model: nn.Module, cfg: InferenceConfig, accelerator: Acce
         from .offload.config import check_offload
 
         check_offload(cfg.offload, accelerator, model, device, enable_graph=cfg.enable_graph)
+        if cfg.save_mp_checkpoint_path:
+            raise ConfigError(_OFFLOAD_SAVE_REFUSAL)
+
+
+#: why an offloaded engine does not save a checkpoint (its units hold ring slots, not weights)
+_OFFLOAD_SAVE_REFUSAL = (
+    "an offloaded engine cannot save a checkpoint: its layers' tensors are views of the ring "
+    "slots they stream through, not the weights; save from an engine built without offload= "
+    "(the same settings otherwise), or keep the repacked store under nvme_path, which later "
+    "inits with the same model and settings reuse")
 
 
 def _keep_ledger(engine: InferenceEngine, ledger: Ledger) -> None:

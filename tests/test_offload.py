@@ -375,6 +375,19 @@ def test_a_failed_init_after_the_repack_gives_the_model_back(tmp_path, monkeypat
     assert all(not m._forward_pre_hooks and not m._forward_hooks for m in model.modules())
 
 
+def test_saving_a_checkpoint_is_refused_at_init_and_on_the_engine(tmp_path):
+    model = tiny_causal_lm("llama")
+    with pytest.raises(shardwise.ConfigError, match="offloaded engine cannot save"):
+        shardwise.init_inference(model, device="cpu", dtype=torch.float32,
+                                 offload=_offload(tmp_path),
+                                 save_mp_checkpoint_path=str(tmp_path / "ckpt"))
+    assert not list(tmp_path.iterdir()), "refused after writing"
+    engine = shardwise.init_inference(model, device="cpu", dtype=torch.float32,
+                                      offload=_offload(tmp_path))
+    with pytest.raises(shardwise.ConfigError, match="offloaded engine cannot save"):
+        engine.save_checkpoint(tmp_path / "ckpt")
+
+
 # ----- tensor parallelism --------------------------------------------------------------------------
 
 
