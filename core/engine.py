@@ -479,7 +479,6 @@ def _offload_step(model: nn.Module, cfg: InferenceConfig, accelerator: Accelerat
     from .offload.checkpoint import HOOK_NAME
 
     written = loaded.results.get(HOOK_NAME) if loaded is not None and loaded.results else None
-
     quant = cfg.quant.to_dict() if hasattr(cfg.quant, "to_dict") else repr(cfg.quant)
     report = offload_model(model, cfg.offload, accelerator, device, plan, stack=injected,
                            fingerprint_extra={"dtype": str(dtype), "quant": quant,
