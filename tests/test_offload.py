@@ -88,7 +88,7 @@ def _assert_streamed_only(engine) -> None:
     assert held and all(_in_slots(t, ranges) for t in held)
 
 
-# ----- parity --------------------------------------------------------------------------------------
+# ----- parity ------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("c", CAUSAL_CASES, ids=_case_id)
@@ -128,7 +128,7 @@ def test_bert_hidden_states_match_the_resident_model(c, tmp_path):
     _assert_streamed_only(engine)
 
 
-# ----- the ring ------------------------------------------------------------------------------------
+# ----- the ring ----------------------------------------------------------------------------------
 
 
 def _prefetched_pairs(events) -> list[tuple[int, int, bool]]:
@@ -267,7 +267,7 @@ def test_the_copy_stream_path_of_an_accelerator_on_host_slots(tier, tmp_path, mo
         report.close()
 
 
-# ----- the store -----------------------------------------------------------------------------------
+# ----- the store ---------------------------------------------------------------------------------
 
 
 def _files(path: Path) -> dict[str, int]:
@@ -314,7 +314,7 @@ def test_the_init_log_says_the_ring_size(tmp_path, caplog):
     assert "resident" in line and str(report.path) in line
 
 
-# ----- close ---------------------------------------------------------------------------------------
+# ----- close -------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("inject", [False, True])
@@ -388,7 +388,7 @@ def test_saving_a_checkpoint_is_refused_at_init_and_on_the_engine(tmp_path):
         engine.save_checkpoint(tmp_path / "ckpt")
 
 
-# ----- tensor parallelism --------------------------------------------------------------------------
+# ----- tensor parallelism ------------------------------------------------------------------------
 
 
 def _tp_case(rank: int, arch: str, inject: bool, bits: int | None, store: str) -> dict:

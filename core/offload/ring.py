@@ -17,9 +17,9 @@ slot is a :class:`Loader`:
 
 Every change of state happens in a thread that runs the model (hooks), under the ring's lock
 (forwards from several threads are served one hook at a time; a slot in use is never reloaded);
-loads complete in worker threads and are collected from their futures. :class:`RingStats` counts what was read,
-how long reading took and how long compute waited for it, per pass over the units, and keeps a
-short log of the ring's events (submit / acquire / release) so the overlap can be checked from
+loads complete in worker threads and are collected from their futures. :class:`RingStats`
+counts what was read, how long reading took and how long compute waited for it, per pass over
+the units, and keeps a short log of the ring's events (submit / acquire / release) so the overlap can be checked from
 what happened, not from timing.
 """
 
