@@ -12,15 +12,15 @@ slot is a :class:`Loader`:
   into one (direct I/O, reader threads): no copy at all.
 * :class:`DeviceLoader` — an accelerator: the blob comes from host memory (the ``"cpu"`` tier's
   pinned buffers, or an aligned host staging slot the reader fills for ``"nvme"``) and is copied
-  into the device slot on a copy stream of ``torch.get_device_module(device.type)``; an event
+  into the device slot on a copy stream (torch's device-generic ``torch.Stream``); an event
   recorded after the compute that last used the slot makes the copy wait for it.
 
 Every change of state happens in a thread that runs the model (hooks), under the ring's lock
 (forwards from several threads are served one hook at a time; a slot in use is never reloaded);
 loads complete in worker threads and are collected from their futures. :class:`RingStats`
 counts what was read, how long reading took and how long compute waited for it, per pass over
-the units, and keeps a short log of the ring's events (submit / acquire / release) so the overlap can be checked from
-what happened, not from timing.
+the units, and keeps a short log of the ring's events (submit / acquire / release) so the
+overlap can be checked from what happened, not from timing.
 """
 
 from __future__ import annotations
