@@ -86,6 +86,8 @@ def _assert_streamed_only(engine) -> None:
     ranges = _slot_ranges(engine)
     held = _unit_tensors(engine)
     assert held and all(_in_slots(t, ranges) for t in held)
+    # nor does the engine's record of the model keep the originals (close() reads them back)
+    assert engine._ledger.held_bytes()["parameters"] == 0
 
 
 # ----- parity ------------------------------------------------------------------------------------
