@@ -504,15 +504,16 @@ def to_resident(module: nn.Module, device: torch.device | str, dtype: torch.dtyp
 
 
 def adopt_written(units: Sequence[Any], written: WrittenStore,
-                  device: torch.device | str) -> list[UnitEntry]:
+                  device: torch.device | str = "cpu") -> list[UnitEntry]:
     """Match the offload step's units (:func:`shardwise.offload.transform.offload_units`, after
     the later steps: injected layers included) with the blobs :class:`WriteThrough` wrote, in
     place: each unit's tensors are narrowed to its blob's keys, in the blob's order (what the
     ring binds), the others stay resident; and each meta Parameter is replaced, under every
     name the units give it (tied ones stay one object), by a placeholder on ``device`` of its
     shape and dtype holding one element (a stride-0 view), since the ring rebinds a Parameter
-    through ``.data``, which cannot turn a meta tensor into a real one. Returns the entries, one
-    per unit.
+    through ``.data``, which cannot turn a meta tensor into a real one (a dense tensor of any
+    device can be rebound to a view of any other: ``device`` only decides where the one
+    element lives; pass the slots' device). Returns the entries, one per unit.
 
     Raises:
         OffloadError: the units differ from the written ones (names, order), or a unit holds a
