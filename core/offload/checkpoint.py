@@ -42,7 +42,7 @@ import ctypes
 import ctypes.util
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
@@ -85,7 +85,7 @@ class WrittenStore:
         max_units_resident: the most units holding real tensors at once during the load.
     """
 
-    store: DiskStore
+    store: DiskStore | MemoryStore
     units: tuple[UnitEntry, ...]
     bytes_written: int = 0
     write_seconds: float = 0.0
@@ -205,7 +205,7 @@ class WriteThrough(TensorHook):
 
     name = HOOK_NAME
 
-    def __init__(self, store: DiskStore, units: Sequence[CheckpointUnit],
+    def __init__(self, store: DiskStore | MemoryStore, units: Sequence[CheckpointUnit],
                  dtype: torch.dtype | None, inner: Iterable[TensorHook] = (),
                  settings: OffloadConfig | None = None, quantizer: Any = None) -> None:
         self.store, self.units, self.dtype = store, list(units), dtype
@@ -317,27 +317,28 @@ class WriteThrough(TensorHook):
     # ----- a unit complete
     @torch.no_grad()
     def _flush(self, ready: list[int]) -> None:
-        """Write each ready unit's blob, then release the tensors no unwritten unit holds."""
+        """Write each ready unit's blob, then release the tensors no unwritten unit holds and
+        give their memory back to the OS."""
         start = time.perf_counter()
-        written = []
-        for i in ready:
-            unit = self.units[i]
-            self._quantize_experts(unit)
-            tensors = unit_tensors(unit.module, resident_ids(self._root, self.units))
-            meta = [k for k, _, _, t in tensors if t.is_meta]
-            if meta:
-                raise OffloadError(f"offload while loading a checkpoint: unit {unit.name!r} is "
-                                   f"complete but {unit.name}.{meta[0]} was never read")
-            entry = layout_unit(i, unit.name, [(k, t) for k, _, _, t in tensors])
-            self.store.write_unit(entry, [t for _, _, _, t in tensors])
-            self.entries[i] = entry
-            self.bytes_written += entry.nbytes
-            written.append(tensors)
-        del tensors
+        written = [self._write(self.units[i]) for i in ready]
         self._release([t for tensors in written for t in tensors])
-        written.clear()
+        del written  # the last references to the units' real tensors (but the loader's own)
         release_heap()
         self.write_seconds += time.perf_counter() - start
+
+    def _write(self, unit: CheckpointUnit) -> list[tuple[str, nn.Module, str, torch.Tensor]]:
+        """Lay out and write ``unit``'s blob; returns its streamed tensors."""
+        self._quantize_experts(unit)
+        tensors = unit_tensors(unit.module, resident_ids(self._root, self.units))
+        meta = [k for k, _, _, t in tensors if t.is_meta]
+        if meta:
+            raise OffloadError(f"offload while loading a checkpoint: unit {unit.name!r} is "
+                               f"complete but {unit.name}.{meta[0]} was never read")
+        entry = layout_unit(unit.index, unit.name, [(k, t) for k, _, _, t in tensors])
+        self.store.write_unit(entry, [t for _, _, _, t in tensors])
+        self.entries[unit.index] = entry
+        self.bytes_written += entry.nbytes
+        return tensors
 
     def _quantize_experts(self, unit: CheckpointUnit) -> None:
         """With quantize-while-reading: the unit's MoE experts modules, read whole, quantized
@@ -566,8 +567,3 @@ def _placeholders(units: Sequence[Any], device: torch.device) -> None:
             ref.tensor = new[id(old)]
             for owner, attr in ref.places:
                 owner._parameters[attr] = ref.tensor
-
-
-def meta_units(model: nn.Module) -> list[str]:
-    """Names of the parameters still on meta (the offloaded units' after :func:`load_to_store`)."""
-    return [n for n, p in model.named_parameters() if p.is_meta]
