@@ -5,8 +5,9 @@ Before the rows (and again after them, like the copy probe: the higher is the ba
 probed with the method the engine reads it by (:class:`TierProbe`):
 
 * ``nvme``: :func:`shardwise.offload.store.read_probe` of the ``--nvme-path`` directory — a
-  temporary file dropped from the page cache and read back with ``O_DIRECT`` by the reader
-  threads the engine uses (``"buffered read"`` where the filesystem refuses direct I/O).
+  temporary file dropped from the page cache and read back with ``O_DIRECT`` by as many
+  reader threads as the engine's (``READ_THREADS``; ``"buffered read"`` where the filesystem
+  refuses direct I/O).
 * ``cpu`` (an accelerator's): :func:`host_to_device_probe`, copies of a pinned host buffer
   into device memory, one direction (what the ring's copy stream does).
 
@@ -82,9 +83,10 @@ def probe_tier(tier: str, accelerator: Accelerator, nvme_path: str | None = None
     store's default for a read, :data:`COPY_PROBE_BYTES` for a copy)."""
     if tier == "nvme":
         from ..offload.store import read_probe
+        from ..offload.transform import READ_THREADS
 
         kwargs = {"nbytes": nbytes} if nbytes else {}
-        result = read_probe(nvme_path, direct=True, **kwargs)
+        result = read_probe(nvme_path, direct=True, threads=READ_THREADS, **kwargs)
         method = PROBE_METHODS["nvme"] if result["direct_io"] else "buffered read"
         return TierProbe(tier, method, result["nbytes"], str(nvme_path), result["direct_io"],
                          [result["gbps"]])
