@@ -399,10 +399,8 @@ def _build_engine(model: nn.Module | None, cfg: InferenceConfig) -> InferenceEng
     prepared = plan.shards  # every rank's slices under TP, and its experts under EP
     loaded = None
     if desc is not None:  # 4. each rank reads only its slices, straight onto its device
-        loaded = _checkpoint.load_checkpoint(
-            model, desc, prepared=prepared, rank=communicator.rank, device=device, dtype=dtype,
-            hooks=_reading_hooks(model, cfg, accelerator, dtype, device, plan, desc),
-            experts=plan.experts.total if plan.experts is not None else None)
+        loaded = _load_step(model, cfg, accelerator, dtype, device, plan, desc,
+                            communicator.rank)
     report = None
     if prepared is not None:
         report = sharding.apply_shards(  # 5. (the loader already sliced the weights)
@@ -419,7 +417,8 @@ def _build_engine(model: nn.Module | None, cfg: InferenceConfig) -> InferenceEng
 
         injected = inject_model(model, accelerator, dtype, _max_tokens(cfg),
                                 policy=plan.found_policy, heads=_injected_heads(plan))
-        injected.to(device=device, dtype=dtype)  # its own new tensors (ALiBi slopes)
+        # its own new tensors (ALiBi slopes); units loaded straight into blobs stay on meta
+        transforms.move_and_cast(injected, device, dtype, keep_meta=_loaded_offloaded(loaded))
     offload = _offload_step(model, cfg, accelerator, dtype, device, plan, injected,
                             loaded)  # 7b.
     if cfg.enable_graph:  # 8. (the config requires injection for it)
@@ -464,6 +463,34 @@ def _moe_step(model: nn.Module, cfg: InferenceConfig, accelerator: Accelerator,
 
     dispatch = getattr(cfg.moe, "dispatch", None) or "all_reduce"
     return install_moe(model, plan, accelerator, dtype, dispatch=dispatch)
+
+
+def _load_step(model: nn.Module, cfg: InferenceConfig, accelerator: Accelerator,
+               dtype: torch.dtype, device: torch.device, plan: Plan,
+               desc: "_checkpoint.Description", rank: int):
+    """Step 4: each rank reads only its slices of the checkpoint, straight onto its device
+    (quantized while read with ``quant``). With ``offload=`` each unit goes to its blob as
+    soon as it is read and back to meta (:func:`shardwise.offload.checkpoint.load_to_store`):
+    the whole model is never resident; the offload step then binds the units to the ring."""
+    hooks = _reading_hooks(model, cfg, accelerator, dtype, device, plan, desc)
+    experts = plan.experts.total if plan.experts is not None else None
+    if cfg.offload is None:
+        return _checkpoint.load_checkpoint(model, desc, prepared=plan.shards, rank=rank,
+                                           device=device, dtype=dtype, hooks=hooks,
+                                           experts=experts)
+    from .offload.checkpoint import checkpoint_units, load_to_store
+
+    return load_to_store(model, desc, cfg.offload, units=checkpoint_units(model, plan.policy),
+                         prepared=plan.shards, rank=rank, tp_size=plan.tp.size, device=device,
+                         dtype=dtype, hooks=hooks, experts=experts, quant=cfg.quant)
+
+
+def _loaded_offloaded(loaded) -> bool:
+    """Whether step 4 wrote the units straight into offload blobs (they are on meta until the
+    offload step binds them)."""
+    from .offload.checkpoint import HOOK_NAME
+
+    return loaded is not None and HOOK_NAME in loaded.results
 
 
 def _offload_step(model: nn.Module, cfg: InferenceConfig, accelerator: Accelerator,
@@ -603,7 +630,7 @@ def _quantize_and_cast(model: nn.Module, cfg: InferenceConfig, accelerator: Acce
         # after sharding) are quantized now
         quantize_model_experts(model, report, accelerator, dtype, device)
         log.info("shardwise: %s", report.summary())
-    transforms.cast_and_move(model, device, dtype)
+    transforms.cast_and_move(model, device, dtype, keep_meta=_loaded_offloaded(loaded))
     return report
 
 

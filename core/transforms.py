@@ -48,15 +48,18 @@ def check_materialized(model: nn.Module) -> None:
             f"or description) to have init_inference load them into the meta model")
 
 
-def cast_and_move(model: nn.Module, device: torch.device, dtype: torch.dtype) -> nn.Module:
+def cast_and_move(model: nn.Module, device: torch.device, dtype: torch.dtype, *,
+                  keep_meta: bool = False) -> nn.Module:
     """Move ``model`` to ``device`` and cast its floating-point tensors to ``dtype``, in place.
     Integer buffers (position ids, masks) keep their dtype.
 
     Recorded in the active ledger (inside ``init_inference``) with an undo that casts each
     tensor back to the dtype and device it had, from what the model then holds (no copy is
-    kept; a cast to a narrower dtype is lossy, and the record says so)."""
-    before = _tensor_placements(model)
-    model.to(device=device, dtype=dtype)
+    kept; a cast to a narrower dtype is lossy, and the record says so).
+
+    ``keep_meta``: tensors on the meta device stay there (see :func:`move_and_cast`)."""
+    before = [p for p in _tensor_placements(model) if not (keep_meta and p[4].type == "meta")]
+    move_and_cast(model, device, dtype, keep_meta=keep_meta)
     config = getattr(model, "config", None)
     had_dtype = config is not None and hasattr(config, "dtype")
     old_dtype = getattr(config, "dtype", None)
@@ -67,6 +70,19 @@ def cast_and_move(model: nn.Module, device: torch.device, dtype: torch.dtype) ->
         record(_cast_what(changed, dtype, device), _cast_back(changed, config if had_dtype
                                                               else None, old_dtype))
     return model.eval()
+
+
+def move_and_cast(module: nn.Module, device: torch.device, dtype: torch.dtype, *,
+                  keep_meta: bool = False) -> nn.Module:
+    """``module.to(device=device, dtype=dtype)``; with ``keep_meta`` the tensors on the meta
+    device stay there: an offloaded model's units loaded straight into their blobs
+    (:func:`shardwise.offload.checkpoint.to_resident`), which the offload step binds to ring
+    slots (a plain ``.to`` cannot copy out of meta)."""
+    if not keep_meta:
+        return module.to(device=device, dtype=dtype)
+    from .offload.checkpoint import to_resident
+
+    return to_resident(module, device, dtype)
 
 
 #: (module, name, is_parameter, dtype, device) of one tensor the cast may change

@@ -406,11 +406,6 @@ _ENGINE_SCRIPT = _COMMON + textwrap.dedent("""
 OVERHEAD = 12 << 20
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "pending engine wiring: init_inference must load through shardwise.offload.checkpoint."
-    "load_to_store with offload= and hand the WrittenStore to offload_model (H5's report); "
-    "until then the whole model is loaded, then repacked (growth 73 MiB > bound 25.5 MiB). "
-    "Remove this marker with the wiring"))
 def test_an_offloaded_checkpoint_generates_like_the_resident_model_within_the_ring(tmp_path):
     """``init_inference(None, checkpoint=..., offload={"device": "nvme", "buffer_count": 2})``
     on the 69 MB Llama: 8 greedy tokens identical to the resident model's, and the process's

@@ -321,7 +321,7 @@ def offload_model(model: nn.Module, settings: OffloadConfig | Mapping, accelerat
         if written is not None:  # the blobs were written while loading the checkpoint
             from .checkpoint import adopt_written
 
-            entries, source, reused = adopt_written(units, written), written.store, False
+            entries, source, reused = adopt_written(units, written, device), written.store, False
         else:
             entries = [_store.layout_unit(u.index, u.name,
                                           [(r.key, r.current()) for r in u.tensors])
