@@ -183,7 +183,7 @@ def test_offload_figures_from_known_counters():
     assert format_offload({"runs": [dict(out, offload=None)]}) == ""
 
 
-# ----- a run ----------------------------------------------------------------------------------------
+# ----- a run --------------------------------------------------------------------------------------
 
 def test_tiny_preset_streams_from_disk_and_reports_against_the_probe(tmp_path, capsys):
     blobs, out = tmp_path / "blobs", tmp_path / "run.json"

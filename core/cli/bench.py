@@ -1,10 +1,12 @@
 """``shardwise bench``: time the plain Hugging Face model against shardwise on this device, over
 a matrix of models × batch sizes × prompt lengths × new tokens, with roofline figures.
 
-Without variant options (--inject, --graphs, --quant, --dtype, --offload, --plain) it runs what shardwise
-does fastest on this device, as the accelerator says: kernel injection with graphs in its
-preferred dtype, then the same with int8 and with int4 weights (where it has fast kernels),
-against the HF model in that dtype. With them it runs the one variant they describe.
+Without variant options (--inject, --graphs, --quant, --dtype, --offload, --plain) it runs
+what shardwise does fastest on this device, as the accelerator says: kernel injection with
+graphs in its preferred dtype, then the same with int8 and with int4 weights (where it has
+fast kernels), against the HF model in that dtype. With them it runs the one variant they
+describe (--offload: its weights streamed from disk or host memory, reported against a probe
+of that tier's read bandwidth).
 
 Writes a JSON file with every sample and its provenance, and a PNG chart next to it (with the
 ``plot`` extra). ``--compare a.json b.json`` prints the ratios between two saved runs. Every
@@ -55,8 +57,9 @@ def _add_variant_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group(
         "the shardwise variant",
         "The baseline is the plain HF model. With none of --dtype, --inject, --graphs,\n"
-        "--quant, --offload, --plain: the device's default set (injection + graphs, then also int8 and\n"
-        "int4, in the device's preferred dtype, HF too); with any, the one variant they describe.")
+        "--quant, --offload, --plain: the device's default set (injection + graphs, then also\n"
+        "int8 and int4, in the device's preferred dtype, HF too); with any, the one variant they\n"
+        "describe.")
     g.add_argument("--device", help="accelerator plugin (default: $SHARDWISE_ACCELERATOR or "
                                     "detection)")
     g.add_argument("--dtype", choices=["fp32", "fp16", "bf16", "auto"],
