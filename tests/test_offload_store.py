@@ -598,3 +598,13 @@ def test_read_probe_refuses_bad_arguments(tmp_path):
     with pytest.raises(FileNotFoundError, match="no such directory"):
         read_probe(tmp_path / "missing", nbytes=ALIGN)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_content_digest_samples_tensors_beyond_float32_exact_indices():
+    """A tensor of more than 2**24 elements (GPT-2's 50257 x 1024 embedding has 51.5M): the
+    sample indices stay inside it, the last element is sampled, and changing it changes the
+    digest."""
+    t = torch.zeros((1 << 24) + 3, dtype=torch.uint8)
+    before = st.content_digest([t])
+    t[-1] = 7
+    assert st.content_digest([t]) != before

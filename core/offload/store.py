@@ -421,8 +421,8 @@ def content_digest(tensors: Iterable[torch.Tensor], samples: int = 64) -> str:
         if t.is_meta or t.numel() == 0:
             continue
         flat = t.detach().reshape(-1)
-        idx = torch.linspace(0, flat.numel() - 1, min(samples, flat.numel()) + 1,
-                             device=flat.device).round().long()
+        n = min(samples, flat.numel())  # integer spacing: float32 steps overrun past 2**24
+        idx = torch.arange(n + 1, device=flat.device) * (flat.numel() - 1) // n
         picked = flat[idx].cpu().contiguous()
         h.update(bytes(picked.view(torch.uint8).tolist()))
     return h.hexdigest()[:32]
