@@ -57,6 +57,16 @@ class Communicator:
         the result stacks the chunks received, in rank order (same shape as the input)."""
         raise NotImplementedError
 
+    def send(self, tensor: torch.Tensor, dst: int) -> None:
+        """Point-to-point: send ``tensor`` (contiguous) to rank ``dst``, which must call
+        :meth:`recv` with a tensor of the same shape and dtype (pipeline stages)."""
+        raise NotImplementedError
+
+    def recv(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
+        """Point-to-point: receive into ``tensor`` (contiguous, in place) from rank ``src``;
+        returns it."""
+        raise NotImplementedError
+
     def release_buffers(self) -> None:
         """Free what this communicator holds for its collectives beyond the process group (the
         CPU one's shared-memory segment); the group stays, and collectives still work, by the
@@ -86,6 +96,12 @@ class LocalCommunicator(Communicator):
 
     def all_to_all(self, tensor):
         return tensor.clone()
+
+    def send(self, tensor, dst):
+        raise CollectiveError(f"send to rank {dst} in a world of size 1")
+
+    def recv(self, tensor, src):
+        raise CollectiveError(f"recv from rank {src} in a world of size 1")
 
 
 def _reduce_op(op: str):
@@ -145,6 +161,14 @@ class TorchDistCommunicator(Communicator):
         outputs = [torch.empty_like(c) for c in inputs]
         self._run("all_to_all", dist.all_to_all, outputs, inputs)
         return torch.cat(outputs)
+
+    def send(self, tensor, dst):
+        # gloo and nccl time a point-to-point op out like a collective (the group's timeout)
+        self._run("send", dist.send, tensor, dst=dst)
+
+    def recv(self, tensor, src):
+        self._run("recv", dist.recv, tensor, src=src)
+        return tensor
 
     def close(self):
         if self.owns_group and dist.is_initialized():

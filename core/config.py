@@ -23,6 +23,7 @@ from .errors import ConfigError, NotSupportedYetError
 
 if TYPE_CHECKING:
     from .offload.config import OffloadConfig
+    from .pipeline.config import PipelineSettings
 
 _DTYPES: dict[str, torch.dtype] = {
     "fp32": torch.float32, "float32": torch.float32, "float": torch.float32,
@@ -83,6 +84,14 @@ class InferenceConfig:
             (``{"device": "none"}`` → None; every key used or refused by name: see
             :func:`~shardwise.offload.config.parse_offload`). Needs ``enable_graph=False``.
             Checked against the machine and the model before anything changes.
+        pipeline_parallel: pipeline stages, ``{"pp_size": P}`` (P ranks, one stage each: the
+            decoder layers cut into P contiguous stages balanced by weight bytes) with an
+            optional ``"split": [n_0, ..., n_{P-1}]`` (layers per stage, first stage first;
+            must cover every layer once); normalised to a
+            :class:`~shardwise.pipeline.PipelineSettings` (None when off: see
+            :func:`~shardwise.pipeline.parse_pipeline`). Not supported yet together with
+            ``tensor_parallel`` > 1, injection, graphs, ``quant``, ``offload`` or checkpoints
+            (each refused by name).
     """
 
     device: str | None = None
@@ -100,6 +109,7 @@ class InferenceConfig:
     seed: int | None = None
     moe: "MoESettings | dict | bool | None" = None
     offload: "OffloadConfig | dict | None" = None
+    pipeline_parallel: "PipelineSettings | dict | int | None" = None
 
     # ----- construction -------------------------------------------------------------------------
 
@@ -138,6 +148,7 @@ class InferenceConfig:
         _check_injection(self)
         _check_quant(self)
         self.moe = parse_moe(self.moe)
+        _check_pipeline(self)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain values (dtype as its short name), e.g. for a benchmark's provenance."""
@@ -243,6 +254,21 @@ def _normalise(values: Mapping[str, Any], where: str) -> dict[str, Any]:
                                   f"({out[name]!r} and {v!r}) in the {where} arguments")
             out[name] = v
     return out
+
+
+def _parse_pipeline(value: Any) -> "PipelineSettings | None":
+    from .pipeline.config import parse_pipeline
+
+    return parse_pipeline(value)
+
+
+def _check_pipeline(cfg: InferenceConfig) -> None:
+    """Normalise ``pipeline_parallel`` and refuse the settings it does not compose with yet
+    (:func:`shardwise.pipeline.config.check_with_other_fields`)."""
+    from .pipeline.config import check_with_other_fields
+
+    cfg.pipeline_parallel = _parse_pipeline(cfg.pipeline_parallel)
+    check_with_other_fields(cfg)
 
 
 def _parse_offload(value: Any) -> "OffloadConfig | None":
@@ -489,4 +515,5 @@ def _moe_type(value: Any) -> str | None:
 
 #: Fields normalised as they are read (before the config and keyword values are compared), so
 #: equal settings spelled differently agree: field → its parser.
-_NORMALISERS: dict[str, Any] = {"moe": parse_moe, "offload": _parse_offload}
+_NORMALISERS: dict[str, Any] = {"moe": parse_moe, "offload": _parse_offload,
+                                "pipeline_parallel": _parse_pipeline}

@@ -52,6 +52,9 @@ class InferenceEngine:
     """
 
     quantization = None
+    #: the :class:`~shardwise.pipeline.PipelineReport` under ``pipeline_parallel`` (this rank's
+    #: stage, its layers and parameter bytes), else None
+    stages = None
     #: the :class:`~shardwise.offload.OffloadReport` with ``offload=`` (the ring, its stats), else
     #: None
     offload = None
@@ -244,7 +247,8 @@ class InferenceEngine:
 
     def _inputs(self, value: Any) -> Any:
         value = self._to_device(value)
-        if self.sharding is not None and self.communicator.world_size > 1:
+        if ((self.sharding is not None or self.stages is not None)
+                and self.communicator.world_size > 1):
             value = _broadcast_tensors(value, self.communicator)
         return value
 
@@ -301,11 +305,12 @@ def _plan_step(model: nn.Module, cfg: InferenceConfig) -> Plan:
     the world's dimensions checked against ``tp_size``, the policy looked up, the heads split,
     the sharding plan chosen and every rank's slices computed (all errors surface here)."""
     return build_plan(model, tp_size=cfg.tp_size, injection_policy=cfg.injection_policy,
-                      moe=cfg.moe)
+                      moe=cfg.moe, pipeline=cfg.pipeline_parallel)
 
 
 def _seed(cfg: InferenceConfig) -> None:
-    seed = cfg.seed if cfg.seed is not None else (0 if cfg.tp_size > 1 else None)
+    several = cfg.tp_size > 1 or cfg.pipeline_parallel is not None
+    seed = cfg.seed if cfg.seed is not None else (0 if several else None)
     if seed is not None:
         torch.manual_seed(seed)  # every device's default generator
 
@@ -408,6 +413,7 @@ def _build_engine(model: nn.Module | None, cfg: InferenceConfig) -> InferenceEng
             bytes_before=loaded.bytes_before if loaded else None)
         if communicator.rank == 0:
             log.info("shardwise: %s", report.summary())
+    stages = _pipeline_step(model, plan, communicator, dtype)  # 5b. this rank's stage
     quant_report = _quantize_and_cast(model, cfg, accelerator, dtype, device, plan,
                                       loaded)  # 6.
     moe_report = _moe_step(model, cfg, accelerator, dtype, plan)  # 6b. before injection
@@ -429,6 +435,7 @@ def _build_engine(model: nn.Module | None, cfg: InferenceConfig) -> InferenceEng
     engine = InferenceEngine(model, cfg, accelerator, communicator, device, dtype, report,
                              plan=plan)
     engine.quantization = quant_report
+    engine.stages = stages
     engine.moe = moe_report
     engine.offload = offload
     engine.checkpoint_load = loaded
@@ -436,6 +443,23 @@ def _build_engine(model: nn.Module | None, cfg: InferenceConfig) -> InferenceEng
     if cfg.save_mp_checkpoint_path:
         engine.save_checkpoint(cfg.save_mp_checkpoint_path)
     return engine
+
+
+def _pipeline_step(model: nn.Module, plan: Plan, communicator: Communicator,
+                   dtype: torch.dtype):
+    """Step 5b under pipeline parallelism (before the cast: the other stages' modules are never
+    cast): this rank keeps its stage's layers, the rest become stand-ins, and the hooks that
+    move hidden states between stages are installed (:func:`shardwise.pipeline.apply_stages`).
+    Returns its :class:`~shardwise.pipeline.PipelineReport`, or None without stages."""
+    if plan.stages is None:
+        return None
+    from .moe.block import decoder_layers
+    from .pipeline import apply_stages
+
+    report = apply_stages(model, decoder_layers(model, plan.policy), plan.stages,
+                          plan.pp.group, dtype)
+    log.info("shardwise: rank %d: %s", communicator.rank, report.summary())
+    return report
 
 
 def _runs_moe_step(cfg: InferenceConfig, plan: Plan) -> bool:

@@ -2,7 +2,7 @@
 ``init_inference`` (docs/architecture.md, "One plan").
 
 A :class:`Plan` is a plain object in the spirit of torchtitan's ``ParallelDims``: the world and,
-per parallel dimension (:class:`Dim`: ``tp`` and ``ep`` now; ``pp`` and ``dp`` reserved), its size,
+per parallel dimension (:class:`Dim`: ``tp``, ``ep`` and ``pp`` now; ``dp`` reserved), its size,
 this rank's coordinate and its process group; the model's policy (looked up once), its head
 counts and this rank's head / kv-head partition; the roles of every linear (the sharding plan's
 rows resolved against the model) and, under tensor parallelism, every rank's slices. Sharding,
@@ -17,8 +17,13 @@ The dimensions and their checks (:func:`check_dims`), made before any process gr
   and vLLM do): ep divides tp × dp, and ``ep_coord = (dp_coord × tp + tp_coord) mod ep``;
 * ``tp_size=1`` in a larger world (each rank runs the whole model alone, as before) is dp =
   world with no collectives between the replicas — unless they form the expert-parallel group;
-  data-parallel replicas of a TP group, pp other than 1 and an ep group smaller than the world
-  (several expert groups) are :class:`ParallelismNotSupportedError` ("not supported yet").
+  data-parallel replicas of a TP group, pp > 1 with tp > 1 or with data-parallel replicas, and
+  an ep group smaller than the world (several expert groups) are
+  :class:`ParallelismNotSupportedError` ("not supported yet");
+* pipeline stages (``pipeline_parallel={"pp_size": P}``) run one rank per stage (world == P):
+  ``plan.stages`` (:class:`~shardwise.pipeline.StagePlan`) says which decoder layers each stage
+  runs; ``pp_size`` above the layer count or a ``split`` that does not cover every layer once is
+  a :class:`~shardwise.pipeline.PipelineConfigError`, checked before the dimensions.
 
 Expert parallelism (``moe={"ep_size": N}``): the experts of every MoE layer are split by whole
 experts over the N ep ranks (``plan.experts.ranges``; ``plan.sharding.experts`` the modules, an
@@ -56,6 +61,8 @@ from .sharding.world import tp_world_problem
 
 if TYPE_CHECKING:
     from .communicator import Communicator
+    from .pipeline.config import PipelineSettings
+    from .pipeline.stages import StagePlan
 
 #: the dimensions, in rank-layout order (slowest first): pipeline, data, tensor; experts within
 DIM_NAMES = ("pp", "dp", "tp", "ep")
@@ -167,6 +174,11 @@ def check_dims(world: int, rank: int, tp: int = 1, pp: int = 1, dp: int | None =
         raise ConfigError(f"rank {rank} is not a rank of a world of {world}")
     if pp == 1 and dp is None:
         _check_tp_world(tp, world)
+    if pp > 1 and world == 1:
+        raise ShardingError(
+            f"pipeline_parallel pp_size={pp} needs {pp} ranks (one stage each), but this process "
+            f"runs alone (WORLD_SIZE is unset or 1); launch {pp} ranks, e.g. `torchrun "
+            f"--nproc-per-node {pp} your_script.py` (WORLD_SIZE={pp})")
     if world % (pp * tp):
         raise ShardingError(
             f"world = pp × tp × dp: pp_size={pp} × tp_size={tp} does not divide the world of "
@@ -188,11 +200,10 @@ def check_dims(world: int, rank: int, tp: int = 1, pp: int = 1, dp: int | None =
             f"ep_size={ep} must divide tp × dp = {tp * dp_size} (the expert-parallel group is "
             f"carved out of one pipeline stage's tp × dp ranks); ep sizes that would work: "
             f"{', '.join(str(d) for d in divisors(tp * dp_size) if d <= (max_ep or d))}")
-    for name, size, what in (("pp_size", pp, "pipeline parallelism"),
-                             ("dp_size", 1 if dp is None else dp, "data parallelism")):
-        if size != 1:
-            raise ParallelismNotSupportedError(
-                f"{what} ({name}={size}) is not supported yet; run with {name}=1")
+    if dp is not None and dp != 1:
+        raise ParallelismNotSupportedError(
+            f"data parallelism (dp_size={dp}) is not supported yet; run with dp_size=1")
+    _check_pipeline_dims(pp, tp, dp_size, world)
     if 1 < ep < world:
         raise ParallelismNotSupportedError(
             f"expert parallelism over part of the world (ep_size={ep} of {world} ranks: several "
@@ -203,6 +214,21 @@ def check_dims(world: int, rank: int, tp: int = 1, pp: int = 1, dp: int | None =
     pp_coord = rank // (tp * dp_size)
     return {"pp": Dim("pp", pp, pp_coord), "dp": Dim("dp", dp_size, dp_coord),
             "tp": Dim("tp", tp, tp_coord), "ep": Dim("ep", ep, (dp_coord * tp + tp_coord) % ep)}
+
+
+def _check_pipeline_dims(pp: int, tp: int, dp: int, world: int) -> None:
+    """Pipeline stages run with one rank per stage in this version: world == pp_size."""
+    if pp == 1:
+        return
+    if tp > 1:
+        raise ParallelismNotSupportedError(
+            f"pipeline_parallel pp_size={pp} with tensor parallelism (tp_size={tp}) is not "
+            f"supported yet; run with tp_size=1 on {pp} ranks")
+    if dp > 1:
+        raise ParallelismNotSupportedError(
+            f"pipeline_parallel pp_size={pp} in a world of {world} ranks would need {dp} "
+            f"data-parallel replicas of the pipeline, which are not supported yet; launch "
+            f"{pp} ranks (WORLD_SIZE={pp})")
 
 
 def _check_tp_world(tp: int, world: int) -> None:
@@ -254,6 +280,9 @@ class Plan:
             ``policy:<name>``, ``heuristic``), or why there are none.
         notes: remarks (a plan source not used, no registered policy).
         experts: the :class:`ExpertPlan` of a Mixture-of-Experts model (None: a dense model).
+        stages: under pipeline parallelism (pp > 1) the
+            :class:`~shardwise.pipeline.StagePlan`: every stage's decoder layers, this rank's
+            stage; else None.
     """
 
     world: int
@@ -272,6 +301,7 @@ class Plan:
     roles_source: str = ""
     notes: list[str] = field(default_factory=list)
     experts: ExpertPlan | None = None
+    stages: "StagePlan | None" = None
 
     @property
     def dims(self) -> dict[str, Dim]:
@@ -297,9 +327,10 @@ class Plan:
     def bind(self, communicator: "Communicator") -> None:
         """Give each dimension that needs collectives its group: under tensor parallelism the
         tp group is the default group, i.e. ``communicator`` (world == tp: checked); under
-        expert parallelism the ep group is too (world == ep: :func:`check_dims`). No other
+        expert parallelism the ep group is too (world == ep: :func:`check_dims`); under
+        pipeline parallelism the pp group is (world == pp: one rank per stage). No other
         dimension > 1 runs yet, so no other group is created."""
-        for dim in (self.tp, self.ep):
+        for dim in (self.tp, self.ep, self.pp):
             if not dim.enabled:
                 continue
             if communicator.world_size != dim.size:
@@ -321,6 +352,8 @@ class Plan:
             lines.append(f"  heads: {self.head_counts} (do not split: {self.head_split.error})")
         if self.experts is not None:
             lines.append(f"  experts: {self.experts!r}")
+        if self.stages is not None:
+            lines.append(f"  stages: {self.stages!r}")
         if self.roles is not None:
             counts: dict[str, int] = {}
             for role in self.roles.values():
@@ -342,10 +375,13 @@ class Plan:
 def build_plan(model: nn.Module, *, tp_size: int = 1,
                injection_policy: Mapping | None = None, world: int | None = None,
                rank: int | None = None, pp_size: int = 1, dp_size: int | None = None,
-               ep_size: int | None = None, moe: MoESettings | None = None) -> Plan:
+               ep_size: int | None = None, moe: MoESettings | None = None,
+               pipeline: "PipelineSettings | None" = None) -> Plan:
     """The :class:`Plan` for ``model`` in this process's world (``world`` / ``rank`` given:
     that world instead, e.g. to check every rank's plan on one process). ``moe``: the ``moe=``
-    setting (its ``ep_size`` is the plan's unless ``ep_size`` is given). Touches nothing.
+    setting (its ``ep_size`` is the plan's unless ``ep_size`` is given). ``pipeline``: the
+    ``pipeline_parallel=`` setting (its ``pp_size`` is the plan's; checked against the model's
+    layers before the dimensions). Touches nothing.
 
     Raises:
         MoEConfigError: ``moe`` on a dense model, or its expert count / type not the model's.
@@ -364,6 +400,9 @@ def build_plan(model: nn.Module, *, tp_size: int = 1,
     config = getattr(model, "config", None)
     facts = policy.moe_facts(config)
     _check_moe(facts, moe, config, ep_size, world, pp_size)
+    if pipeline is not None:
+        pp_size = pipeline.pp_size
+        stage_layers = _stage_layers(model, policy, pipeline)  # the model's checks first
     dims = check_dims(world, rank, tp=tp_size, pp=pp_size, dp=dp_size, ep=ep_size,
                       max_ep=facts.num_experts if facts is not None else None)
     tp = dims["tp"]
@@ -385,7 +424,34 @@ def build_plan(model: nn.Module, *, tp_size: int = 1,
         _roles_at_one_rank(plan, model, found)
     if plan.ep.enabled:
         _plan_experts(plan, model)
+    if plan.pp.enabled:
+        plan.stages = _plan_stages(plan, model, stage_layers, pipeline)
     return plan
+
+
+def _stage_layers(model: nn.Module, policy: Policy, pipeline: "PipelineSettings") -> nn.ModuleList:
+    """The decoder layers pipeline stages cut, checked against ``pp_size`` / ``split`` (so a
+    bad setting is named before the world is: a stage plan for stage 0 of a world of pp)."""
+    from .pipeline.stages import plan_stages
+    from .moe.block import MoEError, decoder_layers
+
+    try:
+        layers = decoder_layers(model, policy)
+    except MoEError as exc:
+        raise ShardingError(f"pipeline_parallel cuts the decoder layers, but {exc}") from None
+    plan_stages(model, layers, pipeline, 0, tuple(range(pipeline.pp_size)))
+    return layers
+
+
+def _plan_stages(plan: Plan, model: nn.Module, layers: nn.ModuleList,
+                 pipeline: "PipelineSettings") -> "StagePlan":
+    """This rank's stage plan: stage = pp coordinate; a stage's first rank is
+    ``stage × tp × dp`` (Megatron's layout)."""
+    from .pipeline.stages import plan_stages
+
+    per_stage = plan.tp.size * plan.dp.size
+    return plan_stages(model, layers, pipeline, plan.pp.coord,
+                       tuple(s * per_stage for s in range(plan.pp.size)))
 
 
 def _plan_experts(plan: Plan, model: nn.Module) -> None:

@@ -1,0 +1,117 @@
+"""The ``pipeline_parallel=`` config field: parsed and checked on its own (the model-dependent
+checks — ``pp_size`` against the layer count, a ``split`` against the layers — are the plan's:
+:func:`shardwise.pipeline.stages.plan_stages`).
+
+``pipeline_parallel={"pp_size": P}`` cuts the decoder layers into P contiguous stages balanced by
+weight bytes; ``"split": [n_0, ..., n_{P-1}]`` gives the layer count of each stage instead
+(docs/architecture.md, "Pipeline stages"). This module imports nothing of shardwise but its
+errors, so :mod:`shardwise.config` can load it eagerly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from ..errors import ConfigError, NotSupportedYetError
+
+#: keys accepted inside ``pipeline_parallel={...}``
+PIPELINE_KEYS = ("pp_size", "split", "enabled")
+
+
+class PipelineConfigError(ConfigError):
+    """A ``pipeline_parallel=`` setting that is malformed or does not fit the model (the message
+    says the fix)."""
+
+
+@dataclass(frozen=True)
+class PipelineSettings:
+    """``pipeline_parallel=``, validated.
+
+    Attributes:
+        pp_size: pipeline stages (ranks along the pipeline dimension).
+        split: decoder layers per stage, first stage first (None: balanced by weight bytes).
+    """
+
+    pp_size: int = 1
+    split: tuple[int, ...] | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"pp_size": self.pp_size,
+                "split": list(self.split) if self.split is not None else None}
+
+
+def parse_pipeline(value: Any) -> PipelineSettings | None:
+    """``pipeline_parallel=`` as :class:`PipelineSettings`: None, ``{"enabled": False}`` or
+    ``pp_size`` 1 without a split → None (no pipeline); an int → that ``pp_size``; a dict of
+    :data:`PIPELINE_KEYS`.
+
+    Raises:
+        PipelineConfigError: an unknown key, a ``pp_size`` that is not a positive integer, or a
+            ``split`` that is not a list of ``pp_size`` positive integers.
+    """
+    if value is None or isinstance(value, PipelineSettings):
+        return _off_when_trivial(value)
+    if isinstance(value, int) and not isinstance(value, bool):
+        value = {"pp_size": value}
+    if not isinstance(value, Mapping):
+        raise PipelineConfigError(f"pipeline_parallel must be a dict like {{'pp_size': 2}} "
+                                  f"(optionally with 'split': layers per stage), got "
+                                  f"{type(value).__name__} {value!r}")
+    unknown = [k for k in value if k not in PIPELINE_KEYS]
+    if unknown:
+        raise PipelineConfigError(f"unknown pipeline_parallel field(s) {unknown}; valid: "
+                                  f"{list(PIPELINE_KEYS)}")
+    if value.get("enabled", True) is False:
+        return None
+    pp = value.get("pp_size", 1)
+    if isinstance(pp, bool) or not isinstance(pp, int) or pp < 1:
+        raise PipelineConfigError(f"pipeline_parallel pp_size must be a positive integer (the "
+                                  f"number of stages), got {pp!r}")
+    return _off_when_trivial(PipelineSettings(pp, _parse_split(value.get("split"), pp)))
+
+
+def _off_when_trivial(settings: PipelineSettings | None) -> PipelineSettings | None:
+    return None if settings is None or (settings.pp_size == 1 and settings.split is None) \
+        else settings
+
+
+def _parse_split(split: Any, pp: int) -> tuple[int, ...] | None:
+    if split is None:
+        return None
+    if (not isinstance(split, (list, tuple))
+            or any(isinstance(n, bool) or not isinstance(n, int) for n in split)):
+        raise PipelineConfigError(f"pipeline_parallel split must be a list of layer counts, one "
+                                  f"per stage (e.g. [3, 5] for pp_size=2), got {split!r}")
+    if len(split) != pp:
+        raise PipelineConfigError(f"pipeline_parallel split {list(split)} has {len(split)} "
+                                  f"entries but pp_size={pp}: give one layer count per stage")
+    if any(n < 1 for n in split):
+        raise PipelineConfigError(f"pipeline_parallel split {list(split)}: every stage needs at "
+                                  f"least one layer")
+    return tuple(split)
+
+
+#: settings that do not run with pipeline stages yet: config field → what it enables
+_NOT_WITH_PIPELINE = {
+    "replace_with_kernel_inject": "kernel injection",
+    "enable_graph": "graph capture",
+    "quant": "weight quantization",
+    "offload": "offload (ZeRO-Inference)",
+    "checkpoint": "loading from a checkpoint",
+    "save_mp_checkpoint_path": "saving a checkpoint",
+}
+
+
+def check_with_other_fields(cfg: Any) -> None:
+    """Refuse the settings that do not compose with ``pipeline_parallel`` yet (each named), so
+    none of them is silently dropped on some stage."""
+    if cfg.pipeline_parallel is None:
+        return
+    defaults = type(cfg)()
+    for name, what in _NOT_WITH_PIPELINE.items():
+        value = getattr(cfg, name)
+        if value != getattr(defaults, name):
+            raise NotSupportedYetError(
+                f"{name}={value!r} ({what}) is not supported yet with pipeline_parallel; "
+                f"remove {name}, or pipeline_parallel")

@@ -1,0 +1,151 @@
+"""Pipeline stages: which decoder layers each stage runs (docs/architecture.md, "Pipeline
+stages"). Planning only: nothing here touches the model.
+
+The decoder layers are cut into P contiguous stages. By default the cut minimises the largest
+stage's cost, a stage's cost being its layers' weight bytes, plus the input embedding's on the
+first stage and the output head's on the last (they run there); a user ``split`` (layers per
+stage) is taken as given once checked.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+
+from .config import PipelineConfigError, PipelineSettings
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """The pipeline part of the plan.
+
+    Attributes:
+        bounds: every stage's layers ``[start, end)``, first stage first.
+        coord: this rank's stage.
+        ranks: the first rank of each stage (the one that sends and broadcasts for it).
+        costs: every stage's weight bytes as planned (layers, plus embedding / head at the ends).
+        source: ``"balanced"`` (by weight bytes) or ``"split"`` (the user's).
+    """
+
+    bounds: tuple[tuple[int, int], ...]
+    coord: int
+    ranks: tuple[int, ...]
+    costs: tuple[int, ...]
+    source: str
+
+    @property
+    def size(self) -> int:
+        return len(self.bounds)
+
+    @property
+    def layers(self) -> range:
+        """This rank's layer indices."""
+        return range(*self.bounds[self.coord])
+
+    @property
+    def first(self) -> bool:
+        return self.coord == 0
+
+    @property
+    def last(self) -> bool:
+        return self.coord == self.size - 1
+
+    def owner(self, layer: int) -> int:
+        """The stage that runs decoder layer ``layer``."""
+        for stage, (start, end) in enumerate(self.bounds):
+            if start <= layer < end:
+                return stage
+        raise IndexError(f"layer {layer} is in no stage of {self.bounds}")
+
+    def __repr__(self) -> str:
+        stages = ", ".join(f"[{a}, {b})" for a, b in self.bounds)
+        return f"{self.size} stages ({self.source}): {stages}; this rank stage {self.coord}"
+
+
+def param_bytes(module: nn.Module | None) -> int:
+    """Bytes of ``module``'s parameters, each once (works on meta tensors)."""
+    if module is None:
+        return 0
+    return sum(p.numel() * p.element_size() for p in module.parameters())
+
+
+def balanced_bounds(costs: list[int], stages: int, first_extra: int = 0,
+                    last_extra: int = 0) -> tuple[tuple[int, int], ...]:
+    """Contiguous ``[start, end)`` ranges over ``len(costs)`` layers, one per stage (each at
+    least one layer), minimising the largest stage cost; ``first_extra`` / ``last_extra`` are
+    added to the first / last stage (embedding, head). Exact dynamic programme, O(P·L²)."""
+    n = len(costs)
+    prefix = [0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+
+    def cost(stage: int, a: int, b: int) -> int:
+        extra = (first_extra if stage == 0 else 0) + (last_extra if stage == stages - 1 else 0)
+        return prefix[b] - prefix[a] + extra
+
+    inf = float("inf")
+    # best[s][j]: the least largest cost of stages 0..s-1 over layers [0, j); cut[s][j] the start
+    best = [[inf] * (n + 1) for _ in range(stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(stages + 1)]
+    best[0][0] = 0
+    for s in range(1, stages + 1):
+        for j in range(s, n - (stages - s) + 1):
+            for i in range(s - 1, j):
+                value = max(best[s - 1][i], cost(s - 1, i, j))
+                if value < best[s][j]:
+                    best[s][j], cut[s][j] = value, i
+    bounds, end = [], n
+    for s in range(stages, 0, -1):
+        start = cut[s][end]
+        bounds.append((start, end))
+        end = start
+    return tuple(reversed(bounds))
+
+
+def plan_stages(model: nn.Module, layers: nn.ModuleList, settings: PipelineSettings,
+                coord: int, ranks: tuple[int, ...]) -> StagePlan:
+    """The :class:`StagePlan` for ``model`` whose decoder layers are ``layers``.
+
+    Raises:
+        PipelineConfigError: ``pp_size`` above the layer count, or a ``split`` that does not
+            cover every layer exactly once (each naming what would).
+    """
+    n, pp = len(layers), settings.pp_size
+    kind = type(model).__name__
+    if pp > n:
+        raise PipelineConfigError(f"pipeline_parallel pp_size={pp} is more than the {n} decoder "
+                                  f"layers of {kind}: every stage needs at least one layer; use "
+                                  f"pp_size <= {n}")
+    costs = [param_bytes(layer) for layer in layers]
+    embed = param_bytes(_maybe(model, "get_input_embeddings"))
+    head = param_bytes(_maybe(model, "get_output_embeddings"))
+    if settings.split is not None:
+        if sum(settings.split) != n:
+            raise PipelineConfigError(
+                f"pipeline_parallel split {list(settings.split)} covers {sum(settings.split)} "
+                f"layers, but {kind} has {n}: the counts must add up to {n} (each layer in "
+                f"exactly one stage), e.g. {list(balanced_sizes(n, pp))}")
+        starts = [sum(settings.split[:s]) for s in range(pp + 1)]
+        bounds = tuple((starts[s], starts[s + 1]) for s in range(pp))
+        source = "split"
+    else:
+        bounds, source = balanced_bounds(costs, pp, embed, head), "balanced"
+    stage_costs = tuple(sum(costs[a:b]) + (embed if s == 0 else 0) + (head if s == pp - 1 else 0)
+                        for s, (a, b) in enumerate(bounds))
+    return StagePlan(bounds, coord, ranks, stage_costs, source)
+
+
+def balanced_sizes(n: int, pp: int) -> tuple[int, ...]:
+    """``n`` layers over ``pp`` stages by count, the first ``n % pp`` stages one more."""
+    base, extra = divmod(n, pp)
+    return tuple(base + (s < extra) for s in range(pp))
+
+
+def _maybe(model: nn.Module, getter: str) -> nn.Module | None:
+    fn = getattr(model, getter, None)
+    try:
+        out = fn() if callable(fn) else None
+    except (NotImplementedError, AttributeError):
+        return None
+    return out if isinstance(out, nn.Module) else None

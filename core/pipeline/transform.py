@@ -1,0 +1,246 @@
+"""The pipeline step: this rank keeps only its stage (docs/architecture.md, "Pipeline stages").
+
+Applied in place on the HF model, whose own forward and ``generate`` keep running unchanged on
+every rank; each change is recorded in the active ledger:
+
+* the decoder layers of other stages are replaced by :class:`RemoteLayer` (no weights): it
+  returns the hidden states it is given and, when the layer's call carries an HF ``Cache``,
+  advances that layer's cache entry by zero-width keys/values, so the cache's sequence length
+  (read from layer 0 for positions and masks) is right on every stage while the cache holds the
+  K/V of this stage's layers only;
+* the input embedding off the first stage becomes :class:`RemoteEmbedding` (zeros of the right
+  shape: the real hidden states arrive at the stage's first layer); the output head off the last
+  stage becomes :class:`RemoteHead` (an empty tensor of the logits' shape);
+* hooks: the stage's last layer sends its output hidden states ``[batch, seq, hidden]`` to the
+  next stage, its first layer's pre-hook receives them from the previous one (point-to-point,
+  through the communicator, under its timeout); the head's output (the last layer's, for a model
+  without a head: an encoder's hidden states) is broadcast from the last stage, so every rank
+  returns the same outputs.
+
+Giving back (``engine.close()``, every rank): the replaced modules come back with their weights
+broadcast from the stage that kept them (:func:`_rebuild`).
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from .. import ledger as _ledger
+from .stages import StagePlan
+
+#: plain attributes of a decoder layer the base model may read (e.g. ``attention_type`` picks the
+#: mask): copied onto its stand-in
+_LAYER_ATTRS = ("attention_type", "layer_idx", "is_sliding")
+
+
+def _find_cache(args: tuple, kwargs: dict):
+    from transformers.cache_utils import Cache
+
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, Cache):
+            return value
+    return None
+
+
+def _hidden_of(args: tuple, kwargs: dict) -> torch.Tensor:
+    return args[0] if args else kwargs["hidden_states"]
+
+
+class RemoteLayer(nn.Module):
+    """A decoder layer another stage runs: passes the hidden states through (see the module
+    docstring for the cache). ``as_tuple``: the real layer returns ``(hidden, ...)``."""
+
+    def __init__(self, index: int, stage: int, as_tuple: bool) -> None:
+        super().__init__()
+        self.index, self.stage, self.as_tuple = index, stage, as_tuple
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        hidden = _hidden_of(args, kwargs)  # [batch, seq, hidden]
+        cache = _find_cache(args, kwargs)
+        if cache is not None:
+            width = hidden.new_zeros(hidden.shape[0], 1, hidden.shape[1], 0)  # [b, 1, seq, 0]
+            cache.update(width, width, self.index)
+        return (hidden, None) if self.as_tuple else hidden
+
+    def extra_repr(self) -> str:
+        return f"layer {self.index}, run by stage {self.stage}"
+
+
+class RemoteEmbedding(nn.Module):
+    """The input embedding, run by the first stage: zeros ``[*ids.shape, dim]``."""
+
+    def __init__(self, dim: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.dim, self.dtype = dim, dtype
+
+    def forward(self, ids: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return torch.zeros(*ids.shape, self.dim, dtype=self.dtype, device=ids.device)
+
+
+class RemoteHead(nn.Module):
+    """The output head, run by the last stage: an empty ``[..., vocab]`` (the broadcast hook
+    fills it)."""
+
+    def __init__(self, out_features: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.out_features, self.dtype = out_features, dtype
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return hidden.new_empty(*hidden.shape[:-1], self.out_features, dtype=self.dtype)
+
+
+@dataclass
+class PipelineReport:
+    """What the pipeline step did on this rank (``engine.stages``).
+
+    Attributes:
+        plan: the :class:`~shardwise.pipeline.StagePlan`.
+        layers: this rank's decoder layers (indices).
+        param_bytes: this rank's parameter bytes after the step, each tensor once.
+        replaced: names of the modules replaced by stand-ins on this rank.
+    """
+
+    plan: StagePlan
+    layers: tuple[int, ...]
+    param_bytes: int
+    replaced: tuple[str, ...]
+
+    def summary(self) -> str:
+        a, b = self.plan.bounds[self.plan.coord]
+        return (f"pipeline: stage {self.plan.coord} of {self.plan.size} runs layers [{a}, {b}) "
+                f"({self.param_bytes} parameter bytes on this rank; {self.plan!r})")
+
+
+def _returns_tuple(layer: nn.Module) -> bool:
+    """Whether ``layer``'s forward returns a tuple whose first item is the hidden states: HF
+    layers annotated ``-> torch.Tensor`` return the tensor alone (Llama, GPT-2, OPT, BERT in
+    transformers 5); unannotated ones return ``(hidden, attn_weights)`` (BLOOM)."""
+    annotation = inspect.signature(layer.forward).return_annotation
+    return annotation not in (torch.Tensor, "torch.Tensor")
+
+
+def _output_hidden(out: Any) -> torch.Tensor:
+    return out if isinstance(out, torch.Tensor) else out[0]
+
+
+def _with_hidden(out: Any, hidden: torch.Tensor) -> Any:
+    return hidden if isinstance(out, torch.Tensor) else (hidden, *out[1:])
+
+
+def apply_stages(model: nn.Module, layers: nn.ModuleList, plan: StagePlan, communicator,
+                 dtype: torch.dtype) -> PipelineReport:
+    """Keep this rank's stage of ``model`` (decoder layers ``layers``) and wire the stages
+    together (module docstring). Recorded in the active ledger."""
+    names = {id(m): n for n, m in model.named_modules()}
+    originals = list(layers)
+    replaced: list[tuple[str, nn.Module, int]] = []  # (name, original module, owner rank)
+    for index, layer in enumerate(layers):
+        owner = plan.owner(index)
+        if owner == plan.coord:
+            continue
+        stand_in = RemoteLayer(index, owner, _returns_tuple(layer))
+        for attr in _LAYER_ATTRS:
+            if attr in vars(layer):
+                setattr(stand_in, attr, vars(layer)[attr])
+        replaced.append((names[id(layer)], layer, plan.ranks[owner]))
+        _ledger.replace_module(layers, str(index), stand_in, what="pipeline stage: layer")
+    embed = model.get_input_embeddings()
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if not plan.first:
+        _replace(model, names, embed, RemoteEmbedding(embed.weight.shape[1], dtype),
+                 plan.ranks[0], replaced)
+    if isinstance(head, nn.Module) and not plan.last:
+        _replace(model, names, head, RemoteHead(head.weight.shape[0], dtype), plan.ranks[-1],
+                 replaced)
+    _wire(model, layers, head, plan, communicator)
+    units = [(layer, plan.ranks[plan.owner(i)]) for i, layer in enumerate(originals)]
+    units += [(embed, plan.ranks[0])]
+    if isinstance(head, nn.Module):
+        units.append((head, plan.ranks[-1]))
+    _ledger.record(f"pipeline stage {plan.coord}: {len(replaced)} modules of other stages "
+                   f"(their weights broadcast back from the stages that kept them)",
+                   _rebuild_undo(units, communicator))
+    live = {id(p): p for p in model.parameters()}
+    return PipelineReport(plan, tuple(plan.layers),
+                          sum(p.numel() * p.element_size() for p in live.values()),
+                          tuple(name for name, _, _ in replaced))
+
+
+def _replace(model: nn.Module, names: dict, module: nn.Module, stand_in: nn.Module, owner: int,
+             replaced: list) -> None:
+    name = names[id(module)]
+    parent_name, _, attr = name.rpartition(".")
+    _ledger.replace_module(model.get_submodule(parent_name), attr, stand_in,
+                           what="pipeline stage")
+    replaced.append((name, module, owner))
+
+
+def _wire(model: nn.Module, layers: nn.ModuleList, head: nn.Module | None, plan: StagePlan,
+          comm) -> None:
+    """The hooks that move activations: receive before the stage's first layer, send after its
+    last, broadcast the last stage's output to every rank."""
+    start, end = plan.bounds[plan.coord]
+    if not plan.first:
+        src = plan.ranks[plan.coord - 1]
+
+        def receive(module, args, kwargs):
+            hidden = _hidden_of(args, kwargs)
+            incoming = torch.empty_like(hidden, memory_format=torch.contiguous_format)
+            comm.recv(incoming, src=src)
+            if args:
+                return (incoming, *args[1:]), kwargs
+            return args, {**kwargs, "hidden_states": incoming}
+
+        _ledger.add_hook(layers[start].register_forward_pre_hook(receive, with_kwargs=True),
+                         "pipeline: receive hidden states")
+    if not plan.last:
+        dst = plan.ranks[plan.coord + 1]
+
+        def send(module, args, out):
+            comm.send(_output_hidden(out).detach().contiguous(), dst=dst)
+
+        _ledger.add_hook(layers[end - 1].register_forward_hook(send), "pipeline: send hidden")
+    src_last = plan.ranks[-1]
+    last = plan.last
+
+    def broadcast(module, args, out):
+        value = _output_hidden(out)
+        if last:
+            comm.broadcast(value.detach().contiguous(), src=src_last)
+            return out
+        buf = torch.empty_like(value, memory_format=torch.contiguous_format)
+        comm.broadcast(buf, src=src_last)
+        return _with_hidden(out, buf)
+
+    target = head if isinstance(head, nn.Module) else layers[len(layers) - 1]
+    current = model.get_output_embeddings() if target is head else target
+    _ledger.add_hook(current.register_forward_hook(broadcast),
+                     "pipeline: broadcast the last stage's output")
+
+
+def _rebuild_undo(units: list, comm):
+    """The undo of the step, at ``engine.close()`` on every rank: the parameters of every unit
+    (each decoder layer, the embedding, the head: ``(module, owner rank)``, the same list on every
+    rank) broadcast from the rank that kept them, each parameter once; the other ranks take the
+    data into the Parameter they let go of (a tied one they still hold gets the same values)."""
+    params, seen = [], set()  # (parameter, shape, dtype, device, owner rank), as handed in
+    for module, owner in units:
+        for p in module.parameters():
+            if id(p) not in seen:
+                seen.add(id(p))
+                params.append((p, p.shape, p.dtype, p.device, owner))
+
+    def rebuild() -> None:
+        for p, shape, dtype, device, owner in params:
+            if comm.rank == owner:
+                comm.broadcast(p.data.contiguous(), src=owner)
+            else:
+                buf = torch.empty(shape, dtype=dtype, device=device)
+                comm.broadcast(buf, src=owner)
+                p.data = buf
+    return rebuild
