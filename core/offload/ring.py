@@ -139,14 +139,16 @@ class DeviceLoader(Loader):
 class RingStats:
     """What the ring streamed. ``bytes_read``, ``read_s`` (summed over loads: parallel reads
     add up) and ``wait_s`` (seconds a unit's forward waited for its load) since the last
-    :meth:`reset`; ``passes``: passes over the units begun; ``units_read``: indices of the units
-    loaded; ``per_pass``: the same counts for each recent pass; ``events``: the log
+    :meth:`reset` (``gathered_bytes``: the part of ``bytes_read`` read outside the ring, rows
+    of a gathered embedding); ``passes``: passes over the units begun; ``units_read``: indices
+    of the units loaded; ``per_pass``: the same counts for each recent pass; ``events``: the log
     ``(kind, unit, slot)`` with kind ``"submit"``, ``"acquire"`` or ``"release"``."""
 
     bytes_read: int = 0
     read_s: float = 0.0
     wait_s: float = 0.0
     passes: int = 0
+    gathered_bytes: int = 0
     units_read: set[int] = field(default_factory=set)
     per_pass: collections.deque = field(default_factory=lambda: collections.deque(
         maxlen=PASS_LOG))
@@ -157,10 +159,15 @@ class RingStats:
         self.passes += 1
         self.per_pass.append({"bytes_read": 0, "read_s": 0.0, "wait_s": 0.0})
 
-    def loaded(self, unit: int, nbytes: int, seconds: float) -> None:
+    def loaded(self, unit: int | None, nbytes: int, seconds: float) -> None:
+        """Count a read of ``nbytes``; ``unit``: the ring position loaded (None: rows read
+        outside the ring, counted in ``gathered_bytes`` too)."""
         self.bytes_read += nbytes
         self.read_s += seconds
-        self.units_read.add(unit)
+        if unit is None:
+            self.gathered_bytes += nbytes
+        else:
+            self.units_read.add(unit)
         if self.per_pass:
             self.per_pass[-1]["bytes_read"] += nbytes
             self.per_pass[-1]["read_s"] += seconds
@@ -173,16 +180,19 @@ class RingStats:
     def as_dict(self) -> dict:
         """``bytes_read``, ``read_s``, ``wait_s``, ``overlap`` (1 - wait / read: the share of
         reading hidden behind compute; None before any read), ``passes``, ``bytes_per_pass``,
-        ``units_read`` (how many distinct units) and ``per_pass`` (recent passes, oldest
+        ``units_read`` (how many distinct units), ``gathered_bytes`` (rows a gathered embedding
+        read outside the ring; in ``bytes_read`` too) and ``per_pass`` (recent passes, oldest
         first)."""
         overlap = None if self.read_s <= 0 else max(0.0, min(1.0, 1 - self.wait_s / self.read_s))
         return {"bytes_read": self.bytes_read, "read_s": self.read_s, "wait_s": self.wait_s,
                 "overlap": overlap, "passes": self.passes,
                 "bytes_per_pass": self.bytes_read / self.passes if self.passes else 0,
-                "units_read": len(self.units_read), "per_pass": [dict(p) for p in self.per_pass]}
+                "units_read": len(self.units_read), "gathered_bytes": self.gathered_bytes,
+                "per_pass": [dict(p) for p in self.per_pass]}
 
     def reset(self) -> None:
         self.bytes_read, self.read_s, self.wait_s, self.passes = 0, 0.0, 0.0, 0
+        self.gathered_bytes = 0
         self.units_read.clear()
         self.per_pass.clear()
         self.events.clear()
@@ -221,13 +231,21 @@ class Ring:
         """Begin loading the first units of a pass (before the first forward)."""
         self._prefetch(list(range(min(self.size, len(self.entries)))))
 
-    def acquire(self, unit: int) -> None:
+    def acquire(self, unit: int) -> int:
         """The unit's pre-forward: wait for it to be in a slot (loading it now if it is not),
-        then bind its tensors there."""
+        then bind its tensors there. Returns the slot's index (the slot stays the unit's until
+        the matching :meth:`release`)."""
         with self._lock:
-            self._acquire(unit)
+            return self._acquire(unit)
 
-    def _acquire(self, unit: int) -> None:
+    def count_read(self, nbytes: int, seconds: float) -> None:
+        """Count a read made outside the ring by the compute thread (a gathered embedding's
+        rows): its bytes and seconds, also as seconds the compute waited."""
+        with self._lock:
+            self.stats.loaded(None, nbytes, seconds)
+            self.stats.waited(seconds)
+
+    def _acquire(self, unit: int) -> int:
         if self.closed:
             raise RingError("the offload ring is closed (engine.close() gave the model back)")
         if self._last is None or unit < self._last:
@@ -246,6 +264,7 @@ class Ring:
         slot.users += 1
         self.stats.events.append(("acquire", unit, s))
         self.bind(unit, s)
+        return s
 
     def release(self, unit: int) -> None:
         """The unit's post-forward: free its slot and load the units that come next into the free

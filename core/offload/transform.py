@@ -37,7 +37,8 @@ from typing import Any, Mapping, Sequence
 import torch
 from torch import nn
 
-from ..ledger import active, add_hook, record
+from ..ledger import active, add_hook, record, set_forward
+from . import chunks as _chunks
 from . import store as _store
 from .config import (OffloadConfig, OffloadError, check_ring_fits, check_space,
                      parse_offload)
@@ -99,6 +100,7 @@ class Unit:
     module: nn.Module
     tensors: list[TensorRef]
     repacked: list[nn.Module] = field(default_factory=list)
+    piece: int | None = None  # its position in the ring when streamed whole
 
 
 def _unit_modules(model: nn.Module, plan: Any, stack: nn.Module | None) -> list[nn.Module]:
@@ -227,7 +229,13 @@ class OffloadReport:
     streamed_bytes_per_pass: bytes read for one pass over every unit; direct_io /
     fallback_reason: whether disk reads bypass the page cache, and why not; stale: sibling
     store directories of other models or settings (never read); reused: the store was complete
-    and nothing was written.
+    and nothing was written; buffer_count: the ring's slots; slot_bytes: bytes of one slot (the
+    largest decoder layer's blob: ``slot_unit``); chunked: the heads streamed in row chunks
+    (name -> chunks; each chunk is one of ``units``); gathered: the input embeddings whose rows
+    are read on demand (not in ``units``; their reads are in :meth:`stats`'
+    ``gathered_bytes``); resident_units: units larger than a slot that can be neither chunked
+    nor gathered (or share a tensor with one that stays): kept in memory, in ``resident_bytes``
+    (:mod:`shardwise.offload.chunks`).
     """
 
     tier: str
@@ -242,6 +250,11 @@ class OffloadReport:
     reused: bool
     buffer_count: int = 0
     ring: Ring | None = field(default=None, repr=False)
+    slot_bytes: int = 0
+    slot_unit: str | None = None
+    chunked: dict[str, int] = field(default_factory=dict)
+    gathered: list[str] = field(default_factory=list)
+    resident_units: list[str] = field(default_factory=list)
 
     def stats(self) -> dict:
         """Reading since the last :meth:`reset_stats`: ``bytes_read``, ``read_s``, ``wait_s``
@@ -266,10 +279,16 @@ class OffloadReport:
         io = "" if self.tier != "nvme" else (
             ", direct I/O" if self.direct_io else f", buffered reads ({self.fallback_reason})")
         stale = f"; {len(self.stale)} stale store(s) beside it, not used" if self.stale else ""
+        big = "".join(
+            [f"; {name} in {k} row chunks" for name, k in self.chunked.items()]
+            + [f"; {name} rows read on demand" for name in self.gathered]
+            + [f"; {name} kept resident (larger than a slot)" for name in self.resident_units])
+        sizing = (f" ({_mib(self.slot_bytes)} each, sized by {self.slot_unit})"
+                  if self.slot_unit else "")
         return (f"offload ({self.tier}): {len(self.units)} units streamed, "
-                f"{_mib(self.streamed_bytes_per_pass)} per pass; ring of {self.buffer_count} slots "
-                f"= {_mib(self.ring_bytes)}; resident {_mib(self.resident_bytes)}; blobs {store}"
-                f"{io}{stale}")
+                f"{_mib(self.streamed_bytes_per_pass)} per pass; ring of {self.buffer_count} slots"
+                f" = {_mib(self.ring_bytes)}{sizing}{big}; resident {_mib(self.resident_bytes)}; "
+                f"blobs {store}{io}{stale}")
 
     def close(self) -> None:
         """Stop the ring's reader threads (``engine.close()`` does it). Idempotent."""
@@ -309,7 +328,7 @@ def offload_model(model: nn.Module, settings: OffloadConfig | Mapping, accelerat
 
     Raises:
         OffloadError: nothing to stream, too little disk space for the blobs (checked before
-            writing), or a ring that does not fit the device (naming the largest unit).
+            writing), or a ring that does not fit the device (naming the largest layer).
     """
     settings = parse_offload(settings)
     units = offload_units(model, plan, stack)
@@ -326,35 +345,90 @@ def offload_model(model: nn.Module, settings: OffloadConfig | Mapping, accelerat
             entries = [_store.layout_unit(u.index, u.name,
                                           [(r.key, r.current()) for r in u.tensors])
                        for u in units]
-        largest = max(entries, key=lambda e: e.nbytes)
-        check_ring_fits(accelerator, device, largest.name, largest.nbytes, settings.buffer_count)
+        embeds = _embeddings(model)
+        sizing = _chunks.slot_bytes(entries, [i for i, u in enumerate(units)
+                                              if u.module not in embeds])
+        modes = _chunks.plan_modes(units, entries, sizing.nbytes, *embeds)
+        check_ring_fits(accelerator, device, sizing.name, sizing.nbytes, settings.buffer_count)
         if written is None:
             fingerprint, shard = store_fingerprint(model, units, plan, fingerprint_extra)
             source, reused = _fill_store(settings, units, entries, fingerprint, shard)
+        pieces, owner = _pieces(units, entries, modes, sizing.nbytes)
         host = accelerator.computes_in_host_memory
-        loader = _loader(settings, source, device, largest.nbytes, host)
-        views = _views(entries, loader.slots)
-        ring = Ring(entries, loader, lambda i, s: _bind(units[i], views[i][s]))
-        streamed = {id(r.tensor) for u in units for r in u.tensors}
+        ranges = _chunks.RangeReader(source, threads=READ_THREADS)
+        loader = _loader(settings, source, device, sizing.nbytes, host, ranges)
+        views = _views(pieces, loader.slots)
+        ring = Ring(pieces, loader, _binder(units, owner, views))
+        streamed = {id(r.tensor) for u, m in zip(units, modes) if m != "resident"
+                    for r in u.tensors if not (m == "chunked" and r.key == "bias")}
         resident = _resident_bytes(model, streamed)  # before the buffers are replaced
         try:
-            for unit in units:  # free the resident copies: every unit on views of slot 0
-                _bind(unit, views[unit.index][0])
-            _record_undo(units, ring, views)
-            _install_hooks(units, ring)
+            _free(units, modes, entries, owner, views, loader.slots[0], ranges, device,
+                  written is not None)
+            _record_undo(units, ring, views, modes, entries, owner, ranges, device)
+            _install_hooks([u for u, m in zip(units, modes) if m == "ring"], ring)
+            _replace_forwards(units, modes, entries, pieces, ring, views, ranges, device)
             ring.start()
         except BaseException:
             ring.close()
+            ranges.close()
             raise
     return OffloadReport(
         tier=settings.device, path=str(getattr(source, "path", "")) or None,
-        units=[u.name for u in units], ring_bytes=sum(s.numel() for s in loader.slots),
+        units=[p.name for p in pieces], ring_bytes=sum(s.numel() for s in loader.slots),
         resident_bytes=resident,
-        streamed_bytes_per_pass=sum(e.nbytes for e in entries),
+        streamed_bytes_per_pass=sum(p.nbytes for p in pieces),
         direct_io=bool(getattr(loader, "direct_io", False)),
         fallback_reason=getattr(loader, "fallback_reason", None),
         stale=[str(p) for p in getattr(source, "stale", [])], reused=reused,
-        buffer_count=settings.buffer_count, ring=ring)
+        buffer_count=settings.buffer_count, ring=ring, slot_bytes=loader.slots[0].numel(),
+        slot_unit=sizing.name,
+        chunked={u.name: sum(1 for p in pieces if p.blob is e)
+                 for u, e, m in zip(units, entries, modes) if m == "chunked"},
+        gathered=[u.name for u, m in zip(units, modes) if m == "gathered"],
+        resident_units=[u.name for u, m in zip(units, modes) if m == "resident"])
+
+
+def _embeddings(model: nn.Module) -> tuple[nn.Module | None, nn.Module | None]:
+    """(input embedding, output embedding) modules of ``model`` (None where it has none)."""
+    found = []
+    for getter in ("get_input_embeddings", "get_output_embeddings"):
+        get = getattr(model, getter, None)
+        try:
+            module = get() if callable(get) else None
+        except (NotImplementedError, AttributeError):
+            module = None
+        found.append(module if isinstance(module, nn.Module) else None)
+    return found[0], found[1]
+
+
+def _pieces(units: Sequence[Unit], entries: Sequence[Any], modes: Sequence[str],
+            slot: int) -> tuple[list[_chunks.Piece], dict[int, int]]:
+    """The ring's pieces in cyclic order (a ``"ring"`` unit whole, a ``"chunked"`` one in row
+    chunks; gathered and resident units are not in the ring) and piece index -> unit index for
+    the whole ones (the pieces whose tensors are bound into the model)."""
+    pieces, owner = [], {}
+    for unit, entry, mode in zip(units, entries, modes):
+        if mode == "ring":
+            owner[len(pieces)] = unit.index
+            unit.piece = len(pieces)
+            pieces.append(_chunks.whole_piece(len(pieces), entry))
+        elif mode == "chunked":
+            pieces.extend(_chunks.chunk_pieces(len(pieces), entry, slot))
+    if not pieces:
+        raise OffloadError("offload would stream nothing: every unit is larger than a ring slot "
+                           "and stays resident; drop offload for this model")
+    return pieces, owner
+
+
+def _binder(units: Sequence[Unit], owner: Mapping[int, int], views: list):
+    """The ring's bind callback: a whole unit's tensors pointed at the slot (a chunk is used
+    straight from its view by :class:`~shardwise.offload.chunks.ChunkedLinear`)."""
+    def bind(piece: int, s: int) -> None:
+        unit = owner.get(piece)
+        if unit is not None:
+            _bind(units[unit], views[piece][s])
+    return bind
 
 
 def _fill_store(settings: OffloadConfig, units: Sequence[Unit], entries: Sequence[Any],
@@ -377,20 +451,24 @@ def _fill_store(settings: OffloadConfig, units: Sequence[Unit], entries: Sequenc
 
 
 def _loader(settings: OffloadConfig, store: Any, device: torch.device, slot_bytes: int,
-            host: bool) -> Loader:
+            host: bool, ranges: _chunks.RangeReader) -> Loader:
     """The ring's loader: straight into host slots on a device that computes in host memory,
-    else through host memory and a copy stream into device slots."""
+    else through host memory and a copy stream into device slots. Whole units are read by the
+    store's reader, chunks by ``ranges`` (closed with the loader)."""
     count = settings.buffer_count
     if host:
-        reader = store.reader(threads=READ_THREADS)
+        reader = _chunks.PieceReader(store.reader(threads=READ_THREADS), ranges)
         loader = HostLoader(reader, [_store.aligned_host_buffer(slot_bytes) for _ in range(count)])
         loader.direct_io, loader.fallback_reason = reader.direct_io, reader.fallback_reason
         return loader
     slots = [torch.empty(_store.align_up(slot_bytes), dtype=torch.uint8, device=device)
              for _ in range(count)]
     if settings.device == "cpu":  # pinned host blobs: nothing to read
-        return DeviceLoader(device, slots, lambda entry, s: store.buffer(entry), workers=1)
-    reader = store.reader(threads=READ_THREADS)
+
+        def in_memory(piece: Any, s: int) -> torch.Tensor:
+            return store.buffer(piece.blob)[piece.offset:piece.offset + piece.nbytes]
+        return DeviceLoader(device, slots, in_memory, workers=1, on_close=ranges.close)
+    reader = _chunks.PieceReader(store.reader(threads=READ_THREADS), ranges)
     staging = [_store.aligned_host_buffer(slot_bytes, pin=settings.pin_memory)
                for _ in range(count)]
 
@@ -403,8 +481,9 @@ def _loader(settings: OffloadConfig, store: Any, device: torch.device, slot_byte
 
 
 def _views(entries: Sequence[Any], slots: Sequence[torch.Tensor]) -> list[list[list]]:
-    """views[unit][slot]: the unit's tensors (in its TensorRef order) as zero-copy views of the
-    slot, made once (outside inference mode, so rebinding never mixes tensor kinds)."""
+    """views[piece][slot]: the piece's tensors (in its layout's order: a whole unit's in its
+    TensorRef order) as zero-copy views of the slot, made once (outside inference mode, so
+    rebinding never mixes tensor kinds)."""
     out = []
     for entry in entries:
         per_slot = []
@@ -423,11 +502,64 @@ def _bind(unit: Unit, views: Sequence[torch.Tensor]) -> None:
         module._packed = module.packed_view()
 
 
+def _read_blob(ranges: _chunks.RangeReader, entry: Any, device: torch.device
+               ) -> dict[str, torch.Tensor]:
+    """Every tensor of ``entry``'s blob, read from the store into new memory on ``device``."""
+    buffer = _store.aligned_host_buffer(entry.nbytes)
+    ranges.read(entry, 0, entry.nbytes, buffer)
+    views = _store.unit_views(entry, buffer)
+    if torch.device(device).type == "cpu":
+        return views  # they keep the buffer alive
+    return {k: v.to(device) for k, v in views.items()}
+
+
+def _free(units: Sequence[Unit], modes: Sequence[str], entries: Sequence[Any],
+          owner: Mapping[int, int], views: list, slot0: torch.Tensor,
+          ranges: _chunks.RangeReader, device: torch.device, written: bool) -> None:
+    """Free the resident copies: a ring unit's tensors on views of slot 0; a chunked head's
+    weight and a gathered embedding's table on placeholders (its bias: read from the blob, kept
+    resident); a resident unit as it is (loaded from its blob when the checkpoint went straight
+    to the store)."""
+    piece_of = {u: p for p, u in owner.items()}
+    for unit, mode, entry in zip(units, modes, entries):
+        if mode == "ring":
+            _bind(unit, views[piece_of[unit.index]][0])
+        elif mode in ("chunked", "gathered"):
+            kept = _read_blob(ranges, entry, device) if any(
+                r.key == "bias" for r in unit.tensors) and mode == "chunked" else {}
+            for ref in unit.tensors:
+                ref.point(kept[ref.key].clone() if ref.key in kept
+                          else _chunks.placeholder(ref.current(), slot0))
+        elif written:  # its tensors are placeholders: load them
+            loaded = _read_blob(ranges, entry, device)
+            _bind(unit, [loaded[r.key] for r in unit.tensors])
+
+
+def _replace_forwards(units: Sequence[Unit], modes: Sequence[str], entries: Sequence[Any],
+                      pieces: Sequence[Any], ring: Ring, views: list,
+                      ranges: _chunks.RangeReader, device: torch.device) -> None:
+    """Instance-level forwards (recorded) of the chunked heads and gathered embeddings."""
+    for unit, mode, entry in zip(units, modes, entries):
+        if mode == "chunked":
+            mine = [p for p in pieces if p.blob is entry]
+            bias = next((r.tensor for r in unit.tensors if r.key == "bias"), None)
+            weight = next(t for t in entry.tensors if t.key == "weight")
+            forward = _chunks.ChunkedLinear(ring, mine, lambda i, s: views[i][s][0], bias,
+                                            weight.shape[0])
+        elif mode == "gathered":
+            weight = next(t for t in entry.tensors if t.key == "weight")
+            forward = _chunks.GatheredEmbedding(ranges, entry, weight, device, ring.count_read)
+        else:
+            continue
+        set_forward(unit.module, forward, f"offload {mode} forward of {unit.name}")
+
+
 def _install_hooks(units: Sequence[Unit], ring: Ring) -> None:
     """Each unit's pre-forward hook acquires it, its post-forward hook (also after a failed
-    forward) releases it; both recorded (undone at close)."""
+    forward) releases it; both recorded (undone at close). ``units``: the ring units, in ring
+    order (``unit.piece``: its position in the ring)."""
     for unit in units:
-        index = unit.index
+        index = unit.piece
 
         def acquire(module, args, index=index):
             ring.acquire(index)
@@ -440,25 +572,67 @@ def _install_hooks(units: Sequence[Unit], ring: Ring) -> None:
                  f"offload post-forward hook of {unit.name}")
 
 
-def _record_undo(units: Sequence[Unit], ring: Ring, views: list) -> None:
-    """Record in the active ledger: at close, read each unit back into ordinary tensors on its
-    device (through the ring, then copied out of the slot), before the older undos run; and
-    close the ring whenever the model is given back (a failed init too)."""
+def _record_undo(units: Sequence[Unit], ring: Ring, views: list, modes: Sequence[str],
+                 entries: Sequence[Any], owner: Mapping[int, int],
+                 ranges: _chunks.RangeReader, device: torch.device) -> None:
+    """Record in the active ledger: at close, read each streamed unit back into ordinary
+    tensors on its device (a ring unit through the ring, then copied out of the slot; a chunked
+    head chunk by chunk; a gathered table from its blob), before the older undos run; and close
+    the ring whenever the model is given back (a failed init too)."""
+    piece_of = {u: p for p, u in owner.items()}
+    pieces = ring.entries
+
     def rebuild() -> None:
+        done: set[int] = set()  # Parameters already read back (a tied table: once)
         with torch.no_grad():
-            for unit in units:
-                ring.acquire(unit.index)
-                try:
-                    for ref in unit.tensors:
-                        ref.point(ref.current().clone())
-                    for module in unit.repacked:
-                        module._packed = module.packed_view()
-                finally:
-                    ring.release(unit.index)
-    record(f"offloaded weights of {len(units)} units (read back from the store)", rebuild)
+            for unit, mode, entry in zip(units, modes, entries):
+                if mode == "ring":
+                    _read_back_ring(unit, ring, piece_of[unit.index])
+                elif mode == "chunked":
+                    _read_back_chunks(unit, entry, ring, views, pieces, device, done)
+                elif mode == "gathered":
+                    ref = unit.tensors[0]
+                    if id(ref.tensor) not in done:
+                        ref.point(_read_blob(ranges, entry, device)[ref.key].clone())
+                        done.add(id(ref.tensor))
+    streamed = sum(m != "resident" for m in modes)
+    record(f"offloaded weights of {streamed} units (read back from the store)", rebuild)
     ledger = active()
     if ledger is not None:
         ledger.on_restore("close the offload ring", ring.close)
+
+
+def _read_back_ring(unit: Unit, ring: Ring, piece: int) -> None:
+    """A ring unit's tensors copied out of its slot into ordinary tensors."""
+    ring.acquire(piece)
+    try:
+        for ref in unit.tensors:
+            ref.point(ref.current().clone())
+        for module in unit.repacked:
+            module._packed = module.packed_view()
+    finally:
+        ring.release(piece)
+
+
+def _read_back_chunks(unit: Unit, entry: Any, ring: Ring, views: list, pieces: Sequence[Any],
+                      device: torch.device, done: set[int]) -> None:
+    """A chunked head's weight assembled chunk by chunk through the ring (its bias is
+    resident already)."""
+    ref = next(r for r in unit.tensors if r.key == "weight")
+    if id(ref.tensor) in done:
+        return
+    weight = next(t for t in entry.tensors if t.key == "weight")
+    full = torch.empty(weight.shape, dtype=weight.dtype, device=device)  # [out, in]
+    for piece in pieces:
+        if piece.blob is not entry:
+            continue
+        s = ring.acquire(piece.index)
+        try:
+            full[piece.rows[0]:piece.rows[1]].copy_(views[piece.index][s][0])
+        finally:
+            ring.release(piece.index)
+    ref.point(full)
+    done.add(id(ref.tensor))
 
 
 def _resident_bytes(model: nn.Module, streamed: set[int]) -> int:
