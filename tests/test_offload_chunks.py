@@ -274,3 +274,64 @@ def test_tp2_chunked_head_and_gathered_embedding_match_resident_tp(tp_ranks, nam
         assert r["chunked"].get("lm_head", 0) >= 2 and len(r["gathered"]) == 1, r
         assert r["units_read"] == r["units"]
     assert r0["tokens"] == r1["tokens"]
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_a_checkpoint_loaded_straight_into_blobs_chunks_and_gathers_too(arch, tmp_path):
+    """``checkpoint=`` with ``offload=``: the units are written while loading (on meta until the
+    offload step), then the head's chunks and the embedding's rows are read from those blobs."""
+    ids = _ids()
+    ref = big_vocab_lm(arch)
+    with torch.no_grad():
+        ref_tokens = ref.generate(ids, **GREEDY)
+        ref_logits = ref(ids).logits
+    ref.save_pretrained(tmp_path / "ckpt")
+    (tmp_path / "nvme").mkdir()
+    engine = shardwise.init_inference(None, checkpoint=str(tmp_path / "ckpt"), device="cpu",
+                                      dtype=torch.float32,
+                                      offload=_offload(tmp_path / "nvme", 2))
+    report = engine.offload
+    assert report.chunked.get("lm_head", 0) >= 3 and len(report.gathered) == 1
+    assert (engine(ids).logits - ref_logits).abs().max() <= ATOL
+    assert torch.equal(engine.generate(ids, **GREEDY), ref_tokens)
+    assert not any(p.is_meta for p in engine.module.parameters())
+
+
+@pytest.mark.parametrize("tier", ["cpu", "nvme"])
+def test_chunks_through_the_copy_stream_path(tier, tmp_path, monkeypatch):
+    """The accelerator path (host blob or staging slot -> device slot on a copy stream), run on
+    this CPU as tests/test_offload.py does: the chunks are copied like layers, the embedding's
+    rows come from the host blob (``"cpu"``) or the file (``"nvme"``)."""
+    from shardwise.offload import ring as ring_module
+    from shardwise.offload.ring import DeviceLoader
+    from shardwise.offload.transform import offload_model
+
+    class Event:
+        def __init__(self, device):
+            pass
+
+        def record(self, stream=None):
+            pass
+
+        def wait(self, stream=None):
+            pass
+
+        def synchronize(self):
+            pass
+    monkeypatch.setattr(ring_module, "device_event", Event)
+    ids = _ids()
+    resident = shardwise.init_inference(big_vocab_lm("gpt2"), device="cpu", dtype=torch.float32)
+    ref_tokens = resident.generate(ids, **GREEDY)
+    engine = shardwise.init_inference(big_vocab_lm("gpt2"), device="cpu", dtype=torch.float32)
+    monkeypatch.setattr(engine.accelerator, "computes_in_host_memory", False)
+    settings = {"device": tier, "buffer_count": 3, "pin_memory": False,
+                **({"nvme_path": str(tmp_path)} if tier == "nvme" else {})}
+    report = offload_model(engine.module, settings, engine.accelerator, engine.device,
+                           engine.plan)
+    try:
+        assert isinstance(report.ring.loader, DeviceLoader)
+        assert report.chunked["lm_head"] >= 3 and report.gathered == ["transformer.wte"]
+        assert torch.equal(engine.generate(ids, **GREEDY), ref_tokens)
+        assert report.stats()["units_read"] == len(report.units)
+    finally:
+        report.close()

@@ -315,7 +315,9 @@ class PieceReader:
         return self.ranges.submit(piece, dest)
 
     def close(self) -> None:
+        """Stop both readers' threads (a gathered embedding's synchronous reads still work)."""
         self.blobs.close()
+        self.ranges.close()
 
 
 # ----- the replaced forwards --------------------------------------------------------------------
