@@ -108,6 +108,7 @@ def test_chunked_head_and_gathered_embedding_match_the_resident_model(arch, inje
     assert torch.equal(tokens, ref_tokens)
     stats = report.stats()
     assert stats["units_read"] == len(report.units)  # every layer and every chunk was read
+    assert engine._ledger.held_bytes()["parameters"] == 0  # no original kept aside
     assert 0 < stats["gathered_bytes"] < stats["bytes_read"]
     # a pass streams the layers and the head once, plus a few rows for the input
     per_pass = stats["bytes_read"] / stats["passes"]

@@ -235,7 +235,7 @@ class RangeReader:
             dest[:nbytes].copy_(src)
             return time.perf_counter() - start
         path = self.path(blob)
-        view = memoryview((ctypes_array(dest, nbytes))).cast("B")
+        view = memoryview(_byte_array(dest, nbytes)).cast("B")
         while True:
             direct = self.direct_io
             try:
@@ -273,7 +273,7 @@ class RangeReader:
         self._pool.shutdown(wait=True)
 
 
-def ctypes_array(buffer: torch.Tensor, nbytes: int):
+def _byte_array(buffer: torch.Tensor, nbytes: int):
     """A ctypes byte array over the first ``nbytes`` of a contiguous host uint8 tensor (the
     caller keeps ``buffer`` alive)."""
     import ctypes

@@ -1,6 +1,8 @@
 """The ring: ``buffer_count`` slots the streamed units are read into, ahead of their compute.
 
-A unit (an embedding, a decoder layer: :mod:`shardwise.offload.transform`) runs from one slot.
+A unit (a decoder layer, an embedding, a row chunk of a head: the *pieces* of
+:mod:`shardwise.offload.transform` and :mod:`shardwise.offload.chunks`) runs from one slot; the
+slots are the size of the largest decoder layer.
 :meth:`Ring.acquire` (the unit's pre-forward hook) waits until the unit is in a slot — loading it
 then if it is not, so out-of-order use still works — and :meth:`Ring.release` (its post-forward
 hook) frees the slot and starts loading the next units in cyclic execution order into the free

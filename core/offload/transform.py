@@ -8,18 +8,24 @@ per rank, cast, quantized, injected), so what is streamed is exactly what runs:
    HF submodules), the output embedding. Each unit's tensors are every parameter and buffer of
    its submodules, deduplicated by identity; a tensor a resident module shares stays resident.
    Everything else (final norm, positions, rotary tables) stays resident. Tied embeddings: the
-   shared Parameter is in both units' blobs; acquiring either unit rebinds it.
+   shared Parameter is in both units' blobs.
 2. The store: the units' blobs in this rank's directory under ``nvme_path`` (keyed by a
    fingerprint of the model config, dtype, quant settings, injection, tp size and rank, the
    shardwise version and a digest of each unit's tensors: a changed model or setting never
    reuses stale blobs), reused as they are when complete; or, for the ``"cpu"`` tier, pinned
    host buffers.
-3. The resident copies are freed: every unit tensor is pointed at a zero-copy view of a ring
-   slot (Parameters keep their object: ``param.data = view``; buffers are replaced in
-   ``module._buffers``; quantized modules' packed views are rebuilt), so steady memory holds the
-   resident parts plus the ring.
-4. The :class:`~shardwise.offload.ring.Ring` and each unit's forward hooks: pre-forward acquires
-   the unit (binding its tensors to its slot), post-forward releases it and prefetches the next.
+3. The ring's slots are sized by the largest decoder layer; a unit larger than a slot is
+   handled by :mod:`shardwise.offload.chunks`: an output head streams in row chunks (each a
+   *piece* of the ring, a byte range of its blob), an input embedding reads only the rows of
+   its ids, and a unit that can be neither stays resident. Every other unit is one piece.
+4. The resident copies are freed: every streamed tensor is pointed at a zero-copy view of a
+   ring slot (Parameters keep their object: ``param.data = view``; buffers are replaced in
+   ``module._buffers``; quantized modules' packed views are rebuilt), or, for a chunked or
+   gathered table, at a stride-0 placeholder; so steady memory holds the resident parts plus
+   the ring.
+5. The :class:`~shardwise.offload.ring.Ring` and each whole unit's forward hooks: pre-forward
+   acquires the unit (binding its tensors to its slot), post-forward releases it and prefetches
+   the next pieces; a chunked head's and a gathered embedding's instance-level ``forward``.
 
 Every change is recorded in the active :class:`~shardwise.ledger.Ledger`: ``engine.close()``
 removes the hooks, reads each unit back into ordinary tensors (older undos — dequantize, cast
