@@ -5,9 +5,10 @@ every rank; each change is recorded in the active ledger:
 
 * the decoder layers of other stages are replaced by :class:`RemoteLayer` (no weights): it
   returns the hidden states it is given and, when the layer's call carries an HF ``Cache``,
-  advances that layer's cache entry by zero-width keys/values, so the cache's sequence length
-  (read from layer 0 for positions and masks) is right on every stage while the cache holds the
-  K/V of this stage's layers only;
+  advances that layer's cache entry by a placeholder of one zero per token and row (keys and
+  values ``[batch, 1, seq, 1]``), so the cache's sequence length (HF reads layer 0's for
+  positions and masks) is right on every stage while the cache holds the K/V of this stage's
+  layers only (the placeholders are 1 / (heads × head_dim) of a real layer's entry);
 * the input embedding off the first stage becomes :class:`RemoteEmbedding` (zeros of the right
   shape: the real hidden states arrive at the stage's first layer); the output head off the last
   stage becomes :class:`RemoteHead` (an empty tensor of the logits' shape);
@@ -62,9 +63,9 @@ class RemoteLayer(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         hidden = _hidden_of(args, kwargs)  # [batch, seq, hidden]
         cache = _find_cache(args, kwargs)
-        if cache is not None:
-            width = hidden.new_zeros(hidden.shape[0], 1, hidden.shape[1], 0)  # [b, 1, seq, 0]
-            cache.update(width, width, self.index)
+        if cache is not None:  # HF counts a layer empty when its keys have no element
+            placeholder = hidden.new_zeros(hidden.shape[0], 1, hidden.shape[1], 1)  # [b,1,s,1]
+            cache.update(placeholder, placeholder, self.index)
         return (hidden, None) if self.as_tuple else hidden
 
     def extra_repr(self) -> str:

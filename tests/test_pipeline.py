@@ -1,0 +1,331 @@
+"""Pipeline-parallel inference (``pipeline_parallel={"pp_size": 2}``) on 2 gloo ranks: each rank
+keeps about half the decoder layers (its stage), hidden states travel point-to-point, and every
+rank returns the HF model's outputs — fp32 logits within :data:`ATOL`, 32 greedy tokens equal
+(``engine.generate`` and the bare HF ``generate``), the same sampled tokens on both ranks — for
+Llama, GPT-2, OPT, BLOOM and BERT (hidden states); ``engine.close()`` gives the whole model back
+bit for bit. Bad settings fail with a ConfigError before any work, in one process.
+
+All 2-rank cases run in ONE pair of processes (a module-scoped fixture, as in test_tp.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+from torch import nn
+
+import shardwise
+from families import family
+from models import forced_decode_logits, prompt_ids, tiny_causal_lm, tiny_encoder
+from tp_harness import case, digest, run_pair, table_fixture
+from shardwise.pipeline import (PipelineConfigError, RemoteLayer, balanced_bounds)
+from shardwise.plan import ParallelismNotSupportedError, build_plan
+
+PP = {"pipeline_parallel": {"pp_size": 2}}
+NEW_TOKENS = 32
+#: fp32, PP=2 vs the single-process model (the issue's bound). Each stage runs HF's own layers on
+#: the hidden states it receives, so the measured difference is 0.0 on every family here.
+ATOL = 1e-4
+
+
+def _layers(model: nn.Module) -> nn.ModuleList:
+    from shardwise.moe.block import decoder_layers
+    from shardwise.policy import policy_for
+
+    return decoder_layers(model, policy_for(model))
+
+
+def _numel(module: nn.Module | None) -> int:
+    return 0 if module is None else sum(p.numel() for p in module.parameters())
+
+
+def _expected_numel(ref: nn.Module, owned: range, first: bool, last: bool) -> int:
+    """Parameters a stage holds: the whole model minus the other stages' layers, minus the
+    embedding off the first stage and the head off the last (unless tied: the other end keeps
+    the one tensor)."""
+    embed, head = ref.get_input_embeddings(), ref.get_output_embeddings()
+    tied = head is not None and head.weight is embed.weight
+    others = sum(_numel(layer) for i, layer in enumerate(_layers(ref)) if i not in owned)
+    drop = 0 if tied else (0 if first else _numel(embed)) + (0 if last else _numel(head))
+    return _numel(ref) - others - drop
+
+
+def causal_lm(arch: str, layers: int | None = None) -> nn.Module:
+    """``tiny_causal_lm(arch)``, or with ``layers`` decoder layers instead of the family's."""
+    if layers is None:
+        return tiny_causal_lm(arch)
+    spec = dict(family(arch).config)
+    config = getattr(transformers, spec.pop("cls"))(**spec)
+    config.num_hidden_layers = layers
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(config).eval()
+
+
+def causal_case(rank: int, arch: str, layers: int | None = None, split=None) -> dict:
+    ref, model = causal_lm(arch, layers), causal_lm(arch, layers)
+    ids = prompt_ids(batch=2, length=8, vocab=ref.config.vocab_size)
+    gen = dict(max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False,
+               pad_token_id=0)
+    with torch.no_grad():
+        ref_logits = ref(ids).logits
+        ref_tokens = ref.generate(ids, **gen)
+    pp = {"pp_size": 2, **({"split": split} if split else {})}
+    engine = shardwise.init_inference(model, device="cpu", dtype=torch.float32,
+                                      pipeline_parallel=pp)
+    mine = ids if rank == 0 else torch.zeros_like(ids)  # the engine broadcasts rank 0's inputs
+    out = engine(input_ids=mine, use_cache=True)
+    tokens = engine.generate(mine, **gen)
+    with torch.no_grad():  # the hooks live on the modules: the bare HF generate works too
+        module_tokens = model.generate(ids, **dict(gen, max_new_tokens=8, min_new_tokens=8))
+    sampled = engine.generate(mine, max_new_tokens=8, do_sample=True, pad_token_id=0)
+    stages = engine.stages
+    owned = [i for i, layer in enumerate(_layers(model)) if not isinstance(layer, RemoteLayer)]
+    kv_width = [layer.keys.shape[-1] for layer in out.cache.layers]  # 1: another stage's layer
+    # decode step by step through the cache, without generate's own positions: every stage must
+    # count the cached tokens itself
+    forced = forced_decode_logits(model, ref_tokens[:, :16], ids.shape[1])
+    with torch.no_grad():
+        ref_forced = forced_decode_logits(ref, ref_tokens[:, :16], ids.shape[1])
+    numel = _numel(model)
+    given_back = engine.close()
+    return dict(
+        max_abs=(out.logits - ref_logits).abs().max().item(), digest=digest(out.logits),
+        forced_abs=(forced - ref_forced).abs().max().item(),
+        tokens_equal=torch.equal(tokens, ref_tokens), tokens=tokens.tolist(),
+        module_tokens_equal=torch.equal(module_tokens, ref_tokens[:, :ids.shape[1] + 8]),
+        sampled=sampled.tolist(), owned=owned, planned=list(stages.layers),
+        bounds=[list(b) for b in stages.plan.bounds], source=stages.plan.source,
+        kv_width=kv_width, cache_len=out.cache.get_seq_length(),
+        numel=numel, expected_numel=_expected_numel(ref, range(*stages.plan.bounds[rank]),
+                                                     rank == 0, rank == 1),
+        ref_numel=_numel(ref), ref_layer_numel=_numel(_layers(ref)),
+        layer_numel=sum(_numel(_layers(ref)[i]) for i in owned),
+        report_bytes=stages.param_bytes,
+        given_back=given_back is model and all(
+            torch.equal(a, b) for a, b in zip(model.state_dict().values(),
+                                              ref.state_dict().values())),
+        summary=stages.summary())
+
+
+def bert_case(rank: int) -> dict:
+    """BERT (the bare encoder): hidden states and pooler output, padded batch."""
+    ref, model = tiny_encoder("bert", head="base"), tiny_encoder("bert", head="base")
+    ids = prompt_ids(batch=2, length=8)
+    mask = torch.ones_like(ids)
+    mask[1, 5:] = 0  # a padded row
+    with torch.no_grad():
+        expected = ref(input_ids=ids, attention_mask=mask)
+    engine = shardwise.init_inference(model, device="cpu", dtype=torch.float32, **PP)
+    out = engine(input_ids=ids if rank == 0 else torch.zeros_like(ids),
+                 attention_mask=mask if rank == 0 else torch.zeros_like(mask))
+    owned = [i for i, layer in enumerate(_layers(model)) if not isinstance(layer, RemoteLayer)]
+    return dict(
+        max_abs=(out.last_hidden_state - expected.last_hidden_state).abs().max().item(),
+        pooler_abs=(out.pooler_output - expected.pooler_output).abs().max().item(),
+        digest=digest(out.last_hidden_state), owned=owned)
+
+
+def refused_case(rank: int, kwargs: dict, layers: int | None = None) -> dict:
+    """init_inference with bad pipeline settings on 2 ranks: the error, and whether the model
+    was left untouched."""
+    model = causal_lm("llama", layers)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    try:
+        shardwise.init_inference(model, device="cpu", **kwargs)
+    except shardwise.ConfigError as exc:
+        error = f"{type(exc).__name__}: {exc}"
+    else:
+        error = None
+    untouched = all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+    return dict(error=error, untouched=untouched,
+                layers_kept=sum(not isinstance(m, RemoteLayer) for m in _layers(model)))
+
+
+CAUSAL = ("llama", "gpt2", "opt", "bloom")
+TABLE = {
+    **{arch: (causal_case, arch) for arch in CAUSAL},
+    "llama-4l": (causal_case, "llama", 4),
+    "llama-4l-split-1-3": (causal_case, "llama", 4, [1, 3]),
+    "bert": (bert_case,),
+    "tp-and-pp": (refused_case, {"tensor_parallel": {"tp_size": 2}, **PP}),
+    "split-misses-layers": (refused_case, {"pipeline_parallel": {"pp_size": 2,
+                                                                 "split": [1, 1]}}, 4),
+}
+
+
+def _run(rank: int, fn, *args) -> dict:
+    return fn(rank, *args)
+
+
+ranks = table_fixture(_run, TABLE, "pipeline", deadline_s=400)
+
+
+# ----- 2 ranks ------------------------------------------------------------------------------------
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", [*CAUSAL, "llama-4l", "llama-4l-split-1-3"])
+def test_pp2_matches_the_single_process_model(ranks, name):
+    r0, r1 = case(ranks, name)
+    print(f"{name} PP=2 fp32: max |logit diff| {max(r0['max_abs'], r1['max_abs']):.2e}")
+    for r in (r0, r1):
+        assert r["max_abs"] < ATOL, r["summary"]
+        assert r["forced_abs"] < ATOL, f"{name}: step-by-step decoding through the cache"
+        assert r["tokens_equal"], f"{name}: {NEW_TOKENS} greedy tokens differ from HF's"
+        assert r["module_tokens_equal"], f"{name}: the bare HF generate differs from HF's"
+    assert r0["digest"] == r1["digest"], "ranks returned different logits"
+    assert r0["tokens"] == r1["tokens"]
+    assert r0["sampled"] == r1["sampled"], "sampling drew different tokens on the two ranks"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", [*CAUSAL, "llama-4l"])
+def test_each_rank_holds_half_the_layers(ranks, name):
+    r0, r1 = case(ranks, name)
+    layers = len(r0["kv_width"])
+    assert r0["source"] == "balanced"
+    assert r0["owned"] == list(range(layers // 2)) == r0["planned"]
+    assert r1["owned"] == list(range(layers // 2, layers)) == r1["planned"]
+    for r in (r0, r1):
+        assert r["layer_numel"] * 2 == r["ref_layer_numel"]
+        assert r["numel"] == r["expected_numel"] < r["ref_numel"], r["summary"]
+        assert r["report_bytes"] == 4 * r["numel"]  # fp32
+
+
+@pytest.mark.slow
+def test_a_user_split_is_followed(ranks):
+    r0, r1 = case(ranks, "llama-4l-split-1-3")
+    assert r0["source"] == "split" and r0["bounds"] == [[0, 1], [1, 4]]
+    assert r0["owned"] == [0] and r1["owned"] == [1, 2, 3]
+    assert r0["numel"] == r0["expected_numel"] and r1["numel"] == r1["expected_numel"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["llama", "llama-4l-split-1-3"])
+def test_each_stage_caches_only_its_own_layers(ranks, name):
+    r0, r1 = case(ranks, name)
+    head_dim = 16  # tiny Llama: hidden 64 over 4 heads
+    for r in (r0, r1):
+        assert r["cache_len"] == 8  # the prompt, as HF counts it, on every stage
+        assert r["kv_width"] == [head_dim if i in r["owned"] else 1  # a placeholder
+                                 for i in range(len(r["kv_width"]))]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", [*CAUSAL, "llama-4l-split-1-3"])
+def test_close_gives_the_whole_model_back(ranks, name):
+    for r in case(ranks, name):
+        assert r["given_back"], f"{name}: close() did not give back HF's weights bit for bit"
+
+
+@pytest.mark.slow
+def test_bert_hidden_states(ranks):
+    r0, r1 = case(ranks, "bert")
+    print(f"bert PP=2 fp32: max |hidden diff| {max(r0['max_abs'], r1['max_abs']):.2e}")
+    for r in (r0, r1):
+        assert r["max_abs"] < ATOL and r["pooler_abs"] < ATOL
+    assert r0["digest"] == r1["digest"]
+    assert r0["owned"] == [0] and r1["owned"] == [1]
+
+
+@pytest.mark.slow
+def test_pp_times_tp_above_the_world_is_refused_on_every_rank(ranks):
+    for r in case(ranks, "tp-and-pp"):
+        assert r["error"] and "ShardingError" in r["error"], r["error"]
+        assert "pp_size=2 × tp_size=2 does not divide the world of 2" in r["error"]
+        assert r["untouched"] and r["layers_kept"] == 2
+
+
+@pytest.mark.slow
+def test_a_split_that_misses_layers_is_refused_on_every_rank(ranks):
+    for r in case(ranks, "split-misses-layers"):
+        assert r["error"] and "PipelineConfigError" in r["error"], r["error"]
+        assert "covers 2 layers" in r["error"] and "has 4" in r["error"]
+        assert r["untouched"] and r["layers_kept"] == 4
+
+
+# ----- one process: bad settings, planning ----------------------------------------------------------
+
+def _plan(model, world: int = 2, tp_size: int = 1, **pp):
+    return build_plan(model, world=world, rank=0, tp_size=tp_size,
+                      pipeline=shardwise.pipeline.parse_pipeline({"pp_size": 2, **pp}))
+
+
+@pytest.mark.parametrize("value, match", [
+    ({"pp_size": 0}, "pp_size must be a positive integer"),
+    ({"pp_size": 2, "split": [2]}, "has 1 entries but pp_size=2"),
+    ({"pp_size": 2, "split": [2, 0]}, "every stage needs at least one layer"),
+    ({"pp_size": 2, "split": "1,1"}, "must be a list of layer counts"),
+    ({"pp_size": 2, "stages": 2}, r"unknown pipeline_parallel field\(s\) \['stages'\]"),
+    ("2", "must be a dict"),
+])
+def test_malformed_settings_are_config_errors(value, match):
+    with pytest.raises(PipelineConfigError, match=match):
+        shardwise.InferenceConfig.build(pipeline_parallel=value)
+
+
+@pytest.mark.parametrize("field, value", [
+    ("replace_with_kernel_inject", True), ("quant", {"weight": {"num_bits": 8}}),
+    ("offload", {"device": "cpu"}), ("checkpoint", "/nonexistent"),
+])
+def test_settings_that_do_not_compose_yet_are_refused(field, value):
+    with pytest.raises(shardwise.ConfigError,
+                       match=f"{field}=.*not supported yet with pipeline_parallel"):
+        shardwise.InferenceConfig.build(**PP, **{field: value})
+
+
+def test_pp_size_off_is_no_pipeline():
+    for value in (None, {"pp_size": 1}, {"enabled": False, "pp_size": 2}):
+        assert shardwise.InferenceConfig.build(pipeline_parallel=value).pipeline_parallel is None
+
+
+def test_more_stages_than_layers_fails_before_any_work(monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    model = tiny_causal_lm("llama")  # 2 layers
+    before = model.model.layers[0].self_attn.q_proj.weight.clone()
+    with pytest.raises(PipelineConfigError, match=r"pp_size=3 is more than the 2 decoder layers"):
+        shardwise.init_inference(model, device="cpu", pipeline_parallel={"pp_size": 3})
+    with pytest.raises(PipelineConfigError, match=r"split \[2, 1\] covers 3 layers.*has 2"):
+        shardwise.init_inference(model, device="cpu",
+                                 pipeline_parallel={"pp_size": 2, "split": [2, 1]})
+    assert not torch.distributed.is_initialized()
+    assert torch.equal(model.model.layers[0].self_attn.q_proj.weight, before)
+    assert not any(isinstance(m, RemoteLayer) for m in model.modules())
+
+
+def test_pp_without_enough_ranks_fails_before_any_work(monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with pytest.raises(shardwise.ConfigError, match=r"pp_size=2 needs 2 ranks.*WORLD_SIZE"):
+        shardwise.init_inference(tiny_causal_lm("llama"), device="cpu", **PP)
+    assert not torch.distributed.is_initialized()
+
+
+def test_the_world_must_be_pp_ranks():
+    model = tiny_causal_lm("llama")
+    with pytest.raises(shardwise.ConfigError, match="does not divide the world of 3"):
+        _plan(model, world=3)
+    with pytest.raises(ParallelismNotSupportedError, match="2 data-parallel replicas"):
+        _plan(model, world=4)
+    with pytest.raises(ParallelismNotSupportedError,
+                       match=r"tensor parallelism \(tp_size=2\) is not supported yet"):
+        _plan(model, world=4, tp_size=2)
+
+
+def test_the_plan_names_each_stage():
+    model = causal_lm("llama", 4)
+    plan = _plan(model)
+    assert plan.pp.size == 2 and plan.pp.coord == 0
+    assert plan.stages.bounds == ((0, 2), (2, 4)) and plan.stages.source == "balanced"
+    assert "stages: 2 stages (balanced): [0, 2), [2, 4)" in repr(plan)
+    split = _plan(model, split=[3, 1]).stages
+    assert split.bounds == ((0, 3), (3, 4)) and split.source == "split"
+    assert split.costs[0] > split.costs[1]
+
+
+def test_balanced_bounds_minimise_the_largest_stage():
+    assert balanced_bounds([1, 1, 1, 1], 2) == ((0, 2), (2, 4))
+    assert balanced_bounds([1, 1, 1, 10], 2) == ((0, 3), (3, 4))
+    assert balanced_bounds([5, 1, 1, 1, 1, 1], 2) == ((0, 1), (1, 6))
+    # the embedding's bytes count on the first stage, the head's on the last
+    assert balanced_bounds([1, 1, 1, 1], 2, first_extra=2) == ((0, 1), (1, 4))
+    assert balanced_bounds([1] * 6, 3) == ((0, 2), (2, 4), (4, 6))
