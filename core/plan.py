@@ -222,8 +222,8 @@ def _check_pipeline_dims(pp: int, tp: int, dp: int, world: int) -> None:
         return
     if tp > 1:
         raise ParallelismNotSupportedError(
-            f"pipeline_parallel pp_size={pp} with tensor parallelism (tp_size={tp}) is not "
-            f"supported yet; run with tp_size=1 on {pp} ranks")
+            f"pipeline parallelism (pp_size={pp}) is not supported yet together with tensor "
+            f"parallelism (tp_size={tp}); run with tp_size=1 on {pp} ranks")
     if dp > 1:
         raise ParallelismNotSupportedError(
             f"pipeline_parallel pp_size={pp} in a world of {world} ranks would need {dp} "

@@ -307,7 +307,7 @@ def test_the_world_must_be_pp_ranks():
     with pytest.raises(ParallelismNotSupportedError, match="2 data-parallel replicas"):
         _plan(model, world=4)
     with pytest.raises(ParallelismNotSupportedError,
-                       match=r"tensor parallelism \(tp_size=2\) is not supported yet"):
+                       match=r"not supported yet together with tensor parallelism \(tp_size=2\)"):
         _plan(model, world=4, tp_size=2)
 
 
