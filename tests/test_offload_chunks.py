@@ -24,8 +24,9 @@ from torch import nn
 import shardwise
 from families import family
 from models import prompt_ids
-from shardwise.offload.chunks import GatheredEmbedding, _runs, chunk_rows, row_multiple
-from shardwise.offload.store import ALIGN, TensorEntry, unit_filename
+from shardwise.offload.chunks import (GatheredEmbedding, _runs, chunk_pieces, chunk_rows,
+                                      row_multiple)
+from shardwise.offload.store import ALIGN, TensorEntry, layout_unit, unit_filename
 from tp_harness import TP, case, run_pair, run_table
 
 VOCAB = 2048
@@ -213,6 +214,16 @@ def test_chunk_geometry():
     assert row_multiple(4096) == 1 and row_multiple(6 * 4) == 512
     assert chunk_rows(w, 255) == 0
     assert _runs([0, 256, 8192, 12288 - 100], 256) == [(0, 4096), (8192, 16384)]
+    # GPT-2 24l-1024h's head (50257 x 1024 fp32) in slots of its 48 MiB layers: 5 chunks of
+    # balanced size, each aligned and within a slot, covering every row once
+    slot = 50_384_896
+    head = layout_unit(25, "lm_head", [("weight", torch.empty(50257, 1024, device="meta"))])
+    pieces = chunk_pieces(24, head, slot)
+    assert [p.index for p in pieces] == [24, 25, 26, 27, 28]
+    assert [p.rows for p in pieces] == [(i * 10052, min((i + 1) * 10052, 50257))
+                                        for i in range(5)]
+    assert all(p.offset % ALIGN == 0 and p.nbytes % ALIGN == 0 and p.nbytes <= slot
+               and p.offset + p.nbytes <= head.nbytes for p in pieces)
 
 
 def test_gathered_rows_read_aligned_blocks(tmp_path):

@@ -107,12 +107,14 @@ def chunk_rows(weight: TensorEntry, slot: int) -> int:
 
 
 def chunk_pieces(first: int, blob: UnitEntry, slot: int) -> list[Piece]:
-    """The pieces of a chunked head's ``"weight"`` (ring positions from ``first``): row ranges
-    of :func:`chunk_rows` rows (the last one shorter), each read as the aligned bytes holding
-    it (the blob is ALIGN-padded after the tensor, so the last read stays inside it)."""
+    """The pieces of a chunked head's ``"weight"`` (ring positions from ``first``): as few row
+    ranges of at most :func:`chunk_rows` rows as cover it, of balanced sizes (the last one may be
+    shorter), each read as the aligned bytes holding it (the blob is ALIGN-padded after the
+    tensor, so the last read stays inside it)."""
     weight = next(t for t in blob.tensors if t.key == "weight")
-    out_rows, rows = weight.shape[0], chunk_rows(weight, slot)
+    out_rows, most = weight.shape[0], chunk_rows(weight, slot)
     row_bytes = weight.nbytes // out_rows
+    rows = _balanced(out_rows, most, row_multiple(row_bytes))
     pieces = []
     for start in range(0, out_rows, rows):
         stop = min(start + rows, out_rows)
@@ -122,6 +124,14 @@ def chunk_pieces(first: int, blob: UnitEntry, slot: int) -> list[Piece]:
                             weight.offset + start * row_bytes, align_up(entry.nbytes), (entry,),
                             (start, stop)))
     return pieces
+
+
+def _balanced(out_rows: int, most: int, m: int) -> int:
+    """Rows per chunk: ``ceil(out_rows / k)`` rounded up to a multiple of ``m``, with ``k`` the
+    fewest chunks of at most ``most`` rows (``most`` is a multiple of ``m``, so the result
+    stays <= ``most``)."""
+    chunks = math.ceil(out_rows / most)
+    return math.ceil(math.ceil(out_rows / chunks) / m) * m
 
 
 # ----- modes ------------------------------------------------------------------------------------
