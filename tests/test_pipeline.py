@@ -329,3 +329,44 @@ def test_balanced_bounds_minimise_the_largest_stage():
     # the embedding's bytes count on the first stage, the head's on the last
     assert balanced_bounds([1, 1, 1, 1], 2, first_extra=2) == ((0, 1), (1, 4))
     assert balanced_bounds([1] * 6, 3) == ((0, 2), (2, 4), (4, 6))
+
+
+# ----- a stage that dies --------------------------------------------------------------------------
+
+#: seconds a point-to-point op waits for a dead stage here (``comm_timeout``)
+TIMEOUT_S = 5
+
+
+def _stage_dies(rank: int, dead: int) -> dict:
+    """Both ranks build the PP=2 engine; rank ``dead`` exits (code 9); the other runs a forward,
+    which must fail with a CollectiveError within the timeout: its message and seconds."""
+    import os
+    import time
+
+    model = tiny_causal_lm("llama")
+    engine = shardwise.init_inference(model, device="cpu", dtype=torch.float32,
+                                      comm_timeout=TIMEOUT_S, **PP)
+    engine(input_ids=prompt_ids())  # both stages run once: the links are up
+    if rank == dead:
+        os._exit(9)
+    start = time.monotonic()
+    try:
+        engine.module(prompt_ids())  # the bare module: no input broadcast first
+    except shardwise.CollectiveError as exc:
+        return {"error": str(exc), "seconds": time.monotonic() - start}
+    return {"error": None}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dead, op", [(1, "send"), (0, "recv")])
+def test_a_dead_stage_fails_the_other_within_the_timeout(tmp_path, dead, op):
+    from distributed import run_ranks
+
+    results = run_ranks(_stage_dies, 2, tmp_path, dead, deadline_s=120)
+    assert results[dead]["error"].startswith("no result (exit code 9)")
+    survivor = results[1 - dead]
+    assert survivor["ok"], survivor.get("trace")
+    error = survivor["value"]["error"]
+    assert error and f"{op} failed on rank {1 - dead}/2" in error, error
+    print(f"stage {dead} died: {op} failed after {survivor['value']['seconds']:.1f}s")
+    assert survivor["value"]["seconds"] < TIMEOUT_S + 10
