@@ -37,9 +37,10 @@ class InferenceEngine:
         quantization: the :class:`~shardwise.quant.QuantReport` with ``quant=`` / ``dtype=int8``
             (model bytes before/after, layers quantized, backend per layer kind), else None.
         plan: the :class:`~shardwise.plan.Plan` the engine was built with, resolved once at the
-            start of ``init_inference``: the world and per parallel dimension (tp; pp, dp, ep
+            start of ``init_inference``: the world and per parallel dimension (tp, ep, pp; dp
             reserved) its size, this rank's coordinate and process group; the policy; the head
-            counts and this rank's head partition; the roles of every linear.
+            counts and this rank's head partition; the roles of every linear; under
+            ``pipeline_parallel`` every stage's layers (``plan.stages``).
 
     Threads: an injected model holds one static KV cache, so :meth:`generate` and
     :meth:`__call__` of an injected engine run one thread at a time (callers wait); using
@@ -78,8 +79,9 @@ class InferenceEngine:
 
     @torch.inference_mode()
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        """Run the module's forward on inputs moved to the engine's device (under tensor
-        parallelism, rank 0's tensor inputs are broadcast so every rank computes the same)."""
+        """Run the module's forward on inputs moved to the engine's device (under tensor or
+        pipeline parallelism, rank 0's tensor inputs are broadcast so every rank computes the
+        same)."""
         self._check_open()
         with self._session():
             return self.module(*self._inputs(args), **self._inputs(kwargs))
@@ -87,7 +89,7 @@ class InferenceEngine:
     @torch.inference_mode()
     def generate(self, *args: Any, **kwargs: Any) -> Any:
         """``module.generate`` with tensor inputs moved to the engine's device (and broadcast
-        from rank 0 under tensor parallelism). On an injected engine, calls from several
+        from rank 0 under tensor or pipeline parallelism). On an injected engine, calls from several
         threads run one after another (the static KV cache serves one generate at a time)."""
         self._check_open()
         with self._session():
