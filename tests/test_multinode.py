@@ -3,8 +3,9 @@ tests/netns.py), each running ``shardwise launch --nnodes 2 --node-rank R --npro
 with the c10d rendezvous hosted on node 0 (10.77.0.1). The ranks only reach each other over the
 link (gloo bound to each node's end of it), as on two hosts.
 
-* TP=2 across the nodes: fp32 logits within 1e-4 of the single-process model, 32 greedy tokens
-  identical, each rank holding about half the split weights;
+* TP=2, then PP=2, across the nodes: fp32 logits within 1e-4 of the single-process model, 32
+  greedy tokens identical; under TP each rank holds about half the split weights, under PP each
+  rank one stage (the layers cut in two);
 * a node killed mid-run: the surviving rank fails within the collective timeout
   (``SHARDWISE_COMM_TIMEOUT``) with shardwise's CollectiveError, and its launch exits non-zero;
 * mismatched versions and model configs across the nodes: named at start-up on every rank
@@ -82,6 +83,20 @@ RANK_SCRIPT = textwrap.dedent("""\
               tokens_equal=torch.equal(tokens, ref_tokens), new_tokens=tokens.shape[1] - 8,
               rank_params=sum(p.numel() for p in model.parameters()), full_params=full,
               sharded=len(engine.sharding.sharded), addresses=addresses())
+        pp(ids, gen, ref_logits, ref_tokens)
+
+    def pp(ids, gen, ref_logits, ref_tokens):
+        # PP=2 on the same two ranks (the TP engine stays open: its process group is reused)
+        from shardwise.pipeline import RemoteLayer
+        model = tiny_causal_lm("llama")
+        engine = shardwise.init_inference(model, device="cpu", dtype=torch.float32,
+                                          pipeline_parallel={"pp_size": 2})
+        logits, tokens = engine(input_ids=ids).logits, engine.generate(ids, **gen)
+        layers = model.model.layers
+        write("pp", max_abs=(logits - ref_logits).abs().max().item(),
+              tokens_equal=torch.equal(tokens, ref_tokens), new_tokens=tokens.shape[1] - 8,
+              owned=[i for i, layer in enumerate(layers) if not isinstance(layer, RemoteLayer)],
+              layers=len(layers))
 
     def kill():
         engine = shardwise.init_inference(tiny_causal_lm("llama"), device="cpu",
@@ -208,7 +223,7 @@ def _wait_for(paths: list[Path], deadline: float, procs: list[subprocess.Popen])
 
 # ----- across two nodes -------------------------------------------------------------------------
 
-def test_tp2_across_two_nodes_matches_the_single_process_model(nodes, tmp_path):
+def test_tp2_and_pp2_across_two_nodes_match_the_single_process_model(nodes, tmp_path):
     procs = _start(nodes, tmp_path, "tp")
     codes = _wait(procs, time.monotonic() + LAUNCH_DEADLINE_S)
     assert codes == [0, 0], f"launch exit codes {codes}\n{_logs(tmp_path)}"
@@ -224,6 +239,15 @@ def test_tp2_across_two_nodes_matches_the_single_process_model(nodes, tmp_path):
         assert rec["sharded"] > 0
         # about half of the split weights: fewer than 3/4 of the model, more than 1/2
         assert rec["full_params"] / 2 < rec["rank_params"] < rec["full_params"] * 3 / 4, rec
+    # PP=2 across the same two nodes: each rank one stage (half the layers), same outputs
+    stages = [_record(tmp_path, "pp", node) for node in (0, 1)]
+    by_rank = sorted(stages, key=lambda r: r["rank"])
+    layers = by_rank[0]["layers"]
+    assert by_rank[0]["owned"] + by_rank[1]["owned"] == list(range(layers)), by_rank
+    assert by_rank[0]["owned"] and by_rank[1]["owned"]
+    for rec in stages:
+        assert rec["max_abs"] <= 1e-4, rec
+        assert rec["tokens_equal"] and rec["new_tokens"] == 32, rec
 
 
 def _kill_node(pair: netns.TwoNodes, node: int) -> None:
