@@ -379,3 +379,33 @@ def test_start_up_check_on_two_local_ranks_names_what_differs(tmp_path):
     model_error = ranks[0]["model"]  # another family: its config and parameters differ as well
     assert "model config (hash)" in model_error and "parameter names" in model_error
     assert "torch version" not in model_error
+
+
+def test_fingerprint_is_the_same_for_equal_settings_and_names_class_keyed_policies():
+    """Equal settings built twice give one fingerprint (an injection_policy keyed by a layer
+    class included: it is hashed by the class's name, not its address); another policy, dtype
+    or model config changes exactly the entry it belongs to."""
+    import torch
+    import transformers
+
+    import shardwise
+    from models import tiny_causal_lm
+    from shardwise.launch.startup_check import fingerprint, mismatches
+
+    layer = transformers.models.llama.modeling_llama.LlamaDecoderLayer
+
+    def build(policy=("self_attn.o_proj", "mlp.down_proj"), dtype=torch.float32, theta=None):
+        model = tiny_causal_lm("llama")
+        if theta is not None:
+            model.config.rope_theta = theta
+        cfg = shardwise.InferenceConfig.build(None, dtype=dtype, injection_policy={layer: policy},
+                                              tensor_parallel={"tp_size": 2})
+        return fingerprint(model, cfg)
+
+    base = build()
+    assert build() == base and mismatches([base, build()]) == []
+    for other, key in ((build(policy=("self_attn.o_proj",)), "settings"),
+                       (build(dtype=torch.bfloat16), "settings"),
+                       (build(theta=1234.0), "model_config")):
+        assert [k for k in base if base[k] != other[k]] == [key]
+        assert len(mismatches([base, other])) == 1

@@ -61,8 +61,23 @@ class RankMismatchError(ConfigError):
     made); the message names each difference and which ranks hold which value."""
 
 
+def _canonical(value: Any) -> Any:
+    """``value`` as JSON-able data that is the same on every rank for equal settings: classes and
+    functions by qualified name (an ``injection_policy`` is keyed by layer classes), mappings as
+    key-sorted pairs, other objects by ``repr`` (dataclass settings, dtypes)."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, type) or callable(value):
+        return f"{getattr(value, '__module__', '?')}.{getattr(value, '__qualname__', value)}"
+    if isinstance(value, Mapping):
+        return sorted(([_canonical(k), _canonical(v)] for k, v in value.items()), key=str)
+    if isinstance(value, (list, tuple)):
+        return [_canonical(v) for v in value]
+    return repr(value)
+
+
 def _digest(payload: Any) -> str:
-    text = json.dumps(payload, sort_keys=True, default=str)
+    text = json.dumps(_canonical(payload))
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
