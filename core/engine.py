@@ -56,6 +56,13 @@ class InferenceEngine:
     #: the :class:`~shardwise.pipeline.PipelineReport` under ``pipeline_parallel`` (this rank's
     #: stage, its layers and parameter bytes), else None
     stages = None
+    @property
+    def pipeline_stats(self):
+        """The :class:`~shardwise.pipeline.schedule.PipelineStats` of the last micro-batched
+        forward (per-stage busy time, the bubble against ``(P − 1) / (P − 1 + M)``); None
+        without ``pipeline_parallel`` micro-batches or before the first such call."""
+        return self.stages.stats if self.stages is not None else None
+
     #: the :class:`~shardwise.offload.OffloadReport` with ``offload=`` (the ring, its stats), else
     #: None
     offload = None
@@ -84,6 +91,8 @@ class InferenceEngine:
         same)."""
         self._check_open()
         with self._session():
+            if self.stages is not None:  # micro-batches through the stages, when configured
+                return self.stages.call(self.module, self._inputs(args), self._inputs(kwargs))
             return self.module(*self._inputs(args), **self._inputs(kwargs))
 
     @torch.inference_mode()
@@ -415,7 +424,8 @@ def _build_engine(model: nn.Module | None, cfg: InferenceConfig) -> InferenceEng
             bytes_before=loaded.bytes_before if loaded else None)
         if communicator.rank == 0:
             log.info("shardwise: %s", report.summary())
-    stages = _pipeline_step(model, plan, communicator, dtype)  # 5b. this rank's stage
+    stages = _pipeline_step(model, plan, communicator, dtype,
+                            cfg.pipeline_parallel)  # 5b. this rank's stage
     quant_report = _quantize_and_cast(model, cfg, accelerator, dtype, device, plan,
                                       loaded)  # 6.
     moe_report = _moe_step(model, cfg, accelerator, dtype, plan)  # 6b. before injection
@@ -448,7 +458,7 @@ def _build_engine(model: nn.Module | None, cfg: InferenceConfig) -> InferenceEng
 
 
 def _pipeline_step(model: nn.Module, plan: Plan, communicator: Communicator,
-                   dtype: torch.dtype):
+                   dtype: torch.dtype, pipeline):
     """Step 5b under pipeline parallelism (before the cast: the other stages' modules are never
     cast): this rank keeps its stage's layers, the rest become stand-ins, and the hooks that
     move hidden states between stages are installed (:func:`shardwise.pipeline.apply_stages`).
@@ -459,7 +469,7 @@ def _pipeline_step(model: nn.Module, plan: Plan, communicator: Communicator,
     from .pipeline import apply_stages
 
     report = apply_stages(model, decoder_layers(model, plan.policy), plan.stages,
-                          plan.pp.group, dtype)
+                          plan.pp.group, dtype, micro_batches=pipeline.micro_batches)
     log.info("shardwise: rank %d: %s", communicator.rank, report.summary())
     return report
 

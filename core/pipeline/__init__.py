@@ -7,13 +7,17 @@ stages by point-to-point sends and the last stage's output is broadcast, so ``en
 ``engine.generate`` and HF ``generate`` give the same outputs on every rank.
 
 Modules: :mod:`.config` (the ``pipeline_parallel=`` field), :mod:`.stages` (where the cuts go;
-planning only), :mod:`.transform` (the step that applies them, recorded in the ledger).
+planning only), :mod:`.transform` (the step that applies them, recorded in the ledger),
+:mod:`.schedule` (micro-batches through the stages for the engine's forward, and their bubble).
 """
 
 from .config import PipelineConfigError, PipelineSettings, parse_pipeline
 from .stages import StagePlan, balanced_bounds, plan_stages
-from .transform import PipelineReport, RemoteEmbedding, RemoteHead, RemoteLayer, apply_stages
+from .schedule import PipelineStats, run_micro_batches, split_inputs
+from .transform import (PipelineReport, RemoteEmbedding, RemoteHead, RemoteLayer, StageClock,
+                        apply_stages)
 
 __all__ = ["PipelineConfigError", "PipelineSettings", "parse_pipeline", "StagePlan",
            "balanced_bounds", "plan_stages", "PipelineReport", "RemoteEmbedding", "RemoteHead",
-           "RemoteLayer", "apply_stages"]
+           "RemoteLayer", "StageClock", "apply_stages", "PipelineStats", "run_micro_batches",
+           "split_inputs"]

@@ -16,7 +16,7 @@ from typing import Any, Mapping
 from ..errors import ConfigError, NotSupportedYetError
 
 #: keys accepted inside ``pipeline_parallel={...}``
-PIPELINE_KEYS = ("pp_size", "split", "enabled")
+PIPELINE_KEYS = ("pp_size", "split", "micro_batches", "enabled")
 
 
 class PipelineConfigError(ConfigError):
@@ -31,24 +31,28 @@ class PipelineSettings:
     Attributes:
         pp_size: pipeline stages (ranks along the pipeline dimension).
         split: decoder layers per stage, first stage first (None: balanced by weight bytes).
+        micro_batches: how many micro-batches the engine's forward splits a batch into, so the
+            stages overlap (:mod:`shardwise.pipeline.schedule`; 1: the batch whole).
     """
 
     pp_size: int = 1
     split: tuple[int, ...] | None = None
+    micro_batches: int = 1
 
     def to_dict(self) -> dict[str, Any]:
-        return {"pp_size": self.pp_size,
+        return {"pp_size": self.pp_size, "micro_batches": self.micro_batches,
                 "split": list(self.split) if self.split is not None else None}
 
 
 def parse_pipeline(value: Any) -> PipelineSettings | None:
     """``pipeline_parallel=`` as :class:`PipelineSettings`: None, ``{"enabled": False}`` or
-    ``pp_size`` 1 without a split → None (no pipeline); an int → that ``pp_size``; a dict of
+    ``pp_size`` 1 → None (no pipeline); an int → that ``pp_size``; a dict of
     :data:`PIPELINE_KEYS`.
 
     Raises:
-        PipelineConfigError: an unknown key, a ``pp_size`` that is not a positive integer, or a
-            ``split`` that is not a list of ``pp_size`` positive integers.
+        PipelineConfigError: an unknown key, a ``pp_size`` or ``micro_batches`` that is not a
+            positive integer, ``micro_batches`` > 1 with one stage, or a ``split`` that is not
+            a list of ``pp_size`` positive integers.
     """
     if value is None or isinstance(value, PipelineSettings):
         return _off_when_trivial(value)
@@ -68,12 +72,23 @@ def parse_pipeline(value: Any) -> PipelineSettings | None:
     if isinstance(pp, bool) or not isinstance(pp, int) or pp < 1:
         raise PipelineConfigError(f"pipeline_parallel pp_size must be a positive integer (the "
                                   f"number of stages), got {pp!r}")
-    return _off_when_trivial(PipelineSettings(pp, _parse_split(value.get("split"), pp)))
+    micro = value.get("micro_batches", 1)
+    if isinstance(micro, bool) or not isinstance(micro, int) or micro < 1:
+        raise PipelineConfigError(f"pipeline_parallel micro_batches must be a positive integer "
+                                  f"(micro-batches per forward), got {micro!r}")
+    return _off_when_trivial(PipelineSettings(pp, _parse_split(value.get("split"), pp), micro))
 
 
 def _off_when_trivial(settings: PipelineSettings | None) -> PipelineSettings | None:
-    return None if settings is None or (settings.pp_size == 1 and settings.split is None) \
-        else settings
+    """None for one stage (a one-stage split is the whole model); micro-batches there would
+    do nothing, so they are refused rather than ignored."""
+    if settings is None or settings.pp_size > 1:
+        return settings
+    if settings.micro_batches > 1:
+        raise PipelineConfigError(f"pipeline_parallel micro_batches={settings.micro_batches} "
+                                  f"overlap pipeline stages, but pp_size=1 has one stage; give "
+                                  f"pp_size > 1 or drop micro_batches")
+    return None
 
 
 def _parse_split(split: Any, pp: int) -> tuple[int, ...] | None:

@@ -25,7 +25,8 @@ broadcast from the stage that kept them (:func:`_rebuild`).
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -104,12 +105,31 @@ class PipelineReport:
         layers: this rank's decoder layers (indices).
         param_bytes: this rank's parameter bytes after the step, each tensor once.
         replaced: names of the modules replaced by stand-ins on this rank.
+        micro_batches: micro-batches per engine forward (``pipeline_parallel``'s).
+        clock: this stage's :class:`StageClock`.
+        communicator: the pp group's communicator.
     """
 
     plan: StagePlan
     layers: tuple[int, ...]
     param_bytes: int
     replaced: tuple[str, ...]
+    micro_batches: int = 1
+    clock: "StageClock | None" = field(default=None, repr=False)
+    communicator: Any = field(default=None, repr=False)
+    #: the :class:`~shardwise.pipeline.schedule.PipelineStats` of the last micro-batched call
+    stats: Any = None
+
+    def call(self, module: nn.Module, args: tuple, kwargs: dict) -> Any:
+        """``module(*args, **kwargs)``, split into :attr:`micro_batches` micro-batches that
+        flow through the stages one behind the other when that is more than one (see
+        :func:`shardwise.pipeline.schedule.run_micro_batches`: not with ``use_cache=True``)."""
+        from .schedule import run_micro_batches
+
+        if self.micro_batches == 1 or kwargs.get("use_cache"):
+            return module(*args, **kwargs)
+        out, self.stats = run_micro_batches(module, args, kwargs, self)
+        return out
 
     def summary(self) -> str:
         a, b = self.plan.bounds[self.plan.coord]
@@ -134,9 +154,10 @@ def _with_hidden(out: Any, hidden: torch.Tensor) -> Any:
 
 
 def apply_stages(model: nn.Module, layers: nn.ModuleList, plan: StagePlan, communicator,
-                 dtype: torch.dtype) -> PipelineReport:
+                 dtype: torch.dtype, micro_batches: int = 1) -> PipelineReport:
     """Keep this rank's stage of ``model`` (decoder layers ``layers``) and wire the stages
-    together (module docstring). Recorded in the active ledger."""
+    together (module docstring). Recorded in the active ledger. ``micro_batches``: how many
+    micro-batches the engine's forward splits a batch into (:meth:`PipelineReport.call`)."""
     names = {id(m): n for n, m in model.named_modules()}
     originals = list(layers)
     replaced: list[tuple[str, nn.Module, int]] = []  # (name, original module, owner rank)
@@ -158,7 +179,8 @@ def apply_stages(model: nn.Module, layers: nn.ModuleList, plan: StagePlan, commu
     if isinstance(head, nn.Module) and not plan.last:
         _replace(model, names, head, RemoteHead(head.weight.shape[0], dtype), plan.ranks[-1],
                  replaced)
-    _wire(model, layers, head, plan, communicator)
+    clock = StageClock()
+    _wire(model, layers, head, plan, communicator, clock)
     units = [(layer, plan.ranks[plan.owner(i)]) for i, layer in enumerate(originals)]
     units += [(embed, plan.ranks[0])]
     if isinstance(head, nn.Module):
@@ -169,7 +191,8 @@ def apply_stages(model: nn.Module, layers: nn.ModuleList, plan: StagePlan, commu
     live = {id(p): p for p in model.parameters()}
     return PipelineReport(plan, tuple(plan.layers),
                           sum(p.numel() * p.element_size() for p in live.values()),
-                          tuple(name for name, _, _ in replaced))
+                          tuple(name for name, _, _ in replaced), micro_batches, clock,
+                          communicator)
 
 
 def _replace(model: nn.Module, names: dict, module: nn.Module, stand_in: nn.Module, owner: int,
@@ -181,10 +204,32 @@ def _replace(model: nn.Module, names: dict, module: nn.Module, stand_in: nn.Modu
     replaced.append((name, module, owner))
 
 
+class StageClock:
+    """This stage's busy time: the seconds between its first layer starting (after the hidden
+    states arrived) and its last layer ending (before they are sent), summed over forwards.
+    ``deferred``: the micro-batch schedule broadcasts the outputs itself after every
+    micro-batch ran (:mod:`shardwise.pipeline.schedule`), so the in-forward broadcast is
+    skipped."""
+
+    def __init__(self) -> None:
+        self.busy_s = 0.0
+        self.deferred = False
+        self._start: float | None = None
+
+    def begin(self, *_: Any) -> None:
+        self._start = time.perf_counter()
+
+    def end(self, *_: Any) -> None:
+        if self._start is not None:
+            self.busy_s += time.perf_counter() - self._start
+            self._start = None
+
+
 def _wire(model: nn.Module, layers: nn.ModuleList, head: nn.Module | None, plan: StagePlan,
-          comm) -> None:
+          comm, clock: StageClock) -> None:
     """The hooks that move activations: receive before the stage's first layer, send after its
-    last, broadcast the last stage's output to every rank."""
+    last, broadcast the last stage's output to every rank; and the clock's, around the stage's
+    layers (after the receive, before the send: hooks run in the order registered)."""
     start, end = plan.bounds[plan.coord]
     if not plan.first:
         src = plan.ranks[plan.coord - 1]
@@ -199,6 +244,8 @@ def _wire(model: nn.Module, layers: nn.ModuleList, head: nn.Module | None, plan:
 
         _ledger.add_hook(layers[start].register_forward_pre_hook(receive, with_kwargs=True),
                          "pipeline: receive hidden states")
+    _ledger.add_hook(layers[start].register_forward_pre_hook(clock.begin), "pipeline: clock")
+    _ledger.add_hook(layers[end - 1].register_forward_hook(clock.end), "pipeline: clock")
     if not plan.last:
         dst = plan.ranks[plan.coord + 1]
 
@@ -210,6 +257,8 @@ def _wire(model: nn.Module, layers: nn.ModuleList, head: nn.Module | None, plan:
     last = plan.last
 
     def broadcast(module, args, out):
+        if clock.deferred:
+            return out
         value = _output_hidden(out)
         if last:
             comm.broadcast(value.detach().contiguous(), src=src_last)
