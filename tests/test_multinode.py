@@ -223,6 +223,7 @@ def _wait_for(paths: list[Path], deadline: float, procs: list[subprocess.Popen])
 
 # ----- across two nodes -------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_tp2_and_pp2_across_two_nodes_match_the_single_process_model(nodes, tmp_path):
     procs = _start(nodes, tmp_path, "tp")
     codes = _wait(procs, time.monotonic() + LAUNCH_DEADLINE_S)
@@ -265,6 +266,7 @@ def _cut_link(pair: netns.TwoNodes, node: int) -> None:
 LOSSES = {"killed": (_kill_node, COMM_TIMEOUT_S), "cut off": (_cut_link, PARTITION_TIMEOUT_S)}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("loss", list(LOSSES))
 def test_a_node_lost_mid_run_fails_the_survivor_within_the_timeout(nodes, tmp_path, loss):
     """Killed: gloo sees the peer's sockets close and the survivor fails at once. Cut off (link
@@ -294,6 +296,7 @@ def test_a_node_lost_mid_run_fails_the_survivor_within_the_timeout(nodes, tmp_pa
     assert "CollectiveError" in _logs(tmp_path)  # the launch's report names the failure
 
 
+@pytest.mark.slow
 def test_mismatched_versions_and_configs_across_nodes_are_named_at_start_up(nodes, tmp_path):
     procs = _start(nodes, tmp_path, "mismatch")
     codes = _wait(procs, time.monotonic() + LAUNCH_DEADLINE_S)
@@ -365,6 +368,7 @@ def _local_checks(rank: int) -> dict[str, str | None]:
     return out
 
 
+@pytest.mark.slow
 def test_start_up_check_on_two_local_ranks_names_what_differs(tmp_path):
     results = run_ranks(_local_checks, 2, tmp_path, deadline_s=120)
     assert all(r["ok"] for r in results), results

@@ -109,7 +109,8 @@ def fingerprint(model: torch.nn.Module | None = None, cfg: Any = None) -> dict[s
     """This rank's fingerprint: the versions of shardwise, torch, transformers and Python, and
     (when given) hashes of ``model``'s config and parameter shapes and of the fields of the
     inference config ``cfg`` listed in :data:`CONFIG_FIELDS`; ``host`` says where it runs (not
-    compared). Values are strings or None (not applicable); every rank must build it the same way."""
+    compared). Values are strings or None (not applicable); every rank must build it the same
+    way."""
     from .. import __version__
 
     out: dict[str, str | None] = {
