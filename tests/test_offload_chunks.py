@@ -347,3 +347,21 @@ def test_chunks_through_the_copy_stream_path(tier, tmp_path, monkeypatch):
         assert report.stats()["units_read"] == len(report.units)
     finally:
         report.close()
+
+
+def test_a_chunked_head_with_a_bias_keeps_the_bias_resident(tmp_path):
+    ids = _ids()
+    ref, model = big_vocab_lm("llama"), big_vocab_lm("llama")
+    bias = torch.randn(VOCAB, generator=torch.Generator().manual_seed(3))
+    for m in (ref, model):
+        m.lm_head.bias = nn.Parameter(bias.clone(), requires_grad=False)
+    with torch.no_grad():
+        ref_logits, ref_tokens = ref(ids).logits, ref.generate(ids, **GREEDY)
+    engine = shardwise.init_inference(model, device="cpu", dtype=torch.float32,
+                                      offload=_offload(tmp_path, 2))
+    report = engine.offload
+    assert report.chunked["lm_head"] >= 3
+    assert report.resident_bytes >= VOCAB * 4  # the bias
+    assert torch.equal(model.lm_head.bias, bias)
+    assert torch.equal(engine(ids).logits, ref_logits)
+    assert torch.equal(engine.generate(ids, **GREEDY), ref_tokens)

@@ -342,6 +342,15 @@ class Ring:
             raise
         self.stats.loaded(slot.unit, self.entries[slot.unit].nbytes, seconds)
 
+    def settle(self) -> None:
+        """Wait for every load in flight and count it (the ring stays usable): after it, the
+        stats and the loader's counters describe every load started so far (tests read them
+        while prefetches started by the last release may still be running)."""
+        with self._lock:
+            for s, slot in enumerate(self.slots):
+                if slot.future is not None:
+                    self._collect(s)
+
     def close(self) -> None:
         """Wait for loads in flight, then stop the loader. Idempotent."""
         with self._lock:

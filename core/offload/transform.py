@@ -519,6 +519,17 @@ def _read_blob(ranges: _chunks.RangeReader, entry: Any, device: torch.device
     return {k: v.to(device) for k, v in views.items()}
 
 
+def _read_tensor(ranges: _chunks.RangeReader, entry: Any, key: str, device: torch.device
+                 ) -> torch.Tensor:
+    """One tensor of ``entry``'s blob, read from the store (its aligned bytes only) into new
+    memory on ``device``."""
+    te = next(t for t in entry.tensors if t.key == key)
+    nbytes = _store.align_up(te.nbytes)
+    buffer = _store.aligned_host_buffer(nbytes)
+    ranges.read(entry, te.offset, nbytes, buffer)
+    return buffer[:te.nbytes].view(te.dtype).view(te.shape).to(device, copy=True)
+
+
 def _free(units: Sequence[Unit], modes: Sequence[str], entries: Sequence[Any],
           owner: Mapping[int, int], views: list, slot0: torch.Tensor,
           ranges: _chunks.RangeReader, device: torch.device, written: bool) -> None:
@@ -531,10 +542,8 @@ def _free(units: Sequence[Unit], modes: Sequence[str], entries: Sequence[Any],
         if mode == "ring":
             _bind(unit, views[piece_of[unit.index]][0])
         elif mode in ("chunked", "gathered"):
-            kept = _read_blob(ranges, entry, device) if any(
-                r.key == "bias" for r in unit.tensors) and mode == "chunked" else {}
-            for ref in unit.tensors:
-                ref.point(kept[ref.key].clone() if ref.key in kept
+            for ref in unit.tensors:  # a chunked head's bias [out] stays resident
+                ref.point(_read_tensor(ranges, entry, ref.key, device) if ref.key == "bias"
                           else _chunks.placeholder(ref.current(), slot0))
         elif written:  # its tensors are placeholders: load them
             loaded = _read_blob(ranges, entry, device)
