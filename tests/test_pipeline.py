@@ -42,12 +42,15 @@ def _numel(module: nn.Module | None) -> int:
 
 def _expected_numel(ref: nn.Module, owned: range, first: bool, last: bool) -> int:
     """Parameters a stage holds: the whole model minus the other stages' layers, minus the
-    embedding off the first stage and the head off the last (unless tied: the other end keeps
-    the one tensor)."""
+    embedding off the first stage and the head off the last (tied: one tensor, which a stage
+    at either end keeps)."""
     embed, head = ref.get_input_embeddings(), ref.get_output_embeddings()
     tied = head is not None and head.weight is embed.weight
     others = sum(_numel(layer) for i, layer in enumerate(_layers(ref)) if i not in owned)
-    drop = 0 if tied else (0 if first else _numel(embed)) + (0 if last else _numel(head))
+    if tied:  # one tensor: kept by a stage at either end, dropped by a middle one
+        drop = 0 if first or last else _numel(embed)
+    else:
+        drop = (0 if first else _numel(embed)) + (0 if last else _numel(head))
     return _numel(ref) - others - drop
 
 
@@ -62,7 +65,8 @@ def causal_lm(arch: str, layers: int | None = None) -> nn.Module:
     return transformers.AutoModelForCausalLM.from_config(config).eval()
 
 
-def causal_case(rank: int, arch: str, layers: int | None = None, split=None) -> dict:
+def causal_case(rank: int, arch: str, layers: int | None = None, split=None,
+                pp_size: int = 2) -> dict:
     ref, model = causal_lm(arch, layers), causal_lm(arch, layers)
     ids = prompt_ids(batch=2, length=8, vocab=ref.config.vocab_size)
     gen = dict(max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False,
@@ -70,7 +74,7 @@ def causal_case(rank: int, arch: str, layers: int | None = None, split=None) -> 
     with torch.no_grad():
         ref_logits = ref(ids).logits
         ref_tokens = ref.generate(ids, **gen)
-    pp = {"pp_size": 2, **({"split": split} if split else {})}
+    pp = {"pp_size": pp_size, **({"split": split} if split else {})}
     engine = shardwise.init_inference(model, device="cpu", dtype=torch.float32,
                                       pipeline_parallel=pp)
     mine = ids if rank == 0 else torch.zeros_like(ids)  # the engine broadcasts rank 0's inputs
@@ -98,7 +102,7 @@ def causal_case(rank: int, arch: str, layers: int | None = None, split=None) -> 
         bounds=[list(b) for b in stages.plan.bounds], source=stages.plan.source,
         kv_width=kv_width, cache_len=out.cache.get_seq_length(),
         numel=numel, expected_numel=_expected_numel(ref, range(*stages.plan.bounds[rank]),
-                                                     rank == 0, rank == 1),
+                                                     stages.plan.first, stages.plan.last),
         ref_numel=_numel(ref), ref_layer_numel=_numel(_layers(ref)),
         layer_numel=sum(_numel(_layers(ref)[i]) for i in owned),
         report_bytes=stages.param_bytes,
@@ -170,7 +174,8 @@ def micro_batch_case(rank: int, arch: str, micro_batches: int, delay_s: float = 
                 summary=stats.summary())
 
 
-CAUSAL = ("llama", "gpt2", "opt", "bloom")
+#: the dense families the issue names, and a Mixture-of-Experts one (HF's own MoE blocks, ep 1)
+CAUSAL = ("llama", "gpt2", "opt", "bloom", "mixtral")
 TABLE = {
     **{arch: (causal_case, arch) for arch in CAUSAL},
     "llama-4l": (causal_case, "llama", 4),
@@ -388,6 +393,43 @@ def test_balanced_bounds_minimise_the_largest_stage():
     # the embedding's bytes count on the first stage, the head's on the last
     assert balanced_bounds([1, 1, 1, 1], 2, first_extra=2) == ((0, 1), (1, 4))
     assert balanced_bounds([1] * 6, 3) == ((0, 2), (2, 4), (4, 6))
+
+
+# ----- three stages: a middle stage holds neither the embedding nor the head -----------------------
+
+THREE = {"llama-4l": (causal_case, "llama", 4, None, 3),
+         "gpt2-4l": (causal_case, "gpt2", 4, None, 3)}  # tied: the middle stage drops it
+
+
+@pytest.fixture(scope="module")
+def three_ranks(tmp_path_factory):
+    from functools import partial
+
+    from distributed import run_ranks
+    from tp_harness import run_table
+
+    results = run_ranks(partial(run_table, fn=_run, table=THREE), 3,
+                        tmp_path_factory.mktemp("pipeline3"), deadline_s=300)
+    for res in results:
+        assert res["ok"], res.get("trace", res.get("error"))
+    return [res["value"] for res in results]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(THREE))
+def test_three_stages_match_the_single_process_model(three_ranks, name):
+    results = [three_ranks[rank][name] for rank in range(3)]
+    for r in results:
+        assert r["ok"], r.get("trace")
+        assert r["max_abs"] < ATOL and r["forced_abs"] < ATOL, r["summary"]
+        assert r["tokens_equal"] and r["module_tokens_equal"]
+        assert r["numel"] == r["expected_numel"], r["summary"]
+        assert r["given_back"]
+    assert len({r["digest"] for r in results}) == 1
+    assert len({str(r["sampled"]) for r in results}) == 1
+    owned = [r["owned"] for r in results]
+    assert sorted(i for layers in owned for i in layers) == [0, 1, 2, 3]  # each layer once
+    assert all(layers for layers in owned) and owned == [r["planned"] for r in results]
 
 
 # ----- a stage that dies --------------------------------------------------------------------------
