@@ -252,6 +252,13 @@ class InferenceEngine:
         self._check_open()
         if self.offload is not None:
             raise ConfigError(_OFFLOAD_SAVE_REFUSAL)
+        if self.stages is not None:
+            from .errors import NotSupportedYetError
+
+            raise NotSupportedYetError(
+                "saving a checkpoint from a pipeline-parallel engine is not supported yet (each "
+                "rank holds only its stage's layers); save from an engine built without "
+                "pipeline_parallel")
         prepared = self.plan.sharding if self.sharding is not None and self.plan else None
         return str(_checkpoint.save_checkpoint(self.module, path, prepared=prepared,
                                                communicator=self.communicator))

@@ -123,11 +123,12 @@ class PipelineReport:
     def call(self, module: nn.Module, args: tuple, kwargs: dict) -> Any:
         """``module(*args, **kwargs)``, split into :attr:`micro_batches` micro-batches that
         flow through the stages one behind the other when that is more than one (see
-        :func:`shardwise.pipeline.schedule.run_micro_batches`: not with ``use_cache=True``)."""
+        :func:`shardwise.pipeline.schedule.run_micro_batches`; the outputs then carry no
+        cache). A call with ``use_cache=True`` or ``labels`` runs as one batch."""
         from .schedule import run_micro_batches
 
-        if self.micro_batches == 1 or kwargs.get("use_cache"):
-            return module(*args, **kwargs)
+        if self.micro_batches == 1 or kwargs.get("use_cache") or "labels" in kwargs:
+            return module(*args, **kwargs)  # a cache or a loss is for the batch whole
         out, self.stats = run_micro_batches(module, args, kwargs, self)
         return out
 
