@@ -16,7 +16,7 @@ import torch
 import shardwise
 from families import QUANT_BOUNDS
 from models import MIN_FORCED_AGREEMENT, bf16_against_hf, logit_parity, prompt_ids, tiny_causal_lm
-from test_serve_runner import Seq, check_against_hf, scenario
+from slot_scenario import Seq, check_against_hf, scenario
 
 pytestmark = pytest.mark.gpu
 GREEDY = dict(max_new_tokens=8, do_sample=False, pad_token_id=0)

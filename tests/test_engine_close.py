@@ -311,8 +311,8 @@ def test_a_weight_changed_without_an_undo_is_named_by_close(monkeypatch, change)
     before = describe(model, ids)
     real = transforms.cast_and_move
 
-    def cast_and_change_one(m, device, dtype):
-        real(m, device, dtype)
+    def cast_and_change_one(m, device, dtype, **kwargs):
+        real(m, device, dtype, **kwargs)
         w = m.model.layers[1].mlp.up_proj.weight
         w.data = w.data.to(torch.float64) if change == "cast" else w.data.clone() * 1
     monkeypatch.setattr(transforms, "cast_and_move", cast_and_change_one)

@@ -120,8 +120,8 @@ def _fail_after_cast(monkeypatch):
     """The cast (step 6) runs, moving every Parameter's data to bf16, then fails."""
     real = transforms.cast_and_move
 
-    def cast_then_fail(model, device, dtype):
-        real(model, device, dtype)
+    def cast_then_fail(model, device, dtype, **kwargs):
+        real(model, device, dtype, **kwargs)
         raise RuntimeError("cast failed (injected by the test)")
     monkeypatch.setattr(transforms, "cast_and_move", cast_then_fail)
     return {}
@@ -378,8 +378,8 @@ def test_a_failed_init_runs_no_collective_undo(monkeypatch):
     called = []
     real = transforms.cast_and_move
 
-    def cast_record_then_fail(model, device, dtype):
-        real(model, device, dtype)
+    def cast_record_then_fail(model, device, dtype, **kwargs):
+        real(model, device, dtype, **kwargs)
         ledger_mod.record("all-gather (would wait for other ranks)", lambda: called.append(1))
         raise RuntimeError("failed after recording (injected by the test)")
     monkeypatch.setattr(transforms, "cast_and_move", cast_record_then_fail)

@@ -210,8 +210,11 @@ def tri_quant(triton_device):
     gemv = tq.GemvConfig(block_n=32, block_k=32, rows_x_k=64, min_block_k=16, split_k=1)
     split = tq.GemvConfig(block_n=32, block_k=16, min_block_k=16, split_k=2)
     gemm = tq.GemmConfig(block_m=16, block_n=32, block_k=32, num_warps=4)
-    kernels = {"gemv": tq.TritonQuantLinear(gemv, gemm, device_types={device}),
-               "split": tq.TritonQuantLinear(split, gemm, device_types={device})}
+    # up to 8 rows on the GEMV kernel (the default hands rows beyond 2 to the GEMM), so its
+    # multi-row tiles stay covered
+    kernels = {"gemv": tq.TritonQuantLinear(gemv, gemm, gemv_max_rows=8, device_types={device}),
+               "split": tq.TritonQuantLinear(split, gemm, gemv_max_rows=8,
+                                             device_types={device})}
     return tq, kernels, device
 
 
@@ -227,6 +230,14 @@ def test_triton_path_by_rows(tri_quant, rows, path, monkeypatch):
     kernels["gemv"](quant_x((rows, 64), torch.float16, device), kernels["gemv"].prepack(
         qw, device, torch.float16))
     assert seen == [f"_launch_{path}"]
+
+
+def test_triton_default_hands_rows_beyond_two_to_the_gemm():
+    """The registered instance's threshold (measured on an H200: the 8-row GEMV took 6-8x its
+    1-row time, the GEMM 32 rows in about the 1-row GEMV's time)."""
+    from shardwise.kernels.triton import quant as tq
+
+    assert tq.quant_linear.gemv_max_rows == 2
 
 
 def test_triton_packed_layout(tri_quant):
