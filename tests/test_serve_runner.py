@@ -14,7 +14,6 @@ captures nothing more, while every decode step replays a captured graph.
 from __future__ import annotations
 
 import pytest
-import torch
 
 import shardwise
 from shardwise.accelerators.cpu import CpuAccelerator
