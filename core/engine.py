@@ -14,6 +14,7 @@ from .accelerator import Accelerator
 from .communicator import Communicator, create_communicator
 from .config import InferenceConfig
 from .errors import ConfigError, ShardwiseError
+from .launch.startup_check import check_ranks_agree, fingerprint
 from .ledger import Ledger, NotRestorableError, RestoreError  # noqa: F401 (re-exported)
 from .plan import Plan, build_plan
 from .plugins import get_accelerator
@@ -415,6 +416,8 @@ def _build_engine(model: nn.Module | None, cfg: InferenceConfig) -> InferenceEng
         transforms.check_materialized(model)
     plan = _plan_step(model, cfg)  # 2. every split decided and checked, before any group
     communicator = create_communicator(accelerator, cfg.comm_timeout)  # 3.
+    # 3b. every rank runs the same software, model and settings (one all-gather; named errors)
+    check_ranks_agree(communicator, fingerprint(model, cfg))
     plan.bind(communicator)
     device = accelerator.device(communicator.local_rank if accelerator.device_count() > 1 else None)
     _check_later_steps(model, cfg, accelerator, dtype, device, plan, desc)
