@@ -149,8 +149,9 @@ def reset_process_peak() -> None:
 # ----- one cell -----------------------------------------------------------------------------------
 
 #: The engine's report facts a record keeps (``rec["offload"]``), as the engine says them.
-REPORT_FACTS = ("tier", "path", "buffer_count", "ring_bytes", "resident_bytes",
-                "streamed_bytes_per_pass", "direct_io", "fallback_reason", "reused")
+REPORT_FACTS = ("tier", "path", "buffer_count", "ring_bytes", "slot_bytes", "resident_bytes",
+                "streamed_bytes_per_pass", "chunked", "gathered", "resident_units", "direct_io",
+                "fallback_reason", "reused")
 
 
 def report_facts(report: Any) -> dict[str, Any]:
