@@ -18,9 +18,9 @@ from torch import nn
 import shardwise
 from families import family
 from models import forced_decode_logits, prompt_ids, tiny_causal_lm, tiny_encoder
-from tp_harness import case, digest, run_pair, table_fixture
-from shardwise.pipeline import (PipelineConfigError, RemoteLayer, balanced_bounds)
+from shardwise.pipeline import PipelineConfigError, RemoteLayer, balanced_bounds
 from shardwise.plan import ParallelismNotSupportedError, build_plan
+from tp_harness import case, digest, table_fixture
 
 PP = {"pipeline_parallel": {"pp_size": 2}}
 NEW_TOKENS = 32
@@ -317,7 +317,7 @@ def test_the_measured_bubble_is_near_the_theoretical(ranks):
         assert 0 <= bubble <= 1.2 * r0["theoretical"], r0["summary"]
 
 
-# ----- one process: bad settings, planning ----------------------------------------------------------
+# ----- one process: bad settings, planning --------------------------------------------------------
 
 def _plan(model, world: int = 2, tp_size: int = 1, **pp):
     return build_plan(model, world=world, rank=0, tp_size=tp_size,
@@ -406,7 +406,7 @@ def test_balanced_bounds_minimise_the_largest_stage():
     assert balanced_bounds([1] * 6, 3) == ((0, 2), (2, 4), (4, 6))
 
 
-# ----- three stages: a middle stage holds neither the embedding nor the head -----------------------
+# ----- three stages: a middle stage holds neither the embedding nor the head ----------------------
 
 THREE = {"llama-4l": (causal_case, "llama", 4, None, 3),
          "gpt2-4l": (causal_case, "gpt2", 4, None, 3)}  # tied: the middle stage drops it
