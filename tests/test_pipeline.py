@@ -179,8 +179,9 @@ def micro_batch_case(rank: int, arch: str, micro_batches: int, delay_s: float = 
                 summary=stats.summary())
 
 
-#: the dense families the issue names, and a Mixture-of-Experts one (HF's own MoE blocks, ep 1)
-CAUSAL = ("llama", "gpt2", "opt", "bloom", "mixtral")
+#: the dense families the issue names, a Mixture-of-Experts one (HF's own MoE blocks, ep 1), and
+#: two whose layers' forwards are unannotated (Falcon returns a tuple, GPT-NeoX the tensor)
+CAUSAL = ("llama", "gpt2", "opt", "bloom", "mixtral", "falcon", "gpt_neox")
 TABLE = {
     **{arch: (causal_case, arch) for arch in CAUSAL},
     "llama-4l": (causal_case, "llama", 4),
@@ -395,6 +396,19 @@ def test_the_plan_names_each_stage():
     split = _plan(model, split=[3, 1]).stages
     assert split.bounds == ((0, 3), (3, 4)) and split.source == "split"
     assert split.costs[0] > split.costs[1]
+
+
+@pytest.mark.parametrize("arch, as_tuple", [("llama", False), ("gpt2", False), ("bloom", True),
+                                             ("falcon", True), ("gpt_neo", True),
+                                             ("gpt_neox", False)])
+def test_stand_ins_return_what_the_layer_returns(arch, as_tuple):
+    from shardwise.pipeline.transform import _returns_tuple
+
+    layer = _layers(tiny_causal_lm(arch))[0]
+    assert _returns_tuple(layer) is as_tuple
+    hidden = torch.randn(2, 3, 64)
+    out = RemoteLayer(0, 1, as_tuple)(hidden)
+    assert (out[0] if as_tuple else out) is hidden
 
 
 def test_balanced_bounds_minimise_the_largest_stage():

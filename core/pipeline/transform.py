@@ -24,7 +24,9 @@ broadcast from the stage that kept them (:func:`_rebuild`).
 
 from __future__ import annotations
 
+import ast
 import inspect
+import textwrap
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,6 +35,7 @@ import torch
 from torch import nn
 
 from .. import ledger as _ledger
+from .config import PipelineConfigError
 from .stages import StagePlan
 
 #: plain attributes of a decoder layer the base model may read (e.g. ``attention_type`` picks the
@@ -139,11 +142,25 @@ class PipelineReport:
 
 
 def _returns_tuple(layer: nn.Module) -> bool:
-    """Whether ``layer``'s forward returns a tuple whose first item is the hidden states: HF
-    layers annotated ``-> torch.Tensor`` return the tensor alone (Llama, GPT-2, OPT, BERT in
-    transformers 5); unannotated ones return ``(hidden, attn_weights)`` (BLOOM)."""
-    annotation = inspect.signature(layer.forward).return_annotation
-    return annotation not in (torch.Tensor, "torch.Tensor")
+    """Whether ``layer``'s forward returns a tuple whose first item is the hidden states (the
+    base model then reads ``outputs[0]``) rather than the tensor alone. HF layers annotated
+    ``-> torch.Tensor`` return the tensor (Llama, GPT-2, OPT, BERT, Mistral, Mixtral ... in
+    transformers 5); unannotated ones are read from their source: a ``return a, b`` makes it
+    a tuple (BLOOM, Falcon, GPT-Neo), a single value the tensor (GPT-NeoX)."""
+    forward = type(layer).forward
+    annotation = inspect.signature(forward).return_annotation
+    if annotation in (torch.Tensor, "torch.Tensor"):
+        return False
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(forward)))
+    except (OSError, TypeError, SyntaxError) as exc:
+        raise PipelineConfigError(
+            f"pipeline_parallel replaces the other stages' {type(layer).__name__} layers by "
+            f"stand-ins that must return what the layer returns, but its forward has no return "
+            f"annotation and no readable source ({exc}); annotate it (-> torch.Tensor) or run "
+            f"without pipeline_parallel") from None
+    return any(isinstance(node, ast.Return) and isinstance(node.value, ast.Tuple)
+               for node in ast.walk(tree))
 
 
 def _output_hidden(out: Any) -> torch.Tensor:
