@@ -353,6 +353,12 @@ def init_inference(model: nn.Module, config: InferenceConfig | dict | str | None
     (``injection_policy``, else the model's HF tp_plan, a family policy, a heuristic; see
     :mod:`shardwise.sharding`); ``engine.sharding`` reports what was split.
 
+    With ``pipeline_parallel={"pp_size": P}`` (P ranks) each rank keeps one stage of the decoder
+    layers (the first the embedding, the last the head), hidden states go point-to-point from
+    stage to stage and the last stage's outputs are broadcast, so every rank returns the same;
+    ``engine.stages`` reports this rank's stage, ``engine.pipeline_stats`` the bubble of the
+    last micro-batched forward (``"micro_batches": M``). See :mod:`shardwise.pipeline`.
+
     Quantization and checkpoints (``engine.quantization`` reports either way):
 
     * ``checkpoint=`` a full-precision checkpoint with ``quant=``: each quantized weight is
