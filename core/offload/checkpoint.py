@@ -15,7 +15,7 @@ and as soon as a unit holds every tensor it was waiting for it
 
 So at most the units being read are materialised at once (one, when the files hold each unit's
 tensors together, as every ``save_pretrained`` does), plus the resident parts (final norm,
-position tables, ...) and the store's one staging buffer of the largest unit.
+position tables, ...); the store writes each tensor straight from its memory.
 
 What is streamed of a unit (:func:`unit_tensors`): its parameters and the packed buffers of its
 quantized modules (modules with ``counts_buffers_as_weights``), deduplicated by identity, keyed
@@ -397,7 +397,7 @@ class WriteThrough(TensorHook):
         entries = tuple(self.entries[u.index] for u in self.units)
         finish = getattr(self.store, "finish", None)  # a DiskStore's manifest (the cpu tier: none)
         if callable(finish):
-            finish(entries)  # also frees its staging buffer
+            finish(entries)
         release_heap()
         self.inner_results = {h.name: h.finish(model) for h in self.inner}
         return WrittenStore(self.store, entries, self.bytes_written, self.write_seconds,
@@ -426,7 +426,7 @@ def release_heap() -> None:
     (only a heap's free top is returned, and a small live allocation above it pins the rest).
     Measured on a 69 MB fp32 Llama (8 layers of 7 MB) read unit by unit: the load's peak RSS
     grew by 50 MB, 43 MB of it kept after the load; trimming after each unit: 14 MB (one unit
-    plus the store's staging buffer), under 1 MB kept."""
+    plus, then, the store's staging copy of it), under 1 MB kept."""
     if _MALLOC_TRIM is not None:
         _MALLOC_TRIM(0)
 

@@ -254,6 +254,21 @@ def unit_views(entry: UnitEntry, buffer: torch.Tensor) -> dict[str, torch.Tensor
     return views
 
 
+def _check_tensors(entry: UnitEntry, tensors: Sequence[torch.Tensor]) -> None:
+    """Raise ValueError unless ``tensors`` match ``entry``'s count, dtypes and shapes and hold
+    data (not meta)."""
+    if len(tensors) != len(entry.tensors):
+        raise ValueError(f"unit {entry.name!r}: {len(tensors)} tensors given, the layout has "
+                         f"{len(entry.tensors)}")
+    for te, value in zip(entry.tensors, tensors):
+        if value.dtype != te.dtype or tuple(value.shape) != te.shape:
+            raise ValueError(f"unit {entry.name!r}: tensor {te.key!r} is {value.dtype} "
+                             f"{tuple(value.shape)}, the layout says {te.dtype} {te.shape}")
+        if value.is_meta:
+            raise ValueError(f"unit {entry.name!r}: tensor {te.key!r} is on the meta device "
+                             "(no data); load it before packing")
+
+
 def pack_into(entry: UnitEntry, tensors: Sequence[torch.Tensor], buffer: torch.Tensor) -> None:
     """Copy a unit's tensors into ``buffer`` in ``entry``'s layout, zeroing the padding.
 
@@ -267,18 +282,10 @@ def pack_into(entry: UnitEntry, tensors: Sequence[torch.Tensor], buffer: torch.T
     Raises:
         ValueError: count, dtype or shape differ from the entry, or the buffer is too small.
     """
-    if len(tensors) != len(entry.tensors):
-        raise ValueError(f"unit {entry.name!r}: {len(tensors)} tensors given, the layout has "
-                         f"{len(entry.tensors)}")
+    _check_tensors(entry, tensors)
     views = unit_views(entry, buffer)
     end = 0  # end of the previous tensor's bytes: [end, offset) is padding
     for te, value in zip(entry.tensors, tensors):
-        if value.dtype != te.dtype or tuple(value.shape) != te.shape:
-            raise ValueError(f"unit {entry.name!r}: tensor {te.key!r} is {value.dtype} "
-                             f"{tuple(value.shape)}, the layout says {te.dtype} {te.shape}")
-        if value.is_meta:
-            raise ValueError(f"unit {entry.name!r}: tensor {te.key!r} is on the meta device "
-                             "(no data); load it before packing")
         buffer[end:te.offset].zero_()
         views[te.key].copy_(value.detach())
         end = te.offset + te.nbytes
@@ -473,6 +480,22 @@ def _write_all(fd: int, view: memoryview) -> None:
         done += os.write(fd, view[done:done + CHUNK])
 
 
+def _host_bytes(t: torch.Tensor) -> memoryview:
+    """A tensor's bytes as a memoryview of host memory (copied to the host only when it is
+    elsewhere; a non-contiguous tensor is made contiguous)."""
+    flat = t.detach().reshape(-1)
+    if flat.device.type != "cpu":
+        flat = flat.cpu()
+    return memoryview(flat.contiguous().view(torch.uint8).numpy())
+
+
+def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
+    """Write every byte of ``view`` at ``offset`` in CHUNK pieces (os.pwrite may write less)."""
+    done = 0
+    while done < len(view):
+        done += os.pwrite(fd, view[done:done + CHUNK], offset + done)
+
+
 def _drop_cache(fd: int) -> None:
     """Drop a file's pages from the page cache (a hint; ignored where unsupported)."""
     try:
@@ -530,7 +553,6 @@ class DiskStore:
         self.path = self.group if shard is None else self.group / f"shard-{fingerprint_key(shard)}"
         self.stale = self._find_stale()
         self._invalidated = False
-        self._staging: torch.Tensor | None = None
 
     def _find_stale(self) -> list[Path]:
         """Directories under ``root`` other than ``group`` that are stores (or shard groups)."""
@@ -582,24 +604,39 @@ class DiskStore:
         _write_atomic(self.path / MARKER, _canonical(self._identity()).encode())
         self._invalidated = True
 
-    def _staging_buffer(self, nbytes: int) -> torch.Tensor:
-        """A reused aligned host buffer of at least ``nbytes`` (grown as needed)."""
-        if self._staging is None or self._staging.numel() < nbytes:
-            self._staging = aligned_host_buffer(nbytes)
-        return self._staging
-
     def write_unit(self, entry: UnitEntry, tensors: Sequence[torch.Tensor]) -> None:
-        """Write one unit's blob from its tensors: packed in ``entry``'s layout (zero padding)
-        into a reused host staging buffer, then written as by :meth:`write_packed`.
+        """Write one unit's blob from its tensors, each at its offset in ``entry``'s layout,
+        straight from the tensor's memory (no staging copy of the unit: a 200 MB embedding
+        would otherwise be held twice while it is written); the padding is the file's zero
+        holes. Then fsynced, renamed into place and dropped from the page cache, as
+        :meth:`write_packed`.
 
         Args:
             entry: the unit's layout.
-            tensors: its values in ``entry.tensors`` order (any device).
+            tensors: its values in ``entry.tensors`` order (any device; one at a time is copied
+                to the host when it is not there).
         """
+        _check_tensors(entry, tensors)
         self._prepare()
-        staging = self._staging_buffer(entry.nbytes)
-        pack_into(entry, tensors, staging)
-        self.write_packed(entry, staging)
+        target = self.unit_path(entry)
+        fd, tmp = tempfile.mkstemp(dir=self.path, prefix=f".{target.name}.", suffix=".tmp")
+        try:
+            os.ftruncate(fd, entry.nbytes)  # zero-filled: the alignment padding
+            for spec, t in zip(entry.tensors, tensors):
+                _pwrite_all(fd, _host_bytes(t), spec.offset)
+            os.fsync(fd)
+            _drop_cache(fd)
+            os.close(fd)
+            fd = -1
+            os.replace(tmp, target)
+        except BaseException:
+            if fd >= 0:
+                os.close(fd)
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise
 
     def write_packed(self, entry: UnitEntry, buffer: torch.Tensor) -> None:
         """Write one unit's blob from a host buffer already in its layout (e.g. filled tensor by
@@ -645,13 +682,8 @@ class DiskStore:
                 raise OSError(errno.EIO, f"unit {u.name!r} was not fully written ({size} of "
                               f"{u.nbytes} bytes); write it before finish()",
                               str(self.unit_path(u)))
-        self.staging_release()
         manifest = {**self._identity(), "units": [u.to_json() for u in units]}
         _write_atomic(self.path / MANIFEST, json.dumps(manifest, indent=1).encode())
-
-    def staging_release(self) -> None:
-        """Free the host staging buffer used by :meth:`write_unit`."""
-        self._staging = None
 
     def reader(self, threads: int = 2, direct: bool = True) -> "BlobReader":
         """A :class:`BlobReader` of this store's files (``direct``: try ``O_DIRECT`` first).
