@@ -7,8 +7,10 @@ streaming rate, in a fresh process.
 The preset is saved once with ``save_pretrained`` (``--checkpoint DIR``, default under the
 nvme path); then a fresh Python (started through a small launcher, so its ``ru_maxrss`` starts
 from the launcher's size, not this process's) imports torch, transformers and shardwise, records
-its RSS, runs ``init_inference(None, checkpoint=DIR, dtype=fp32, offload={"device": "nvme",
-...})`` (each unit read, written to its blob and dropped: the model is never resident) and
+its RSS, warms up on a tiny model (the same calls: the code pages of the libraries a run
+touches — torch's kernels, triton's shared library, ~130 MiB — are the process's, not the
+model's), records its RSS again, runs ``init_inference(None, checkpoint=DIR, dtype=fp32,
+offload={"device": "nvme", ...})`` (each unit read, written to its blob and dropped: the model is never resident) and
 ``generate`` of ``--new-tokens`` greedy tokens. Reported: peak RSS growth over the RSS before
 ``init_inference`` (``ru_maxrss``: load and generation together), as a fraction of the model's
 bytes; the ring and resident bytes the engine reports; decode ms/token (the generate's time
@@ -34,9 +36,17 @@ CHILD = textwrap.dedent("""
         with open("/proc/self/statm") as f:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
-    ckpt, nvme, buffers, new, batch = sys.argv[1], sys.argv[2], int(sys.argv[3]), \\
-        int(sys.argv[4]), int(sys.argv[5])
+    ckpt, nvme, buffers, new, batch, tiny = sys.argv[1], sys.argv[2], int(sys.argv[3]), \\
+        int(sys.argv[4]), int(sys.argv[5]), sys.argv[6]
     torch.manual_seed(0)
+    cold = rss()
+    # warm-up on a tiny model: the code pages of the libraries the run touches (torch's
+    # kernels, triton's loaded with the kernel registry) are the process's, not the model's
+    warm = shardwise.init_inference(None, checkpoint=tiny, dtype=torch.float32, offload={
+        "device": "nvme", "nvme_path": nvme, "buffer_count": buffers})
+    warm.generate(torch.randint(0, 100, (batch, 32)), max_new_tokens=2, do_sample=False)
+    warm.close()
+    del warm
     before = rss()
     start = time.perf_counter()
     engine = shardwise.init_inference(None, checkpoint=ckpt, dtype=torch.float32, offload={
@@ -55,7 +65,8 @@ CHILD = textwrap.dedent("""
     total = time.perf_counter() - start
     stats = engine.offload.stats()
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    print(json.dumps({"rss_before": before, "peak_rss": peak, "growth": peak - before,
+    print(json.dumps({"rss_before": before, "warm_up_growth": before - cold,
+                      "peak_rss": peak, "growth": peak - before,
                       "growth_at_init": peak_init - before, "rss_after": rss() - before,
                       "init_s": init_s, "decode_ms": 1e3 * (total - first) / (new - 1),
                       "stats": stats, "ring_bytes": engine.offload.ring_bytes,
@@ -82,8 +93,11 @@ def run_child(ckpt: Path, nvme: Path, buffers: int, new: int, batch: int) -> dic
     """The measurement in a fresh process (module docstring); its last stdout line is JSON."""
     launcher = ("import subprocess, sys; "
                 "sys.exit(subprocess.call([sys.executable, '-c', sys.argv[1], *sys.argv[2:]]))")
+    tiny = nvme / "checkpoint-warm-up-gpt2-2l-64h"
+    save_checkpoint("gpt2-2l-64h", tiny)
     out = subprocess.run([sys.executable, "-c", launcher, CHILD, str(ckpt), str(nvme),
-                          str(buffers), str(new), str(batch)], capture_output=True, text=True)
+                          str(buffers), str(new), str(batch), str(tiny)], capture_output=True,
+                         text=True)
     if out.returncode != 0:
         raise SystemExit(out.stderr[-4000:])
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -116,7 +130,8 @@ def main(argv=None) -> int:
         args.output.write_text(json.dumps(doc, indent=1))
     mib = 2 ** 20
     print(f"{args.preset}: model {model_bytes / mib:.0f} MiB; peak RSS growth "
-          f"{got['growth'] / mib:.0f} MiB = {doc['growth_over_model']:.2f}x the model ("
+          f"{got['growth'] / mib:.0f} MiB = {doc['growth_over_model']:.2f}x the model after "
+          f"a warm-up that grew it {got['warm_up_growth'] / mib:.0f} MiB ("
           f"{got['growth_at_init'] / mib:.0f} MiB by the end of init; after generating "
           f"{got['rss_after'] / mib:.0f} MiB above the start; ring "
           f"{got['ring_bytes'] / mib:.0f} MiB, resident {got['resident_bytes'] / mib:.1f} MiB); "
