@@ -50,7 +50,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .store import ALIGN, TensorEntry, UnitEntry, align_up, aligned_host_buffer, unit_filename
+from .store import (ALIGN, TensorEntry, UnitEntry, align_up, aligned_host_buffer, pread_exact,
+                    unit_filename)
 
 #: the modes of a unit (module docstring)
 MODES = ("ring", "chunked", "gathered", "resident")
@@ -257,7 +258,7 @@ class RangeReader:
                 raise OSError(err.errno, f"cannot open the blob of {blob.name!r}: "
                               f"{err.strerror}", str(path)) from err
             try:
-                _pread_all(fd, view, nbytes, offset, path)
+                pread_exact(fd, view, nbytes, offset, path)
                 return time.perf_counter() - start
             except OSError as err:
                 if not (direct and err.errno == errno.EINVAL):
@@ -289,24 +290,6 @@ def _byte_array(buffer: torch.Tensor, nbytes: int):
     import ctypes
 
     return (ctypes.c_ubyte * nbytes).from_address(buffer.data_ptr())
-
-
-def _pread_all(fd: int, view: memoryview, nbytes: int, offset: int, path: Path) -> None:
-    """Fill ``view[:nbytes]`` from the file at ``offset``; OSError naming the file on a short
-    read (EINVAL re-raised as is: the caller may fall back to buffered reads)."""
-    done = 0
-    while done < nbytes:
-        try:
-            n = os.preadv(fd, [view[done:nbytes]], offset + done)
-        except OSError as err:
-            if err.errno == errno.EINVAL:
-                raise
-            raise OSError(err.errno, f"reading at byte {offset + done}: {err.strerror}",
-                          str(path)) from err
-        if n <= 0:
-            raise OSError(errno.EIO, f"short read: the file ended before byte "
-                          f"{offset + nbytes}", str(path))
-        done += n
 
 
 class PieceReader:

@@ -44,7 +44,7 @@ import time
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 
@@ -496,6 +496,27 @@ def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
         done += os.pwrite(fd, view[done:done + CHUNK], offset + done)
 
 
+def pread_exact(fd: int, view: memoryview, nbytes: int, offset: int, path: str | Path, *,
+                einval_as_is: bool = True) -> None:
+    """Fill ``view[:nbytes]`` from the file at ``offset`` in CHUNK pieces (``os.preadv``
+    releases the GIL). A short read is an OSError naming the file; any other error is re-raised
+    naming the file and the byte, except EINVAL with ``einval_as_is`` (O_DIRECT refused: the
+    caller falls back to buffered reads)."""
+    done = 0
+    while done < nbytes:
+        try:
+            n = os.preadv(fd, [view[done:min(done + CHUNK, nbytes)]], offset + done)
+        except OSError as err:
+            if einval_as_is and err.errno == errno.EINVAL:
+                raise
+            raise OSError(err.errno, f"reading at byte {offset + done}: {err.strerror}",
+                          str(path)) from err
+        if n <= 0:
+            raise OSError(errno.EIO, f"short read: the file ended before byte "
+                          f"{offset + nbytes}", str(path))
+        done += n
+
+
 def _drop_cache(fd: int) -> None:
     """Drop a file's pages from the page cache (a hint; ignored where unsupported)."""
     try:
@@ -617,26 +638,12 @@ class DiskStore:
                 to the host when it is not there).
         """
         _check_tensors(entry, tensors)
-        self._prepare()
-        target = self.unit_path(entry)
-        fd, tmp = tempfile.mkstemp(dir=self.path, prefix=f".{target.name}.", suffix=".tmp")
-        try:
+
+        def fill(fd: int) -> None:
             os.ftruncate(fd, entry.nbytes)  # zero-filled: the alignment padding
             for spec, t in zip(entry.tensors, tensors):
                 _pwrite_all(fd, _host_bytes(t), spec.offset)
-            os.fsync(fd)
-            _drop_cache(fd)
-            os.close(fd)
-            fd = -1
-            os.replace(tmp, target)
-        except BaseException:
-            if fd >= 0:
-                os.close(fd)
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-            raise
+        self._replace_unit_file(entry, fill)
 
     def write_packed(self, entry: UnitEntry, buffer: torch.Tensor) -> None:
         """Write one unit's blob from a host buffer already in its layout (e.g. filled tensor by
@@ -653,11 +660,18 @@ class DiskStore:
         if buffer.device.type != "cpu":
             raise ValueError(f"writing unit {entry.name!r}: the buffer must be in host memory, "
                              f"got device {buffer.device}")
+        self._replace_unit_file(
+            entry, lambda fd: _write_all(fd, _writable_view(buffer, entry.nbytes)))
+
+    def _replace_unit_file(self, entry: UnitEntry, fill: Callable[[int], None]) -> None:
+        """``fill(fd)`` writes the unit's bytes into a temp file in the store directory, which
+        is then fsynced, dropped from the page cache (the store may be larger than RAM) and
+        renamed into place: a unit file is whole or absent."""
         self._prepare()
         target = self.unit_path(entry)
         fd, tmp = tempfile.mkstemp(dir=self.path, prefix=f".{target.name}.", suffix=".tmp")
         try:
-            _write_all(fd, _writable_view(buffer, entry.nbytes))
+            fill(fd)
             os.fsync(fd)
             _drop_cache(fd)
             os.close(fd)
@@ -831,19 +845,7 @@ class BlobReader:
         """
         if not direct:
             _advise_sequential(fd)
-        done = 0
-        while done < nbytes:
-            try:
-                n = os.preadv(fd, [view[done:min(done + CHUNK, nbytes)]], done)
-            except OSError as err:
-                if direct and err.errno == errno.EINVAL:
-                    raise
-                raise OSError(err.errno, f"reading at byte {done}: {err.strerror}",
-                              str(path)) from err
-            if n <= 0:
-                raise OSError(errno.EIO, f"short read: the file ended at byte {done} of "
-                              f"{nbytes}", str(path))
-            done += n
+        pread_exact(fd, view, nbytes, 0, path, einval_as_is=direct)
         if not direct:
             _drop_cache(fd)
 
