@@ -41,7 +41,8 @@ CHILD = textwrap.dedent("""
     torch.manual_seed(0)
     cold = rss()
     # warm-up on a tiny model: the code pages of the libraries the run touches (torch's
-    # kernels, triton's loaded with the kernel registry) are the process's, not the model's
+    # kernels; triton's, which torch._dynamo imports when transformers loads a model's module)
+    # are the process's, not the model's
     warm = shardwise.init_inference(None, checkpoint=tiny, dtype=torch.float32, offload={
         "device": "nvme", "nvme_path": nvme, "buffer_count": buffers})
     warm.generate(torch.randint(0, 100, (batch, 32)), max_new_tokens=2, do_sample=False)
