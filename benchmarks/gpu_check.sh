@@ -6,14 +6,15 @@
 # Run from the repository root with shardwise installed (`pip install -e '.[test]'` on a CUDA
 # build of torch). Steps, in this order unless named: tests (every gpu-marked test), bench
 # (`shardwise bench`, inject + graphs, fp16, batch 1/8/32), kernels (benchmarks/kernel_cuda.py),
-# quant (the bench with int8 and int4 weights), prefill (the bench at a 2k-token prompt). Each step has its own time limit, writes its log and JSON under
+# kernels-graphs (decode attention timed inside CUDA graphs), quant (the bench with int8 and
+# int4 weights), prefill (the bench at a 2k-token prompt). Each step has its own time limit, writes its log and JSON under
 # RESULTS_DIR (default benchmarks/results/gpu-<date>) and a failing step does not stop the next;
 # the exit code is non-zero when any step failed. With ARCHIVE=FILE.tgz set, the results folder is
 # archived there after every step (for machines that hand back a few files only).
 set -u
 out=${1:-benchmarks/results/gpu-$(date +%Y-%m-%d-%H%M)}
 shift || true
-steps=${*:-tests bench kernels quant prefill}
+steps=${*:-tests bench kernels kernels-graphs quant prefill}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 status=0
