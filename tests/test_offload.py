@@ -14,7 +14,6 @@ works, and tensor parallelism (2 gloo ranks) streams each rank's shard only.
 from __future__ import annotations
 
 import os
-from functools import partial
 from pathlib import Path
 
 import pytest
@@ -23,7 +22,7 @@ import torch
 import shardwise
 from models import prompt_ids, tiny_causal_lm, tiny_encoder
 from shardwise.offload.transform import offload_units
-from tp_harness import TP, case, run_pair, run_table
+from tp_harness import TP, case, table_fixture
 
 #: logits of the offloaded model against the same model resident (the same kernels run on the
 #: same bytes, so they are expected to be equal; the bound leaves room for nothing else)
@@ -423,12 +422,7 @@ TP_TABLE = {"llama": ("llama", False, None), "llama-inject": ("llama", True, Non
             "gpt2": ("gpt2", False, None), "llama-inject-int8": ("llama", True, 8)}
 
 
-@pytest.fixture(scope="module")
-def tp_ranks(tmp_path_factory):
-    store = str(tmp_path_factory.mktemp("offload-tp-store"))
-    table = {name: (*args, os.path.join(store, name)) for name, args in TP_TABLE.items()}
-    return run_pair(partial(run_table, fn=_tp_case, table=table),
-                    tmp_path_factory.mktemp("offload-tp"), deadline_s=300)
+tp_ranks = table_fixture(_tp_case, TP_TABLE, "offload-tp", deadline_s=300, case_dirs=True)
 
 
 @pytest.mark.slow

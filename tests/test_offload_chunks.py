@@ -13,7 +13,6 @@ chunked head alone: exactly equal).
 from __future__ import annotations
 
 import os
-from functools import partial
 from pathlib import Path
 
 import pytest
@@ -27,7 +26,7 @@ from models import prompt_ids
 from shardwise.offload.chunks import (GatheredEmbedding, _runs, chunk_pieces, chunk_rows,
                                       row_multiple)
 from shardwise.offload.store import ALIGN, TensorEntry, layout_unit, unit_filename
-from tp_harness import TP, case, run_pair, run_table
+from tp_harness import TP, case, table_fixture
 
 VOCAB = 2048
 ATOL = 1e-6
@@ -269,12 +268,7 @@ def _tp_case(rank: int, arch: str, store: str) -> dict:
 TP_TABLE = {"gpt2": ("gpt2",), "llama": ("llama",)}
 
 
-@pytest.fixture(scope="module")
-def tp_ranks(tmp_path_factory):
-    store = str(tmp_path_factory.mktemp("offload-chunks-tp-store"))
-    table = {name: (*args, os.path.join(store, name)) for name, args in TP_TABLE.items()}
-    return run_pair(partial(run_table, fn=_tp_case, table=table),
-                    tmp_path_factory.mktemp("offload-chunks-tp"), deadline_s=300)
+tp_ranks = table_fixture(_tp_case, TP_TABLE, "offload-chunks-tp", deadline_s=300, case_dirs=True)
 
 
 @pytest.mark.slow

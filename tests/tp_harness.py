@@ -117,12 +117,18 @@ def run_table(rank: int, fn, table: dict) -> dict:
     return run_cases(rank, {name: partial(fn, rank, *args) for name, args in table.items()})
 
 
-def table_fixture(fn, table: dict, tag: str, deadline_s: float = 240):
+def table_fixture(fn, table: dict, tag: str, deadline_s: float = 240, case_dirs: bool = False):
     """A module-scoped fixture running every case of ``table`` (see :func:`run_table`) in ONE
-    pair of ranks; its value is each rank's results (read them with :func:`case`)."""
+    pair of ranks; its value is each rank's results (read them with :func:`case`).
+    ``case_dirs``: each case gets one more argument, a directory of its own that both ranks
+    share (e.g. an offload store)."""
     @pytest.fixture(scope="module")
     def ranks(tmp_path_factory):
-        return run_pair(partial(run_table, fn=fn, table=table), tmp_path_factory.mktemp(tag),
+        cases = table
+        if case_dirs:
+            root = tmp_path_factory.mktemp(f"{tag}-cases")
+            cases = {name: (*args, str(root / name)) for name, args in table.items()}
+        return run_pair(partial(run_table, fn=fn, table=cases), tmp_path_factory.mktemp(tag),
                         deadline_s=deadline_s)
     return ranks
 
@@ -146,11 +152,12 @@ def case(ranks, name) -> tuple[dict, dict]:
     return r0, r1
 
 
-def assert_parity(ranks, name) -> None:
+def assert_parity(ranks, name, label: str = "TP=2") -> tuple[dict, dict]:
     """Case ``name`` matches the single-process model on both ranks (logits within ATOL, greedy
-    tokens from engine.generate and module.generate), and the ranks agree bit for bit."""
+    tokens from engine.generate and module.generate), and the ranks agree bit for bit. Returns
+    both ranks' results."""
     r0, r1 = case(ranks, name)
-    print(f"{name} TP=2 fp32: max |logit diff| {max(r0['max_abs'], r1['max_abs']):.2e}")
+    print(f"{name} {label} fp32: max |logit diff| {max(r0['max_abs'], r1['max_abs']):.2e}")
     for r in (r0, r1):
         assert r["max_abs"] < ATOL, f"{name}: logits differ by {r['max_abs']:.2e}\n{r['summary']}"
         assert r["tokens_equal"], f"{name}: {NEW_TOKENS} greedy tokens differ from HF's"
@@ -158,3 +165,4 @@ def assert_parity(ranks, name) -> None:
     assert r0["digest"] == r1["digest"], "ranks returned different logits"
     assert r0["tokens"] == r1["tokens"]
     assert r0["sampled"] == r1["sampled"], "sampling drew different tokens on the two ranks"
+    return r0, r1
