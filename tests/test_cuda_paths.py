@@ -38,6 +38,7 @@ def test_graphs_replay_after_alternating_batch_sizes_without_capturing_again():
         expected = {b: ref.generate(ids, **GREEDY) for b, ids in prompts.items()}
     first = {b: engine.generate(ids, **GREEDY) for b, ids in prompts.items()}
     captured = dict(graphs.graphs)
+    assert set(captured) == {1, 4}  # a bucket for each batch size (3 pads to 4)
     for b in (1, 3, 1, 3):  # alternate: each batch size replays its own bucket's graph
         assert torch.equal(engine.generate(prompts[b], **GREEDY), expected[b])
     assert all(torch.equal(first[b], expected[b]) for b in prompts)
@@ -88,6 +89,7 @@ def test_serving_slots_over_cuda_graphs_give_each_sequence_its_hf_tokens():
     try:
         runner.warmup()
         keys = set(runner.stack.graphs.graphs)
+        assert keys  # warmup captured the buckets
         seqs = scenario(runner)
         assert isinstance(seqs[0], Seq)
         check_against_hf(ref, seqs, atol=FP32_ATOL)

@@ -50,8 +50,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .store import (ALIGN, TensorEntry, UnitEntry, align_up, aligned_host_buffer, pread_exact,
-                    unit_filename)
+from .store import (ALIGN, TensorEntry, UnitEntry, _writable_view, align_up, aligned_host_buffer,
+                    pread_exact, unit_filename)
 
 #: the modes of a unit (module docstring)
 MODES = ("ring", "chunked", "gathered", "resident")
@@ -246,7 +246,7 @@ class RangeReader:
             dest[:nbytes].copy_(src)
             return time.perf_counter() - start
         path = self.path(blob)
-        view = memoryview(_byte_array(dest, nbytes)).cast("B")
+        view = _writable_view(dest, nbytes)
         while True:
             direct = self.direct_io
             try:
@@ -282,14 +282,6 @@ class RangeReader:
     def close(self) -> None:
         """Wait for reads in flight and stop the threads."""
         self._pool.shutdown(wait=True)
-
-
-def _byte_array(buffer: torch.Tensor, nbytes: int):
-    """A ctypes byte array over the first ``nbytes`` of a contiguous host uint8 tensor (the
-    caller keeps ``buffer`` alive)."""
-    import ctypes
-
-    return (ctypes.c_ubyte * nbytes).from_address(buffer.data_ptr())
 
 
 class PieceReader:

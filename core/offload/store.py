@@ -483,9 +483,7 @@ def _write_all(fd: int, view: memoryview) -> None:
 def _host_bytes(t: torch.Tensor) -> memoryview:
     """A tensor's bytes as a memoryview of host memory (copied to the host only when it is
     elsewhere; a non-contiguous tensor is made contiguous)."""
-    flat = t.detach().reshape(-1)
-    if flat.device.type != "cpu":
-        flat = flat.cpu()
+    flat = t.detach().reshape(-1).cpu()  # .cpu(): the tensor itself when already there
     return memoryview(flat.contiguous().view(torch.uint8).numpy())
 
 

@@ -513,10 +513,8 @@ def _read_blob(ranges: _chunks.RangeReader, entry: Any, device: torch.device
     """Every tensor of ``entry``'s blob, read from the store into new memory on ``device``."""
     buffer = _store.aligned_host_buffer(entry.nbytes)
     ranges.read(entry, 0, entry.nbytes, buffer)
-    views = _store.unit_views(entry, buffer)
-    if torch.device(device).type == "cpu":
-        return views  # they keep the buffer alive
-    return {k: v.to(device) for k, v in views.items()}
+    # .to() is the view itself where the device is the buffer's (the view keeps it alive)
+    return {k: v.to(device) for k, v in _store.unit_views(entry, buffer).items()}
 
 
 def _read_tensor(ranges: _chunks.RangeReader, entry: Any, key: str, device: torch.device

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from ..sharding.apply import param_bytes
 from .config import PipelineConfigError, PipelineSettings
 
 
@@ -63,11 +64,10 @@ class StagePlan:
         return f"{self.size} stages ({self.source}): {stages}; this rank stage {self.coord}"
 
 
-def param_bytes(module: nn.Module | None) -> int:
-    """Bytes of ``module``'s parameters, each once (works on meta tensors)."""
-    if module is None:
-        return 0
-    return sum(p.numel() * p.element_size() for p in module.parameters())
+def _bytes(module: nn.Module | None) -> int:
+    """:func:`shardwise.sharding.apply.param_bytes` of ``module`` (meta tensors too), 0 for
+    None (a model without that part)."""
+    return 0 if module is None else param_bytes(module)
 
 
 def balanced_bounds(costs: list[int], stages: int, first_extra: int = 0,
@@ -117,9 +117,9 @@ def plan_stages(model: nn.Module, layers: nn.ModuleList, settings: PipelineSetti
         raise PipelineConfigError(f"pipeline_parallel pp_size={pp} is more than the {n} decoder "
                                   f"layers of {kind}: every stage needs at least one layer; use "
                                   f"pp_size <= {n}")
-    costs = [param_bytes(layer) for layer in layers]
-    embed = param_bytes(_maybe(model, "get_input_embeddings"))
-    head = param_bytes(_maybe(model, "get_output_embeddings"))
+    costs = [_bytes(layer) for layer in layers]
+    embed = _bytes(_maybe(model, "get_input_embeddings"))
+    head = _bytes(_maybe(model, "get_output_embeddings"))
     if settings.split is not None:
         if sum(settings.split) != n:
             raise PipelineConfigError(

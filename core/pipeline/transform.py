@@ -36,6 +36,7 @@ from torch import nn
 
 from .. import ledger as _ledger
 from .config import PipelineConfigError
+from ..sharding.apply import param_bytes
 from .stages import StagePlan
 
 #: plain attributes of a decoder layer the base model may read (e.g. ``attention_type`` picks the
@@ -206,9 +207,7 @@ def apply_stages(model: nn.Module, layers: nn.ModuleList, plan: StagePlan, commu
     _ledger.record(f"pipeline stage {plan.coord}: {len(replaced)} modules of other stages "
                    f"(their weights broadcast back from the stages that kept them)",
                    _rebuild_undo(units, communicator))
-    live = {id(p): p for p in model.parameters()}
-    return PipelineReport(plan, tuple(plan.layers),
-                          sum(p.numel() * p.element_size() for p in live.values()),
+    return PipelineReport(plan, tuple(plan.layers), param_bytes(model),
                           tuple(name for name, _, _ in replaced), micro_batches, clock,
                           communicator)
 
@@ -285,8 +284,7 @@ def _wire(model: nn.Module, layers: nn.ModuleList, head: nn.Module | None, plan:
         comm.broadcast(buf, src=src_last)
         return _with_hidden(out, buf)
 
-    target = head if isinstance(head, nn.Module) else layers[len(layers) - 1]
-    current = model.get_output_embeddings() if target is head else target
+    current = model.get_output_embeddings() if isinstance(head, nn.Module) else layers[-1]
     _ledger.add_hook(current.register_forward_hook(broadcast),
                      "pipeline: broadcast the last stage's output")
 
