@@ -537,12 +537,17 @@ def _load_step(model: nn.Module, cfg: InferenceConfig, accelerator: Accelerator,
                          dtype=dtype, hooks=hooks, experts=experts, quant=cfg.quant)
 
 
-def _loaded_offloaded(loaded) -> bool:
-    """Whether step 4 wrote the units straight into offload blobs (they are on meta until the
-    offload step binds them)."""
+def _written_store(loaded):
+    """The offload store step 4 wrote the units into, straight from the checkpoint (they are
+    on meta until the offload step binds them), or None."""
     from .offload.checkpoint import HOOK_NAME
 
-    return loaded is not None and HOOK_NAME in loaded.results
+    return loaded.results.get(HOOK_NAME) if loaded is not None else None
+
+
+def _loaded_offloaded(loaded) -> bool:
+    """Whether step 4 wrote the units straight into offload blobs (:func:`_written_store`)."""
+    return _written_store(loaded) is not None
 
 
 def _offload_step(model: nn.Module, cfg: InferenceConfig, accelerator: Accelerator,
@@ -555,9 +560,8 @@ def _offload_step(model: nn.Module, cfg: InferenceConfig, accelerator: Accelerat
     if cfg.offload is None:
         return None
     from .offload import offload_model
-    from .offload.checkpoint import HOOK_NAME
 
-    written = loaded.results.get(HOOK_NAME) if loaded is not None and loaded.results else None
+    written = _written_store(loaded)
     quant = cfg.quant.to_dict() if hasattr(cfg.quant, "to_dict") else repr(cfg.quant)
     report = offload_model(model, cfg.offload, accelerator, device, plan, stack=injected,
                            fingerprint_extra={"dtype": str(dtype), "quant": quant,
