@@ -88,6 +88,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=3, help="timed repeats per level")
     parser.add_argument("--baseline", action=argparse.BooleanOptionalAction, default=True,
                         help="also serve the plain HF model one request at a time (default: on)")
+    parser.add_argument("--baseline-levels", type=int, nargs="+", default=None,
+                        help="the concurrency levels the HF baseline runs at (default: every "
+                             "level; it serves one request at a time, so its tokens/s do not "
+                             "grow with streams, and a large model at many streams takes long)")
     parser.add_argument("--model", default=None,
                         help="HF model directory or GGUF file (default: the embedded "
                              "SmolLM2-135M-Instruct)")
@@ -117,6 +121,11 @@ def check_args(args: argparse.Namespace) -> None:
     if min(args.concurrency) < 1:
         raise ConfigError(f"--concurrency levels must be ≥ 1, got {args.concurrency}")
     args.concurrency = sorted(set(args.concurrency))
+    levels = args.baseline_levels or args.concurrency
+    if not set(levels) <= set(args.concurrency):
+        raise ConfigError(f"--baseline-levels {levels} must be among --concurrency "
+                          f"{args.concurrency}")
+    args.baseline_levels = sorted(set(levels))
     if args.max_batch is None:
         args.max_batch = max(args.concurrency)
     if args.prefill_budget is not None and args.prefill_budget < 1:
@@ -345,12 +354,15 @@ def run(args) -> dict[str, Any]:
               file=sys.stderr)
         stack = shardwise_stack(model, tokenizer, args, accelerator, name)
         servers.append(serve("shardwise", stack.state.backend, stack.state))
+        levels = {s.name: args.baseline_levels if s.name == "hf" else args.concurrency
+                  for s in servers}
         for served in servers:  # untimed: first requests warm allocators, tokenizer, sockets
-            asyncio.run(run_level(served, prompts, max(args.concurrency), 1, args.max_tokens))
-        runs = {s.name: {c: [] for c in args.concurrency} for s in servers}
+            asyncio.run(run_level(served, prompts, max(levels[served.name]), 1,
+                                  args.max_tokens))
+        runs = {s.name: {c: [] for c in levels[s.name]} for s in servers}
         for repeat in range(args.repeats):
             for c in args.concurrency:
-                for served in servers:
+                for served in [s for s in servers if c in levels[s.name]]:
                     result = asyncio.run(run_level(served, prompts, c, args.requests_per_stream,
                                                    args.max_tokens))
                     result["load_average"] = list(load_average())
@@ -389,12 +401,17 @@ def ratios(doc: dict, levels: list[int]) -> dict[str, Any]:
         "shardwise_itl_p99_over_p50": {c: ratio(sw[c].get("itl_ms_p99"), sw[c].get("itl_ms_p50"))
                                        for c in levels}}
     if hf:
+        both = [c for c in levels if c in hf]
         out["shardwise_over_hf_decode_tok_s"] = {
-            c: ratio(sw[c]["decode_tok_s"], hf[c]["decode_tok_s"]) for c in levels}
+            c: ratio(sw[c]["decode_tok_s"], hf[c]["decode_tok_s"]) for c in both}
         out["hf_over_shardwise_ttft_p50"] = {
-            c: ratio(hf[c]["ttft_ms_p50"], sw[c]["ttft_ms_p50"]) for c in levels}
+            c: ratio(hf[c]["ttft_ms_p50"], sw[c]["ttft_ms_p50"]) for c in both}
         out["hf_itl_p99_over_p50"] = {c: ratio(hf[c].get("itl_ms_p99"), hf[c].get("itl_ms_p50"))
-                                      for c in levels}
+                                      for c in both}
+        if high not in hf:  # HF serves one request at a time: its best level stands for all
+            best = max(hf, key=lambda c: hf[c]["decode_tok_s"])
+            out[f"shardwise_{high}_over_hf_serial_{best}"] = ratio(
+                sw[high]["decode_tok_s"], hf[best]["decode_tok_s"])
     return out
 
 
