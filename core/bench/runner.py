@@ -336,6 +336,8 @@ def _run_on_copy(own, pristine, variant: Variant, tokenizer, spec: ModelSpec, pl
 
     def prepare():
         target = own if own is not None else copy.deepcopy(pristine)
+        if variant.offload is not None:  # the baseline left it on the device: offload streams
+            target.to("cpu")             # it from host memory, as a user's model loads
         return prepare_shardwise(target, plan, variant, accelerator)
 
     try:
