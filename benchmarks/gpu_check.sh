@@ -7,14 +7,16 @@
 # build of torch). Steps, in this order unless named: tests (every gpu-marked test), bench
 # (`shardwise bench`, inject + graphs, fp16, batch 1/8/32), kernels (benchmarks/kernel_cuda.py),
 # kernels-graphs (decode attention timed inside CUDA graphs), quant (the bench with int8 and
-# int4 weights), prefill (the bench at a 2k-token prompt). Each step has its own time limit, writes its log and JSON under
+# int4 weights), prefill (the bench at a 2k-token prompt), moe (the Mixtral-shaped preset in
+# bf16), offload (weights streamed from pinned host memory), serve (benchmarks/serve_load.py
+# on the preset saved with a tokenizer from $TOKENIZER, default .whl/tokenizer). Each step has its own time limit, writes its log and JSON under
 # RESULTS_DIR (default benchmarks/results/gpu-<date>) and a failing step does not stop the next;
 # the exit code is non-zero when any step failed. With ARCHIVE=FILE.tgz set, the results folder is
 # archived there after every step (for machines that hand back a few files only).
 set -u
 out=${1:-benchmarks/results/gpu-$(date +%Y-%m-%d-%H%M)}
 shift || true
-steps=${*:-tests bench kernels kernels-graphs quant prefill}
+steps=${*:-tests bench kernels kernels-graphs quant prefill moe offload serve}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 status=0
@@ -67,7 +69,24 @@ for s in $steps; do
     kernels-graphs)  # decode attention as the captured step runs it (no launch cost)
         TAIL=30 step kernels-graphs 60 python3 benchmarks/kernel_cuda.py --graphs --parts decode \
             --output "$out/cuda-kernels-decode-graphs.json" ;;
-    *) echo "unknown step $s (tests, bench, kernels, kernels-graphs, quant, prefill)"
+    moe)  # the Mixtral-shaped preset in bf16 against HF's default experts (issue: >= 3x)
+        step bench-moe "${MOE_LIMIT:-150}" shardwise bench --preset mixtral-18l-1024h-8e \
+            --device cuda --dtype bf16 --inject --graphs --batch 1 8 --prompt-len 128 \
+            --new-tokens 64 --no-progress --no-chart \
+            --output "$out/cuda-moe-bf16-inject-graphs-mixtral-18l-1024h-8e.json" ;;
+    offload)  # weights streamed from pinned host memory, against the pinned-copy probe
+        step bench-offload-cpu "${OFFLOAD_LIMIT:-200}" shardwise bench --preset $preset \
+            --device cuda --dtype fp16 --inject --offload cpu --batch 1 8 32 --prompt-len 128 \
+            --new-tokens 64 --no-progress --no-chart \
+            --output "$out/cuda-offload-cpu-fp16-inject-$preset.json" ;;
+    serve)  # the preset (>= 1B) served to 64 streams; HF, serving one request at a time, at 1
+        step serve-model 120 python3 benchmarks/preset_folder.py $preset /tmp/serve-$preset \
+            --tokenizer "${TOKENIZER:-.whl/tokenizer}" --dtype fp16
+        TAIL=14 step serve-load "${SERVE_LIMIT:-240}" python3 benchmarks/serve_load.py \
+            --model /tmp/serve-$preset --concurrency 1 8 64 --requests-per-stream 2 \
+            --max-tokens 64 --repeats 1 --baseline-levels 1 \
+            --output "$out/cuda-serve-load-$preset.json" ;;
+    *) echo "unknown step $s (tests, bench, kernels, kernels-graphs, quant, prefill, moe, offload, serve)"
        status=2 ;;
     esac
 done

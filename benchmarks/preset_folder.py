@@ -1,0 +1,48 @@
+"""Save a ``shardwise bench`` preset as a Hugging Face model folder with a tokenizer.
+
+    python benchmarks/preset_folder.py PRESET OUT_DIR --tokenizer TOKENIZER_DIR [--dtype fp16]
+
+For runs that take ``--model DIR`` (``benchmarks/serve_load.py``, ``shardwise serve``) at a
+model size no embedded model has, e.g. the ≥1B serving load on a GPU (benchmarks/gpu_check.sh,
+step ``serve``). The weights are the preset's random ones (seed 0); the vocabulary is widened to
+the tokenizer's when it is larger, so every token id it produces has an embedding row. Any
+saved tokenizer folder works (``AutoTokenizer.from_pretrained(...).save_pretrained(DIR)``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from shardwise.bench.presets import get_preset
+
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("preset")
+    parser.add_argument("out")
+    parser.add_argument("--tokenizer", required=True, help="a saved tokenizer folder")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp16")
+    args = parser.parse_args(argv)
+    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
+    config = get_preset(args.preset).hf_config()
+    config.vocab_size = max(config.vocab_size, len(tokenizer))
+    for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        setattr(config, name, getattr(tokenizer, name))
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=DTYPES[args.dtype]).eval()
+    model.save_pretrained(args.out)
+    tokenizer.save_pretrained(args.out)
+    params = sum(p.numel() for p in model.parameters())
+    print(f"{args.out}: {args.preset} with vocabulary {config.vocab_size}, "
+          f"{params / 1e9:.2f}B parameters in {args.dtype}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
