@@ -175,6 +175,78 @@ class TorchDistCommunicator(Communicator):
             dist.destroy_process_group()
 
 
+class GroupCommunicator(Communicator):
+    """Collectives over a subset of the world's ranks (a tensor-parallel group inside one
+    pipeline stage, or the pipeline group of one tp coordinate: :meth:`shardwise.plan.Plan.bind`).
+
+    Ranks are the group's: :attr:`rank` is this process's index in :attr:`ranks` (the world
+    ranks of the group, in order), and ``src`` / ``dst`` arguments are group ranks. Every call
+    goes through the world communicator's ``_run`` (its device hook, its timeout, its
+    :class:`CollectiveError` naming the rank), on the group's own process group: plain
+    ``torch.distributed`` collectives, not a device's special paths (the CPU shared-memory
+    all-reduce spans the world's ranks). Built by :func:`subgroups`.
+    """
+
+    def __init__(self, world: TorchDistCommunicator, ranks: tuple[int, ...], group) -> None:
+        self.world, self.ranks, self.group = world, ranks, group
+        self.rank = ranks.index(world.rank)
+        self.world_size = len(ranks)
+        self.local_rank, self.local_world_size = world.local_rank, world.local_world_size
+
+    def _run(self, name: str, fn, *args, **kwargs):
+        return self.world._run(f"{name} in the group of ranks {list(self.ranks)}", fn, *args,
+                               group=self.group, **kwargs)
+
+    def all_reduce(self, tensor, op="sum"):
+        self._run("all_reduce", dist.all_reduce, tensor, op=_reduce_op(op))
+        return tensor
+
+    def all_gather(self, tensor, dim=0):
+        parts = [torch.empty_like(tensor) for _ in range(self.world_size)]
+        self._run("all_gather", dist.all_gather, parts, tensor.contiguous())
+        return torch.cat(parts, dim=dim)
+
+    def broadcast(self, tensor, src=0):
+        self._run("broadcast", dist.broadcast, tensor, group_src=src)
+        return tensor
+
+    def barrier(self):
+        self._run("barrier", dist.barrier)
+
+    def all_to_all(self, tensor):
+        if tensor.shape[0] % self.world_size:
+            raise CollectiveError(f"all_to_all needs dim 0 ({tensor.shape[0]}) divisible by the "
+                                  f"group size {self.world_size}")
+        inputs = list(tensor.contiguous().chunk(self.world_size))
+        outputs = [torch.empty_like(c) for c in inputs]
+        self._run("all_to_all", dist.all_to_all, outputs, inputs)
+        return torch.cat(outputs)
+
+    def send(self, tensor, dst):
+        self._run("send", dist.send, tensor, group_dst=dst)
+
+    def recv(self, tensor, src):
+        self._run("recv", dist.recv, tensor, group_src=src)
+        return tensor
+
+
+def subgroups(world: Communicator, groups: list[tuple[int, ...]]) -> Communicator:
+    """This rank's :class:`GroupCommunicator` among ``groups`` (world ranks; together they
+    partition the world). Every rank must call it with the same ``groups`` in the same order
+    (``torch.distributed.new_group`` is collective over the world). A group that is the whole
+    world is ``world`` itself."""
+    if len(groups) == 1 and len(groups[0]) == world.world_size:
+        return world
+    mine = None
+    for ranks in groups:
+        group = dist.new_group(list(ranks), timeout=datetime.timedelta(seconds=world.timeout_s))
+        if world.rank in ranks:
+            mine = GroupCommunicator(world, tuple(ranks), group)
+    if mine is None:
+        raise ConfigError(f"rank {world.rank} is in none of the groups {groups}")
+    return mine
+
+
 def check_timeout(value, name: str = "comm_timeout") -> float:
     """``value`` as seconds if it is a finite number > 0 (not a bool), else ConfigError."""
     if (isinstance(value, bool) or not isinstance(value, (int, float))

@@ -435,8 +435,9 @@ def _build_engine(model: nn.Module | None, cfg: InferenceConfig) -> InferenceEng
                             communicator.rank)
     report = None
     if prepared is not None:
-        report = sharding.apply_shards(  # 5. (the loader already sliced the weights)
-            prepared, communicator, sliced=loaded.sliced if loaded else None,
+        report = sharding.apply_shards(  # 5. (the loader already sliced the weights) in the
+            prepared, plan.tp.group or communicator,  # tp group (one stage's ranks under pp)
+            sliced=loaded.sliced if loaded else None,
             bytes_before=loaded.bytes_before if loaded else None)
         if communicator.rank == 0:
             log.info("shardwise: %s", report.summary())

@@ -17,13 +17,13 @@ The dimensions and their checks (:func:`check_dims`), made before any process gr
   and vLLM do): ep divides tp × dp, and ``ep_coord = (dp_coord × tp + tp_coord) mod ep``;
 * ``tp_size=1`` in a larger world (each rank runs the whole model alone, as before) is dp =
   world with no collectives between the replicas — unless they form the expert-parallel group;
-  data-parallel replicas of a TP group, pp > 1 with tp > 1 or with data-parallel replicas, and
-  an ep group smaller than the world (several expert groups) are
-  :class:`ParallelismNotSupportedError` ("not supported yet");
-* pipeline stages (``pipeline_parallel={"pp_size": P}``) run one rank per stage (world == P):
-  ``plan.stages`` (:class:`~shardwise.pipeline.StagePlan`) says which decoder layers each stage
-  runs; ``pp_size`` above the layer count or a ``split`` that does not cover every layer once is
-  a :class:`~shardwise.pipeline.PipelineConfigError`, checked before the dimensions.
+  data-parallel replicas of a TP group or of a pipeline, and an ep group smaller than the
+  world (several expert groups) are :class:`ParallelismNotSupportedError` ("not supported yet");
+* pipeline stages (``pipeline_parallel={"pp_size": P}``) run tp ranks per stage (world == P ×
+  tp; each stage's layers split by tensor parallelism inside the stage): ``plan.stages``
+  (:class:`~shardwise.pipeline.StagePlan`) says which decoder layers each stage runs;
+  ``pp_size`` above the layer count or a ``split`` that does not cover every layer once is a
+  :class:`~shardwise.pipeline.PipelineConfigError`, checked before the dimensions.
 
 Expert parallelism (``moe={"ep_size": N}``): the experts of every MoE layer are split by whole
 experts over the N ep ranks (``plan.experts.ranges``; ``plan.sharding.experts`` the modules, an
@@ -36,9 +36,9 @@ range (split ±1). ``moe=`` is checked against them first (a dense model, an exp
 not the model's, ep_size above the expert count), then the dimensions, so bad input gets its own
 error before the dimensions'.
 
-Process groups: at world 1 none; under TP or EP the default group (the engine's communicator,
-bound by :meth:`Plan.bind`: both groups span the world in this version); a group per other
-dimension only when that dimension is > 1 would need one (none can be yet).
+Process groups: at world 1 none; a dimension spanning the world gets the engine's communicator
+(:meth:`Plan.bind`); under pp × tp the tp group is one stage's ranks and the pp group the ranks
+of one tp coordinate across the stages (sub-groups of the world: :meth:`Plan.dim_ranks`).
 """
 
 from __future__ import annotations
@@ -162,8 +162,8 @@ def check_dims(world: int, rank: int, tp: int = 1, pp: int = 1, dp: int | None =
     Raises:
         ShardingError: sizes that do not multiply to the world, or an ep that does not divide
             tp × dp (each naming the sizes that would work).
-        ParallelismNotSupportedError: pp or explicit dp other than 1, data-parallel replicas
-            of a tensor-parallel group, or 1 < ep < world (not supported yet).
+        ParallelismNotSupportedError: explicit dp other than 1, data-parallel replicas of a
+            tensor-parallel group or of a pipeline, or 1 < ep < world (not supported yet).
         ConfigError: a size that is not a positive integer.
     """
     for name, size in (("world", world), ("tp_size", tp), ("pp_size", pp), ("ep_size", ep),
@@ -217,18 +217,15 @@ def check_dims(world: int, rank: int, tp: int = 1, pp: int = 1, dp: int | None =
 
 
 def _check_pipeline_dims(pp: int, tp: int, dp: int, world: int) -> None:
-    """Pipeline stages run with one rank per stage in this version: world == pp_size."""
+    """Pipeline stages run with tp ranks per stage (each stage's layers split by tensor
+    parallelism inside it) and no data-parallel replicas in this version: world == pp × tp."""
     if pp == 1:
         return
-    if tp > 1:
-        raise ParallelismNotSupportedError(
-            f"pipeline parallelism (pp_size={pp}) is not supported yet together with tensor "
-            f"parallelism (tp_size={tp}); run with tp_size=1 on {pp} ranks")
     if dp > 1:
         raise ParallelismNotSupportedError(
-            f"pipeline_parallel pp_size={pp} in a world of {world} ranks would need {dp} "
-            f"data-parallel replicas of the pipeline, which are not supported yet; launch "
-            f"{pp} ranks (WORLD_SIZE={pp})")
+            f"pipeline_parallel pp_size={pp} with tp_size={tp} in a world of {world} ranks "
+            f"would need {dp} data-parallel replicas of the pipeline, which are not supported "
+            f"yet; launch pp_size × tp_size = {pp * tp} ranks (WORLD_SIZE={pp * tp})")
 
 
 def _check_tp_world(tp: int, world: int) -> None:
@@ -325,18 +322,38 @@ class Plan:
         return self.sharding if self.tp.enabled or self.ep.enabled else None
 
     def bind(self, communicator: "Communicator") -> None:
-        """Give each dimension that needs collectives its group: under tensor parallelism the
-        tp group is the default group, i.e. ``communicator`` (world == tp: checked); under
-        expert parallelism the ep group is too (world == ep: :func:`check_dims`); under
-        pipeline parallelism the pp group is (world == pp: one rank per stage). No other
-        dimension > 1 runs yet, so no other group is created."""
+        """Give each dimension that needs collectives its group: the world's ``communicator``
+        when the dimension spans the world, else this rank's sub-group of it
+        (:func:`~shardwise.communicator.subgroups`: under pp × tp the tp group is one stage's
+        tp ranks, the pp group the ranks of this tp coordinate in every stage). Expert
+        parallelism spans the world (:func:`check_dims`). Every rank creates the same groups in
+        the same order."""
+        from .communicator import subgroups
+
         for dim in (self.tp, self.ep, self.pp):
             if not dim.enabled:
                 continue
-            if communicator.world_size != dim.size:
-                raise ShardingError(f"the plan's {dim.name}_size={dim.size} needs a communicator "
-                                    f"of that many ranks, got {communicator.world_size}")
-            setattr(self, dim.name, replace(dim, group=communicator))
+            if communicator.world_size == dim.size:
+                group = communicator
+            elif communicator.world_size == self.world and dim.name in ("tp", "pp"):
+                group = subgroups(communicator, self.dim_ranks(dim.name))
+            else:
+                raise ShardingError(f"the plan's {dim.name}_size={dim.size} needs a "
+                                    f"communicator of {dim.size} ranks (or of the plan's world "
+                                    f"of {self.world}), got {communicator.world_size}")
+            setattr(self, dim.name, replace(dim, group=group))
+
+    def dim_ranks(self, name: str) -> list[tuple[int, ...]]:
+        """Every group of dimension ``name`` (``tp`` or ``pp``) as world ranks, in a fixed
+        order (the layout: ``rank = (pp_coord × dp + dp_coord) × tp + tp_coord``)."""
+        tp, dp, pp = self.tp.size, self.dp.size, self.pp.size
+        if name == "tp":
+            return [tuple((p * dp + d) * tp + t for t in range(tp))
+                    for p in range(pp) for d in range(dp)]
+        if name == "pp":
+            return [tuple((p * dp + d) * tp + t for p in range(pp))
+                    for d in range(dp) for t in range(tp)]
+        raise ValueError(f"no rank groups for dimension {name!r}")
 
     def __repr__(self) -> str:
         dims = ", ".join(repr(d) for d in self.dims.values())
@@ -445,13 +462,11 @@ def _stage_layers(model: nn.Module, policy: Policy, pipeline: "PipelineSettings"
 
 def _plan_stages(plan: Plan, model: nn.Module, layers: nn.ModuleList,
                  pipeline: "PipelineSettings") -> "StagePlan":
-    """This rank's stage plan: stage = pp coordinate; a stage's first rank is
-    ``stage × tp × dp`` (Megatron's layout)."""
+    """This rank's stage plan: stage = pp coordinate; stage s is rank s of this rank's pp group
+    (the ranks of this tp coordinate in every stage: :meth:`Plan.dim_ranks`)."""
     from .pipeline.stages import plan_stages
 
-    per_stage = plan.tp.size * plan.dp.size
-    return plan_stages(model, layers, pipeline, plan.pp.coord,
-                       tuple(s * per_stage for s in range(plan.pp.size)))
+    return plan_stages(model, layers, pipeline, plan.pp.coord, tuple(range(plan.pp.size)))
 
 
 def _plan_experts(plan: Plan, model: nn.Module) -> None:

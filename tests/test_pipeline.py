@@ -368,15 +368,14 @@ def test_pp_without_enough_ranks_fails_before_any_work(monkeypatch):
     assert not torch.distributed.is_initialized()
 
 
-def test_the_world_must_be_pp_ranks():
+def test_the_world_must_be_pp_times_tp_ranks():
     model = tiny_causal_lm("llama")
     with pytest.raises(shardwise.ConfigError, match="does not divide the world of 3"):
         _plan(model, world=3)
     with pytest.raises(ParallelismNotSupportedError, match="2 data-parallel replicas"):
         _plan(model, world=4)
-    with pytest.raises(ParallelismNotSupportedError,
-                       match=r"not supported yet together with tensor parallelism \(tp_size=2\)"):
-        _plan(model, world=4, tp_size=2)
+    plan = _plan(model, world=4, tp_size=2)  # pp × tp: test_pipeline_tp.py runs it
+    assert (plan.pp.size, plan.tp.size, plan.dp.size) == (2, 2, 1)
 
 
 def test_the_plan_names_each_stage():

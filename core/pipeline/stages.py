@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 
 from ..sharding.apply import param_bytes
@@ -24,9 +25,14 @@ class StagePlan:
     Attributes:
         bounds: every stage's layers ``[start, end)``, first stage first.
         coord: this rank's stage.
-        ranks: the first rank of each stage (the one that sends and broadcasts for it).
+        ranks: each stage's rank in this rank's pipeline group (the ranks of this tp
+            coordinate, one per stage: stage s is group rank s).
         costs: every stage's weight bytes as planned (layers, plus embedding / head at the ends).
         source: ``"balanced"`` (by weight bytes) or ``"split"`` (the user's).
+        embed_dim: the input embedding's output width (the hidden size), read from the whole
+            model at planning time (a tensor-parallel split may narrow the weight later).
+        head_features: the output head's output width (the vocabulary), likewise; None for a
+            model without a head.
     """
 
     bounds: tuple[tuple[int, int], ...]
@@ -34,6 +40,8 @@ class StagePlan:
     ranks: tuple[int, ...]
     costs: tuple[int, ...]
     source: str
+    embed_dim: int | None = None
+    head_features: int | None = None
 
     @property
     def size(self) -> int:
@@ -118,8 +126,9 @@ def plan_stages(model: nn.Module, layers: nn.ModuleList, settings: PipelineSetti
                                   f"layers of {kind}: every stage needs at least one layer; use "
                                   f"pp_size <= {n}")
     costs = [_bytes(layer) for layer in layers]
-    embed = _bytes(_maybe(model, "get_input_embeddings"))
-    head = _bytes(_maybe(model, "get_output_embeddings"))
+    embed_module = _maybe(model, "get_input_embeddings")
+    head_module = _maybe(model, "get_output_embeddings")
+    embed, head = _bytes(embed_module), _bytes(head_module)
     if settings.split is not None:
         if sum(settings.split) != n:
             raise PipelineConfigError(
@@ -133,7 +142,15 @@ def plan_stages(model: nn.Module, layers: nn.ModuleList, settings: PipelineSetti
         bounds, source = balanced_bounds(costs, pp, embed, head), "balanced"
     stage_costs = tuple(sum(costs[a:b]) + (embed if s == 0 else 0) + (head if s == pp - 1 else 0)
                         for s, (a, b) in enumerate(bounds))
-    return StagePlan(bounds, coord, ranks, stage_costs, source)
+    return StagePlan(bounds, coord, ranks, stage_costs, source, _width(embed_module, 1),
+                     _width(head_module, 0))
+
+
+def _width(module: nn.Module | None, dim: int) -> int | None:
+    """Dim ``dim`` of ``module``'s weight (an embedding's ``[vocab, hidden]``: 1; a linear
+    head's ``[out, in]``: 0), None without one."""
+    weight = getattr(module, "weight", None)
+    return int(weight.shape[dim]) if isinstance(weight, torch.Tensor) else None
 
 
 def balanced_sizes(n: int, pp: int) -> tuple[int, ...]:

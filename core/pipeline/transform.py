@@ -192,12 +192,15 @@ def apply_stages(model: nn.Module, layers: nn.ModuleList, plan: StagePlan, commu
         _ledger.replace_module(layers, str(index), stand_in, what="pipeline stage: layer")
     embed = model.get_input_embeddings()
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    # widths as planned on the whole model (a tensor-parallel split narrowed the weights since)
     if not plan.first:
-        _replace(model, names, embed, RemoteEmbedding(embed.weight.shape[1], dtype),
+        _replace(model, names, embed,
+                 RemoteEmbedding(plan.embed_dim or embed.weight.shape[1], dtype),
                  plan.ranks[0], replaced)
     if isinstance(head, nn.Module) and not plan.last:
-        _replace(model, names, head, RemoteHead(head.weight.shape[0], dtype), plan.ranks[-1],
-                 replaced)
+        _replace(model, names, head,
+                 RemoteHead(plan.head_features or head.weight.shape[0], dtype),
+                 plan.ranks[-1], replaced)
     clock = StageClock()
     _wire(model, layers, head, plan, communicator, clock)
     units = [(layer, plan.ranks[plan.owner(i)]) for i, layer in enumerate(originals)]
@@ -207,9 +210,22 @@ def apply_stages(model: nn.Module, layers: nn.ModuleList, plan: StagePlan, commu
     _ledger.record(f"pipeline stage {plan.coord}: {len(replaced)} modules of other stages "
                    f"(their weights broadcast back from the stages that kept them)",
                    _rebuild_undo(units, communicator))
+    _let_go(model, [module for _, module, _ in replaced])
     return PipelineReport(plan, tuple(plan.layers), param_bytes(model),
                           tuple(name for name, _, _ in replaced), micro_batches, clock,
                           communicator)
+
+
+def _let_go(model: nn.Module, modules: list[nn.Module]) -> None:
+    """Free the data of the replaced modules' parameters the model no longer holds (the
+    undo recorded their shapes and broadcasts them back). Under tensor parallelism these are
+    the slices step 5 made, which the ledger's snapshot does not hold; the snapshot keeps its
+    own reference to the originals, so a failed init still restores them."""
+    live = {id(p) for p in model.parameters()}
+    for module in modules:
+        for p in module.parameters():
+            if id(p) not in live:
+                p.data = p.data.new_empty(0)
 
 
 def _replace(model: nn.Module, names: dict, module: nn.Module, stand_in: nn.Module, owner: int,
