@@ -128,6 +128,15 @@ def _hpu_can_run(dtype: torch.dtype) -> bool:
     return True
 
 
+def check_lazy_mode_env() -> None:
+    """Refuse a ``PT_HPU_LAZY_MODE`` that is not a whole number: the bridge's hccl reads it with
+    ``int()`` at import (``distributed/hccl/__init__.py``) and would fail there."""
+    value = os.environ.get(LAZY_MODE_ENV)
+    if value is not None and not value.strip().lstrip("-").isdigit():
+        raise ConfigError(f"{LAZY_MODE_ENV}={value!r}: the Gaudi bridge reads it as a number; "
+                          f"set 1 (lazy mode) or 0 (eager mode), or unset it")
+
+
 def visible_modules() -> list[str] | None:
     """The node's modules as ``HABANA_VISIBLE_MODULES`` lists them, or None when unset."""
     value = os.environ.get(VISIBLE_MODULES_ENV)
@@ -338,8 +347,9 @@ class HpuAccelerator(Accelerator):
                                        f"installed: {_INSTALL_HINT}")
         local_world = _local_world_size()
         try:
+            check_lazy_mode_env()
             check_visible_modules(local_world)
-        except VisibleModulesError as exc:
+        except ConfigError as exc:
             return Availability(False, str(exc))
         prepare_bridge_import(local_world)
         try:
@@ -430,6 +440,7 @@ class HpuAccelerator(Accelerator):
         (:func:`startup_env`). ``HABANA_VISIBLE_MODULES`` is never narrowed (module docstring);
         a list shorter than ``local_world_size`` is :class:`VisibleModulesError`, which
         ``shardwise launch`` reports before any rank starts."""
+        check_lazy_mode_env()
         check_visible_modules(local_world_size)
         return startup_env(local_world_size)
 
@@ -437,6 +448,7 @@ class HpuAccelerator(Accelerator):
         """Check the module list, set the start-up variables if the bridge is not imported yet
         (:func:`prepare_bridge_import`), then import ``distributed.hccl``: it registers "hccl"
         and picks this process's module from LOCAL_RANK. No ``set_device``."""
+        check_lazy_mode_env()
         check_visible_modules(local_world_size)
         prepare_bridge_import(local_world_size)
         importlib.import_module("habana_frameworks.torch.distributed.hccl")

@@ -22,7 +22,7 @@ from shardwise.accelerators import hpu as hpu_mod
 from shardwise.accelerators.hpu import (HpuAccelerator, HpuCompileStrategy, HpuGraphStrategy,
                                         HpuGraphUnavailableError, VisibleModulesError, lazy_mode)
 from shardwise.communicator import TorchDistCommunicator
-from shardwise.errors import UnsupportedDtypeError
+from shardwise.errors import ConfigError, UnsupportedDtypeError
 from hpu_standin import standin  # noqa: F401  (fixture)
 
 GiB = 1 << 30
@@ -131,6 +131,16 @@ def test_lazy_mode_from_env_as_the_bridge(standin, monkeypatch, value, lazy):
     assert standin.bridge("habana_frameworks.torch.utils.internal").is_lazy() is lazy
 
 
+def test_lazy_mode_that_is_no_number_is_named(standin, monkeypatch):
+    # distributed/hccl/__init__.py: int(os.environ.get("PT_HPU_LAZY_MODE", "1"))
+    monkeypatch.setenv("PT_HPU_LAZY_MODE", "true")
+    with pytest.raises(ConfigError, match=r"PT_HPU_LAZY_MODE='true'.*set 1 .* or 0"):
+        HpuAccelerator().launch_env(0, 1)
+    status = HpuAccelerator.availability()
+    assert not status.ok and "PT_HPU_LAZY_MODE='true'" in status.reason
+    assert "habana_frameworks.torch" not in sys.modules  # refused before importing the bridge
+
+
 def test_lazy_mode_unset_asks_the_runtime(standin, monkeypatch):
     monkeypatch.delenv("PT_HPU_LAZY_MODE")
     internal = standin.bridge("habana_frameworks.torch.utils.internal")
@@ -172,6 +182,7 @@ def test_graph_equals_eager_in_both_modes(standin, monkeypatch, lazy, fn):
     steps = _count_calls(monkeypatch, standin.bridge("habana_frameworks.torch.core"),
                          "mark_step")
     compiles = _count_calls(monkeypatch, torch, "compile")
+    streams = _count_calls(monkeypatch, standin.bridge("habana_frameworks.torch.hpu"), "stream")
     strategy = HpuAccelerator().graph_strategy()
     strategy.device_type = "cpu"  # the stand-in computes on CPU tensors
     captured = strategy.capture(fn, *_inputs(0))
@@ -184,6 +195,7 @@ def test_graph_equals_eager_in_both_modes(standin, monkeypatch, lazy, fn):
     assert first is got  # static outputs: overwritten by each replay
     if lazy == "1":  # HPU graph: a step before capture and before each replay, no compile
         assert len(steps) == 3 and compiles == []
+        assert len(streams) == 1  # captured on a side stream
     else:  # eager: torch.compile with the bridge's backend, no mark_step
         assert steps == [] and [kw["backend"] for _, kw in compiles] == ["hpu_backend"]
 
