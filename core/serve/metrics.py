@@ -99,6 +99,19 @@ class ServeMetrics:
         (self.observe_first_token if first else self.observe_inter_token)(since_s)
         self.add_generation_tokens(1, now)
 
+    def observe_step(self, first_s: list[float], inter_s: list[float],
+                     now: float | None = None) -> None:
+        """The tokens of one scheduler step at once: ``first_s`` the times to first token of the
+        sequences that got their first, ``inter_s`` the gaps since the previous token of the
+        others (one counter increment and one entry of the recent window per step, not per
+        token)."""
+        for seconds in first_s:
+            self.ttft.observe(seconds)
+        for seconds in inter_s:
+            self.itl.observe(seconds)
+        if first_s or inter_s:
+            self.add_generation_tokens(len(first_s) + len(inter_s), now)
+
     def add_prompt_tokens(self, n: int) -> None:
         self.prompt_tokens.inc(n)
 

@@ -194,6 +194,18 @@ class Sampler:
             top = tuple(zip(ids.tolist(), values.tolist()))
         return float(logprobs[token].item()), top
 
+    @property
+    def batchable(self) -> bool:
+        """Plain greedy (no penalties, no logprobs): :func:`sample_rows` picks it with the other
+        such rows of a step in one ``argmax`` and one device→host copy."""
+        return self.greedy and not self._penalised and self.params.logprobs is None
+
+    def accept(self, token: int) -> TokenEvent:
+        """Count ``token``, chosen for this sampler by :func:`sample_rows`, as :meth:`sample`
+        counts its own pick."""
+        self.counts[token] = self.counts.get(token, 0) + 1
+        return TokenEvent(token_id=token)
+
     # ----- the public call -------------------------------------------------------------------
 
     def sample(self, logits: torch.Tensor) -> TokenEvent:
@@ -206,3 +218,55 @@ class Sampler:
             logprob, top = self._logprobs(logits, token)
         self._record(token, logits.shape[0], logits.device)
         return TokenEvent(token_id=token, logprob=logprob, top_logprobs=top)
+
+
+def sample_rows(samplers: list, logits: torch.Tensor) -> list[TokenEvent | Exception]:
+    """Row ``i`` of ``logits`` (float32 [rows, vocab], one decode step) sampled by
+    ``samplers[i]`` → its :class:`TokenEvent`, or the exception its sampling raised (that row
+    alone failed; the caller ends its sequence).
+
+    The :attr:`Sampler.batchable` rows (plain greedy: the common case) are picked together: one
+    ``argmax`` over all of them and ONE device→host copy of the chosen ids, instead of an
+    ``argmax`` and two ``.item()`` synchronisations per row. The pick is the same as
+    :meth:`Sampler.sample`'s (``argmax``, ties to the lowest id; a row whose maximum is NaN or
+    -inf is garbage, a ``ValueError``). Every other row goes through its own
+    :meth:`Sampler.sample`.
+    """
+    out: list[TokenEvent | Exception | None] = [None] * len(samplers)
+    fast = [i for i, s in enumerate(samplers) if isinstance(s, Sampler) and s.batchable]
+    vocab = {samplers[i].vocab_size for i in fast}
+    if len(vocab) > 1 or logits.dim() != 2:  # mixed vocabularies: no common slice to batch
+        fast = []
+    if fast:
+        try:
+            ids = _greedy_ids(logits, fast, vocab.pop())
+        except Exception as exc:  # noqa: BLE001 - e.g. too few columns: each such row failed
+            ids = [exc] * len(fast)
+        for i, token in zip(fast, ids):
+            if isinstance(token, Exception):
+                out[i] = token
+            else:
+                out[i] = samplers[i].accept(token) if token >= 0 else ValueError(_GARBAGE)
+    for i, sampler in enumerate(samplers):
+        if out[i] is None:
+            try:
+                out[i] = sampler.sample(logits[i])
+            except Exception as exc:  # noqa: BLE001 - that row's failure, handed back
+                out[i] = exc
+    return out
+
+
+def _greedy_ids(logits: torch.Tensor, rows: list[int], vocab_size: int | None) -> list[int]:
+    """``argmax`` of ``logits[rows, :vocab_size]`` per row, -1 where the maximum is NaN or -inf;
+    one device→host copy."""
+    if len(rows) != logits.shape[0]:
+        logits = logits.index_select(0, torch.tensor(rows, device=logits.device))
+    if vocab_size is not None:
+        if logits.shape[1] < vocab_size:
+            raise ValueError(f"logits have {logits.shape[1]} columns, fewer than the "
+                             f"tokenizer's vocab_size {vocab_size}")
+        logits = logits[:, :vocab_size]
+    ids = torch.argmax(logits, dim=-1)                          # [rows]; NaN counts as max
+    best = logits.gather(1, ids[:, None])[:, 0]                 # [rows]
+    garbage = torch.isnan(best) | (best == -math.inf)
+    return ids.masked_fill(garbage, -1).tolist()

@@ -15,8 +15,16 @@ One background thread makes every model call. Each iteration of its loop:
    tokens, so prompts always progress): a joining prompt delays the running streams' next token
    by a bounded fraction of a step instead of by its whole prefill;
 4. runs ONE ``runner.decode`` step over every decoding sequence and samples each with its own
-   sampler; a sequence ends on an end-of-sequence id (``"stop"``, the id itself is delivered) or
+   sampler (the plain greedy rows together: one ``argmax``, one device→host copy,
+   :func:`~shardwise.serve.sampling.sample_rows`); a sequence ends on an end-of-sequence id (``"stop"``, the id itself is delivered) or
    after ``max_tokens`` tokens (``"length"``) and frees its slot for the next iteration.
+
+Delivery is per step, not per token: the events of a phase (the prefill's first tokens, the
+decode step's tokens, the ends) go to the HTTP side's event loop in one wake-up
+(:class:`~shardwise.serve.types.EventBatch`), and the metrics of a step are recorded at once
+(:meth:`~shardwise.serve.metrics.ServeMetrics.observe_step`). Waking the loop once per token cost
+the scheduler's thread a GIL hand-off per token per stream (~1 ms each with 8 streams on a
+2-core CPU), which capped the tokens/s of many streams at that of a few.
 
 Faults: an exception while sampling or handling one sequence ends that sequence only
 (``FinishEvent("error", exc)``); an exception from the runner (prefill, decode, release,
@@ -38,10 +46,9 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-import torch
-
 from .metrics import ServeMetrics
-from .types import (FinishEvent, GenRequest, QueueFullError, Runner, SamplingParams,
+from .sampling import sample_rows
+from .types import (EventBatch, FinishEvent, GenRequest, QueueFullError, Runner, SamplingParams,
                     SequenceHandle, ServerUnhealthyError, ServeStats, TokenEvent)
 
 log = logging.getLogger(__name__)
@@ -151,6 +158,11 @@ class Scheduler:
         self.metrics = metrics
         self.join_timeout_s = join_timeout_s
         self._sampler_factory = sampler_factory or default_sampler_factory
+        #: this step's events, handed to the event loops at once (one wake-up per loop)
+        self._events = EventBatch()
+        #: this step's times to first token and inter-token gaps, recorded at once
+        self._first_s: list[float] = []
+        self._inter_s: list[float] = []
 
         self._cond = threading.Condition()         # guards the fields below; the loop waits on it
         self._waiting: collections.deque[_Sequence] = collections.deque()
@@ -227,6 +239,7 @@ class Scheduler:
             self._cond.notify_all()
         if thread is None:  # never started: nothing ran, end the queued ones here
             self._cancel_all()
+            self._deliver()
             self._close_runner()
             return
         if thread is not threading.current_thread():
@@ -291,13 +304,26 @@ class Scheduler:
         return bool(self._running or self._waiting)
 
     def _step(self) -> None:
-        if self._drain_until is not None and time.monotonic() >= self._drain_until:
-            self._cancel_all()
-        self._finish_cancelled()
-        self._admit()
-        self._prefill()
-        self._decode()
+        try:
+            if self._drain_until is not None and time.monotonic() >= self._drain_until:
+                self._cancel_all()
+            self._finish_cancelled()
+            self._admit()
+            self._prefill()
+            self._deliver()  # first tokens go out now, not after the decode step
+            self._decode()
+        finally:
+            self._deliver()
         self._record_load()
+
+    def _deliver(self) -> None:
+        """Hand the events queued since the last call to their event loops (one wake-up per
+        loop) and record the step's token metrics."""
+        for loop, exc in self._events.flush():
+            log.warning("could not deliver events to event loop %r (closed?): %r", loop, exc)
+        if self.metrics is not None and (self._first_s or self._inter_s):
+            self.metrics.observe_step(self._first_s, self._inter_s, time.monotonic())
+        self._first_s, self._inter_s = [], []
 
     def _finish_cancelled(self) -> None:
         with self._cond:
@@ -339,7 +365,7 @@ class Scheduler:
             if self.metrics is not None:
                 self.metrics.add_prompt_tokens(n)
             if last:
-                self._accept_isolated(seq, logits, time.monotonic())
+                self._accept_isolated(seq, lambda: seq.sampler.sample(logits), time.monotonic())
 
     def _prefill_tokens(self) -> int:
         """This iteration's prefill budget (see the module docstring, step 3)."""
@@ -363,13 +389,15 @@ class Scheduler:
             raise _RunnerFailed("decode", RuntimeError(
                 f"runner.decode returned {logits.shape[0]} rows of logits for {len(batch)} slots"))
         now = time.monotonic()
-        for seq, row in zip(batch, logits):
-            self._accept_isolated(seq, row, now)
+        events = sample_rows([s.sampler for s in batch], logits)
+        for seq, event in zip(batch, events):
+            self._accept_isolated(seq, lambda event=event: _raise_or_return(event), now)
 
-    def _accept_isolated(self, seq: _Sequence, logits: torch.Tensor, now: float) -> None:
-        """Sample and deliver ``seq``'s next token; an error there ends ``seq`` only."""
+    def _accept_isolated(self, seq: _Sequence, sample: Callable[[], TokenEvent],
+                         now: float) -> None:
+        """Deliver ``seq``'s next token, ``sample()``; an error there ends ``seq`` only."""
         try:
-            self._accept(seq, logits, now)
+            self._accept(seq, sample(), now)
         except _RunnerFailed:
             raise
         except Exception as exc:
@@ -377,9 +405,8 @@ class Scheduler:
                         seq.handle.request.index, exc)
             self._finish(seq, "error", exc)
 
-    def _accept(self, seq: _Sequence, logits: torch.Tensor, now: float) -> None:
-        """``logits``: float32 [vocab] of ``seq``'s next position."""
-        event: TokenEvent = seq.sampler.sample(logits)
+    def _accept(self, seq: _Sequence, event: TokenEvent, now: float) -> None:
+        """``event``: the token sampled for ``seq``'s next position."""
         token = int(event.token_id)
         if not 0 <= token < self.vocab_size:
             raise ValueError(f"the sampler chose token {token}, outside the vocabulary "
@@ -388,12 +415,11 @@ class Scheduler:
         since = now - (seq.submitted_s if first else seq.last_token_s)
         if first:
             seq.handle.first_token_s = since
-        if self.metrics is not None:
-            self.metrics.observe_token(since, first, now)
+        (self._first_s if first else self._inter_s).append(since)
         seq.generated += 1
         seq.last_token_s = now
         seq.next_token = token
-        seq.handle.push(event)
+        self._events.push(seq.handle, event)
         if token in self.eos_token_ids:
             self._finish(seq, "stop")
         elif seq.generated >= seq.max_new:
@@ -428,6 +454,7 @@ class Scheduler:
             self._cond.notify_all()
         for seq in ended:
             self._tell(seq, FinishEvent("error", error))
+        self._deliver()
         self._record_load()
 
     def _tell(self, seq: _Sequence, event: FinishEvent) -> None:
@@ -436,7 +463,7 @@ class Scheduler:
         if self.metrics is not None:
             self.metrics.finish(event.reason)
         try:
-            seq.handle.push(event)
+            self._events.push(seq.handle, event)
         except Exception as exc:
             log.warning("could not deliver the end of request %s: %r", seq.handle.request.id, exc)
 
@@ -493,6 +520,13 @@ class Scheduler:
             return
         stats = self.stats()
         self.metrics.set_load(stats.running, stats.waiting, stats.slots_in_use, stats.slots)
+
+
+def _raise_or_return(event: TokenEvent | Exception) -> TokenEvent:
+    """:func:`sample_rows`' result for one row: the event, or its error raised."""
+    if isinstance(event, Exception):
+        raise event
+    return event
 
 
 def _average(mean: float | None, sample: float, weight: float = 0.2) -> float:
