@@ -103,6 +103,9 @@ class InferenceEngine:
         threads run one after another (the static KV cache serves one generate at a time)."""
         self._check_open()
         with self._session():
+            if self.stages is not None:  # micro-batches in flight, measured
+                return self.stages.generate(self.module, self._inputs(args),
+                                            self._inputs(kwargs))
             return self.module.generate(*self._inputs(args), **self._inputs(kwargs))
 
     #: the injected decoder stack (its generate session serializes threads), if any
@@ -535,7 +538,8 @@ def _load_step(model: nn.Module, cfg: InferenceConfig, accelerator: Accelerator,
 
     return load_to_store(model, desc, cfg.offload, units=checkpoint_units(model, plan.policy),
                          prepared=plan.shards, rank=rank, tp_size=plan.tp.size, device=device,
-                         dtype=dtype, hooks=hooks, experts=experts, quant=cfg.quant)
+                         dtype=dtype, hooks=hooks, experts=experts, quant=cfg.quant,
+                         pinned=accelerator.pinned_host_buffer if cfg.offload.pin_memory else None)
 
 
 def _written_store(loaded):

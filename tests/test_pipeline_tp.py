@@ -162,6 +162,29 @@ def micro_batch_case(rank: int, micro_batches: int) -> dict:
                 micro_batches=engine.pipeline_stats.micro_batches)
 
 
+def generate_micro_case(rank: int, arch: str, micro_batches: int) -> dict:
+    """``generate`` on a batch of 4 (row 0 left-padded) with ``micro_batches`` micro-batches in
+    flight through the two stages of tp ranks, each with its own KV cache."""
+    ref, model = causal_lm(arch), causal_lm(arch)
+    ids = prompt_ids(batch=4, length=8, vocab=ref.config.vocab_size)
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    gen = dict(attention_mask=mask, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
+               do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        ref_tokens = ref.generate(ids, **gen)
+    engine = shardwise.init_inference(
+        model, device="cpu", dtype=torch.float32, tensor_parallel={"tp_size": 2},
+        pipeline_parallel={"pp_size": 2, "micro_batches": micro_batches})
+    tokens = engine.generate(ids, **gen)
+    out = engine(input_ids=ids, attention_mask=mask, use_cache=True)
+    parts = vars(out.cache).get("_shardwise_micro_batch_caches", [])
+    owned = [i for i, layer in enumerate(_layers(model)) if not isinstance(layer, RemoteLayer)]
+    return dict(tokens_equal=torch.equal(tokens, ref_tokens), tokens=tokens.tolist(),
+                steps=engine.pipeline_stats.steps,
+                part_rows=[c.layers[owned[0]].keys.shape[0] for c in parts])
+
+
 #: the dense families the issue names (TP-even ones: each rank holds exactly half of a split)
 CAUSAL = ("llama", "gpt2", "opt", "bloom")
 TABLE = {
@@ -169,6 +192,8 @@ TABLE = {
     "llama-4l-split-1-3": (causal_case, "llama", 4, [1, 3]),
     "bert": (bert_case,),
     "llama-mb2": (micro_batch_case, 2),
+    "llama-gen-mb2": (generate_micro_case, "llama", 2),
+    "gpt2-gen-mb4": (generate_micro_case, "gpt2", 4),
 }
 
 
@@ -271,6 +296,16 @@ def test_forward_micro_batches_under_tp(ranks):
     for r in results:
         assert r["max_abs"] < ATOL and r["micro_batches"] == 2
     assert len({r["digest"] for r in results}) == 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, rows", [("llama-gen-mb2", [2, 2]), ("gpt2-gen-mb4", [1] * 4)])
+def test_generate_with_micro_batches_in_flight_under_tp(ranks, name, rows):
+    results = case(ranks, name)
+    for r in results:
+        assert r["tokens_equal"], f"{name}: {NEW_TOKENS} greedy tokens differ from HF's"
+        assert r["steps"] == NEW_TOKENS and r["part_rows"] == rows
+    assert len({str(r["tokens"]) for r in results}) == 1
 
 
 # ----- one process: the layout and sizes that do not fit ------------------------------------------

@@ -1,5 +1,4 @@
-"""Micro-batches through the pipeline stages, for the engine's forward (docs/architecture.md,
-"Pipeline stages").
+"""Micro-batches through the pipeline stages (docs/architecture.md, "Pipeline stages").
 
 A batch of B rows is split into M micro-batches (``tensor_split`` along dim 0 of every input
 with B rows: sizes differ by at most one) that run one after the other through HF's forward on
@@ -11,8 +10,19 @@ measured around its layers (:class:`~shardwise.pipeline.transform.StageClock`), 
 — the share of the wall time a stage idles — can be set against the GPipe-style theoretical
 ``(P − 1) / (P − 1 + M)`` (:class:`PipelineStats`).
 
-Not for cached calls: a forward with ``use_cache=True`` runs as one batch (the caches of
-micro-batches are not merged), and so does ``generate`` (HF's loop decodes the whole batch).
+Two paths:
+
+* a forward without a cache (``engine(...)``): :func:`run_micro_batches`, measured per call;
+* a forward with a KV cache — every step of ``generate`` (the engine's or HF's own), or
+  ``engine(..., use_cache=True)`` — goes through :class:`CachedMicroBatches`, the model's
+  instance forward when ``micro_batches`` > 1: each micro-batch keeps its own
+  ``DynamicCache`` (on every stage, holding that stage's layers only), kept on the whole
+  batch's cache object, which itself only counts the tokens (a placeholder of one zero per
+  token and row per layer, as the other stages' layers do), so HF's generate loop, positions
+  and masks run unchanged. Prefill and every decode step flow through the stages as M
+  micro-batches. ``engine.generate`` then reports the bubble over all its steps.
+  A cache that is not a plain ``DynamicCache`` (a static or quantized one), or a batch of one
+  row, runs as one batch.
 """
 
 from __future__ import annotations
@@ -40,6 +50,8 @@ class PipelineStats:
     stages: int
     wall_s: float
     busy_s: tuple[float, ...]
+    #: forwards measured (1 for one forward; prefill + decode steps for a generate)
+    steps: int = 1
 
     @property
     def bubble(self) -> tuple[float, ...]:
@@ -53,13 +65,18 @@ class PipelineStats:
 
     def summary(self) -> str:
         bubbles = ", ".join(f"{b:.1%}" for b in self.bubble)
+        steps = f" ({self.steps} forwards)" if self.steps > 1 else ""
         return (f"{self.micro_batches} micro-batches over {self.stages} stages in "
-                f"{self.wall_s * 1e3:.1f} ms; bubble per stage {bubbles} (theoretical "
+                f"{self.wall_s * 1e3:.1f} ms{steps}; bubble per stage {bubbles} (theoretical "
                 f"{self.theoretical_bubble:.1%})")
 
 
+#: keyword inputs that are not per row (a ``cache_position`` ``[seq]`` may equal the batch size)
+_NOT_BATCHED = frozenset({"cache_position", "cache", "past_key_values", "logits_to_keep"})
+
+
 def _batch_size(args: tuple, kwargs: dict) -> int | None:
-    for value in (*args, *kwargs.values()):
+    for value in (*args, *(v for k, v in kwargs.items() if k not in _NOT_BATCHED)):
         if isinstance(value, torch.Tensor) and value.dim() > 0:
             return value.shape[0]
     return None
@@ -67,8 +84,8 @@ def _batch_size(args: tuple, kwargs: dict) -> int | None:
 
 def split_inputs(args: tuple, kwargs: dict, micro_batches: int) -> list[tuple[tuple, dict]]:
     """``(args, kwargs)`` of each micro-batch: every tensor with the batch's rows split along
-    dim 0 (the batch: the first tensor's dim 0), everything else passed whole. At most one
-    micro-batch per row."""
+    dim 0 (the batch: the first tensor's dim 0), everything else (and the inputs named in
+    :data:`_NOT_BATCHED`) passed whole. At most one micro-batch per row."""
     batch = _batch_size(args, kwargs)
     if batch is None:
         return [(args, kwargs)]
@@ -79,7 +96,8 @@ def split_inputs(args: tuple, kwargs: dict, micro_batches: int) -> list[tuple[tu
             return value.tensor_split(m)[i]
         return value
 
-    return [(tuple(piece(a, i) for a in args), {k: piece(v, i) for k, v in kwargs.items()})
+    return [(tuple(piece(a, i) for a in args),
+             {k: v if k in _NOT_BATCHED else piece(v, i) for k, v in kwargs.items()})
             for i in range(m)]
 
 
@@ -133,3 +151,99 @@ def run_micro_batches(module, args: tuple, kwargs: dict, report) -> tuple[Any, P
     stats = PipelineStats(len(parts), plan.size, float(times[:, 0].max()),
                           tuple(float(b) for b in times[:, 1]))
     return _concat(outs), stats
+
+
+#: where a whole batch's cache keeps its micro-batches' caches
+_PARTS = "_shardwise_micro_batch_caches"
+#: the keyword a model's forward takes its cache by (transformers 5: ``cache``; older names)
+_CACHE_KEYS = ("cache", "past_key_values")
+
+
+class CachedMicroBatches:
+    """The model's forward with a KV cache as micro-batches in flight (module docstring): the
+    instance forward :func:`~shardwise.pipeline.transform.apply_stages` installs when
+    ``micro_batches`` > 1. ``forward``: the model's own (bound) forward; ``report``: the
+    :class:`~shardwise.pipeline.transform.PipelineReport` (its clock, communicator, plan,
+    ``micro_batches``, and the accumulators :meth:`measure` adds to)."""
+
+    def __init__(self, model, forward, report) -> None:
+        import inspect
+
+        self.model, self.forward, self.report = model, forward, report
+        params = inspect.signature(forward).parameters
+        self.cache_key = next((k for k in _CACHE_KEYS if k in params), None)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        key, cache = self._cache(kwargs)
+        batch = _batch_size(args, kwargs)
+        if cache is None or batch is None or batch < 2:
+            return self.forward(*args, **kwargs)
+        from transformers.cache_utils import DynamicCache
+
+        if type(cache) is not DynamicCache:  # a static / quantized cache has its own layout
+            return self.forward(*args, **kwargs)
+        parts = split_inputs(args, kwargs, self.report.micro_batches)
+        caches = vars(cache).get(_PARTS)
+        if caches is None or len(caches) != len(parts):
+            if cache.get_seq_length() > 0:  # filled as one batch: it cannot be split now
+                return self.forward(*args, **kwargs)
+            caches = [DynamicCache(config=getattr(self.model, "config", None))
+                      for _ in parts]
+            vars(cache)[_PARTS] = caches
+        outs = self._run([(a, {**k, key: c}) for (a, k), c in zip(parts, caches)])
+        _count_tokens(cache, outs, caches, batch)
+        out = _concat(outs)
+        for field in _CACHE_KEYS:  # HF's generate carries the batch's cache to the next step
+            if field in out:
+                out[field] = cache
+        return out
+
+    def _cache(self, kwargs: dict) -> tuple[str | None, Any]:
+        """(keyword, the whole batch's cache): the one passed, else a new ``DynamicCache``
+        when ``use_cache=True`` asks for one (what the model would create itself)."""
+        for key in _CACHE_KEYS:
+            if kwargs.get(key) is not None:
+                return key, kwargs[key]
+        if kwargs.get("use_cache") and self.cache_key is not None:
+            from transformers.cache_utils import DynamicCache
+
+            cache = DynamicCache(config=getattr(self.model, "config", None))
+            kwargs[self.cache_key] = cache
+            return self.cache_key, cache
+        return None, None
+
+    def _run(self, parts: list[tuple[tuple, dict]]) -> list[Any]:
+        """Every micro-batch through the stages, the broadcast of the last stage's outputs
+        deferred until all ran; this rank's seconds and busy seconds added to the report."""
+        report = self.report
+        clock, comm = report.clock, report.communicator
+        busy_before, was_deferred = clock.busy_s, clock.deferred
+        clock.deferred = True
+        start = time.perf_counter()
+        try:
+            outs = [self.forward(*a, **k) for a, k in parts]
+        finally:
+            clock.deferred = was_deferred
+        report.add_step(time.perf_counter() - start, clock.busy_s - busy_before)
+        return [_broadcast_output(o, comm, report.plan.ranks[-1]) for o in outs]
+
+
+def _count_tokens(cache, outs: list[Any], caches: list, batch: int) -> None:
+    """Grow the whole batch's cache by the tokens this forward added (one zero per token and
+    row per layer, ``[batch, 1, new, 1]``), so its sequence length is the micro-batches'."""
+    new = caches[0].get_seq_length() - cache.get_seq_length()
+    if new <= 0:
+        return
+    like = next(v for v in outs[0].values() if isinstance(v, torch.Tensor))  # the logits
+    placeholder = like.new_zeros(batch, 1, new, 1)
+    for layer in range(len(caches[0].layers)):
+        cache.update(placeholder, placeholder, layer)
+
+
+def gather_steps(report, steps: int, elapsed_s: float, busy_s: float) -> PipelineStats:
+    """The :class:`PipelineStats` of ``steps`` cached forwards (every rank calls it: one
+    all-gather of this rank's seconds and busy seconds in the pp group)."""
+    comm, plan = report.communicator, report.plan
+    times = comm.all_gather(torch.tensor([[elapsed_s, busy_s]], dtype=torch.float64))  # [P, 2]
+    return PipelineStats(report.micro_batches, plan.size, float(times[:, 0].max()),
+                         tuple(float(b) for b in times[:, 1]), steps)

@@ -121,8 +121,31 @@ class PipelineReport:
     micro_batches: int = 1
     clock: "StageClock | None" = field(default=None, repr=False)
     communicator: Any = field(default=None, repr=False)
-    #: the :class:`~shardwise.pipeline.schedule.PipelineStats` of the last micro-batched call
+    #: the :class:`~shardwise.pipeline.schedule.PipelineStats` of the last micro-batched
+    #: forward, or of the last ``engine.generate`` (all its steps)
     stats: Any = None
+    #: this rank's cached micro-batched forwards since :meth:`generate` began: [steps, seconds,
+    #: busy seconds] (:meth:`add_step`)
+    _steps: list = field(default_factory=lambda: [0, 0.0, 0.0], repr=False)
+
+    def add_step(self, elapsed_s: float, busy_s: float) -> None:
+        """Count one cached micro-batched forward (a prefill or decode step) of this rank."""
+        self._steps[0] += 1
+        self._steps[1] += elapsed_s
+        self._steps[2] += busy_s
+
+    def generate(self, module: nn.Module, args: tuple, kwargs: dict) -> Any:
+        """``module.generate(*args, **kwargs)``; with micro-batches, :attr:`stats` then holds
+        the bubble over all its steps (one all-gather after the generate, every rank)."""
+        if self.micro_batches == 1:
+            return module.generate(*args, **kwargs)
+        from .schedule import gather_steps
+
+        self._steps[:] = [0, 0.0, 0.0]
+        self.communicator.barrier()  # a common start
+        out = module.generate(*args, **kwargs)
+        self.stats = gather_steps(self, *self._steps)
+        return out
 
     def call(self, module: nn.Module, args: tuple, kwargs: dict) -> Any:
         """``module(*args, **kwargs)``, split into :attr:`micro_batches` micro-batches that
@@ -132,7 +155,9 @@ class PipelineReport:
         from .schedule import run_micro_batches
 
         if self.micro_batches == 1 or kwargs.get("use_cache") or "labels" in kwargs:
-            return module(*args, **kwargs)  # a cache or a loss is for the batch whole
+            # a loss is for the batch whole; a cached call is micro-batched by the model's
+            # instance forward (:class:`~shardwise.pipeline.schedule.CachedMicroBatches`)
+            return module(*args, **kwargs)
         out, self.stats = run_micro_batches(module, args, kwargs, self)
         return out
 
@@ -203,6 +228,13 @@ def apply_stages(model: nn.Module, layers: nn.ModuleList, plan: StagePlan, commu
                  plan.ranks[-1], replaced)
     clock = StageClock()
     _wire(model, layers, head, plan, communicator, clock)
+    report = PipelineReport(plan, tuple(plan.layers), 0, tuple(name for name, _, _ in replaced),
+                            micro_batches, clock, communicator)
+    if micro_batches > 1:  # cached forwards (generate's steps) as micro-batches in flight
+        from .schedule import CachedMicroBatches
+
+        _ledger.set_forward(model, CachedMicroBatches(model, model.forward, report),
+                            what="pipeline: micro-batches with their own KV caches")
     units = [(layer, plan.ranks[plan.owner(i)]) for i, layer in enumerate(originals)]
     units += [(embed, plan.ranks[0])]
     if isinstance(head, nn.Module):
@@ -211,9 +243,8 @@ def apply_stages(model: nn.Module, layers: nn.ModuleList, plan: StagePlan, commu
                    f"(their weights broadcast back from the stages that kept them)",
                    _rebuild_undo(units, communicator))
     _let_go(model, [module for _, module, _ in replaced])
-    return PipelineReport(plan, tuple(plan.layers), param_bytes(model),
-                          tuple(name for name, _, _ in replaced), micro_batches, clock,
-                          communicator)
+    report.param_bytes = param_bytes(model)
+    return report
 
 
 def _let_go(model: nn.Module, modules: list[nn.Module]) -> None:
