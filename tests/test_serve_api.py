@@ -406,6 +406,27 @@ def test_a_failing_sequence_is_500_and_the_others_go_on(fake):
     assert client.completions.create(model=MODEL, prompt="t5", max_tokens=2).choices
 
 
+def test_event_timeout_bounds_each_wait_not_the_whole_answer(tokenizer):
+    """event_timeout_s bounds the wait for each next event: a stream whose tokens keep coming
+    outlives it many times over, a stalled one is a 500 (code "timeout") and is cancelled."""
+    backend = FakeBackend()
+    state = ServeState(backend, tokenizer, MODEL, max_context=48, metrics=FakeMetrics(),
+                       event_timeout_s=0.4)
+    with serving(build_app(state)) as server:
+        client = openai_client(server, timeout=20.0)
+        backend.step_s = 0.1  # 12 tokens: ~1.2 s, three timeouts long, never 0.4 s apart
+        paced = client.completions.create(model=MODEL, prompt="t5", max_tokens=12, stream=True)
+        assert "".join(c.choices[0].text for c in paced if c.choices) == fake_text(5, 12)
+        paced = client.completions.create(model=MODEL, prompt="t5", max_tokens=12)
+        assert paced.choices[0].text == fake_text(5, 12)
+        backend.step_s = 3.0  # stalled: no event within 0.4 s
+        with pytest.raises(openai.InternalServerError) as excinfo:
+            client.completions.create(model=MODEL, prompt="t5", max_tokens=2)
+        assert _error(excinfo)["code"] == "timeout"
+        assert backend.handles[-1].cancelled.wait(5)
+    backend.stop(0)
+
+
 def test_client_disconnect_mid_stream_cancels_the_sequence(fake):
     backend, _, client = fake
     backend.step_s = 0.05  # 40 tokens: about 2 s of stream left when the client leaves

@@ -88,8 +88,16 @@ class Delta:
     finish_reason: str | None = None
 
 
+class _TimedOut:
+    """Put in a choice's event queue by its watchdog: no event came for ``event_timeout_s``."""
+
+
 class _Choice:
-    """One submitted sequence and its text so far (detokenizer → stop strings)."""
+    """One submitted sequence and its text so far (detokenizer → stop strings).
+
+    The wait for each next event is bounded by ``event_timeout_s`` with ONE timer per choice
+    (re-armed from the time of the last event when it fires), not an ``asyncio.wait_for`` per
+    token, which wraps every ``queue.get()`` in a new task and a timer."""
 
     def __init__(self, index: int, handle: SequenceHandle, state: ServeState) -> None:
         self.index = index
@@ -100,27 +108,48 @@ class _Choice:
         self.tokens = 0  # generated tokens this choice consumed (usage)
         self.chars = 0  # characters of text emitted
         self.finished = False
+        self._last_event_s = 0.0  # loop time of the last event taken
+        self._timer: asyncio.TimerHandle | None = None
 
     async def deltas(self) -> AsyncIterator[Delta]:
         """Every non-empty delta up to the one carrying the finish reason."""
-        while not self.finished:
-            event = await self._next_event()
-            if isinstance(event, TokenEvent):
-                delta = self._on_token(event)
-            else:
-                delta = self._on_finish(event)
-            self.finished = delta.finish_reason is not None
-            self.chars += len(delta.text)
-            if delta.text or delta.tokens or self.finished:
-                yield delta
-
-    async def _next_event(self) -> TokenEvent | FinishEvent:
+        loop = asyncio.get_running_loop()
+        self._last_event_s = loop.time()
+        self._timer = loop.call_at(self._last_event_s + self.timeout, self._watch, loop)
         try:
-            return await asyncio.wait_for(self.handle.queue.get(), self.timeout)
-        except asyncio.TimeoutError:
+            while not self.finished:
+                event = await self._next_event(loop)
+                if isinstance(event, TokenEvent):
+                    delta = self._on_token(event)
+                else:
+                    delta = self._on_finish(event)
+                self.finished = delta.finish_reason is not None
+                self.chars += len(delta.text)
+                if delta.text or delta.tokens or self.finished:
+                    yield delta
+        finally:
+            self._timer.cancel()
+
+    def _watch(self, loop: asyncio.AbstractEventLoop) -> None:
+        """The timer: time out the wait when no event came for ``timeout`` seconds, else
+        re-arm for ``timeout`` after the last one."""
+        deadline, now = self._last_event_s + self.timeout, loop.time()
+        if not self.handle.queue.empty():  # no wait now: the reader is behind, not starved
+            deadline = max(deadline, now + self.timeout)
+        elif now >= deadline:
+            self.handle.queue.put_nowait(_TimedOut())
+            return
+        self._timer = loop.call_at(deadline, self._watch, loop)
+
+    async def _next_event(self, loop: asyncio.AbstractEventLoop) -> TokenEvent | FinishEvent:
+        queue = self.handle.queue
+        event = queue.get_nowait() if not queue.empty() else await queue.get()
+        self._last_event_s = loop.time()
+        if isinstance(event, _TimedOut):
             self.handle.cancel()
             raise APIError(500, f"no token for {self.timeout:g} s; the request was cancelled",
-                           type="server_error", code="timeout") from None
+                           type="server_error", code="timeout")
+        return event
 
     def _on_token(self, event: TokenEvent) -> Delta:
         self.tokens += 1
@@ -198,7 +227,15 @@ class _Generation:
         self.cancel()
 
     async def deltas(self) -> AsyncIterator[Delta]:
-        """Deltas of all choices as they come; raises the first choice's error."""
+        """Deltas of all choices as they come; raises the first choice's error. One choice
+        (``n`` = 1, the common case) is read directly; several are merged through a queue."""
+        if len(self.choices) == 1:
+            try:
+                async for delta in self.choices[0].deltas():
+                    yield delta
+            finally:
+                self.close()
+            return
         queue: asyncio.Queue = asyncio.Queue()
 
         async def pump(choice: _Choice) -> None:
