@@ -132,6 +132,15 @@ class CudaAccelerator(Accelerator):
         """Free bytes on the device as the driver sees them (other processes included)."""
         return int(torch.cuda.mem_get_info(index)[0])
 
+    def pinned_host_buffer(self, nbytes: int) -> torch.Tensor:
+        """Exactly ``nbytes`` of page-locked host memory: an anonymous mmap registered with
+        ``cudaHostRegister`` (unregistered when the tensor is freed), not torch's pinned
+        allocator, which rounds each block up to a power of two and so could pin up to twice
+        an offloaded model's bytes."""
+        from shardwise.offload.store import registered_host_buffer
+
+        return registered_host_buffer(nbytes, torch.cuda.cudart())
+
     def peak_memory(self, index: int = 0) -> int:
         """Peak bytes allocated by this process's caching allocator since the last reset."""
         return int(torch.cuda.max_memory_allocated(index))

@@ -160,6 +160,17 @@ class Accelerator:
     def reset_peak_memory(self, index: int = 0) -> None:
         """Start a new peak-memory window."""
 
+    def pinned_host_buffer(self, nbytes: int) -> torch.Tensor | None:
+        """A page-locked uint8 ``[nbytes]`` host tensor, from which copies to this device run
+        asynchronously at full speed (offload's host tier and its read staging), or None where
+        pinning gains nothing: a device that computes in host memory. Default: torch's pinned
+        allocator for the current accelerator (it rounds blocks up to a power of two); an
+        accelerator with an exact-size way overrides this. Raises RuntimeError when the
+        runtime refuses (locked-memory limit)."""
+        if self.computes_in_host_memory:
+            return None
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
     def release_cached_memory(self) -> None:
         """Give memory that freed tensors left cached in this process back to the system
         (called once ``init_inference`` has dropped the weights it replaced). Default: none."""

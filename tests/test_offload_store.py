@@ -122,17 +122,38 @@ def test_required_bytes_covers_the_blobs():
 # ------------------------------------------------------------------------------- host buffers
 
 
+def _unaligned_pinner(calls):
+    """A stand-in for an accelerator's pinned_host_buffer: CPU memory whose address is NOT a
+    multiple of ALIGN (so the slicing is exercised), recording each size asked for."""
+    def pinned(nbytes):
+        calls.append(nbytes)
+        raw = torch.empty(nbytes + ALIGN + 8, dtype=torch.uint8)
+        skip = (-raw.data_ptr()) % ALIGN + 8  # 8 bytes past an aligned address
+        return raw[skip:skip + nbytes].fill_(1)  # dirty: the buffer must come back zeroed
+    return pinned
+
+
 @pytest.mark.parametrize("nbytes", [0, 1, ALIGN - 1, ALIGN, 3 * ALIGN + 5, 5 << 20])
 @pytest.mark.parametrize("pin", [False, True])
 def test_aligned_host_buffer(nbytes, pin):
-    buf = aligned_host_buffer(nbytes, pin=pin)
+    calls = []
+    buf = aligned_host_buffer(nbytes, _unaligned_pinner(calls) if pin else None)
     assert buf.dtype == torch.uint8 and buf.dim() == 1 and buf.device.type == "cpu"
     assert buf.numel() == -(-nbytes // ALIGN) * ALIGN
     assert buf.data_ptr() % ALIGN == 0
     assert int(buf.count_nonzero()) == 0
+    assert calls == ([buf.numel() + ALIGN] if pin else [])
     if nbytes:
         buf[-1] = 7  # writable to its last byte
         assert int(buf[-1]) == 7
+
+
+def test_a_device_computing_in_host_memory_pins_nothing():
+    from shardwise.accelerators.cpu import CpuAccelerator
+
+    assert CpuAccelerator().pinned_host_buffer(ALIGN) is None
+    buf = aligned_host_buffer(ALIGN, CpuAccelerator().pinned_host_buffer)  # pageable mmap
+    assert buf.numel() == ALIGN and not buf.is_pinned()
 
 
 class _FakeRuntime:
@@ -153,10 +174,9 @@ class _FakeRuntime:
         return 0
 
 
-def test_registered_pinned_buffer_is_exact_and_unregistered_when_freed(monkeypatch):
+def test_registered_pinned_buffer_is_exact_and_unregistered_when_freed():
     runtime = _FakeRuntime()
-    monkeypatch.setattr(st, "_host_register_runtime", lambda: runtime)
-    buf = st._pinned_buffer(3 * ALIGN)
+    buf = st.registered_host_buffer(3 * ALIGN, runtime)
     address = buf.data_ptr()
     assert buf.numel() == 3 * ALIGN and address % ALIGN == 0
     assert runtime.calls == [("register", address, 3 * ALIGN, 0)]  # exactly the bytes asked for
@@ -173,7 +193,7 @@ def test_registered_pinned_buffer_is_exact_and_unregistered_when_freed(monkeypat
 
 def test_refused_pinning_is_a_clear_error():
     with pytest.raises(RuntimeError, match=r"ulimit -l.*pin_memory=False"):
-        st._registered_buffer(ALIGN, _FakeRuntime(status=2))
+        st.registered_host_buffer(ALIGN, _FakeRuntime(status=2))
 
 
 def test_views_are_zero_copy_into_the_buffer():
@@ -231,7 +251,7 @@ def test_unit_views_refuse_a_wrong_buffer():
 
 def test_memory_store_round_trip():
     entries, values = _units(2)
-    mem = MemoryStore(pin=False)
+    mem = MemoryStore()
     for e, v in zip(entries, values):
         mem.write_unit(e, v)
     for e, v in zip(entries, values):

@@ -100,11 +100,12 @@ def host_to_device_probe(accelerator: Accelerator, nbytes: int = COPY_PROBE_BYTE
     """GB/s of copying ``nbytes`` from (``pin``: page-locked) host memory into the device's
     memory, one direction: the median of ``repeats`` timed copies after a warm-up copy, each
     between two of the accelerator's synchronizations (the copy is asynchronous from pinned
-    memory). Written against torch only: pinning uses torch's current accelerator."""
-    src = torch.empty(nbytes, dtype=torch.uint8)
-    src.fill_(1)  # touch every page before it is pinned and timed
-    if pin:
-        src = src.pin_memory()
+    memory). Pinned memory is what the engine streams from: the accelerator's
+    ``pinned_host_buffer`` (pageable where it pins nothing)."""
+    pinned = accelerator.pinned_host_buffer(nbytes) if pin else None
+    pin = pinned is not None
+    src = pinned if pin else torch.empty(nbytes, dtype=torch.uint8)
+    src.fill_(1)  # touch every page before it is timed
     dst = torch.empty(nbytes, dtype=torch.uint8, device=accelerator.device())
     dst.copy_(src, non_blocking=pin)  # warm-up: the device's first touch, the copy engine
     samples = []

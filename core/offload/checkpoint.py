@@ -444,7 +444,8 @@ def load_to_store(model: nn.Module, desc: Any, settings: OffloadConfig, *,
                   tp_size: int = 1, device: torch.device | str = "cpu",
                   dtype: torch.dtype | None = None, hooks: Sequence[TensorHook] = (),
                   experts: int | None = None, quant: Any = None,
-                  fingerprint_extra: Mapping[str, Any] | None = None):
+                  fingerprint_extra: Mapping[str, Any] | None = None,
+                  pinned: Any = None):
     """:func:`shardwise.checkpoint.load_checkpoint` with :class:`WriteThrough`: the units are
     written to a :class:`~shardwise.offload.store.DiskStore` under ``settings.nvme_path`` (the
     ``"nvme"`` tier; the ``"cpu"`` tier: a :class:`~shardwise.offload.store.MemoryStore` of
@@ -460,6 +461,8 @@ def load_to_store(model: nn.Module, desc: Any, settings: OffloadConfig, *,
         tp_size: the tp size (in the fingerprint).
         hooks: the engine's other reading hooks (quantize-while-reading).
         quant: the quant settings (in the fingerprint).
+        pinned: the ``"cpu"`` tier's pinned-buffer factory (the accelerator's
+            ``pinned_host_buffer`` when ``pin_memory`` is on), or None for pageable buffers.
 
     Returns:
         The ``LoadReport``: its ``results`` hold the inner hooks' results under their names
@@ -477,7 +480,7 @@ def load_to_store(model: nn.Module, desc: Any, settings: OffloadConfig, *,
     fingerprint, shard = checkpoint_fingerprint(desc, dtype=dtype, rank=rank, tp_size=tp_size,
                                                 units=units, quant=quant, extra=fingerprint_extra)
     store = DiskStore(settings.nvme_path, fingerprint, shard) if settings.device == "nvme" else \
-        MemoryStore(pin=settings.pin_memory)
+        MemoryStore(pinned)
     quantizer = next((getattr(h, "quantizer") for h in hooks if hasattr(h, "quantizer")), None)
     hook = WriteThrough(store, units, dtype, hooks, settings, quantizer)
     loaded = _checkpoint.load_checkpoint(model, desc, prepared=prepared, rank=rank,

@@ -59,6 +59,7 @@ __all__ = [
     "UnitEntry",
     "align_up",
     "aligned_host_buffer",
+    "registered_host_buffer",
     "content_digest",
     "fingerprint_key",
     "layout_unit",
@@ -312,32 +313,22 @@ def _mmap_address(m: mmap.mmap) -> int:
         del first
 
 
-def _host_register_runtime() -> Any | None:
-    """The accelerator runtime's ``cudaHostRegister`` API where torch exposes one (CUDA, and
-    ROCm through its CUDA names), found by capability; None elsewhere."""
-    if not torch.accelerator.is_available():
-        return None
-    module = torch.get_device_module(torch.accelerator.current_accelerator())
-    cudart = getattr(module, "cudart", None)
-    runtime = cudart() if cudart is not None else None
-    return runtime if hasattr(runtime, "cudaHostRegister") else None
-
-
 def _unregister(runtime: Any, address: int, m: mmap.mmap) -> None:
-    """Undo :func:`_registered_buffer`: unpin the pages, then unmap them (in that order)."""
+    """Undo :func:`registered_host_buffer`: unpin the pages, then unmap them (in that order)."""
     runtime.cudaHostUnregister(address)
     m.close()
 
 
-def _registered_buffer(size: int, runtime: Any) -> torch.Tensor:
-    """An exact-size page-locked uint8 [size] tensor: an anonymous mmap registered with the
-    accelerator runtime (``cudaHostRegister``) and unregistered when the tensor is freed.
+def registered_host_buffer(size: int, runtime: Any) -> torch.Tensor:
+    """An exact-size page-locked uint8 [size] tensor: an anonymous mmap registered with a
+    runtime that has CUDA's host-registration API (``cudaHostRegister`` /
+    ``cudaHostUnregister`` / ``cudaError.success``: ``torch.cuda.cudart()``, ROCm through the
+    same names), unregistered when the tensor is freed. Page-aligned; zero-filled.
 
-    torch's pinned allocator (``pin_memory=True``) rounds every block up to a power of two, so
-    pinning a model's units that way can take up to twice the model's bytes; registering the
-    mmap pins exactly ``size`` bytes.
+    Raises:
+        RuntimeError: the runtime refused (locked-memory limit or host memory too small).
     """
-    m = mmap.mmap(-1, size)  # size >= ALIGN
+    m = mmap.mmap(-1, max(size, ALIGN))
     _hugepage_hint(m)
     address = _mmap_address(m)
     status = runtime.cudaHostRegister(address, size, 0)
@@ -351,36 +342,24 @@ def _registered_buffer(size: int, runtime: Any) -> torch.Tensor:
     return torch.frombuffer(holder, dtype=torch.uint8)
 
 
-def _pinned_buffer(size: int) -> torch.Tensor:
-    """A page-locked uint8 [size] tensor at an ALIGN-aligned address: registered mmap memory
-    where the runtime allows it, else torch's pinned host allocator for the current accelerator
-    (over-allocated by ALIGN and sliced)."""
-    runtime = _host_register_runtime()
-    if runtime is not None:
-        return _registered_buffer(max(size, ALIGN), runtime)[:size]
-    raw = torch.empty(size + ALIGN, dtype=torch.uint8, pin_memory=True)
-    skip = (-raw.data_ptr()) % ALIGN
-    return raw[skip:skip + size].zero_()
+#: what pins host memory for a device: ``Accelerator.pinned_host_buffer`` (None: do not pin)
+Pinner = Callable[[int], "torch.Tensor | None"]
 
 
-def aligned_host_buffer(nbytes: int, pin: bool = False) -> torch.Tensor:
+def aligned_host_buffer(nbytes: int, pinned: Pinner | None = None) -> torch.Tensor:
     """A zeroed uint8 host tensor whose address and length are multiples of :data:`ALIGN`.
 
-    Without ``pin`` (or where torch has no accelerator), the memory is an anonymous ``mmap``:
-    page-aligned, zero-filled lazily, and returned to the OS when the tensor is freed (the mmap
-    stays alive as long as the tensor does: ``torch.frombuffer`` holds it).
+    Without ``pinned`` (or where it returns None: a device that computes in host memory), the
+    memory is an anonymous ``mmap``: page-aligned, zero-filled lazily, and returned to the OS
+    when the tensor is freed (``torch.frombuffer`` keeps the mmap alive as long as the tensor).
 
-    With ``pin`` and an accelerator available (``torch.accelerator.is_available()``), the
-    memory is page-locked so host-to-device copies from it are asynchronous and at full speed:
-    where the accelerator's torch module exposes ``cudart().cudaHostRegister`` (CUDA, ROCm) an
-    mmap of exactly the rounded size is registered and unregistered when the tensor is freed;
-    elsewhere torch's pinned allocator is used (``pin_memory=True``; it rounds blocks up to a
-    power of two). On a host-only machine pinning has nothing to speed up and is skipped
-    (``buffer.is_pinned()`` tells which happened).
+    With ``pinned`` — the engine's ``accelerator.pinned_host_buffer`` — the memory is
+    page-locked the accelerator's way, so host-to-device copies from it run asynchronously at
+    full speed (over-allocated by ALIGN and sliced where the block is not already aligned).
 
     Args:
         nbytes: the bytes needed; the tensor's length is ``align_up(nbytes)``.
-        pin: page-lock the memory for fast host-to-device copies.
+        pinned: the accelerator's pinned-buffer factory, or None.
 
     Returns:
         uint8 [align_up(nbytes)], ``data_ptr() % ALIGN == 0``, zero-filled, writable.
@@ -392,8 +371,10 @@ def aligned_host_buffer(nbytes: int, pin: bool = False) -> torch.Tensor:
     if nbytes < 0:
         raise ValueError(f"aligned_host_buffer: nbytes must be >= 0, got {nbytes}")
     size = align_up(nbytes)
-    if pin and torch.accelerator.is_available():
-        return _pinned_buffer(size)
+    raw = pinned(size + ALIGN) if pinned is not None else None
+    if raw is not None:
+        skip = (-raw.data_ptr()) % ALIGN
+        return raw[skip:skip + size].zero_()
     m = mmap.mmap(-1, max(size, ALIGN))  # anonymous: page-aligned, zero-filled
     _hugepage_hint(m)
     return torch.frombuffer(m, dtype=torch.uint8)[:size]
@@ -873,20 +854,21 @@ def _advise_sequential(fd: int) -> None:
 class MemoryStore:
     """The ``cpu`` tier: each unit's blob in its own ALIGN-aligned host buffer.
 
-    With ``pin`` (and an accelerator present) the buffers are page-locked, so copies into device
-    slots on a copy stream run asynchronously at full bandwidth; see :func:`aligned_host_buffer`.
+    With ``pinned`` (the accelerator's ``pinned_host_buffer``) the buffers are page-locked, so
+    copies into device slots on a copy stream run asynchronously at full bandwidth; see
+    :func:`aligned_host_buffer`.
 
     Attributes:
-        pin: whether pinning was asked for.
+        pinned: the pinned-buffer factory, or None (pageable buffers).
     """
 
-    def __init__(self, pin: bool) -> None:
-        self.pin = pin
+    def __init__(self, pinned: Pinner | None = None) -> None:
+        self.pinned = pinned
         self._buffers: dict[int, torch.Tensor] = {}
 
     def write_unit(self, entry: UnitEntry, tensors: Sequence[torch.Tensor]) -> None:
         """Pack one unit's tensors into a new host buffer (replacing any earlier one)."""
-        buf = aligned_host_buffer(entry.nbytes, pin=self.pin)
+        buf = aligned_host_buffer(entry.nbytes, self.pinned)
         pack_into(entry, tensors, buf)
         self._buffers[entry.index] = buf
 

@@ -358,11 +358,13 @@ def offload_model(model: nn.Module, settings: OffloadConfig | Mapping, accelerat
         check_ring_fits(accelerator, device, sizing.name, sizing.nbytes, settings.buffer_count)
         if written is None:
             fingerprint, shard = store_fingerprint(model, units, plan, fingerprint_extra)
-            source, reused = _fill_store(settings, units, entries, fingerprint, shard)
+            source, reused = _fill_store(settings, units, entries, fingerprint, shard,
+                                         _pinner(settings, accelerator))
         pieces, owner = _pieces(units, entries, modes, sizing.nbytes)
         host = accelerator.computes_in_host_memory
         ranges = _chunks.RangeReader(source, threads=READ_THREADS)
-        loader = _loader(settings, source, device, sizing.nbytes, host, ranges)
+        loader = _loader(settings, source, device, sizing.nbytes, host, ranges,
+                         _pinner(settings, accelerator))
         views = _views(pieces, loader.slots)
         ring = Ring(pieces, loader, _binder(units, owner, views))
         streamed = {id(r.tensor) for u, m in zip(units, modes) if m != "resident"
@@ -437,8 +439,15 @@ def _binder(units: Sequence[Unit], owner: Mapping[int, int], views: list):
     return bind
 
 
+def _pinner(settings: OffloadConfig, accelerator: Any) -> _store.Pinner | None:
+    """What pins host buffers for this run: the accelerator's ``pinned_host_buffer`` when
+    ``pin_memory`` is on, else None."""
+    return accelerator.pinned_host_buffer if settings.pin_memory else None
+
+
 def _fill_store(settings: OffloadConfig, units: Sequence[Unit], entries: Sequence[Any],
-                fingerprint: Mapping, shard: Mapping | None) -> tuple[Any, bool]:
+                fingerprint: Mapping, shard: Mapping | None,
+                pinned: _store.Pinner | None) -> tuple[Any, bool]:
     """(the tier's store holding every unit's blob, whether it was reused): a complete
     :class:`DiskStore` is reused as it is, else written after the space check; the ``"cpu"``
     tier packs a :class:`MemoryStore`."""
@@ -448,7 +457,7 @@ def _fill_store(settings: OffloadConfig, units: Sequence[Unit], entries: Sequenc
             return store, True
         check_space(settings, _store.required_bytes(entries))
     else:
-        store = _store.MemoryStore(pin=settings.pin_memory)
+        store = _store.MemoryStore(pinned)
     for unit, entry in zip(units, entries):
         store.write_unit(entry, [r.current() for r in unit.tensors])
     if settings.device == "nvme":
@@ -457,7 +466,7 @@ def _fill_store(settings: OffloadConfig, units: Sequence[Unit], entries: Sequenc
 
 
 def _loader(settings: OffloadConfig, store: Any, device: torch.device, slot_bytes: int,
-            host: bool, ranges: _chunks.RangeReader) -> Loader:
+            host: bool, ranges: _chunks.RangeReader, pinned: _store.Pinner | None) -> Loader:
     """The ring's loader: straight into host slots on a device that computes in host memory,
     else through host memory and a copy stream into device slots. Whole units are read by the
     store's reader, chunks by ``ranges`` (closed with the loader)."""
@@ -475,8 +484,7 @@ def _loader(settings: OffloadConfig, store: Any, device: torch.device, slot_byte
             return store.buffer(piece.blob)[piece.offset:piece.offset + piece.nbytes]
         return DeviceLoader(device, slots, in_memory, workers=1, on_close=ranges.close)
     reader = _chunks.PieceReader(store.reader(threads=READ_THREADS), ranges)
-    staging = [_store.aligned_host_buffer(slot_bytes, pin=settings.pin_memory)
-               for _ in range(count)]
+    staging = [_store.aligned_host_buffer(slot_bytes, pinned) for _ in range(count)]
 
     def read(entry: Any, s: int) -> torch.Tensor:
         reader.submit(entry, staging[s]).result()
