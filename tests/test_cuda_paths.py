@@ -97,3 +97,20 @@ def test_serving_slots_over_cuda_graphs_give_each_sequence_its_hf_tokens():
         assert set(runner.stack.graphs.graphs) == keys  # joining and leaving captured nothing
     finally:
         runner.close()
+
+
+def test_pinned_host_buffers_are_exact_size_and_page_locked():
+    """Offload's host tier pins through the accelerator: exactly the bytes asked for (torch's
+    pinned allocator would round 3 pages + 5 bytes up to 16 KiB), registered with CUDA."""
+    from shardwise.accelerators.cuda import CudaAccelerator
+    from shardwise.offload.store import ALIGN, aligned_host_buffer
+
+    acc = CudaAccelerator()
+    raw = acc.pinned_host_buffer(3 * ALIGN + 5)
+    assert raw.numel() == 3 * ALIGN + 5 and raw.is_pinned()
+    buf = aligned_host_buffer(3 * ALIGN + 5, acc.pinned_host_buffer)
+    assert buf.is_pinned() and buf.data_ptr() % ALIGN == 0 and buf.numel() == 4 * ALIGN
+    dev = torch.empty(buf.numel(), dtype=torch.uint8, device="cuda")
+    dev.copy_(buf.fill_(3), non_blocking=True)
+    torch.cuda.synchronize()
+    assert int(dev.sum()) == 3 * buf.numel()
