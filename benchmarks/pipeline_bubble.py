@@ -1,0 +1,180 @@
+"""Pipeline bubble: per-stage busy time and the measured bubble against the theoretical
+``(P − 1) / (P − 1 + M)``, for M micro-batches over P stages (issue #18; the bench's ``--pp``
+in the meantime).
+
+Launches ``pp × tp`` ranks through ``shardwise launch`` (torch's elastic launcher) on this node.
+Each rank builds the same preset model (random weights, fixed seed) and, for every M in
+``--micro-batches``, runs ``init_inference(model, pipeline_parallel={"pp_size": P,
+"micro_batches": M}, tensor_parallel={"tp_size": T})`` then, after ``--warmup`` untimed calls,
+``--repeats`` timed ones of each mode:
+
+* ``forward``: one forward of the batch without a cache (a prefill), split into M micro-batches;
+* ``generate``: greedy ``engine.generate`` of ``--new-tokens`` tokens, every prefill / decode
+  step split into M micro-batches, each with its own KV cache per stage.
+
+``engine.pipeline_stats`` gives each stage's busy seconds (inside its own layers) and the wall
+time (the slowest rank's, from a common start to its last micro-batch; the broadcast of the
+outputs excluded); the bubble of a stage is ``1 − busy / wall``. Rank 0 prints one row per M and
+mode (the median repeat by wall time) and writes every repeat to ``--output`` (JSON). The
+tokens of every M are checked equal to M = 1's (a mismatch is reported, and the exit code is 1).
+
+``--delay-ms D`` makes every decoder layer sleep D ms per call (a pre-hook inside the stage's
+measured time), so a stage's compute stands above the noise of a small, shared machine: the
+measured bubble then shows the schedule itself. Without it the bubble includes the
+point-to-point and Python overheads of each step, which dominate on tiny models.
+
+Command (what benchmarks/README.md quotes)::
+
+    python benchmarks/pipeline_bubble.py --pp 2 --preset gpt2-12l-768h --batch 8 \\
+        --micro-batches 1 2 4 8 --new-tokens 8 --output /tmp/pipeline_bubble.json
+    python benchmarks/pipeline_bubble.py --pp 2 --preset gpt2-2l-64h --delay-ms 20 \\
+        --micro-batches 1 2 4 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+def _timed(engine, mode: str, ids, new_tokens: int):
+    """One call of ``mode``; returns (outputs to compare, its PipelineStats)."""
+    if mode == "forward":
+        out = engine(input_ids=ids).logits.argmax(-1)
+    else:
+        out = engine.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                              do_sample=False, pad_token_id=0)
+    return out, engine.pipeline_stats
+
+
+def _delay(model, delay_s: float) -> list:
+    """Every decoder layer this rank runs sleeps ``delay_s`` per call (hook handles)."""
+    from shardwise.moe.block import decoder_layers
+    from shardwise.pipeline import RemoteLayer
+    from shardwise.policy import policy_for
+
+    return [layer.register_forward_pre_hook(lambda *_: time.sleep(delay_s))
+            for layer in decoder_layers(model, policy_for(model))
+            if not isinstance(layer, RemoteLayer)]
+
+
+def worker(args: argparse.Namespace) -> None:
+    import torch
+    import torch.distributed as dist
+
+    import shardwise
+    from shardwise.bench.presets import build_preset
+
+    dist.init_process_group("gloo")  # kept across the engines (each engine reuses it)
+    rank = dist.get_rank()
+    model = build_preset(args.preset, dtype=torch.float32, seed=0)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, model.config.vocab_size, (args.batch, args.prompt_len), generator=g)
+    rows, reference = [], {}
+    for m in args.micro_batches:
+        pp = {"pp_size": args.pp, **({"micro_batches": m} if m > 1 else {})}
+        tp = {"tensor_parallel": {"tp_size": args.tp}} if args.tp > 1 else {}
+        engine = shardwise.init_inference(model, device="cpu", dtype=torch.float32,
+                                          pipeline_parallel=pp, **tp)
+        hooks = _delay(model, args.delay_ms / 1e3) if args.delay_ms else []
+        for mode in args.modes:
+            for _ in range(args.warmup):
+                _timed(engine, mode, ids, args.new_tokens)
+            for repeat in range(args.repeats):
+                out, stats = _timed(engine, mode, ids, args.new_tokens)
+                same = None
+                if m == 1:
+                    reference[mode] = out
+                elif mode in reference:
+                    same = bool(torch.equal(out, reference[mode]))
+                if stats is None:  # M = 1: one batch, nothing micro-batched to measure
+                    rows.append(dict(m=m, mode=mode, repeat=repeat, same_as_m1=same))
+                    continue
+                rows.append(dict(m=m, mode=mode, repeat=repeat, same_as_m1=same,
+                                 wall_s=stats.wall_s, busy_s=list(stats.busy_s),
+                                 bubble=list(stats.bubble), steps=stats.steps,
+                                 theoretical=stats.theoretical_bubble))
+        for h in hooks:
+            h.remove()
+        engine.close()
+    if rank == 0:
+        Path(args.out).write_text(json.dumps(rows))
+    dist.destroy_process_group()
+
+
+def report(rows: list[dict], args: argparse.Namespace) -> int:
+    print(f"\n{args.preset} fp32, PP={args.pp} x TP={args.tp}, batch {args.batch}, prompt "
+          f"{args.prompt_len}, {args.new_tokens} new tokens, delay {args.delay_ms} ms/layer "
+          f"(median of {args.repeats} by wall time)")
+    print(f"{'mode':9} {'M':>3} {'steps':>5} {'wall ms':>9} {'busy ms per stage':>22} "
+          f"{'bubble per stage':>20} {'theory':>7} {'x theory':>8}  tokens = M=1")
+    bad = 0
+    for mode in args.modes:
+        for m in args.micro_batches:
+            runs = [r for r in rows if r["m"] == m and r["mode"] == mode]
+            bad += sum(r["same_as_m1"] is False for r in runs)
+            same = {None: "-", True: "yes", False: "NO"}[
+                None if runs[0]["same_as_m1"] is None
+                else all(r["same_as_m1"] for r in runs)]
+            if "wall_s" not in runs[0]:
+                print(f"{mode:9} {m:>3} {'':>5} {'(one batch: not micro-batched)':>63}  {same}")
+                continue
+            r = sorted(runs, key=lambda r: r["wall_s"])[len(runs) // 2]
+            busy = ", ".join(f"{b * 1e3:.1f}" for b in r["busy_s"])
+            bubble = ", ".join(f"{b:.1%}" for b in r["bubble"])
+            ratio = max(r["bubble"]) / r["theoretical"]
+            print(f"{mode:9} {m:>3} {r['steps']:>5} {r['wall_s'] * 1e3:>9.1f} {busy:>22} "
+                  f"{bubble:>20} {r['theoretical']:>7.1%} {ratio:>8.2f}  {same}")
+    return 1 if bad else 0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--pp", type=int, default=2, help="pipeline stages (default 2)")
+    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per stage")
+    ap.add_argument("--preset", default="gpt2-12l-768h",
+                    help="a built-in model shape (shardwise bench --list-presets)")
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--prompt-len", type=int, default=32)
+    ap.add_argument("--new-tokens", type=int, default=8)
+    ap.add_argument("--micro-batches", type=int, nargs="+", default=[1, 2, 4, 8], metavar="M")
+    ap.add_argument("--modes", nargs="+", choices=["forward", "generate"],
+                    default=["forward", "generate"])
+    ap.add_argument("--delay-ms", type=float, default=0.0,
+                    help="sleep per decoder layer call, inside the stage's busy time")
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--output", default="pipeline_bubble.json")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--out", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        worker(args)
+        return 0
+    if args.pp < 2 or args.tp < 1 or min(args.micro_batches) < 1 or args.batch < 1:
+        ap.error("--pp must be >= 2; --tp, --batch and every --micro-batches >= 1")
+    if max(args.micro_batches) > args.batch:
+        ap.error(f"--micro-batches {max(args.micro_batches)} is more than --batch "
+                 f"{args.batch} rows (at most one micro-batch per row)")
+    out = Path(args.output).with_suffix(".raw.json")
+    cmd = [sys.executable, "-m", "shardwise", "launch", "--nproc-per-node",
+           str(args.pp * args.tp), __file__, *sys.argv[1:], "--worker", "--out", str(out)]
+    print("$", " ".join(cmd), flush=True)
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
+    subprocess.run(cmd, check=True, env=env)
+    rows = json.loads(out.read_text())
+    out.unlink()
+    code = report(rows, args)
+    command = "python benchmarks/pipeline_bubble.py " + " ".join(sys.argv[1:])
+    Path(args.output).write_text(json.dumps({"command": command, "rows": rows}, indent=1))
+    print(f"\nwrote {args.output}")
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
