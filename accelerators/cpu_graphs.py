@@ -23,6 +23,7 @@ import torch
 from shardwise import _torch_private as private
 from shardwise.accelerator import GraphStrategy
 from shardwise.accelerators.cpu_blocked_layout import block_linear_weights, gemm_like
+from shardwise.accelerators.cpu_gemv import use_row_products
 from shardwise.graphs import StaticGraph, cache_dir, static_copies, static_outputs
 
 log = logging.getLogger(__name__)
@@ -164,7 +165,10 @@ class CpuCompileStrategy(GraphStrategy):
     def share_weights(self, linears: list, embedding=None) -> int:
         """Unfrozen ``linear="cpp"`` (the default): lay the fp32 linear weights out in blocks
         for the C++ GEMM template (:func:`block_linear_weights`), so the compiled step reads the
-        model's own parameters. A frozen strategy keeps its own prepacked copies instead (the
+        model's own parameters; bf16/fp16 linears keep their layout and get a forward whose
+        one-row product the compiled step streams at about the copy bandwidth
+        (:func:`~shardwise.accelerators.cpu_gemv.use_row_products`: ATen's and the template's
+        bf16 GEMVs read far slower, which made bf16 slower than fp32). A frozen strategy keeps its own prepacked copies instead (the
         parameters stay as they are: the prompt's eager forward reads them)."""
         if self.freezing or self.linear != "cpp":
             return 0
@@ -172,7 +176,7 @@ class CpuCompileStrategy(GraphStrategy):
         gemms = sum(1 for m in linears if gemm_like(m))
         if blocked < gemms:  # e.g. quantized or bf16 linears: ATen's GEMMs are needed too
             self._aten_gemms()
-        return blocked
+        return blocked + use_row_products(linears)
 
     def _aten_gemms(self) -> None:
         """Let inductor use ATen's GEMMs beside the C++ template from now on (a product the

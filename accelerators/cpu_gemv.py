@@ -1,0 +1,93 @@
+"""The CPU decode-step graphs' one-row product for 16-bit linear weights (bf16, fp16).
+
+At batch 1 a decode step's linears are matrix-vector products bound by reading the weights. The
+ways torch reads a bf16 weight for one row are slow on the CPUs measured: eager ``F.linear``
+(ATen's bf16 GEMV / oneDNN's matmul on the plain layout), and inside the compiled step ATen's mm
+or inductor's C++ GEMM template (its bf16 micro-GEMM converts each B tile for a single row), all
+read the weight at well under the copy bandwidth — slower per weight byte than the fp32 paths,
+which made the bf16 step, with half the bytes, slower than fp32's (figures:
+benchmarks/README.md, "bf16 decode on CPU"; issue 21).
+
+:func:`row_product` writes the product as what it is — one dot product per output row,
+``(x.float() * W.float()).sum(-1)`` over ``W`` [N, K] as stored — and inductor fuses that into
+one C++ loop nest that streams ``W`` once in its plain row-major layout, converts 16 values at a
+time to fp32 in registers and accumulates in fp32 vectors: near the copy bandwidth, at half the
+bytes of fp32. No copy and no new layout of the weight: the model's own parameter is read, by
+the compiled step and the eager forward alike.
+
+Numerics are the bf16 contract: bf16 × bf16 products are exact in fp32, they are summed in
+fp32, and the result is rounded once to the weight's dtype (as oneDNN's and ATen's bf16 GEMMs
+do; the order of the sum differs, so results differ by fp32 rounding only).
+
+It is used for one row only (``rows == 1``, inside ``torch.compile``): with more rows inductor
+reads the weight once per row, and ``F.linear`` (oneDNN's bf16 GEMM) is faster from two rows on.
+Eager calls (the prompt's forward) always run ``F.linear``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shardwise.ledger import set_forward
+
+#: Weight dtypes the one-row product serves (fp32 linears use the blocked layout instead).
+ROW_PRODUCT_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def row_product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x @ weight.T`` for one row: x [1, K], weight [N, K] → [1, N] in ``x.dtype``, each
+    output the fp32 sum of the fp32 products (module docstring)."""
+    return (x.float()[:, None, :] * weight.float()[None]).sum(-1).to(x.dtype)  # [1, N]
+
+
+class RowProductLinear:
+    """Instance-level ``forward`` of an ``nn.Linear`` (or transformers ``Conv1D``) with a 16-bit
+    weight: inside ``torch.compile`` with one row, :func:`row_product`; otherwise the module's
+    own product (``F.linear``, or ``Conv1D``'s ``addmm``), unchanged."""
+
+    def __init__(self, module: nn.Module, conv1d: bool) -> None:
+        self.module, self.conv1d = module, conv1d
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        module = self.module
+        weight = module.weight  # [N, K] (Linear) or [K, N] (Conv1D)
+        k = weight.shape[0] if self.conv1d else weight.shape[1]
+        rows = x.numel() // k if k else 0
+        if not (torch.compiler.is_compiling() and rows == 1 and x.dtype == weight.dtype):
+            return type(module).forward(module, x)
+        w = weight.t() if self.conv1d else weight  # [N, K]; Conv1D's is a transposed view
+        out = row_product(x.reshape(1, k), w)  # [1, N]
+        if module.bias is not None:
+            out = out + module.bias
+        return out.reshape(*x.shape[:-1], out.shape[-1])
+
+    def __repr__(self) -> str:
+        return f"RowProductLinear(conv1d={self.conv1d})"
+
+
+def _is_conv1d(module: nn.Module) -> bool:
+    return type(module).__name__ == "Conv1D" and type(module).__module__.startswith("transformers")
+
+
+def row_product_eligible(module: nn.Module) -> bool:
+    """A plain ``nn.Linear``/``Conv1D`` with a 16-bit 2-d CPU weight and no forward of its own."""
+    if "forward" in module.__dict__ or not (type(module) is nn.Linear or _is_conv1d(module)):
+        return False
+    w = getattr(module, "weight", None)
+    return (isinstance(w, torch.Tensor) and w.dim() == 2 and w.dtype in ROW_PRODUCT_DTYPES
+            and w.device.type == "cpu")
+
+
+def use_row_products(linears: list[nn.Module]) -> int:
+    """Give each eligible module of ``linears`` (:func:`row_product_eligible`) a
+    :class:`RowProductLinear` forward, instance-scoped and recorded in the active ledger (undone
+    with the engine). The weights are not touched. Returns the number of modules changed."""
+    done = 0
+    for module in linears:
+        if row_product_eligible(module):
+            set_forward(module, RowProductLinear(module, _is_conv1d(module)),
+                        "one-row 16-bit product forward")
+            done += 1
+    return done

@@ -1,0 +1,106 @@
+"""The CPU graphs' one-row product for 16-bit linears (:mod:`shardwise.accelerators.cpu_gemv`).
+
+Numerics: the bf16 contract — exact products, fp32 sums, one rounding to bf16 — so the result
+is within one bf16 rounding of the fp32 product of the same bf16 values, eagerly and compiled.
+The engine test checks that a bf16 model with graphs routes its linears (the output head too)
+through it and decodes the same tokens as the eager bf16 engine.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import shardwise
+from shardwise.accelerators.cpu_gemv import (RowProductLinear, row_product,
+                                             row_product_eligible, use_row_products)
+from shardwise.accelerators.cpu_graphs import CpuCompileStrategy
+from shardwise.ledger import Ledger
+from models import prompt_ids, tiny_causal_lm
+
+NEW = 16
+GREEDY = dict(max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False, pad_token_id=0,
+              output_logits=True, return_dict_in_generate=True)
+
+
+def _exact(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """The fp32 (float64-summed) product of the same 16-bit values: [M, N]."""
+    return (x.double() @ w.double().t()).float()
+
+
+def _bf16_ulp(y: torch.Tensor) -> torch.Tensor:
+    """One bf16 rounding step at each value's magnitude (2^-7 relative), plus a floor for the
+    sum's own fp32 rounding."""
+    return y.abs() * 2.0 ** -7 + 1e-4
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_row_product_is_the_fp32_sum_rounded_once(dtype):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 300, generator=g).to(dtype)
+    w = torch.randn(70, 300, generator=g).to(dtype)
+    want = _exact(x, w)
+    got = row_product(x, w)
+    assert got.dtype == dtype and got.shape == (1, 70)
+    assert ((got.float() - want).abs() <= _bf16_ulp(want)).all()
+
+
+def test_compiled_row_product_streams_the_weight_as_stored():
+    """Inside torch.compile (the CPU strategy), one row: the module's forward is the row
+    product, reading the parameter itself; within one rounding of the exact product."""
+    g = torch.Generator().manual_seed(1)
+    lin = nn.Linear(256, 96, bias=True).to(torch.bfloat16)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(96, 256, generator=g))
+    ptr = lin.weight.data_ptr()
+    assert use_row_products([lin]) == 1
+    assert isinstance(lin.forward, RowProductLinear) and lin.weight.data_ptr() == ptr
+    x = torch.randn(1, 1, 256, generator=g).bfloat16()
+    graph = CpuCompileStrategy().capture(lambda t: lin(t), x)
+    got = graph(x).float()
+    want = _exact(x[0], lin.weight) + lin.bias.float()
+    assert got.shape == (1, 1, 96)
+    assert ((got[0] - want).abs() <= _bf16_ulp(want) * 2).all()
+    # eager, and more than one row: the module's own product, unchanged
+    xs = torch.randn(4, 256, generator=g).bfloat16()
+    assert torch.equal(lin(xs), F.linear(xs, lin.weight, lin.bias))
+
+
+def test_only_plain_16bit_linears_are_changed_and_undo_restores_them():
+    fp32 = nn.Linear(8, 8)
+    bf16 = nn.Linear(8, 8).to(torch.bfloat16)
+    patched = nn.Linear(8, 8).to(torch.bfloat16)
+    patched.forward = lambda x: x
+    norm = nn.LayerNorm(8).to(torch.bfloat16)
+    assert [row_product_eligible(m) for m in (fp32, bf16, patched, norm)] == \
+        [False, True, False, False]
+    root = nn.ModuleList([fp32, bf16, patched, norm])
+    ledger = Ledger(root)
+    with ledger.recording():
+        assert use_row_products([fp32, bf16, patched, norm]) == 1
+    assert isinstance(vars(bf16)["forward"], RowProductLinear)
+    assert "forward" not in vars(fp32) and "forward" not in vars(norm)
+    ledger.give_back()
+    assert "forward" not in vars(bf16)
+
+
+def test_bf16_engine_with_graphs_uses_row_products_and_decodes_as_eager():
+    ids = prompt_ids(batch=1, length=8)
+
+    def engine(**kwargs):
+        return shardwise.init_inference(tiny_causal_lm("llama"), device="cpu",
+                                        dtype=torch.bfloat16, replace_with_kernel_inject=True,
+                                        **kwargs)
+    eager, compiled = engine(), engine(enable_graph=True)
+    model = compiled.module
+    routed = [n for n, m in model.named_modules()
+              if isinstance(vars(m).get("forward"), RowProductLinear)]
+    linears = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+    assert routed and len(routed) == len(linears) - 1  # all but the head, wrapped by the graphs
+    assert isinstance(model.get_output_embeddings().forward.original, RowProductLinear)
+    a, b = eager.generate(ids, **GREEDY), compiled.generate(ids, **GREEDY)
+    assert torch.equal(a.sequences, b.sequences)
+    la, lb = torch.stack(a.logits).float(), torch.stack(b.logits).float()
+    assert (la - lb).abs().max().item() <= 2 * 2.0 ** -7 * la.abs().max().item()
