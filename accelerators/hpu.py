@@ -320,9 +320,9 @@ class HpuAccelerator(Accelerator):
 
     Preferred dtype: **bf16**, native on the matrix engine of every Gaudi generation and the
     format Gaudi's kernels are tuned for; fp16 runs on Gaudi2+ but has less range for no speed gain.
-    Kernel backends: the torch reference (which the Gaudi graph compiler fuses); the bridge's fused
-    ``hpex`` ops (``shardwise.kernels.hpu``) join once the parity matrix runs them (see
-    :attr:`kernel_backends`).
+    Kernel backends: the bridge's fused ``hpex`` ops (``shardwise.kernels.hpu``: RMSNorm, rotary,
+    prefill SDPA), then the torch reference for everything else (which the Gaudi graph compiler
+    fuses).
     """
 
     name = "hpu"
@@ -332,10 +332,9 @@ class HpuAccelerator(Accelerator):
     priority = 10
     supported_dtypes = DeviceDtypes(torch.bfloat16, torch.float32, torch.float16,
                                     usable=_hpu_can_run)
-    #: The ``hpu`` backend (``shardwise.kernels.hpu``: the bridge's fused ``hpex`` ops) is built
-    #: and tested against the stand-in; it is listed here once tests/test_kernel_parity.py runs
-    #: an ``hpu`` target (its check that every listed backend is a parity target).
-    kernel_backends = ()
+    #: the bridge's fused ``hpex`` ops (registers nothing where the bridge is not installed);
+    #: checked against the reference on the stand-in by tests/test_kernel_parity.py's hpu target
+    kernel_backends = ("hpu",)
 
     @classmethod
     def availability(cls) -> Availability:

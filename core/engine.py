@@ -610,6 +610,8 @@ def _check_later_steps(model: nn.Module, cfg: InferenceConfig, accelerator: Acce
 
         check_injection(model, accelerator, dtype, _max_tokens(cfg), device,
                         policy=plan.found_policy, heads=_injected_heads(plan))
+    if cfg.enable_graph:  # a device that cannot capture in its current mode says so now
+        accelerator.graph_strategy()
     if cfg.offload is not None:
         from .offload.config import check_offload
 

@@ -374,3 +374,21 @@ def test_launch_refuses_a_short_module_list_before_any_rank(standin, tmp_path):
     assert run.returncode == 2, run.stdout
     assert "HABANA_VISIBLE_MODULES='3'" in run.stdout and "Traceback" not in run.stdout
     assert not list(tmp_path.glob("rank*.json"))
+
+
+def test_enable_graph_without_graphs_fails_before_the_model_is_touched(standin, monkeypatch):
+    """init_inference asks the accelerator for its graph strategy with the other checks, so
+    a mode with no HPU graphs is refused before any weight moves (the engine's ledger would
+    undo it, but nothing should need undoing)."""
+    import shardwise
+    from models import tiny_causal_lm
+
+    monkeypatch.delattr(standin.bridge("habana_frameworks.torch.hpu"), "HPUGraph")
+    model = tiny_causal_lm("llama")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    moved = _count_calls(monkeypatch, torch.nn.Module, "to")
+    with pytest.raises(HpuGraphUnavailableError, match="no hpu.HPUGraph"):
+        shardwise.init_inference(model, device="hpu", dtype=torch.bfloat16,
+                                 replace_with_kernel_inject=True, enable_graph=True)
+    assert not moved
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())

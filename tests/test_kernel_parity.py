@@ -29,6 +29,7 @@ import pytest
 import torch
 
 from gpu import cuda_accelerator
+from hpu_standin import standin  # noqa: F401 (the hpu target's fixture)
 from kernel_inputs import (DECODE_LENGTHS, DECODE_STARTS, QUANT_SPECS, TOL, assert_moe_matches,
                            assert_quant_matches, check_norm, dtype_id, garbage_cache, heads,
                            moe_inputs, norm_inputs,
@@ -46,7 +47,9 @@ F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
 ALL = (F32, BF16, F16)
 HALF = (F16, BF16)  # the GPU cases' dtypes
 #: target -> the backend whose implementations it runs
-BACKEND_OF = {"cpu": "cpu", "triton": "triton", "cuda": "triton"}
+BACKEND_OF = {"cpu": "cpu", "triton": "triton", "cuda": "triton", "hpu": "hpu"}
+#: the ``hpu`` target: the Gaudi kernels over the bridge stand-in's hpex ops (tests/fake_habana),
+#: on CPU tensors (the stand-in's fused ops compute with torch), in the CPU cases' shapes
 
 
 @dataclass(frozen=True)
@@ -144,6 +147,7 @@ def quant_check(got, want, ctx: Ctx) -> None:
 
 NORM_SHAPES = {"cpu": [(1, 33), (3, 64), (7, 100), (2, 3, 100)],  # [..., hidden], ragged
                "triton": [(1, 17), (3, 64), (2, 2, 96)]}  # tiny: interpreted
+HPU_NORMS = ("rms_norm",)  # the Gaudi stack fuses RMSNorm only (hpex FusedRMSNorm)
 NORM_GPU = [(rows, hidden) for hidden in (4096, 8192) for rows in (1, 7, 64)]
 
 
@@ -178,7 +182,9 @@ def _norm_cases(op):
         for shape, res, bias in itertools.product(shapes, (True, False), biases):
             name = f"{target}-shape{'x'.join(map(str, shape))}-res{int(res)}"
             name += f"-bias{int(bias)}" if op == "layer_norm" else ""
-            yield Case(op, name, _norm_build(op, shape, res, bias), {target: ALL}, norm_check)
+            also = {"hpu": ALL} if op in HPU_NORMS and target == "cpu" else {}
+            yield Case(op, name, _norm_build(op, shape, res, bias), {target: ALL, **also},
+                       norm_check)
     yield Case(op, "f32-params", _norm_build(op, (3, 40), True, True, F32), {"cpu": (BF16,)},
                norm_check)
     yield Case(op, "strided", _norm_strided(op), {"triton": (F32,)}, norm_check)
@@ -206,7 +212,8 @@ def _rotary_cases():
     for style in ROTARY_STYLES:
         for rotary_dim in (24, 10):  # head_dim 24: full and partial
             yield Case("rotary", f"seq5-r{rotary_dim}-{style}",
-                       _rotary_build(2, 4, 2, 5, 24, rotary_dim, style), {"cpu": ALL}, close)
+                       _rotary_build(2, 4, 2, 5, 24, rotary_dim, style),
+                       {"cpu": ALL, "hpu": ALL}, close)
         for rotary_dim, shared in itertools.product((24, 8), (False, True)):
             yield Case("rotary", f"seq3-r{rotary_dim}-{style}" + "-shared-cos" * shared,
                        _rotary_build(2, 4, 2, 3, 24, rotary_dim, style, shared),
@@ -388,10 +395,10 @@ def _gpu_decode_build(batch, kv_heads, alibi, window, sinks=False):
 def _attention_cases():
     for name, (b, qh, kvh, ql, kvl, kw) in PREFILL_CASES.items():  # cuda too: small heads
         yield Case("attention_prefill", name, _prefill_build(b, qh, kvh, ql, kvl, kw),
-                   {"cpu": ALL, "triton": (F32, BF16), "cuda": ALL}, close)
+                   {"cpu": ALL, "triton": (F32, BF16), "cuda": ALL, "hpu": ALL}, close)
     yield Case("attention_prefill", "head-dim-16", _prefill_build(2, 4, 2, 16, 16,  # tiny models'
                                                                   lambda dev: {}, d=16),
-               {"cpu": ALL, "triton": (F32, BF16), "cuda": ALL}, close)
+               {"cpu": ALL, "triton": (F32, BF16), "cuda": ALL, "hpu": ALL}, close)
     yield Case("attention_prefill", "window-skips-key-tiles", _prefill_skips_tiles,
                {"triton": (F32, BF16)}, close)
     for case, seq in itertools.product(GPU_PREFILL, (1, 333, 2048)):
@@ -696,10 +703,24 @@ PARAMS = list(_params())
 _REGISTRY = KernelRegistry()
 
 
-def _implementation(case: Case, target: str, dtype: torch.dtype, call: Call, device: str):
-    """The backend's callable for this target: the registered function (``cpu``, ``triton``)
-    or what the registry resolves for the cuda accelerator (which must be triton's)."""
-    if target == "cuda":
+def _hpu_registry(request) -> KernelRegistry:
+    """A registry that loaded the ``hpu`` backend through its entry point with the bridge
+    stand-in importable (a fresh one: ``_REGISTRY`` loaded it without the stand-in, when it
+    registers nothing)."""
+    request.getfixturevalue("standin")
+    registry = KernelRegistry()
+    assert registry.load_backend("hpu") == "", "the hpu backend did not load on the stand-in"
+    return registry
+
+
+def _implementation(case: Case, target: str, dtype: torch.dtype, call: Call, device: str,
+                    request=None):
+    """The backend's callable for this target: the registered function (``cpu``, ``triton``,
+    ``hpu`` on the bridge stand-in) or what the registry resolves for the cuda accelerator
+    (which must be triton's)."""
+    if target == "hpu":
+        fn = _hpu_registry(request).implementations(case.op)["hpu"].fn
+    elif target == "cuda":
         impl = _REGISTRY.resolve(case.op, cuda_accelerator(dtype), dtype, **call.resolve)
         assert impl.backend == "triton", f"cuda resolved {case.op} to {impl.backend!r}"
         fn = impl.fn
@@ -714,11 +735,11 @@ def _copy(args: tuple) -> tuple:
     return tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in args)
 
 
-def _run(case: Case, target: str, dtype: torch.dtype, device: str) -> None:
+def _run(case: Case, target: str, dtype: torch.dtype, device: str, request=None) -> None:
     reference = _REGISTRY.implementations(case.op)[REFERENCE].fn
     calls = case.build(dtype, device, target)
     assert all(call.resolve == calls[0].resolve for call in calls), "one spec per case"
-    kernel = _implementation(case, target, dtype, calls[0], device)
+    kernel = _implementation(case, target, dtype, calls[0], device, request)
     for call in calls:
         ref_args = call.ref_args if call.ref_args is not None else call.args
         if case.inplace:
@@ -738,9 +759,9 @@ def _run(case: Case, target: str, dtype: torch.dtype, device: str) -> None:
 @pytest.mark.filterwarnings("ignore:overflow encountered in exp")  # interpreter: sigmoid(-big)
 @pytest.mark.parametrize("target,case,dtype", PARAMS)
 def test_matches_reference(target, case, dtype, request):
-    device = {"cpu": "cpu", "cuda": "cuda"}.get(target) or request.getfixturevalue(
-        "triton_device")
-    _run(case, target, dtype, device)
+    device = {"cpu": "cpu", "cuda": "cuda", "hpu": "cpu"}.get(target) or \
+        request.getfixturevalue("triton_device")
+    _run(case, target, dtype, device, request)
 
 
 # ----- bad input: every backend raises what the reference raises -------------------------------
