@@ -67,6 +67,18 @@ class Communicator:
         returns it."""
         raise NotImplementedError
 
+    def isend(self, tensor: torch.Tensor, dst: int) -> "PendingOp":
+        """:meth:`send` started in the background: the returned op's ``wait()`` completes it
+        (keep ``tensor`` unchanged until then). Default: a blocking :meth:`send`."""
+        self.send(tensor, dst)
+        return PendingOp()
+
+    def irecv(self, tensor: torch.Tensor, src: int) -> "PendingOp":
+        """:meth:`recv` started in the background into ``tensor``, which holds the data once
+        the returned op's ``wait()`` returns. Default: a blocking :meth:`recv`."""
+        self.recv(tensor, src)
+        return PendingOp()
+
     def release_buffers(self) -> None:
         """Free what this communicator holds for its collectives beyond the process group (the
         CPU one's shared-memory segment); the group stays, and collectives still work, by the
@@ -74,6 +86,20 @@ class Communicator:
 
     def close(self) -> None:
         """Release the process group if this communicator created it."""
+
+
+class PendingOp:
+    """A point-to-point op in flight (:meth:`Communicator.isend` / :meth:`~Communicator.irecv`).
+    ``wait()`` blocks until it completed, under the communicator's timeout and error naming
+    (:class:`CollectiveError`); an op made without ``work`` is already complete."""
+
+    def __init__(self, run=None, name: str = "", work=None) -> None:
+        self._run, self._name, self._work = run, name, work
+
+    def wait(self) -> None:
+        if self._work is not None:
+            work, self._work = self._work, None
+            self._run(self._name, work.wait)
 
 
 class LocalCommunicator(Communicator):
@@ -170,6 +196,12 @@ class TorchDistCommunicator(Communicator):
         self._run("recv", dist.recv, tensor, src=src)
         return tensor
 
+    def isend(self, tensor, dst):
+        return PendingOp(self._run, "isend", self._run("isend", dist.isend, tensor, dst=dst))
+
+    def irecv(self, tensor, src):
+        return PendingOp(self._run, "irecv", self._run("irecv", dist.irecv, tensor, src=src))
+
     def close(self):
         if self.owns_group and dist.is_initialized():
             dist.destroy_process_group()
@@ -228,6 +260,14 @@ class GroupCommunicator(Communicator):
     def recv(self, tensor, src):
         self._run("recv", dist.recv, tensor, group_src=src)
         return tensor
+
+    def isend(self, tensor, dst):
+        return PendingOp(self.world._run, f"isend in the group of ranks {list(self.ranks)}",
+                         self._run("isend", dist.isend, tensor, group_dst=dst))
+
+    def irecv(self, tensor, src):
+        return PendingOp(self.world._run, f"irecv in the group of ranks {list(self.ranks)}",
+                         self._run("irecv", dist.irecv, tensor, group_src=src))
 
 
 def subgroups(world: Communicator, groups: list[tuple[int, ...]]) -> Communicator:

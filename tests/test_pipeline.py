@@ -581,3 +581,65 @@ def test_a_dead_stage_fails_the_other_within_the_timeout(tmp_path, dead, op):
     assert error and f"{op} failed on rank {1 - dead}/2" in error, error
     print(f"stage {dead} died: {op} failed after {survivor['value']['seconds']:.1f}s")
     assert survivor["value"]["seconds"] < TIMEOUT_S + 10
+
+
+# ----- the point-to-point ops in flight (one process, a recording communicator) ------------------
+
+class _RecordingComm(shardwise.Communicator):
+    """Records every point-to-point op; a receive fills its buffer with the call's number."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+
+    def _note(self, name, tensor, peer):
+        self.calls.append((name, tuple(tensor.shape), peer))
+        if name in ("recv", "irecv"):
+            tensor.fill_(len(self.calls))
+
+    def send(self, tensor, dst):
+        self._note("send", tensor, dst)
+
+    def recv(self, tensor, src):
+        self._note("recv", tensor, src)
+        return tensor
+
+    def isend(self, tensor, dst):
+        self._note("isend", tensor, dst)
+        return shardwise.communicator.PendingOp()
+
+    def irecv(self, tensor, src):
+        self._note("irecv", tensor, src)
+        return shardwise.communicator.PendingOp()
+
+
+def test_in_flight_receives_the_next_micro_batch_while_this_one_computes():
+    from shardwise.pipeline.transform import InFlight
+
+    comm, links = _RecordingComm(), InFlight()
+    links.arm([2, 1, 1])  # rows of 3 micro-batches of [rows, 5, 8]
+    first = links.receive(comm, torch.zeros(2, 5, 8), src=0)
+    assert comm.calls == [("recv", (2, 5, 8), 0), ("irecv", (1, 5, 8), 0)]
+    second = links.receive(comm, torch.zeros(1, 5, 8), src=0)  # the prefetched buffer
+    assert comm.calls[2:] == [("irecv", (1, 5, 8), 0)]
+    third = links.receive(comm, torch.zeros(1, 5, 8), src=0)
+    assert len(comm.calls) == 3  # nothing left to post
+    assert (first.unique().tolist(), second.unique().tolist(), third.unique().tolist()) == \
+        ([1.0], [2.0], [3.0])
+    hidden = torch.ones(1, 5, 8)
+    links.send(comm, hidden, dst=1)
+    hidden.add_(1)  # the stage goes on: the copy in flight keeps what was sent
+    assert comm.calls[-1] == ("isend", (1, 5, 8), 1) and links._sends[0][0].eq(1).all()
+    links.disarm(complete=True)
+    links.send(comm, hidden, dst=1)  # unarmed: a forward of the batch whole, blocking
+    assert comm.calls[-1] == ("send", (1, 5, 8), 1)
+
+
+def test_in_flight_names_a_micro_batch_of_another_shape():
+    from shardwise.pipeline.transform import InFlight
+
+    comm, links = _RecordingComm(), InFlight()
+    links.arm([2, 2])
+    links.receive(comm, torch.zeros(2, 5, 8), src=0)
+    with pytest.raises(PipelineConfigError, match=r"received hidden states \(2, 5, 8\) for a "
+                                                  r"micro-batch whose inputs are \(2, 6, 8\)"):
+        links.receive(comm, torch.zeros(2, 6, 8), src=0)

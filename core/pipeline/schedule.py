@@ -3,7 +3,8 @@
 A batch of B rows is split into M micro-batches (``tensor_split`` along dim 0 of every input
 with B rows: sizes differ by at most one) that run one after the other through HF's forward on
 every rank. The stages overlap because a stage hands micro-batch k to the next stage and goes on
-with k + 1 while the next one computes k (its send completes once the next stage asks for k);
+with k + 1 while the next one computes k (its send runs in the background, and the next stage
+receives k + 1 while it computes k: :class:`~shardwise.pipeline.transform.InFlight`);
 the broadcast of the last stage's outputs, which would make every stage wait for the last one,
 is deferred until every micro-batch ran (``StageClock.deferred``). Each stage's busy time is
 measured around its layers (:class:`~shardwise.pipeline.transform.StageClock`), so the bubble
@@ -131,21 +132,36 @@ def _concat(outs: list[Any]) -> Any:
     return first
 
 
+def run_parts(forward, parts: list[tuple[tuple, dict]], report) -> tuple[list, float, float]:
+    """``forward(*a, **k)`` for every micro-batch ``(a, k)`` of ``parts``, one after the other,
+    with the stage's point-to-point ops in flight (:class:`~shardwise.pipeline.transform.
+    InFlight`) and the broadcast of the outputs deferred (the caller broadcasts). Returns the
+    outputs, this rank's seconds and its busy seconds."""
+    clock, links = report.clock, report.links
+    busy_before, was_deferred = clock.busy_s, clock.deferred
+    clock.deferred = True
+    if links is not None:
+        links.arm([_batch_size(a, k) or 1 for a, k in parts])
+    complete = False
+    start = time.perf_counter()
+    try:
+        outs = [forward(*a, **k) for a, k in parts]
+        complete = True
+    finally:
+        if links is not None:
+            links.disarm(complete)
+        clock.deferred = was_deferred
+    return outs, time.perf_counter() - start, clock.busy_s - busy_before
+
+
 def run_micro_batches(module, args: tuple, kwargs: dict, report) -> tuple[Any, PipelineStats]:
     """``module(*args, **kwargs)`` as ``report.micro_batches`` micro-batches through the stages
     (module docstring); every rank returns the last stage's outputs, joined. Returns
     ``(outputs, stats)``; every rank of the pipeline calls it."""
-    comm, clock, plan = report.communicator, report.clock, report.plan
+    comm, plan = report.communicator, report.plan
     parts = split_inputs(args, {**kwargs, "use_cache": False}, report.micro_batches)
     comm.barrier()  # a common start for the wall time
-    busy_before = clock.busy_s
-    clock.deferred = True
-    start = time.perf_counter()
-    try:
-        outs = [module(*a, **k) for a, k in parts]
-    finally:
-        clock.deferred = False
-    elapsed, busy = time.perf_counter() - start, clock.busy_s - busy_before
+    outs, elapsed, busy = run_parts(module, parts, report)
     outs = [_broadcast_output(o, comm, plan.ranks[-1]) for o in outs]
     times = comm.all_gather(torch.tensor([[elapsed, busy]], dtype=torch.float64))  # [P, 2]
     stats = PipelineStats(len(parts), plan.size, float(times[:, 0].max()),
@@ -216,16 +232,9 @@ class CachedMicroBatches:
         """Every micro-batch through the stages, the broadcast of the last stage's outputs
         deferred until all ran; this rank's seconds and busy seconds added to the report."""
         report = self.report
-        clock, comm = report.clock, report.communicator
-        busy_before, was_deferred = clock.busy_s, clock.deferred
-        clock.deferred = True
-        start = time.perf_counter()
-        try:
-            outs = [self.forward(*a, **k) for a, k in parts]
-        finally:
-            clock.deferred = was_deferred
-        report.add_step(time.perf_counter() - start, clock.busy_s - busy_before)
-        return [_broadcast_output(o, comm, report.plan.ranks[-1]) for o in outs]
+        outs, elapsed, busy = run_parts(self.forward, parts, report)
+        report.add_step(elapsed, busy)
+        return [_broadcast_output(o, report.communicator, report.plan.ranks[-1]) for o in outs]
 
 
 def _count_tokens(cache, outs: list[Any], caches: list, batch: int) -> None:

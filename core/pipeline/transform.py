@@ -121,6 +121,8 @@ class PipelineReport:
     micro_batches: int = 1
     clock: "StageClock | None" = field(default=None, repr=False)
     communicator: Any = field(default=None, repr=False)
+    #: this stage's :class:`InFlight` point-to-point ops (armed by the micro-batch schedule)
+    links: "InFlight | None" = field(default=None, repr=False)
     #: the :class:`~shardwise.pipeline.schedule.PipelineStats` of the last micro-batched
     #: forward, or of the last ``engine.generate`` (all its steps)
     stats: Any = None
@@ -226,10 +228,10 @@ def apply_stages(model: nn.Module, layers: nn.ModuleList, plan: StagePlan, commu
         _replace(model, names, head,
                  RemoteHead(plan.head_features or head.weight.shape[0], dtype),
                  plan.ranks[-1], replaced)
-    clock = StageClock()
-    _wire(model, layers, head, plan, communicator, clock)
+    clock, links = StageClock(), InFlight()
+    _wire(model, layers, head, plan, communicator, clock, links)
     report = PipelineReport(plan, tuple(plan.layers), 0, tuple(name for name, _, _ in replaced),
-                            micro_batches, clock, communicator)
+                            micro_batches, clock, communicator, links=links)
     if micro_batches > 1:  # cached forwards (generate's steps) as micro-batches in flight
         from .schedule import CachedMicroBatches
 
@@ -268,6 +270,62 @@ def _replace(model: nn.Module, names: dict, module: nn.Module, stand_in: nn.Modu
     replaced.append((name, module, owner))
 
 
+class InFlight:
+    """The point-to-point ops of a micro-batched forward in flight on this stage: armed by the
+    schedule (:mod:`shardwise.pipeline.schedule`) with the rows of every micro-batch, used by
+    the stage's hooks. Sends start in the background (``isend``; their tensors copied, so later
+    in-place changes cannot reach them) and are waited for once every micro-batch ran; the
+    receive hook of micro-batch k posts the ``irecv`` of micro-batch k + 1 (shape: its rows ×
+    this one's other dims) before the stage computes k, so the transfer overlaps the compute.
+    Unarmed (a forward of the batch whole), the hooks send and receive blocking."""
+
+    def __init__(self) -> None:
+        self.active = False
+        self._rows: list[int] = []  # rows of the micro-batches still to receive, after the next
+        self._recv: tuple[torch.Tensor, Any] | None = None  # (buffer, op) of the next one
+        self._sends: list[tuple[torch.Tensor, Any]] = []
+
+    def arm(self, rows: list[int]) -> None:
+        """A micro-batched forward of micro-batches of ``rows`` rows begins."""
+        self.active, self._rows, self._recv, self._sends = True, list(rows[1:]), None, []
+
+    def disarm(self, complete: bool) -> None:
+        """It ended: wait for the sends still in flight (``complete``; after an error they are
+        dropped: the peer that failed will not take them)."""
+        sends, self._sends, self._recv, self.active = self._sends, [], None, False
+        if complete:
+            for _, op in sends:
+                op.wait()
+
+    def send(self, comm, hidden: torch.Tensor, dst: int) -> None:
+        if not self.active:
+            comm.send(hidden.detach().contiguous(), dst=dst)
+            return
+        data = hidden.detach().clone(memory_format=torch.contiguous_format)
+        self._sends.append((data, comm.isend(data, dst=dst)))
+
+    def receive(self, comm, hidden: torch.Tensor, src: int) -> torch.Tensor:
+        """The hidden states of this micro-batch (``hidden``: the stand-ins' placeholder of the
+        same shape), then the next one's receive posted."""
+        if self._recv is not None:
+            incoming, op = self._recv
+            self._recv = None
+            op.wait()
+            if incoming.shape != hidden.shape:
+                raise PipelineConfigError(
+                    f"pipeline stage received hidden states {tuple(incoming.shape)} for a "
+                    f"micro-batch whose inputs are {tuple(hidden.shape)}: the micro-batches "
+                    f"must keep every non-batch dimension; run with micro_batches=1")
+        else:
+            incoming = torch.empty_like(hidden, memory_format=torch.contiguous_format)
+            comm.recv(incoming, src=src)
+        if self.active and self._rows:
+            shape = (self._rows.pop(0), *hidden.shape[1:])
+            buf = hidden.new_empty(shape)
+            self._recv = (buf, comm.irecv(buf, src=src))
+        return incoming
+
+
 class StageClock:
     """This stage's busy time: the seconds between its first layer starting (after the hidden
     states arrived) and its last layer ending (before they are sent), summed over forwards.
@@ -290,7 +348,7 @@ class StageClock:
 
 
 def _wire(model: nn.Module, layers: nn.ModuleList, head: nn.Module | None, plan: StagePlan,
-          comm, clock: StageClock) -> None:
+          comm, clock: StageClock, links: InFlight) -> None:
     """The hooks that move activations: receive before the stage's first layer, send after its
     last, broadcast the last stage's output to every rank; and the clock's, around the stage's
     layers (after the receive, before the send: hooks run in the order registered)."""
@@ -299,9 +357,7 @@ def _wire(model: nn.Module, layers: nn.ModuleList, head: nn.Module | None, plan:
         src = plan.ranks[plan.coord - 1]
 
         def receive(module, args, kwargs):
-            hidden = _hidden_of(args, kwargs)
-            incoming = torch.empty_like(hidden, memory_format=torch.contiguous_format)
-            comm.recv(incoming, src=src)
+            incoming = links.receive(comm, _hidden_of(args, kwargs), src)
             if args:
                 return (incoming, *args[1:]), kwargs
             return args, {**kwargs, "hidden_states": incoming}
@@ -314,7 +370,7 @@ def _wire(model: nn.Module, layers: nn.ModuleList, head: nn.Module | None, plan:
         dst = plan.ranks[plan.coord + 1]
 
         def send(module, args, out):
-            comm.send(_output_hidden(out).detach().contiguous(), dst=dst)
+            links.send(comm, _output_hidden(out), dst)
 
         _ledger.add_hook(layers[end - 1].register_forward_hook(send), "pipeline: send hidden")
     src_last = plan.ranks[-1]
