@@ -413,9 +413,9 @@ def test_quantize_while_reading_joins_a_bias_read_before_its_weight(tmp_path, mo
 def test_quant_settings_that_do_not_fit_fail_before_reading(tmp_path, monkeypatch):
     path = save_hf("llama", tmp_path / "hf")
     with count_reads(monkeypatch) as reads:
-        with pytest.raises(ConfigError, match=r"group_size=48 does not divide layer "
+        with pytest.raises(ConfigError, match=r"q_groups=3 does not divide layer "
                                               r"'model.layers.0.self_attn.q_proj'"):
-            load(path, dtype=BF16, quant={"weight": {"num_bits": 8, "group_size": 48}})
+            load(path, dtype=BF16, quant={"weight": {"num_bits": 8, "q_groups": 3}})
         with pytest.raises(ConfigError, match=r"int4 needs a group size that is a multiple of "
                                               r"32 .* 'allow_slow_kernels': True"):
             load(path, dtype=torch.float32, quant={"weight": {"num_bits": 4, "group_size": 16}})

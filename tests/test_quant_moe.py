@@ -187,13 +187,25 @@ def test_an_fp32_model_runs_its_experts_in_bf16_and_close_gives_them_back_dequan
             assert ((got - want.detach()).abs() <= step + 1e-6).all(), param
 
 
-def test_experts_that_do_not_fit_the_settings_are_named_before_any_change():
+def test_experts_a_group_size_does_not_divide_are_regrouped_and_reported():
     model = tiny_causal_lm("qwen3_moe")  # experts' I = 32: groups of 64 fit H, not I
+    engine = shardwise.init_inference(model, device="cpu", dtype=BF16,
+                                      quant={"weight": {"num_bits": 4, "group_size": 64}})
+    layers = engine.quantization.layers
+    assert layers["model.layers.0.mlp.experts.down_proj"].group_size == 32  # I itself
+    assert layers["model.layers.0.mlp.experts.gate_up_proj"].group_size == 64
+    assert any("32 input features" in note and "model.layers.0.mlp.experts.down_proj" in note
+               for note in engine.quantization.notes)
+
+
+def test_experts_that_do_not_fit_the_settings_are_named_before_any_change():
+    model = tiny_causal_lm("qwen3_moe")  # experts' I = 32: 64 equal groups fit H, not I
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    with pytest.raises(ConfigError, match=r"group_size=64 does not divide layer "
+    with pytest.raises(ConfigError, match=r"q_groups=64 does not divide layer "
                                           r"'model.layers.0.mlp.experts.down_proj'"):
         shardwise.init_inference(model, device="cpu", dtype=BF16,
-                                 quant={"weight": {"num_bits": 4, "group_size": 64}})
+                                 quant={"weight": {"num_bits": 8, "q_groups": 64},
+                                        "allow_slow_kernels": True})
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
 
 

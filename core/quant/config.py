@@ -42,8 +42,12 @@ accelerator's preferred compute dtype (bf16 on a CPU with native bf16, see
 
 Group size
 ----------
-* ``group_size`` given: used for every quantized layer; it must divide each layer's input
-  features (the error names the layer).
+* ``group_size`` given: used for every quantized layer whose input features it divides. A layer
+  it does not divide (e.g. 128 on SmolLM2-135M's 576) is never refused: it gets the largest
+  divisor of its input features below ``group_size`` (finer groups, so never less accurate) that
+  a fast kernel takes (:func:`fitting_group_sizes` lists the candidates; 96 for 576), or one
+  scale per output row where no divisor of at least 16 exists. The quantization report's notes
+  name those layers and the size each got.
 * neither ``group_size`` nor ``q_groups``: 8 bits → one scale per output row (per channel);
   4 bits → groups of 128 columns, or of 64 / 32 where 128 does not divide a layer's input
   features, else per channel (every default fits every layer).
@@ -77,6 +81,9 @@ _UNSUPPORTED = {
 }
 #: Default 4-bit group sizes, tried in order (the first dividing in_features wins).
 INT4_DEFAULT_GROUPS = (128, 64, 32)
+#: The smallest group a ``group_size`` that does not divide a layer falls back to (smaller groups
+#: cost more scale bytes and kernel calls than they gain; below it: one scale per output row).
+MIN_FALLBACK_GROUP = 16
 _MLP_NAME = re.compile(r"(^|\.)(mlp|ffn|feed_forward|fc1|fc2|c_fc|gate_proj|up_proj|down_proj|"
                        r"gate_up_proj|dense_h_to_4h|dense_4h_to_h|w1|w2|w3)(\.|$)")
 
@@ -110,7 +117,19 @@ class QuantConfig:
 
     def group_size_for(self, name: str, in_features: int) -> int:
         """The group size of layer ``name`` with ``in_features`` inputs (module docstring);
-        raises :class:`ConfigError` naming the layer when the setting does not fit it."""
+        raises :class:`ConfigError` naming the layer when a DeepSpeed ``q_groups`` does not
+        cut it into equal groups. An explicit ``group_size`` that does not divide the layer's
+        inputs is never refused: the largest fitting size below it is used
+        (:func:`fitting_group_sizes`; the quantizer reports which layers)."""
+        return self.group_sizes_for(name, in_features)[0]
+
+    def group_sizes_for(self, name: str, in_features: int) -> tuple[int, ...]:
+        """The group sizes layer ``name`` with ``in_features`` inputs may use, best first: the
+        one :meth:`group_size_for` gives, then (only where an explicit ``group_size`` does not
+        divide ``in_features``) the other fitting sizes of :func:`fitting_group_sizes`, for a
+        quantizer to pick the first a fast kernel takes. Raises as :meth:`group_size_for`."""
+        if self.q_groups is None and self.group_size not in (None, -1):
+            return fitting_group_sizes(self.group_size, in_features)
         if self.q_groups is not None:
             groups = self.q_groups * (2 if self.mlp_extra_grouping and is_mlp(name) else 1)
             if in_features % groups:
@@ -118,17 +137,12 @@ class QuantConfig:
                     f"q_groups={self.q_groups}{' (x2 for MLP: mlp_extra_grouping)' if groups != self.q_groups else ''}"
                     f" does not divide layer {name!r}'s {in_features} input features into "
                     f"equal groups; choose q_groups dividing it, or group_size")
-            return in_features // groups
-        if self.group_size is not None:
-            size = in_features if self.group_size == -1 else self.group_size
-            if in_features % size:
-                raise ConfigError(f"group_size={self.group_size} does not divide layer {name!r}'s "
-                                  f"{in_features} input features; use a divisor of it, or -1 "
-                                  f"(one scale per output row)")
-            return size
+            return (in_features // groups,)
+        if self.group_size == -1:
+            return (in_features,)
         if self.bits == 4:
-            return next((g for g in INT4_DEFAULT_GROUPS if in_features % g == 0), in_features)
-        return in_features
+            return (next((g for g in INT4_DEFAULT_GROUPS if in_features % g == 0), in_features),)
+        return (in_features,)
 
     def describe(self) -> str:
         if self.q_groups is not None:
@@ -153,6 +167,22 @@ class QuantConfig:
         if self.allow_slow_kernels:
             out["allow_slow_kernels"] = True
         return out
+
+
+def fitting_group_sizes(requested: int, in_features: int) -> tuple[int, ...]:
+    """Group sizes for a layer with ``in_features`` inputs when ``requested`` columns per scale
+    were asked for, best first: ``(requested,)`` when it divides ``in_features``; else every
+    divisor of ``in_features`` below ``requested`` and at least :data:`MIN_FALLBACK_GROUP` (half ``requested`` when that is
+    smaller)
+    (finer groups than asked: never less accurate), largest first; else (no such divisor, e.g.
+    twice a prime) one scale per output row, ``(in_features,)``. E.g. 128 on SmolLM2's 576
+    inputs: 96, 72, 64, 48, 36, 32, 24, 18, 16."""
+    if in_features % requested == 0:
+        return (requested,)
+    lowest = min(MIN_FALLBACK_GROUP, max(1, requested // 2))  # a small request: down to half
+    smaller = tuple(d for d in range(min(requested, in_features), lowest - 1, -1)
+                    if in_features % d == 0)
+    return smaller or (in_features,)
 
 
 def is_mlp(name: str) -> bool:

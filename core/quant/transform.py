@@ -52,7 +52,7 @@ from ..errors import ConfigError
 from ..kernel_registry import REFERENCE, KernelImpl, registry
 from ..sharding.plan import _conv1d_class, choose_plan
 from ..sharding.roles import ColumnParallel, RowParallel
-from .config import QuantConfig, is_mlp, parse_quant
+from .config import MIN_FALLBACK_GROUP, QuantConfig, is_mlp, parse_quant
 from .experts import QuantExperts, check_experts, expert_modules, quantize_experts_module
 from .modules import QuantLinear, swap_quantized
 from shardwise.kernels.reference.quant import QuantizationError, QuantSpec, quantize_weight
@@ -269,14 +269,32 @@ class Quantizer:
         divides the inputs, 4 bits need an even count, and a fast kernel takes the layer (or
         ``allow_slow_kernels`` is set; the kernel check needs ``out_features``). Pure: for
         validating every layer before any is quantized."""
-        group_size = self.config.group_size_for(module_name, in_features)
         if self.config.bits == 4 and in_features % 2:
             raise QuantizationError(f"layer {module_name!r}: 4-bit packing needs an even number "
                                     f"of input features, got {in_features}")
-        if out_features is not None:
-            spec = QuantSpec(self.config.bits, group_size, self.config.symmetric, in_features,
+        if out_features is None:
+            self.config.group_size_for(module_name, in_features)  # raises where none fits
+            return
+        spec, impl, _ = self.choose_spec(module_name, in_features, out_features)
+        self._refuse_slow(module_name, spec, impl)
+
+    def choose_spec(self, module_name: str, in_features: int, out_features: int
+                    ) -> tuple[QuantSpec, KernelImpl, torch.dtype]:
+        """(the weight spec, its kernel, the kernel's activation dtype) for layer
+        ``module_name``: the first of the config's group sizes for it
+        (:meth:`QuantConfig.group_sizes_for`: one, unless an explicit ``group_size`` does not
+        divide ``in_features``; then the fitting smaller ones, largest first) that a fast
+        kernel takes, else the first of them (which the slow-kernel check then judges)."""
+        sizes = self.config.group_sizes_for(module_name, in_features)
+        first = None
+        for size in sizes:
+            spec = QuantSpec(self.config.bits, size, self.config.symmetric, in_features,
                              out_features)
-            self._refuse_slow(module_name, spec, self.resolve_kernel(spec)[0])
+            impl, dtype = self.resolve_kernel(spec)
+            if impl.backend != REFERENCE:
+                return spec, impl, dtype
+            first = first or (spec, impl, dtype)
+        return first
 
     # ----- which kernel, in which dtype ---------------------------------------------------------
 
@@ -383,10 +401,8 @@ class Quantizer:
             raise QuantizationError(f"layer {module_name!r}: expected a 2-d weight, got "
                                     f"{tuple(weight.shape)}")
         out_features, in_features = w.shape
-        group_size = self.config.group_size_for(module_name, in_features)
-        spec = QuantSpec(self.config.bits, group_size, self.config.symmetric, in_features,
-                         out_features)
-        impl, kernel_dtype = self.resolve_kernel(spec)
+        spec, impl, kernel_dtype = self.choose_spec(module_name, in_features, out_features)
+        group_size = spec.group_size
         self._refuse_slow(module_name, spec, impl)  # before the (costly) quantization
         try:
             qw = quantize_weight(w.to(self.device), bits=self.config.bits, group_size=group_size,
@@ -454,9 +470,34 @@ class Quantizer:
         report.fallback = self.fallback_line()
         if report.fallback:
             log.warning(report.fallback)
+        report.notes.extend(regrouped_notes(self.config, report.layers))
+        for note in report.notes:
+            log.info("shardwise quant: %s", note)
         report.bytes_after = model_bytes(model)
         setattr(model, QUANT_ATTR, report)
         return report
+
+
+def regrouped_notes(config: QuantConfig, layers: Mapping[str, QuantizedLayer]) -> list[str]:
+    """One line per (input features, group size used) for the layers whose explicit
+    ``group_size`` did not divide their input features (:meth:`QuantConfig.group_sizes_for`),
+    naming how many, the first of them and the size they got; empty when none."""
+    asked = config.group_size
+    if config.q_groups is not None or asked in (None, -1):
+        return []
+    changed: dict[tuple[int, int], list[str]] = {}
+    for layer in layers.values():
+        if layer.group_size != asked:
+            changed.setdefault((layer.shape[1], layer.group_size), []).append(layer.name)
+    notes = []
+    for (in_features, used), names in changed.items():
+        how = ("one scale per output row (no divisor of at least "
+               f"{min(MIN_FALLBACK_GROUP, max(1, asked // 2))} fits)" if used == in_features
+               else f"groups of {used} (a divisor of {in_features}: finer than asked)")
+        notes.append(f"group_size={asked} does not divide the {in_features} input features of "
+                     f"{len(names)} layer{'s' if len(names) > 1 else ''} (e.g. {names[0]!r}): "
+                     f"{'they use' if len(names) > 1 else 'it uses'} {how}")
+    return notes
 
 
 def swap_in(model: nn.Module, name: str, new: QuantLinear) -> None:
@@ -612,8 +653,10 @@ def check_fits(model: nn.Module, spec: QuantConfig | Mapping | None, accelerator
                device: torch.device | str | None = None,
                plan: "Plan | None" = None) -> list[str]:
     """Raise what :func:`quantize_model` would raise for these settings, without changing
-    ``model`` (nor quantizing anything): a malformed config, a model already quantized, a group
-    size that does not divide a layer's inputs, or a layer only the slow reference kernel could
+    ``model`` (nor quantizing anything): a malformed config, a model already quantized,
+    DeepSpeed ``q_groups`` that do not cut a layer's inputs equally (an explicit ``group_size``
+    that does not divide them is not refused: see :meth:`Quantizer.choose_spec`), an odd input
+    count at 4 bits, or a layer only the slow reference kernel could
     run (unless ``allow_slow_kernels``), each a :class:`ConfigError` naming the layer. For
     callers that must fail before their first in-place change (``init_inference``).
 
