@@ -612,6 +612,13 @@ def _check_later_steps(model: nn.Module, cfg: InferenceConfig, accelerator: Acce
                         policy=plan.found_policy, heads=_injected_heads(plan))
     if cfg.enable_graph:  # a device that cannot capture in its current mode says so now
         accelerator.graph_strategy()
+    if plan.stages is not None:  # every pipeline stage's weights against the free memory
+        from .inject.cache import free_memory_of
+        from .moe.block import decoder_layers
+        from .pipeline.stages import check_stages_fit
+
+        check_stages_fit(model, decoder_layers(model, plan.policy), plan.stages, dtype, device,
+                         free_memory_of(accelerator.free_memory, device), plan.tp.size)
     if cfg.offload is not None:
         from .offload.config import check_offload
 

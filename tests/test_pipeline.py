@@ -151,6 +151,27 @@ def refused_case(rank: int, kwargs: dict, layers: int | None = None) -> dict:
                 layers_kept=sum(not isinstance(m, RemoteLayer) for m in _layers(model)))
 
 
+def too_big_case(rank: int) -> dict:
+    """A bf16 model run in fp32 (every weight newly allocated) on a CPU that reports 1000
+    bytes free: the stage check refuses it on every rank, the model untouched."""
+    accelerator = type(shardwise.get_accelerator("cpu"))
+    free_memory = accelerator.free_memory
+    accelerator.free_memory = lambda self, index=0: 1000
+    try:
+        model = tiny_causal_lm("llama", dtype=torch.bfloat16)
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        try:
+            shardwise.init_inference(model, device="cpu", dtype=torch.float32, **PP)
+        except shardwise.ConfigError as exc:
+            error = f"{type(exc).__name__}: {exc}"
+        else:
+            error = None
+    finally:
+        accelerator.free_memory = free_memory
+    untouched = all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+    return dict(error=error, untouched=untouched)
+
+
 def micro_batch_case(rank: int, arch: str, micro_batches: int, delay_s: float = 0.0) -> dict:
     """A batch of 4 split into ``micro_batches`` through the stages; with ``delay_s`` each
     stage's layer sleeps that long per call (a stage's compute well above the noise)."""
@@ -241,6 +262,7 @@ TABLE = {
     "bloom-gen-mb3": (generate_micro_case, "bloom", 3),
     "llama-gen-mb4-delay": (generate_micro_case, "llama", 4, 0.1, 6),
     "tp-and-pp": (refused_case, {"tensor_parallel": {"tp_size": 2}, **PP}),
+    "stage-too-big": (too_big_case,),
     "split-misses-layers": (refused_case, {"pipeline_parallel": {"pp_size": 2,
                                                                  "split": [1, 1]}}, 4),
 }
@@ -332,6 +354,14 @@ def test_a_split_that_misses_layers_is_refused_on_every_rank(ranks):
         assert r["error"] and "PipelineConfigError" in r["error"], r["error"]
         assert "covers 2 layers" in r["error"] and "has 4" in r["error"]
         assert r["untouched"] and r["layers_kept"] == 4
+
+
+@pytest.mark.slow
+def test_a_stage_that_does_not_fit_its_device_is_refused_on_every_rank(ranks):
+    for r in case(ranks, "stage-too-big"):
+        assert r["error"] and "PipelineConfigError" in r["error"], r["error"]
+        assert "pipeline stage 0 (decoder layers [0, 1) of 2 stages) needs" in r["error"]
+        assert "1000 bytes free" in r["error"] and r["untouched"]
 
 
 @pytest.mark.slow
@@ -494,6 +524,29 @@ def test_stand_ins_return_what_the_layer_returns(arch, as_tuple):
     hidden = torch.randn(2, 3, 64)
     out = RemoteLayer(0, 1, as_tuple)(hidden)
     assert (out[0] if as_tuple else out) is hidden
+
+
+def test_a_stage_counts_the_bytes_it_must_newly_place():
+    from shardwise.pipeline.stages import check_stages_fit, stage_bytes
+
+    model = causal_lm("llama", 4)
+    plan = _plan(model, split=[3, 1]).stages  # [0, 3) with the embedding, [3, 4) the head
+    layers, cpu = _layers(model), torch.device("cpu")
+    whole = [sum(_numel(m) for m in layers[a:b]) for a, b in plan.bounds]
+    whole[0] += _numel(model.get_input_embeddings())
+    whole[1] += _numel(model.get_output_embeddings())
+    assert [stage_bytes(model, layers, plan, s, torch.float32, cpu) for s in (0, 1)] == [0, 0]
+    assert [stage_bytes(model, layers, plan, s, torch.bfloat16, cpu) for s in (0, 1)] == \
+        [2 * n for n in whole]  # a cast allocates every weight anew
+    assert stage_bytes(model, layers, plan, 1, torch.bfloat16, cpu, tp_size=2) == whole[1]
+    check_stages_fit(model, layers, plan, torch.bfloat16, cpu, free=2 * max(whole))
+    check_stages_fit(model, layers, plan, torch.bfloat16, cpu, free=None)  # cannot tell
+    assert whole[0] > whole[1]
+    with pytest.raises(PipelineConfigError,
+                       match=rf"pipeline stage 0 \(decoder layers \[0, 3\) of 2 stages\) needs "
+                             rf"{2 * whole[0]} bytes of weights in torch.bfloat16 on cpu, but it "
+                             rf"has {2 * whole[1]} bytes free; use more stages"):
+        check_stages_fit(model, layers, plan, torch.bfloat16, cpu, free=2 * whole[1])
 
 
 def test_balanced_bounds_minimise_the_largest_stage():

@@ -166,3 +166,53 @@ def _maybe(model: nn.Module, getter: str) -> nn.Module | None:
     except (NotImplementedError, AttributeError):
         return None
     return out if isinstance(out, nn.Module) else None
+
+
+def stage_bytes(model: nn.Module, layers: nn.ModuleList, plan: StagePlan, stage: int,
+                dtype: torch.dtype, device: torch.device, tp_size: int = 1) -> int:
+    """Bytes stage ``stage`` must newly place on ``device``: its layers' parameters (and the
+    embedding on the first stage, the head on the last; each tensor once) that are not there
+    in ``dtype`` already — floating ones counted in ``dtype`` —, divided by ``tp_size`` (under
+    tensor parallelism each rank keeps about 1/tp of them)."""
+    start, end = plan.bounds[stage]
+    modules = list(layers[start:end])
+    if stage == 0:
+        modules.append(_maybe(model, "get_input_embeddings"))
+    if stage == plan.size - 1:
+        modules.append(_maybe(model, "get_output_embeddings"))
+    seen, total = set(), 0
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    for module in filter(None, modules):
+        for p in module.parameters():
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
+            target = dtype if p.is_floating_point() else p.dtype
+            if p.device == device and p.dtype == target:
+                continue  # already where and as it runs: nothing new to allocate
+            total += p.numel() * (itemsize if p.is_floating_point() else p.element_size())
+    return total // tp_size
+
+
+def check_stages_fit(model: nn.Module, layers: nn.ModuleList, plan: StagePlan,
+                     dtype: torch.dtype, device: torch.device, free: int | None,
+                     tp_size: int = 1) -> None:
+    """Every stage's weights (:func:`stage_bytes`) against ``free`` bytes of ``device`` (this
+    rank's; ranks of one kind of device check alike, so every rank fails before any weight
+    moves). ``free`` None: the device cannot say, nothing to check.
+
+    Raises:
+        PipelineConfigError: naming the first stage that does not fit, its layers and bytes,
+            the free bytes, and what would make it fit.
+    """
+    if free is None:
+        return
+    for stage, (start, end) in enumerate(plan.bounds):
+        need = stage_bytes(model, layers, plan, stage, dtype, device, tp_size)
+        if need > free:
+            raise PipelineConfigError(
+                f"pipeline stage {stage} (decoder layers [{start}, {end}) of {plan.size} "
+                f"stages) needs {need} bytes of weights in {dtype} on {device}, but it has "
+                f"{free} bytes free; use more stages (pp_size), a split that gives stage "
+                f"{stage} fewer layers, tensor parallelism within the stages (tp_size), or a "
+                f"narrower dtype")
