@@ -98,15 +98,19 @@ class Plan:
     moe_dispatch: str | None = None
     nvme_path: str | None = None
     buffer_count: int | None = None
+    #: pipeline stages (``--pp``) and the micro-batches each forward is split into
+    pp: int = 1
+    micro_batches: int = 1
 
     def world_of(self, variant: Variant) -> int:
-        """Ranks ``variant`` runs on: :func:`world_size` of ``tp`` and its ``ep``."""
-        return world_size(self.tp, variant.ep)
+        """Ranks ``variant`` runs on: :func:`world_size` of ``tp``, its ``ep`` and ``pp``."""
+        return world_size(self.tp, variant.ep, self.pp)
 
     @property
     def world(self) -> int:
         """The most ranks a variant runs on (1: every variant runs in this process)."""
-        return max((self.world_of(v) for v in self.variants), default=world_size(self.tp))
+        return max((self.world_of(v) for v in self.variants),
+                   default=world_size(self.tp, 1, self.pp))
 
     def by_world(self) -> dict[int, "Plan"]:
         """This plan split by :meth:`world_of`: ranks → the plan of the variants run on that
@@ -128,7 +132,8 @@ class Plan:
         ``shardwise[ep2,all_to_all,inject]``: the MoE dispatch when one is asked for)."""
         ep = [f"ep{variant.ep}"] + ([self.moe_dispatch] if self.moe_dispatch else []) \
             if variant.ep > 1 else []
-        tags = ([f"tp{self.tp}"] if self.tp > 1 else []) + ep + variant.tags()
+        pp = [f"pp{self.pp}", f"mb{self.micro_batches}"] if self.pp > 1 else []
+        tags = pp + ([f"tp{self.tp}"] if self.tp > 1 else []) + ep + variant.tags()
         return f"shardwise[{','.join(tags)}]" if tags else "shardwise"
 
     @property
@@ -144,6 +149,9 @@ class Plan:
             kwargs["max_tokens"] = longest
         if self.tp > 1:
             kwargs["tensor_parallel"] = {"tp_size": self.tp}
+        if self.pp > 1:
+            kwargs["pipeline_parallel"] = {"pp_size": self.pp,
+                                           "micro_batches": self.micro_batches}
         if variant.ep > 1:
             kwargs["moe"] = {"ep_size": variant.ep, **({"dispatch": self.moe_dispatch}
                                                        if self.moe_dispatch else {})}
@@ -202,23 +210,25 @@ def resolve_models(paths: list[str] | None, presets: list[str] | None) -> list[M
     return list(dict.fromkeys(specs))  # each model once, in the order given
 
 
-def world_size(tp: int, ep: int = 1) -> int:
+def world_size(tp: int, ep: int = 1, pp: int = 1) -> int:
     """Ranks a run with ``tp`` tensor-parallel and ``ep`` expert-parallel ranks needs: the
     smallest world that ``tp`` divides (world = tp × dp) and that ``ep`` divides (the expert
     group is carved out of the tp × dp ranks), i.e. their least common multiple: ``--ep 2``
-    alone runs 2 ranks (dense parts replicated), ``--tp 2 --ep 2`` the same 2 ranks."""
-    return math.lcm(tp, ep)
+    alone runs 2 ranks (dense parts replicated), ``--tp 2 --ep 2`` the same 2 ranks; times
+    ``pp`` pipeline stages (``--pp 2 --tp 2``: 4 ranks)."""
+    return pp * math.lcm(tp, ep)
 
 
-def check_tp(accelerator: Accelerator, tp: int, nnodes: int = 1, ep: int = 1) -> int:
-    """Validate ``--tp`` and ``--ep`` against the ranks the nodes can host; return ranks per
-    node (of the :func:`world_size` they need)."""
-    if tp < 1 or nnodes < 1 or ep < 1:
-        raise ConfigError(f"--tp, --ep and --nnodes must be positive, got --tp {tp} --ep {ep} "
-                          f"--nnodes {nnodes}")
-    world = world_size(tp, ep)
-    sizes = f"--tp {tp}" + (f" --ep {ep}" if ep > 1 else "")
-    lower = "lower --tp" + ("/--ep" if ep > 1 else "")
+def check_tp(accelerator: Accelerator, tp: int, nnodes: int = 1, ep: int = 1,
+             pp: int = 1) -> int:
+    """Validate ``--tp``, ``--ep`` and ``--pp`` against the ranks the nodes can host; return
+    ranks per node (of the :func:`world_size` they need)."""
+    if tp < 1 or nnodes < 1 or ep < 1 or pp < 1:
+        raise ConfigError(f"--tp, --ep, --pp and --nnodes must be positive, got --tp {tp} --ep "
+                          f"{ep} --pp {pp} --nnodes {nnodes}")
+    world = world_size(tp, ep, pp)
+    sizes = f"--tp {tp}" + (f" --ep {ep}" if ep > 1 else "") + (f" --pp {pp}" if pp > 1 else "")
+    lower = "lower --tp" + ("/--ep" if ep > 1 else "") + ("/--pp" if pp > 1 else "")
     per_node = accelerator.max_ranks_per_node()
     if world > per_node * nnodes:
         raise ConfigError(
@@ -448,27 +458,30 @@ def meta_model(spec: ModelSpec):
         return None
 
 
-def check_parallel_plans(models: list[ModelSpec], tp: int, ep: int) -> None:
+def check_parallel_plans(models: list[ModelSpec], tp: int, ep: int, pp: int = 1) -> None:
     """Every model's plan on :func:`world_size` ranks, built by the engine's own
     :func:`~shardwise.plan.build_plan` on a meta-device copy (nothing loaded): sizes that do
     not fit (``--ep`` not dividing the ranks, heads ``--tp`` cannot split, data-parallel
     replicas of a tensor-parallel group, a dimension not supported yet) fail here with the
     engine's message, before the bandwidth probe, any load or any launch. Models that cannot
     be built on the meta device cheaply are checked by the engine when they load."""
-    if tp == 1 and ep == 1:
+    if tp == 1 and ep == 1 and pp == 1:
         return
     from ..config import parse_moe
+    from ..pipeline import parse_pipeline
     from ..plan import build_plan
 
-    world = world_size(tp, ep)
+    world = world_size(tp, ep, pp)
     moe = parse_moe({"ep_size": ep}) if ep > 1 else None
-    sizes = f"--tp {tp}" + (f" --ep {ep}" if ep > 1 else "") + f" ({world} ranks)"
+    pipeline = parse_pipeline({"pp_size": pp}) if pp > 1 else None
+    sizes = (f"--tp {tp}" + (f" --ep {ep}" if ep > 1 else "") + (f" --pp {pp}" if pp > 1 else "")
+             + f" ({world} ranks)")
     for spec in models:
         model = meta_model(spec)
         if model is None:
             continue
         try:
-            build_plan(model, tp_size=tp, world=world, rank=0, moe=moe)
+            build_plan(model, tp_size=tp, world=world, rank=0, moe=moe, pipeline=pipeline)
         except ConfigError as exc:
             raise ConfigError(f"{sizes} on {spec.name}: {exc}") from None
 

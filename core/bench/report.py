@@ -32,6 +32,9 @@ A result file is one JSON object::
                the cell's start), "peak_rss_bytes" (over the cell); figures.offload has
                "step_bytes", "stream_gbps", "probe_pct", "overlap", "wait_ms_per_step",
                "peak_rss_bytes", "rss_growth_bytes": see offload.py),
+               "pipeline" (rows of a --pp variant, over the timed repeats: "micro_batches",
+               "stages", "steps" (forwards), "wall_s", "busy_s" and "bubble" per stage,
+               "theoretical_bubble": see pipeline.py),
                "samples": {"warmup": [...], "repeats": [{"prefill_s", "per_token_s"}]},
                "figures": {...}}],             # see figures.py
      "offload_probe": {"tier", "method" ("O_DIRECT read", "buffered read" where the
@@ -54,6 +57,7 @@ from typing import Any
 
 from ..errors import ConfigError
 from .offload import format_offload
+from .pipeline import format_pipeline
 
 SCHEMA = "shardwise-bench/1"
 DOCUMENT_KEYS = ("schema", "command", "provenance", "plan", "bandwidth", "runs")
@@ -263,7 +267,8 @@ def format_table(doc: dict) -> str:
     text += [f"note: {line}" for line in rank_notes(doc["runs"])]
     text += [f"note: {line}" for line in doc.get("notes") or []]
     offload = format_offload(doc)
-    return "\n".join(text + ([offload] if offload else []))
+    pipeline = format_pipeline(doc)
+    return "\n".join(text + [section for section in (offload, pipeline) if section])
 
 
 def decode_bytes_notes(runs: list[dict]) -> list[str]:

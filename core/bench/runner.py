@@ -159,12 +159,14 @@ def time_generate(generate_on: Any, inputs: dict, kwargs: dict, new_tokens: int,
 
 def measure_cell(generate_on: Any, model, inputs: dict, cell: Cell, plan: Plan,
                  accelerator: Accelerator, progress: Progress, rec: dict,
-                 meter: OffloadMeter | None = None) -> dict:
+                 meter: OffloadMeter | None = None, stages: Any = None) -> dict:
     """Fill ``rec`` with warm-up and repeat samples, the peak memory of this cell and the bytes
     a decode step reads (for an MoE model, the experts routed to during the timed repeats are
     counted: see :func:`~.roofline.moe_decode_bytes`); with a ``meter`` (an offloading
     variant), ``rec["offload"]``: what the engine streamed during the timed repeats and the
-    process's peak RSS over the cell."""
+    process's peak RSS over the cell; with ``stages`` (the engine's pipeline report, --pp),
+    ``rec["pipeline"]``: every stage's busy time and bubble over the timed repeats' forwards
+    (:meth:`~shardwise.pipeline.PipelineReport.finish_steps`)."""
     check_positions(model, cell)
     kwargs = generation_kwargs(model, cell.new_tokens)
     accelerator.reset_peak_memory()
@@ -174,6 +176,8 @@ def measure_cell(generate_on: Any, model, inputs: dict, cell: Cell, plan: Plan,
     for phase, count in (("warmup", plan.warmup), ("repeats", plan.repeats)):
         if phase == "repeats" and meter is not None:
             meter.start_timed()
+        if phase == "repeats" and stages is not None:
+            stages.start_steps()
         with counter if phase == "repeats" else contextlib.nullcontext():
             for _ in range(count):
                 counter.next_generate()
@@ -185,6 +189,8 @@ def measure_cell(generate_on: Any, model, inputs: dict, cell: Cell, plan: Plan,
     rec["decode_bytes"], rec["decode_bytes_method"] = moe_decode_bytes(model, counter, cell.batch)
     if meter is not None:
         rec["offload"] = meter.finish()
+    if stages is not None and (stats := stages.finish_steps()) is not None:
+        rec["pipeline"] = stats.to_dict()
     return rec
 
 
@@ -196,6 +202,8 @@ class Prepared(NamedTuple):
     module: Any
     extra: dict[str, Any]
     offload: Any = None
+    #: the engine's pipeline report (``engine.stages``, --pp), None without stages
+    stages: Any = None
 
 
 def prepare_baseline(model, dtype: torch.dtype | None, accelerator: Accelerator,
@@ -244,7 +252,7 @@ def prepare_shardwise(model, plan: Plan, variant: Variant, accelerator: Accelera
 
     engine = init_inference(model, **plan.engine_kwargs(variant))
     return Prepared(engine.module, engine.module, {"kernel_dtype": kernel_dtypes(engine)},
-                    getattr(engine, "offload", None))
+                    getattr(engine, "offload", None), getattr(engine, "stages", None))
 
 
 def kernel_dtypes(engine: Any) -> str | None:
@@ -266,7 +274,7 @@ def run_variant(variant: str, prepare: Callable, tokenizer, spec: ModelSpec, pla
     progress.set_description(f"{spec.name} {variant}: preparing"
                              + ("" if is_baseline(variant) else " (init_inference)"))
     try:
-        generate_on, module, extra, offload = prepare()
+        generate_on, module, extra, offload, stages = prepare()
     except Exception as exc:  # the engine's or the device's error, reported per row
         progress.update(steps * len(plan.cells))
         return [record(spec, variant, c, status="failed", error=error_text(exc),
@@ -286,7 +294,7 @@ def run_variant(variant: str, prepare: Callable, tokenizer, spec: ModelSpec, pla
         try:
             meter = OffloadMeter(offload, rss_before_load) if offload is not None else None
             measure_cell(generate_on, module, _on(inputs, accelerator), cell, plan,
-                         accelerator, progress, rec, meter)
+                         accelerator, progress, rec, meter, stages)
         except Exception as exc:
             rec.update(status="failed", error=error_text(exc))
             progress.update(steps - len(rec["samples"]["warmup"]) - len(rec["samples"]["repeats"]))

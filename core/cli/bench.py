@@ -6,7 +6,9 @@ what shardwise does fastest on this device, as the accelerator says: kernel inje
 graphs in its preferred dtype, then the same with int8 and with int4 weights (where it has
 fast kernels), against the HF model in that dtype. With them it runs the one variant they
 describe (--offload: its weights streamed from disk or host memory, reported against a probe
-of that tier's read bandwidth).
+of that tier's read bandwidth). --pp P runs the plain variant over P pipeline stages with M
+micro-batches in flight (--micro-batches) and reports, per row, every stage's busy time over
+the timed repeats and the measured bubble against the theoretical (P - 1) / (P - 1 + M).
 
 Writes a JSON file with every sample and its provenance, and a PNG chart next to it (with the
 ``plot`` extra). ``--compare a.json b.json`` prints the ratios between two saved runs. Every
@@ -76,8 +78,18 @@ def _add_variant_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--moe-dispatch", choices=["all_reduce", "all_to_all", "auto"],
                    help="with --ep > 1: how the expert-parallel ranks combine the experts' "
                         "outputs (moe={'dispatch': ...}; default: the engine's)")
+    g.add_argument("--pp", type=int, default=1, metavar="P",
+                   help="pipeline stages (pipeline_parallel={'pp_size': P}), started as --tp's "
+                        "(P x tp ranks); each row then reports every stage's busy time and the "
+                        "measured bubble against the theoretical (P-1)/(P-1+M). Runs the plain "
+                        "variant (stages do not compose with --inject/--graphs/--quant/--offload "
+                        "yet)")
+    g.add_argument("--micro-batches", type=_positive, metavar="M",
+                   help="with --pp: micro-batches each forward (prefill and every decode step) "
+                        "is split into, each with its own KV cache (default 2 x P; at most one "
+                        "per row of --batch)")
     g.add_argument("--nnodes", type=int, default=1, metavar="N",
-                   help="nodes taking part in --tp/--ep")
+                   help="nodes taking part in --tp/--ep/--pp")
     g.add_argument("--node-rank", type=int, default=0, metavar="R",
                    help="this node's rank (--nnodes > 1)")
     g.add_argument("--master-addr", metavar="HOST", help="node 0's address (--nnodes > 1)")
@@ -205,6 +217,7 @@ def check_combinations(args: argparse.Namespace) -> None:
         raise ConfigError(f"{', '.join(map(_flag, stray))}: used only by --offload (how the "
                           f"weights stream in); add --offload nvme (or cpu), or drop "
                           f"{'them' if len(stray) > 1 else 'it'}")
+    _check_pipeline_options(args)
     if args.warmup < 0:
         raise ConfigError(f"--warmup must be 0 or more, got {args.warmup}")
     if args.moe_dispatch and max(args.ep) <= 1:
@@ -217,6 +230,32 @@ def check_combinations(args: argparse.Namespace) -> None:
     elif not 0 <= args.node_rank < args.nnodes:
         raise ConfigError(f"--node-rank {args.node_rank} is not in 0..{args.nnodes - 1} "
                           f"(--nnodes {args.nnodes})")
+
+
+#: variant options pipeline stages do not compose with yet (the engine refuses them with --pp)
+NOT_WITH_PP = ("inject", "graphs", "quant", "offload")
+
+
+def _check_pipeline_options(args: argparse.Namespace) -> None:
+    """--pp and --micro-batches: a positive stage count, micro-batches only with stages, and no
+    variant option the stages do not run with yet."""
+    if args.pp < 1:
+        raise ConfigError(f"--pp must be a positive number of pipeline stages, got {args.pp}")
+    if args.micro_batches is not None and args.pp == 1:
+        raise ConfigError(f"--micro-batches {args.micro_batches} splits each forward for the "
+                          f"pipeline stages: it needs --pp > 1 (or drop it)")
+    refused = [d for d in NOT_WITH_PP if getattr(args, d)]
+    if args.pp > 1 and refused:
+        raise ConfigError(f"--pp {args.pp} does not run with {', '.join(map(_flag, refused))} "
+                          f"yet (pipeline stages run the model's own layers); drop "
+                          f"{'them' if len(refused) > 1 else 'it'}, or drop --pp")
+
+
+def micro_batches(args: argparse.Namespace) -> int:
+    """--micro-batches, by default 2 × --pp (the issue's M >= 2P); 1 without stages."""
+    if args.pp == 1:
+        return 1
+    return args.micro_batches if args.micro_batches is not None else 2 * args.pp
 
 
 def output_path(args: argparse.Namespace) -> Path:
@@ -244,6 +283,10 @@ def _variants(args: argparse.Namespace, accelerator) -> tuple[list, str | None, 
     dtype = resolve_dtype_name(accelerator, args.dtype)
     baseline = resolve_dtype_name(accelerator, args.baseline_dtype)
     eps = list(dict.fromkeys(args.ep))
+    if args.pp > 1 and not any(getattr(args, d) for d in VARIANT_OPTIONS):
+        note = (f"--pp {args.pp}: the plain variant (pipeline stages do not compose with "
+                f"injection, graphs or quantization yet)")
+        return [Variant(dtype, ep=ep) for ep in eps], baseline or dtype, [note]
     if any(getattr(args, d) for d in VARIANT_OPTIONS):
         variant = Variant(dtype, args.inject, args.graphs, args.quant, offload=args.offload)
         return [replace(variant, ep=ep) for ep in eps], baseline or dtype, []
@@ -266,20 +309,23 @@ def _plan(args: argparse.Namespace):
     models = resolve_models(args.model, args.preset)
     for ep in args.ep:  # the model's experts first: the more basic problem than the ranks
         check_expert_parallel(models, ep, args.moe_dispatch)
-    nproc = max(check_tp(accelerator, args.tp, args.nnodes, ep) for ep in args.ep)
+    nproc = max(check_tp(accelerator, args.tp, args.nnodes, ep, args.pp) for ep in args.ep)
     variants, baseline_dtype, notes = _variants(args, accelerator)
     plan = Plan(models=models, cells=make_cells(args.batch, args.prompt_len, args.new_tokens),
                 device=accelerator.name, variants=variants, tp=args.tp, nnodes=args.nnodes,
                 baseline_dtype=baseline_dtype, baseline_experts=args.baseline_experts,
                 warmup=args.warmup, repeats=args.repeats, seed=args.seed,
                 moe_dispatch=args.moe_dispatch, nvme_path=args.nvme_path,
-                buffer_count=args.buffer_count)
+                buffer_count=args.buffer_count, pp=args.pp, micro_batches=micro_batches(args))
+    if plan.pp > 1 and min(args.batch) < 2:
+        notes.append(f"--pp {plan.pp}: a batch of 1 runs as one micro-batch (nothing in "
+                     f"flight, no pipeline figures); give --batch >= 2")
     check_offload_variants(plan, accelerator)  # the engine's own checks, in the bench's words
     check_cells_fit(plan.models, plan.cells)
     check_baseline_experts(plan.models, plan.baseline_experts, accelerator, baseline_dtype)
     plan.check_variants()
     for ep in dict.fromkeys(args.ep):
-        check_parallel_plans(plan.models, plan.tp, ep)
+        check_parallel_plans(plan.models, plan.tp, ep, plan.pp)
     return plan, accelerator, nproc, notes
 
 

@@ -54,6 +54,12 @@ class PipelineStats:
     #: forwards measured (1 for one forward; prefill + decode steps for a generate)
     steps: int = 1
 
+    def to_dict(self) -> dict[str, Any]:
+        """Plain values (the bench's JSON): the fields, every stage's bubble, the theoretical."""
+        return {"micro_batches": self.micro_batches, "stages": self.stages,
+                "wall_s": self.wall_s, "busy_s": list(self.busy_s), "steps": self.steps,
+                "bubble": list(self.bubble), "theoretical_bubble": self.theoretical_bubble}
+
     @property
     def bubble(self) -> tuple[float, ...]:
         """Every stage's idle share of the wall time, ``1 − busy / wall``."""

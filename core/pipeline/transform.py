@@ -136,17 +136,30 @@ class PipelineReport:
         self._steps[1] += elapsed_s
         self._steps[2] += busy_s
 
+    def start_steps(self) -> None:
+        """Start counting this rank's cached micro-batched forwards (every rank of the pipeline
+        calls it: a barrier gives the ranks a common start)."""
+        self._steps[:] = [0, 0.0, 0.0]
+        self.communicator.barrier()
+
+    def finish_steps(self) -> Any:
+        """The :class:`~shardwise.pipeline.schedule.PipelineStats` of the cached forwards since
+        :meth:`start_steps` (every rank calls it: one all-gather), also kept as :attr:`stats`;
+        None when none was micro-batched (every rank ran the same forwards: none gathers)."""
+        from .schedule import gather_steps
+
+        counted = self.micro_batches > 1 and self._steps[0] > 0
+        self.stats = gather_steps(self, *self._steps) if counted else None
+        return self.stats
+
     def generate(self, module: nn.Module, args: tuple, kwargs: dict) -> Any:
         """``module.generate(*args, **kwargs)``; with micro-batches, :attr:`stats` then holds
         the bubble over all its steps (one all-gather after the generate, every rank)."""
         if self.micro_batches == 1:
             return module.generate(*args, **kwargs)
-        from .schedule import gather_steps
-
-        self._steps[:] = [0, 0.0, 0.0]
-        self.communicator.barrier()  # a common start
+        self.start_steps()
         out = module.generate(*args, **kwargs)
-        self.stats = gather_steps(self, *self._steps)
+        self.finish_steps()
         return out
 
     def call(self, module: nn.Module, args: tuple, kwargs: dict) -> Any:
