@@ -1,6 +1,7 @@
 """Pipeline bubble: per-stage busy time and the measured bubble against the theoretical
-``(P − 1) / (P − 1 + M)``, for M micro-batches over P stages (issue #18; the bench's ``--pp``
-in the meantime).
+``(P − 1) / (P − 1 + M)``, for M micro-batches over P stages (issue #18). ``shardwise bench
+--pp P --micro-batches M`` reports the same figures for one M next to the HF baseline; this
+script sweeps several M, forward and generate, with an optional per-layer delay.
 
 Launches ``pp × tp`` ranks through ``shardwise launch`` (torch's elastic launcher) on this node.
 Each rank builds the same preset model (random weights, fixed seed) and, for every M in
