@@ -246,6 +246,23 @@ def generate_micro_case(rank: int, arch: str, micro_batches: int, delay_s: float
                 summary=stats.summary())
 
 
+def beam_case(rank: int, arch: str, micro_batches: int) -> dict:
+    """Beam search (3 beams over a batch of 2: 6 rows) with micro-batches: HF reorders the
+    batch's cache every step, across the micro-batches' boundaries, and theirs must follow."""
+    ref, model = causal_lm(arch), causal_lm(arch)
+    ids = prompt_ids(batch=2, length=8, vocab=ref.config.vocab_size)
+    gen = dict(max_new_tokens=12, min_new_tokens=12, do_sample=False, pad_token_id=0,
+               num_beams=3)
+    with torch.no_grad():
+        ref_tokens = ref.generate(ids, **gen)
+    engine = shardwise.init_inference(model, device="cpu", dtype=torch.float32,
+                                      pipeline_parallel={"pp_size": 2,
+                                                         "micro_batches": micro_batches})
+    tokens = engine.generate(ids, **gen)
+    return dict(tokens_equal=torch.equal(tokens, ref_tokens), tokens=tokens.tolist(),
+                steps=engine.pipeline_stats.steps)
+
+
 #: the dense families the issue names, a Mixture-of-Experts one (HF's own MoE blocks, ep 1), and
 #: two whose layers' forwards are unannotated (Falcon returns a tuple, GPT-NeoX the tensor)
 CAUSAL = ("llama", "gpt2", "opt", "bloom", "mixtral", "falcon", "gpt_neox")
@@ -261,6 +278,8 @@ TABLE = {
     "gpt2-gen-mb4": (generate_micro_case, "gpt2", 4),
     "bloom-gen-mb3": (generate_micro_case, "bloom", 3),
     "llama-gen-mb4-delay": (generate_micro_case, "llama", 4, 0.1, 6),
+    "llama-beam-mb4": (beam_case, "llama", 4),
+    "gpt2-beam-mb2": (beam_case, "gpt2", 2),
     "tp-and-pp": (refused_case, {"tensor_parallel": {"tp_size": 2}, **PP}),
     "stage-too-big": (too_big_case,),
     "split-misses-layers": (refused_case, {"pipeline_parallel": {"pp_size": 2,
@@ -416,6 +435,16 @@ def test_each_micro_batch_keeps_its_own_cache_of_its_stages_layers(ranks, name):
         assert r["cache_len"] == 8 and r["part_len"] == [8] * len(GENERATE[name])
         for widths in r["part_widths"]:  # this stage's layers real, the other's placeholders
             assert [w > 1 for w in widths] == [i in r["owned"] for i in range(len(widths))]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["llama-beam-mb4", "gpt2-beam-mb2"])
+def test_beam_search_with_micro_batches_matches_hf(ranks, name):
+    r0, r1 = case(ranks, name)
+    for r in (r0, r1):
+        assert r["tokens_equal"], f"{name}: beam search differs from HF's"
+        assert r["steps"] == 12  # every step micro-batched
+    assert r0["tokens"] == r1["tokens"]
 
 
 @pytest.mark.slow

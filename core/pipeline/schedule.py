@@ -212,6 +212,7 @@ class CachedMicroBatches:
             caches = [DynamicCache(config=getattr(self.model, "config", None))
                       for _ in parts]
             vars(cache)[_PARTS] = caches
+            _follow(cache)
         outs = self._run([(a, {**k, key: c}) for (a, k), c in zip(parts, caches)])
         _count_tokens(cache, outs, caches, batch)
         out = _concat(outs)
@@ -241,6 +242,53 @@ class CachedMicroBatches:
         outs, elapsed, busy = run_parts(self.forward, parts, report)
         report.add_step(elapsed, busy)
         return [_broadcast_output(o, report.communicator, report.plan.ranks[-1]) for o in outs]
+
+
+#: cache methods that change rows (beam search reorders, contrastive search repeats) or length
+#: (assisted decoding crops): the micro-batches' caches must follow the whole batch's
+_ROW_METHODS = {
+    "reorder_cache": lambda t, beam_idx: t.index_select(0, beam_idx.to(t.device)),
+    "batch_select_indices": lambda t, indices: t[indices],
+    "batch_repeat_interleave": lambda t, repeats: t.repeat_interleave(repeats, dim=0),
+}
+
+
+def _follow(cache) -> None:
+    """Make the micro-batches' caches follow what HF's generate does to the whole batch's
+    (instance-scoped, on this cache object only): a row operation is applied to every layer's
+    keys and values joined over the micro-batches, then split again as the next forward will
+    split its inputs (``tensor_split`` into as many micro-batches); ``crop`` crops each one."""
+    def rows(name: str, op):
+        own = getattr(cache, name)
+
+        def method(arg):
+            own(arg)
+            _regroup(vars(cache)[_PARTS], lambda t: op(t, arg))
+        return method
+
+    for name, op in _ROW_METHODS.items():
+        setattr(cache, name, rows(name, op))
+    own_crop = cache.crop
+
+    def crop(max_length: int) -> None:
+        own_crop(max_length)
+        for part in vars(cache)[_PARTS]:
+            part.crop(max_length)
+    cache.crop = crop
+
+
+def _regroup(caches: list, op) -> None:
+    """``op`` over the rows of every layer's keys and values joined over ``caches`` (the
+    micro-batches, in order), split back into as many (sizes differing by at most one)."""
+    for index in range(len(caches[0].layers)):
+        layers = [c.layers[index] for c in caches]
+        if any(getattr(layer, "keys", None) is None or layer.keys.numel() == 0
+               for layer in layers):
+            continue
+        for attr in ("keys", "values"):
+            whole = op(torch.cat([getattr(layer, attr) for layer in layers]))
+            for layer, part in zip(layers, whole.tensor_split(len(layers))):
+                setattr(layer, attr, part.contiguous())
 
 
 def _count_tokens(cache, outs: list[Any], caches: list, batch: int) -> None:
