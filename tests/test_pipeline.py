@@ -277,6 +277,9 @@ TABLE = {
     "llama-gen-mb2": (generate_micro_case, "llama", 2),
     "gpt2-gen-mb4": (generate_micro_case, "gpt2", 4),
     "bloom-gen-mb3": (generate_micro_case, "bloom", 3),
+    "opt-gen-mb3": (generate_micro_case, "opt", 3),
+    "mixtral-gen-mb2": (generate_micro_case, "mixtral", 2),
+    "mistral-sw4-gen-mb2": (generate_micro_case, "mistral-sw4", 2),  # sliding-window caches
     "llama-gen-mb4-delay": (generate_micro_case, "llama", 4, 0.1, 6),
     "llama-beam-mb4": (beam_case, "llama", 4),
     "gpt2-beam-mb2": (beam_case, "gpt2", 2),
@@ -409,7 +412,8 @@ def test_the_measured_bubble_is_near_the_theoretical(ranks):
         assert 0 <= bubble <= 1.2 * r0["theoretical"], r0["summary"]
 
 
-GENERATE = {"llama-gen-mb2": [2, 2], "gpt2-gen-mb4": [1, 1, 1, 1], "bloom-gen-mb3": [2, 1, 1]}
+GENERATE = {"llama-gen-mb2": [2, 2], "gpt2-gen-mb4": [1, 1, 1, 1], "bloom-gen-mb3": [2, 1, 1],
+            "opt-gen-mb3": [2, 1, 1], "mixtral-gen-mb2": [2, 2], "mistral-sw4-gen-mb2": [2, 2]}
 
 
 @pytest.mark.slow
