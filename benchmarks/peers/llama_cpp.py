@@ -37,10 +37,11 @@ What it does, in order:
 Thread pools: llama.cpp (OpenMP from the system libgomp) and torch (its own OpenMP runtime)
 each keep worker threads spinning for a while after a parallel region. Two pools spinning on
 2 cores slow whichever engine runs next, so before every timed call the script sleeps
-``--idle-s`` seconds (default 0.5) and lets both pools go idle; nothing else is changed (no
-OMP_WAIT_POLICY, which would slow each engine on its own). ``--pool-check`` measures that it
-matters: shardwise's int4 decode right after llama.cpp's Q4_0 decode with no pause against with
-the pause (``pool_check`` in the JSON).
+``--idle-s`` seconds (default 0.5) and lets both pools go idle. Nothing else is changed: no
+OMP_WAIT_POLICY / KMP_BLOCKTIME, which would change how each engine runs on its own. The pool
+check (``--no-pool-check`` skips it) measures whether the pause matters: shardwise's int4 decode
+right after llama.cpp's Q4_0 decode, with no pause and with the pause (``pool_check`` in the
+JSON).
 
 Writes JSON (machine, versions, command, every sample) and a PNG chart (with matplotlib) to
 ``benchmarks/results/peers-<model>.json``.
@@ -51,6 +52,7 @@ from __future__ import annotations
 import argparse
 import copy
 import ctypes
+import importlib.metadata
 import json
 import math
 import os
@@ -69,6 +71,9 @@ import numpy as np
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
+# Run as a script, this file's folder is on sys.path, where ``import llama_cpp`` would find this
+# file instead of llama-cpp-python.
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 RESULTS = ROOT / "benchmarks" / "results"
 
 #: Random-weight shapes (``--shape``): LlamaConfig fields.
@@ -458,8 +463,8 @@ def versions() -> dict[str, Any]:
     except OSError:
         commit = None
     try:
-        gguf_version = __import__("importlib.metadata").metadata.version("gguf")
-    except Exception:  # noqa: BLE001 - informational only
+        gguf_version = importlib.metadata.version("gguf")
+    except importlib.metadata.PackageNotFoundError:
         gguf_version = getattr(gguf, "__version__", None)
     return {"python": platform.python_version(), "torch": torch.__version__,
             "transformers": transformers.__version__,
@@ -523,8 +528,11 @@ def parse_args(argv):
     p.add_argument("--long-prompt", type=int, default=512, help="first-token prompt (0: skip)")
     p.add_argument("--batch", type=int, default=8, help="batched decode size (0: skip)")
     p.add_argument("--batch-tokens", type=int, default=16, help="tokens per batched run")
+    p.add_argument("--batch-rounds", type=int, default=1,
+                   help="rounds that also time the batched decode (the first ones)")
     p.add_argument("--idle-s", type=float, default=0.5, help="pause before every timed call")
-    p.add_argument("--pool-check", action="store_true", help="measure the pause's effect")
+    p.add_argument("--no-pool-check", action="store_true",
+                   help="skip measuring the pause's effect (int4 after Q4_0, with and without)")
     p.add_argument("--no-quality", action="store_true", help="skip the logits comparison")
     p.add_argument("--quality-tokens", type=int, default=256)
     p.add_argument("--output", help="JSON path (default benchmarks/results/peers-<model>.json)")
@@ -598,7 +606,7 @@ def main(argv: list[str] | None = None) -> int:
         if long_prompt:
             variants[n].generate(long_prompt, 1)
     report_pool = None
-    if args.pool_check and "llama.cpp Q4_0" in variants and "shardwise int4" in variants:
+    if not args.no_pool_check and "llama.cpp Q4_0" in variants and "shardwise int4" in variants:
         log("pool check")
         report_pool = pool_check(variants["llama.cpp Q4_0"], variants["shardwise int4"],
                                  prompt, args.new_tokens, args.idle_s)
@@ -620,7 +628,7 @@ def main(argv: list[str] | None = None) -> int:
                 idle(args.idle_s)
                 sample, _ = v.generate(long_prompt, 1)
                 samples[n]["first_token_long"].append(sample.to_dict())
-            if args.batch > 1:
+            if args.batch > 1 and r < args.batch_rounds:
                 idle(args.idle_s)
                 try:
                     if isinstance(v, LlamaCppVariant):
