@@ -1,0 +1,127 @@
+"""bf16 decode on CPU against fp32 and HF, in one process, interleaved (issue 21: "the bf16 path
+is never slower than HF's bf16 on the same model, and never slower than shardwise's own fp32").
+
+    python benchmarks/cpu_bf16_decode.py --preset llama-20l-1536h-gqa --threads 2 --rounds 5 \
+        --output benchmarks/results/cpu-bf16-decode-llama-20l-1536h-gqa.json
+
+Variants (each its own copy of the same fixed-seed preset weights):
+
+* ``hf-bf16`` / ``hf-fp32``: the plain Hugging Face model (eager), in that dtype;
+* ``sw-fp32``: shardwise, kernel injection + graphs (the CPU's compiled decode step), fp32;
+* ``sw-bf16``: the same in bf16 (one-row linears as :mod:`shardwise.accelerators.cpu_gemv`'s
+  row product);
+* ``sw-bf16-aten``: bf16 as before that change (the compiled step's bf16 linears on ATen's
+  GEMMs): the "before" of the same run.
+
+Per-token decode time: ``(t(generate N new) - t(generate 1 new)) / (N - 1)`` for the same
+prompt, greedy, batch 1 — prefill and the first token cancel out. Each round runs every variant
+once (both lengths) in a fixed order, so load from other processes on a shared machine hits
+them alike; the table gives medians over rounds. All variants share torch's one OpenMP pool
+(``--threads``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+import shardwise
+from shardwise.accelerators import cpu_graphs
+from shardwise.bench.presets import build_preset
+
+VARIANTS = ("hf-bf16", "hf-fp32", "sw-fp32", "sw-bf16", "sw-bf16-aten")
+
+
+@contextlib.contextmanager
+def _without_row_products():
+    """Build an engine as before the row product: bf16 linears left to ATen's GEMMs."""
+    real = cpu_graphs.use_row_products
+    cpu_graphs.use_row_products = lambda linears: 0
+    try:
+        yield
+    finally:
+        cpu_graphs.use_row_products = real
+
+
+def build(variant: str, base: torch.nn.Module):
+    """A callable ``generate(ids, new)`` of ``variant`` on a copy of ``base`` (fp32)."""
+    model = copy.deepcopy(base)
+    dtype = torch.bfloat16 if variant.endswith(("bf16", "bf16-aten")) else torch.float32
+    if variant.startswith("hf"):
+        model = model.to(dtype).eval()
+        run = model
+    else:
+        scope = _without_row_products() if variant == "sw-bf16-aten" else contextlib.nullcontext()
+        with scope:
+            run = shardwise.init_inference(model, device="cpu", dtype=dtype,
+                                           replace_with_kernel_inject=True, enable_graph=True)
+
+    def generate(ids: torch.Tensor, new: int) -> torch.Tensor:
+        with torch.inference_mode():
+            return run.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                                pad_token_id=0)
+    return generate
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--preset", default="llama-20l-1536h-gqa")
+    ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    ap.add_argument("--prompt-len", type=int, default=32)
+    ap.add_argument("--new-tokens", type=int, default=16)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--output", default=None)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    base = build_preset(args.preset, torch.float32)
+    vocab = base.config.vocab_size
+    ids = torch.randint(3, vocab, (1, args.prompt_len), generator=torch.Generator().manual_seed(0))
+    runs, tokens = {}, {}
+    for v in args.variants:
+        start = time.perf_counter()
+        runs[v] = build(v, base)
+        tokens[v] = runs[v](ids, args.new_tokens)[0, args.prompt_len:].tolist()  # warm-up
+        print(f"{v}: ready in {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
+    del base
+    samples = {v: [] for v in args.variants}
+    for r in range(args.rounds):
+        for v, gen in runs.items():
+            t0 = time.perf_counter()
+            gen(ids, 1)
+            t1 = time.perf_counter()
+            gen(ids, args.new_tokens)
+            t2 = time.perf_counter()
+            samples[v].append(((t2 - t1) - (t1 - t0)) / (args.new_tokens - 1) * 1e3)
+        print(f"round {r + 1}/{args.rounds}: " + ", ".join(
+            f"{v} {samples[v][-1]:.1f}" for v in runs), file=sys.stderr, flush=True)
+    medians = {v: statistics.median(s) for v, s in samples.items()}
+    print(f"{args.preset}, batch 1, prompt {args.prompt_len}, {args.threads} threads, "
+          f"median of {args.rounds} interleaved rounds (decode ms/token)")
+    for v in args.variants:
+        print(f"  {v:14s} {medians[v]:8.1f}   (samples: "
+              f"{', '.join(f'{s:.1f}' for s in samples[v])})")
+    if args.output:
+        Path(args.output).write_text(json.dumps({
+            "command": "python benchmarks/cpu_bf16_decode.py " + " ".join(sys.argv[1:] if argv is
+                                                                          None else argv),
+            "preset": args.preset, "threads": args.threads, "prompt_len": args.prompt_len,
+            "new_tokens": args.new_tokens, "rounds": args.rounds,
+            "machine": {"cpu": shardwise.get_accelerator("cpu").device_name(),
+                        "torch": torch.__version__, "python": platform.python_version()},
+            "decode_ms_per_token_median": medians, "samples_ms": samples,
+            "greedy_tokens": tokens}, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
