@@ -272,6 +272,36 @@ def test_prefill_chunks_shrink_to_a_fraction_of_a_decode_step_while_streams_deco
     assert tokens(drain(joining)) == alone(prompt(90, 2), 2)
 
 
+class OverheadRunner(TimedRunner):
+    """TimedRunner whose every prefill call also costs ``call_s`` (a forward's fixed cost)."""
+
+    def __init__(self, call_s: float, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.call_s = call_s
+
+    def prefill(self, slot, token_ids, last):
+        time.sleep(self.call_s)
+        return super().prefill(slot, token_ids, last)
+
+
+def test_prefill_chunks_are_worth_their_call_overhead():
+    # 30 ms a call + 1 ms a token, 40 ms a step, stall 0.75: the allowance (30 ms) holds no
+    # token beyond the overhead, so the old rule gave 8-token chunks (11 calls for 90 tokens,
+    # 79 % of the time overhead); a chunk now takes the overhead's worth, ~30 tokens
+    runner = OverheadRunner(call_s=0.03, token_s=0.001, max_batch=2, max_tokens=160,
+                            decode_s=0.04)
+    sched = Scheduler(runner, sampler_factory=greedy, prefill_budget=64, prefill_stall=0.75)
+    first = sched.submit(request("first", prompt(40, 1), 40), None)
+    sched.step()
+    joining = sched.submit(request("joining", prompt(90, 2), 2), None)
+    run_steps(sched)
+    chunks = [c[2] for c in runner.prefills(slot=1)]
+    assert sum(chunks) == 90 and len(chunks) <= 5, chunks
+    assert all(n >= 16 for n in chunks[1:-1]), chunks
+    assert tokens(drain(first)) == alone(prompt(40, 1), 40)
+    assert tokens(drain(joining)) == alone(prompt(90, 2), 2)
+
+
 def test_lowest_free_slot_is_taken_first():
     runner = FakeRunner(max_batch=4)
     sched = Scheduler(runner, sampler_factory=greedy)

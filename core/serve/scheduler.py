@@ -13,11 +13,15 @@ One background thread makes every model call. Each iteration of its loop:
    ``prefill_stall`` × one measured decode step, by the prefill cost fitted to the last calls
    (a per-call overhead plus a per-token time) (at least ``MIN_PREFILL_CHUNK``
    tokens, so prompts always progress): a joining prompt delays the running streams' next token
-   by a bounded fraction of a step instead of by its whole prefill;
+   by a bounded fraction of a step instead of by its whole prefill. Where a call's overhead
+   alone is most of that allowance (a small model, or a GPU whose step is host-bound), a chunk
+   still takes at least as many tokens as the overhead's worth of time (overhead / per-token
+   time): chunks of ``MIN_PREFILL_CHUNK`` tokens there would spend most of every prefill call
+   on its overhead, and prompts would queue behind each other for hundreds of steps;
 4. runs ONE ``runner.decode`` step over every decoding sequence and samples each with its own
    sampler (the plain greedy rows together: one ``argmax``, one device→host copy,
-   :func:`~shardwise.serve.sampling.sample_rows`); a sequence ends on an end-of-sequence id (``"stop"``, the id itself is delivered) or
-   after ``max_tokens`` tokens (``"length"``) and frees its slot for the next iteration.
+   :func:`~shardwise.serve.sampling.sample_rows`); a sequence ends on an end-of-sequence id
+   (``"stop"``, the id itself is delivered) or after ``max_tokens`` tokens (``"length"``) and frees its slot for the next iteration.
 
 Delivery is per step, not per token: the events of a phase (the prefill's first tokens, the
 decode step's tokens, the ends) go to the HTTP side's event loop in one wake-up
@@ -375,7 +379,8 @@ class Scheduler:
             return self.prefill_budget
         overhead_s, token_s = _linear_fit(self._prefill_calls)
         fits = int((self.prefill_stall * self._decode_step_s - overhead_s) / token_s)
-        return min(self.prefill_budget, max(MIN_PREFILL_CHUNK, fits))
+        worth = int(overhead_s / token_s)  # tokens taking as long as one call's overhead
+        return min(self.prefill_budget, max(MIN_PREFILL_CHUNK, fits, worth))
 
     def _decode(self) -> None:
         """One decode step over every decoding sequence (by slot), then sample each."""
