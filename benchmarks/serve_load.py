@@ -8,10 +8,14 @@ time (:class:`shardwise.serve.baseline.HFSerialBackend`), in the same run.
 
 Both servers run in this process (uvicorn on 127.0.0.1, a free port each, background threads;
 the app is :func:`shardwise.serve.api.build_app`), on two copies of one model (default: the
-embedded SmolLM2-135M-Instruct) in the device's preferred dtype. The shardwise backend is the
-engine ``init_inference(model, replace_with_kernel_inject=True, enable_graph=True)``, a
-:class:`~shardwise.serve.runner.SlotRunner` whose batch buckets are captured before the first
-request, and the :class:`~shardwise.serve.scheduler.Scheduler`.
+embedded SmolLM2-135M-Instruct) in the device's preferred dtype. The clients run in
+``--client-processes`` other processes (default 1), so that what is measured is the server: the
+``openai`` client parses every chunk into pydantic objects, ~0.25 ms of Python per chunk on this
+project's CPU, which in the server's process would hold the same GIL as the server's own
+per-token work (``--client-processes 0`` runs them there, as before, for comparison). The
+shardwise backend is the engine ``init_inference(model, replace_with_kernel_inject=True,
+enable_graph=True)``, a :class:`~shardwise.serve.runner.SlotRunner` whose batch buckets are
+captured before the first request, and the :class:`~shardwise.serve.scheduler.Scheduler`.
 
 The load: at each concurrency C, C clients (``openai.AsyncOpenAI``) each send
 ``--requests-per-stream`` streaming ``/v1/completions`` requests one after the other
@@ -40,6 +44,7 @@ import asyncio
 import copy
 import dataclasses
 import datetime
+import multiprocessing
 import os
 import platform
 import shlex
@@ -103,6 +108,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--prefill-budget", type=int, default=None,
                         help="the most prompt tokens shardwise's scheduler prefills in one step "
                              "(default: the server's)")
+    parser.add_argument("--client-processes", type=int, default=1,
+                        help="processes the clients run in, the streams spread over them "
+                             "(default: 1; 0: in the servers' process, sharing their GIL)")
     parser.add_argument("--output", default=None,
                         help="JSON file (default: benchmarks/results/serve_load-<date>.json)")
     args = parser.parse_args(argv)
@@ -118,6 +126,9 @@ def check_args(args: argparse.Namespace) -> None:
     for name in ("requests_per_stream", "max_tokens", "repeats"):
         if getattr(args, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be ≥ 1, got {getattr(args, name)}")
+    if args.client_processes < 0:
+        raise ConfigError(f"--client-processes must be ≥ 0 (0: in this process), got "
+                          f"{args.client_processes}")
     if min(args.concurrency) < 1:
         raise ConfigError(f"--concurrency levels must be ≥ 1, got {args.concurrency}")
     args.concurrency = sorted(set(args.concurrency))
@@ -216,7 +227,8 @@ def queue_bound(args) -> int:
 
 @dataclasses.dataclass
 class RequestSample:
-    """One streamed request, seen from the client (perf_counter seconds)."""
+    """One streamed request, seen from the client (``time.monotonic()`` seconds: one clock for
+    every process on the machine)."""
 
     stream: int
     prompt_index: int
@@ -238,13 +250,13 @@ class RequestSample:
 
 async def one_request(client, model_name: str, prompt: str, max_tokens: int, stream: int,
                       prompt_index: int) -> RequestSample:
-    sent = time.perf_counter()
+    sent = time.monotonic()
     chunks, text, usage, finish = [], [], None, None
     response = await client.completions.create(
         model=model_name, prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True,
         stream_options={"include_usage": True})
     async for chunk in response:
-        now = time.perf_counter()
+        now = time.monotonic()
         if chunk.usage is not None:
             usage = chunk.usage
         if chunk.choices:
@@ -259,27 +271,109 @@ async def one_request(client, model_name: str, prompt: str, max_tokens: int, str
                          usage.prompt_tokens, "".join(text), finish)
 
 
-async def run_level(served: Served, prompts: list[str], concurrency: int,
-                    requests_per_stream: int, max_tokens: int) -> dict[str, Any]:
-    """``concurrency`` streams, each sending its requests in turn → the level's samples and
-    figures."""
+@dataclasses.dataclass(frozen=True)
+class StreamsJob:
+    """Some of a level's streams, for one client process: stream ``s`` of ``streams`` sends
+    its ``requests_per_stream`` requests in turn, the first at ``start_s`` (monotonic)."""
+
+    url: str
+    model_name: str
+    prompts: tuple[str, ...]
+    streams: tuple[int, ...]
+    requests_per_stream: int
+    max_tokens: int
+    start_s: float
+
+
+async def run_streams(job: StreamsJob) -> tuple[list[RequestSample], float]:
+    """Run ``job``'s streams → their samples and when the last one ended (monotonic)."""
     import openai
 
-    async with openai.AsyncOpenAI(base_url=f"{served.server.url}/v1", api_key="unused",
+    async with openai.AsyncOpenAI(base_url=f"{job.url}/v1", api_key="unused",
                                   max_retries=0, timeout=REQUEST_TIMEOUT_S) as client:
 
         async def stream(s: int) -> list[RequestSample]:
             out = []
-            for r in range(requests_per_stream):
-                index = (s * requests_per_stream + r) % len(prompts)
-                out.append(await one_request(client, served.model_name, prompts[index],
-                                             max_tokens, s, index))
+            for r in range(job.requests_per_stream):
+                index = (s * job.requests_per_stream + r) % len(job.prompts)
+                out.append(await one_request(client, job.model_name, job.prompts[index],
+                                             job.max_tokens, s, index))
             return out
 
-        start = time.perf_counter()
-        streams = await asyncio.gather(*(stream(s) for s in range(concurrency)))
-        wall = time.perf_counter() - start
-    samples = [r for rs in streams for r in rs]
+        await asyncio.sleep(max(0.0, job.start_s - time.monotonic()))
+        streams = await asyncio.gather(*(stream(s) for s in job.streams))
+    return [r for rs in streams for r in rs], time.monotonic()
+
+
+def _client_worker(jobs, results) -> None:
+    """A client process: run each :class:`StreamsJob` from ``jobs`` until None, answering
+    ``("ok", [sample dicts], end_s)`` or ``("error", text)`` on ``results``."""
+    while (job := jobs.get()) is not None:
+        try:
+            samples, end = asyncio.run(run_streams(job))
+            results.put(("ok", [dataclasses.asdict(r) for r in samples], end))
+        except BaseException as exc:  # noqa: BLE001 - reported by the parent
+            results.put(("error", f"{type(exc).__name__}: {exc}", 0.0))
+
+
+class Clients:
+    """Where the load's streams run: ``processes`` spawned client processes (the streams
+    spread round-robin over them), or this process when 0. Use as a context manager."""
+
+    #: how far ahead of now a level's start is set, so every process starts together
+    START_DELAY_S = 0.2
+
+    def __init__(self, processes: int) -> None:
+        self.processes = processes
+        context = multiprocessing.get_context("spawn")
+        self._jobs = [context.Queue() for _ in range(processes)]
+        self._results = context.Queue()
+        self._workers = [context.Process(target=_client_worker, args=(q, self._results),
+                                         name=f"serve-load-client-{i}", daemon=True)
+                         for i, q in enumerate(self._jobs)]
+
+    def __enter__(self) -> "Clients":
+        for worker in self._workers:
+            worker.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for queue in self._jobs:
+            queue.put(None)
+        for worker in self._workers:
+            worker.join(10)
+            if worker.is_alive():
+                worker.kill()
+
+    def run(self, served: Served, prompts: list[str], concurrency: int,
+            requests_per_stream: int, max_tokens: int) -> tuple[list[RequestSample], float]:
+        """One level → (every request's sample, wall seconds: first sent to last ended)."""
+        start = time.monotonic() + (self.START_DELAY_S if self.processes else 0.0)
+        jobs = [StreamsJob(served.server.url, served.model_name, tuple(prompts),
+                           tuple(range(i, concurrency, max(self.processes, 1))),
+                           requests_per_stream, max_tokens, start)
+                for i in range(min(max(self.processes, 1), concurrency))]
+        if not self.processes:
+            samples, end = asyncio.run(run_streams(jobs[0]))
+            return samples, end - start
+        for queue, job in zip(self._jobs, jobs):
+            queue.put(job)
+        samples, end = [], start
+        for _ in jobs:
+            status, body, ended = self._results.get(timeout=REQUEST_TIMEOUT_S * 2)
+            if status != "ok":
+                raise RuntimeError(f"a client process failed: {body}")
+            samples += [RequestSample(**d) for d in body]
+            end = max(end, ended)
+        return samples, end - start
+
+
+def run_level(clients: Clients, served: Served, prompts: list[str], concurrency: int,
+              requests_per_stream: int, max_tokens: int) -> dict[str, Any]:
+    """``concurrency`` streams, each sending its requests in turn → the level's samples and
+    figures."""
+    samples, wall = clients.run(served, prompts, concurrency, requests_per_stream, max_tokens)
+    samples.sort(key=lambda r: (r.stream, r.sent_s))
     return {"wall_s": wall, "figures": level_figures(samples, wall),
             "requests": [dataclasses.asdict(r) for r in samples]}
 
@@ -356,21 +450,8 @@ def run(args) -> dict[str, Any]:
         servers.append(serve("shardwise", stack.state.backend, stack.state))
         levels = {s.name: args.baseline_levels if s.name == "hf" else args.concurrency
                   for s in servers}
-        for served in servers:  # untimed: first requests warm allocators, tokenizer, sockets
-            asyncio.run(run_level(served, prompts, max(levels[served.name]), 1,
-                                  args.max_tokens))
-        runs = {s.name: {c: [] for c in levels[s.name]} for s in servers}
-        for repeat in range(args.repeats):
-            for c in args.concurrency:
-                for served in [s for s in servers if c in levels[s.name]]:
-                    result = asyncio.run(run_level(served, prompts, c, args.requests_per_stream,
-                                                   args.max_tokens))
-                    result["load_average"] = list(load_average())
-                    runs[served.name][c].append(result)
-                    f = result["figures"]
-                    print(f"repeat {repeat + 1}/{args.repeats} {served.name:>9} C={c:<3} "
-                          f"{f['decode_tok_s']:7.1f} tok/s  ITL p50 {f.get('itl_ms_p50', 0):6.1f}"
-                          f" ms  TTFT p50 {f['ttft_ms_p50']:7.1f} ms", file=sys.stderr)
+        with Clients(args.client_processes) as clients:
+            runs = run_levels(clients, servers, levels, prompts, args)
     finally:
         for served in servers:
             served.server.stop()
@@ -382,6 +463,27 @@ def run(args) -> dict[str, Any]:
     doc["greedy_agreement"] = agreement(runs)
     doc["machine"]["load_average_end"] = list(load_average())
     return doc
+
+
+def run_levels(clients: Clients, servers: list[Served], levels: dict[str, list[int]],
+               prompts: list[str], args) -> dict[str, dict[int, list]]:
+    """Every level of every server, ``--repeats`` times, after one untimed warm-up level each
+    → ``{server: {concurrency: [level results]}}``."""
+    for served in servers:  # untimed: first requests warm allocators, tokenizer, sockets
+        run_level(clients, served, prompts, max(levels[served.name]), 1, args.max_tokens)
+    runs = {s.name: {c: [] for c in levels[s.name]} for s in servers}
+    for repeat in range(args.repeats):
+        for c in args.concurrency:
+            for served in [s for s in servers if c in levels[s.name]]:
+                result = run_level(clients, served, prompts, c, args.requests_per_stream,
+                                   args.max_tokens)
+                result["load_average"] = list(load_average())
+                runs[served.name][c].append(result)
+                f = result["figures"]
+                print(f"repeat {repeat + 1}/{args.repeats} {served.name:>9} C={c:<3} "
+                      f"{f['decode_tok_s']:7.1f} tok/s  ITL p50 {f.get('itl_ms_p50', 0):6.1f}"
+                      f" ms  TTFT p50 {f['ttft_ms_p50']:7.1f} ms", file=sys.stderr)
+    return runs
 
 
 def median_figures(repeats: list[dict]) -> dict[str, float]:
