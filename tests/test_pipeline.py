@@ -729,3 +729,16 @@ def test_in_flight_names_a_micro_batch_of_another_shape():
     with pytest.raises(PipelineConfigError, match=r"received hidden states \(2, 5, 8\) for a "
                                                   r"micro-batch whose inputs are \(2, 6, 8\)"):
         links.receive(comm, torch.zeros(2, 6, 8), src=0)
+
+
+def test_the_micro_batch_forward_shows_hf_the_models_parameters():
+    """HF's generate reads the forward's parameters to choose its inputs (logits_to_keep ...):
+    the micro-batching instance forward shows the model's own."""
+    import inspect
+
+    from shardwise.pipeline.schedule import CachedMicroBatches
+
+    model = tiny_causal_lm("llama")
+    wrapped = CachedMicroBatches(model, model.forward, report=None)
+    assert inspect.signature(wrapped) == inspect.signature(model.forward)
+    assert wrapped.cache_key == "cache"

@@ -192,7 +192,10 @@ class CachedMicroBatches:
         import inspect
 
         self.model, self.forward, self.report = model, forward, report
-        params = inspect.signature(forward).parameters
+        # HF reads the forward's parameters (which inputs generate may pass, e.g.
+        # logits_to_keep): show it the model's own
+        self.__signature__ = inspect.signature(forward)
+        params = self.__signature__.parameters
         self.cache_key = next((k for k in _CACHE_KEYS if k in params), None)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
