@@ -139,8 +139,19 @@ def test_a_saved_regrouped_model_reloads_with_its_groups(tmp_path):
     fresh = _smollm_like()
     report = load_quantized(fresh, tmp_path / "q", CPU)
     assert {layer.group_size for layer in report.layers.values()} == {96, 128}
+    assert len(report.notes) == 1 and "576 input features of 12 layers" in report.notes[0]
     with torch.no_grad():
         assert torch.equal(fresh(ids).logits, want)
+
+
+def test_a_layer_narrower_than_a_group_gets_one_group_per_row_and_says_why():
+    holder = _linear(64, 32)
+    report = quantize_model(holder, {"weight": {"num_bits": 8, "group_size": 128}}, CPU, BF16,
+                            names=["0"])
+    assert report.layers["0"].group_size == 64
+    assert report.notes == ["group_size=128 does not divide the 64 input features of 1 layer "
+                            "(e.g. '0'): it uses one group per output row (the layer has fewer "
+                            "inputs than a group)"]
 
 
 def test_q_groups_that_do_not_cut_a_layer_equally_are_still_refused():

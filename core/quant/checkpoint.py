@@ -52,7 +52,7 @@ from .config import parse_quant
 from .experts import QuantExperts
 from .modules import QuantLinear
 from .transform import (QUANT_ATTR, QuantizedLayer, QuantReport, _refuse_twice, model_bytes,
-                        swap_in)
+                        regrouped_notes, swap_in)
 
 log = logging.getLogger(__name__)
 
@@ -376,6 +376,8 @@ def loaded_report(model: nn.Module, info: Mapping[str, Any], layers: dict[str, Q
     dtype = _torch_dtype(info.get("dtype"))
     config = parse_quant(info["config"]) if info.get("config") else None
     report = QuantReport(config, dtype, str(device), layers=dict(layers), source=source)
+    if config is not None:  # the groups chosen at quantization, as the saved specs hold them
+        report.notes.extend(regrouped_notes(config, layers))
     size = torch.empty((), dtype=dtype or torch.float32).element_size()
     report.bytes_after = model_bytes(model)
     report.bytes_before = sum(p.numel() * (size if p.is_floating_point() else p.element_size())

@@ -491,9 +491,13 @@ def regrouped_notes(config: QuantConfig, layers: Mapping[str, QuantizedLayer]) -
             changed.setdefault((layer.shape[1], layer.group_size), []).append(layer.name)
     notes = []
     for (in_features, used), names in changed.items():
-        how = ("one scale per output row (no divisor of at least "
-               f"{min(MIN_FALLBACK_GROUP, max(1, asked // 2))} fits)" if used == in_features
-               else f"groups of {used} (a divisor of {in_features}: finer than asked)")
+        if used == in_features and in_features < asked:
+            how = "one group per output row (the layer has fewer inputs than a group)"
+        elif used == in_features:
+            how = (f"one scale per output row (no divisor of {in_features} of at least "
+                   f"{min(MIN_FALLBACK_GROUP, max(1, asked // 2))} fits)")
+        else:
+            how = f"groups of {used} (a divisor of {in_features}: finer than asked)"
         notes.append(f"group_size={asked} does not divide the {in_features} input features of "
                      f"{len(names)} layer{'s' if len(names) > 1 else ''} (e.g. {names[0]!r}): "
                      f"{'they use' if len(names) > 1 else 'it uses'} {how}")
