@@ -248,3 +248,34 @@ def test_the_callers_logits_are_not_modified():
                              top_p=0.8, logprobs=2))
     stream(sampler, logits, 5)
     assert torch.equal(logits, before)
+
+
+# ----- a decode step's rows at once (sample_rows) ------------------------------------------------
+
+def test_sample_rows_equals_each_rows_own_sample_and_isolates_a_garbage_row():
+    """The plain greedy rows are picked together, the others one by one: every row gets what
+    its sampler alone would give (ties to the lowest id, padded columns cut), a NaN row fails
+    alone, and each greedy sampler counts its token."""
+    from shardwise.serve.sampling import sample_rows
+
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(6, 40, generator=g)
+    logits[1, 7] = logits[1, 9] = logits[1].max() + 1.0    # a tie: 7 wins
+    logits[2, 35:] = 100.0                                   # padded columns past vocab 32
+    logits[4] = float("nan")                                 # garbage
+    kinds = [params(temperature=0.0), params(temperature=0.0), params(temperature=0.0),
+             params(temperature=0.0, logprobs=2), params(temperature=0.0),
+             params(temperature=0.7, seed=5)]
+    fresh = lambda: [Sampler(p, 0, vocab_size=32) for p in kinds]  # noqa: E731
+    batched, alone = fresh(), fresh()
+    out = sample_rows(batched, logits)
+    for i, (event, sampler) in enumerate(zip(out, alone)):
+        if i == 4:
+            assert isinstance(event, ValueError) and "NaN" in str(event)
+            with pytest.raises(ValueError, match="NaN"):
+                sampler.sample(logits[i])
+            continue
+        assert event == sampler.sample(logits[i]), i
+        assert batched[i].counts == {event.token_id: 1}
+    assert out[1].token_id == 7 and out[2].token_id < 32
+    assert [s.batchable for s in batched] == [True, True, True, False, True, False]

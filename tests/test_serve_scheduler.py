@@ -436,6 +436,36 @@ def test_runs_on_its_own_thread_and_matches_each_alone():
     assert len(runner.thread_ids) == 1
 
 
+def test_a_step_wakes_the_event_loop_once_not_once_per_token():
+    """Events reach the HTTP side's loop batched: at most two wake-ups per step (the prefill's
+    first tokens, then the decode step's tokens and ends), however many streams run; every
+    stream still gets its own tokens in order."""
+    runner = FakeRunner(max_batch=4, decode_s=0.005)
+    sched = Scheduler(runner, sampler_factory=greedy, prefill_budget=64).start()
+    reqs = [request(f"r{i}", prompt(3 + i, i), 12) for i in range(4)]
+    wakeups = []
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        real = loop.call_soon_threadsafe
+
+        def counted(callback, *args, **kwargs):  # this loop only (instance attribute)
+            wakeups.append(threading.get_ident())
+            return real(callback, *args, **kwargs)
+
+        loop.call_soon_threadsafe = counted
+        handles = [sched.submit(r, loop) for r in reqs]
+        return await asyncio.gather(*(collect(h) for h in handles))
+
+    results = asyncio.run(main())
+    sched.stop(drain_s=1.0)
+    for req, events in zip(reqs, results):
+        assert tokens(events) == alone(req.prompt_ids, 12) and finish(events).reason == "length"
+    steps = sum(c[0] == "decode" for c in runner.calls) + 1   # + the step of the first prefills
+    events = sum(len(e) for e in results)                     # 4 x (12 tokens + the end)
+    assert events == 52 and len(wakeups) <= 2 * steps < events, (len(wakeups), steps)
+
+
 @pytest.mark.parametrize("fail_on", ["decode", "prefill"])
 def test_a_runner_failure_makes_the_scheduler_unhealthy_and_ends_every_sequence(fail_on):
     runner = FakeRunner(max_batch=2, fail_on=fail_on, fail_after=2)
