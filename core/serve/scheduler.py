@@ -21,7 +21,8 @@ One background thread makes every model call. Each iteration of its loop:
 4. runs ONE ``runner.decode`` step over every decoding sequence and samples each with its own
    sampler (the plain greedy rows together: one ``argmax``, one device→host copy,
    :func:`~shardwise.serve.sampling.sample_rows`); a sequence ends on an end-of-sequence id
-   (``"stop"``, the id itself is delivered) or after ``max_tokens`` tokens (``"length"``) and frees its slot for the next iteration.
+   (``"stop"``, the id itself is delivered) or after ``max_tokens`` tokens (``"length"``) and
+   frees its slot for the next iteration.
 
 Delivery is per step, not per token: the events of a phase (the prefill's first tokens, the
 decode step's tokens, the ends) go to the HTTP side's event loop in one wake-up
