@@ -435,7 +435,7 @@ def _build_engine(model: nn.Module | None, cfg: InferenceConfig) -> InferenceEng
     loaded = None
     if desc is not None:  # 4. each rank reads only its slices, straight onto its device
         loaded = _load_step(model, cfg, accelerator, dtype, device, plan, desc,
-                            communicator.rank)
+                            _stage_rank(plan, communicator))
     report = None
     if prepared is not None:
         report = sharding.apply_shards(  # 5. (the loader already sliced the weights) in the
@@ -444,8 +444,8 @@ def _build_engine(model: nn.Module | None, cfg: InferenceConfig) -> InferenceEng
             bytes_before=loaded.bytes_before if loaded else None)
         if communicator.rank == 0:
             log.info("shardwise: %s", report.summary())
-    stages = _pipeline_step(model, plan, communicator, dtype,
-                            cfg.pipeline_parallel)  # 5b. this rank's stage
+    stages = _pipeline_step(model, plan, communicator, dtype, cfg.pipeline_parallel,
+                            rebuild=loaded is None)  # 5b. this rank's stage
     quant_report = _quantize_and_cast(model, cfg, accelerator, dtype, device, plan,
                                       loaded)  # 6.
     moe_report = _moe_step(model, cfg, accelerator, dtype, plan)  # 6b. before injection
@@ -478,18 +478,21 @@ def _build_engine(model: nn.Module | None, cfg: InferenceConfig) -> InferenceEng
 
 
 def _pipeline_step(model: nn.Module, plan: Plan, communicator: Communicator,
-                   dtype: torch.dtype, pipeline):
-    """Step 5b under pipeline parallelism (before the cast: the other stages' modules are never
-    cast): this rank keeps its stage's layers, the rest become stand-ins, and the hooks that
-    move hidden states between stages are installed (:func:`shardwise.pipeline.apply_stages`).
-    Returns its :class:`~shardwise.pipeline.PipelineReport`, or None without stages."""
+                   dtype: torch.dtype, pipeline, rebuild: bool = True):
+    """Step 5b under pipeline parallelism (before the cast and quantization: the other stages'
+    modules are never cast or quantized): this rank keeps its stage's layers, the rest become
+    stand-ins, and the hooks that move hidden states between stages are installed
+    (:func:`shardwise.pipeline.apply_stages`; ``rebuild`` False after a checkpoint load, which
+    left the other stages' tensors unread). Returns its
+    :class:`~shardwise.pipeline.PipelineReport`, or None without stages."""
     if plan.stages is None:
         return None
     from .moe.block import decoder_layers
     from .pipeline import apply_stages
 
     report = apply_stages(model, decoder_layers(model, plan.policy), plan.stages,
-                          plan.pp.group, dtype, micro_batches=pipeline.micro_batches)
+                          plan.pp.group, dtype, micro_batches=pipeline.micro_batches,
+                          rebuild=rebuild)
     log.info("shardwise: rank %d: %s", communicator.rank, report.summary())
     return report
 
@@ -533,13 +536,31 @@ def _load_step(model: nn.Module, cfg: InferenceConfig, accelerator: Accelerator,
     if cfg.offload is None:
         return _checkpoint.load_checkpoint(model, desc, prepared=plan.shards, rank=rank,
                                            device=device, dtype=dtype, hooks=hooks,
-                                           experts=experts)
+                                           experts=experts,
+                                           skip_modules=_other_stages(model, plan))
     from .offload.checkpoint import checkpoint_units, load_to_store
 
     return load_to_store(model, desc, cfg.offload, units=checkpoint_units(model, plan.policy),
                          prepared=plan.shards, rank=rank, tp_size=plan.tp.size, device=device,
                          dtype=dtype, hooks=hooks, experts=experts, quant=cfg.quant,
                          pinned=accelerator.pinned_host_buffer if cfg.offload.pin_memory else None)
+
+
+def _stage_rank(plan: Plan, communicator: Communicator) -> int:
+    """This rank within its pipeline stage (the world's rank without stages): the rank the
+    stage's tensor-parallel slices are planned for (ranks are laid out tp fastest)."""
+    return communicator.rank % (communicator.world_size // plan.pp.size)
+
+
+def _other_stages(model: nn.Module, plan: Plan) -> tuple[str, ...]:
+    """The modules whose checkpoint tensors this rank does not read: the ones other pipeline
+    stages run (:func:`shardwise.pipeline.stages.foreign_modules`); none without stages."""
+    if plan.stages is None:
+        return ()
+    from .moe.block import decoder_layers
+    from .pipeline.stages import foreign_modules
+
+    return foreign_modules(model, decoder_layers(model, plan.policy), plan.stages)
 
 
 def _written_store(loaded):

@@ -21,6 +21,11 @@ Other transforms plug in without the loader knowing them (:mod:`.extensions`):
   read, then called with each tensor as this rank's slice of it is read; a tensor a hook takes is
   not assigned. Quantizing while reading is one (``shardwise.quant.Quantizer.reading_hook``): the
   float slice is quantized at once, so the full-precision model never sits in memory.
+* **tensors another rank reads** (``skip_modules=``): a pipeline rank names the modules other
+  stages run (their layers, the embedding off the first stage, the head off the last); their
+  tensors are checked against the headers like every other but not read, and stay on meta (the
+  pipeline step replaces those modules by stand-ins). A tensor tied across a skipped and a kept
+  module (GPT-2's embedding and head) is read.
 * **checkpoint extensions**: data the description's ``"extensions"`` section and the rank files
   carry for another transform (a quantized engine's packed layers) is handed to the extension of
   that name, which puts in the modules it loads into (empty QuantLinear shells) before the load
@@ -91,6 +96,8 @@ class LoadReport:
     bytes_before: int = 0  # the whole model's parameter bytes (for the shard report)
     #: hook / extension name → what it reported (e.g. ``"shardwise.quant"``: the QuantReport)
     results: dict[str, Any] = field(default_factory=dict)
+    #: tensors left unread for other ranks (``skip_modules``: other pipeline stages'), each once
+    skipped: int = 0
 
     @property
     def gb_per_s(self) -> float:
@@ -99,7 +106,9 @@ class LoadReport:
     def summary(self) -> str:
         return (f"loaded {self.tensors} tensors from {self.files} file(s) of {self.source}: "
                 f"{self.bytes_read / 1e9:.3f} GB read by rank {self.rank} in "
-                f"{self.seconds:.2f} s ({self.gb_per_s:.2f} GB/s)")
+                f"{self.seconds:.2f} s ({self.gb_per_s:.2f} GB/s)"
+                + (f"; {self.skipped} tensors left to other pipeline stages"
+                   if self.skipped else ""))
 
 
 def load_checkpoint(model: nn.Module, checkpoint: "str | os.PathLike | Mapping | Description", *,
@@ -108,7 +117,8 @@ def load_checkpoint(model: nn.Module, checkpoint: "str | os.PathLike | Mapping |
                     base_dir: str | os.PathLike | None = None,
                     progress: bool | None = None,
                     hooks: "list[TensorHook] | tuple[TensorHook, ...]" = (),
-                    experts: int | None = None) -> LoadReport:
+                    experts: int | None = None,
+                    skip_modules: "tuple[str, ...] | list[str]" = ()) -> LoadReport:
     """Fill ``model``'s parameters and buffers from ``checkpoint``, in place.
 
     Args:
@@ -130,6 +140,10 @@ def load_checkpoint(model: nn.Module, checkpoint: "str | os.PathLike | Mapping |
         experts: a Mixture-of-Experts model's routed experts per MoE layer (the plan's
             ``experts.total``), named by the error for a checkpoint holding another count (else
             an experts module's own ``num_experts`` is).
+        skip_modules: names of modules (as ``model.named_modules()`` gives them) whose tensors
+            this rank does not read: another pipeline stage runs them (module docstring). Their
+            keys are still checked against the headers; the tensors stay on meta, and hooks are
+            not told of them. A tensor tied to a module outside them is read.
 
     Checkpoint keys become model tensors as transformers' ``from_pretrained`` renames and
     converts them (:mod:`.conversions`): a checkpoint in an older layout (one tensor per expert)
@@ -155,6 +169,7 @@ def load_checkpoint(model: nn.Module, checkpoint: "str | os.PathLike | Mapping |
     try:
         states = _install_extensions(model, index, desc, prepared, context)
         targets = plan_targets(model, index, prepared, rank, experts)
+        targets, skipped = _without_skipped(targets, tuple(skip_modules))
         for hook in hooks:
             hook.plan(model, _refs(model, targets))
         start = time.perf_counter()
@@ -169,7 +184,7 @@ def load_checkpoint(model: nn.Module, checkpoint: "str | os.PathLike | Mapping |
         raise
     sliced = _set_sizes(prepared, rank) if prepared is not None else {}
     report = LoadReport(desc.source, len(desc.files), bytes_read, time.perf_counter() - start,
-                        count, rank, sliced, bytes_before)
+                        count, rank, sliced, bytes_before, skipped=skipped)
     for name, state in states.items():
         results[name] = extension(name, desc.source).finish(model, state, context,
                                                             torch.device(device))
@@ -229,6 +244,18 @@ def plan_targets(model: nn.Module, index: CheckpointIndex, prepared: PreparedSha
                 f"{_kind(t.dtype)}; the checkpoint does not belong to this model (or was saved "
                 f"with the wrong dtype): re-save it")
     return [t for t in targets if t.found]
+
+
+def _without_skipped(targets: list[Target], skip: tuple[str, ...]) -> tuple[list[Target], int]:
+    """(the targets to read, how many were left out): a target is left out when every name it
+    goes by lies inside one of the ``skip`` modules (a tied alias outside them keeps it)."""
+    if not skip:
+        return targets, 0
+
+    def inside(name: str) -> bool:
+        return any(name == m or name.startswith(m + ".") for m in skip)
+    kept = [t for t in targets if not all(inside(n) for n in t.names)]
+    return kept, len(targets) - len(kept)
 
 
 def _check_composite(t: Target, index: CheckpointIndex) -> None:

@@ -111,16 +111,15 @@ def _parse_split(split: Any, pp: int) -> tuple[int, ...] | None:
 _NOT_WITH_PIPELINE = {
     "replace_with_kernel_inject": "kernel injection",
     "enable_graph": "graph capture",
-    "quant": "weight quantization",
     "offload": "offload (ZeRO-Inference)",
-    "checkpoint": "loading from a checkpoint",
     "save_mp_checkpoint_path": "saving a checkpoint",
 }
 
 
 def check_with_other_fields(cfg: Any) -> None:
     """Refuse the settings that do not compose with ``pipeline_parallel`` yet (each named), so
-    none of them is silently dropped on some stage."""
+    none of them is silently dropped on some stage. ``quant=`` and ``checkpoint=`` compose (each
+    rank quantizes, or reads, its stage's layers only); ``quant``'s ``lm_head`` does not yet."""
     if cfg.pipeline_parallel is None:
         return
     defaults = type(cfg)()
@@ -130,3 +129,8 @@ def check_with_other_fields(cfg: Any) -> None:
             raise NotSupportedYetError(
                 f"{name}={value!r} ({what}) is not supported yet with pipeline_parallel; "
                 f"remove {name}, or pipeline_parallel")
+    if isinstance(cfg.quant, Mapping) and cfg.quant.get("lm_head"):
+        raise NotSupportedYetError(
+            "quant lm_head=True (quantizing the output head) is not supported yet with "
+            "pipeline_parallel (only the last stage holds the head); remove lm_head, or "
+            "pipeline_parallel")

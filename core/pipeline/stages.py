@@ -216,3 +216,22 @@ def check_stages_fit(model: nn.Module, layers: nn.ModuleList, plan: StagePlan,
                 f"{free} bytes free; use more stages (pp_size), a split that gives stage "
                 f"{stage} fewer layers, tensor parallelism within the stages (tp_size), or a "
                 f"narrower dtype")
+
+
+def foreign_modules(model: nn.Module, layers: nn.ModuleList, plan: StagePlan) -> tuple[str, ...]:
+    """Names (``model.named_modules()``'s) of the modules this rank's stage does not run, which
+    the pipeline step replaces by stand-ins: the other stages' decoder layers, the input
+    embedding off the first stage, the output head off the last. The checkpoint loader skips
+    their tensors (``load_checkpoint(skip_modules=...)``), so a rank reads only its stage's; a
+    weight tied between the embedding and the head is read by both end stages (each keeps one
+    of the two modules) and by no middle stage."""
+    names = {id(m): n for n, m in model.named_modules()}
+    out = [names[id(layer)] for index, layer in enumerate(layers)
+           if plan.owner(index) != plan.coord]
+    embed = _maybe(model, "get_input_embeddings")
+    head = _maybe(model, "get_output_embeddings")
+    if embed is not None and not plan.first:
+        out.append(names[id(embed)])
+    if head is not None and not plan.last:
+        out.append(names[id(head)])
+    return tuple(out)

@@ -213,10 +213,14 @@ def _with_hidden(out: Any, hidden: torch.Tensor) -> Any:
 
 
 def apply_stages(model: nn.Module, layers: nn.ModuleList, plan: StagePlan, communicator,
-                 dtype: torch.dtype, micro_batches: int = 1) -> PipelineReport:
+                 dtype: torch.dtype, micro_batches: int = 1,
+                 rebuild: bool = True) -> PipelineReport:
     """Keep this rank's stage of ``model`` (decoder layers ``layers``) and wire the stages
     together (module docstring). Recorded in the active ledger. ``micro_batches``: how many
-    micro-batches the engine's forward splits a batch into (:meth:`PipelineReport.call`)."""
+    micro-batches the engine's forward splits a batch into (:meth:`PipelineReport.call`).
+    ``rebuild``: record the undo that broadcasts the other stages' weights back at close;
+    False when this rank never held them (loaded from a checkpoint, each rank its stage's
+    tensors only: the others are still on meta, and the model goes back on meta anyway)."""
     names = {id(m): n for n, m in model.named_modules()}
     originals = list(layers)
     replaced: list[tuple[str, nn.Module, int]] = []  # (name, original module, owner rank)
@@ -254,9 +258,10 @@ def apply_stages(model: nn.Module, layers: nn.ModuleList, plan: StagePlan, commu
     units += [(embed, plan.ranks[0])]
     if isinstance(head, nn.Module):
         units.append((head, plan.ranks[-1]))
-    _ledger.record(f"pipeline stage {plan.coord}: {len(replaced)} modules of other stages "
-                   f"(their weights broadcast back from the stages that kept them)",
-                   _rebuild_undo(units, communicator))
+    if rebuild:
+        _ledger.record(f"pipeline stage {plan.coord}: {len(replaced)} modules of other stages "
+                       f"(their weights broadcast back from the stages that kept them)",
+                       _rebuild_undo(units, communicator))
     _let_go(model, [module for _, module, _ in replaced])
     report.param_bytes = param_bytes(model)
     return report

@@ -1,0 +1,416 @@
+"""Pipeline stages composed with the checkpoint loader and weight quantization.
+
+* ``checkpoint=`` with ``pipeline_parallel``: each rank reads only its stage's tensors of a
+  ``save_pretrained`` folder (single file and sharded safetensors) — its decoder layers, the
+  embedding on the first stage, the head on the last (GPT-2's tied head: both end stages read the
+  one tensor), the small shared tensors (final norm, position embeddings) on every stage. The
+  reader is wrapped (a subclass swapped in for the loader's) to record every key each rank read.
+  Parity with ``from_pretrained``: fp32 logits within :data:`ATOL`, 32 greedy tokens identical,
+  at PP=2 (2 ranks) and PP=2 × TP=2 (4 ranks).
+* ``quant=`` (int8 / int4 weight-only) with ``pipeline_parallel``: each rank quantizes only its
+  stage's linears; the tokens equal the single-process quantized engine's, the logits are within
+  the quant bounds of tests/test_quant.py against HF, and ``close()`` gives back the same
+  dequantized weights as the single-process engine's close. Also quantize-on-read from a
+  checkpoint.
+
+The references (HF and the single-process quantized engines) are computed once in the test
+process; all 2-rank cases run in ONE pair of processes, the 4-rank ones in one launch.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import traceback
+from functools import partial
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from torch import nn
+
+import shardwise
+from families import QUANT_BOUNDS
+from models import logit_parity, prompt_ids, tiny_causal_lm
+from tp_harness import _with_random_biases
+
+NEW_TOKENS = 32
+#: fp32, PP=2 (× TP=2) from a checkpoint vs HF's from_pretrained (the issue's bound)
+ATOL = 1e-4
+GEN = dict(max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False,
+           pad_token_id=0)
+PP = {"pipeline_parallel": {"pp_size": 2}}
+#: the folders written once: name → (family, save_pretrained kwargs)
+FOLDERS = {"llama": ("llama", {}), "gpt2-sharded": ("gpt2", {"max_shard_size": "20KB"})}
+#: quantized runs: name → (family, bits, checkpoint folder or None)
+QUANT = {"llama-int8": ("llama", 8, None), "gpt2-int4": ("gpt2", 4, None),
+         "llama-int8-ckpt": ("llama", 8, "llama")}
+QDTYPE = torch.bfloat16
+
+
+def _ids(vocab: int) -> torch.Tensor:
+    return prompt_ids(batch=2, length=8, vocab=vocab)
+
+
+def _layers(model: nn.Module) -> nn.ModuleList:
+    from shardwise.moe.block import decoder_layers
+    from shardwise.policy import policy_for
+
+    return decoder_layers(model, policy_for(model))
+
+
+# ----- references, in the test process --------------------------------------------------------
+
+def _quant_reference(arch: str, bits: int, folder: Path | None) -> dict:
+    """The single-process quantized engine: its logits, tokens, quantized layers, and the
+    weights its close() gives back (dequantized)."""
+    quant = {"weight": {"num_bits": bits}}
+    if folder is None:
+        model = tiny_causal_lm(arch)
+        engine = shardwise.init_inference(model, device="cpu", dtype=QDTYPE, quant=quant)
+    else:
+        engine = shardwise.init_inference(None, checkpoint=str(folder), device="cpu",
+                                          dtype=QDTYPE, quant=quant)
+    ids = _ids(engine.module.config.vocab_size)
+    out = dict(logits=engine(input_ids=ids).logits.float(),
+               tokens=engine.generate(ids, **GEN),
+               layers=sorted(engine.quantization.layers))
+    given_back = engine.close()
+    if given_back is not None:
+        out["given_back"] = {k: v.clone() for k, v in given_back.state_dict().items()}
+    return out
+
+
+def _references(root: Path) -> None:
+    """Every reference the ranks compare with, saved to ``root / "refs.pt"``."""
+    refs: dict = {"hf": {}, "quant": {}}
+    for name, (arch, kwargs) in FOLDERS.items():
+        _with_random_biases(tiny_causal_lm(arch)).save_pretrained(root / name, **kwargs)
+        ref = transformers.AutoModelForCausalLM.from_pretrained(root / name,
+                                                                dtype=torch.float32).eval()
+        ids = _ids(ref.config.vocab_size)
+        with torch.no_grad():
+            refs["hf"][name] = dict(logits=ref(ids).logits, tokens=ref.generate(ids, **GEN),
+                                    keys=sorted(_checkpoint_keys(root / name)))
+    for name, (arch, bits, folder) in QUANT.items():
+        if folder is None:
+            ref = tiny_causal_lm(arch)
+        else:
+            ref = transformers.AutoModelForCausalLM.from_pretrained(root / folder).eval()
+        with torch.no_grad():
+            hf_logits = ref(_ids(ref.config.vocab_size)).logits
+        refs["quant"][name] = dict(hf_logits=hf_logits, **_quant_reference(
+            arch, bits, root / folder if folder else None))
+    torch.save(refs, root / "refs.pt")
+
+
+def _checkpoint_keys(folder: Path) -> set[str]:
+    from safetensors import safe_open
+
+    keys = set()
+    for path in folder.glob("*.safetensors"):
+        with safe_open(str(path), "pt") as fh:
+            keys |= set(fh.keys())
+    return keys
+
+
+# ----- the ranks' cases -----------------------------------------------------------------------
+
+class _Recorded:
+    """Swaps a subclass of the loader's ``Reader`` in that records every key read (and the
+    files opened), for the duration of a ``with`` block."""
+
+    def __enter__(self) -> "_Recorded":
+        from shardwise.checkpoint import loader
+
+        self.keys, self.files, self._module = set(), set(), loader
+        self._original = original = loader.Reader
+        record = self
+
+        class RecordingReader(original):
+            def read(self, key, dim, ranges, dtype):
+                record.keys.add(key)
+                return super().read(key, dim, ranges, dtype)
+
+            def read_into(self, key, dest):
+                record.keys.add(key)
+                return super().read_into(key, dest)
+
+            def _fd(self, path):
+                record.files.add(Path(path).name)
+                return super()._fd(path)
+
+        loader.Reader = RecordingReader
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._module.Reader = self._original
+
+
+def checkpoint_case(rank: int, root: str, name: str, tp: int = 1, meta_model: bool = False
+                    ) -> dict:
+    """Load folder ``name`` with PP=2 (× tp): the keys this rank read, parity with HF, and for
+    ``meta_model`` (the user's model on meta) that close() gives it back."""
+    refs = torch.load(Path(root, "refs.pt"))["hf"][name]
+    folder = Path(root, name)
+    model = None
+    if meta_model:
+        from accelerate import init_empty_weights
+
+        with init_empty_weights():
+            model = transformers.AutoModelForCausalLM.from_config(
+                transformers.AutoConfig.from_pretrained(folder))
+    kwargs = {**PP, **({"tensor_parallel": {"tp_size": tp}} if tp > 1 else {})}
+    with _Recorded() as read:
+        engine = shardwise.init_inference(model, checkpoint=str(folder), device="cpu",
+                                          dtype=torch.float32, **kwargs)
+    ids = _ids(engine.module.config.vocab_size)
+    mine = ids if rank == 0 else torch.zeros_like(ids)  # the engine broadcasts rank 0's inputs
+    logits = engine(input_ids=mine).logits
+    tokens = engine.generate(mine, **GEN)
+    stages, load = engine.stages, engine.checkpoint_load
+    names = {id(m): n for n, m in engine.module.named_modules()}
+    layer_names = [names[id(layer)] for layer in _layers(engine.module)]
+    meta_left = [n for n, p in engine.module.named_parameters() if p.is_meta]
+    out = dict(
+        max_abs=(logits - refs["logits"]).abs().max().item(),
+        tokens_equal=torch.equal(tokens, refs["tokens"]), tokens=tokens.tolist(),
+        read=sorted(read.keys), files=sorted(read.files), all_keys=refs["keys"],
+        layers=list(stages.layers), bounds=[list(b) for b in stages.plan.bounds],
+        first=stages.plan.first, last=stages.plan.last, layer_names=layer_names,
+        skipped=load.skipped, bytes_read=load.bytes_read, meta_left=meta_left,
+        param_bytes=sum(p.numel() * p.element_size() for p in engine.module.parameters()),
+        summary=load.summary())
+    given_back = engine.close()
+    out["given_back_meta"] = (given_back is model and all(
+        p.is_meta for p in given_back.parameters())) if meta_model else None
+    return out
+
+
+def quant_case(rank: int, root: str, name: str) -> dict:
+    """A quantized PP=2 engine against the single-process quantized one and HF."""
+    arch, bits, folder = QUANT[name]
+    ref = torch.load(Path(root, "refs.pt"))["quant"][name]
+    quant = {"weight": {"num_bits": bits}}
+    if folder is None:
+        model = tiny_causal_lm(arch)
+        engine = shardwise.init_inference(model, device="cpu", dtype=QDTYPE, quant=quant, **PP)
+    else:
+        model = None
+        engine = shardwise.init_inference(None, checkpoint=str(Path(root, folder)),
+                                          device="cpu", dtype=QDTYPE, quant=quant, **PP)
+    ids = _ids(engine.module.config.vocab_size)
+    logits = engine(input_ids=ids).logits.float()
+    tokens = engine.generate(ids, **GEN)
+    rel, agree = logit_parity(ref["hf_logits"], logits)
+    names = {id(m): n for n, m in engine.module.named_modules()}
+    own = [names[id(layer)] for i, layer in enumerate(_layers(engine.module))
+           if i in engine.stages.layers]
+    quantized = sorted(engine.quantization.layers)
+    from shardwise.quant import QuantLinear
+
+    out = dict(
+        tokens_equal=torch.equal(tokens, ref["tokens"]), tokens=tokens.tolist(),
+        vs_single=(logits - ref["logits"]).abs().max().item(),
+        single_scale=ref["logits"].abs().max().item(), rel=rel, agree=agree, bits=bits,
+        quantized=quantized, single_layers=ref["layers"],
+        outside_stage=[n for n in quantized if not any(n.startswith(p + ".") for p in own)],
+        quant_modules=sum(isinstance(m, QuantLinear) for m in engine.module.modules()))
+    given_back = engine.close()
+    if model is not None:
+        out["given_back_equal"] = given_back is model and all(
+            torch.equal(v, ref["given_back"][k]) for k, v in model.state_dict().items())
+    return out
+
+
+def _run_all(rank: int, world: int, root: str, table: dict) -> dict:
+    os.environ.pop("OMP_NUM_THREADS", None)  # the accelerator splits the cores between ranks
+    shardwise.get_accelerator("cpu").configure_process(rank, world)
+    out = {}
+    for name, (fn, *args) in table.items():
+        start = time.perf_counter()
+        try:
+            out[name] = {"ok": True, **fn(rank, root, *args), "seconds":
+                         time.perf_counter() - start}
+        except Exception as exc:
+            out[name] = {"ok": False, "error": f"{type(exc).__name__}: {exc}",
+                         "trace": traceback.format_exc()}
+    return out
+
+
+PAIR = {
+    "ckpt-llama": (checkpoint_case, "llama"),
+    "ckpt-gpt2-sharded": (checkpoint_case, "gpt2-sharded"),
+    "ckpt-llama-meta-model": (checkpoint_case, "llama", 1, True),
+    **{f"quant-{name}": (quant_case, name) for name in QUANT},
+}
+FOUR = {
+    "ckpt-llama-tp2": (checkpoint_case, "llama", 2),
+    "ckpt-gpt2-sharded-tp2": (checkpoint_case, "gpt2-sharded", 2),
+}
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("pp-compose")
+    _references(path)
+    return path
+
+
+def _launch(root: Path, world: int, table: dict, tmp: Path) -> list[dict]:
+    from distributed import run_ranks
+
+    results = run_ranks(partial(_run_all, world=world, root=str(root), table=table), world,
+                        tmp, deadline_s=500)
+    for res in results:
+        assert res["ok"], res.get("trace", res.get("error"))
+    return [res["value"] for res in results]
+
+
+@pytest.fixture(scope="module")
+def pair(root, tmp_path_factory):
+    return _launch(root, 2, PAIR, tmp_path_factory.mktemp("pp-compose-2"))
+
+
+@pytest.fixture(scope="module")
+def four(root, tmp_path_factory):
+    return _launch(root, 4, FOUR, tmp_path_factory.mktemp("pp-compose-4"))
+
+
+def _case(ranks: list[dict], name: str) -> list[dict]:
+    results = [r[name] for r in ranks]
+    for r in results:
+        assert r["ok"], r.get("trace", r.get("error"))
+    return results
+
+
+# ----- checkpoint= ----------------------------------------------------------------------------
+
+def _stage_keys(r: dict) -> tuple[set[str], set[str]]:
+    """(keys of this rank's decoder layers, keys of the other stages' layers) among all."""
+    mine, others = set(), set()
+    for key in r["all_keys"]:
+        for i, layer in enumerate(r["layer_names"]):
+            if key.startswith(layer + "."):
+                (mine if i in r["layers"] else others).add(key)
+    return mine, others
+
+
+def _check_reads(results: list[dict], name: str) -> None:
+    everything = set(results[0]["all_keys"])
+    union = set()
+    for r in results:
+        read, (mine, others) = set(r["read"]), _stage_keys(r)
+        assert mine and others, r["layer_names"]
+        assert mine <= read, f"{name}: this stage's layers not all read: {sorted(mine - read)}"
+        assert not read & others, f"{name}: another stage's tensors read: {sorted(read & others)}"
+        assert r["skipped"] > 0 and not r["meta_left"], r["summary"]
+        embed = {k for k in everything if "embed_tokens" in k or k.endswith("wte.weight")}
+        head = {k for k in everything if k.startswith("lm_head.")}
+        assert embed and (head or "gpt2" in name)  # GPT-2 saves its tied head as wte alone
+        if r["first"] or (r["last"] and not head):  # tied: the last stage reads wte as its head
+            assert embed <= read, f"{name}: the embedding is not read"
+        else:
+            assert not embed & read, f"{name}: the embedding read off the first stage"
+        assert (head <= read) if r["last"] else not (head & read), f"{name}: the head"
+        union |= read
+    assert union == everything, f"{name}: never read: {sorted(everything - union)}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["ckpt-llama", "ckpt-gpt2-sharded", "ckpt-llama-meta-model"])
+def test_pp2_checkpoint_matches_from_pretrained(pair, name):
+    results = _case(pair, name)
+    print(f"{name} PP=2 fp32: max |logit diff| {max(r['max_abs'] for r in results):.2e}")
+    for r in results:
+        assert r["max_abs"] < ATOL, r["summary"]
+        assert r["tokens_equal"], f"{name}: {NEW_TOKENS} greedy tokens differ from HF's"
+    assert results[0]["tokens"] == results[1]["tokens"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["ckpt-llama", "ckpt-gpt2-sharded", "ckpt-llama-meta-model"])
+def test_each_pp_rank_reads_only_its_stages_tensors(pair, name):
+    results = _case(pair, name)
+    _check_reads(results, name)
+    for r in results:  # about half the layers' bytes each (the embedding or head on top)
+        assert r["bytes_read"] == r["param_bytes"], r["summary"]
+    if "sharded" in name:  # a file holding none of a rank's tensors is never opened
+        assert results[0]["files"] != results[1]["files"]
+
+
+@pytest.mark.slow
+def test_a_meta_model_loaded_by_stages_comes_back_on_meta(pair):
+    for r in _case(pair, "ckpt-llama-meta-model"):
+        assert r["given_back_meta"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["ckpt-llama-tp2", "ckpt-gpt2-sharded-tp2"])
+def test_pp2_tp2_checkpoint_reads_its_stage_and_matches_from_pretrained(four, name):
+    results = _case(four, name)
+    print(f"{name} PP=2 x TP=2 fp32: max |logit diff| {max(r['max_abs'] for r in results):.2e}")
+    for r in results:
+        assert r["max_abs"] < ATOL, r["summary"]
+        assert r["tokens_equal"], f"{name}: {NEW_TOKENS} greedy tokens differ from HF's"
+    assert len({str(r["tokens"]) for r in results}) == 1
+    # a stage's two tp ranks (2s, 2s + 1) read its keys between them, each its own slices (a
+    # row-parallel bias is read by tp rank 0 alone: the other adds zeros)
+    stages = [dict(results[2 * s], read=sorted({*results[2 * s]["read"],
+                                                 *results[2 * s + 1]["read"]}))
+              for s in (0, 1)]
+    _check_reads(stages, name)
+    for s in (0, 1):
+        assert set(results[2 * s + 1]["read"]) <= set(results[2 * s]["read"])
+    for r in results:  # each rank its slices of its stage: under half of a whole stage
+        assert r["bytes_read"] <= r["param_bytes"], r["summary"]
+
+
+# ----- quant= ---------------------------------------------------------------------------------
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(QUANT))
+def test_pp2_quantized_matches_the_single_process_quantized_engine(pair, name):
+    results = _case(pair, f"quant-{name}")
+    for r in results:
+        print(f"{name} PP=2: vs single-process {r['vs_single']:.2e}, vs HF rel {r['rel']:.4f} "
+              f"agree {r['agree']:.2f}")
+        assert r["tokens_equal"], f"{name}: tokens differ from the single-process quantized"
+        assert r["vs_single"] <= 1e-2 * r["single_scale"]
+        max_rel, min_agree = QUANT_BOUNDS[r["bits"]]
+        assert r["rel"] <= max_rel and r["agree"] >= min_agree, (r["rel"], r["agree"])
+    assert results[0]["tokens"] == results[1]["tokens"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(QUANT))
+def test_each_pp_rank_quantizes_only_its_stages_layers(pair, name):
+    results = _case(pair, f"quant-{name}")
+    for r in results:
+        assert r["quantized"] and not r["outside_stage"], r["outside_stage"]
+        assert r["quant_modules"] == len(r["quantized"])
+    both = results[0]["quantized"] + results[1]["quantized"]
+    assert sorted(both) == results[0]["single_layers"]  # each layer once, all of them
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["llama-int8", "gpt2-int4"])
+def test_close_gives_back_the_single_process_dequantized_weights(pair, name):
+    for r in _case(pair, f"quant-{name}"):
+        assert r["given_back_equal"]
+
+
+# ----- one process: what still does not compose -------------------------------------------------
+
+def test_quantizing_the_head_with_stages_is_refused_by_name():
+    with pytest.raises(shardwise.ConfigError,
+                       match="lm_head=True.*not supported yet with pipeline_parallel"):
+        shardwise.InferenceConfig.build(**PP, quant={"weight": {"num_bits": 8},
+                                                     "lm_head": True})
+
+
+def test_checkpoint_and_quant_are_accepted_with_stages():
+    cfg = shardwise.InferenceConfig.build(**PP, checkpoint="/some/folder",
+                                          quant={"weight": {"num_bits": 4}})
+    assert cfg.pipeline_parallel.pp_size == 2 and cfg.quant["weight"]["num_bits"] == 4
