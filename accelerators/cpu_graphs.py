@@ -80,8 +80,10 @@ class CpuCompileStrategy(GraphStrategy):
       that the template reads where they are. **One copy of the weights**, read by the compiled
       step and by the eager prompt forward alike; with nothing frozen, inductor's FX-graph cache
       (kept per user: :func:`inductor_cache_folder`) serves the next start of the same model.
-      Products the template cannot take (quantized or bf16 linears, weights not laid out) use
-      ATen's GEMMs (inductor then benchmarks both per shape at capture).
+      Products the template cannot take (quantized linears, weights not laid out) use ATen's
+      GEMMs (inductor then benchmarks both per shape at capture); bf16/fp16 linears keep their
+      layout and, at one row, are row products inductor streams near the copy bandwidth
+      (:mod:`~shardwise.accelerators.cpu_gemv`), from two rows on ATen's GEMMs.
       A step a little slower than the frozen one, far faster than HF's, for about half the
       frozen mode's peak memory (about that of injection without graphs). The prompt's forward
       reassembles each weight transiently (one at a time), so prefill is somewhat slower than
