@@ -211,7 +211,7 @@ def prepare_bridge_import(local_world_size: int) -> None:
 def compile_backend_available() -> bool:
     """Whether ``torch.compile`` knows :data:`COMPILE_BACKEND` (after importing the bridge, and
     the module that registers it when importing the bridge did not)."""
-    from torch._dynamo import list_backends
+    from torch.compiler import list_backends
 
     _htcore()
     if COMPILE_BACKEND in list_backends(exclude_tags=()):

@@ -26,7 +26,7 @@ HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_forward_hooks_with_kwarg
               "_forward_pre_hooks_with_kwargs", "_forward_hooks_always_called",
               "_backward_hooks", "_backward_pre_hooks", "_state_dict_hooks",
               "_load_state_dict_pre_hooks")
-BAD_QUANT = {"weight": {"num_bits": 8, "group_size": 48}}  # 48 does not divide 64 in_features
+BAD_QUANT = {"weight": {"num_bits": 8, "q_groups": 3}}  # 3 equal groups do not fit 64 in_features
 GOOD_QUANT = {"weight": {"num_bits": 8}}  # per channel
 
 
@@ -71,14 +71,14 @@ def _model_and_record():
 
 
 def test_group_size_that_does_not_fit_fails_before_any_change(monkeypatch):
-    """Defect 3: group_size=48 on 64 input features is refused before injection runs (not
+    """Defect 3: q_groups=3 on 64 input features is refused before injection runs (not
     after it), the model is untouched, and a retry with settings that fit works."""
     model, before, weights, logits = _model_and_record()
     injected = []
     real_inject = shardwise.inject.inject_model
     monkeypatch.setattr(shardwise.inject, "inject_model",
                         lambda *a, **k: injected.append(1) or real_inject(*a, **k))
-    with pytest.raises(ConfigError, match="group_size=48 does not divide"):
+    with pytest.raises(ConfigError, match="q_groups=3 does not divide"):
         shardwise.init_inference(model, device="cpu", replace_with_kernel_inject=True,
                                  quant=BAD_QUANT)
     assert not injected  # checked up front, not after the model was injected
