@@ -84,7 +84,7 @@ for s in $steps; do
             --tokenizer "${TOKENIZER:-.whl/tokenizer}" --dtype fp16
         TAIL=14 step serve-load "${SERVE_LIMIT:-240}" python3 benchmarks/serve_load.py \
             --model /tmp/serve-$preset --concurrency 1 8 64 --requests-per-stream 2 \
-            --max-tokens 64 --repeats 1 --baseline-levels 1 \
+            --max-tokens 64 --repeats 1 --baseline-levels 1 --client-processes 4 \
             --output "$out/cuda-serve-load-$preset.json" ;;
     *) echo "unknown step $s (tests, bench, kernels, kernels-graphs, quant, prefill, moe, offload, serve)"
        status=2 ;;

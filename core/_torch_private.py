@@ -24,6 +24,7 @@ log-sum-exp).
 
 from __future__ import annotations
 
+import functools
 import importlib
 import re
 import sys
@@ -138,8 +139,11 @@ def compile_fx(gm: torch.fx.GraphModule, example_inputs: Sequence, options: dict
                                                                config_patches=options)
 
 
+@functools.cache
 def inductor_default_cache_dir() -> str:
-    """The cache folder inductor uses when ``TORCHINDUCTOR_CACHE_DIR`` is not set."""
+    """The cache folder inductor uses when ``TORCHINDUCTOR_CACHE_DIR`` is not set (asked once
+    per process: it looks the user up in the password database, and the CPU decode step's
+    scope asks on every replay)."""
     return _lookup("torch._inductor.runtime.cache_dir_utils", "default_cache_dir")()
 
 
