@@ -172,72 +172,8 @@ class TorchDistCommunicator(Communicator):
         self._run("all_gather", dist.all_gather, parts, tensor.contiguous())
         return torch.cat(parts, dim=dim)
 
-    def broadcast(self, tensor, src=0):
-        self._run("broadcast", dist.broadcast, tensor, src=src)
-        return tensor
-
-    def barrier(self):
-        self._run("barrier", dist.barrier)
-
-    def all_to_all(self, tensor):
-        if tensor.shape[0] % self.world_size:
-            raise CollectiveError(f"all_to_all needs dim 0 ({tensor.shape[0]}) divisible by the "
-                                  f"world size {self.world_size}")
-        inputs = list(tensor.contiguous().chunk(self.world_size))
-        outputs = [torch.empty_like(c) for c in inputs]
-        self._run("all_to_all", dist.all_to_all, outputs, inputs)
-        return torch.cat(outputs)
-
-    def send(self, tensor, dst):
-        # gloo and nccl time a point-to-point op out like a collective (the group's timeout)
-        self._run("send", dist.send, tensor, dst=dst)
-
-    def recv(self, tensor, src):
-        self._run("recv", dist.recv, tensor, src=src)
-        return tensor
-
-    def isend(self, tensor, dst):
-        return PendingOp(self._run, "isend", self._run("isend", dist.isend, tensor, dst=dst))
-
-    def irecv(self, tensor, src):
-        return PendingOp(self._run, "irecv", self._run("irecv", dist.irecv, tensor, src=src))
-
-    def close(self):
-        if self.owns_group and dist.is_initialized():
-            dist.destroy_process_group()
-
-
-class GroupCommunicator(Communicator):
-    """Collectives over a subset of the world's ranks (a tensor-parallel group inside one
-    pipeline stage, or the pipeline group of one tp coordinate: :meth:`shardwise.plan.Plan.bind`).
-
-    Ranks are the group's: :attr:`rank` is this process's index in :attr:`ranks` (the world
-    ranks of the group, in order), and ``src`` / ``dst`` arguments are group ranks. Every call
-    goes through the world communicator's ``_run`` (its device hook, its timeout, its
-    :class:`CollectiveError` naming the rank), on the group's own process group: plain
-    ``torch.distributed`` collectives, not a device's special paths (the CPU shared-memory
-    all-reduce spans the world's ranks). Built by :func:`subgroups`.
-    """
-
-    def __init__(self, world: TorchDistCommunicator, ranks: tuple[int, ...], group) -> None:
-        self.world, self.ranks, self.group = world, ranks, group
-        self.rank = ranks.index(world.rank)
-        self.world_size = len(ranks)
-        self.local_rank, self.local_world_size = world.local_rank, world.local_world_size
-
-    def _run(self, name: str, fn, *args, **kwargs):
-        return self.world._run(f"{name} in the group of ranks {list(self.ranks)}", fn, *args,
-                               group=self.group, **kwargs)
-
-    def all_reduce(self, tensor, op="sum"):
-        self._run("all_reduce", dist.all_reduce, tensor, op=_reduce_op(op))
-        return tensor
-
-    def all_gather(self, tensor, dim=0):
-        parts = [torch.empty_like(tensor) for _ in range(self.world_size)]
-        self._run("all_gather", dist.all_gather, parts, tensor.contiguous())
-        return torch.cat(parts, dim=dim)
-
+    # src / dst are ranks of this communicator's group (group_src / group_dst: for the default
+    # group, the world ranks themselves)
     def broadcast(self, tensor, src=0):
         self._run("broadcast", dist.broadcast, tensor, group_src=src)
         return tensor
@@ -248,13 +184,14 @@ class GroupCommunicator(Communicator):
     def all_to_all(self, tensor):
         if tensor.shape[0] % self.world_size:
             raise CollectiveError(f"all_to_all needs dim 0 ({tensor.shape[0]}) divisible by the "
-                                  f"group size {self.world_size}")
+                                  f"number of ranks, {self.world_size}")
         inputs = list(tensor.contiguous().chunk(self.world_size))
         outputs = [torch.empty_like(c) for c in inputs]
         self._run("all_to_all", dist.all_to_all, outputs, inputs)
         return torch.cat(outputs)
 
     def send(self, tensor, dst):
+        # gloo and nccl time a point-to-point op out like a collective (the group's timeout)
         self._run("send", dist.send, tensor, group_dst=dst)
 
     def recv(self, tensor, src):
@@ -262,12 +199,48 @@ class GroupCommunicator(Communicator):
         return tensor
 
     def isend(self, tensor, dst):
-        return PendingOp(self.world._run, f"isend in the group of ranks {list(self.ranks)}",
-                         self._run("isend", dist.isend, tensor, group_dst=dst))
+        return PendingOp(self._wait, "isend", self._run("isend", dist.isend, tensor,
+                                                        group_dst=dst))
 
     def irecv(self, tensor, src):
-        return PendingOp(self.world._run, f"irecv in the group of ranks {list(self.ranks)}",
-                         self._run("irecv", dist.irecv, tensor, group_src=src))
+        return PendingOp(self._wait, "irecv", self._run("irecv", dist.irecv, tensor,
+                                                        group_src=src))
+
+    def _wait(self, name: str, wait):
+        """A pending op's ``wait`` under this communicator's timeout and error naming."""
+        return self._run(name, wait)
+
+    def close(self):
+        if self.owns_group and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+class GroupCommunicator(TorchDistCommunicator):
+    """Collectives over a subset of the world's ranks (a tensor-parallel group inside one
+    pipeline stage, or the pipeline group of one tp coordinate: :meth:`shardwise.plan.Plan.bind`).
+
+    Ranks are the group's: :attr:`rank` is this process's index in :attr:`ranks` (the world
+    ranks of the group, in order), and ``src`` / ``dst`` arguments are group ranks. Every call
+    goes through the world communicator's ``_run`` (its device hook, its timeout, its
+    :class:`CollectiveError` naming the rank), on the group's own process group: plain
+    ``torch.distributed`` collectives, not a device's special paths (the CPU shared-memory
+    all-reduce spans the world's ranks). Built by :func:`subgroups`; closing it leaves the
+    world's process group alone.
+    """
+
+    def __init__(self, world: TorchDistCommunicator, ranks: tuple[int, ...], group) -> None:
+        self.world, self.ranks, self.group = world, ranks, group
+        self.accelerator, self.timeout_s, self.owns_group = world.accelerator, world.timeout_s, False
+        self.rank = ranks.index(world.rank)
+        self.world_size = len(ranks)
+        self.local_rank, self.local_world_size = world.local_rank, world.local_world_size
+
+    def _run(self, name: str, fn, *args, **kwargs):
+        return self.world._run(f"{name} in the group of ranks {list(self.ranks)}", fn, *args,
+                               group=self.group, **kwargs)
+
+    def _wait(self, name: str, wait):
+        return self.world._run(f"{name} in the group of ranks {list(self.ranks)}", wait)
 
 
 def subgroups(world: Communicator, groups: list[tuple[int, ...]]) -> Communicator:
