@@ -11,22 +11,11 @@ import json
 
 import pytest
 
-from shardwise.bench import runner, session
 from shardwise.bench.pipeline import format_pipeline
 from shardwise.cli import build_parser, main
+from test_bench import no_heavy_work  # noqa: F401 (fixture: nothing heavy before validation)
 
 TINY = "gpt2-2l-64h"
-
-
-@pytest.fixture
-def no_heavy_work(monkeypatch):
-    """Fail the test if a model is loaded, the bandwidth measured or ranks launched."""
-    def forbidden(*args, **kwargs):
-        raise AssertionError("heavy work started before the input was validated")
-
-    monkeypatch.setattr(runner, "load", forbidden)
-    monkeypatch.setattr(session, "measure_bandwidth", forbidden)
-    monkeypatch.setattr(session, "run_ranks", forbidden)
 
 
 @pytest.mark.parametrize("argv, says", [

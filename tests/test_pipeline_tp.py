@@ -29,7 +29,7 @@ from families import family
 from models import forced_decode_logits, prompt_ids, tiny_causal_lm, tiny_encoder
 from shardwise.pipeline import RemoteLayer
 from shardwise.plan import ParallelismNotSupportedError, build_plan
-from tp_harness import digest
+from tp_harness import digest, with_random_biases
 
 WORLD = 4
 PP_TP = {"pipeline_parallel": {"pp_size": 2}, "tensor_parallel": {"tp_size": 2}}
@@ -50,25 +50,15 @@ def _numel(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
 
 
-def _random_biases(model: nn.Module) -> nn.Module:
-    """HF initialises biases to zero, which would hide a bias added twice or split wrongly."""
-    g = torch.Generator().manual_seed(7)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("bias"):
-                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
-    return model
-
-
 def causal_lm(arch: str, layers: int | None = None) -> nn.Module:
     """``tiny_causal_lm(arch)`` (random biases), or with ``layers`` decoder layers."""
     if layers is None:
-        return _random_biases(tiny_causal_lm(arch))
+        return with_random_biases(tiny_causal_lm(arch))
     spec = dict(family(arch).config)
     config = getattr(transformers, spec.pop("cls"))(**spec)
     config.num_hidden_layers = layers
     torch.manual_seed(0)
-    return _random_biases(transformers.AutoModelForCausalLM.from_config(config).eval())
+    return with_random_biases(transformers.AutoModelForCausalLM.from_config(config).eval())
 
 
 def _expected_layer_numel(ref: nn.Module, owned: list[int], report) -> int:
@@ -134,7 +124,7 @@ def causal_case(rank: int, arch: str, layers: int | None = None, split=None) -> 
 
 def bert_case(rank: int) -> dict:
     """BERT (the bare encoder): hidden states and pooler output, padded batch."""
-    ref, model = (_random_biases(tiny_encoder("bert", head="base")) for _ in range(2))
+    ref, model = (with_random_biases(tiny_encoder("bert", head="base")) for _ in range(2))
     ids = prompt_ids(batch=2, length=8)
     mask = torch.ones_like(ids)
     mask[1, 5:] = 0  # a padded row

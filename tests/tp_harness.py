@@ -48,7 +48,7 @@ def _expected_rank_bytes(ref: nn.Module, report) -> int:
     return total - split // 2
 
 
-def _with_random_biases(model: nn.Module) -> nn.Module:
+def with_random_biases(model: nn.Module) -> nn.Module:
     """HF initialises biases to zero, which would hide a bias added twice or split wrongly."""
     g = torch.Generator().manual_seed(7)
     with torch.no_grad():
@@ -60,7 +60,7 @@ def _with_random_biases(model: nn.Module) -> nn.Module:
 
 def hf_case(rank: int, arch: str, injection_policy=None, even: bool = True,
              attention: str | None = None) -> dict:
-    ref, model = (_with_random_biases(tiny_causal_lm(arch)) for _ in range(2))
+    ref, model = (with_random_biases(tiny_causal_lm(arch)) for _ in range(2))
     if attention:  # eager attention reads num_key_value_groups; SDPA infers it from shapes
         for m in (ref, model):
             m.set_attn_implementation(attention)
