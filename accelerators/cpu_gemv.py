@@ -19,7 +19,7 @@ bytes of fp32. No copy and no new layout of the weight: the model's own paramete
 the compiled step and the eager forward alike.
 
 Numerics are the bf16 contract: bf16 × bf16 products are exact in fp32, they are summed in
-fp32, and the result is rounded once to the weight's dtype (as oneDNN's and ATen's bf16 GEMMs
+fp32 (the bias too), and the result is rounded once to the weight's dtype (as oneDNN's and ATen's bf16 GEMMs
 do; the order of the sum differs, so results differ by fp32 rounding only).
 
 It is used for one row only (``rows == 1``, inside ``torch.compile``): with more rows inductor
@@ -39,10 +39,15 @@ from shardwise.ledger import set_forward
 ROW_PRODUCT_DTYPES = (torch.bfloat16, torch.float16)
 
 
-def row_product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``x @ weight.T`` for one row: x [1, K], weight [N, K] → [1, N] in ``x.dtype``, each
-    output the fp32 sum of the fp32 products (module docstring)."""
-    return (x.float()[:, None, :] * weight.float()[None]).sum(-1).to(x.dtype)  # [1, N]
+def row_product(x: torch.Tensor, weight: torch.Tensor,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight.T + bias`` for one row: x [1, K], weight [N, K], bias [N] → [1, N] in
+    ``x.dtype``, each output the fp32 sum of the fp32 products plus the bias in fp32, rounded
+    once (as ``F.linear``: adding the bias after rounding would round twice)."""
+    out = (x.float()[:, None, :] * weight.float()[None]).sum(-1)  # [1, N] fp32
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(x.dtype)
 
 
 class RowProductLinear:
@@ -61,9 +66,7 @@ class RowProductLinear:
         if not (torch.compiler.is_compiling() and rows == 1 and x.dtype == weight.dtype):
             return type(module).forward(module, x)
         w = weight.t() if self.conv1d else weight  # [N, K]; Conv1D's is a transposed view
-        out = row_product(x.reshape(1, k), w)  # [1, N]
-        if module.bias is not None:
-            out = out + module.bias
+        out = row_product(x.reshape(1, k), w, module.bias)  # [1, N]
         return out.reshape(*x.shape[:-1], out.shape[-1])
 
     def __repr__(self) -> str:
