@@ -11,10 +11,8 @@ graph strategy is asked for (``import shardwise`` imports none of inductor).
 
 from __future__ import annotations
 
-import builtins
 import logging
 import os
-import types
 import weakref
 from contextlib import contextmanager
 
@@ -24,7 +22,7 @@ from shardwise import _torch_private as private
 from shardwise.accelerator import GraphStrategy
 from shardwise.accelerators.cpu_blocked_layout import block_linear_weights, gemm_like
 from shardwise.accelerators.cpu_gemv import use_row_products
-from shardwise.graphs import StaticGraph, cache_dir, static_copies, static_outputs
+from shardwise.graphs import StaticGraph, cache_dir, fresh_code, static_copies, static_outputs
 
 log = logging.getLogger(__name__)
 
@@ -221,7 +219,7 @@ class CpuCompileStrategy(GraphStrategy):
             self.compiles += 1
             return private.compile_fx(gm, example_inputs, options)
 
-        fresh = _fresh_code(fn)
+        fresh = fresh_code(fn)
         compiled = torch.compile(fresh, backend=backend, dynamic=False, fullgraph=self.fullgraph)
         before, loaded = self.compiles, private.inductor_module_count()
         try:
@@ -423,20 +421,6 @@ def _free_name(gm: torch.fx.GraphModule, prefix: str) -> str:
     while hasattr(gm, f"{prefix}{i}"):
         i += 1
     return f"{prefix}{i}"
-
-
-def _fresh_code(fn):
-    """``fn`` behind a wrapper with its own code object and its own globals: dynamo keeps
-    compiled code and its recompile count per code object, and installs the compiled graph
-    (``__compiled_fn_*``) in the globals of the frame it compiles, so this gives each capture
-    its own of each, freed with the wrapper instead of living in this module for good."""
-
-    def call(*args):
-        return fn(*args)
-
-    scope = {"__builtins__": builtins, "__name__": f"{__name__}.<capture>"}
-    return types.FunctionType(call.__code__.replace(), scope, call.__name__, None,
-                              call.__closure__)
 
 
 def _hint(exc: BaseException) -> str:

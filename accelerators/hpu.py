@@ -43,7 +43,7 @@ import torch
 
 from shardwise.accelerator import Accelerator, Availability, DeviceDtypes, GraphStrategy
 from shardwise.errors import ConfigError, UnsupportedDtypeError
-from shardwise.graphs import StaticGraph, static_copies, static_outputs
+from shardwise.graphs import StaticGraph, fresh_code, static_copies, static_outputs
 
 log = logging.getLogger(__name__)
 
@@ -291,10 +291,9 @@ class HpuCompileStrategy(GraphStrategy):
 
     def capture(self, fn: Callable[..., Any], *example_args: torch.Tensor) -> StaticGraph:
         """Compile ``fn`` for arguments shaped like ``example_args`` and run it once on copies."""
-        from shardwise.accelerators.cpu_graphs import _fresh_code  # own dynamo cache per capture
 
         inputs = static_copies(example_args, self.device_type)
-        compiled = torch.compile(_fresh_code(fn), backend=COMPILE_BACKEND, dynamic=False)
+        compiled = torch.compile(fresh_code(fn), backend=COMPILE_BACKEND, dynamic=False)
         try:
             outputs = static_outputs(compiled(*inputs))
         except Exception as exc:
@@ -411,6 +410,11 @@ class HpuAccelerator(Accelerator):
     def is_pinned(self, tensor: torch.Tensor) -> bool:
         """Whether ``tensor`` is in page-locked host memory (``tensor.is_pinned()``)."""
         return bool(tensor.is_pinned())
+
+    def pinned_host_buffer(self, nbytes: int) -> torch.Tensor:
+        """Offload's host buffers pinned the bridge's way (:meth:`pin_memory`), not through
+        torch's generic pinned allocator."""
+        return self.pin_memory(torch.empty(nbytes, dtype=torch.uint8))
 
     # ----- dtypes ------------------------------------------------------------------------------
 

@@ -7,11 +7,13 @@ graphs) and wraps the result in :class:`StaticGraph`, so every strategy has the 
 
 from __future__ import annotations
 
+import builtins
 import logging
 import os
 import sys
 import threading
 import time
+import types
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
@@ -99,6 +101,21 @@ def progress(what: str, stream=None, interval: float = 0.5) -> Iterator[None]:
 
 def _shapes(tensors: Sequence[torch.Tensor]) -> str:
     return ", ".join(str(tuple(t.shape)) for t in tensors)
+
+
+def fresh_code(fn: Callable) -> Callable:
+    """``fn`` behind a wrapper with its own code object and its own globals, for a graph
+    strategy that captures with ``torch.compile``: dynamo keeps compiled code and its recompile
+    count per code object, and installs the compiled graph (``__compiled_fn_*``) in the globals
+    of the frame it compiles, so this gives each capture its own of each, freed with the
+    wrapper instead of living in the strategy's module for good."""
+
+    def call(*args):
+        return fn(*args)
+
+    scope = {"__builtins__": builtins, "__name__": f"{__name__}.<capture>"}
+    return types.FunctionType(call.__code__.replace(), scope, call.__name__, None,
+                              call.__closure__)
 
 
 def static_copies(example_args: Sequence[Any], device_type: str) -> tuple[torch.Tensor, ...]:

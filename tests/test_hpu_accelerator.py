@@ -107,6 +107,10 @@ def test_pin_memory_pins_for_the_hpu(standin, monkeypatch):
     acc, x = HpuAccelerator(), torch.ones(3)
     assert acc.pin_memory(x) is x and pinned_for == [torch.device("hpu")]
     assert acc.is_pinned(torch.ones(3)) is False
+    # offload's host buffers are pinned the same way, at the size asked
+    buf = acc.pinned_host_buffer(4096 + 5)
+    assert buf.dtype == torch.uint8 and buf.numel() == 4096 + 5
+    assert pinned_for == [torch.device("hpu")] * 2
 
 
 def test_dtypes_and_gaudi1(standin, monkeypatch):
