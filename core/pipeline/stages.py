@@ -188,10 +188,19 @@ def stage_bytes(model: nn.Module, layers: nn.ModuleList, plan: StagePlan, stage:
                 continue
             seen.add(id(p))
             target = dtype if p.is_floating_point() else p.dtype
-            if p.device == device and p.dtype == target:
+            if _same_device(p.device, device) and p.dtype == target:
                 continue  # already where and as it runs: nothing new to allocate
             total += p.numel() * (itemsize if p.is_floating_point() else p.element_size())
     return total // tp_size
+
+
+def _same_device(where: torch.device, device: torch.device) -> bool:
+    """``where`` is ``device``, an index-less ``device`` meaning the current one of its type
+    (``cuda`` is the rank's ``cuda:0`` when it sees one GPU: ``torch.device`` equality would
+    count weights already there as new bytes, twice against free memory)."""
+    if where.type != device.type:
+        return False
+    return device.index is None or where.index is None or where.index == device.index
 
 
 def check_stages_fit(model: nn.Module, layers: nn.ModuleList, plan: StagePlan,

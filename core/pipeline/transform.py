@@ -166,10 +166,13 @@ class PipelineReport:
         """``module(*args, **kwargs)``, split into :attr:`micro_batches` micro-batches that
         flow through the stages one behind the other when that is more than one (see
         :func:`shardwise.pipeline.schedule.run_micro_batches`; the outputs then carry no
-        cache). A call with ``use_cache=True`` or ``labels`` runs as one batch."""
+        cache). A call that uses a cache (``use_cache=True``, or a ``cache`` /
+        ``past_key_values`` passed in) or has ``labels`` runs as one batch here."""
         from .schedule import run_micro_batches
 
-        if self.micro_batches == 1 or kwargs.get("use_cache") or "labels" in kwargs:
+        cached = kwargs.get("use_cache") or any(
+            kwargs.get(name) is not None for name in ("cache", "past_key_values"))
+        if self.micro_batches == 1 or cached or "labels" in kwargs:
             # a loss is for the batch whole; a cached call is micro-batched by the model's
             # instance forward (:class:`~shardwise.pipeline.schedule.CachedMicroBatches`)
             return module(*args, **kwargs)
