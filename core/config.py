@@ -84,14 +84,15 @@ class InferenceConfig:
             (``{"device": "none"}`` → None; every key used or refused by name: see
             :func:`~shardwise.offload.config.parse_offload`). Needs ``enable_graph=False``.
             Checked against the machine and the model before anything changes.
-        pipeline_parallel: pipeline stages, ``{"pp_size": P}`` (P ranks, one stage each: the
-            decoder layers cut into P contiguous stages balanced by weight bytes) with an
-            optional ``"split": [n_0, ..., n_{P-1}]`` (layers per stage, first stage first;
-            must cover every layer once); normalised to a
-            :class:`~shardwise.pipeline.PipelineSettings` (None when off: see
-            :func:`~shardwise.pipeline.parse_pipeline`). Not supported yet together with
-            ``tensor_parallel`` > 1, injection, graphs, ``quant``, ``offload`` or checkpoints
-            (each refused by name).
+        pipeline_parallel: pipeline stages, ``{"pp_size": P}`` (P × tp ranks: the decoder
+            layers cut into P contiguous stages balanced by weight bytes, each stage split by
+            ``tensor_parallel`` among its ranks) with an optional ``"split": [n_0, ...,
+            n_{P-1}]`` (layers per stage, first stage first; must cover every layer once) and
+            ``"micro_batches": M`` (micro-batches in flight, forwards and ``generate``);
+            normalised to a :class:`~shardwise.pipeline.PipelineSettings` (None when off: see
+            :func:`~shardwise.pipeline.parse_pipeline`). Composes with ``checkpoint`` (each
+            rank reads its stage's tensors) and ``quant``; not supported yet together with
+            injection, graphs or ``offload`` (each refused by name).
     """
 
     device: str | None = None

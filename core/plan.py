@@ -176,9 +176,9 @@ def check_dims(world: int, rank: int, tp: int = 1, pp: int = 1, dp: int | None =
         _check_tp_world(tp, world)
     if pp > 1 and world == 1:
         raise ShardingError(
-            f"pipeline_parallel pp_size={pp} needs {pp} ranks (one stage each), but this process "
-            f"runs alone (WORLD_SIZE is unset or 1); launch {pp} ranks, e.g. `torchrun "
-            f"--nproc-per-node {pp} your_script.py` (WORLD_SIZE={pp})")
+            f"pipeline_parallel pp_size={pp} needs {pp * tp} ranks (pp_size × tp_size), but "
+            f"this process runs alone (WORLD_SIZE is unset or 1); launch them, e.g. `shardwise "
+            f"launch --nproc-per-node {pp * tp} your_script.py` (WORLD_SIZE={pp * tp})")
     if world % (pp * tp):
         raise ShardingError(
             f"world = pp × tp × dp: pp_size={pp} × tp_size={tp} does not divide the world of "
