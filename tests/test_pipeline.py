@@ -763,3 +763,22 @@ def test_only_cacheless_calls_are_split_into_micro_batches(kwargs, split, monkey
     out = transform.PipelineReport.call(report, lambda *a, **k: ran.append("whole") or "whole",
                                         (), kwargs)
     assert ran == (["split"] if split else ["whole"]) and out == ("parts" if split else "whole")
+
+
+def test_a_forward_failing_with_messages_in_flight_breaks_the_stage_by_name():
+    """A receive posted for the next micro-batch outlives a failed forward in the process
+    group, where it would take the next forward's message: every later use says so."""
+    from shardwise.pipeline.transform import InFlight
+
+    comm, links = _RecordingComm(), InFlight()
+    links.arm([2, 2])
+    links.receive(comm, torch.zeros(2, 5, 8), src=0)  # posts micro-batch 2's irecv
+    links.disarm(complete=False)  # micro-batch 1 raised
+    for use in (lambda: links.arm([2]), lambda: links.send(comm, torch.ones(2, 5, 8), dst=1),
+                lambda: links.receive(comm, torch.zeros(2, 5, 8), src=0)):
+        with pytest.raises(PipelineConfigError, match="out of step.*init_inference again"):
+            use()
+    clean = InFlight()
+    clean.arm([2])  # one micro-batch: nothing posted beyond it
+    clean.disarm(complete=False)
+    clean.arm([2])  # an error with nothing in flight leaves the stage usable

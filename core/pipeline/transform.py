@@ -305,20 +305,35 @@ class InFlight:
         self._rows: list[int] = []  # rows of the micro-batches still to receive, after the next
         self._recv: tuple[torch.Tensor, Any] | None = None  # (buffer, op) of the next one
         self._sends: list[tuple[torch.Tensor, Any]] = []
+        #: why this stage's point-to-point messages are out of step (then every later use fails)
+        self.broken: str | None = None
 
     def arm(self, rows: list[int]) -> None:
         """A micro-batched forward of micro-batches of ``rows`` rows begins."""
+        self._check()
         self.active, self._rows, self._recv, self._sends = True, list(rows[1:]), None, []
 
     def disarm(self, complete: bool) -> None:
         """It ended: wait for the sends still in flight (``complete``; after an error they are
-        dropped: the peer that failed will not take them)."""
-        sends, self._sends, self._recv, self.active = self._sends, [], None, False
+        dropped: the peer that failed will not take them). An error with a receive or sends
+        still posted leaves them posted in the process group, where they would take the next
+        forward's messages: the stage is then :attr:`broken`."""
+        sends, recv = self._sends, self._recv
+        self._sends, self._recv, self.active = [], None, False
         if complete:
             for _, op in sends:
                 op.wait()
+        elif recv is not None or sends:
+            self.broken = ("a micro-batched forward failed on this rank with point-to-point "
+                           "messages still in flight, so the stages' messages are out of step")
+
+    def _check(self) -> None:
+        if self.broken:
+            raise PipelineConfigError(f"{self.broken}; close the engine and call "
+                                      f"init_inference again (every rank)")
 
     def send(self, comm, hidden: torch.Tensor, dst: int) -> None:
+        self._check()
         if not self.active:
             comm.send(hidden.detach().contiguous(), dst=dst)
             return
@@ -328,6 +343,7 @@ class InFlight:
     def receive(self, comm, hidden: torch.Tensor, src: int) -> torch.Tensor:
         """The hidden states of this micro-batch (``hidden``: the stand-ins' placeholder of the
         same shape), then the next one's receive posted."""
+        self._check()
         if self._recv is not None:
             incoming, op = self._recv
             self._recv = None
