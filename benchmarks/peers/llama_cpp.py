@@ -323,6 +323,7 @@ class LlamaCppVariant:
             params.n_ubatch = 512
             params.n_seq_max = self.batch
             params.n_threads = params.n_threads_batch = self.threads
+            params.flash_attn_type = self.llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED  # as Llama()
             ctx = _internals.LlamaContext(model=self.llm._model, params=params, verbose=False)
             batch = _internals.LlamaBatch(n_tokens=params.n_batch, embd=0,
                                           n_seq_max=self.batch, verbose=False)
@@ -564,6 +565,7 @@ def run_quality(variants: dict, hf_logits: np.ndarray, ids: list[int]) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    machine = machine_info()  # the load average at the start
     torch.set_num_threads(args.threads)
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
@@ -670,7 +672,6 @@ def main(argv: list[str] | None = None) -> int:
         summary.append(row)
         log(json.dumps(row))
 
-    machine = machine_info()
     machine["load_average_end"] = os.getloadavg()
     report = {
         "benchmark": "peers/llama_cpp", "model": name, "model_folder": str(folder),
