@@ -49,3 +49,17 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture
+def no_heavy_work(monkeypatch):
+    """Fail the test if ``shardwise bench`` loads a model, measures the bandwidth or launches
+    ranks (for its bad-input tests: everything is checked before)."""
+    from shardwise.bench import runner, session
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("heavy work started before the input was validated")
+
+    monkeypatch.setattr(runner, "load", forbidden)
+    monkeypatch.setattr(session, "measure_bandwidth", forbidden)
+    monkeypatch.setattr(session, "run_ranks", forbidden)

@@ -30,7 +30,7 @@ import shardwise
 from shardwise import KernelError
 from shardwise.kernels.cpu import attention as cpu
 from shardwise.kernels.reference import attention as ref
-from tp_harness import _with_random_biases, case, digest, run_pair, run_table
+from tp_harness import with_random_biases, case, digest, run_pair, run_table
 
 F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
 #: sink logits per head (4 heads): one dominating, one vanishing, two in the scores' range
@@ -327,8 +327,8 @@ RANK_CASES = {
 def _rank_case(rank: int, settings: dict, inject: bool, save_to: str | None = None) -> dict:
     from models import prompt_ids, tiny_causal_lm
 
-    ref_model = _with_random_biases(tiny_causal_lm("gpt_oss"))
-    model = _with_random_biases(tiny_causal_lm("gpt_oss"))
+    ref_model = with_random_biases(tiny_causal_lm("gpt_oss"))
+    model = with_random_biases(tiny_causal_lm("gpt_oss"))
     before = {k: v.clone() for k, v in model.state_dict().items()}
     ids = prompt_ids(batch=2, length=8)
     gen = dict(max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False, pad_token_id=0)
@@ -388,7 +388,7 @@ def test_gpt_oss_tp2_checkpoint_reads_back_at_tp2_and_tp1(ranks):
     results, saved = ranks
     r0, r1 = case(results, "tp2")
     assert r0["reload_max_abs"] < RANKS_ATOL and r1["reload_max_abs"] < RANKS_ATOL
-    ref_model = _with_random_biases(tiny_causal_lm("gpt_oss"))
+    ref_model = with_random_biases(tiny_causal_lm("gpt_oss"))
     ids = prompt_ids(batch=2, length=8)
     with torch.no_grad():
         want = ref_model(ids).logits

@@ -226,17 +226,7 @@ def test_compare_ratios_between_two_saved_runs(tmp_path, capsys):
     assert rows["shardwise", "bfloat16"]["only_in"] == "b"
 
 
-# ----- bad input -------------------------------------------------------------------------------------
-
-@pytest.fixture
-def no_heavy_work(monkeypatch):
-    """Fail the test if a model is loaded or the bandwidth is measured."""
-    def forbidden(*args, **kwargs):
-        raise AssertionError("heavy work started before the input was validated")
-
-    monkeypatch.setattr(runner, "load", forbidden)
-    monkeypatch.setattr(session, "measure_bandwidth", forbidden)
-    monkeypatch.setattr(session, "run_ranks", forbidden)
+# ----- bad input (fixture no_heavy_work: tests/conftest.py) ------------------------------------------
 
 
 def test_unknown_preset_lists_the_presets(no_heavy_work, capsys):

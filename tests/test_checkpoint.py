@@ -23,7 +23,7 @@ from shardwise.checkpoint import CheckpointError
 from shardwise.communicator import LocalCommunicator
 from families import families
 from models import prompt_ids, tiny_causal_lm
-from tp_harness import _with_random_biases, case, run_cases, run_pair
+from tp_harness import with_random_biases, case, run_cases, run_pair
 
 ARCHS = families(checkpoint=1)  # read at TP=1 (and at TP=2)
 TP2_ARCHS = families(checkpoint=2)  # ARCHS and llama-7heads (uneven heads): read at TP=2
@@ -34,7 +34,7 @@ GEN = dict(max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False, pad_token_id
 
 def save_hf(arch: str, path: Path, **kwargs) -> Path:
     """A tiny model (random biases too) written by save_pretrained."""
-    model = _with_random_biases(tiny_causal_lm(arch))
+    model = with_random_biases(tiny_causal_lm(arch))
     model.save_pretrained(path, **kwargs)
     return path
 

@@ -20,7 +20,7 @@ import torch
 import shardwise
 from families import families
 from models import MIN_FORCED_AGREEMENT, prompt_ids, teacher_forced_agreement, tiny_causal_lm
-from tp_harness import TP, _with_random_biases, case, digest, table_fixture
+from tp_harness import TP, with_random_biases, case, digest, table_fixture
 
 FP32_ATOL = 7e-7
 BF16_ATOL = 0.016
@@ -47,8 +47,8 @@ def _run_case(rank: int, arch: str, dtype: torch.dtype, graphs: str | None) -> d
     from shardwise.inject import InjectedModel
     from shardwise.inject.injector import injected_stack
 
-    ref = _with_random_biases(tiny_causal_lm(arch)).to(dtype)
-    model = _with_random_biases(tiny_causal_lm(arch))
+    ref = with_random_biases(tiny_causal_lm(arch)).to(dtype)
+    model = with_random_biases(tiny_causal_lm(arch))
     ids = prompt_ids(batch=2, length=8, vocab=ref.config.vocab_size)
     gen = dict(max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False, pad_token_id=0)
     with torch.no_grad():

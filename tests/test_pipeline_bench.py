@@ -13,7 +13,6 @@ import pytest
 
 from shardwise.bench.pipeline import format_pipeline
 from shardwise.cli import build_parser, main
-from test_bench import no_heavy_work  # noqa: F401 (fixture: nothing heavy before validation)
 
 TINY = "gpt2-2l-64h"
 

@@ -35,7 +35,7 @@ from torch import nn
 import shardwise
 from families import QUANT_BOUNDS
 from models import logit_parity, prompt_ids, tiny_causal_lm
-from tp_harness import _with_random_biases
+from tp_harness import with_random_biases
 
 NEW_TOKENS = 32
 #: fp32, PP=2 (× TP=2) from a checkpoint vs HF's from_pretrained (the issue's bound)
@@ -88,7 +88,7 @@ def _references(root: Path) -> None:
     """Every reference the ranks compare with, saved to ``root / "refs.pt"``."""
     refs: dict = {"hf": {}, "quant": {}}
     for name, (arch, kwargs) in FOLDERS.items():
-        _with_random_biases(tiny_causal_lm(arch)).save_pretrained(root / name, **kwargs)
+        with_random_biases(tiny_causal_lm(arch)).save_pretrained(root / name, **kwargs)
         ref = transformers.AutoModelForCausalLM.from_pretrained(root / name,
                                                                 dtype=torch.float32).eval()
         ids = _ids(ref.config.vocab_size)

@@ -28,7 +28,7 @@ from shardwise.checkpoint import CheckpointError
 from shardwise.errors import ConfigError
 from shardwise.inject.injector import injected_stack
 from shardwise.quant import QuantLinear, quantize_model
-from tp_harness import TP, _with_random_biases, case, run_cases, run_pair
+from tp_harness import TP, with_random_biases, case, run_cases, run_pair
 
 BF16 = torch.bfloat16
 SPECS = {
@@ -48,7 +48,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 def save_hf(arch: str, path: Path) -> Path:
     """A tiny fp32 model (random biases too) written by save_pretrained."""
-    _with_random_biases(tiny_causal_lm(arch)).save_pretrained(path)
+    with_random_biases(tiny_causal_lm(arch)).save_pretrained(path)
     return path
 
 
@@ -130,7 +130,7 @@ def count_reads(monkeypatch):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_quantized_engine_round_trips_bit_identically(tmp_path, arch, spec_name):
     spec = SPECS[spec_name]
-    model = _with_random_biases(tiny_causal_lm(arch))
+    model = with_random_biases(tiny_causal_lm(arch))
     if spec_name == "int8":  # DeepSpeed's spelling
         saver = shardwise.init_inference(model, device="cpu", dtype=torch.int8)
     else:
@@ -447,7 +447,7 @@ def test_an_fp32_model_quantized_while_reading_runs_bf16_kernels_and_round_trips
 def quantized_file(tmp_path: Path, arch: str = "llama") -> tuple[torch.nn.Module, Path]:
     from shardwise.quant import save_quantized
 
-    model = _with_random_biases(tiny_causal_lm(arch))
+    model = with_random_biases(tiny_causal_lm(arch))
     quantize_model(model, SPECS["int4-asym-g32"], shardwise.get_accelerator("cpu"), torch.float32)
     return model, Path(save_quantized(model, tmp_path / "q.safetensors"))
 

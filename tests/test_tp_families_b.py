@@ -33,7 +33,7 @@ from families import families, family
 from models import prompt_ids, tiny_causal_lm, tiny_encoder
 from shardwise.policy import find_policy
 from shardwise.sharding import HeadSlicedInput, shard_model
-from tp_harness import (ATOL, NEW_TOKENS, TP, _expected_rank_bytes, _with_random_biases, case,
+from tp_harness import (ATOL, NEW_TOKENS, TP, _expected_rank_bytes, with_random_biases, case,
                         digest, hf_case, run_cases, run_pair)
 
 #: BERT's hidden states and MLM logits (fp32): measured ≤ 4.8e-7 (bert-mlm last_hidden_state)
@@ -60,7 +60,7 @@ def _bloom_variant(head_sliced_inputs):
 def _bloom_alibi_case(rank: int) -> dict:
     from transformers.models.bloom.modeling_bloom import _get_alibi_slopes
 
-    ref, model = (_with_random_biases(tiny_causal_lm("bloom")) for _ in range(2))
+    ref, model = (with_random_biases(tiny_causal_lm("bloom")) for _ in range(2))
     ids = prompt_ids(batch=2, length=8)
     mask = torch.ones_like(ids)
     mask[1, :3] = 0  # left padding: the alibi is then built from the mask (build_alibi_tensor)
@@ -90,7 +90,7 @@ def _bloom_alibi_case(rank: int) -> dict:
     except RuntimeError as exc:
         out["unsliced_error"] = str(exc)
     # every rank given the first heads' slopes: runs, but the logits are wrong
-    wrong = _with_random_biases(tiny_causal_lm("bloom"))
+    wrong = with_random_biases(tiny_causal_lm("bloom"))
     shard_model(wrong, communicator=engine.communicator, policy=_bloom_variant(
         {"h.*.self_attention": (_FirstHeads("alibi", dim=0, folded=True),)}))
     with torch.no_grad():
@@ -102,7 +102,7 @@ def _bloom_alibi_case(rank: int) -> dict:
 # ----- BERT: an encoder, compared on its outputs (no generate) ------------------------------------
 
 def _bert_case(rank: int, head: str) -> dict:
-    ref, model = (_with_random_biases(tiny_encoder("bert", head=head)) for _ in range(2))
+    ref, model = (with_random_biases(tiny_encoder("bert", head=head)) for _ in range(2))
     ids = prompt_ids(batch=2, length=8, vocab=ref.config.vocab_size)
     mask = torch.ones_like(ids)
     mask[1, 5:] = 0  # right padding: the non-causal mask must keep working on split heads
