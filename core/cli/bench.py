@@ -82,8 +82,8 @@ def _add_variant_options(p: argparse.ArgumentParser) -> None:
                    help="pipeline stages (pipeline_parallel={'pp_size': P}), started as --tp's "
                         "(P x tp ranks); each row then reports every stage's busy time and the "
                         "measured bubble against the theoretical (P-1)/(P-1+M). Runs the plain "
-                        "variant (stages do not compose with --inject/--graphs/--quant/--offload "
-                        "yet)")
+                        "variant only (the engine's stages refuse injection, graphs and offload; "
+                        "their quant= is not run by the bench yet)")
     g.add_argument("--micro-batches", type=_positive, metavar="M",
                    help="with --pp: micro-batches each forward (prefill and every decode step) "
                         "is split into, each with its own KV cache (default 2 x P; at most one "
@@ -232,7 +232,8 @@ def check_combinations(args: argparse.Namespace) -> None:
                           f"(--nnodes {args.nnodes})")
 
 
-#: variant options pipeline stages do not compose with yet (the engine refuses them with --pp)
+#: variant options the bench does not run with --pp (the engine refuses injection, graphs and
+#: offload with stages; quant= composes in the engine, but the bench's --pp runs the plain one)
 NOT_WITH_PP = ("inject", "graphs", "quant", "offload")
 
 
@@ -247,7 +248,7 @@ def _check_pipeline_options(args: argparse.Namespace) -> None:
     refused = [d for d in NOT_WITH_PP if getattr(args, d)]
     if args.pp > 1 and refused:
         raise ConfigError(f"--pp {args.pp} does not run with {', '.join(map(_flag, refused))} "
-                          f"yet (pipeline stages run the model's own layers); drop "
+                          f"yet (the bench times the plain variant over pipeline stages); drop "
                           f"{'them' if len(refused) > 1 else 'it'}, or drop --pp")
 
 
@@ -285,7 +286,7 @@ def _variants(args: argparse.Namespace, accelerator) -> tuple[list, str | None, 
     eps = list(dict.fromkeys(args.ep))
     if args.pp > 1 and not any(getattr(args, d) for d in VARIANT_OPTIONS):
         note = (f"--pp {args.pp}: the plain variant (pipeline stages do not compose with "
-                f"injection, graphs or quantization yet)")
+                f"injection, graphs or offload yet; the bench does not run them quantized)")
         return [Variant(dtype, ep=ep) for ep in eps], baseline or dtype, [note]
     if any(getattr(args, d) for d in VARIANT_OPTIONS):
         variant = Variant(dtype, args.inject, args.graphs, args.quant, offload=args.offload)
