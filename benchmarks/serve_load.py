@@ -47,6 +47,7 @@ import datetime
 import multiprocessing
 import os
 import platform
+import queue
 import shlex
 import sys
 import time
@@ -77,6 +78,8 @@ TEXT = (
 PROMPT_LENGTHS = (32, 96, 48, 128, 64, 112, 40, 80)
 #: every wait ends: each request (seconds)
 REQUEST_TIMEOUT_S = 600.0
+#: the longest a level's client processes may take to report (seconds)
+LEVEL_TIMEOUT_S = 2 * REQUEST_TIMEOUT_S
 
 
 # ----- options ------------------------------------------------------------------------------------
@@ -338,8 +341,8 @@ class Clients:
         return self
 
     def __exit__(self, *exc) -> None:
-        for queue in self._jobs:
-            queue.put(None)
+        for jobs in self._jobs:
+            jobs.put(None)
         for worker in self._workers:
             worker.join(10)
             if worker.is_alive():
@@ -356,13 +359,22 @@ class Clients:
         if not self.processes:
             samples, end = asyncio.run(run_streams(jobs[0]))
             return samples, end - start
-        for queue, job in zip(self._jobs, jobs):
-            queue.put(job)
+        for job_queue, job in zip(self._jobs, jobs):
+            job_queue.put(job)
         samples, end = [], start
-        for _ in jobs:
-            status, body, ended = self._results.get(timeout=REQUEST_TIMEOUT_S * 2)
+        for received in range(len(jobs)):
+            try:
+                status, body, ended = self._results.get(timeout=LEVEL_TIMEOUT_S)
+            except queue.Empty:
+                raise TimeoutError(
+                    f"{served.name} at {concurrency} streams x {requests_per_stream} requests of "
+                    f"{max_tokens} tokens: {len(jobs) - received} of {len(jobs)} client "
+                    f"processes sent no result within {LEVEL_TIMEOUT_S:g} s (the level's "
+                    f"limit); the server is stalled or far slower than expected (look at its "
+                    f"/metrics, or run fewer --concurrency / --requests-per-stream)") from None
             if status != "ok":
-                raise RuntimeError(f"a client process failed: {body}")
+                raise RuntimeError(f"{served.name} at {concurrency} streams: a client process "
+                                   f"failed: {body}")
             samples += [RequestSample(**d) for d in body]
             end = max(end, ended)
         return samples, end - start
@@ -554,6 +566,11 @@ def table(doc: dict) -> str:
         elif value is not None:
             value = f"{value:.2f}x"
         lines.append(f"{key}: {value}")
+    start, end = doc["machine"].get("load_average"), doc["machine"].get("load_average_end")
+    if start and end:
+        lines.append(f"load average (1/5/15 min) at start {start[0]:.1f}/{start[1]:.1f}/"
+                     f"{start[2]:.1f}, at end {end[0]:.1f}/{end[1]:.1f}/{end[2]:.1f} on "
+                     f"{os.cpu_count()} CPUs")
     if doc.get("greedy_agreement"):
         g = doc["greedy_agreement"]
         lines.append(f"greedy completions identical to the baseline's: {g['identical']} of "

@@ -1,0 +1,42 @@
+"""benchmarks/serve_load.py's own failure paths (no model, no server): a level whose client
+processes never report ends in an error naming the level, not a bare ``queue.Empty``."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "serve_load.py"
+
+
+@pytest.fixture(scope="module")
+def serve_load():
+    spec = importlib.util.spec_from_file_location("serve_load_under_test", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
+    try:
+        spec.loader.exec_module(module)
+        yield module
+    finally:
+        del sys.modules[spec.name]
+
+
+def test_a_level_whose_clients_never_report_is_a_timeout_naming_the_level(serve_load,
+                                                                          monkeypatch):
+    monkeypatch.setattr(serve_load, "LEVEL_TIMEOUT_S", 0.25)
+    clients = serve_load.Clients(2)  # not entered: no client process runs, none reports
+    served = serve_load.Served("shardwise", None, types.SimpleNamespace(url="http://127.0.0.1:9"),
+                               "m")
+    try:
+        with pytest.raises(TimeoutError) as excinfo:
+            clients.run(served, ["a prompt"], 8, 3, 16)
+    finally:
+        for q in clients._jobs:
+            q.cancel_join_thread()
+    message = str(excinfo.value)
+    assert "shardwise at 8 streams x 3 requests of 16 tokens" in message
+    assert "2 of 2 client processes sent no result within 0.25 s" in message
