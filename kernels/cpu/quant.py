@@ -1,5 +1,36 @@
-"""``quant_linear`` on CPU with torch's packed weight-only kernels.
+"""``quant_linear`` on CPU: a native AVX512-VNNI kernel with 8-bit activations, else torch's
+packed weight-only kernels.
 
+The native kernel (default where it builds)
+-------------------------------------------
+Where the CPU has AVX512-VNNI and a C++ compiler works, the first quantized layer builds
+``native/quant.cpp`` (:mod:`shardwise.kernels.cpu.native`: ``torch.utils.cpp_extension``, cached
+per user, about 40 s once; a later process loads the cached build) and every ``quant_linear``
+this backend claims runs it, as llama.cpp's Q8_0/Q4_0 CPU paths do: **the activations are
+quantized to int8 per block of 32 columns** (one float32 scale per block: ``amax / 127``) and
+multiplied by the weight's integers with ``vpdpbusd`` (64 multiply-adds per instruction), the
+float scales applied per block and per weight group. This changes the numerics: besides the
+weight's own quantization, each activation is rounded to 8 bits relative to its block's largest
+magnitude (as llama.cpp does). The oracle, exactly this math in torch, is
+:func:`shardwise.kernels.reference.quant.int8_activation_linear` (the block size:
+:func:`~shardwise.kernels.reference.quant.activation_block`, 32 or the largest of 16/8/4 that
+divides the group). **Opt-out**: ``SHARDWISE_CPU_QUANT_KERNEL=torch`` keeps torch's packed
+kernels below (weights only quantized; activations stay bf16). Where the native kernel cannot be
+built, one log line says why and torch's kernels run.
+
+Native layout (``meta["kind"] == "native"``, ``meta["ablock"]`` the activation block;
+``Nb = ceil(N / 16)``, rows past N are zero padding): ``qweight`` uint8 ``[Nb, K / L, 16, 4]``,
+for each block of 16 output rows the K columns in steps of L (a 64-byte vector: 4 bytes per
+row): int8 (L = 4) bytes ``q + 128``; int4 (L = 8) byte j of a row is ``(q[k + j] + 8) | (q[k +
+4 + j] + 8) << 4``. ``scales`` float32 ``[Nb, n_groups, 16]``; asymmetric adds ``zeros`` float32
+``[Nb, n_groups, 16]`` (the format's zero points, unchanged). A checkpoint saved in this layout
+loads where the native kernel cannot be built too: it then runs the oracle (slow, same numbers).
+The packing is done once, at load; weights are read as 1 byte (int8) or half a byte (int4) plus
+4 scale bytes per group and row (6% at int4 g128), under torch's OpenMP threads (one block of
+16 rows per task), up to 8 activation rows sharing every loaded weight vector.
+
+torch's packed kernels (the fallback, and ``SHARDWISE_CPU_QUANT_KERNEL=torch``)
+----------------------------------------------------------------------------------
 What torch 2.13 offers, and what this backend therefore claims (``supports``):
 
 * int8: ``aten._weight_int8pack_mm(x [M, K], q int8 [N, K], scales [N]) -> [M, N]``, symmetric
@@ -57,9 +88,13 @@ import torch
 from shardwise import _torch_private as private
 from shardwise.errors import KernelError
 from shardwise.kernels.reference import moe as ref_moe
-from shardwise.kernels.reference.quant import (PackedQuantExperts, PackedQuantWeight,
-                                               QuantizedWeight, QuantLinearKernel,
-                                               QuantMoEKernel, int_weight)
+from shardwise.kernels.reference.quant import (UNSIGNED_OFFSET, PackedQuantExperts,
+                                               PackedQuantWeight, QuantizedWeight,
+                                               QuantLinearKernel, QuantMoEKernel, QuantSpec,
+                                               activation_block, int8_activation_linear,
+                                               int_weight, pack_int4)
+
+from . import native
 
 BACKEND = "cpu"
 DEVICE_TYPES = frozenset({"cpu"})
@@ -160,6 +195,84 @@ def _pack_int4(qw: QuantizedWeight, dtype: torch.dtype) -> tuple[dict[str, torch
     return {"qweight": _convert_int4(u.contiguous()), "scales_and_zeros": sz}, kernel_group
 
 
+# ----- the native layout (module docstring) -----------------------------------------------------
+
+#: Output rows per 64-byte weight vector of the native kernel.
+NATIVE_ROWS = 16
+#: Activation rows per chunk when the native kernel cannot run and the oracle stands in.
+_ORACLE_ROWS = 16
+
+
+def uses_native(spec: QuantSpec) -> bool:
+    """Whether a weight of ``spec`` packs for the native kernel here: it builds (first call:
+    :func:`shardwise.kernels.cpu.native.load`) and the group has an activation block."""
+    return activation_block(spec.bits, spec.group_size) is not None and native.load()
+
+
+def _row_blocks(t: torch.Tensor, pad: int) -> torch.Tensor:
+    """float32 [N, G] → [Nb, G, 16] (``pad`` zero rows appended to make N a multiple of 16)."""
+    t = torch.cat((t.float(), t.new_zeros(pad, t.shape[1], dtype=torch.float32)))
+    return t.reshape(-1, NATIVE_ROWS, t.shape[1]).transpose(1, 2).contiguous()
+
+
+def _pack_native(qw: QuantizedWeight) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """The native layout of the module docstring and its meta."""
+    n, k, bits = qw.out_features, qw.in_features, qw.bits
+    pad = -n % NATIVE_ROWS
+    u = (int_weight(qw).to(torch.int16) + UNSIGNED_OFFSET[bits]).to(torch.uint8)  # [N, K]
+    u = torch.cat((u, u.new_zeros(pad, k)))  # [Nb * 16, K]
+    if bits == 8:
+        w = u.reshape(-1, NATIVE_ROWS, k // 4, 4)  # [Nb, 16, K / 4, 4]
+    else:
+        v = u.reshape(-1, NATIVE_ROWS, k // 8, 2, 4)  # [Nb, 16, K / 8, lo/hi, 4]
+        w = v[..., 0, :] | (v[..., 1, :] << 4)  # [Nb, 16, K / 8, 4]
+    tensors = {"qweight": w.transpose(1, 2).contiguous(), "scales": _row_blocks(qw.scales, pad)}
+    if qw.zeros is not None:
+        tensors["zeros"] = _row_blocks(qw.zeros, pad)
+    return tensors, {"kind": "native", "ablock": activation_block(bits, qw.group_size)}
+
+
+def _from_row_blocks(t: torch.Tensor, n: int) -> torch.Tensor:
+    """[Nb, G, 16] → [N, G] (padding dropped)."""
+    return t.transpose(1, 2).reshape(-1, t.shape[1])[:n].contiguous()
+
+
+def unpack_native(packed: PackedQuantWeight) -> QuantizedWeight:
+    """The :class:`QuantizedWeight` a natively packed weight holds (exact inverse of the
+    packing)."""
+    t, spec = packed.tensors, packed.spec
+    n, k = spec.out_features, spec.in_features
+    w = t["qweight"].transpose(1, 2)  # [Nb, 16, K / L, 4]
+    if spec.bits == 4:
+        w = torch.stack((w & 0x0F, w >> 4), dim=-2)  # [Nb, 16, K / 8, 2, 4]
+    u = w.reshape(-1, k)[:n]
+    q = (u.to(torch.int16) - UNSIGNED_OFFSET[spec.bits]).to(torch.int8)
+    zeros = _from_row_blocks(t["zeros"], n) if "zeros" in t else None
+    return QuantizedWeight(pack_int4(q) if spec.bits == 4 else q,
+                           _from_row_blocks(t["scales"], n), zeros, spec.bits, spec.group_size)
+
+
+def _native_ready() -> bool:
+    """Whether the native op is loaded (built on the first eager call; a compiled step reads
+    the answer the eager warm-up left)."""
+    if torch.compiler.is_compiling():
+        return native.LOADED
+    return native.load(respect_choice=False)
+
+
+def _native_linear(x2: torch.Tensor, packed: PackedQuantWeight,
+                   bias: torch.Tensor | None) -> torch.Tensor:
+    """x2 [M, K] times a natively packed weight (+ bias) → [M, N] in x2.dtype: the native op,
+    or (where it cannot be built, e.g. a saved checkpoint loaded elsewhere) its oracle."""
+    t, spec, ablock = packed.tensors, packed.spec, packed.meta["ablock"]
+    if _native_ready():
+        return native.cpu_qlinear(x2, t["qweight"], t["scales"], t.get("zeros"), bias,
+                                  spec.bits, spec.group_size, ablock, spec.out_features)
+    qw = unpack_native(packed)
+    return torch.cat([int8_activation_linear(x2[i:i + _ORACLE_ROWS], qw, ablock, bias)
+                      for i in range(0, x2.shape[0], _ORACLE_ROWS)])
+
+
 # ----- the matmuls (per call) -------------------------------------------------------------------
 
 
@@ -187,7 +300,8 @@ def _epilogue(y: torch.Tensor, x2: torch.Tensor, offsets: torch.Tensor | None,
 
 
 class CpuQuantLinear(QuantLinearKernel):
-    """``quant_linear`` with torch's packed CPU kernels (module docstring)."""
+    """``quant_linear`` with the native kernel where it builds, else torch's packed CPU kernels
+    (module docstring); the layout is chosen at ``prepack`` (``meta["kind"]``)."""
 
     backend = BACKEND
 
@@ -199,6 +313,8 @@ class CpuQuantLinear(QuantLinearKernel):
 
     def _pack(self, qw: QuantizedWeight, device: torch.device, dtype: torch.dtype):
         qw = qw.to(device)
+        if uses_native(qw.spec):
+            return _pack_native(qw)
         if qw.bits == 8:
             return _pack_int8(qw, dtype), {"kind": "int8"}
         tensors, kernel_group = _pack_int4(qw, dtype)
@@ -207,6 +323,8 @@ class CpuQuantLinear(QuantLinearKernel):
     def _linear(self, x2: torch.Tensor, packed: PackedQuantWeight,
                 bias: torch.Tensor | None) -> torch.Tensor:
         x2, t = x2.contiguous(), packed.tensors
+        if packed.meta["kind"] == "native":
+            return _native_linear(x2, packed, bias)
         if packed.meta["kind"] == "int4":
             y = private.int4_mm(x2, t["qweight"], packed.meta["kernel_group"],
                                 t["scales_and_zeros"])

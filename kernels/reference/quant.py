@@ -258,6 +258,73 @@ def dequantize_weight(qw: QuantizedWeight, dtype: torch.dtype = torch.float32) -
     return w.to(dtype)
 
 
+
+# ----- 8-bit activations (the oracle of the CPU backend's native kernel) -------------------------
+#
+# The ``cpu`` backend's native kernel (shardwise.kernels.cpu.native) multiplies the quantized
+# weight by 8-bit activations with integer dot products, as llama.cpp's Q8_0/Q4_0 CPU paths do.
+# Activations ``x [M, K]`` are cut into blocks of ``block`` columns (:func:`activation_block`: a
+# divisor of the weight's group, so a block never straddles two groups) and each block becomes
+# ``d = amax / 127`` and ``q = round_half_even(x * (127 / amax))`` (0 when amax = 0). With the
+# weight stored unsigned, ``u = q_w + OFF`` (OFF = 128 for 8 bits, 8 for 4 bits, so that
+# ``w = (u - (OFF + zero)) * scale``), the kernel computes, per activation row m, output n and
+# group g:
+#
+#     y[m, n] = sum_g scale[n, g] * (sum_{b in g} d[m, b] * sum_{k in b} u[n, k] q[m, k])
+#               - scale[n, g] * (OFF + zero[n, g]) * A[m, g]
+#     A[m, g] = sum_{b in g} d[m, b] * sum_{k in b} q[m, k]
+#
+# in float32 (the integer sums exact), + bias, rounded to x's dtype. :func:`int8_activation_linear`
+# is exactly this, in torch.
+
+#: Activation block sizes of the 8-bit-activation path, largest first (llama.cpp's is 32).
+ACTIVATION_BLOCKS = (32, 16, 8, 4)
+#: Columns per 4-byte lane of the native kernel's packed weight, by bits (a block's multiple).
+LANE_COLUMNS = {8: 4, 4: 8}
+#: The offset making the stored weight unsigned (``u = q + OFF``), by bits.
+UNSIGNED_OFFSET = {8: 128, 4: 8}
+
+
+def activation_block(bits: int, group_size: int) -> int | None:
+    """The activation block for a weight of ``bits`` and ``group_size``: the largest of
+    :data:`ACTIVATION_BLOCKS` dividing the group that is a multiple of the kernel's lane
+    (:data:`LANE_COLUMNS`); None when none is (e.g. 4 bits in groups of 36)."""
+    lane = LANE_COLUMNS[bits]
+    return next((b for b in ACTIVATION_BLOCKS if group_size % b == 0 and b % lane == 0), None)
+
+
+def quantize_activations(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x [M, K]`` (K a multiple of ``block``) → (q int8 [M, K], d float32 [M, K / block]):
+    per block of ``block`` columns ``d = amax / 127`` and ``q = round(x * (127 / amax))``
+    (round half to even; 0 for an all-zero block), computed in float32."""
+    m, k = x.shape
+    xb = x.float().reshape(m, k // block, block)
+    amax = xb.abs().amax(-1)  # [M, K / block]
+    inv = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
+    q = torch.round(xb * inv[..., None]).to(torch.int8).reshape(m, k)
+    return q, amax / 127
+
+
+def int8_activation_linear(x: torch.Tensor, qw: QuantizedWeight, block: int,
+                           bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The native CPU kernel's math (comment above), in torch: ``x [M, K]`` times the quantized
+    weight ``qw`` with activations quantized per ``block`` columns, + bias, → ``[M, N]`` in
+    ``x.dtype``. The oracle its tests compare against; memory [M, N, K / block] float64."""
+    m, k = x.shape
+    n, size = qw.out_features, qw.group_size
+    groups, per_group = k // size, size // block
+    q, d = quantize_activations(x, block)
+    u = int_weight(qw).double() + UNSIGNED_OFFSET[qw.bits]  # [N, K]
+    qb = q.double().reshape(m, k // block, block)
+    idot = torch.einsum("mbk,nbk->mnb", qb, u.reshape(n, k // block, block)).float()  # exact
+    gacc = (idot * d[:, None, :]).reshape(m, n, groups, per_group).sum(-1)  # [M, N, G]
+    a_sums = (d * qb.sum(-1).float()).reshape(m, groups, per_group).sum(-1)  # [M, G]
+    zero = UNSIGNED_OFFSET[qw.bits] + (qw.zeros if qw.zeros is not None else 0)  # [N, G]
+    y = (qw.scales * gacc).sum(-1) - (a_sums[:, None, :] * (qw.scales * zero)).sum(-1)
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)
+
 # ----- the op -----------------------------------------------------------------------------------
 
 

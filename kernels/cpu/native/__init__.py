@@ -1,0 +1,124 @@
+"""The CPU backend's native (C++) kernels, built at first use and cached per user.
+
+:func:`load` builds ``quant.cpp`` (shipped in this package) with ``torch.utils.cpp_extension``
+into torch's per-user extensions cache (``$TORCH_EXTENSIONS_DIR``, default
+``~/.cache/torch_extensions``; a later process reuses the build, a changed source or torch
+rebuilds it) and returns whether the op ``torch.ops.shardwise_native.cpu_qlinear`` is usable.
+It is compiled with explicit AVX512 flags (never ``-march=native``: the cache may outlive the CPU),
+so it is only built where the CPU reports ``avx512f``, ``avx512bw``, ``avx512vl`` and
+``avx512_vnni``. Anything that stops it (no such CPU, no compiler, a failed build, the opt-out
+below) makes :func:`load` return False after one logged line, and the caller keeps torch's
+packed kernels.
+
+Opt-out: ``SHARDWISE_CPU_QUANT_KERNEL=torch`` (``native``, the default, builds and uses it).
+Any other value is a :class:`~shardwise.errors.ConfigError`.
+
+The op's fake (meta) implementation is registered here, so the op runs inside the
+``torch.compile``'d decode step (CPU graphs) as one opaque call.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from pathlib import Path
+
+import torch
+
+from shardwise.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+#: Environment variable choosing the CPU quant_linear kernel: "native" (default) or "torch".
+ENV = "SHARDWISE_CPU_QUANT_KERNEL"
+CHOICES = ("native", "torch")
+#: CPU flags (as /proc/cpuinfo spells them) the build's instruction set needs.
+CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")
+CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mfma",
+          "-std=c++17"]
+SOURCES = (Path(__file__).with_name("quant.cpp"),)
+#: Extension (and cache folder) name; bump when the op's schema changes.
+NAME = "shardwise_cpu_quant_v1"
+
+_lock = threading.Lock()
+_state: dict[str, bool] = {}
+#: Whether the op is loaded in this process (set by :func:`load`; read by compiled code).
+LOADED = False
+
+
+def choice() -> str:
+    """The kernel :data:`ENV` asks for ("native" when unset); ConfigError for another value."""
+    value = os.environ.get(ENV, "").strip().lower() or "native"
+    if value not in CHOICES:
+        raise ConfigError(f"{ENV}={value!r}: expected one of {', '.join(CHOICES)} "
+                          f"(native: the AVX512-VNNI C++ kernel; torch: torch's packed kernels)")
+    return value
+
+
+def missing_cpu_flags() -> list[str]:
+    """The :data:`CPU_FLAGS` this CPU lacks (all of them where /proc/cpuinfo is unreadable)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return list(CPU_FLAGS)
+    line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
+    flags = set(line.partition(":")[2].split())
+    return [f for f in CPU_FLAGS if f not in flags]
+
+
+def _build() -> None:
+    """Compile (or reuse the cached build of) the extension and load it into torch."""
+    from torch.utils import cpp_extension
+
+    cpp_extension.load(name=NAME, sources=[str(s) for s in SOURCES], extra_cflags=CFLAGS,
+                       is_python_module=False, verbose=False)
+    _register_fake()
+
+
+def _register_fake() -> None:
+    @torch.library.register_fake("shardwise_native::cpu_qlinear")
+    def _(x, qweight, scales, zeros, bias, bits, group, ablock, n):
+        return x.new_empty((x.shape[0], n))  # [M, N] in x.dtype, as the C++ op returns
+
+
+def load(respect_choice: bool = True) -> bool:
+    """Whether the native op is usable here, building it on the first call (module docstring);
+    later calls return the first answer. With ``respect_choice`` (for choosing a layout) the
+    opt-out :data:`ENV` makes it False; without (to run a weight already in the native layout)
+    the op is built whatever it says. Raises only for a bad :data:`ENV` value."""
+    global LOADED
+    if respect_choice and choice() != "native":
+        return False
+    if LOADED:
+        return True
+    with _lock:
+        if "ok" not in _state:
+            _state["ok"] = LOADED = _try_build()
+        return _state["ok"]
+
+
+def _try_build() -> bool:
+    missing = missing_cpu_flags()
+    if missing:
+        log.warning("shardwise: CPU int8/int4 kernels use torch's packed kernels (this CPU "
+                    "lacks %s for the native kernel)", ", ".join(missing))
+        return False
+    try:
+        _build()
+    except Exception as exc:  # no compiler, failed build or load: keep torch's kernels
+        first = (str(exc).strip().splitlines() or [""])[0][:200]
+        log.warning("shardwise: CPU int8/int4 kernels use torch's packed kernels (building the "
+                    "native kernel failed: %s: %s; set %s=torch to skip the attempt)",
+                    type(exc).__name__, first, ENV)
+        return False
+    return True
+
+
+def cpu_qlinear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                zeros: torch.Tensor | None, bias: torch.Tensor | None, bits: int, group: int,
+                ablock: int, n: int) -> torch.Tensor:
+    """``torch.ops.shardwise_native.cpu_qlinear`` (layout and math: ``quant.cpp``'s header);
+    call only after :func:`load` returned True."""
+    return torch.ops.shardwise_native.cpu_qlinear(x, qweight, scales, zeros, bias, bits, group,
+                                                  ablock, n)

@@ -1,0 +1,242 @@
+// shardwise CPU weight-only quantized linear with 8-bit activations and AVX512-VNNI dot products.
+//
+// Registered as the torch op ``shardwise::cpu_qlinear`` (the fake/meta impl lives in Python,
+// shardwise.kernels.cpu.native). Built by torch.utils.cpp_extension at first use with explicit
+// -mavx512f -mavx512bw -mavx512vl -mavx512vnni (the loader checks the CPU has them).
+//
+// Layout (made by shardwise.kernels.cpu.quant._pack_native; Nb = ceil(N / 16)):
+//   qweight uint8 [Nb, K / KB, 16, 4]: for each block of 16 output rows, K in steps of KB, one
+//     64-byte vector per step holding 4 bytes per row (row r = dword lane r).
+//     bits 8: KB = 4, byte j of lane r = q[r, k + j] + 128.
+//     bits 4: KB = 8, byte j of lane r = (q[r, k + j] + 8) | (q[r, k + 4 + j] + 8) << 4.
+//   scales float32 [Nb, G, 16]; zeros float32 [Nb, G, 16] or undefined (symmetric): the weight
+//     is (q - zero) * scale, so with the stored unsigned u = q + OFF (OFF 128 / 8):
+//     w = (u - (OFF + zero)) * scale.
+// Activations x [M, K] (float32 / bfloat16 / float16) are quantized per block of ``ablock``
+// columns (ablock divides the group) to int8: d = amax / 127, q = round_half_even(x * (127 /
+// amax)) (0 when amax = 0). Then, per row m, output n, group g:
+//   y[m, n] = sum_g scale[n, g] * (sum_{b in g} d[m, b] * float(sum_{k in b} u[n, k] q[m, k]))
+//             - scale[n, g] * (OFF + zero[n, g]) * A[m, g],
+//   A[m, g] = sum_{b in g} d[m, b] * float(sum_{k in b} q[m, k])
+// (+ bias in float32), returned in x's dtype. The torch oracle of exactly this math is
+// shardwise.kernels.reference.quant.int8_activation_linear.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+#include <immintrin.h>
+
+#include <cmath>
+#include <cstdint>
+
+namespace {
+
+constexpr int ROWS = 16;  // output rows per 64-byte weight vector (one int32 lane each)
+
+// x row [K] float -> q [K] int8, d [K / ablock], isum-scaled A per group [K / group].
+void quantize_row(const float* x, int64_t K, int64_t ablock, int64_t group, int8_t* q,
+                  float* d, float* A) {
+  const int64_t nblocks = K / ablock, per_group = group / ablock;
+  for (int64_t b = 0; b < nblocks; ++b) {
+    const float* xb = x + b * ablock;
+    int8_t* qb = q + b * ablock;
+    float amax = 0.f;
+    int64_t i = 0;
+    if (ablock % 16 == 0) {
+      __m512 mx = _mm512_setzero_ps();
+      for (; i < ablock; i += 16) mx = _mm512_max_ps(mx, _mm512_abs_ps(_mm512_loadu_ps(xb + i)));
+      amax = _mm512_reduce_max_ps(mx);
+    } else {
+      for (; i < ablock; ++i) amax = std::fmax(amax, std::fabs(xb[i]));
+    }
+    const float scale = amax / 127.f;
+    const float inv = amax > 0.f ? 127.f / amax : 0.f;
+    int32_t isum = 0;
+    if (ablock % 16 == 0) {
+      const __m512 vinv = _mm512_set1_ps(inv);
+      __m512i vs = _mm512_setzero_si512();
+      for (i = 0; i < ablock; i += 16) {
+        __m512i qi = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(xb + i), vinv));  // RNE
+        vs = _mm512_add_epi32(vs, qi);
+        _mm512_mask_cvtepi32_storeu_epi8(qb + i, 0xFFFF, qi);
+      }
+      isum = _mm512_reduce_add_epi32(vs);
+    } else {
+      for (i = 0; i < ablock; ++i) {
+        int32_t qi = static_cast<int32_t>(std::nearbyint(xb[i] * inv));
+        qb[i] = static_cast<int8_t>(qi);
+        isum += qi;
+      }
+    }
+    d[b] = scale;
+    if (b % per_group == 0) A[b / per_group] = 0.f;
+    A[b / per_group] += scale * static_cast<float>(isum);
+  }
+}
+
+// Integer dot products of one activation block (AB columns; AB = 0: ``ablock`` at run time)
+// for MB activation rows against 16 weight rows, accumulated in NA independent chains per row
+// (dpbusd's latency, not the loads, bounds one chain), summed into iacc[MB].
+template <int MB, int BITS, int AB>
+inline const uint8_t* block_dots(const uint8_t* w, const int8_t* aq, int64_t lda, int64_t k,
+                                 int64_t ablock, __m512i* iacc) {
+  constexpr int KB = BITS == 8 ? 4 : 8;  // k columns per 64-byte weight vector
+  constexpr int NA = MB == 1 ? 4 : (MB == 2 ? 2 : 1);
+  const __m512i nib = _mm512_set1_epi8(0x0F);
+  __m512i part[MB][NA];
+  for (int m = 0; m < MB; ++m)
+    for (int c = 0; c < NA; ++c) part[m][c] = _mm512_setzero_si512();
+  const int64_t steps = (AB ? AB : ablock) / KB;
+  // With AB fixed the loop is unrolled, so the chain index (step * 2 + half) % NA is constant.
+#pragma GCC unroll 16
+  for (int64_t s = 0; s < steps; ++s) {
+    const __m512i wv = _mm512_loadu_si512(w + s * 64);
+    const int64_t kk = k + s * KB;
+    if constexpr (BITS == 8) {
+      for (int m = 0; m < MB; ++m) {
+        const __m512i av = _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(aq + m * lda + kk));
+        const int c = AB ? static_cast<int>(s % NA) : 0;
+        part[m][c] = _mm512_dpbusd_epi32(part[m][c], wv, av);
+      }
+    } else {
+      const __m512i lo = _mm512_and_si512(wv, nib);
+      const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(wv, 4), nib);
+      for (int m = 0; m < MB; ++m) {
+        const int8_t* a = aq + m * lda + kk;
+        const int c0 = AB ? static_cast<int>((2 * s) % NA) : 0;
+        const int c1 = AB ? static_cast<int>((2 * s + 1) % NA) : 0;
+        part[m][c0] = _mm512_dpbusd_epi32(part[m][c0], lo, _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(a)));
+        part[m][c1] = _mm512_dpbusd_epi32(part[m][c1], hi, _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(a + 4)));
+      }
+    }
+  }
+  for (int m = 0; m < MB; ++m) {
+    __m512i sum = part[m][0];
+    for (int c = 1; c < NA; ++c) sum = _mm512_add_epi32(sum, part[m][c]);
+    iacc[m] = sum;
+  }
+  return w + steps * 64;
+}
+
+// One block of 16 output rows for MB activation rows. w: this row block's bytes; sc/zr: its
+// [G, 16] scales / zeros (zr null when symmetric); aq [MB][lda] int8, ad [MB][nblocks],
+// aA [MB][G]; out [MB][ldo] at this row block's first column, ``valid`` columns written.
+template <int MB, int BITS, int AB>
+inline void row_block(const uint8_t* w, const float* sc, const float* zr, const int8_t* aq,
+                      int64_t lda, const float* ad, int64_t ldd, const float* aA, int64_t ldA,
+                      int64_t K, int64_t group, int64_t ablock, float* out, int64_t ldo,
+                      int valid) {
+  constexpr float OFF = BITS == 8 ? 128.f : 8.f;
+  const int64_t G = K / group, per_group = group / ablock;
+  __m512 acc[MB];
+  for (int m = 0; m < MB; ++m) acc[m] = _mm512_setzero_ps();
+  int64_t k = 0, b = 0;
+  for (int64_t g = 0; g < G; ++g) {
+    __m512 gacc[MB];
+    for (int m = 0; m < MB; ++m) gacc[m] = _mm512_setzero_ps();
+    for (int64_t bb = 0; bb < per_group; ++bb, ++b, k += ablock) {
+      __m512i iacc[MB];
+      w = block_dots<MB, BITS, AB>(w, aq, lda, k, ablock, iacc);
+      for (int m = 0; m < MB; ++m)
+        gacc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(iacc[m]), _mm512_set1_ps(ad[m * ldd + b]), gacc[m]);
+    }
+    const __m512 s = _mm512_loadu_ps(sc + g * ROWS);
+    const __m512 off = zr ? _mm512_add_ps(_mm512_set1_ps(OFF), _mm512_loadu_ps(zr + g * ROWS))
+                          : _mm512_set1_ps(OFF);
+    const __m512 sz = _mm512_mul_ps(s, off);
+    for (int m = 0; m < MB; ++m) {
+      acc[m] = _mm512_fmadd_ps(s, gacc[m], acc[m]);
+      acc[m] = _mm512_fnmadd_ps(sz, _mm512_set1_ps(aA[m * ldA + g]), acc[m]);
+    }
+  }
+  const __mmask16 mask = valid >= ROWS ? 0xFFFF : static_cast<__mmask16>((1u << valid) - 1);
+  for (int m = 0; m < MB; ++m) _mm512_mask_storeu_ps(out + m * ldo, mask, acc[m]);
+}
+
+template <int BITS>
+void run_rows(int64_t rows, const uint8_t* w, const float* sc, const float* zr, const int8_t* aq,
+              int64_t lda, const float* ad, int64_t ldd, const float* aA, int64_t ldA, int64_t K,
+              int64_t group, int64_t ablock, float* out, int64_t ldo, int valid) {
+  // Rows of activations in chunks of 8 / 4 / 2 / 1, each reusing every loaded weight vector;
+  // the row block's weights (16 x K bytes or half) stay in L1/L2 between chunks.
+  int64_t m = 0;
+#define SW_CHUNK(MB)                                                                          \
+  for (; m + MB <= rows; m += MB) {                                                           \
+    if (ablock == 32)                                                                         \
+      row_block<MB, BITS, 32>(w, sc, zr, aq + m * lda, lda, ad + m * ldd, ldd, aA + m * ldA,  \
+                              ldA, K, group, ablock, out + m * ldo, ldo, valid);              \
+    else                                                                                      \
+      row_block<MB, BITS, 0>(w, sc, zr, aq + m * lda, lda, ad + m * ldd, ldd, aA + m * ldA,   \
+                             ldA, K, group, ablock, out + m * ldo, ldo, valid);               \
+  }
+  SW_CHUNK(8)
+  SW_CHUNK(4)
+  SW_CHUNK(2)
+  SW_CHUNK(1)
+#undef SW_CHUNK
+}
+
+at::Tensor cpu_qlinear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                       const std::optional<at::Tensor>& zeros, const std::optional<at::Tensor>& bias,
+                       int64_t bits, int64_t group, int64_t ablock, int64_t n) {
+  TORCH_CHECK(x.dim() == 2, "cpu_qlinear: x must be [M, K]");
+  TORCH_CHECK(bits == 8 || bits == 4, "cpu_qlinear: bits must be 8 or 4");
+  TORCH_CHECK(qweight.scalar_type() == at::kByte && qweight.is_contiguous(),
+              "cpu_qlinear: qweight must be contiguous uint8");
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous(),
+              "cpu_qlinear: scales must be contiguous float32");
+  const int64_t M = x.size(0), K = x.size(1);
+  const int64_t KB = bits == 8 ? 4 : 8;
+  TORCH_CHECK(group > 0 && K % group == 0 && ablock > 0 && group % ablock == 0 && ablock % KB == 0,
+              "cpu_qlinear: K ", K, ", group ", group, ", ablock ", ablock, " do not fit");
+  const int64_t nb = (n + ROWS - 1) / ROWS, G = K / group, nblocks = K / ablock;
+  TORCH_CHECK(qweight.numel() == nb * K / KB * 64, "cpu_qlinear: qweight has the wrong size");
+  TORCH_CHECK(scales.numel() == nb * G * ROWS, "cpu_qlinear: scales has the wrong size");
+  const float* zr = nullptr;
+  at::Tensor z;
+  if (zeros.has_value() && zeros->defined()) {
+    z = zeros->contiguous();
+    TORCH_CHECK(z.scalar_type() == at::kFloat && z.numel() == scales.numel(),
+                "cpu_qlinear: zeros must be float32 like scales");
+    zr = z.data_ptr<float>();
+  }
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  at::Tensor aq = at::empty({M, K}, x.options().dtype(at::kChar));
+  at::Tensor ad = at::empty({M, nblocks}, x.options().dtype(at::kFloat));
+  at::Tensor aA = at::empty({M, G}, x.options().dtype(at::kFloat));
+  const float* xp = xf.data_ptr<float>();
+  int8_t* aqp = aq.data_ptr<int8_t>();
+  float* adp = ad.data_ptr<float>();
+  float* aAp = aA.data_ptr<float>();
+  for (int64_t m = 0; m < M; ++m)
+    quantize_row(xp + m * K, K, ablock, group, aqp + m * K, adp + m * nblocks, aAp + m * G);
+
+  at::Tensor out = at::empty({M, n}, x.options().dtype(at::kFloat));
+  float* op = out.data_ptr<float>();
+  const uint8_t* wp = qweight.data_ptr<uint8_t>();
+  const float* sp = scales.data_ptr<float>();
+  const int64_t wblock = K / KB * 64;  // bytes per row block
+  at::parallel_for(0, nb, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const int valid = static_cast<int>(std::min<int64_t>(ROWS, n - r * ROWS));
+      const float* zb = zr ? zr + r * G * ROWS : nullptr;
+      if (bits == 8)
+        run_rows<8>(M, wp + r * wblock, sp + r * G * ROWS, zb, aqp, K, adp, nblocks, aAp, G, K,
+                    group, ablock, op + r * ROWS, n, valid);
+      else
+        run_rows<4>(M, wp + r * wblock, sp + r * G * ROWS, zb, aqp, K, adp, nblocks, aAp, G, K,
+                    group, ablock, op + r * ROWS, n, valid);
+    }
+  });
+  if (bias.has_value() && bias->defined()) out.add_(bias->to(at::kFloat));
+  return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
+}
+
+}  // namespace
+
+TORCH_LIBRARY(shardwise_native, m) {
+  m.def("cpu_qlinear(Tensor x, Tensor qweight, Tensor scales, Tensor? zeros, Tensor? bias, "
+        "int bits, int group, int ablock, int n) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(shardwise_native, CPU, m) { m.impl("cpu_qlinear", &cpu_qlinear); }
