@@ -355,7 +355,10 @@ def aligned_host_buffer(nbytes: int, pinned: Pinner | None = None) -> torch.Tens
 
     With ``pinned`` — the engine's ``accelerator.pinned_host_buffer`` — the memory is
     page-locked the accelerator's way, so host-to-device copies from it run asynchronously at
-    full speed (over-allocated by ALIGN and sliced where the block is not already aligned).
+    full speed. The exact size is asked for first; only a block that comes back at an address
+    that is not a multiple of ALIGN is given back and asked for again ALIGN bytes larger, then
+    sliced (pinned memory is scarce, and an allocator that rounds blocks up to a power of two
+    would double a power-of-two request padded by one page).
 
     Args:
         nbytes: the bytes needed; the tensor's length is ``align_up(nbytes)``.
@@ -371,8 +374,11 @@ def aligned_host_buffer(nbytes: int, pinned: Pinner | None = None) -> torch.Tens
     if nbytes < 0:
         raise ValueError(f"aligned_host_buffer: nbytes must be >= 0, got {nbytes}")
     size = align_up(nbytes)
-    raw = pinned(size + ALIGN) if pinned is not None else None
+    raw = pinned(size) if pinned is not None else None
     if raw is not None:
+        if raw.data_ptr() % ALIGN:  # rare: mmap-backed and caching allocators align pages
+            del raw
+            raw = pinned(size + ALIGN)
         skip = (-raw.data_ptr()) % ALIGN
         return raw[skip:skip + size].zero_()
     m = mmap.mmap(-1, max(size, ALIGN))  # anonymous: page-aligned, zero-filled
