@@ -13,6 +13,7 @@ chunked head alone: exactly equal).
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
 
 import pytest
@@ -233,14 +234,25 @@ def test_gathered_rows_read_aligned_blocks(tmp_path):
     ref = big_vocab_lm("llama").model.embed_tokens.weight
     gather = vars(engine.module.model.embed_tokens)["forward"]
     assert isinstance(gather, GatheredEmbedding)
-    reads = []
+    reads, threads = [], []
     real = gather.reader.read
-    gather.reader.read = lambda *a: reads.append(a[1:3]) or real(*a)
+
+    def read(*a):
+        reads.append(a[1:3])
+        threads.append(threading.current_thread().name)
+        return real(*a)
+    gather.reader.read = read
     ids = [0, 1, 15, 16, 17, 100, 2047]
     rows = gather.read_rows(ids)
     assert torch.equal(rows, ref[ids])
     # rows 0..17 (256 B each) are in blocks 0-1, 100 in block 6, 2047 in block 127
     assert len(reads) == 3 and all(o % ALIGN == 0 and n % ALIGN == 0 for o, n in reads)
+    # the runs are read on the row readers' threads (at once), not one by one by the caller
+    assert all(name.startswith("shardwise-rows") for name in threads), threads
+    engine.close()  # the readers stop; a later lookup reads on the calling thread
+    threads.clear()
+    assert torch.equal(gather.read_rows(ids), ref[ids])
+    assert threads == [threading.current_thread().name] * 3
 
 
 # ----- tensor parallelism ------------------------------------------------------------------------

@@ -55,6 +55,11 @@ from .store import (ALIGN, TensorEntry, UnitEntry, _writable_view, align_up, ali
 
 #: the modes of a unit (module docstring)
 MODES = ("ring", "chunked", "gathered", "resident")
+#: threads reading a gathered embedding's row blocks at once. The rows are scattered 4 KiB
+#: reads made while the ring's multi-MiB reads are in flight; one after another each waited
+#: behind those (32 rows: ~100 ms on this VM's virtio disk with two ring reads streaming,
+#: against ~10 ms with 8 at once: benchmarks/README.md, offload section)
+ROW_THREADS = 16
 
 
 # ----- pieces: what the ring streams -----------------------------------------------------------
@@ -224,6 +229,8 @@ class RangeReader:
         self._lock = threading.Lock()
         self._pool = concurrent.futures.ThreadPoolExecutor(threads,
                                                            thread_name_prefix="shardwise-range")
+        self._rows: concurrent.futures.ThreadPoolExecutor | None = None  # made on first use
+        self._closed = False
 
     def path(self, blob: UnitEntry) -> Path:
         """The file of ``blob``."""
@@ -267,6 +274,36 @@ class RangeReader:
             finally:
                 os.close(fd)
 
+    def read_runs(self, blob: UnitEntry, runs: Sequence[tuple[int, int]],
+                  dest: torch.Tensor) -> float:
+        """Fill ``dest`` with the blob's byte ranges ``runs`` (``(start, stop)``, ALIGN-aligned)
+        one after another, reading them concurrently (up to :data:`ROW_THREADS` at once); the
+        wall seconds it took. After :meth:`close`, one after another on the calling thread.
+        An I/O error raises ``OSError`` naming the file (the first one, once all are done)."""
+        start = time.perf_counter()
+        places, at = [], 0
+        for a, b in runs:  # dest[at:at + b - a] <- bytes [a, b)
+            places.append((a, b - a, at))
+            at += b - a
+        pool = self._row_pool() if len(places) > 1 and self.on_disk else None
+        if pool is None:
+            for a, n, at in places:
+                self.read(blob, a, n, dest[at:])
+        else:
+            futures = [pool.submit(self.read, blob, a, n, dest[at:]) for a, n, at in places]
+            concurrent.futures.wait(futures)
+            for f in futures:
+                f.result()  # raises the first error
+        return time.perf_counter() - start
+
+    def _row_pool(self) -> concurrent.futures.ThreadPoolExecutor | None:
+        """The row readers' pool (None once closed)."""
+        with self._lock:
+            if self._rows is None and not self._closed:
+                self._rows = concurrent.futures.ThreadPoolExecutor(
+                    ROW_THREADS, thread_name_prefix="shardwise-rows")
+            return self._rows
+
     def _fall_back(self, path: Path, err: OSError) -> None:
         with self._lock:
             if self.direct_io:
@@ -280,8 +317,12 @@ class RangeReader:
         return self._pool.submit(self.read, piece.blob, piece.offset, piece.nbytes, dest)
 
     def close(self) -> None:
-        """Wait for reads in flight and stop the threads."""
+        """Wait for reads in flight and stop the threads (later row reads run on the caller)."""
+        with self._lock:
+            self._closed, rows, self._rows = True, self._rows, None
         self._pool.shutdown(wait=True)
+        if rows is not None:
+            rows.shutdown(wait=True)
 
 
 class PieceReader:
@@ -371,9 +412,11 @@ class GatheredEmbedding:
         runs = _runs([first + i * self.row_bytes for i in ids], self.row_bytes)
         total = sum(stop - start for start, stop in runs)
         scratch = aligned_host_buffer(max(total, ALIGN))
-        seconds, at, where = 0.0, 0, {}
-        for start, stop in runs:  # one aligned read per run of adjacent blocks
-            seconds += self.reader.read(self.blob, start, stop - start, scratch[at:])
+        # one aligned read per run of adjacent blocks, all at once; where: run start -> its
+        # byte in scratch
+        seconds = self.reader.read_runs(self.blob, runs, scratch)
+        where, at = {}, 0
+        for start, stop in runs:
             where[start] = at
             at += stop - start
         self.count(total, seconds)
