@@ -202,9 +202,16 @@ def _check_path_for_tier(settings: OffloadConfig) -> None:
 # ----- the checks against the machine and the model -----------------------------------------------
 
 #: Why graphs and offload do not go together (the config's check and :func:`check_offload`'s).
+#: Accelerators capture graphs at fixed addresses. The CPU's "graphs" (``CpuCompileStrategy``)
+#: compile the whole injected decode step as one graph whose inputs are every layer's weights,
+#: laid out once in place in the GEMM template's blocks; streaming would need a compiled step
+#: per layer with the ring's acquire/release (which wait on reader threads) between them, and
+#: the blobs written in that blocked layout: not built yet.
 GRAPH_REFUSAL = ("offload streams each layer's weights into ring slots that change from step to "
                  "step, but a captured graph replays its kernels on the weights at the fixed "
-                 "addresses it was captured with; pass enable_graph=False with offload")
+                 "addresses it was captured with, and the CPU's compiled decode step reads every "
+                 "layer's weights as inputs of one graph with no place for the ring's per-layer "
+                 "waits; pass enable_graph=False with offload")
 
 
 def check_offload(settings: "OffloadConfig | Mapping | None", accelerator: "Accelerator",
