@@ -254,9 +254,29 @@ def test_streamed_decode_path_matches_the_reference(name, dtype):
                        ref.moe_grouped_mlp(*args, **kwargs), dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("route", [[1, 3], [4, 2], [0, 4], [4, 4]],
+                         ids=["here", "sentinel-first", "sentinel-second", "all-away"])
+def test_one_token_decode_path_matches_the_reference(route, dtype):
+    """The compiled step's path at batch 1 (run eagerly here: the same torch code), on a rank
+    holding 4 of 8 experts: slots of this rank, the sentinel in either slot (it reads an expert
+    of this rank and adds nothing), none here (zeros); and GPT-OSS's biases and clamp."""
+    from shardwise.kernels.cpu import moe as cpu_moe
+
+    x, gate_up, down, _, weights = moe_inputs(1, 64, 32, 8, 2, dtype, remote=True)
+    experts = torch.tensor([route])
+    args = (x, gate_up, down, experts, weights)
+    assert_moe_matches(cpu_moe.token_mlp(*args), ref.moe_grouped_mlp(*args), dtype)
+    if route == [4, 4]:
+        assert torch.equal(cpu_moe.token_mlp(*args), torch.zeros_like(x))
+    kw = dict(gate_up_bias=_x(4, 64, 8).to(dtype), down_bias=_x(4, 64, 9).to(dtype), clamp=0.5)
+    assert_moe_matches(cpu_moe.token_mlp(*args, **kw), ref.moe_grouped_mlp(*args, **kw), dtype)
+
+
 def test_compiled_decode_traces_whole_into_the_streamed_path():
     """Under torch.compile (fullgraph: no graph break, so no host sync) a decode call becomes one
-    graph with no grouped GEMM in it, and computes what the reference does, sentinel included;
+    graph with no grouped GEMM in it (one token: no sort either, the token path), and computes
+    what the reference does, sentinel included;
     a call with more slots per expert keeps the grouped GEMMs in bf16 (fp32 grouped_mm does not
     trace: the streamed path)."""
     from shardwise.kernels.cpu import moe as cpu_moe
@@ -273,6 +293,9 @@ def test_compiled_decode_traces_whole_into_the_streamed_path():
     def grouped_gemms(gm):
         return sum("grouped_mm" in str(node.target) for node in gm.graph.nodes)
 
+    def sorts(gm):
+        return sum("argsort" in str(node.target) for node in gm.graph.nodes)
+
     compiled = torch.compile(call, backend=keep, fullgraph=True, dynamic=False)
     many = cpu_moe.STREAMED_SLOTS_PER_EXPERT * 4 // 2 + 1  # tokens: 4 local experts, top-2
     for tokens, dtype, gemms in ((3, torch.float32, 0), (1, torch.bfloat16, 0),
@@ -280,6 +303,7 @@ def test_compiled_decode_traces_whole_into_the_streamed_path():
         args = moe_inputs(tokens, 64, 32, 8, 2, dtype, remote=True)  # 4 experts here
         assert_moe_matches(compiled(*args), ref.moe_grouped_mlp(*args), dtype)
         assert grouped_gemms(graphs[-1]) == gemms, (tokens, dtype)
+        assert (sorts(graphs[-1]) == 0) == (tokens == 1), (tokens, dtype)  # 1 token: token_mlp
     assert len(graphs) == 4
 
 

@@ -16,6 +16,9 @@ sentinel expert index E: a slot whose expert lives on another rank contributes n
     into cache: about one read of each routed expert's bytes per step. At 1-8 tokens it was
     1.25-2.2x as fast as ATen's grouped GEMM of 1-2 rows per expert, which is compute-bound on
     CPU (fp32 gains most; bf16 is bound by converting the rows).
+  - **Compiled decode of one token** (batch 1): :func:`token_mlp`, the streamed path without
+    its sort and chunks (top-k experts are distinct: nothing to share), each slot's expert one
+    contiguous stream.
   - **Eager** (prompts, steps without graphs): the T*k token slots are sorted by expert
     (``argsort``, the permutation of ``moe_permute``), the per-expert slot counts become
     ``offs`` by a scatter-add and a cumsum on the device, and ``torch.nn.functional.grouped_mm``
@@ -162,6 +165,38 @@ def streamed_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
     return (y * weights.float()[:, :, None]).sum(1).to(x.dtype)
 
 
+def token_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+              experts: torch.Tensor, weights: torch.Tensor, activation: str = "silu",
+              gate_up_bias: torch.Tensor | None = None, down_bias: torch.Tensor | None = None,
+              clamp: float | None = None, alpha: float = ref.GPT_OSS_ALPHA) -> torch.Tensor:
+    """The decode path under ``torch.compile`` for one token (batch 1): its k slots, each
+    expert's whole [2I, H] then [H, I] matrix dotted with the token, read in place through the
+    slot's expert index. x [1, H], experts / weights [1, k] → [1, H] in x.dtype.
+
+    Top-k experts are distinct, so no two slots share an expert and :func:`streamed_mlp`'s
+    sort and chunking (which let slots of one expert share a read) only cost here: inductor
+    makes each product one reduction loop over the expert's rows, one long contiguous stream per
+    slot (Mixtral-like, fp32, 1 thread: 1.15-1.3x faster than the streamed path,
+    benchmarks/README.md "MoE kernels"). A sentinel slot (another rank's expert) reads the
+    expert a slot of this rank read just before (from cache; expert 0 where no slot is here)
+    and is masked to 0. Float32 sums; the activation rounded to the weights' dtype as the other
+    paths do. Eager it would materialise each slot's expert (tests only)."""
+    n_local = gate_up.shape[0]
+    flat = experts.reshape(-1)  # [k]
+    here = flat < n_local  # [k]
+    read = torch.where(here, flat, torch.where(here, flat, 0).max())  # [k]
+    xs = x.float().expand(flat.shape[0], -1)  # [k, H]: the token once per slot
+    h = (gate_up[read] * xs[:, None, :]).sum(-1, dtype=torch.float32)  # [k, 2I]
+    if gate_up_bias is not None:
+        h = h + gate_up_bias.float()[read]
+    a = ref.glu(h, activation, clamp, alpha).to(gate_up.dtype).float()  # [k, I]
+    y = (down[read] * a[:, None, :]).sum(-1, dtype=torch.float32)  # [k, H]
+    if down_bias is not None:
+        y = y + down_bias.float()[read]
+    scale = torch.where(here, weights.reshape(-1).float(), 0.0)  # [k]
+    return (y * scale[:, None]).sum(0, keepdim=True).to(x.dtype)  # [1, H]
+
+
 def moe_grouped_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
                     experts: torch.Tensor, weights: torch.Tensor, *, activation: str = "silu",
                     gate_up_bias: torch.Tensor | None = None,
@@ -169,11 +204,15 @@ def moe_grouped_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
                     alpha: float = ref.GPT_OSS_ALPHA) -> torch.Tensor:
     """The routed experts' output; contract of the reference ``moe_grouped_mlp``: x [T, H],
     gate_up [E, 2I, H], down [E, H, I], experts (local ids, E the sentinel) and weights [T, k].
-    Under ``torch.compile`` at decode sizes :func:`streamed_mlp`, else two grouped GEMMs over
+    Under ``torch.compile`` one token takes :func:`token_mlp`, other decode sizes
+    :func:`streamed_mlp`, else two grouped GEMMs over
     the expert-sorted slots (the module docstring says which when). Returns [T, H] in
     x.dtype."""
     ref.check_grouped_mlp(x, gate_up, down, experts, weights, activation, gate_up_bias,
                           down_bias, clamp)
+    if torch.compiler.is_compiling() and experts.shape[0] == 1:
+        return token_mlp(x, gate_up, down, experts, weights, activation, gate_up_bias,
+                         down_bias, clamp, alpha)
     if torch.compiler.is_compiling() and (
             experts.numel() <= STREAMED_SLOTS_PER_EXPERT * gate_up.shape[0]
             or gate_up.dtype not in GROUPED_MM_TRACES):
