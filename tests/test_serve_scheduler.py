@@ -302,6 +302,110 @@ def test_prefill_chunks_are_worth_their_call_overhead():
     assert tokens(drain(joining)) == alone(prompt(90, 2), 2)
 
 
+@pytest.mark.parametrize("budget,allowance_s,overhead_s,token_s", [
+    (512, 0.030, 0.002, 0.001),     # small overhead: the allowance holds
+    (512, 0.030, 0.030, 0.001),     # overhead = the allowance: two overheads
+    (512, 0.030, 0.0, 0.0005),      # no overhead
+    (512, 0.004, 0.001, 0.001),     # nothing fits: the smallest chunk
+    (16, 0.300, 0.001, 0.001),      # the budget caps it
+    (512, 0.020, 0.050, 0.0001),    # overhead well above the allowance (a host-bound GPU)
+])
+def test_prefill_chunk_rule_bounds_the_stall(budget, allowance_s, overhead_s, token_s):
+    from shardwise.serve.scheduler import MIN_PREFILL_CHUNK, prefill_chunk_tokens
+
+    def cost(n):
+        return overhead_s + token_s * n
+
+    n = prefill_chunk_tokens(budget, allowance_s, overhead_s, token_s)
+    assert min(budget, MIN_PREFILL_CHUNK) <= n <= budget
+    bound = min(cost(budget), max(allowance_s, 2 * overhead_s, cost(MIN_PREFILL_CHUNK)))
+    assert cost(n) <= bound + 1e-12, (n, cost(n), bound)
+    if 2 * overhead_s <= allowance_s and cost(MIN_PREFILL_CHUNK) <= allowance_s:
+        assert cost(n) <= allowance_s + 1e-12  # the allowance itself holds
+    if n < budget:  # and the chunk is the largest the bound allows, not merely small
+        assert cost(n + 1) > bound - 1e-12
+
+
+class Clock:
+    """A virtual clock for the scheduler module (its ``time``): runner calls advance it."""
+
+    def __init__(self) -> None:
+        self.now_s = 1000.0
+
+    def now(self) -> float:
+        return self.now_s
+
+    def sleep(self, seconds: float) -> None:
+        self.now_s += seconds
+
+
+class ClockRunner(FakeRunner):
+    """FakeRunner whose prefill call costs ``overhead_s + token_s × tokens`` and whose decode
+    step ``step_s`` on a virtual :class:`Clock` (exact: the scheduler's fit is exact)."""
+
+    def __init__(self, clock: Clock, overhead_s: float, token_s: float, step_s: float,
+                 **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.clock, self.overhead_s, self.token_s, self.step_s = clock, overhead_s, token_s, step_s
+
+    def prefill(self, slot, token_ids, last):
+        self.clock.sleep(self.overhead_s + self.token_s * len(token_ids))
+        return super().prefill(slot, token_ids, last)
+
+    def decode(self, slots, token_ids):
+        self.clock.sleep(self.step_s)
+        return super().decode(slots, token_ids)
+
+    def stalls(self) -> list[float]:
+        """The prefill time of each iteration while streams decode (calls between two steps)."""
+        out, current, decoding = [], 0.0, False
+        for call in self.calls:
+            if call[0] == "decode":
+                if decoding and current:
+                    out.append(current)
+                current, decoding = 0.0, True
+            elif call[0] == "prefill":
+                current += self.overhead_s + self.token_s * call[2]
+        return out
+
+
+@pytest.mark.parametrize("overhead_s,bound_s,shared", [(0.002, 0.030, True),
+                                                      (0.025, 0.050, False)])
+def test_an_iteration_prefilling_several_prompts_keeps_the_stall_bound(monkeypatch, overhead_s,
+                                                                       bound_s, shared):
+    # step 40 ms, stall 0.75: allowance 30 ms. Three prompts join at once, so one iteration
+    # prefills the end of one prompt and the start of the next: each further call pays its
+    # overhead out of the budget, and the iteration's prefill stays within the stated bound
+    # (the allowance; two overheads where those are more, and then a chunk of the overhead's
+    # worth leaves no budget for a second call)
+    import shardwise.serve.scheduler as scheduler_module
+
+    clock = Clock()
+    monkeypatch.setattr(scheduler_module, "time", type("T", (), {
+        "perf_counter": staticmethod(clock.now), "monotonic": staticmethod(clock.now)}))
+    runner = ClockRunner(clock, overhead_s, 0.001, 0.04, max_batch=5, max_tokens=200)
+    sched = Scheduler(runner, sampler_factory=greedy, prefill_budget=512, prefill_stall=0.75)
+    first = [sched.submit(request(f"s{i}", prompt(n, i), 60), None)
+             for i, n in enumerate((40, 24))]  # prefilled while nothing decodes: two sizes
+    sched.step()
+    joining = [sched.submit(request(f"j{i}", prompt(n, 5 + i), 3), None)
+               for i, n in enumerate((45, 50, 35))]
+    run_steps(sched)
+    stalls = runner.stalls()
+    assert stalls and max(stalls) <= bound_s + 1e-9, stalls
+    calls_per_iteration = []
+    for call in runner.calls:
+        if call[0] == "decode":
+            calls_per_iteration.append(0)
+        elif call[0] == "prefill" and calls_per_iteration:
+            calls_per_iteration[-1] += 1
+    assert (max(calls_per_iteration) >= 2) == shared  # an iteration prefilled two prompts
+    for handle, (i, n) in zip(first, enumerate((40, 24))):
+        assert tokens(drain(handle)) == alone(prompt(n, i), 60)
+    for handle, (i, n) in zip(joining, enumerate((45, 50, 35))):
+        assert tokens(drain(handle)) == alone(prompt(n, 5 + i), 3)
+
+
 def test_lowest_free_slot_is_taken_first():
     runner = FakeRunner(max_batch=4)
     sched = Scheduler(runner, sampler_factory=greedy)

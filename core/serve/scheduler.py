@@ -14,10 +14,12 @@ One background thread makes every model call. Each iteration of its loop:
    (a per-call overhead plus a per-token time) (at least ``MIN_PREFILL_CHUNK``
    tokens, so prompts always progress): a joining prompt delays the running streams' next token
    by a bounded fraction of a step instead of by its whole prefill. Where a call's overhead
-   alone is most of that allowance (a small model, or a GPU whose step is host-bound), a chunk
-   still takes at least as many tokens as the overhead's worth of time (overhead / per-token
-   time): chunks of ``MIN_PREFILL_CHUNK`` tokens there would spend most of every prefill call
-   on its overhead, and prompts would queue behind each other for hundreds of steps;
+   alone is more than half that allowance (a small model, or a GPU whose step is host-bound),
+   a chunk still takes at least as many tokens as the overhead's worth of time (overhead /
+   per-token time): chunks of ``MIN_PREFILL_CHUNK`` tokens there would spend most of every
+   prefill call on its overhead, and prompts would queue behind each other for hundreds of
+   steps. The stall bound that holds is stated (and tested) at :func:`prefill_chunk_tokens`:
+   the allowance, or two call overheads where those are more;
 4. runs ONE ``runner.decode`` step over every decoding sequence and samples each with its own
    sampler (the plain greedy rows together: one ``argmax``, one device→host copy,
    :func:`~shardwise.serve.sampling.sample_rows`); a sequence ends on an end-of-sequence id
@@ -355,9 +357,9 @@ class Scheduler:
     def _prefill(self) -> None:
         """Prefill prompt chunks, in admission order, until ``prefill_budget`` tokens are spent;
         a prompt's final chunk yields its first token."""
-        budget = self._prefill_tokens()
+        budget, call_tokens = self._prefill_tokens()
         for seq in [s for s in self._running if not s.decoding]:
-            if budget == 0:
+            if budget <= 0:
                 return
             start = seq.prefilled
             n = min(len(seq.prompt) - start, budget)
@@ -366,22 +368,24 @@ class Scheduler:
             logits = self._call("prefill", seq.slot, seq.prompt[start:start + n], last)
             self._prefill_calls.append((n, time.perf_counter() - began))
             seq.prefilled += n
-            budget -= n
+            budget -= n + call_tokens  # a further call pays its overhead out of the budget too
             if self.metrics is not None:
                 self.metrics.add_prompt_tokens(n)
             if last:
                 self._accept_isolated(seq, lambda: seq.sampler.sample(logits), time.monotonic())
 
-    def _prefill_tokens(self) -> int:
-        """This iteration's prefill budget (see the module docstring, step 3)."""
+    def _prefill_tokens(self) -> tuple[int, int]:
+        """This iteration's prefill budget in tokens (see the module docstring, step 3), and
+        what one call's overhead is worth in tokens (0 while nothing decodes: time to first
+        token first)."""
         decoding = any(s.decoding for s in self._running)
         if (not decoding or self.prefill_stall is None or not self._prefill_calls
                 or self._decode_step_s is None):
-            return self.prefill_budget
+            return self.prefill_budget, 0
         overhead_s, token_s = _linear_fit(self._prefill_calls)
-        fits = int((self.prefill_stall * self._decode_step_s - overhead_s) / token_s)
-        worth = int(overhead_s / token_s)  # tokens taking as long as one call's overhead
-        return min(self.prefill_budget, max(MIN_PREFILL_CHUNK, fits, worth))
+        return (prefill_chunk_tokens(self.prefill_budget, self.prefill_stall * self._decode_step_s,
+                                     overhead_s, token_s),
+                math.ceil(overhead_s / token_s))
 
     def _decode(self) -> None:
         """One decode step over every decoding sequence (by slot), then sample each."""
@@ -526,6 +530,29 @@ class Scheduler:
             return
         stats = self.stats()
         self.metrics.set_load(stats.running, stats.waiting, stats.slots_in_use, stats.slots)
+
+
+def prefill_chunk_tokens(budget: int, allowance_s: float, overhead_s: float,
+                         token_s: float) -> int:
+    """Prompt tokens one iteration prefills while streams decode, for a prefill call costing
+    about ``overhead_s + token_s × tokens`` and ``allowance_s`` (``prefill_stall`` × a decode
+    step) of stall allowed: the most tokens whose call fits the allowance, but at least
+    ``MIN_PREFILL_CHUNK`` (prompts always progress) and at least the overhead's worth
+    (``overhead_s / token_s`` tokens: smaller chunks would spend most of each call on its
+    overhead), and at most ``budget``.
+
+    The rule, as a bound on the stall (the predicted time of the iteration's prefill, every
+    call of it: a call after the first pays its overhead's worth of tokens out of the same
+    budget, so several calls cost no more than one call of all the tokens):
+    ``min(cost(budget), max(allowance_s, 2 × overhead_s, cost(MIN_PREFILL_CHUNK)))`` where
+    ``cost(n) = overhead_s + token_s × n``. So the allowance holds whenever one call's overhead
+    is at most half of it and ``MIN_PREFILL_CHUNK`` tokens fit it; beyond, the iteration's
+    prefill costs at most two overheads (or the smallest chunk), whichever is more: the
+    running streams then wait longer than the allowance for the prompt to progress at all
+    efficiently."""
+    fits = int((allowance_s - overhead_s) / token_s)
+    worth = int(overhead_s / token_s)  # tokens taking as long as one call's overhead
+    return min(budget, max(MIN_PREFILL_CHUNK, fits, worth))
 
 
 def _raise_or_return(event: TokenEvent | Exception) -> TokenEvent:
