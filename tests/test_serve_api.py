@@ -439,6 +439,37 @@ def test_client_disconnect_mid_stream_cancels_the_sequence(fake):
     assert handle.completion_tokens < 40
 
 
+def test_closing_a_one_choice_stream_closes_its_choice_and_cancels_at_once(tokenizer):
+    # the n = 1 path reads the choice's generator directly: closing the answer's stream (what
+    # the streaming response does when the client goes away) must close that generator too,
+    # its event timer included, and cancel the sequence, before the event loop runs again
+    from shardwise.serve.api import _Generation
+    from shardwise.serve.protocol import parse_completion
+
+    class Quiet:
+        async def receive(self):  # a client that neither sends nor leaves
+            await asyncio.Event().wait()
+
+    async def leave_after_first():
+        backend = FakeBackend()
+        backend.step_s = 0.05
+        state = ServeState(backend, tokenizer, MODEL, max_context=48, metrics=None)
+        job = parse_completion({"model": MODEL, "prompt": "t5", "max_tokens": 40, "stream": True},
+                               tokenizer=tokenizer, model_name=MODEL, capacity=48)
+        gen = _Generation(state, job, "cmpl")
+        gen.submit(Quiet())
+        deltas = gen.deltas()
+        assert (await anext(deltas)).text == " t6"
+        await deltas.aclose()
+        choice = gen.choices[0]
+        closed_at_once = (choice._timer.cancelled(), choice.handle.cancelled.is_set())
+        while not isinstance(await choice.handle.queue.get(), FinishEvent):
+            pass  # the fake's thread ends the sequence while this loop still runs
+        return closed_at_once
+
+    assert asyncio.run(leave_after_first()) == (True, True)
+
+
 def test_client_disconnect_while_waiting_cancels_non_streamed(fake, tokenizer):
     backend, server, _ = fake
     backend.step_s = 0.05
@@ -653,14 +684,17 @@ def test_disconnect_and_stop_strings_cancel_real_sequences(real_stack):
                                        temperature=0, stream=True)
     next(iter(stream))
     stream.close()  # the client goes away after its first token
+    # the scheduler frees the slot (and counts the cancellation) at its next step, with no
+    # other request to drive it: wait for it, bounded
+    deadline = time.monotonic() + 10
+    while (_finished(server, "cancelled") < before + 1 or stack.scheduler.stats().slots_in_use)\
+            and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert _finished(server, "cancelled") == before + 1
+    assert stack.scheduler.stats().slots_in_use == 0
     other = client.completions.create(model="tiny-llama", prompt="Hi there", max_tokens=20,
                                       temperature=0)
     assert other.usage.completion_tokens == 20 or other.choices[0].finish_reason == "stop"
-    # the scheduler counts the cancellation at its next step: wait for it, bounded
-    deadline = time.monotonic() + 10
-    while _finished(server, "cancelled") < before + 1 and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert _finished(server, "cancelled") == before + 1
     assert stack.scheduler.stats().running == 0
     # a stop string taken from the greedy text itself ends that choice early
     full = client.completions.create(model="tiny-llama", prompt="Hello", max_tokens=12,

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import json
 import math
 import time
@@ -230,9 +231,10 @@ class _Generation:
         """Deltas of all choices as they come; raises the first choice's error. One choice
         (``n`` = 1, the common case) is read directly; several are merged through a queue."""
         if len(self.choices) == 1:
-            try:
-                async for delta in self.choices[0].deltas():
-                    yield delta
+            try:  # closed with this generator: the choice's timer stops at once, not at GC
+                async with contextlib.aclosing(self.choices[0].deltas()) as deltas:
+                    async for delta in deltas:
+                        yield delta
             finally:
                 self.close()
             return
