@@ -7,7 +7,8 @@ For each dtype and token count: median µs per call of HF's ``MixtralExperts`` w
 and ``grouped_mm`` experts implementations, the torch reference, the ``cpu`` backend called
 eagerly (its grouped-GEMM path: prompts, steps without graphs) and the ``cpu`` backend captured
 by the CPU graph strategy (``CpuCompileStrategy``, the compiled decode step's path:
-``streamed_mlp``), calls interleaved so machine noise hits all alike, all on the same weights
+``token_mlp`` for one token, else ``streamed_mlp``; at one token ``streamed-graph`` is
+``streamed_mlp`` captured the same way, the path one token took before), calls interleaved so machine noise hits all alike, all on the same weights
 and routing (a softmax router, top-k, renormalised). GB/s is over the expert bytes read per
 call: the distinct experts hit × 3·H·I·itemsize (gate, up and down), the bytes a dropless MoE
 layer must read; ``%copy`` compares it with the machine's copy bandwidth, measured by a copy
@@ -48,13 +49,15 @@ def hf_experts(hidden, inter, n_experts, top_k, dtype, implementation):
     return experts.to(dtype).eval()
 
 
-def captured(gate_up, down, x, experts, weights):
-    """The cpu backend's moe_grouped_mlp as the CPU graph strategy captures it (x, routing as
-    the graph's inputs, the expert weights read in place)."""
+def captured(gate_up, down, x, experts, weights, fn=None):
+    """The cpu backend's moe_grouped_mlp (or ``fn``, same arguments) as the CPU graph strategy
+    captures it (x, routing as the graph's inputs, the expert weights read in place)."""
     from shardwise.accelerators.cpu_graphs import CpuCompileStrategy
 
+    fn = fn or cpu_moe.moe_grouped_mlp
+
     def step(x, experts, weights):
-        return cpu_moe.moe_grouped_mlp(x, gate_up, down, experts, weights)
+        return fn(x, gate_up, down, experts, weights)
 
     graph = CpuCompileStrategy().capture(step, x, experts, weights)
     return lambda: graph(x, experts, weights)
@@ -113,6 +116,9 @@ def main() -> None:
             }
             if not args.no_compiled:
                 calls["cpu-graph"] = captured(mine_gu, mine_down, x, mine, weights)
+                if tokens == 1:  # cpu-graph is token_mlp: the streamed path it replaced
+                    calls["streamed-graph"] = captured(mine_gu, mine_down, x, mine, weights,
+                                                       cpu_moe.streamed_mlp)
             calls["copy"] = copy
             with torch.no_grad():
                 times = dict(zip(calls, (t / 1e6 for t in median_us(
@@ -127,7 +133,7 @@ def main() -> None:
                          for name, (t, gbps) in cols.items())
         best = "cpu-graph" if "cpu-graph" in cols else "cpu"
         ratios = ", ".join(f"vs {name} {cols[name][0] / cols[best][0]:.2f}x"
-                           for name in ("hf-eager", "hf-grouped_mm", "cpu")
+                           for name in ("hf-eager", "hf-grouped_mm", "cpu", "streamed-graph")
                            if name in cols and name != best)
         print(f"{str(dtype)[6:]:8s} tokens={tokens:3d} experts hit={hit} copy "
               f"{copy_gbps:.1f} GB/s: {line}  {best} {ratios}")
