@@ -114,6 +114,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--client-processes", type=int, default=1,
                         help="processes the clients run in, the streams spread over them "
                              "(default: 1; 0: in the servers' process, sharing their GIL)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch's intra-op threads for both servers (default: torch's own; "
+                             "on a CPU shared with other work, 1 avoids OpenMP threads waiting "
+                             "for each other at every parallel region)")
     parser.add_argument("--output", default=None,
                         help="JSON file (default: benchmarks/results/serve_load-<date>.json)")
     args = parser.parse_args(argv)
@@ -129,6 +133,8 @@ def check_args(args: argparse.Namespace) -> None:
     for name in ("requests_per_stream", "max_tokens", "repeats"):
         if getattr(args, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be ≥ 1, got {getattr(args, name)}")
+    if args.threads is not None and args.threads < 1:
+        raise ConfigError(f"--threads must be ≥ 1, got {args.threads}")
     if args.client_processes < 0:
         raise ConfigError(f"--client-processes must be ≥ 0 (0: in this process), got "
                           f"{args.client_processes}")
@@ -445,6 +451,8 @@ def run(args) -> dict[str, Any]:
     import shardwise
 
     accelerator = shardwise.get_accelerator()
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     model, hf_model, tokenizer = load_models(args, accelerator)
     name = Path(args.model).name if args.model else "SmolLM2-135M-Instruct"
     prompts = build_prompts(tokenizer)
