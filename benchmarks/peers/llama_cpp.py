@@ -27,7 +27,9 @@ What it does, in order:
 4. Speed, in interleaved rounds (every variant once per round, order rotated each round; one
    untimed warm-up first): batch 1, greedy, a fixed 64-token prompt, ``--new-tokens`` tokens,
    per-token decode ms (median of the steps; the report gives the median over rounds); the
-   first-token time for a 512-token prompt; batch-8 aggregate tokens/s. llama.cpp is driven
+   first-token time for a 512-token prompt; batch-8 aggregate tokens/s. The warm-up runs each
+   of these once, batch 8 included: shardwise compiles its decode step once per batch bucket
+   on first use, and a batch-8 run that held that compile reported it as decode time. llama.cpp is driven
    through its context directly (``eval`` + argmax of the last logits, batch 8 as eight
    sequences of one ``llama_batch``); shardwise through HF ``generate`` on ``engine.module``.
 5. Quality: teacher-forced next-token agreement with the fp32 HF model (argmax at every
@@ -275,7 +277,9 @@ class Sample:
         return {"first_s": self.first_s, "steps_s": self.steps_s, "batch": self.batch,
                 "median_step_ms": None if med is None else med * 1e3,
                 "tokens_per_s": (len(self.steps_s) * self.batch / sum(self.steps_s)
-                                 if self.steps_s else None)}
+                                 if self.steps_s else None),
+                # batch / median step: not swayed by one slow step (a compile, a busy machine)
+                "median_tokens_per_s": self.batch / med if med else None}
 
 
 class LlamaCppVariant:
@@ -422,6 +426,21 @@ def idle(seconds: float) -> None:
     """Let both engines' OpenMP pools stop spinning (see the module docstring)."""
     if seconds > 0:
         time.sleep(seconds)
+
+
+def warm_up(variant, prompt: list[int], long_prompt: list[int], args) -> None:
+    """One untimed run of every timed call: batch 1, the long prompt, and the batched decode.
+    shardwise compiles its decode step once per batch bucket on first use (tens of seconds on
+    a shared 2-core machine, minutes for a large model); without this warm-up the batched
+    decode's first step held that compile and its tokens/s was the compile's, not decode's."""
+    variant.generate(prompt, args.new_tokens)
+    if long_prompt:
+        variant.generate(long_prompt, 1)
+    if args.batch > 1:
+        if isinstance(variant, LlamaCppVariant):
+            variant.generate_batch(prompt, 2)
+        else:
+            variant.generate_batch(prompt, 2, args.batch)
 
 
 def pool_check(llama_variant, shard_variant, prompt, new_tokens, idle_s, tries=3) -> dict:
@@ -602,11 +621,9 @@ def main(argv: list[str] | None = None) -> int:
             log(f"  {init_s[key]:.1f} s")
 
     names = list(variants)
-    log("warm-up (graph capture)")
+    log("warm-up (graph capture, batch buckets 1 and --batch)")
     for n in names:
-        variants[n].generate(prompt, args.new_tokens)
-        if long_prompt:
-            variants[n].generate(long_prompt, 1)
+        warm_up(variants[n], prompt, long_prompt, args)
     report_pool = None
     if not args.no_pool_check and "llama.cpp Q4_0" in variants and "shardwise int4" in variants:
         log("pool check")
@@ -662,6 +679,7 @@ def main(argv: list[str] | None = None) -> int:
                 "first_token_64_s": summarize(s["decode"], "first_s"),
                 "first_token_long_s": summarize(s["first_token_long"], "first_s"),
                 "batch_tokens_per_s": summarize(s["batch"], "tokens_per_s"),
+                "batch_median_tokens_per_s": summarize(s["batch"], "median_tokens_per_s"),
                 "init_s": init_s[key],
                 "quality": qual.get(key) if qual else None,
             }
