@@ -176,8 +176,11 @@ def token_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
     Top-k experts are distinct, so no two slots share an expert and :func:`streamed_mlp`'s
     sort and chunking (which let slots of one expert share a read) only cost here: inductor
     makes each product one reduction loop over the expert's rows, one long contiguous stream per
-    slot (Mixtral-like, fp32, 1 thread: 1.15-1.3x faster than the streamed path,
-    benchmarks/README.md "MoE kernels"). A sentinel slot (another rank's expert) reads the
+    slot. Measured (Mixtral-like H=1024 I=2048, fp32, 1 thread, CPU clock, on a machine at load
+    ~10-15): 1.04-1.3x the streamed path under plain ``torch.compile``, 1.06x under the CPU
+    graph strategy in one interleaved run and 0.95x in another (bf16 0.92x); on the whole
+    Mixtral preset's decode step 1.035x (51.0 vs 52.8 ms CPU per step) — a small gain at best,
+    both paths being bound by one core's streaming rate. A sentinel slot (another rank's expert) reads the
     expert a slot of this rank read just before (from cache; expert 0 where no slot is here)
     and is masked to 0. Float32 sums; the activation rounded to the weights' dtype as the other
     paths do. Eager it would materialise each slot's expert (tests only)."""
