@@ -1,63 +1,79 @@
-"""Weight-only quantized linear on this machine: dense F.linear vs the resolved ``quant_linear``.
+"""Weight-only quantized linear on this machine: dense F.linear vs the resolved ``quant_linear``,
+the CPU backend's native kernel (8-bit activations, AVX512-VNNI) beside torch's packed kernels.
 
-    python benchmarks/kernel_quant.py --device cpu --batch 1 4
+    python benchmarks/kernel_quant.py                       # 1.7B shapes, batch 1 and 8, 2 threads
+    python benchmarks/kernel_quant.py --threads 1 --clock cpu   # on a busy machine
 
 For each shape ``[batch, in] x [in -> out]`` it times, interleaved (so machine noise hits all
-alike), dense fp32 and ``--dtype`` F.linear, the reference quant_linear (dequantize + linear per
-call) and int8/int4 weights through the backend the registry resolves, then prints the median µs
-per call, the speed-up over fp32, and the weight bytes read per call as GB/s against the
-device's measured copy bandwidth (the decode roofline).
+alike), dense fp32 and ``--dtype`` F.linear and every quantized variant packed by the backend the
+registry resolves, once per CPU kernel (``SHARDWISE_CPU_QUANT_KERNEL`` = native / torch at
+prepack time), then prints the median µs per call, the speed-up over fp32, and the weight bytes
+read per call as GB/s against the device's measured copy bandwidth (the probe ``shardwise bench``
+uses: the decode roofline). ``--reference`` adds the reference (dequantize + F.linear per call,
+50 ms and more), ``--fp32-model`` an fp32 model's QuantLinear (the casts to bf16 timed too).
 
-Measured on 2 cores of an AMD EPYC (AVX512-BF16), torch 2.13, ``--threads 2``, bf16, with other
-jobs sharing the machine (load average ~2): µs per call (speed-up over fp32 F.linear; % of the
-19.6 GB/s copy bandwidth spent reading the weight bytes).
+Measured on 2 cores of an AMD EPYC (Zen4, AVX512-VNNI/BF16), torch 2.13, bf16 activations, on a
+machine shared with other jobs (load average 10-15 on the 2 cores: wall-clock 2-thread figures
+were meaningless, up to 60x outliers), so with ``--threads 1 --clock cpu --repeats 30`` (the
+process's CPU time: a core's work, without the waits), µs per call and GB/s of packed weight
+bytes per core:
 
-    shape         batch  fp32   bf16          int8/channel  int8 g128     int4 g128
-    2048 -> 5632  1      2816   1588 (1.8x)    865 (3.3x)   1156 (2.4x)   396 (7.1x, 79%)
-    2048 -> 5632  4      7697   1556 (4.9x)   1044 (7.4x)   1757 (4.4x)   652 (11.8x)
-    1536 -> 8960  1      4145   2222 (1.9x)   1012 (4.1x)   1247 (3.3x)   449 (9.2x, 83%)
-    1536 -> 8960  4      9652   1913 (5.1x)   1396 (6.9x)   2164 (4.5x)   800 (12.1x)
+    shape          batch  bf16 F.linear  int8/ch native  int8/ch torch  int4 g128 native  int4 g128 torch  int4 g32 native  int4 g32 torch
+    2048 -> 8192   1      2304            735 (23 GB/s)  1162 (14)       450 (20)*        550 (16)         365 (29)         647 (16)
+    2048 -> 8192   8      2353           1447           2423            1012             1789             1217             1804
+    8192 -> 2048   1      2019            635 (26)      1059 (16)        344 (26)         479 (19)         384 (27)         520 (20)
+    8192 -> 2048   8      2200           1397           2370            1230             1662             1262             1631
+    2048 -> 2048   8       796            479            540             294              442              300              434
 
-The reference (dequantize + F.linear per call) took 50-59 ms: 0.06-0.16x.
-
-An fp32 model's quantized linear (rows "..., fp32 model": the QuantLinear casts the fp32 input to
-bf16 for the packed kernel and the output back) costs what the bf16 kernel costs: measured with
-``--threads 1 --batch 1 --repeats 30`` under load (load average ~7 on the 2 cores), µs per call
-(speed-up over fp32 F.linear):
-
-    shape         fp32   int8/channel  int8/ch, fp32 model  int4 g128    int4 g128, fp32 model
-    2048 -> 5632  6100    847 (7.2x)    776 (7.9x)           354 (17x)    360 (17x)
-    1536 -> 8960  3054   1075 (2.8x)   1053 (2.9x)           424 (7.2x)   467 (6.5x)
-
-(the fp32 F.linear of the first shape was slowed by the load more than the rest). Under such
-load, 2-thread runs of the packed int8/int4 kernels degrade far more than fp32 F.linear does
-(a thread descheduled stalls each call's parallel region): compare kernels at ``--threads 1``
-on a busy machine.
+(* a noisy row: g32, with more scale bytes, ran faster). int8 in groups of 32 (llama.cpp's Q8_0
+block): native 751-892 µs at batch 1, torch's grouped path (one call per group) 2241-3552. One
+core of the native kernel reads 23-29 GB/s of packed weight, so two cores reach the copy
+bandwidth (44 GB/s unloaded) where torch's kernels read 14-20 per core. Prefill-sized batches
+(single thread, wall clock, same load): at 2048 -> 8192 native int4 g128 / int8 took 2.8 / 23
+ms at 32 rows, 44 / 44 ms at 128 and 228 / 237 ms at 512, against bf16 F.linear's 22, 63 and
+332 ms and torch's packed kernels' 47-1191 ms: the native kernel is the fastest at every batch
+measured, so it runs at every batch (no crossover).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 
 import torch
-from timing import median_us
+from timing import CLOCKS, median_us
 import torch.nn.functional as F
 
 import shardwise
 from shardwise.bench.roofline import measure_bandwidth
 from shardwise.kernel_registry import registry
+from shardwise.kernels.cpu import native
 from shardwise.kernels.reference import quant as ref
 
-SHAPES = ((2048, 5632), (1536, 8960))
-#: (label, bits, group_size, symmetric) of the quantized variants.
-QUANT = (("int8 per-channel", 8, -1, True), ("int8 g128", 8, 128, True),
+#: [in -> out] of a 1.7B Llama (hidden 2048, MLP 8192): q/o, gate/up, down
+SHAPES = ((2048, 2048), (2048, 8192), (8192, 2048))
+#: (label, bits, group_size, symmetric) of the quantized variants (g32: llama.cpp's Q8_0/Q4_0
+#: block).
+QUANT = (("int8 per-channel", 8, -1, True), ("int8 g32", 8, 32, True),
          ("int8 g128 asym", 8, 128, False), ("int4 g128", 4, 128, True),
-         ("int4 g128 asym", 4, 128, False))
+         ("int4 g32", 4, 32, True), ("int4 g128 asym", 4, 128, False))
+#: The CPU quant_linear kernels compared (SHARDWISE_CPU_QUANT_KERNEL at prepack time).
+KERNELS = ("native", "torch")
 
 
+def packed_variant(acc, dtype, qw, kernel: str):
+    """(backend label, packed weight, impl) of ``qw`` packed for ``kernel`` (native / torch)."""
+    os.environ[native.ENV] = kernel
+    try:
+        impl = registry.resolve("quant_linear", acc, dtype, **qw.spec.as_shape())
+        packed = impl.fn.prepack(qw, acc.device(), dtype)  # once, outside the timed calls
+    finally:
+        os.environ.pop(native.ENV)
+    kind = packed.meta.get("kind", "")
+    return f"{impl.backend}/{'native' if kind == 'native' else 'torch'}", packed, impl
 
 
-def variants(acc, dtype, batch, in_f, out_f):
+def variants(acc, dtype, batch, in_f, out_f, reference: bool, kernels, quant):
     """(label, backend, weight bytes, fn) for every variant of one shape."""
     dev = acc.device()
     w = torch.randn(out_f, in_f, device=dev) * 0.02
@@ -66,21 +82,23 @@ def variants(acc, dtype, batch, in_f, out_f):
     rows = [("fp32 F.linear", "torch", w.numel() * 4, lambda: F.linear(x32, w)),
             (f"{str(dtype)[6:]} F.linear", "torch", wd.numel() * wd.element_size(),
              lambda: F.linear(x, wd))]
-    qw4 = ref.quantize_weight(w.cpu(), 4, 128).to(dev)
-    rpacked = ref.prepack(qw4)
-    rows.append(("int4 g128 reference", "reference", rpacked.nbytes,
-                 lambda: ref.quant_linear(x, rpacked)))
+    if reference:
+        qw4 = ref.quantize_weight(w.cpu(), 4, 128).to(dev)
+        rpacked = ref.prepack(qw4)
+        rows.append(("int4 g128 reference", "reference", rpacked.nbytes,
+                     lambda: ref.quant_linear(x, rpacked)))
     for label, bits, group, sym in QUANT:
+        if label not in quant:
+            continue
         qw = ref.quantize_weight(w.cpu(), bits, group, sym)
-        impl = registry.resolve("quant_linear", acc, dtype, **qw.spec.as_shape())
-        packed = impl.fn.prepack(qw, dev, dtype)  # once, outside the timed calls
-        rows.append((label, impl.backend, packed.nbytes,
-                     lambda impl=impl, packed=packed: impl(x, packed)))
-    rows += fp32_model_rows(acc, w, x32)
+        for kernel in kernels:
+            backend, packed, impl = packed_variant(acc, dtype, qw, kernel)
+            rows.append((label, backend, packed.nbytes,
+                         lambda impl=impl, packed=packed: impl(x, packed)))
     return rows
 
 
-def fp32_model_rows(acc, w: torch.Tensor, x32: torch.Tensor):
+def fp32_model_rows(acc, batch: int, in_f: int, out_f: int):
     """An fp32 model's quantized linear (``quantize_model(..., torch.float32)``): the
     QuantLinear runs the fastest kernel in the dtype that has one (bf16 on CPU), casting the
     fp32 input to it and the output back — the casts are part of what is timed."""
@@ -88,6 +106,8 @@ def fp32_model_rows(acc, w: torch.Tensor, x32: torch.Tensor):
 
     from shardwise.quant import quantize_model
 
+    w = torch.randn(out_f, in_f) * 0.02
+    x32 = torch.randn(batch, in_f, device=acc.device())
     rows = []
     for label, bits in (("int8/ch, fp32 model", 8), ("int4 g128, fp32 model", 4)):
         holder = nn.Sequential(nn.Linear(w.shape[1], w.shape[0], bias=False))
@@ -104,8 +124,20 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--batch", type=int, nargs="+", default=[1, 4])
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--repeats", type=int, default=50)
+    ap.add_argument("--shapes", nargs="+", default=[f"{i}x{o}" for i, o in SHAPES],
+                    help="IN x OUT, e.g. 2048x8192")
+    ap.add_argument("--kernels", nargs="+", default=list(KERNELS), choices=KERNELS)
+    ap.add_argument("--quant", nargs="+", default=[q[0] for q in QUANT],
+                    choices=[q[0] for q in QUANT])
+    ap.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
+                    help="cpu: the process's CPU time (leaves out waiting for a core on a "
+                         "shared machine; with --threads 1 only, as it sums the threads)")
+    ap.add_argument("--reference", action="store_true",
+                    help="also time the reference (dequantize + F.linear per call; slow)")
+    ap.add_argument("--fp32-model", action="store_true",
+                    help="also time an fp32 model's QuantLinear (casts to the kernel's dtype)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -114,11 +146,15 @@ def main() -> None:
     bandwidth = measure_bandwidth(acc).gbps
     print(f"{acc.name} ({acc.device_name()}), threads={torch.get_num_threads()}, "
           f"copy bandwidth {bandwidth:.1f} GB/s, median of {args.repeats} interleaved calls")
-    for in_f, out_f in SHAPES:
+    for shape in args.shapes:
+        in_f, out_f = map(int, shape.split("x"))
         for batch in args.batch:
-            rows = variants(acc, dtype, batch, in_f, out_f)
+            rows = variants(acc, dtype, batch, in_f, out_f, args.reference, args.kernels,
+                            args.quant)
+            if args.fp32_model:
+                rows += fp32_model_rows(acc, batch, in_f, out_f)
             times = median_us([lambda f=f: (f(), acc.synchronize()) for *_, f in rows],
-                              args.repeats)
+                              args.repeats, clock=CLOCKS[args.clock])
             print(f"\n[{batch}, {in_f}] x [{in_f} -> {out_f}]")
             print(f"  {'variant':22s} {'backend':13s} {'µs':>9s} {'vs fp32':>8s} "
                   f"{'weight MB':>9s} {'GB/s':>7s} {'% bw':>5s}")
