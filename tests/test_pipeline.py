@@ -490,9 +490,9 @@ def test_malformed_settings_are_config_errors(value, match):
 
 
 @pytest.mark.parametrize("field, value", [
-    ("replace_with_kernel_inject", True), ("offload", {"device": "cpu"}),
-    ("save_mp_checkpoint_path", "/nonexistent"),
-])  # quant= and checkpoint= compose: tests/test_pipeline_compose.py
+    ("offload", {"device": "cpu"}), ("save_mp_checkpoint_path", "/nonexistent"),
+])  # quant= and checkpoint= compose: tests/test_pipeline_compose.py; kernel injection and
+#   graphs (micro_batches 1): tests/test_pipeline_inject.py
 def test_settings_that_do_not_compose_yet_are_refused(field, value):
     with pytest.raises(shardwise.ConfigError,
                        match=f"{field}=.*not supported yet with pipeline_parallel"):

@@ -230,6 +230,21 @@ class StaticKVCache(Cache):
                 "one static cache, and a newer prompt has overwritten it. Start again from the "
                 "prompt (generate() does this by itself)")
 
+    def split_rows(self, sizes: list[int]) -> list["StaticKVCache"]:
+        """Caches of consecutive row ranges of this one (``sizes`` rows each, adding up to
+        :attr:`batch`), each over views of these buffers (a write through one is a write
+        here) and live as long as this one: what each micro-batch of a pipeline stage carries
+        (:mod:`shardwise.pipeline.schedule`). Each keeps its own length and padding starts."""
+        if sum(sizes) != self.batch or any(n < 1 for n in sizes):
+            raise ShardwiseError(f"row ranges {sizes} do not split a cache of {self.batch} "
+                                 f"sequences")
+        out, start = [], 0
+        for n in sizes:
+            out.append(StaticKVCache(self.buffers.row_range(start, start + n), self._owner,
+                                     self._generation))
+            start += n
+        return out
+
     def reserve(self, n_new: int) -> int:
         """Check ``n_new`` more tokens fit; returns the first position they are written at."""
         start, cap = self.length, self.buffers.max_tokens

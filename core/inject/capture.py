@@ -80,6 +80,9 @@ class DecodeGraphs:
         their own (unused) cache rows; their results are dropped."""
         bucket, b = cache.buffers.batch, cache.batch
         args = _step_args(input_ids.reshape(b, 1), rows, bucket)
+        stage = stack.stage
+        if stage is not None:  # the previous stage's output: received outside the graph
+            args = (*args, _stage_input(stack, b, bucket, input_ids.device))
         key = cache.graph_key
         graph = self.graphs.get(key)
         if graph is None:
@@ -90,8 +93,13 @@ class DecodeGraphs:
         out = graph(*args)  # static outputs, overwritten by the next replay: copied
         with torch.inference_mode(False):  # normal tensors: their version counter is tracked
             if self.head_forward is None:
-                return out[:b].clone()
+                hidden = out[:b].clone()
+                if stage is not None:  # to the next stage, outside the graph
+                    stage.send(hidden)
+                return hidden
             hidden, logits = out[0][:b].clone(), out[1][:b].clone()
+        if stage is not None:  # the last stage (the head is captured there only)
+            stage.send(hidden)
         self._pending = (hidden, hidden._version, logits)
         return hidden
 
@@ -99,8 +107,9 @@ class DecodeGraphs:
         head = self.head_forward
         every_row = StaticKVCache(cache.buffers, None, -1)  # the bucket's rows, padding included
 
-        def step(ids, pos, write_index, lengths, starts):
-            hidden = stack.decode_step(every_row, ids, pos, write_index, lengths, starts)
+        def step(ids, pos, write_index, lengths, starts, *incoming):
+            hidden = stack.decode_step(every_row, ids, pos, write_index, lengths, starts,
+                                       *incoming)
             return hidden if head is None else (hidden, head(hidden))
         return step
 
@@ -135,6 +144,19 @@ def _step_args(ids: torch.Tensor, rows: DecodeRows, bucket: int) -> tuple[torch.
         lengths = torch.cat([lengths, lengths[-1:].expand(pad)])
         starts = torch.cat([starts, starts.new_zeros(pad)])
     return tuple(t.to(torch.int64).contiguous() for t in (ids, pos, write, lengths, starts))
+
+
+def _stage_input(stack: InjectedModel, b: int, bucket: int,
+                 device: torch.device) -> torch.Tensor:
+    """The captured step's stage input [bucket, 1, hidden]: the previous stage's output for the
+    ``b`` rows (zeros on the first stage, where the step embeds the tokens itself), received
+    now — outside the graph — and padded with zero rows to the bucket."""
+    weight = stack.parts.final_norm.weight  # the layers' width and dtype
+    placeholder = torch.zeros(b, 1, weight.shape[-1], dtype=weight.dtype, device=device)
+    incoming = stack.stage.receive(placeholder)
+    if bucket > b:
+        incoming = torch.cat([incoming, incoming.new_zeros(bucket - b, *incoming.shape[1:])])
+    return incoming.contiguous()
 
 
 class HeadFromGraph:
@@ -200,6 +222,8 @@ def enable_graphs(model: nn.Module, accelerator: Accelerator) -> GraphStrategy:
                  accelerator.name, strategy.name)
         return strategy
     head = _head(model)
+    if stack.stage is not None and not stack.stage.plan.last:
+        head = None  # another pipeline stage runs the head (this one holds a stand-in)
     _share_weights(model, head, strategy)
     original = None
     if head is not None:

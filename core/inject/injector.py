@@ -23,7 +23,7 @@ from ..ledger import replace_module
 from ..policy import HeadCounts, first_config_value
 from ..sharding.partition import HeadPartition
 from .cache import check_kv_fits, free_memory_of, kv_cache_bytes
-from .layers import InjectedModel, Kernels, LayerSetup
+from .layers import InjectedModel, Kernels, LayerSetup, stage_of
 from .mla import latent_cache_width
 from .spec import ACTIVATIONS, Attention, InjectionSpec, LatentAttention, Positions
 
@@ -179,10 +179,18 @@ def _local_heads(counts: HeadCounts, heads: HeadPartition | None
     return heads.q_heads, heads.kv_heads, heads.q_range
 
 
+def _own_layers(hf_layers: nn.ModuleList) -> list[nn.Module]:
+    """The decoder layers this rank runs: all of them, or under pipeline stages this stage's
+    (the others are stand-ins without modules: :func:`~shardwise.inject.layers.stage_of`)."""
+    stage = stage_of(hf_layers)
+    return list(hf_layers) if stage is None else [hf_layers[i] for i in stage.layers]
+
+
 def _setups(model: nn.Module, spec: InjectionSpec, hf_layers: nn.ModuleList, counts: HeadCounts,
             heads: HeadPartition | None, act: tuple[str, str], max_tokens: int
-            ) -> list[LayerSetup]:
-    """Each layer's :class:`LayerSetup`: this rank's heads, scale, window, ALiBi slopes, sinks."""
+            ) -> list[LayerSetup | None]:
+    """Each layer's :class:`LayerSetup`: this rank's heads, scale, window, ALiBi slopes, sinks
+    (None for another pipeline stage's layer: its stand-in stays)."""
     config, head_dim = model.config, counts.head_dim
     q_heads, kv_heads, (first_head, end_head) = _local_heads(counts, heads)
     positions, residual = spec.positions, spec.residual
@@ -198,11 +206,16 @@ def _setups(model: nn.Module, spec: InjectionSpec, hf_layers: nn.ModuleList, cou
                              f"norm before the MLP, which the policy does not name")
     out = []
     # latent attention decodes as multi-query attention over one latent "kv head" of L + R
-    cache_heads, cache_dim = ((1, latent_cache_width(hf_layers, spec.attention))
+    own = _own_layers(hf_layers)
+    mine = {id(layer) for layer in own}
+    cache_heads, cache_dim = ((1, latent_cache_width(own, spec.attention))
                               if isinstance(spec.attention, LatentAttention)
                               else (kv_heads, head_dim))
     windows = _windows(config, spec.attention, len(hf_layers), max_tokens)
     for index, (layer, window) in enumerate(zip(hf_layers, windows)):
+        if id(layer) not in mine:
+            out.append(None)
+            continue
         scale = _scale(config, spec.attention, layer, index, head_dim)
         alibi = None if slopes is None else slopes * (scale if positions.alibi_scaled else 1.0)
         sinks = _sinks(model, spec.attention, layer, index, counts, heads)
@@ -283,6 +296,7 @@ def plan_injection(model: nn.Module, accelerator: Accelerator, dtype: torch.dtyp
     from .encoder import EncoderInjectionSpec
 
     if isinstance(spec, EncoderInjectionSpec):  # encoder-only (BERT): no KV cache
+        _refuse_encoder_stages(model)
         if max_tokens is not None:
             raise InjectionError(f"max_tokens={max_tokens} (max_out_tokens) sizes the KV cache of "
                                  f"decoders; {type(model).__name__} is an encoder and has none: "
@@ -306,6 +320,17 @@ def plan_injection(model: nn.Module, accelerator: Accelerator, dtype: torch.dtyp
     return InjectionPlan(policy, spec, parent, attr, base, kernels, hf_layers,
                          _setups(model, spec, hf_layers, counts, heads, act, max_tokens),
                          _rotary_dim(model.config, spec.positions, counts.head_dim), max_tokens)
+
+
+def _refuse_encoder_stages(model: nn.Module) -> None:
+    """An injected encoder runs its own layer loop without the stage's receive and send:
+    refused under pipeline stages (named), rather than run the stand-ins' pass-through."""
+    from ..pipeline.transform import RemoteLayer
+
+    if any(isinstance(module, RemoteLayer) for module in model.modules()):
+        raise InjectionError(f"replace_with_kernel_inject=True with pipeline_parallel is not "
+                             f"supported yet for encoders ({type(model).__name__}); run the "
+                             f"stages without injection, or inject without pipeline_parallel")
 
 
 def check_injection(model: nn.Module, accelerator: Accelerator, dtype: torch.dtype,

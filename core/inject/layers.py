@@ -197,11 +197,14 @@ class InjectedLayer(nn.Module):
     """
 
     def __init__(self, hf_layer: nn.Module, spec: InjectionSpec, kernels: Kernels, index: int,
-                 setup: LayerSetup, moe: Any = None) -> None:
+                 setup: LayerSetup, moe: Any = None, slot: int | None = None) -> None:
         super().__init__()
         for name, child in hf_layer.named_children():  # adopt: same names, same parameters
             self.add_module(name, child)
         self.spec, self.kernels, self.index, self.setup = spec, kernels, index, setup
+        #: this layer's entry in the static cache: its index, or under pipeline stages its
+        #: place within the stage (the cache holds the stage's layers only)
+        self.slot = index if slot is None else slot
         self.moe_spec = moe  # the policy's MoESpec (None: a dense family)
         self.head_dim, self.scale = setup.head_dim, setup.scale
         self.q_heads, self.kv_heads = setup.q_heads, setup.kv_heads
@@ -311,7 +314,7 @@ class InjectedLayer(nn.Module):
                                                 key_padding_mask=ctx.key_padding_mask, **kw)
         else:
             # this layer's cache [batch, kv_heads, max_tokens, d]
-            k_cache, v_cache = cache.k[self.index], cache.v[self.index]
+            k_cache, v_cache = cache.k[self.slot], cache.v[self.slot]
             if ctx.graph_safe:  # no host sync: each row at its device index
                 write_rows(k_cache, ctx.write_index, k)
                 write_rows(v_cache, ctx.write_index, v)
@@ -475,27 +478,51 @@ class StackParts:
                    project_out=_optional(base, spec.project_out))
 
 
+def stage_of(hf_layers: nn.ModuleList) -> Any:
+    """The pipeline stage a decoder layer list belongs to: the
+    :class:`~shardwise.pipeline.transform.StageLink` its stand-ins for other stages' layers
+    (:class:`~shardwise.pipeline.RemoteLayer`) carry; None for a whole model (no stand-in)."""
+    from ..pipeline.transform import RemoteLayer
+
+    return next((layer.link for layer in hf_layers if isinstance(layer, RemoteLayer)), None)
+
+
 class InjectedModel(nn.Module):
-    """The decoder stack that replaces the HF base model (see the module docstring)."""
+    """The decoder stack that replaces the HF base model (see the module docstring).
+
+    Under pipeline stages (the layer list holds stand-ins for other stages' layers:
+    :func:`stage_of`), the stack runs this stage's layers only — the stand-ins stay in the list
+    as they are, holding nothing —, between the receive of the previous stage's hidden states
+    and the send to the next (:attr:`stage`, a
+    :class:`~shardwise.pipeline.transform.StageLink`); its static cache holds this stage's
+    layers while its length counts every token (positions are the whole sequence's)."""
 
     def __init__(self, hf_base: nn.Module, spec: InjectionSpec, kernels: Kernels,
-                 max_tokens: int, setups: list[LayerSetup], rotary_dim: int | None,
+                 max_tokens: int, setups: list[LayerSetup | None], rotary_dim: int | None,
                  moe: Any = None) -> None:
         super().__init__()
         self.config = hf_base.config
         self.spec, self.kernels, self.max_tokens = spec, kernels, max_tokens
         self.rotary_dim = rotary_dim  # own rotary table (no rotary module): dims rotated per head
         hf_layers = hf_base.get_submodule(spec.layers)
+        #: the pipeline stage this stack runs (None: every layer, no stages)
+        self.stage = stage_of(hf_layers)
+        first = self.stage.layers.start if self.stage is not None else 0
         #: what the shell reads: an MoE family's shell also reads ``router_logits`` (None here)
         self.output_type = StackOutput if moe is None else MoeModelOutputWithPast
-        layers = nn.ModuleList(InjectedLayer(layer, spec, kernels, i, setup, moe)
-                               for i, (layer, setup) in enumerate(zip(hf_layers, setups)))
+        layers = nn.ModuleList(
+            layer if setup is None else  # another stage's: its stand-in, as it is
+            InjectedLayer(layer, spec, kernels, i, setup, moe,
+                          slot=None if self.stage is None else i - first)
+            for i, (layer, setup) in enumerate(zip(hf_layers, setups)))
         for name, child in hf_base.named_children():  # same names, same order
             self.add_module(name, layers if child is hf_layers else child)
         self._layers = [layers]  # unregistered handle (the ModuleList is registered above)
+        #: the layers this rank runs, in order (all of them without stages), unregistered
+        self._own = [layer for layer in layers if isinstance(layer, InjectedLayer)]
         self._bind_adopted()
-        self.kv_heads = layers[0].kv_heads if len(layers) else 0
-        self.head_dim = layers[0].head_dim if len(layers) else 0
+        self.kv_heads = self._own[0].kv_heads if self._own else 0
+        self.head_dim = self._own[0].head_dim if self._own else 0
         self._kv: dict[int, KVBuffers] = {}  # rows (batch, or its bucket) → buffers
         self._cache_generation = 0
         self.graphs: Any = None  # a DecodeGraphs when graph capture is on
@@ -577,14 +604,14 @@ class InjectedModel(nn.Module):
         is reported the same way)."""
         tensors = self.spec.attention.cache_tensors  # 1: a latent cache (keys = values)
         positions = self.max_tokens if positions is None else positions
-        need = kv_cache_bytes(len(self.parts.layers), rows, self.kv_heads, positions,
+        need = kv_cache_bytes(len(self._own), rows, self.kv_heads, positions,
                               self.head_dim, dtype, tensors=tensors)
         free = free_memory_of(self.free_memory, device)
         where = f"device {device}"
         if free is not None:
             check_kv_fits(need, free, batch=rows, max_tokens=positions, where=where)
         try:
-            return KVBuffers(len(self.parts.layers), rows, self.kv_heads, positions,
+            return KVBuffers(len(self._own), rows, self.kv_heads, positions,
                              self.head_dim, dtype, device, values=tensors == 2)
         except (torch.OutOfMemoryError, RuntimeError) as exc:
             if not isinstance(exc, torch.OutOfMemoryError) and "alloc" not in str(exc).lower():
@@ -692,16 +719,43 @@ class InjectedModel(nn.Module):
     def run_layers(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         """The first layer's input x [b, s, hidden] → the final norm's output (projected out
         where the family has one) [b, s, hidden]."""
+        if self.stage is not None:
+            return self._run_stage(x, ctx)
         delta, residual = x, None
         for layer in self.parts.layers:
             delta, residual = layer(delta, residual, ctx)
         hidden = self._final_norm(delta, residual)
         return hidden if self.parts.project_out is None else self.parts.project_out(hidden)
 
+    def _run_stage(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        """:meth:`run_layers` of one pipeline stage: x [b, s, hidden] (this rank's embedding
+        output; off the first stage only its shape counts) → the previous stage's hidden states
+        received → this stage's layers → sent on as ``delta + residual`` [b, s, hidden] (the
+        next stage's first layer takes them as its input, the residual stream starting there,
+        exactly as after the add its norm would fuse). The last stage applies the final norm
+        (its output goes to the head, whose hook broadcasts the logits); the others return
+        what they sent (the head there is a stand-in that only reads the shape)."""
+        stage = self.stage
+        hidden = self._stage_layers(stage.receive(x), ctx)
+        stage.send(hidden)  # from the last stage nothing: its clock stops
+        return hidden
+
+    def _stage_layers(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        """This stage's compute, no communication (what a graph captures): its input x
+        [b, s, hidden] → its layers → ``delta + residual`` [b, s, hidden] off the last stage,
+        the final norm's output (projected out where the family has one) on it."""
+        delta, residual = x, None
+        for layer in self._own:
+            delta, residual = layer(delta, residual, ctx)
+        if not self.stage.plan.last:
+            return delta if residual is None else delta + residual
+        hidden = self._final_norm(delta, residual)
+        return hidden if self.parts.project_out is None else self.parts.project_out(hidden)
+
     def _final_norm(self, delta: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
         """final_norm(delta + residual) [b, s, hidden], the add fused as in the layers."""
-        return self.parts.layers[0]._norm(self.parts.final_norm, delta, residual)[0] if len(
-            self.parts.layers) else self.parts.final_norm(delta)
+        return self._own[0]._norm(self.parts.final_norm, delta, residual)[0] if len(
+            self._own) else self.parts.final_norm(delta)
 
     def _embedded(self, ctx: StepContext, x: torch.Tensor, position_ids: torch.Tensor,
                   types: torch.Tensor | None = None) -> torch.Tensor:
@@ -759,14 +813,20 @@ class InjectedModel(nn.Module):
 
     def decode_step(self, cache: StaticKVCache, input_ids: torch.Tensor,
                     position_ids: torch.Tensor, write_index: torch.Tensor,
-                    lengths: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
+                    lengths: torch.Tensor, starts: torch.Tensor,
+                    incoming: torch.Tensor | None = None) -> torch.Tensor:
         """One decode step with static shapes and no host sync (what graph strategies capture):
         input_ids/position_ids [batch, 1], write_index/lengths/starts [batch] → hidden
-        [batch, 1, hidden] after the final norm."""
+        [batch, 1, hidden] after the final norm. Under pipeline stages the step holds this
+        stage's compute only (:meth:`_stage_layers`; the receive and send stay outside, with
+        the caller): ``incoming`` [batch, 1, hidden] is the previous stage's output (unused on
+        the first stage), and off the last stage the result is what is sent on."""
         ctx = StepContext(cache, past=-1, decode=True, graph_safe=True, write_index=write_index,
                           lengths=lengths, starts=starts)
         x = self._embedded(ctx, self.parts.embed(input_ids), position_ids)
-        return self.run_layers(x, ctx)
+        if self.stage is None:
+            return self.run_layers(x, ctx)
+        return self._stage_layers(x if self.stage.plan.first else incoming, ctx)
 
 
 def generation_session(model: nn.Module) -> contextlib.AbstractContextManager:

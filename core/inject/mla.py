@@ -281,7 +281,7 @@ class LatentAttentionCore(nn.Module):
         context [b, H, s, V]. Writes the prompt's cache entries first."""
         d, cache = self.dims, ctx.cache
         if cache is not None:
-            entry = cache.k[layer.index]  # [batch, 1, max_tokens, L + R]
+            entry = cache.k[layer.slot]  # [batch, 1, max_tokens, L + R]
             entry[:, :, ctx.write_pos:ctx.write_pos + latent.shape[2]] = torch.cat(
                 [latent, k_rot], -1)
             if ctx.past > 0:  # attend over the cached tokens too: their latents, expanded
@@ -307,7 +307,7 @@ class LatentAttentionCore(nn.Module):
         d = self.dims
         q_latent = torch.matmul(q_nope, self.w_uk)  # [b, H, 1, N] @ [H, N, L] → [b, H, 1, L]
         query = torch.cat([q_latent, q_rot], -1)  # [b, H, 1, L + R]
-        cache = ctx.cache.k[layer.index]  # [batch, 1, max_tokens, L + R]: keys and values
+        cache = ctx.cache.k[layer.slot]  # [batch, 1, max_tokens, L + R]: keys and values
         if ctx.graph_safe:  # no host sync: each row at its device index
             write_rows(cache, ctx.write_index, entry)
             context = layer._captured_decode(query, cache, cache, ctx)

@@ -109,8 +109,6 @@ def _parse_split(split: Any, pp: int) -> tuple[int, ...] | None:
 
 #: settings that do not run with pipeline stages yet: config field → what it enables
 _NOT_WITH_PIPELINE = {
-    "replace_with_kernel_inject": "kernel injection",
-    "enable_graph": "graph capture",
     "offload": "offload (ZeRO-Inference)",
     "save_mp_checkpoint_path": "saving a checkpoint",
 }
@@ -119,7 +117,9 @@ _NOT_WITH_PIPELINE = {
 def check_with_other_fields(cfg: Any) -> None:
     """Refuse the settings that do not compose with ``pipeline_parallel`` yet (each named), so
     none of them is silently dropped on some stage. ``quant=`` and ``checkpoint=`` compose (each
-    rank quantizes, or reads, its stage's layers only); ``quant``'s ``lm_head`` does not yet."""
+    rank quantizes, or reads, its stage's layers only), and so does kernel injection of a
+    decoder (each rank's injected stack runs its stage's layers over a static KV cache of
+    those layers); ``quant``'s ``lm_head`` does not yet."""
     if cfg.pipeline_parallel is None:
         return
     defaults = type(cfg)()
@@ -129,6 +129,12 @@ def check_with_other_fields(cfg: Any) -> None:
             raise NotSupportedYetError(
                 f"{name}={value!r} ({what}) is not supported yet with pipeline_parallel; "
                 f"remove {name}, or pipeline_parallel")
+    if cfg.enable_graph and cfg.pipeline_parallel.micro_batches > 1:
+        raise NotSupportedYetError(
+            f"enable_graph=True (graph capture) is not supported yet with pipeline_parallel "
+            f"micro_batches={cfg.pipeline_parallel.micro_batches} (each micro-batch's cache is "
+            f"a view of other rows of one set of buffers, which one captured graph per batch "
+            f"size cannot tell apart); use micro_batches=1, or enable_graph=False")
     if isinstance(cfg.quant, Mapping) and cfg.quant.get("lm_head"):
         raise NotSupportedYetError(
             "quant lm_head=True (quantizing the output head) is not supported yet with "

@@ -175,6 +175,8 @@ def run_micro_batches(module, args: tuple, kwargs: dict, report) -> tuple[Any, P
     return _concat(outs), stats
 
 
+#: not looked up yet
+_UNSET = object()
 #: where a whole batch's cache keeps its micro-batches' caches
 _PARTS = "_shardwise_micro_batch_caches"
 #: the keyword a model's forward takes its cache by (transformers 5: ``cache``; older names)
@@ -197,6 +199,17 @@ class CachedMicroBatches:
         self.__signature__ = inspect.signature(forward)
         params = self.__signature__.parameters
         self.cache_key = next((k for k in _CACHE_KEYS if k in params), None)
+        self._stack: Any = _UNSET  # the injected decoder stack, looked up at the first call
+
+    def stack(self) -> Any:
+        """The model's injected decoder stack (``shardwise.inject``; injection runs after the
+        pipeline step installed this forward, so it is looked up once, at the first call), or
+        None."""
+        if self._stack is _UNSET:
+            from ..inject.injector import injected_stack
+
+            self._stack = injected_stack(self.model)
+        return self._stack
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         key, cache = self._cache(kwargs)
@@ -205,6 +218,8 @@ class CachedMicroBatches:
             return self.forward(*args, **kwargs)
         from transformers.cache_utils import DynamicCache
 
+        if self.stack() is not None:  # injected: static caches, one per micro-batch
+            return self._static(args, kwargs, key, cache, batch)
         if type(cache) is not DynamicCache:  # a static / quantized cache has its own layout
             return self.forward(*args, **kwargs)
         parts = split_inputs(args, kwargs, self.report.micro_batches)
@@ -218,6 +233,37 @@ class CachedMicroBatches:
             _follow(cache)
         outs = self._run([(a, {**k, key: c}) for (a, k), c in zip(parts, caches)])
         _count_tokens(cache, outs, caches, batch)
+        out = _concat(outs)
+        for field in _CACHE_KEYS:  # HF's generate carries the batch's cache to the next step
+            if field in out:
+                out[field] = cache
+        return out
+
+    def _static(self, args: tuple, kwargs: dict, key: str, cache: Any, batch: int) -> Any:
+        """The injected stack's forward with a cache, as micro-batches: at a new sequence (an
+        empty cache of any kind) the stack's static cache for the whole batch is made, and one
+        over each micro-batch's rows of its buffers (:meth:`~shardwise.inject.StaticKVCache.
+        split_rows`: views, this stage's layers only); each micro-batch's forward writes its
+        own, and the whole batch's cache (what HF's generate carries) follows their length and
+        padding. A static cache filled as one batch runs whole."""
+        from ..inject.cache import StaticKVCache
+
+        parts = split_inputs(args, kwargs, self.report.micro_batches)
+        caches = vars(cache).get(_PARTS) if isinstance(cache, StaticKVCache) else None
+        if caches is None or len(caches) != len(parts):
+            if cache.get_seq_length() > 0:  # filled as one batch: it cannot be split now
+                return self.forward(*args, **kwargs)
+            weight = self.stack().parts.final_norm.weight  # the stack's dtype and device
+            cache = self.stack().new_cache(batch, weight.dtype, weight.device)
+            caches = cache.split_rows([_batch_size(a, k) for a, k in parts])
+            vars(cache)[_PARTS] = caches
+            _follow_static(cache)
+        outs = self._run([(a, {**k, key: c}) for (a, k), c in zip(parts, caches)])
+        cache.advance(caches[0].length - cache.length)
+        if any(c.starts is not None for c in caches):  # left padding: each row's first token
+            cache.starts = torch.cat([c.starts if c.starts is not None else
+                                      torch.zeros(c.batch, dtype=torch.int64,
+                                                  device=cache.buffers.device) for c in caches])
         out = _concat(outs)
         for field in _CACHE_KEYS:  # HF's generate carries the batch's cache to the next step
             if field in out:
@@ -278,6 +324,27 @@ def _follow(cache) -> None:
         for part in vars(cache)[_PARTS]:
             part.crop(max_length)
     cache.crop = crop
+
+
+def _follow_static(cache) -> None:
+    """Make the micro-batches' static caches follow the whole batch's (instance-scoped): beam
+    search's ``reorder_cache`` permutes the shared buffers' rows in place (the micro-batches'
+    caches are views of them), so only each one's padding starts are taken again from the
+    whole's; ``crop`` crops each one."""
+    own_reorder, own_crop = cache.reorder_cache, cache.crop
+
+    def reorder_cache(beam_idx):
+        own_reorder(beam_idx)
+        if cache.starts is not None:
+            parts = vars(cache)[_PARTS]
+            for part, starts in zip(parts, cache.starts.split([p.batch for p in parts])):
+                part.starts = starts
+
+    def crop(max_length: int) -> None:
+        own_crop(max_length)
+        for part in vars(cache)[_PARTS]:
+            part.crop(max_length)
+    cache.reorder_cache, cache.crop = reorder_cache, crop
 
 
 def _regroup(caches: list, op) -> None:

@@ -59,11 +59,15 @@ def _hidden_of(args: tuple, kwargs: dict) -> torch.Tensor:
 
 class RemoteLayer(nn.Module):
     """A decoder layer another stage runs: passes the hidden states through (see the module
-    docstring for the cache). ``as_tuple``: the real layer returns ``(hidden, ...)``."""
+    docstring for the cache). ``as_tuple``: the real layer returns ``(hidden, ...)``.
+    ``link``: this rank's :class:`StageLink` (what kernel injection reads to run the stage:
+    an injected stack over a layer list with stand-ins runs only this stage's layers)."""
 
-    def __init__(self, index: int, stage: int, as_tuple: bool) -> None:
+    def __init__(self, index: int, stage: int, as_tuple: bool,
+                 link: "StageLink | None" = None) -> None:
         super().__init__()
         self.index, self.stage, self.as_tuple = index, stage, as_tuple
+        self.link = link
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         hidden = _hidden_of(args, kwargs)  # [batch, seq, hidden]
@@ -227,11 +231,13 @@ def apply_stages(model: nn.Module, layers: nn.ModuleList, plan: StagePlan, commu
     names = {id(m): n for n, m in model.named_modules()}
     originals = list(layers)
     replaced: list[tuple[str, nn.Module, int]] = []  # (name, original module, owner rank)
+    clock, links = StageClock(), InFlight()
+    link = StageLink(plan, communicator, links, clock)
     for index, layer in enumerate(layers):
         owner = plan.owner(index)
         if owner == plan.coord:
             continue
-        stand_in = RemoteLayer(index, owner, _returns_tuple(layer))
+        stand_in = RemoteLayer(index, owner, _returns_tuple(layer), link)
         for attr in _LAYER_ATTRS:
             if attr in vars(layer):
                 setattr(stand_in, attr, vars(layer)[attr])
@@ -248,7 +254,6 @@ def apply_stages(model: nn.Module, layers: nn.ModuleList, plan: StagePlan, commu
         _replace(model, names, head,
                  RemoteHead(plan.head_features or head.weight.shape[0], dtype),
                  plan.ranks[-1], replaced)
-    clock, links = StageClock(), InFlight()
     _wire(model, layers, head, plan, communicator, clock, links)
     report = PipelineReport(plan, tuple(plan.layers), 0, tuple(name for name, _, _ in replaced),
                             micro_batches, clock, communicator, links=links)
@@ -382,6 +387,51 @@ class StageClock:
         if self._start is not None:
             self.busy_s += time.perf_counter() - self._start
             self._start = None
+
+
+@dataclass
+class StageLink:
+    """This rank's stage as an injected decoder stack runs it (``shardwise.inject``): the
+    stack's own forward calls :meth:`receive` before the stage's first layer and :meth:`send`
+    after its last (the HF-layer hooks of :func:`_wire` do not fire there: the injected layers
+    are other modules); the head's broadcast hook still runs, as the HF shell calls the head.
+    Shares the point-to-point ops in flight and the clock with those hooks, so the micro-batch
+    schedule drives both alike.
+
+    Attributes:
+        plan: the :class:`~shardwise.pipeline.StagePlan` (this rank's stage: ``plan.coord``).
+        communicator: the pp group's communicator.
+        links: this stage's :class:`InFlight` point-to-point ops.
+        clock: this stage's :class:`StageClock`.
+    """
+
+    plan: StagePlan
+    communicator: Any = field(repr=False)
+    links: "InFlight" = field(repr=False)
+    clock: "StageClock" = field(repr=False)
+
+    @property
+    def layers(self) -> range:
+        """This stage's decoder layer indices."""
+        return self.plan.layers
+
+    def receive(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The stage's input hidden states ``[batch, seq, hidden]``: ``hidden`` on the first
+        stage (its embedding's), else the previous stage's (``hidden`` gives the shape); the
+        clock starts."""
+        plan = self.plan
+        if not plan.first:
+            hidden = self.links.receive(self.communicator, hidden, plan.ranks[plan.coord - 1])
+        self.clock.begin()
+        return hidden
+
+    def send(self, hidden: torch.Tensor) -> None:
+        """The stage's output hidden states ``[batch, seq, hidden]`` to the next stage (none
+        from the last: the head's hook broadcasts its logits); the clock stops."""
+        self.clock.end()
+        plan = self.plan
+        if not plan.last:
+            self.links.send(self.communicator, hidden, plan.ranks[plan.coord + 1])
 
 
 def _wire(model: nn.Module, layers: nn.ModuleList, head: nn.Module | None, plan: StagePlan,
