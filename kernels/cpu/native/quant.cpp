@@ -21,7 +21,8 @@
 // (+ bias in float32), returned in x's dtype. The torch oracle of exactly this math is
 // shardwise.kernels.reference.quant.int8_activation_linear.
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 #include <immintrin.h>
