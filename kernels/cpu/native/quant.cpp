@@ -23,6 +23,7 @@
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/from_blob.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 #include <immintrin.h>
@@ -201,16 +202,33 @@ at::Tensor cpu_qlinear(const at::Tensor& x, const at::Tensor& qweight, const at:
                 "cpu_qlinear: zeros must be float32 like scales");
     zr = z.data_ptr<float>();
   }
-  const at::Tensor xf = x.to(at::kFloat).contiguous();
-  at::Tensor aq = at::empty({M, K}, x.options().dtype(at::kChar));
-  at::Tensor ad = at::empty({M, nblocks}, x.options().dtype(at::kFloat));
-  at::Tensor aA = at::empty({M, G}, x.options().dtype(at::kFloat));
-  const float* xp = xf.data_ptr<float>();
-  int8_t* aqp = aq.data_ptr<int8_t>();
-  float* adp = ad.data_ptr<float>();
-  float* aAp = aA.data_ptr<float>();
-  for (int64_t m = 0; m < M; ++m)
-    quantize_row(xp + m * K, K, ablock, group, aqp + m * K, adp + m * nblocks, aAp + m * G);
+  // One scratch allocation: the block scales d [M, nblocks] and group sums A [M, G] (float),
+  // then the int8 activations [M, K]; a float32 x is read in place, another dtype converted
+  // one row at a time into the float row buffer at the end.
+  const bool is_float = x.scalar_type() == at::kFloat;
+  const at::Tensor xc = x.contiguous();
+  const int64_t floats = M * (nblocks + G) + (is_float ? 0 : K);
+  at::Tensor scratch = at::empty({floats * 4 + M * K}, x.options().dtype(at::kByte));
+  float* adp = reinterpret_cast<float*>(scratch.data_ptr<uint8_t>());
+  float* aAp = adp + M * nblocks;
+  float* row = aAp + M * G;  // K floats when x is not float32
+  int8_t* aqp = reinterpret_cast<int8_t*>(adp + floats);
+  for (int64_t m = 0; m < M; ++m) {
+    const float* xr;
+    if (is_float) {
+      xr = xc.data_ptr<float>() + m * K;
+    } else if (x.scalar_type() == at::kBFloat16) {  // bf16 -> float: the high half of the bits
+      const uint16_t* src = reinterpret_cast<const uint16_t*>(xc.data_ptr()) + m * K;
+      uint32_t* dst = reinterpret_cast<uint32_t*>(row);
+      for (int64_t i = 0; i < K; ++i) dst[i] = static_cast<uint32_t>(src[i]) << 16;
+      xr = row;
+    } else {
+      at::Tensor dst = at::from_blob(row, {K}, x.options().dtype(at::kFloat));
+      dst.copy_(xc[m]);
+      xr = row;
+    }
+    quantize_row(xr, K, ablock, group, aqp + m * K, adp + m * nblocks, aAp + m * G);
+  }
 
   at::Tensor out = at::empty({M, n}, x.options().dtype(at::kFloat));
   float* op = out.data_ptr<float>();
