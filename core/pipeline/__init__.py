@@ -9,15 +9,17 @@ stages by point-to-point sends and the last stage's output is broadcast, so ``en
 Modules: :mod:`.config` (the ``pipeline_parallel=`` field), :mod:`.stages` (where the cuts go;
 planning only), :mod:`.transform` (the step that applies them, recorded in the ledger),
 :mod:`.schedule` (micro-batches through the stages for the engine's forward, and their bubble).
+Kernel injection composes: the injected stack runs its stage's layers between the receive and the
+send of this rank's :class:`StageLink` (docs/pipeline.md, "With kernel injection").
 """
 
 from .config import PipelineConfigError, PipelineSettings, parse_pipeline
 from .stages import StagePlan, balanced_bounds, plan_stages
 from .schedule import PipelineStats, run_micro_batches, split_inputs
 from .transform import (PipelineReport, RemoteEmbedding, RemoteHead, RemoteLayer, StageClock,
-                        apply_stages)
+                        StageLink, apply_stages)
 
 __all__ = ["PipelineConfigError", "PipelineSettings", "parse_pipeline", "StagePlan",
            "balanced_bounds", "plan_stages", "PipelineReport", "RemoteEmbedding", "RemoteHead",
-           "RemoteLayer", "StageClock", "apply_stages", "PipelineStats", "run_micro_batches",
+           "RemoteLayer", "StageClock", "StageLink", "apply_stages", "PipelineStats", "run_micro_batches",
            "split_inputs"]

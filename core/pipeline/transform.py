@@ -17,6 +17,9 @@ every rank; each change is recorded in the active ledger:
   through the communicator, under its timeout); the head's output (the last layer's, for a model
   without a head: an encoder's hidden states) is broadcast from the last stage, so every rank
   returns the same outputs.
+* under kernel injection the injected stack runs its own layer list, so these layer hooks do not
+  fire there: the stand-ins carry this rank's :class:`StageLink`, through which the injected
+  forward receives and sends itself (same point-to-point ops in flight, same clock).
 
 Giving back (``engine.close()``, every rank): the replaced modules come back with their weights
 broadcast from the stage that kept them (:func:`_rebuild`).
