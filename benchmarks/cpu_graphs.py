@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import inspect
 import statistics
 import sys
 import time
@@ -64,13 +65,15 @@ def hf_step(model, ids: torch.Tensor, prompt_len: int):
     from transformers import DynamicCache
 
     cache = DynamicCache(config=model.config)
+    # transformers >= 5.2x names the cache argument ``cache`` (``past_key_values`` deprecated)
+    kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     with torch.inference_mode():
-        model(ids, past_key_values=cache, use_cache=True)
+        model(ids, use_cache=True, **{kw: cache})
     nxt = ids[:, -1:]
 
     def step():
         with torch.inference_mode():
-            out = model(nxt, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+            out = model(nxt, use_cache=True, logits_to_keep=1, **{kw: cache}).logits
         cache.crop(-1)  # drop the step's token: every call decodes the same position
         return out
     return step
@@ -100,15 +103,14 @@ def injected_steps(model, ids: torch.Tensor, variants: list[str], max_tokens: in
             if shared is None:
                 shared = _prefilled(model, ids, kwargs, masked_attention, None)
             stack, cache, head = shared
-        past = cache.length
         nxt = ids[:, -1:]
-        pos = torch.full_like(nxt, past)
+        # every replay writes the same cache position (the prompt's next): a fixed step to time
+        rows = cache.decode_rows(torch.full_like(nxt, cache.length))
         graphs = DecodeGraphs(strategy, None if head_outside else head.forward)
 
-        def step(graphs=graphs, stack=stack, cache=cache, head=head, nxt=nxt, pos=pos,
-                 past=past):
+        def step(graphs=graphs, stack=stack, cache=cache, head=head, nxt=nxt, rows=rows):
             with torch.inference_mode():
-                hidden = graphs.run(stack, cache, nxt, pos, past)
+                hidden = graphs.run(stack, cache, nxt, rows)
                 logits = graphs.take_logits(hidden)
                 return head(hidden) if logits is None else logits
         step()
