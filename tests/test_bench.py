@@ -442,6 +442,28 @@ def _tiny_mixtral():
     return AutoModelForCausalLM.from_config(config).eval()
 
 
+def _unread_rows(tokens: int) -> int:
+    """The tiny Mixtral's untied input embedding (vocab 64 × hidden 32, fp32) less the rows a
+    step of ``tokens`` rows looks up."""
+    return (64 - tokens) * 32 * 4
+
+
+def test_decode_bytes_count_only_the_looked_up_rows_of_an_untied_input_embedding():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    untied = _tiny_mixtral()
+    assert roofline.unread_embedding_bytes(untied, 3) == _unread_rows(3)
+    # GPT-2: the token table is the head's weight (read whole by the head); the position table
+    # (n_positions 16 × 32) is looked up
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=64,
+                                      n_positions=16)).eval()
+    assert gpt2.lm_head.weight is gpt2.transformer.wte.weight
+    assert roofline.unread_embedding_bytes(gpt2, 2) == (16 - 2) * 32 * 4
+    assert roofline.moe_decode_bytes(gpt2, None, 2) == (
+        roofline.weight_bytes(gpt2) - (16 - 2) * 32 * 4, roofline.READ_WEIGHTS)
+    assert roofline.unread_embedding_bytes(gpt2, 100) == 0  # never negative
+
+
 def test_moe_decode_bytes_are_the_dense_parts_and_the_experts_routed_to():
     model = _tiny_mixtral()
     one_expert = (2 * 48 * 32 + 32 * 48) * 4  # gate_up (2·inter × hidden) + down, fp32
@@ -464,13 +486,13 @@ def test_moe_decode_bytes_are_the_dense_parts_and_the_experts_routed_to():
     assert [len(seen) for seen in counter.routings] == [4, 4]  # 2 decode steps × 2 generates
     assert counter.mean_distinct() == [2.5, 2.5]
     assert roofline.moe_decode_bytes(model, counter, 2) == (
-        dense + 5 * one_expert, "dense + routed experts (measured)")
+        dense - _unread_rows(2) + 5 * one_expert, "dense + routed experts (measured)")
     # no count: uniform routing; one token reads exactly top_k experts per layer
     assert roofline.moe_decode_bytes(model, None, 1) == (
-        dense + 2 * 2 * one_expert, "dense + routed experts (expected)")
+        dense - _unread_rows(1) + 2 * 2 * one_expert, "dense + routed experts (expected)")
     assert roofline.expected_distinct_experts(64, 6, 1) == pytest.approx(6)
     assert roofline.expected_distinct_experts(8, 2, 8) == pytest.approx(8 * (1 - 0.75 ** 8))
-    assert roofline.moe_decode_bytes(tiny_causal_lm(), None, 1)[1] == "all weights"
+    assert roofline.moe_decode_bytes(tiny_causal_lm(), None, 1)[1] == roofline.READ_WEIGHTS
 
 
 @pytest.mark.parametrize("argv, says", [
@@ -791,10 +813,10 @@ def test_ep_rank_bytes_are_its_dense_parts_and_its_own_experts_routed_to():
         layers[1](hidden, torch.tensor([[0, 1], [1, 2]]), torch.ones(2, 2))  # 2 of mine
     assert counter.mean_distinct() == [1.0, 2.0]
     assert roofline.moe_decode_bytes(model, counter, 2) == (
-        dense + 3 * one_expert, "dense + routed experts (measured)")
+        dense - _unread_rows(2) + 3 * one_expert, "dense + routed experts (measured)")
     # uniform expectation over the model's 4 experts, of the 2 held here: 2 × (1 − (1/2)^1)
     assert roofline.moe_decode_bytes(model, None, 1) == (
-        dense + 2 * 1 * one_expert, "dense + routed experts (expected)")
+        dense - _unread_rows(1) + 2 * 1 * one_expert, "dense + routed experts (expected)")
     assert roofline.expected_distinct_experts(4, 2, 8, held=2) == pytest.approx(
         2 * (1 - 0.5 ** 8))
 
@@ -892,7 +914,7 @@ def test_quantized_experts_are_counted_as_experts():
             layer(torch.randn(3, 32), torch.tensor([[0, 1]] * 3), torch.ones(3, 2))  # prefill
             layer(torch.randn(1, 32), torch.tensor([[1, 2]]), torch.ones(1, 2))  # 1 of mine
     assert roofline.moe_decode_bytes(model, counter, 1) == (
-        dense + 2 * one_expert, "dense + routed experts (measured)")
+        dense - _unread_rows(1) + 2 * one_expert, "dense + routed experts (measured)")
     held = 2 * 2 * 3 * 48 * 32  # counted as the parameters they replace
     assert roofline.expert_parameters(layers[0]) == held // 2
     experts_and_dense = roofline.nonembedding_parameters(model)

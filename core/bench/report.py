@@ -15,9 +15,11 @@ A result file is one JSON object::
                "nonembedding_params", "active_params" (what prefill TFLOP/s counts: for an
                MoE model the dense parameters and the top-k share of the experts held),
                "decode_bytes" (what one decode step reads: every
-               weight, or for an MoE model the dense parts and the experts routed to),
-               "decode_bytes_method" (which: "all weights", "dense + routed experts
-               (measured)" or "(expected)"), "experts_implementation" (rows of an MoE model:
+               weight but the input embedding rows not looked up, and for an MoE model
+               only the experts routed to), "decode_bytes_method" (which: "weights read
+               (input embeddings: the rows looked up)", "dense + routed experts (measured)"
+               or "(expected)"; records before 2026-11-26 say "all weights": every input
+               embedding table counted whole), "experts_implementation" (rows of an MoE model:
                what its experts ran, HF's implementation such as "grouped_mm", "shardwise moe
                kernels", or "shardwise QuantExperts"), "peak_memory_bytes",
                "ranks" (runs on several ranks: each rank's own status, weight_bytes,
@@ -278,7 +280,7 @@ def decode_bytes_notes(runs: list[dict]) -> list[str]:
     read: dict[str, dict[int, int]] = {}
     for rec in runs:
         f = rec.get("figures") or {}
-        if f.get("decode_bytes_method", "all weights") != "all weights":
+        if "experts" in f.get("decode_bytes_method", ""):
             read.setdefault(rec["model"], {}).setdefault(rec["batch"], f["decode_bytes"])
     return [f"GB/s of {model} is over the dense weights and the experts routed to per decode "
             f"step ({method_words(runs, model)}), of {_weights_mib(runs, model)} MiB in all: "

@@ -16,9 +16,12 @@ For an MoE model a token multiplies the dense parameters and its top-k experts o
 parameters counted are the *active* ones (:func:`active_parameters`: dense plus top_k /
 num_experts of the experts held, per rank under expert parallelism).
 
-A Mixture-of-Experts decode step does not read every weight: it reads the dense parts
-(attention, norms, router, shared experts, embeddings as for a dense model) and, in each MoE
-layer, only the experts its tokens were routed to. Its GB/s counts those bytes
+A decode step does not read every weight. An input embedding table (token or position) that is
+not also the output head is only looked up: a step reads one row per token, not the table
+(:func:`unread_embedding_bytes`; a tied table is read whole by the head). A
+Mixture-of-Experts decode step also reads, in each MoE layer, only the experts its tokens were
+routed to, besides the dense parts (attention, norms, router, shared experts, embeddings as for a
+dense model). Its GB/s counts those bytes
 (:func:`moe_decode_bytes`): the experts are *counted* by a hook on each experts module during
 the timed decode steps (:class:`RoutingCounter`, method ``"measured"``); where no hook fired
 (an engine that no longer calls the experts module) the count is the expected number of
@@ -41,6 +44,9 @@ from ..accelerator import Accelerator
 from .stats import median
 
 MiB = 1 << 20
+#: :func:`moe_decode_bytes`' method for a dense model (records before 2026-11-26 say "all
+#: weights": they counted every input embedding table whole).
+READ_WEIGHTS = "weights read (input embeddings: the rows looked up)"
 #: Both are far above any cache (a GPU's L2 is ~50–130 MB).
 
 
@@ -251,29 +257,44 @@ def model_expert_count(model: nn.Module) -> int | None:
 
 def moe_decode_bytes(model: nn.Module, counter: RoutingCounter | None = None,
                      tokens: int = 1) -> tuple[int, str]:
-    """``(bytes one decode step reads, method)``: every weight for a dense model
-    (``"all weights"``); for an MoE model the weights minus the experts modules' plus, per
+    """``(bytes one decode step of ``tokens`` rows reads, method)``: for a dense model every
+    weight less :func:`unread_embedding_bytes` (:data:`READ_WEIGHTS`); for an MoE model those
+    bytes minus the experts modules' plus, per
     experts module, (distinct experts per step) × (one expert's bytes), counted by ``counter``
     (``"dense + routed experts (measured)"``) or, without a count, expected for uniform routing
     of ``tokens`` tokens over the config's ``num_experts_per_tok`` (``"... (expected)"``).
     Under expert parallelism ``model`` is one rank's: its own dense shards and, of the experts
     routed to, only those it holds."""
-    total = weight_bytes(model)
+    total = weight_bytes(model) - unread_embedding_bytes(model, tokens)
     modules = expert_modules(model)
     if not modules:
-        return total, "all weights"
+        return total, READ_WEIGHTS
     if counter is not None and counter.measured:
         distinct, method = counter.mean_distinct(), "measured"
     else:
         top_k = getattr(getattr(model, "config", None), "num_experts_per_tok", None)
         if not top_k:
-            return total, "all weights"
+            return total, READ_WEIGHTS
         distinct = [expected_distinct_experts(model_expert_count(model) or m.num_experts, top_k,
                                               tokens, local_experts(m)) for m in modules]
         method = "expected"
     routed = sum(d * expert_bytes(m) / local_experts(m) for d, m in zip(distinct, modules))
     dense = total - sum(expert_bytes(m) for m in modules)
     return round(dense + routed), f"dense + routed experts ({method})"
+
+
+def unread_embedding_bytes(model: nn.Module, tokens: int) -> int:
+    """Bytes of the input embedding tables (``nn.Embedding``: token, position) a decode step of
+    ``tokens`` rows leaves unread: all but ``tokens`` rows of each table that is not the output
+    head's weight (a tied table is read whole by the head)."""
+    output = _output(model)
+    head = {id(p) for p in output.parameters()} if output is not None else set()
+    unread = 0
+    for m in model.modules():
+        if isinstance(m, nn.Embedding) and id(m.weight) not in head:
+            rows = m.num_embeddings - min(tokens, m.num_embeddings)
+            unread += rows * m.embedding_dim * m.weight.element_size()
+    return unread
 
 
 def _output(model: nn.Module):
