@@ -176,9 +176,15 @@ class DecodeRows:
 def write_rows(cache: torch.Tensor, index: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
     """Write one token per row in place, each row at its own position, without a host sync
     (graph-safe): ``cache`` [rows, heads, max_tokens, d], ``index`` [rows] int64, ``new``
-    [rows, heads, 1, d] → ``cache`` with ``cache[r, :, index[r]] = new[r, :, 0]``."""
-    rows, heads, _, d = new.shape
-    return cache.scatter_(2, index.view(rows, 1, 1, 1).expand(rows, heads, 1, d), new)
+    [rows, heads, 1, d] → ``cache`` with ``cache[r, :, index[r]] = new[r, :, 0]``.
+
+    An indexed put, not ``scatter_``: inductor keeps an ``index_put_`` on a graph input in
+    place, while it lowers ``scatter_`` to a copy of the whole cache written back after the
+    write (every layer, every step: at a 1024-token cache more bytes than the layer's int4
+    weights)."""
+    rows = torch.arange(new.shape[0], device=cache.device)
+    cache[rows, :, index] = new[:, :, 0]  # advanced indices on dims 0, 2: [rows, heads, d]
+    return cache
 
 
 class StaticKVCache(Cache):
