@@ -514,3 +514,25 @@ def test_cuda_injection_parity(arch):
         ref_logits, ref_tokens = ref(ids).logits, ref.generate(ids, **GREEDY)
     assert (engine(input_ids=ids).logits - ref_logits).abs().max().item() < 1e-3
     assert torch.equal(engine.generate(ids, **GREEDY), ref_tokens)
+
+
+def test_the_compiled_cache_write_stays_in_place_without_a_cache_sized_copy():
+    # inductor lowered scatter_ on a graph input to a copy of the whole cache written back
+    # (every layer, every step); the indexed put must stay in place
+    import re
+
+    from torch._inductor.utils import run_and_get_code
+    from shardwise.inject.cache import write_rows
+
+    def step(cache, index, new, query):
+        write_rows(cache, index, new)
+        return query @ cache.transpose(-1, -2)
+
+    cache = torch.zeros(2, 3, 40, 8)
+    index, new, query = torch.tensor([5, 31]), torch.randn(2, 3, 1, 8), torch.randn(2, 3, 1, 8)
+    with torch.inference_mode():
+        out, code = run_and_get_code(torch.compile(step, fullgraph=True), cache, index, new, query)
+    assert torch.equal(cache[0, :, 5], new[0, :, 0]) and torch.equal(cache[1, :, 31], new[1, :, 0])
+    assert cache.count_nonzero() == new.count_nonzero()  # nothing else written
+    torch.testing.assert_close(out, query @ cache.transpose(-1, -2))
+    assert not re.search(r"empty_strided\w*\(\(2, 3, 40, 8\)", "\n".join(code))
