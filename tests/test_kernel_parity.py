@@ -764,6 +764,20 @@ def test_matches_reference(target, case, dtype, request):
     _run(case, target, dtype, device, request)
 
 
+#: the cpu quant_linear cases, run again with torch's packed kernels (the native kernel is the
+#: default where it builds, so test_matches_reference runs it)
+CPU_QUANT_PARAMS = [p for p in PARAMS if p.values[0] == "cpu" and p.values[1].op == "quant_linear"]
+
+
+@pytest.mark.parametrize("target,case,dtype", CPU_QUANT_PARAMS)
+def test_cpu_quant_matches_reference_with_torchs_packed_kernels(target, case, dtype, request,
+                                                                monkeypatch):
+    from shardwise.kernels.cpu import native
+
+    monkeypatch.setenv(native.ENV, "torch")
+    _run(case, target, dtype, "cpu", request)
+
+
 # ----- bad input: every backend raises what the reference raises -------------------------------
 
 
@@ -874,10 +888,18 @@ def test_a_kernel_without_a_case_is_reported():
         "bias_relu / triton on a GPU (target cuda)", "rotary / cpu / float64"]
 
 
-def test_cpu_quant_cases_cover_every_kernel_path():
-    """The cpu quant cases reach int8 per-channel, int8 grouped, int4 grouped and int4
-    per-channel (the int4 kernel's sub-groups)."""
-    from shardwise.kernels.cpu import quant as cpu_quant
+@pytest.mark.parametrize("kernel, expected", [
+    ("torch", {("int8", False), ("int8", True), ("int4", False), ("int4", True)}),
+    ("native", {("native", False), ("native", True)})])
+def test_cpu_quant_cases_cover_every_kernel_path(kernel, expected, monkeypatch):
+    """The cpu quant cases reach, with torch's packed kernels, int8 per-channel, int8 grouped,
+    int4 grouped and int4 per-channel (the int4 kernel's sub-groups); with the native kernel
+    (the default where it builds) its layout per channel and grouped."""
+    from shardwise.kernels.cpu import native, quant as cpu_quant
+
+    monkeypatch.setenv(native.ENV, kernel)
+    if kernel == "native" and not native.load():
+        pytest.skip("the native CPU quant kernel does not build here (its log line says why)")
 
     kinds = set()
     for in_features, out_features, group_size in CPU_QUANT:
@@ -887,7 +909,7 @@ def test_cpu_quant_cases_cover_every_kernel_path():
             qw = quantize_weight(quant_weight(out_features, in_features), bits, group_size)
             packed = cpu_quant.quant_linear.prepack(qw, "cpu", BF16)
             kinds.add((packed.meta["kind"], qw.spec.n_groups > 1))
-    assert kinds == {("int8", False), ("int8", True), ("int4", False), ("int4", True)}
+    assert kinds == expected
 
 
 def test_every_builtin_accelerators_backend_is_a_target():

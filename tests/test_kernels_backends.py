@@ -101,8 +101,14 @@ def test_prepack_refuses_a_spec_its_backend_cannot_run():
                                        torch.float32)
 
 
+@pytest.mark.parametrize("kernel", ["native", "torch"])
 @pytest.mark.parametrize("bits", [4, 8])
-def test_cpu_packs_once_and_calls_reuse_the_packed_weight(bits, monkeypatch):
+def test_cpu_packs_once_and_calls_reuse_the_packed_weight(bits, kernel, monkeypatch):
+    from shardwise.kernels.cpu import native
+
+    monkeypatch.setenv(native.ENV, kernel)
+    if kernel == "native" and not native.load():
+        pytest.skip("the native CPU quant kernel does not build here (its log line says why)")
     calls = {"pack": 0, "convert_int4": 0}
     real_pack, real_convert = cpu_quant.CpuQuantLinear._pack, cpu_quant._convert_int4
 
@@ -122,7 +128,8 @@ def test_cpu_packs_once_and_calls_reuse_the_packed_weight(bits, monkeypatch):
     assert impl.backend == "cpu"
     packed = impl.fn.prepack(qw, "cpu", torch.bfloat16)
     ptrs = {k: t.data_ptr() for k, t in packed.tensors.items()}
-    expected = {"pack": 1, "convert_int4": int(bits == 4)}
+    assert packed.meta["kind"] == ("native" if kernel == "native" else f"int{bits}")
+    expected = {"pack": 1, "convert_int4": int(bits == 4 and kernel == "torch")}
     assert calls == expected
     for rows in (1, 3, 1):
         impl(quant_x((rows, 128), torch.bfloat16), packed)
