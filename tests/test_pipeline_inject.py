@@ -211,7 +211,7 @@ def encoder_case(rank: int) -> dict:
                            if isinstance(m, RemoteLayer)])
 
 
-FAMILIES = ("llama", "gpt2", "opt", "bloom")
+FAMILIES = ("llama", "gpt2", "opt", "bloom", "mixtral")
 #: name → (case, *args); micro-batched cases: batch 4
 TABLE = {
     **{arch: (inject_case, arch) for arch in FAMILIES},

@@ -280,6 +280,15 @@ def _check_block(parts: BlockParts, index: int, total: int, local: int, hidden: 
                        f"is not [E, 2I, H={hidden}] (the 'stacked' layout)")
 
 
+def stage_moe_layers(plan) -> tuple[int, ...]:
+    """The plan's MoE layers this rank runs: all of them, or under pipeline stages its stage's
+    (the other stages' layers are stand-ins by then)."""
+    moe = plan.experts.moe_layers
+    if plan.stages is None:
+        return tuple(moe)
+    return tuple(i for i in moe if i in plan.stages.layers)
+
+
 def check_moe(model: nn.Module, plan, accelerator=None, dtype: torch.dtype | None = None
               ) -> MoESpec:
     """What :func:`install_moe` would refuse, raised without changing ``model`` (the engine calls
@@ -290,7 +299,7 @@ def check_moe(model: nn.Module, plan, accelerator=None, dtype: torch.dtype | Non
     layers = decoder_layers(model, plan.policy)
     start, end = experts_plan.range
     hidden = getattr(config, "hidden_size", None)
-    for index in experts_plan.moe_layers:
+    for index in stage_moe_layers(plan):
         if index >= len(layers):
             raise MoEError(f"the plan lists layer {index} as MoE; the model has {len(layers)}")
         parts = BlockParts.of(layers[index], spec, index)
@@ -487,7 +496,8 @@ def install_moe(model: nn.Module, plan, accelerator, dtype: torch.dtype | None =
     experts_plan, config = plan.experts, model.config
     layers = decoder_layers(model, plan.policy)
     router = router_settings(spec, config, experts_plan)
-    first = next(iter(experts_plan.moe_layers), None)  # None: every layer dense
+    mine = stage_moe_layers(plan)
+    first = next(iter(mine), None)  # None: every layer (of this stage) dense
     math = expert_math(spec, config, None if first is None else
                        BlockParts.of(layers[first], spec, first).experts)
     ep_group = plan.ep.group if plan.ep.enabled else None
@@ -495,7 +505,7 @@ def install_moe(model: nn.Module, plan, accelerator, dtype: torch.dtype | None =
         raise MoEError(f"ep_size={plan.ep.size}: the plan's expert-parallel group is not bound "
                        f"(Plan.bind with the communicator first)")
     report = None
-    for index in experts_plan.moe_layers:
+    for index in mine:
         parts = BlockParts.of(layers[index], spec, index)
         if dtype is None:
             dtype = parts.router.weight.dtype
