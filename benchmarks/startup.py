@@ -22,7 +22,9 @@ full-precision model is loaded) — the second start of issue 21's target.
 
 Phases: every start prints the log lines ``init_inference`` wrote with the seconds since it
 began (injection, quantization, the weight layout, each batch bucket's capture), so what
-dominates is visible; ``--json FILE`` writes every start with them.
+dominates is visible, with inductor's FX-graph cache counters (a later start whose step is
+served from the cache shows ``fxgraph_cache_hit``; a miss or bypass there means it compiled
+again); ``--json FILE`` writes every start with them.
 
 Figures measured on the development VM: benchmarks/README.md, "Start-up".
 """
@@ -81,7 +83,9 @@ engine = shardwise.init_inference(model, device="cpu", **kwargs)
 t2 = time.perf_counter()
 if spec["save"]:
     engine.save_checkpoint(spec["save"])
-print(json.dumps({"load_s": t1 - t0, "init_s": t2 - t1, "phases": events,
+from torch._dynamo.utils import counters  # inductor's FX-graph cache: served or compiled
+cache = {k: v for k, v in counters["inductor"].items() if k.startswith("fxgraph_cache")}
+print(json.dumps({"load_s": t1 - t0, "init_s": t2 - t1, "phases": events, "fx_cache": cache,
                   "save_s": time.perf_counter() - t2 if spec["save"] else None}))
 """
 
@@ -128,6 +132,7 @@ def run(args: argparse.Namespace, cache: str) -> list[dict]:
             f"model load {t['load_s']:.1f} s")
         print(f"start {i + 1} ({args.shape or 'smollm2-135m'}, {args.quant or 'fp32'}): "
               f"init_inference {t['init_s']:.1f} s ({how})", flush=True)
+        print(f"    inductor FX-graph cache: {t['fx_cache'] or 'not used'}", flush=True)
         for seconds, message in t["phases"]:
             print(f"    {seconds:7.2f} s  {message}", flush=True)
         results.append({"start": i + 1, "from_saved_quantized": from_saved, **spec, **t})
