@@ -92,7 +92,10 @@ def test_call_checks_backend_dtype_and_features():
         cpu_quant.quant_linear(x[:, :64], cpu_packed)
 
 
-def test_prepack_refuses_a_spec_its_backend_cannot_run():
+def test_prepack_refuses_a_spec_its_backend_cannot_run(monkeypatch):
+    from shardwise.kernels.cpu import native
+
+    monkeypatch.setenv(native.ENV, "torch")  # the native kernel takes 40 outputs (padded)
     qw = quantize_weight(quant_weight(40, 64), 4, 32)  # 40 outputs: not a multiple of 16
     with pytest.raises(KernelError, match="backend 'cpu' cannot run"):
         cpu_quant.quant_linear.prepack(qw, "cpu", torch.bfloat16)

@@ -185,13 +185,22 @@ def test_quant_linear_is_an_op():
     (quant_shape(4, 32), torch.bfloat16, "cpu"),
     (quant_shape(4, 128, symmetric=False), torch.bfloat16, "cpu"),
     (quant_shape(4, 512, in_features=512), torch.bfloat16, "cpu"),  # per channel via 256-subgroups
-    (quant_shape(4, 16), torch.bfloat16, "reference"),  # the kernel's groups are 32..256
-    (quant_shape(4, 32, out_features=40), torch.bfloat16, "reference"),  # N % 16
+    # torch's int4 kernel takes groups of 32..256 and N % 16 == 0; the native kernel both
+    (quant_shape(4, 16), torch.bfloat16, "native or reference"),
+    (quant_shape(4, 32, out_features=40), torch.bfloat16, "native or reference"),
     (quant_shape(8, 128), torch.float32, "reference"),  # scalar kernels in fp32/fp16: by 4 rows
     (quant_shape(4, 32), torch.float16, "reference"),  # slower than the reference, not claimed
     ({}, torch.bfloat16, "reference"),  # no weight spec: no backend claims it
 ])
-def test_cpu_resolution(shape, dtype, backend):
+def test_cpu_resolution(shape, dtype, backend, monkeypatch):
+    from shardwise.kernels.cpu import native
+
+    if backend == "native or reference":
+        monkeypatch.setenv(native.ENV, "torch")  # torch's kernels alone refuse it
+        assert KernelRegistry().resolve("quant_linear", CpuAccelerator(), dtype,
+                                        **shape).backend == "reference"
+        monkeypatch.delenv(native.ENV)
+        backend = "cpu" if native.load() else "reference"
     impl = KernelRegistry().resolve("quant_linear", CpuAccelerator(), dtype, **shape)
     assert impl.backend == backend
     if backend == "cpu":

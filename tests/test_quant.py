@@ -105,7 +105,10 @@ def fp32_reference_model(arch: str, bits: int, **weight) -> nn.Module:
     return model
 
 
-def test_a_setting_only_the_slow_reference_runs_is_refused_naming_fast_ones(caplog):
+def test_a_setting_only_the_slow_reference_runs_is_refused_naming_fast_ones(caplog, monkeypatch):
+    from shardwise.kernels.cpu import native
+
+    monkeypatch.setenv(native.ENV, "torch")  # torch's kernels' rules (the native kernel's: below)
     model = tiny_causal_lm("llama")
     before = {k: v.clone() for k, v in model.state_dict().items()}
     for dtype in (torch.float32, BF16):  # groups of 16: torch's CPU int4 kernel takes 32+
@@ -143,12 +146,29 @@ def test_a_setting_only_the_slow_reference_runs_is_refused_naming_fast_ones(capl
     assert not [r for r in caplog.records if r.name.startswith("shardwise.quant")]
 
 
-def test_int4_out_features_the_cpu_kernel_cannot_take_are_named():
-    holder = nn.Sequential(nn.Linear(64, 40))  # 40 outputs: the int4 kernel needs N % 16 == 0
+def test_int4_out_features_the_cpu_kernel_cannot_take_are_named(monkeypatch):
+    from shardwise.kernels.cpu import native
+
+    monkeypatch.setenv(native.ENV, "torch")  # torch's int4 kernel needs N % 16 == 0
+    holder = nn.Sequential(nn.Linear(64, 40))
     with pytest.raises(ConfigError, match=r"out_features divisible by 16, not 40.*num_bits=8 is "
                                           r"fast for it"):
         quantize_model(holder, {"weight": {"num_bits": 4}}, CPU, torch.float32, names=["0"])
     assert isinstance(holder[0], nn.Linear)
+
+
+@pytest.mark.skipif(not __import__("shardwise.kernels.cpu.native", fromlist=["load"]).load(),
+                    reason="the native CPU quant kernel does not build here")
+def test_the_native_cpu_kernel_takes_what_torchs_refuse_int4_g16_and_any_out_features():
+    # GPT-2's 50257-row head at int4 needed N % 16; groups of 16 needed torch's 32+
+    holder = nn.Sequential(nn.Linear(64, 40), nn.Linear(64, 48))
+    x = torch.randn(3, 64)
+    want = [holder[0](x), holder[1](x)]
+    report = quantize_model(holder, {"weight": {"num_bits": 4, "group_size": 16}}, CPU,
+                            torch.float32, names=["0", "1"])
+    assert all(isinstance(m, QuantLinear) for m in holder) and not report.fallback
+    for got, ref in zip((holder[0](x), holder[1](x)), want):  # int4 g16 of N(0, 1/64) weights
+        assert got.shape == ref.shape and (got - ref).norm() / ref.norm() < 0.2
 
 
 # fp32 model, quantized layers in bf16 on the packed CPU kernels, against the same quantized
@@ -207,8 +227,11 @@ def test_a_quantized_linear_compiles_whole_and_never_recompiles(bits):
     torch._dynamo.reset()
 
 
-def test_check_fits_raises_what_quantize_model_would_without_touching_the_model():
+def test_check_fits_raises_what_quantize_model_would_without_touching_the_model(monkeypatch):
+    from shardwise.kernels.cpu import native
     from shardwise.quant import check_fits
+
+    monkeypatch.setenv(native.ENV, "torch")  # int4 in groups of 16: slow with torch's kernels
 
     model = tiny_causal_lm("llama")
     before = {k: v.clone() for k, v in model.state_dict().items()}

@@ -412,6 +412,9 @@ def test_quantize_while_reading_joins_a_bias_read_before_its_weight(tmp_path, mo
 
 
 def test_quant_settings_that_do_not_fit_fail_before_reading(tmp_path, monkeypatch):
+    from shardwise.kernels.cpu import native
+
+    monkeypatch.setenv(native.ENV, "torch")  # int4 in groups of 16: slow with torch's kernels
     path = save_hf("llama", tmp_path / "hf")
     with count_reads(monkeypatch) as reads:
         with pytest.raises(ConfigError, match=r"q_groups=3 does not divide layer "

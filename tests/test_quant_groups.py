@@ -82,16 +82,23 @@ def test_576_inputs_with_groups_of_128_quantize_as_groups_of_96(bits, q_type):
     assert err_96 < err_row
 
 
-def test_the_largest_divisor_a_fast_kernel_takes_is_chosen():
-    """288 inputs, group_size=256: 144 divides 288 but the CPU int4 kernel takes groups that
-    are multiples of 32 only, so int4 gets 96 (the largest that is); int8 takes any group: 144."""
+@pytest.mark.parametrize("kernel", ["torch", "native"])
+def test_the_largest_divisor_a_fast_kernel_takes_is_chosen(kernel, monkeypatch):
+    """288 inputs, group_size=256: 144 divides 288 but torch's CPU int4 kernel takes groups that
+    are multiples of 32 only, so int4 gets 96 (the largest that is); int8 takes any group: 144.
+    The native kernel takes 144 at int4 too (an activation block of 16)."""
+    from shardwise.kernels.cpu import native
+
+    monkeypatch.setenv(native.ENV, kernel)
+    if kernel == "native" and not native.load():
+        pytest.skip("the native CPU quant kernel does not build here")
     sizes = {}
     for bits in (8, 4):
         holder = _linear(288, 32)
         report = quantize_model(holder, {"weight": {"num_bits": bits, "group_size": 256}}, CPU,
                                 BF16, names=["0"])
         sizes[bits] = (report.layers["0"].group_size, report.layers["0"].backend)
-    assert sizes == {8: (144, "cpu"), 4: (96, "cpu")}
+    assert sizes == {8: (144, "cpu"), 4: (96 if kernel == "torch" else 144, "cpu")}
 
 
 def _smollm_like() -> transformers.PreTrainedModel:

@@ -27,7 +27,10 @@ row): int8 (L = 4) bytes ``q + 128``; int4 (L = 8) byte j of a row is ``(q[k + j
 loads where the native kernel cannot be built too: it then runs the oracle (slow, same numbers).
 The packing is done once, at load; weights are read as 1 byte (int8) or half a byte (int4) plus
 4 scale bytes per group and row (6% at int4 g128), under torch's OpenMP threads (one block of
-16 rows per task), up to 8 activation rows sharing every loaded weight vector.
+16 rows per task), up to 8 activation rows sharing every loaded weight vector. Where it runs,
+this backend claims every spec it takes, wider than torch's kernels below: any ``out_features``
+(padded to 16 rows: GPT-2's 50257-row head at int4) and any group with an activation block
+(int4 in groups of 16 included).
 
 torch's packed kernels (the fallback, and ``SHARDWISE_CPU_QUANT_KERNEL=torch``)
 ----------------------------------------------------------------------------------
@@ -88,7 +91,7 @@ import torch
 from shardwise import _torch_private as private
 from shardwise.errors import KernelError
 from shardwise.kernels.reference import moe as ref_moe
-from shardwise.kernels.reference.quant import (UNSIGNED_OFFSET, PackedQuantExperts,
+from shardwise.kernels.reference.quant import (LANE_COLUMNS, UNSIGNED_OFFSET, PackedQuantExperts,
                                                PackedQuantWeight, QuantizedWeight,
                                                QuantLinearKernel, QuantMoEKernel, QuantSpec,
                                                activation_block, int8_activation_linear,
@@ -139,6 +142,8 @@ def unsupported_reason(*, device_type: str, dtype: torch.dtype | None, bits: int
                 f"activations only, not {str(dtype).removeprefix('torch.')}")
     if None in (bits, group_size, in_features, out_features):
         return "it needs the weight's spec (bits, group_size, in/out features) to decide"
+    if bits in LANE_COLUMNS and activation_block(bits, group_size) is not None and native.load():
+        return None  # the native kernel: any N (padded to 16 rows), groups by its lane
     if bits == 8:
         return None if has_int8() else "this torch has no aten._weight_int8pack_mm"
     if bits != 4:
