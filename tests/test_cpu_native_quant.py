@@ -136,6 +136,29 @@ def test_a_failed_build_logs_one_line_and_keeps_torchs_kernels(monkeypatch, capl
     assert "more detail" not in lines[0] and native.ENV in lines[0]
 
 
+@needs_native
+def test_a_loaded_native_weight_readies_the_op_before_any_call(monkeypatch):
+    """A decode step captured before any eager call (an engine built from a checkpoint) traced
+    the oracle into its graph when only the first eager call built the op."""
+    qw = _case(8, 32, True, 48, 64)
+    packed = _packed(qw)
+    shapes = {n: (list(t.shape), str(t.dtype).removeprefix("torch.")) for n, t in
+              packed.tensors.items()}
+    monkeypatch.setattr(native, "_state", {})
+    monkeypatch.setattr(native, "LOADED", False)
+    QuantLinear.empty_like(qw.spec, "cpu", BF16, packed.meta, shapes, None, "linear")
+    assert native.LOADED
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_packed_tensors_have_the_strides_a_loaded_checkpoint_has(case):
+    """The compile cache keys a step by its inputs' strides: a weight packed here and the same
+    weight loaded from a checkpoint (fresh contiguous tensors) must agree, size-1 dims included
+    (one group per row), or the first start from a checkpoint compiles again."""
+    for name, t in _packed(_case(*case)).tensors.items():
+        assert t.stride() == torch.empty(t.shape).stride(), name
+
+
 def test_a_native_weight_runs_the_oracle_where_the_kernel_cannot_be_built(monkeypatch):
     """E.g. a checkpoint saved in the native layout, loaded on a machine without a compiler."""
     qw = _case(4, 32, False, 40, 64)

@@ -99,6 +99,7 @@ class QuantLinear(PackedLayout):
         self.meta: dict[str, Any] = dict(packed.meta)
         self.source = source  # "linear" or "conv1d": what it replaced
         self.kernel = kernel
+        kernel.fn.prepare(self.meta)  # e.g. a native op a later-compiled step calls
         self._tensor_names = tuple(packed.tensors)
         for name, tensor in packed.tensors.items():
             self.register_buffer(name, tensor)

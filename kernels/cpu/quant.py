@@ -217,7 +217,11 @@ def uses_native(spec: QuantSpec) -> bool:
 def _row_blocks(t: torch.Tensor, pad: int) -> torch.Tensor:
     """float32 [N, G] → [Nb, G, 16] (``pad`` zero rows appended to make N a multiple of 16)."""
     t = torch.cat((t.float(), t.new_zeros(pad, t.shape[1], dtype=torch.float32)))
-    return t.reshape(-1, NATIVE_ROWS, t.shape[1]).transpose(1, 2).contiguous()
+    blocks = t.reshape(-1, NATIVE_ROWS, t.shape[1]).transpose(1, 2)
+    # a fresh tensor: .contiguous() keeps the transpose's stride on a size-1 dim (one group),
+    # and a weight loaded from a checkpoint has the canonical one, so the compile cache would
+    # key the two apart
+    return torch.empty(blocks.shape, dtype=blocks.dtype, device=blocks.device).copy_(blocks)
 
 
 def _pack_native(qw: QuantizedWeight) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -315,6 +319,13 @@ class CpuQuantLinear(QuantLinearKernel):
 
     def unsupported_reason(self, **kwargs) -> str | None:
         return unsupported_reason(**kwargs)
+
+    def prepare(self, meta: dict[str, Any]) -> None:
+        """Build or load the native op for a natively packed weight now, not at the first eager
+        call: a decode step captured before any eager call (an engine loaded from a checkpoint)
+        would otherwise trace the oracle, many times slower, into its graph."""
+        if meta.get("kind") == "native":
+            native.load(respect_choice=False)
 
     def _pack(self, qw: QuantizedWeight, device: torch.device, dtype: torch.dtype):
         qw = qw.to(device)

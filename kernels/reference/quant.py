@@ -352,6 +352,11 @@ class QuantLinearKernel:
         return (f"it does not take {shape} with {str(dtype).removeprefix('torch.')} "
                 f"activations on {device_type}")
 
+    def prepare(self, meta: dict[str, Any]) -> None:
+        """Make ready, eagerly, what calls on a weight packed with ``meta`` need (a weight made
+        by :meth:`prepack` or loaded from a checkpoint in this layout): a compiled step traced
+        later must find it ready. Nothing here."""
+
     def prepack(self, qw: QuantizedWeight, device: torch.device | str | None = None,
                 dtype: torch.dtype | None = None) -> PackedQuantWeight:
         """``qw`` in this backend's layout on ``device`` for inputs of ``dtype``: call once per
