@@ -231,6 +231,16 @@ def test_only_the_slow_reference_is_refused_unless_allowed():
     torch.testing.assert_close(quantized(x, ids, weights), oracle)
 
 
+def test_int4_experts_in_groups_torchs_kernels_cannot_take_are_refused_by_name():
+    # linears take them (the native kernel); quantized experts run torch's packed kernels, so
+    # the cpu backend must not claim them (it did, then failed inside the packing)
+    model = tiny_causal_lm("mixtral")
+    with pytest.raises(ConfigError, match=r"experts 'model.layers.0.mlp.experts' .*int4 needs a "
+                                          r"group size that is a multiple of 32"):
+        quantize_model(model, {"weight": {"num_bits": 4, "group_size": 16}}, CPU, BF16,
+                       names=["model.layers.0.mlp.experts"])
+
+
 def test_saving_quantized_experts_is_refused_by_name(tmp_path):
     model = tiny_causal_lm("mixtral")
     quantize_model(model, {"weight": {"num_bits": 8}}, CPU, BF16)

@@ -5,7 +5,7 @@ The native kernel (default where it builds)
 -------------------------------------------
 Where the CPU has AVX512-VNNI and a C++ compiler works, the first quantized layer builds
 ``native/quant.cpp`` (:mod:`shardwise.kernels.cpu.native`: ``torch.utils.cpp_extension``, cached
-per user, about 40 s once; a later process loads the cached build) and every ``quant_linear``
+per user, 15-40 s once; a later process loads the cached build) and every ``quant_linear``
 this backend claims runs it, as llama.cpp's Q8_0/Q4_0 CPU paths do: **the activations are
 quantized to int8 per block of 32 columns** (one float32 scale per block: ``amax / 127``) and
 multiplied by the weight's integers with ``vpdpbusd`` (64 multiply-adds per instruction), the
@@ -133,8 +133,10 @@ def supports(*, device_type: str, dtype: torch.dtype | None, bits: int | None = 
 
 def unsupported_reason(*, device_type: str, dtype: torch.dtype | None, bits: int | None = None,
                        group_size: int | None = None, in_features: int | None = None,
-                       out_features: int | None = None, **_shape: Any) -> str | None:
-    """Why :func:`supports` refuses (None when it accepts), naming what it would take."""
+                       out_features: int | None = None, native_kernel: bool = True,
+                       **_shape: Any) -> str | None:
+    """Why :func:`supports` refuses (None when it accepts), naming what it would take; without
+    ``native_kernel``, by torch's packed kernels' rules only (what quantized experts run)."""
     if device_type not in DEVICE_TYPES:
         return f"it runs on {'/'.join(sorted(DEVICE_TYPES))} only, not {device_type}"
     if dtype not in DTYPES:
@@ -142,8 +144,14 @@ def unsupported_reason(*, device_type: str, dtype: torch.dtype | None, bits: int
                 f"activations only, not {str(dtype).removeprefix('torch.')}")
     if None in (bits, group_size, in_features, out_features):
         return "it needs the weight's spec (bits, group_size, in/out features) to decide"
-    if bits in LANE_COLUMNS and activation_block(bits, group_size) is not None and native.load():
+    if native_kernel and bits in LANE_COLUMNS and activation_block(bits, group_size) is not None \
+            and native.load():
         return None  # the native kernel: any N (padded to 16 rows), groups by its lane
+    return _torch_kernels_reason(bits, group_size, out_features)
+
+
+def _torch_kernels_reason(bits: int, group_size: int, out_features: int) -> str | None:
+    """Why torch's packed kernels cannot run a weight of this spec (None when they can)."""
     if bits == 8:
         return None if has_int8() else "this torch has no aten._weight_int8pack_mm"
     if bits != 4:
@@ -458,7 +466,8 @@ class CpuQuantMoE(QuantMoEKernel):
         if not specs:
             return "it needs the experts' weight specs (specs=(gate_up, down)) to decide"
         for spec in specs:
-            reason = unsupported_reason(device_type=device_type, dtype=dtype, **spec.as_shape())
+            reason = unsupported_reason(device_type=device_type, dtype=dtype,
+                                        native_kernel=False, **spec.as_shape())  # torch's
             if reason is not None:
                 return reason
         return None
