@@ -33,9 +33,12 @@ needs_native = pytest.mark.skipif(not native.load(), reason="the native kernel d
 
 #: (bits, group_size (-1 per channel), symmetric, out N, in K): N not a multiple of 16 (padding),
 #: groups of 16 / 96 (activation blocks 16 / 32), per channel over 192 columns
+#: (bits, group, symmetric, N, K): groups 36 / 24 take activation blocks of 4 / 8 (the scalar
+#: quantize path)
 CASES = [(8, -1, True, 48, 192), (8, 32, False, 40, 64), (8, 16, True, 16, 48),
-         (4, 32, True, 48, 64), (4, 96, False, 33, 192), (4, -1, True, 20, 128)]
-ROWS = (1, 3, 9)  # one row, a 2+1 chunk, an 8+1 chunk
+         (4, 32, True, 48, 64), (4, 96, False, 33, 192), (4, -1, True, 20, 128),
+         (8, 36, True, 20, 72), (4, 24, False, 17, 48)]
+ROWS = (1, 3, 7, 9, 15)  # one row, 2+1, 4+2+1, 8+1 and 8+4+2+1 chunks
 
 
 def _packed(qw: ref_quant.QuantizedWeight, dtype=BF16) -> ref_quant.PackedQuantWeight:

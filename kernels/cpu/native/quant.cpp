@@ -1,6 +1,6 @@
 // shardwise CPU weight-only quantized linear with 8-bit activations and AVX512-VNNI dot products.
 //
-// Registered as the torch op ``shardwise::cpu_qlinear`` (the fake/meta impl lives in Python,
+// Registered as the torch op ``shardwise_native::cpu_qlinear`` (the fake/meta impl lives in Python,
 // shardwise.kernels.cpu.native). Built by torch.utils.cpp_extension at first use with explicit
 // -mavx512f -mavx512bw -mavx512vl -mavx512vnni (the loader checks the CPU has them).
 //
@@ -30,6 +30,14 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
+
+// 4 activation bytes as one int32 for a broadcast (memcpy: no aliasing or alignment assumption)
+static inline int32_t load4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
 
 namespace {
 
@@ -96,7 +104,7 @@ inline const uint8_t* block_dots(const uint8_t* w, const int8_t* aq, int64_t lda
     const int64_t kk = k + s * KB;
     if constexpr (BITS == 8) {
       for (int m = 0; m < MB; ++m) {
-        const __m512i av = _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(aq + m * lda + kk));
+        const __m512i av = _mm512_set1_epi32(load4(aq + m * lda + kk));
         const int c = AB ? static_cast<int>(s % NA) : 0;
         part[m][c] = _mm512_dpbusd_epi32(part[m][c], wv, av);
       }
@@ -107,8 +115,8 @@ inline const uint8_t* block_dots(const uint8_t* w, const int8_t* aq, int64_t lda
         const int8_t* a = aq + m * lda + kk;
         const int c0 = AB ? static_cast<int>((2 * s) % NA) : 0;
         const int c1 = AB ? static_cast<int>((2 * s + 1) % NA) : 0;
-        part[m][c0] = _mm512_dpbusd_epi32(part[m][c0], lo, _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(a)));
-        part[m][c1] = _mm512_dpbusd_epi32(part[m][c1], hi, _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(a + 4)));
+        part[m][c0] = _mm512_dpbusd_epi32(part[m][c0], lo, _mm512_set1_epi32(load4(a)));
+        part[m][c1] = _mm512_dpbusd_epi32(part[m][c1], hi, _mm512_set1_epi32(load4(a + 4)));
       }
     }
   }
