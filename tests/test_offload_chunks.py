@@ -255,6 +255,28 @@ def test_gathered_rows_read_aligned_blocks(tmp_path):
     assert threads == [threading.current_thread().name] * 3
 
 
+def test_gathered_rows_closed_while_submitting_finish_on_the_calling_thread(tmp_path):
+    """A close() on another thread between taking the pool and submitting every run: the runs
+    not submitted are read by the caller, none twice, none lost."""
+    engine = shardwise.init_inference(big_vocab_lm("llama"), device="cpu", dtype=torch.float32,
+                                      offload=_offload(tmp_path, 2))
+    ref = big_vocab_lm("llama").model.embed_tokens.weight
+    gather = vars(engine.module.model.embed_tokens)["forward"]
+    pool = gather.reader._row_pool()
+    submits, real_submit = [], pool.submit
+
+    def submit(*a):
+        if submits:  # the second run: as if closed in between
+            raise RuntimeError("cannot schedule new futures after shutdown")
+        submits.append(a)
+        return real_submit(*a)
+    pool.submit = submit
+    ids = [0, 100, 2047]  # three runs of blocks
+    assert torch.equal(gather.read_rows(ids), ref[ids])
+    assert len(submits) == 1
+    engine.close()
+
+
 # ----- tensor parallelism ------------------------------------------------------------------------
 
 

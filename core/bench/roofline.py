@@ -289,11 +289,12 @@ def unread_embedding_bytes(model: nn.Module, tokens: int) -> int:
     head's weight (a tied table is read whole by the head)."""
     output = _output(model)
     head = {id(p) for p in output.parameters()} if output is not None else set()
-    unread = 0
+    unread, seen = 0, set(head)  # a table shared by two modules counted once, as weight_bytes
     for m in model.modules():
-        if isinstance(m, nn.Embedding) and id(m.weight) not in head:
-            rows = m.num_embeddings - min(tokens, m.num_embeddings)
-            unread += rows * m.embedding_dim * m.weight.element_size()
+        if isinstance(m, nn.Embedding) and id(m.weight) not in seen:
+            seen.add(id(m.weight))
+            n, dim = m.weight.shape
+            unread += (n - min(tokens, n)) * dim * m.weight.element_size()
     return unread
 
 

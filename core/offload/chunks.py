@@ -286,11 +286,15 @@ class RangeReader:
             places.append((a, b - a, at))
             at += b - a
         pool = self._row_pool() if len(places) > 1 and self.on_disk else None
-        if pool is None:
-            for a, n, at in places:
-                self.read(blob, a, n, dest[at:])
-        else:
-            futures = [pool.submit(self.read, blob, a, n, dest[at:]) for a, n, at in places]
+        futures = []
+        for a, n, at in places if pool is not None else ():
+            try:
+                futures.append(pool.submit(self.read, blob, a, n, dest[at:]))
+            except RuntimeError:  # closed by another thread meanwhile: the rest on this one
+                break
+        for a, n, at in places[len(futures):]:
+            self.read(blob, a, n, dest[at:])
+        if futures:
             concurrent.futures.wait(futures)
             for f in futures:
                 f.result()  # raises the first error

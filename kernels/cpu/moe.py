@@ -181,7 +181,7 @@ def token_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
     graph strategy in one interleaved run and 0.95x in another (bf16 0.92x); on the whole
     Mixtral preset's decode step 1.035x (51.0 vs 52.8 ms CPU per step) — a small gain at best,
     both paths being bound by one core's streaming rate. A sentinel slot (another rank's expert) reads the
-    expert a slot of this rank read just before (from cache; expert 0 where no slot is here)
+    highest-numbered local expert a slot of this token routed to (expert 0 where none is here)
     and is masked to 0. Float32 sums; the activation rounded to the weights' dtype as the other
     paths do. Eager it would materialise each slot's expert (tests only)."""
     n_local = gate_up.shape[0]
