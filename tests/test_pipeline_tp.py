@@ -152,15 +152,21 @@ def micro_batch_case(rank: int, micro_batches: int) -> dict:
                 micro_batches=engine.pipeline_stats.micro_batches)
 
 
-def generate_micro_case(rank: int, arch: str, micro_batches: int) -> dict:
-    """``generate`` on a batch of 4 (row 0 left-padded) with ``micro_batches`` micro-batches in
-    flight through the two stages of tp ranks, each with its own KV cache."""
-    ref, model = causal_lm(arch), causal_lm(arch)
-    ids = prompt_ids(batch=4, length=8, vocab=ref.config.vocab_size)
+def _padded_batch(vocab: int) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """A batch of 4 prompts of 8 (row 0 left-padded by 3), its mask and greedy generate kwargs."""
+    ids = prompt_ids(batch=4, length=8, vocab=vocab)
     mask = torch.ones_like(ids)
     mask[0, :3] = 0
     gen = dict(attention_mask=mask, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
                do_sample=False, pad_token_id=0)
+    return ids, mask, gen
+
+
+def generate_micro_case(rank: int, arch: str, micro_batches: int) -> dict:
+    """``generate`` on a batch of 4 (row 0 left-padded) with ``micro_batches`` micro-batches in
+    flight through the two stages of tp ranks, each with its own KV cache."""
+    ref, model = causal_lm(arch), causal_lm(arch)
+    ids, mask, gen = _padded_batch(ref.config.vocab_size)
     with torch.no_grad():
         ref_tokens = ref.generate(ids, **gen)
     engine = shardwise.init_inference(
@@ -181,11 +187,7 @@ def inject_case(rank: int, arch: str, micro_batches: int) -> dict:
     from shardwise.inject import InjectedLayer, injected_stack
 
     ref, model = causal_lm(arch), causal_lm(arch)
-    ids = prompt_ids(batch=4, length=8, vocab=ref.config.vocab_size)
-    mask = torch.ones_like(ids)
-    mask[0, :3] = 0
-    gen = dict(attention_mask=mask, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
-               do_sample=False, pad_token_id=0)
+    ids, mask, gen = _padded_batch(ref.config.vocab_size)
     with torch.no_grad():
         ref_logits = ref(ids, attention_mask=mask).logits
         ref_tokens = ref.generate(ids, **gen)
