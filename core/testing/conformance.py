@@ -456,8 +456,10 @@ def _to_cpu(value: Any) -> Any:
 
 def check_kernel_parity(accelerator: Accelerator) -> None:
     """Every op, resolved for this accelerator in every supported dtype, matches the reference
-    on the op's example inputs (``shardwise.kernels.reference.examples()``). An op that returns
-    None works in place: its tensor arguments are compared instead."""
+    on the op's example inputs (``shardwise.kernels.reference.examples()``), or the math its
+    kernel declares where that differs (an example's ``expect``: e.g. a quantized linear that
+    rounds activations to 8 bits, held to exactly that). An op that returns None works in place:
+    its tensor arguments are compared instead."""
     from ..kernel_registry import REFERENCE, registry
     from ..kernels.reference import examples
     from ..kernels.reference.example import Example
@@ -479,7 +481,9 @@ def check_kernel_parity(accelerator: Accelerator) -> None:
                 got = impl(*args, **kwargs)
             except Exception as exc:
                 raise AssertionError(f"{what} raised {type(exc).__name__}: {exc}") from None
-            expected = reference(*ref_args, **ref_kwargs)
+            expected = ex.expect(impl, args) if ex.expect is not None else None
+            if expected is None:  # the reference's numbers (unless the kernel declares others)
+                expected = reference(*ref_args, **ref_kwargs)
             if expected is None:  # in place: compare what each implementation wrote
                 got, expected = _tensors(args), _tensors(ref_args)
             _assert_close(got, expected, dtype, what)

@@ -328,6 +328,17 @@ class CpuQuantLinear(QuantLinearKernel):
     def unsupported_reason(self, **kwargs) -> str | None:
         return unsupported_reason(**kwargs)
 
+    def oracle(self, packed: PackedQuantWeight):
+        """A natively packed weight's math (8-bit activations): ``int8_activation_linear``."""
+        if packed.meta.get("kind") != "native":
+            return None
+
+        def native_math(x, packed, bias=None):  # x [..., K] → [..., N] in x.dtype
+            y = int8_activation_linear(x.reshape(-1, packed.spec.in_features),
+                                       unpack_native(packed), packed.meta["ablock"], bias)
+            return y.reshape(*x.shape[:-1], packed.spec.out_features)
+        return native_math
+
     def prepare(self, meta: dict[str, Any]) -> None:
         """Build or load the native op for a natively packed weight now, not at the first eager
         call: a decode step captured before any eager call (an engine loaded from a checkpoint)

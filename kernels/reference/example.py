@@ -24,13 +24,16 @@ class Example:
     ``resolve`` are the shape keywords passed to ``registry.resolve`` (e.g. a quantized weight's
     spec, without which backends leave the op to the reference). ``bind(impl, args) -> args``
     adapts the arguments to the resolved implementation (e.g. prepacks a weight in its layout);
-    it is applied to the backend's and to the reference's copy alike.
+    it is applied to the backend's and to the reference's copy alike. ``expect(impl, args)``
+    (after ``bind``) may give the result a backend must match instead of the reference's, for a
+    kernel that declares other numerics (e.g. activations rounded to 8 bits), or None.
     """
 
     args: tuple
     kwargs: dict = field(default_factory=dict)
     resolve: dict = field(default_factory=dict)
     bind: Callable[[Any, tuple], tuple] | None = None
+    expect: Callable[[Any, tuple], Any] | None = None
 
     @classmethod
     def of(cls, built: "Example | tuple") -> "Example":

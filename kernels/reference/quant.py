@@ -59,7 +59,7 @@ reference dequantizes every expert per call (the oracle).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -352,6 +352,11 @@ class QuantLinearKernel:
         return (f"it does not take {shape} with {str(dtype).removeprefix('torch.')} "
                 f"activations on {device_type}")
 
+    def oracle(self, packed: PackedQuantWeight) -> Callable[..., torch.Tensor] | None:
+        """``(x, packed, bias) -> y``: the torch math this kernel's calls on ``packed`` compute,
+        when it is not the reference's (weight-only) ``quant_linear``; None here."""
+        return None
+
     def prepare(self, meta: dict[str, Any]) -> None:
         """Make ready, eagerly, what calls on a weight packed with ``meta`` need (a weight made
         by :meth:`prepack` or loaded from a checkpoint in this layout): a compiled step traced
@@ -615,8 +620,12 @@ def _quant_linear_example(dtype: torch.dtype, device: torch.device) -> Example:
         x_, qw_, bias_ = args
         return x_, impl.fn.prepack(qw_, x_.device, x_.dtype), bias_
 
+    def expect(impl, args):  # a kernel declaring other numerics is held to them
+        oracle = impl.fn.oracle(args[1])
+        return None if oracle is None else oracle(*args)
+
     return Example((x.to(device, dtype), qw.to(device), bias.to(device, dtype)), {},
-                   resolve=qw.spec.as_shape(), bind=bind)
+                   resolve=qw.spec.as_shape(), bind=bind, expect=expect)
 
 
 def _quant_moe_mlp_example(dtype: torch.dtype, device: torch.device) -> Example:
