@@ -135,6 +135,20 @@ SHARDWISE_VARIANTS: dict[str, dict[str, Any]] = {
 }
 
 
+
+def shardwise_kwargs(variant: str, args: argparse.Namespace) -> dict[str, Any]:
+    """:data:`SHARDWISE_VARIANTS`' keywords for ``variant``, with ``--quant-group`` (the weight
+    group size, e.g. 32 as Q8_0/Q4_0 block) and ``--quant-head`` (quantize the output head too,
+    as llama.cpp's files do) applied to the quantized ones."""
+    kw = dict(SHARDWISE_VARIANTS[variant])
+    if "quant" in kw:
+        weight = dict(kw["quant"]["weight"])
+        if args.quant_group is not None:
+            weight["group_size"] = args.quant_group
+        kw["quant"] = {"weight": weight, "lm_head": bool(args.quant_head)}
+    return kw
+
+
 # --------------------------------------------------------------------------- model and GGUFs
 
 def log(msg: str) -> None:
@@ -543,6 +557,11 @@ def parse_args(argv):
     p.add_argument("--gguf-16", choices=["f16", "bf16"], default="f16",
                    help="llama.cpp's 16-bit file (default f16)")
     p.add_argument("--rounds", type=int, default=5, help="timed rounds (each variant once)")
+    p.add_argument("--quant-group", type=int, default=None,
+                   help="shardwise int8/int4 group size (default: its own, int4 128; 32 is "
+                        "Q8_0/Q4_0's block)")
+    p.add_argument("--quant-head", action="store_true",
+                   help="quantize shardwise's output head too (llama.cpp's files quantize theirs)")
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--long-prompt", type=int, default=512, help="first-token prompt (0: skip)")
@@ -595,7 +614,8 @@ def main(argv: list[str] | None = None) -> int:
 
     prompt = token_ids(folder, args.prompt_len)
     long_prompt = token_ids(folder, args.long_prompt) if args.long_prompt else []
-    max_tokens = max(args.prompt_len + args.new_tokens, args.long_prompt + 1) + 16
+    quality = 0 if args.no_quality else args.quality_tokens  # the quality pass's prompt too
+    max_tokens = max(args.prompt_len + args.new_tokens, args.long_prompt + 1, quality) + 16
     variants: dict[str, Any] = {}
     init_s: dict[str, float] = {}
     hf_logits = None
@@ -615,7 +635,7 @@ def main(argv: list[str] | None = None) -> int:
             if hf_logits is None and not args.no_quality:
                 with torch.no_grad():
                     hf_logits = model(torch.tensor([qids])).logits[0].float().numpy()
-            variants[key] = ShardwiseVariant(model, SHARDWISE_VARIANTS[pair.shardwise],
+            variants[key] = ShardwiseVariant(model, shardwise_kwargs(pair.shardwise, args),
                                              max_tokens)
             init_s[key] = variants[key].init_s
             log(f"  {init_s[key]:.1f} s")
