@@ -33,8 +33,8 @@ from families import families, family
 from models import prompt_ids, tiny_causal_lm, tiny_encoder
 from shardwise.policy import find_policy
 from shardwise.sharding import HeadSlicedInput, shard_model
-from tp_harness import (ATOL, NEW_TOKENS, TP, _expected_rank_bytes, with_random_biases, case,
-                        digest, hf_case, run_cases, run_pair)
+from tp_harness import (ATOL, NEW_TOKENS, TP, _expected_rank_bytes, assert_parity,
+                        with_random_biases, case, digest, hf_case, run_cases, run_pair)
 
 #: BERT's hidden states and MLM logits (fp32): measured ≤ 4.8e-7 (bert-mlm last_hidden_state)
 BERT_ATOL = family("bert").tolerances["tp_fp32"]  # 1e-6 (tests/families.py)
@@ -176,15 +176,10 @@ def test_policies_are_registered():
 @pytest.mark.slow
 @pytest.mark.parametrize("name", CAUSAL)
 def test_tp2_matches_the_single_process_model(ranks, name):
-    r0, r1 = case(ranks, name)
-    print(f"{name} TP=2 fp32: max |logit diff| {max(r0['max_abs'], r1['max_abs']):.2e}")
+    r0, r1 = assert_parity(ranks, name)  # tokens equal across ranks included
     for r in (r0, r1):
-        assert r["max_abs"] < ATOL, f"{name}: logits differ by {r['max_abs']:.2e}\n{r['summary']}"
-        assert r["tokens_equal"], f"{name}: {NEW_TOKENS} greedy tokens differ from HF's"
-        assert r["module_tokens_equal"], f"{name}: engine.module.generate differs from HF's"
         assert r["tied"] is True, "lm_head and the word embeddings are no longer one Parameter"
-    assert r0["digest"] == r1["digest"], "ranks returned different logits"
-    assert r0["tokens"] == r1["tokens"] and r0["sampled"] == r1["sampled"]
+    assert r0["sampled"] == r1["sampled"]
 
 
 @pytest.mark.slow
