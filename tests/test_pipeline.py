@@ -20,7 +20,7 @@ from families import family
 from models import forced_decode_logits, prompt_ids, tiny_causal_lm, tiny_encoder
 from shardwise.pipeline import PipelineConfigError, RemoteLayer, balanced_bounds
 from shardwise.plan import ParallelismNotSupportedError, build_plan
-from tp_harness import assert_parity, case, digest, table_fixture
+from tp_harness import assert_parity, case, digest, pipeline_beam_case, table_fixture
 
 PP = {"pipeline_parallel": {"pp_size": 2}}
 NEW_TOKENS = 32
@@ -247,20 +247,9 @@ def generate_micro_case(rank: int, arch: str, micro_batches: int, delay_s: float
 
 
 def beam_case(rank: int, arch: str, micro_batches: int) -> dict:
-    """Beam search (3 beams over a batch of 2: 6 rows) with micro-batches: HF reorders the
-    batch's cache every step, across the micro-batches' boundaries, and theirs must follow."""
-    ref, model = causal_lm(arch), causal_lm(arch)
-    ids = prompt_ids(batch=2, length=8, vocab=ref.config.vocab_size)
-    gen = dict(max_new_tokens=12, min_new_tokens=12, do_sample=False, pad_token_id=0,
-               num_beams=3)
-    with torch.no_grad():
-        ref_tokens = ref.generate(ids, **gen)
-    engine = shardwise.init_inference(model, device="cpu", dtype=torch.float32,
-                                      pipeline_parallel={"pp_size": 2,
-                                                         "micro_batches": micro_batches})
-    tokens = engine.generate(ids, **gen)
-    return dict(tokens_equal=torch.equal(tokens, ref_tokens), tokens=tokens.tolist(),
-                steps=engine.pipeline_stats.steps)
+    """Beam search with micro-batches (tp_harness.pipeline_beam_case): each stage's cache follows
+    HF's reorder across the micro-batches' boundaries."""
+    return pipeline_beam_case(arch, micro_batches)
 
 
 #: the dense families the issue names, a Mixture-of-Experts one (HF's own MoE blocks, ep 1), and

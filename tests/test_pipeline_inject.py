@@ -30,7 +30,8 @@ import shardwise
 from models import forced_decode_logits, prompt_ids, tiny_causal_lm, tiny_encoder
 from shardwise.inject import InjectedLayer, InjectedModel, injected_stack
 from shardwise.pipeline import RemoteLayer
-from tp_harness import assert_parity, case, digest, run_pair, run_table, with_random_biases
+from tp_harness import (assert_parity, case, digest, pipeline_beam_case, run_pair, run_table,
+                        with_random_biases)
 
 NEW_TOKENS = 32
 #: fp32, injected PP=2 vs HF (the issue's bound)
@@ -123,20 +124,9 @@ def inject_case(rank: int, arch: str, micro_batches: int = 1, batch: int = 2,
 
 
 def beam_case(rank: int, arch: str, micro_batches: int) -> dict:
-    """Beam search (3 beams over 2 prompts: 6 rows) injected with micro-batches: HF reorders
-    the whole batch's static cache every step, across the micro-batches' rows."""
-    ref, model = tiny_causal_lm(arch), tiny_causal_lm(arch)
-    ids = prompt_ids(batch=2, length=8, vocab=ref.config.vocab_size)
-    gen = dict(max_new_tokens=12, min_new_tokens=12, do_sample=False, pad_token_id=0,
-               num_beams=3)
-    with torch.no_grad():
-        ref_tokens = ref.generate(ids, **gen)
-    engine = shardwise.init_inference(model, device="cpu", dtype=torch.float32, **INJECT,
-                                      **_pp(micro_batches))
-    tokens = engine.generate(ids, **gen)
-    engine.close()
-    return dict(tokens_equal=torch.equal(tokens, ref_tokens), tokens=tokens.tolist(),
-                steps=engine.stages.stats.steps)
+    """Beam search injected with micro-batches: the whole batch's static cache reordered every
+    step, across the micro-batches' rows (tp_harness.pipeline_beam_case)."""
+    return pipeline_beam_case(arch, micro_batches, **INJECT)
 
 
 def quant_case(rank: int, root: str, micro_batches: int) -> dict:

@@ -152,6 +152,25 @@ def case(ranks, name) -> tuple[dict, dict]:
     return r0, r1
 
 
+def pipeline_beam_case(arch: str, micro_batches: int, **init_kw) -> dict:
+    """Beam search (3 beams over 2 prompts: 6 rows) at PP=2 with ``micro_batches`` against HF:
+    HF reorders the batch's cache every step, across the micro-batches' rows, and the stages'
+    caches must follow. ``init_kw``: further ``init_inference`` keywords (e.g. injection)."""
+    ref, model = tiny_causal_lm(arch), tiny_causal_lm(arch)
+    ids = prompt_ids(batch=2, length=8, vocab=ref.config.vocab_size)
+    gen = dict(max_new_tokens=12, min_new_tokens=12, do_sample=False, pad_token_id=0,
+               num_beams=3)
+    with torch.no_grad():
+        ref_tokens = ref.generate(ids, **gen)
+    engine = shardwise.init_inference(
+        model, device="cpu", dtype=torch.float32,
+        pipeline_parallel={"pp_size": 2, "micro_batches": micro_batches}, **init_kw)
+    tokens = engine.generate(ids, **gen)
+    steps = engine.pipeline_stats.steps
+    engine.close()
+    return dict(tokens_equal=torch.equal(tokens, ref_tokens), tokens=tokens.tolist(), steps=steps)
+
+
 def assert_parity(ranks, name, label: str = "TP=2", atol: float = ATOL) -> tuple[dict, dict]:
     """Case ``name`` matches the single-process model on both ranks (logits within ``atol``, greedy
     tokens from engine.generate and module.generate), and the ranks agree bit for bit. Returns
