@@ -218,6 +218,51 @@ def moe_grouped_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
     return out.to(x.dtype)
 
 
+def expert_rows(qw, e: int, n: int):
+    """Expert ``e``'s ``[n, K]`` ``QuantizedWeight`` of the stacked ``[E * n, K]`` one (views:
+    ``quantize_experts`` gives each expert its own rows)."""
+    from .quant import QuantizedWeight  # quant imports this module
+
+    part = slice(e * n, (e + 1) * n)
+    zeros = qw.zeros[part] if qw.zeros is not None else None
+    return QuantizedWeight(qw.qweight[part], qw.scales[part], zeros, qw.bits, qw.group_size)
+
+
+def int8_activation_moe_mlp(x: torch.Tensor, gate_up, down, experts: torch.Tensor,
+                            weights: torch.Tensor, blocks: tuple[int, int], *,
+                            activation: str = "silu", gate_up_bias: torch.Tensor | None = None,
+                            down_bias: torch.Tensor | None = None, clamp: float | None = None,
+                            alpha: float = GPT_OSS_ALPHA) -> torch.Tensor:
+    """The CPU native quantized experts' math (8-bit activations), in torch: the oracle of
+    ``quant_moe_mlp`` on natively packed experts (``shardwise.kernels.cpu.moe``).
+
+    x [T, H]; gate_up / down: ``QuantizedWeight`` of the stacked experts ([E * 2I, H] and
+    [E * H, I], each expert its own rows: ``quantize_experts``); experts [T, k] in 0..E (E: the
+    sentinel, another rank's expert: nothing); weights [T, k]; blocks: the activation block of
+    each matrix (``activation_block(bits, group)``). Per slot: ``h = int8_activation_linear(
+    x[t], gate_up_e, blocks[0]) (+ b)`` — x in float32, quantized to int8 per block —, ``a =
+    glu(h)`` in float32, ``y = int8_activation_linear(a, down_e, blocks[1]) (+ b)``; the slots'
+    ``weights * y`` summed in float32, rounded once to x.dtype. Memory: one slot at a time."""
+    from .quant import int8_activation_linear  # quant imports this module
+
+    n_experts = gate_up.out_features // (2 * down.in_features)
+    check_expert_indices(experts, n_experts)
+    two_i, h = gate_up.out_features // n_experts, down.out_features // n_experts
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)  # [T, H]
+    xf, w = x.float(), weights.float()
+    for t, j in zip(*(experts < n_experts).nonzero(as_tuple=True)):  # the oracle may sync
+        e = int(experts[t, j])
+        hid = int8_activation_linear(xf[t, None], expert_rows(gate_up, e, two_i), blocks[0])  # [1, 2I]
+        if gate_up_bias is not None:
+            hid = hid + gate_up_bias[e].float()
+        y = int8_activation_linear(glu(hid, activation, clamp, alpha), expert_rows(down, e, h),
+                                   blocks[1])  # [1, H]
+        if down_bias is not None:
+            y = y + down_bias[e].float()
+        out[t] += w[t, j] * y[0]
+    return out.to(x.dtype)
+
+
 def gpt_oss_layout(gate_up_proj: torch.Tensor, gate_up_proj_bias: torch.Tensor,
                    down_proj: torch.Tensor, down_proj_bias: torch.Tensor):
     """GPT-OSS's expert tensors → this family's layout: gate_up_proj [E, H, 2I] with gate/up
