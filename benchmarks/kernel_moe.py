@@ -17,6 +17,12 @@ with the calls, on the same clock. ``--local-experts N`` times one expert-parall
 rank holding the first N experts: slots routed elsewhere carry the sentinel index N (HF's
 columns, which run every expert, are left out).
 
+``--quant int8 int4`` adds the quantized experts (``quant_moe_mlp``: int8 per channel, int4 groups
+of 128, quantized from the same weights, bf16 input) captured the same way, each on the native
+AVX512-VNNI kernel (``int8-native-graph``: 8-bit activations) and on torch's packed weight-only
+kernels (``int8-torch-graph``: the path before), interleaved with the rest; their GB/s is over
+their own packed bytes (scales included).
+
 ``--clock cpu`` times with the process's CPU time instead of the wall clock: on a shared machine
 it leaves out the time the benchmark waited for a core (it still counts the memory bandwidth
 others take); wall clock is the default.
@@ -29,7 +35,10 @@ import argparse
 import torch
 
 from shardwise.kernels.cpu import moe as cpu_moe
+from shardwise.kernels.cpu import native
+from shardwise.kernels.cpu import quant as cpu_quant
 from shardwise.kernels.reference import moe as ref
+from shardwise.kernels.reference.quant import quantize_experts
 from timing import CLOCKS, median_us
 
 
@@ -63,6 +72,26 @@ def captured(gate_up, down, x, experts, weights, fn=None):
     return lambda: graph(x, experts, weights)
 
 
+#: --quant format → (bits, group size)
+QUANT_FORMATS = {"int8": (8, -1), "int4": (4, 128)}
+
+
+def quantized_experts(gate_up, down, formats):
+    """{"int8-native": (kernel, (gate_up, down) packed for it, bytes per expert), ...} for each
+    format in ``formats``, on the native kernel (where it builds) and torch's packed kernels."""
+    kernels = {"native": cpu_moe.quant_moe_mlp} if native.load() else {}
+    kernels["torch"] = cpu_quant.quant_moe_mlp
+    out = {}
+    for fmt in formats:
+        bits, group = QUANT_FORMATS[fmt]
+        qws = [quantize_experts(w.float(), bits, group) for w in (gate_up, down)]
+        for name, kernel in kernels.items():
+            pair = tuple(kernel.prepack(qw, gate_up.shape[0], "cpu", torch.bfloat16)
+                         for qw in qws)
+            out[f"{fmt}-{name}"] = (kernel, pair, sum(p.nbytes for p in pair) / gate_up.shape[0])
+    return out
+
+
 def copy_probe(nbytes: int = 256 << 20):
     """A copy of an ``nbytes`` buffer (past the last-level cache) and the bytes it moves."""
     src = torch.ones(nbytes // 4)
@@ -85,6 +114,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=30)
     ap.add_argument("--clock", choices=tuple(CLOCKS), default="wall")
     ap.add_argument("--no-compiled", action="store_true", help="skip the captured cpu column")
+    ap.add_argument("--quant", nargs="*", choices=tuple(QUANT_FORMATS), default=[],
+                    help="add the quantized experts, native and torch's kernels, captured")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -100,6 +131,7 @@ def main() -> None:
         gate_up, down = eager.gate_up_proj.detach(), eager.down_proj.detach()
         mine_gu, mine_down = gate_up[:local], down[:local]  # this rank's experts
         expert_bytes = 3 * h * i * gate_up.element_size()
+        quantized = quantized_experts(mine_gu, mine_down, args.quant)
         for tokens in args.tokens:
             g = torch.Generator().manual_seed(tokens)
             x = torch.randn(tokens, h, generator=g).to(dtype)
@@ -119,13 +151,17 @@ def main() -> None:
                 if tokens == 1:  # cpu-graph is token_mlp: the streamed path it replaced
                     calls["streamed-graph"] = captured(mine_gu, mine_down, x, mine, weights,
                                                        cpu_moe.streamed_mlp)
+            for name, (kernel, pair, _) in quantized.items():
+                calls[f"{name}-graph"] = captured(*pair, x.bfloat16(), mine, weights, kernel)
             calls["copy"] = copy
             with torch.no_grad():
                 times = dict(zip(calls, (t / 1e6 for t in median_us(
                     list(calls.values()), args.repeats, warmup=3, clock=clock))))
             copy_gbps = copy_bytes / times.pop("copy") / 1e9
+            per_expert = {f"{name}-graph": b for name, (_, _, b) in quantized.items()}
             rows.append((dtype, tokens, hit, copy_gbps, {
-                name: (t, hit * expert_bytes / t / 1e9) for name, t in times.items()}))
+                name: (t, hit * per_expert.get(name, expert_bytes) / t / 1e9)
+                for name, t in times.items()}))
     print(f"threads={torch.get_num_threads()} H={h} I={i} E={e} k={k}"
           f"{f' local experts={local}' if local != e else ''} clock={args.clock}")
     for dtype, tokens, hit, copy_gbps, cols in rows:
@@ -135,6 +171,11 @@ def main() -> None:
         ratios = ", ".join(f"vs {name} {cols[name][0] / cols[best][0]:.2f}x"
                            for name in ("hf-eager", "hf-grouped_mm", "cpu", "streamed-graph")
                            if name in cols and name != best)
+        for fmt in args.quant:  # native vs torch's kernels, both captured
+            if f"{fmt}-native-graph" in cols:
+                ratios += (f", {fmt} native vs torch "
+                           f"{cols[f'{fmt}-torch-graph'][0] / cols[f'{fmt}-native-graph'][0]:.2f}x"
+                           f" (vs {best} {cols[best][0] / cols[f'{fmt}-native-graph'][0]:.2f}x)")
         print(f"{str(dtype)[6:]:8s} tokens={tokens:3d} experts hit={hit} copy "
               f"{copy_gbps:.1f} GB/s: {line}  {best} {ratios}")
 
