@@ -79,6 +79,35 @@ def test_native_kernel_matches_its_oracle(case, dtype):
             torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol * scale)
 
 
+
+@needs_native
+@pytest.mark.parametrize("case", CASES[:4], ids=lambda c: f"int{c[0]}-g{c[1]}-{c[3]}x{c[4]}")
+def test_bf16_output_is_the_fp32_output_rounded_once(case):
+    """The kernel writes bf16 itself (round to nearest even, bias added in fp32 first): a bf16
+    x and the same values in fp32 quantize to the same integers, so the bf16 output must be
+    exactly the fp32 output rounded."""
+    qw = _case(*case, seed=3)
+    packed = _packed(qw)
+    x = quant_x((9, case[4]), BF16)
+    bias = quant_x((case[3],), torch.float32, seed=4)
+    for b in (None, bias, bias.to(BF16)):
+        got = cpu_quant._native_linear(x, packed, b)
+        want = cpu_quant._native_linear(x.float(), packed, None if b is None else b.float())
+        assert got.dtype == BF16 and torch.equal(got, want.to(BF16))
+
+
+@needs_native
+def test_float16_activations_and_a_bias_of_another_dtype_match_the_oracle():
+    """float16 x (converted by torch inside the op) and a bias whose dtype is not x's."""
+    qw = _case(8, 32, False, 40, 64, seed=5)
+    packed = _packed(qw, torch.float16)
+    x, bias = quant_x((5, 64), torch.float16), quant_x((40,), torch.float32, seed=6)
+    got = cpu_quant._native_linear(x, packed, bias)
+    want = ref_quant.int8_activation_linear(x.float(), qw, 32, bias).to(torch.float16)
+    assert got.dtype == torch.float16
+    torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -10, atol=1e-3)
+
+
 def test_oracle_is_the_float_product_up_to_the_activation_rounding():
     """Each activation moves by at most half its block's step (amax / 254); the product then
     stays within a percent of the float product of the same quantized weight."""

@@ -29,6 +29,7 @@
 #include <immintrin.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <cstdint>
 #include <cstring>
 
@@ -130,12 +131,12 @@ inline const uint8_t* block_dots(const uint8_t* w, const int8_t* aq, int64_t lda
 
 // One block of 16 output rows for MB activation rows. w: this row block's bytes; sc/zr: its
 // [G, 16] scales / zeros (zr null when symmetric); aq [MB][lda] int8, ad [MB][nblocks],
-// aA [MB][G]; out [MB][ldo] at this row block's first column, ``valid`` columns written.
-template <int MB, int BITS, int AB>
+// aA [MB][G]; ``out`` (OutF32 / OutBF16) at this row block's first column and first row,
+// ``valid`` columns written (+ its bias, when it has one).
+template <int MB, int BITS, int AB, typename Out>
 inline void row_block(const uint8_t* w, const float* sc, const float* zr, const int8_t* aq,
                       int64_t lda, const float* ad, int64_t ldd, const float* aA, int64_t ldA,
-                      int64_t K, int64_t group, int64_t ablock, float* out, int64_t ldo,
-                      int valid) {
+                      int64_t K, int64_t group, int64_t ablock, Out out, int valid) {
   constexpr float OFF = BITS == 8 ? 128.f : 8.f;
   const int64_t G = K / group, per_group = group / ablock;
   __m512 acc[MB];
@@ -160,13 +161,17 @@ inline void row_block(const uint8_t* w, const float* sc, const float* zr, const 
     }
   }
   const __mmask16 mask = valid >= ROWS ? 0xFFFF : static_cast<__mmask16>((1u << valid) - 1);
-  for (int m = 0; m < MB; ++m) _mm512_mask_storeu_ps(out + m * ldo, mask, acc[m]);
+  if (out.bias) {
+    const __m512 bv = _mm512_maskz_loadu_ps(mask, out.bias);
+    for (int m = 0; m < MB; ++m) acc[m] = _mm512_add_ps(acc[m], bv);
+  }
+  for (int m = 0; m < MB; ++m) out.store(m, acc[m], mask);
 }
 
-template <int BITS>
+template <int BITS, typename Out>
 void run_rows(int64_t rows, const uint8_t* w, const float* sc, const float* zr, const int8_t* aq,
               int64_t lda, const float* ad, int64_t ldd, const float* aA, int64_t ldA, int64_t K,
-              int64_t group, int64_t ablock, float* out, int64_t ldo, int valid) {
+              int64_t group, int64_t ablock, Out out, int valid) {
   // Rows of activations in chunks of 8 / 4 / 2 / 1, each reusing every loaded weight vector;
   // the row block's weights (16 x K bytes or half) stay in L1/L2 between chunks.
   int64_t m = 0;
@@ -174,16 +179,78 @@ void run_rows(int64_t rows, const uint8_t* w, const float* sc, const float* zr, 
   for (; m + MB <= rows; m += MB) {                                                           \
     if (ablock == 32)                                                                         \
       row_block<MB, BITS, 32>(w, sc, zr, aq + m * lda, lda, ad + m * ldd, ldd, aA + m * ldA,  \
-                              ldA, K, group, ablock, out + m * ldo, ldo, valid);              \
+                              ldA, K, group, ablock, out.at_row(m), valid);                   \
     else                                                                                      \
       row_block<MB, BITS, 0>(w, sc, zr, aq + m * lda, lda, ad + m * ldd, ldd, aA + m * ldA,   \
-                             ldA, K, group, ablock, out + m * ldo, ldo, valid);               \
+                             ldA, K, group, ablock, out.at_row(m), valid);                    \
   }
   SW_CHUNK(8)
   SW_CHUNK(4)
   SW_CHUNK(2)
   SW_CHUNK(1)
 #undef SW_CHUNK
+}
+
+// Output writers for 16 columns of row m: float32 as is, bfloat16 rounded to nearest even
+// (NaN to the quiet NaN 0x7FC0), as c10::BFloat16's conversion does. ``bias``: float32 at this
+// row block's first column (null: none); ``p`` at this row block's first column of row 0.
+struct OutF32 {
+  float* p;
+  int64_t ld;
+  const float* bias;
+  OutF32 at_row(int64_t m) const { return {p + m * ld, ld, bias}; }
+  inline void store(int m, __m512 v, __mmask16 mask) const {
+    _mm512_mask_storeu_ps(p + m * ld, mask, v);
+  }
+};
+
+struct OutBF16 {
+  uint16_t* p;
+  int64_t ld;
+  const float* bias;
+  OutBF16 at_row(int64_t m) const { return {p + m * ld, ld, bias}; }
+  inline void store(int m, __m512 v, __mmask16 mask) const {
+    const __m512i b = _mm512_castps_si512(v);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(
+        _mm512_add_epi32(b, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
+    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q),
+                              _mm512_set1_epi32(0x7FC0));
+    _mm512_mask_cvtepi32_storeu_epi16(p + m * ld, mask, r);
+  }
+};
+
+// bf16 [count] -> float (the high half of the bits)
+inline void bf16_to_float(const uint16_t* src, int64_t count, float* dst) {
+  int64_t i = 0;
+  for (; i + 16 <= count; i += 16) {
+    const __m512i v = _mm512_cvtepu16_epi32(_mm256_loadu_si256(
+        reinterpret_cast<const __m256i*>(src + i)));
+    _mm512_storeu_si512(dst + i, _mm512_slli_epi32(v, 16));
+  }
+  for (; i < count; ++i) {
+    const uint32_t bits = static_cast<uint32_t>(src[i]) << 16;
+    std::memcpy(dst + i, &bits, sizeof(bits));
+  }
+}
+
+// Per-thread scratch that only grows (decode calls it hundreds of times a step: no allocation
+// per call). 64-byte aligned.
+uint8_t* scratch_bytes(int64_t bytes) {
+  struct Buffer {
+    void* p = nullptr;
+    int64_t size = 0;
+    ~Buffer() { std::free(p); }
+  };
+  static thread_local Buffer buf;
+  if (buf.size < bytes) {
+    std::free(buf.p);
+    const int64_t size = (bytes + 4095) / 4096 * 4096;
+    buf.p = std::aligned_alloc(64, size);
+    TORCH_CHECK(buf.p != nullptr, "cpu_qlinear: cannot allocate ", size, " scratch bytes");
+    buf.size = size;
+  }
+  return static_cast<uint8_t*>(buf.p);
 }
 
 at::Tensor cpu_qlinear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
@@ -210,53 +277,86 @@ at::Tensor cpu_qlinear(const at::Tensor& x, const at::Tensor& qweight, const at:
                 "cpu_qlinear: zeros must be float32 like scales");
     zr = z.data_ptr<float>();
   }
-  // One scratch allocation: the block scales d [M, nblocks] and group sums A [M, G] (float),
-  // then the int8 activations [M, K]; a float32 x is read in place, another dtype converted
-  // one row at a time into the float row buffer at the end.
-  const bool is_float = x.scalar_type() == at::kFloat;
+  // Scratch (per thread, reused): the block scales d [M, nblocks] and group sums A [M, G]
+  // (float), the bias as float [N] when it is not float32, the float rows of a non-float32 x
+  // [M, K], then the int8 activations [M, K].
+  const auto xt = x.scalar_type();
+  const bool is_float = xt == at::kFloat, is_bf16 = xt == at::kBFloat16;
   const at::Tensor xc = x.contiguous();
-  const int64_t floats = M * (nblocks + G) + (is_float ? 0 : K);
-  at::Tensor scratch = at::empty({floats * 4 + M * K}, x.options().dtype(at::kByte));
-  float* adp = reinterpret_cast<float*>(scratch.data_ptr<uint8_t>());
-  float* aAp = adp + M * nblocks;
-  float* row = aAp + M * G;  // K floats when x is not float32
-  int8_t* aqp = reinterpret_cast<int8_t*>(adp + floats);
-  for (int64_t m = 0; m < M; ++m) {
-    const float* xr;
-    if (is_float) {
-      xr = xc.data_ptr<float>() + m * K;
-    } else if (x.scalar_type() == at::kBFloat16) {  // bf16 -> float: the high half of the bits
-      const uint16_t* src = reinterpret_cast<const uint16_t*>(xc.data_ptr()) + m * K;
-      uint32_t* dst = reinterpret_cast<uint32_t*>(row);
-      for (int64_t i = 0; i < K; ++i) dst[i] = static_cast<uint32_t>(src[i]) << 16;
-      xr = row;
-    } else {
-      at::Tensor dst = at::from_blob(row, {K}, x.options().dtype(at::kFloat));
-      dst.copy_(xc[m]);
-      xr = row;
-    }
-    quantize_row(xr, K, ablock, group, aqp + m * K, adp + m * nblocks, aAp + m * G);
+  const bool has_bias = bias.has_value() && bias->defined();
+  at::Tensor bias_c;
+  if (has_bias) {
+    TORCH_CHECK(bias->numel() == n, "cpu_qlinear: bias must have ", n, " elements");
+    bias_c = bias->contiguous();
   }
+  const bool bias_float = has_bias && bias_c.scalar_type() == at::kFloat;
+  const int64_t bias_floats = has_bias && !bias_float ? (n + 15) / 16 * 16 : 0;
+  const int64_t row_floats = is_float ? 0 : M * K;
+  const int64_t floats = M * (nblocks + G) + bias_floats + row_floats;
+  float* adp = reinterpret_cast<float*>(scratch_bytes(floats * 4 + M * K));
+  float* aAp = adp + M * nblocks;
+  float* bfp = aAp + M * G;
+  float* rows = bfp + bias_floats;
+  int8_t* aqp = reinterpret_cast<int8_t*>(adp + floats);
+  const float* biasp = nullptr;
+  if (has_bias) {
+    if (bias_float) {
+      biasp = bias_c.data_ptr<float>();
+    } else if (bias_c.scalar_type() == at::kBFloat16) {
+      bf16_to_float(reinterpret_cast<const uint16_t*>(bias_c.data_ptr()), n, bfp);
+      biasp = bfp;
+    } else {
+      at::from_blob(bfp, {n}, x.options().dtype(at::kFloat)).copy_(bias_c);
+      biasp = bfp;
+    }
+  }
+  if (!is_float && !is_bf16)  // e.g. float16: torch converts, once for all rows
+    at::from_blob(rows, {M, K}, x.options().dtype(at::kFloat)).copy_(xc);
+  // quantize the activation rows (in parallel for prefill-sized batches)
+  at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) {
+      const float* xr;
+      if (is_float) {
+        xr = xc.data_ptr<float>() + m * K;
+      } else if (is_bf16) {
+        bf16_to_float(reinterpret_cast<const uint16_t*>(xc.data_ptr()) + m * K, K, rows + m * K);
+        xr = rows + m * K;
+      } else {
+        xr = rows + m * K;
+      }
+      quantize_row(xr, K, ablock, group, aqp + m * K, adp + m * nblocks, aAp + m * G);
+    }
+  });
 
-  at::Tensor out = at::empty({M, n}, x.options().dtype(at::kFloat));
-  float* op = out.data_ptr<float>();
+  // The output in x's dtype: float32 and bfloat16 written by the kernel, another dtype
+  // through a float32 result.
+  const bool direct = is_float || is_bf16;
+  at::Tensor out = at::empty({M, n}, x.options().dtype(direct ? xt : at::kFloat));
   const uint8_t* wp = qweight.data_ptr<uint8_t>();
   const float* sp = scales.data_ptr<float>();
   const int64_t wblock = K / KB * 64;  // bytes per row block
-  at::parallel_for(0, nb, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const int valid = static_cast<int>(std::min<int64_t>(ROWS, n - r * ROWS));
-      const float* zb = zr ? zr + r * G * ROWS : nullptr;
-      if (bits == 8)
-        run_rows<8>(M, wp + r * wblock, sp + r * G * ROWS, zb, aqp, K, adp, nblocks, aAp, G, K,
-                    group, ablock, op + r * ROWS, n, valid);
-      else
-        run_rows<4>(M, wp + r * wblock, sp + r * G * ROWS, zb, aqp, K, adp, nblocks, aAp, G, K,
-                    group, ablock, op + r * ROWS, n, valid);
-    }
-  });
-  if (bias.has_value() && bias->defined()) out.add_(bias->to(at::kFloat));
-  return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
+  auto run = [&](auto out0) {
+    at::parallel_for(0, nb, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        const int valid = static_cast<int>(std::min<int64_t>(ROWS, n - r * ROWS));
+        const float* zb = zr ? zr + r * G * ROWS : nullptr;
+        auto o = out0;
+        o.p += r * ROWS;
+        o.bias = biasp ? biasp + r * ROWS : nullptr;
+        if (bits == 8)
+          run_rows<8>(M, wp + r * wblock, sp + r * G * ROWS, zb, aqp, K, adp, nblocks, aAp, G,
+                      K, group, ablock, o, valid);
+        else
+          run_rows<4>(M, wp + r * wblock, sp + r * G * ROWS, zb, aqp, K, adp, nblocks, aAp, G,
+                      K, group, ablock, o, valid);
+      }
+    });
+  };
+  if (is_bf16)
+    run(OutBF16{reinterpret_cast<uint16_t*>(out.data_ptr()), n, nullptr});
+  else
+    run(OutF32{out.data_ptr<float>(), n, nullptr});
+  return direct ? out : out.to(xt);
 }
 
 }  // namespace
