@@ -30,6 +30,14 @@ Command (what benchmarks/README.md quotes)::
         --micro-batches 1 2 4 8 --new-tokens 8 --output /tmp/pipeline_bubble.json
     python benchmarks/pipeline_bubble.py --pp 2 --preset gpt2-2l-64h --delay-ms 20 \\
         --micro-batches 1 2 4 8
+    python benchmarks/pipeline_bubble.py --pp 2 --preset gpt2-12l-768h --split 9 3 \\
+        --micro-batches 1 2 4 8
+
+The bubble counts a stage busy whenever it is not waiting on another stage (its layers and
+the model's own work around them on that rank: embedding, masks, head); the share of the wall
+inside its layers alone is printed too ('in layers'). The theoretical bubble holds for stages of
+equal cost: with real compute, give the stages equal work (``--split``: the last stage runs the
+output head besides its layers).
 """
 
 from __future__ import annotations
@@ -78,7 +86,8 @@ def worker(args: argparse.Namespace) -> None:
     ids = torch.randint(3, model.config.vocab_size, (args.batch, args.prompt_len), generator=g)
     rows, reference = [], {}
     for m in args.micro_batches:
-        pp = {"pp_size": args.pp, **({"micro_batches": m} if m > 1 else {})}
+        pp = {"pp_size": args.pp, **({"micro_batches": m} if m > 1 else {}),
+              **({"split": args.split} if args.split else {})}
         tp = {"tensor_parallel": {"tp_size": args.tp}} if args.tp > 1 else {}
         engine = shardwise.init_inference(model, device="cpu", dtype=torch.float32,
                                           pipeline_parallel=pp, **tp)
@@ -98,8 +107,10 @@ def worker(args: argparse.Namespace) -> None:
                     continue
                 rows.append(dict(m=m, mode=mode, repeat=repeat, same_as_m1=same,
                                  wall_s=stats.wall_s, busy_s=list(stats.busy_s),
+                                 layers_s=list(stats.layers_s),
                                  bubble=list(stats.bubble), steps=stats.steps,
-                                 theoretical=stats.theoretical_bubble))
+                                 theoretical=stats.theoretical_bubble,
+                                 ideal_wall_s=stats.ideal_wall_s))
         for h in hooks:
             h.remove()
         engine.close()
@@ -109,11 +120,15 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def report(rows: list[dict], args: argparse.Namespace) -> int:
-    print(f"\n{args.preset} fp32, PP={args.pp} x TP={args.tp}, batch {args.batch}, prompt "
-          f"{args.prompt_len}, {args.new_tokens} new tokens, delay {args.delay_ms} ms/layer "
-          f"(median of {args.repeats} by wall time)")
+    split = f", split {args.split}" if args.split else ""
+    print(f"\n{args.preset} fp32, PP={args.pp} x TP={args.tp}{split}, batch {args.batch}, "
+          f"prompt {args.prompt_len}, {args.new_tokens} new tokens, delay {args.delay_ms} "
+          f"ms/layer (median of {args.repeats} by wall time; bubble = 1 - busy / wall, busy = "
+          f"not waiting on another stage; wall/ideal = the wall over a perfect schedule's of "
+          f"these stage costs; 'in layers' = share of the wall inside its layers)")
     print(f"{'mode':9} {'M':>3} {'steps':>5} {'wall ms':>9} {'busy ms per stage':>22} "
-          f"{'bubble per stage':>20} {'theory':>7} {'x theory':>8}  tokens = M=1")
+          f"{'bubble per stage':>20} {'theory':>7} {'x theory':>8} {'wall/ideal':>10} "
+          f"{'in layers':>14}  tokens = M=1")
     bad = 0
     for mode in args.modes:
         for m in args.micro_batches:
@@ -123,14 +138,17 @@ def report(rows: list[dict], args: argparse.Namespace) -> int:
                 None if runs[0]["same_as_m1"] is None
                 else all(r["same_as_m1"] for r in runs)]
             if "wall_s" not in runs[0]:
-                print(f"{mode:9} {m:>3} {'':>5} {'(one batch: not micro-batched)':>63}  {same}")
+                print(f"{mode:9} {m:>3} {'':>5} {'(one batch: not micro-batched)':>63}"
+                      f"{'':>26}  {same}")
                 continue
             r = sorted(runs, key=lambda r: r["wall_s"])[len(runs) // 2]
             busy = ", ".join(f"{b * 1e3:.1f}" for b in r["busy_s"])
             bubble = ", ".join(f"{b:.1%}" for b in r["bubble"])
             ratio = max(r["bubble"]) / r["theoretical"]
+            layers = ", ".join(f"{t / r['wall_s']:.0%}" for t in r["layers_s"])
             print(f"{mode:9} {m:>3} {r['steps']:>5} {r['wall_s'] * 1e3:>9.1f} {busy:>22} "
-                  f"{bubble:>20} {r['theoretical']:>7.1%} {ratio:>8.2f}  {same}")
+                  f"{bubble:>20} {r['theoretical']:>7.1%} {ratio:>8.2f} "
+                  f"{r['wall_s'] / r['ideal_wall_s']:>10.3f} {layers:>14}  {same}")
     return 1 if bad else 0
 
 
@@ -146,6 +164,11 @@ def main() -> int:
     ap.add_argument("--micro-batches", type=int, nargs="+", default=[1, 2, 4, 8], metavar="M")
     ap.add_argument("--modes", nargs="+", choices=["forward", "generate"],
                     default=["forward", "generate"])
+    ap.add_argument("--split", type=int, nargs="+", metavar="N",
+                    help="decoder layers per stage (pipeline_parallel split), e.g. 9 3 for "
+                         "gpt2-12l-768h: the last stage also runs the output head, as costly as "
+                         "about 6 of its layers, and the theoretical bubble assumes stages of "
+                         "equal cost (default: balanced by weight bytes)")
     ap.add_argument("--delay-ms", type=float, default=0.0,
                     help="sleep per decoder layer call, inside the stage's busy time")
     ap.add_argument("--warmup", type=int, default=1)
@@ -159,10 +182,13 @@ def main() -> int:
         return 0
     if args.pp < 2 or args.tp < 1 or min(args.micro_batches) < 1 or args.batch < 1:
         ap.error("--pp must be >= 2; --tp, --batch and every --micro-batches >= 1")
+    if args.split and len(args.split) != args.pp:
+        ap.error(f"--split gives {len(args.split)} stages, --pp {args.pp}")
     if max(args.micro_batches) > args.batch:
         ap.error(f"--micro-batches {max(args.micro_batches)} is more than --batch "
                  f"{args.batch} rows (at most one micro-batch per row)")
     out = Path(args.output).with_suffix(".raw.json")
+    load_before = os.getloadavg()
     cmd = [sys.executable, "-m", "shardwise", "launch", "--nproc-per-node",
            str(args.pp * args.tp), __file__, *sys.argv[1:], "--worker", "--out", str(out)]
     print("$", " ".join(cmd), flush=True)
@@ -172,7 +198,10 @@ def main() -> int:
     out.unlink()
     code = report(rows, args)
     command = "python benchmarks/pipeline_bubble.py " + " ".join(sys.argv[1:])
-    Path(args.output).write_text(json.dumps({"command": command, "rows": rows}, indent=1))
+    load = {"before": load_before, "after": os.getloadavg(), "cpus": os.cpu_count(),
+            "what": "1, 5, 15 minute load averages (os.getloadavg) before and after the run"}
+    Path(args.output).write_text(json.dumps({"command": command, "load": load, "rows": rows},
+                                            indent=1))
     print(f"\nwrote {args.output}")
     return code
 

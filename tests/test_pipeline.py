@@ -10,6 +10,8 @@ All 2-rank cases run in ONE pair of processes (a module-scoped fixture, as in te
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 import transformers
@@ -771,3 +773,77 @@ def test_a_forward_failing_with_messages_in_flight_breaks_the_stage_by_name():
     clean.arm([2])  # one micro-batch: nothing posted beyond it
     clean.disarm(complete=False)
     clean.arm([2])  # an error with nothing in flight leaves the stage usable
+
+
+class _SlowComm(_RecordingComm):
+    """A receive, and the wait on a posted op, that take ``delay_s`` (the peer is late)."""
+
+    def __init__(self, delay_s: float) -> None:
+        super().__init__()
+        self.delay_s = delay_s
+
+    def recv(self, tensor, src):
+        time.sleep(self.delay_s)
+        return super().recv(tensor, src)
+
+    def _late(self):
+        delay = self.delay_s
+
+        class Late(shardwise.communicator.PendingOp):
+            def wait(self):
+                time.sleep(delay)
+        return Late()
+
+    def irecv(self, tensor, src):
+        super().irecv(tensor, src)
+        return self._late()
+
+    def isend(self, tensor, dst):
+        super().isend(tensor, dst)
+        return self._late()
+
+
+def test_a_stage_counts_its_waits_on_the_other_stages_as_idle():
+    """The bubble is the time a stage waits on another one: a blocking receive, the wait on a
+    posted receive, and the wait on its sends at the end of the forward are counted; the work
+    between them is not (it is busy even outside the stage's layers)."""
+    from shardwise.pipeline.transform import InFlight, StageClock
+
+    clock = StageClock()
+    links = InFlight(clock)
+    comm = _SlowComm(0.05)
+    links.arm([1, 1])
+    links.receive(comm, torch.zeros(1, 2, 4), src=0)  # blocking recv of micro-batch 0: 50 ms
+    time.sleep(0.1)  # the stage's own work: not waiting
+    links.receive(comm, torch.zeros(1, 2, 4), src=0)  # the posted irecv, waited: 50 ms
+    links.send(comm, torch.ones(1, 2, 4), dst=1)
+    links.disarm(complete=True)  # its send waited for: 50 ms
+    assert 0.15 <= clock.wait_s < 0.25, clock.wait_s
+    assert clock.layers_s == 0.0  # the layers' clock is apart
+
+
+def test_pipeline_stats_report_the_bubble_and_the_share_in_the_layers():
+    from shardwise.pipeline import PipelineStats
+
+    stats = PipelineStats(4, 2, wall_s=1.0, busy_s=(0.9, 0.8), steps=3, layers_s=(0.6, 0.7))
+    assert stats.bubble == pytest.approx((0.1, 0.2))
+    assert stats.layer_share == pytest.approx((0.6, 0.7))
+    assert stats.theoretical_bubble == pytest.approx(0.2)
+    d = stats.to_dict()
+    assert d["layers_s"] == [0.6, 0.7] and d["busy_s"] == [0.9, 0.8] and d["steps"] == 3
+    assert "in its layers 60.0%, 70.0%" in stats.summary()
+    assert PipelineStats(2, 2, 1.0, (0.5, 0.5)).layer_share == ()
+
+
+def test_the_ideal_wall_separates_the_schedule_from_unequal_stages():
+    """A perfect schedule of stages costing 20 and 25 ms per micro-batch, M = 4, 2 forwards:
+    each forward 20 + 4 x 25 = 120 ms. The slow stage's cost, not the schedule, puts the fast
+    stage's bubble above the theoretical 1/5."""
+    from shardwise.pipeline import PipelineStats
+
+    stats = PipelineStats(4, 2, wall_s=0.240, busy_s=(0.160, 0.200), steps=2)
+    assert stats.ideal_wall_s == pytest.approx(0.240)
+    assert stats.bubble[0] == pytest.approx(1 / 3) and stats.bubble[0] > stats.theoretical_bubble
+    equal = PipelineStats(4, 2, wall_s=0.100, busy_s=(0.080, 0.080))
+    assert equal.ideal_wall_s == pytest.approx(0.100)
+    assert equal.bubble == pytest.approx((equal.theoretical_bubble,) * 2)

@@ -65,7 +65,7 @@ def test_a_batch_of_one_has_no_pipeline_figures():
 
 def test_the_pipeline_section_shows_every_stage():
     stats = {"micro_batches": 4, "stages": 2, "wall_s": 0.5, "busy_s": [0.4, 0.3], "steps": 8,
-             "bubble": [0.2, 0.4], "theoretical_bubble": 0.2}
+             "bubble": [0.2, 0.4], "theoretical_bubble": 0.2, "layers_s": [0.35, 0.2]}
     doc = {"runs": [{"model": TINY, "variant": "shardwise[pp2,mb4]", "batch": 4,
                      "new_tokens": 4, "status": "ok", "pipeline": stats},
                     {"model": TINY, "variant": "hf", "batch": 4, "new_tokens": 4,
@@ -73,7 +73,7 @@ def test_the_pipeline_section_shows_every_stage():
     text = format_pipeline(doc)
     row = text.splitlines()[-1].split()
     assert row[:8] == [TINY, "shardwise[pp2,mb4]", "4", "4", "4", "8", "500.0", "400.0,"]
-    assert row[8:] == ["300.0", "20.0%,", "40.0%", "20.0%", "2.00"]
+    assert row[8:] == ["300.0", "20.0%,", "40.0%", "20.0%", "2.00", "70%,", "40%"]
     assert format_pipeline({"runs": doc["runs"][1:]}) == ""
 
 
@@ -92,6 +92,8 @@ def test_a_pp2_bench_reports_each_stage_and_the_bubble(tmp_path, capsys):
     assert (p["stages"], p["micro_batches"], p["steps"]) == (2, 4, 2 * 4)  # repeats x tokens
     assert p["theoretical_bubble"] == pytest.approx(0.2)
     assert len(p["busy_s"]) == len(p["bubble"]) == 2
-    for busy, bubble in zip(p["busy_s"], p["bubble"]):
+    assert len(p["layers_s"]) == 2
+    for busy, bubble, layers in zip(p["busy_s"], p["bubble"], p["layers_s"]):
         assert 0 < busy < p["wall_s"] and bubble == pytest.approx(1 - busy / p["wall_s"])
+        assert 0 < layers < busy  # the layers are part of the busy time
     assert "pipeline stages (timed repeats" in printed and "shardwise[pp2,mb4]" in printed

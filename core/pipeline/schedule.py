@@ -6,10 +6,16 @@ every rank. The stages overlap because a stage hands micro-batch k to the next s
 with k + 1 while the next one computes k (its send runs in the background, and the next stage
 receives k + 1 while it computes k: :class:`~shardwise.pipeline.transform.InFlight`);
 the broadcast of the last stage's outputs, which would make every stage wait for the last one,
-is deferred until every micro-batch ran (``StageClock.deferred``). Each stage's busy time is
-measured around its layers (:class:`~shardwise.pipeline.transform.StageClock`), so the bubble
-— the share of the wall time a stage idles — can be set against the GPipe-style theoretical
-``(P − 1) / (P − 1 + M)`` (:class:`PipelineStats`).
+is deferred until every micro-batch ran (``StageClock.deferred``). Each stage counts the
+seconds it waits on another stage (a receive not yet arrived, its sends not yet taken:
+:class:`~shardwise.pipeline.transform.StageClock`); the rest of its time is busy (its layers,
+and the model's own work around them on that stage: embedding, masks, positions, head). The
+bubble — the share of the wall time a stage idles, ``1 − busy / wall``, a stage that finished
+early idling until the slowest one is done — can then be set against the GPipe-style
+theoretical ``(P − 1) / (P − 1 + M)`` (:class:`PipelineStats`), which holds for stages of equal
+cost. The seconds inside the stage's layers alone are reported too (``layers_s``): the model's
+work around the layers is done once per micro-batch, so with M micro-batches it grows M-fold
+and is what micro-batching costs beyond the bubble.
 
 Two paths:
 
@@ -28,6 +34,7 @@ Two paths:
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -44,26 +51,50 @@ class PipelineStats:
         stages: P.
         wall_s: seconds from the common start (a barrier) until the last stage finished its
             last micro-batch (the longest of the ranks' times; the outputs' broadcast excluded).
-        busy_s: every stage's seconds inside its own layers, first stage first.
+        busy_s: every stage's seconds not waiting on another stage, first stage first (its
+            time in the forward less its waits on receives and on its sends).
+        steps: forwards measured (1 for one forward; prefill + decode steps for a generate).
+        layers_s: every stage's seconds inside its own decoder layers (part of ``busy_s``;
+            empty when not measured).
     """
 
     micro_batches: int
     stages: int
     wall_s: float
     busy_s: tuple[float, ...]
-    #: forwards measured (1 for one forward; prefill + decode steps for a generate)
     steps: int = 1
+    layers_s: tuple[float, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         """Plain values (the bench's JSON): the fields, every stage's bubble, the theoretical."""
         return {"micro_batches": self.micro_batches, "stages": self.stages,
                 "wall_s": self.wall_s, "busy_s": list(self.busy_s), "steps": self.steps,
-                "bubble": list(self.bubble), "theoretical_bubble": self.theoretical_bubble}
+                "layers_s": list(self.layers_s), "bubble": list(self.bubble),
+                "theoretical_bubble": self.theoretical_bubble,
+                "ideal_wall_s": self.ideal_wall_s}
 
     @property
     def bubble(self) -> tuple[float, ...]:
-        """Every stage's idle share of the wall time, ``1 − busy / wall``."""
+        """Every stage's idle share of the wall time, ``1 − busy / wall`` (its waits on the
+        other stages, and its wait at the end for the slowest one)."""
         return tuple(1.0 - b / self.wall_s for b in self.busy_s)
+
+    @property
+    def ideal_wall_s(self) -> float:
+        """The wall time a perfect schedule of these stages would take: per forward, every
+        stage's time for one micro-batch (filling the pipeline) plus M − 1 more of the slowest
+        stage's, a stage's time per micro-batch being its busy seconds over ``steps × M``.
+        ``wall_s / ideal_wall_s`` is then what the schedule itself (its sends, receives and
+        waits) adds; the measured bubble over the theoretical one adds the stages' unequal
+        costs to that, as the theoretical bubble holds for equal stages only."""
+        per = [b / (self.steps * self.micro_batches) for b in self.busy_s]
+        return self.steps * (sum(per) + (self.micro_batches - 1) * max(per))
+
+    @property
+    def layer_share(self) -> tuple[float, ...]:
+        """Every stage's share of the wall time inside its own layers (``layers / wall``;
+        empty when not measured): below ``1 − bubble`` by the model's work around them."""
+        return tuple(t / self.wall_s for t in self.layers_s)
 
     @property
     def theoretical_bubble(self) -> float:
@@ -73,9 +104,11 @@ class PipelineStats:
     def summary(self) -> str:
         bubbles = ", ".join(f"{b:.1%}" for b in self.bubble)
         steps = f" ({self.steps} forwards)" if self.steps > 1 else ""
+        layers = (f"; in its layers {', '.join(f'{s:.1%}' for s in self.layer_share)}"
+                  if self.layers_s else "")
         return (f"{self.micro_batches} micro-batches over {self.stages} stages in "
                 f"{self.wall_s * 1e3:.1f} ms{steps}; bubble per stage {bubbles} (theoretical "
-                f"{self.theoretical_bubble:.1%})")
+                f"{self.theoretical_bubble:.1%}){layers}")
 
 
 #: keyword inputs that are not per row (a ``cache_position`` ``[seq]`` may equal the batch size)
@@ -138,13 +171,15 @@ def _concat(outs: list[Any]) -> Any:
     return first
 
 
-def run_parts(forward, parts: list[tuple[tuple, dict]], report) -> tuple[list, float, float]:
+def run_parts(forward, parts: list[tuple[tuple, dict]],
+              report) -> tuple[list, float, float, float]:
     """``forward(*a, **k)`` for every micro-batch ``(a, k)`` of ``parts``, one after the other,
     with the stage's point-to-point ops in flight (:class:`~shardwise.pipeline.transform.
     InFlight`) and the broadcast of the outputs deferred (the caller broadcasts). Returns the
-    outputs, this rank's seconds and its busy seconds."""
+    outputs, this rank's seconds, its busy seconds (not waiting on another stage) and its
+    seconds inside its layers."""
     clock, links = report.clock, report.links
-    busy_before, was_deferred = clock.busy_s, clock.deferred
+    layers_before, wait_before, was_deferred = clock.layers_s, clock.wait_s, clock.deferred
     clock.deferred = True
     if links is not None:
         links.arm([_batch_size(a, k) or 1 for a, k in parts])
@@ -157,7 +192,8 @@ def run_parts(forward, parts: list[tuple[tuple, dict]], report) -> tuple[list, f
         if links is not None:
             links.disarm(complete)
         clock.deferred = was_deferred
-    return outs, time.perf_counter() - start, clock.busy_s - busy_before
+    elapsed = time.perf_counter() - start
+    return outs, elapsed, elapsed - (clock.wait_s - wait_before), clock.layers_s - layers_before
 
 
 def run_micro_batches(module, args: tuple, kwargs: dict, report) -> tuple[Any, PipelineStats]:
@@ -167,12 +203,20 @@ def run_micro_batches(module, args: tuple, kwargs: dict, report) -> tuple[Any, P
     comm, plan = report.communicator, report.plan
     parts = split_inputs(args, {**kwargs, "use_cache": False}, report.micro_batches)
     comm.barrier()  # a common start for the wall time
-    outs, elapsed, busy = run_parts(module, parts, report)
+    outs, elapsed, busy, layers = run_parts(module, parts, report)
     outs = [_broadcast_output(o, comm, plan.ranks[-1]) for o in outs]
-    times = comm.all_gather(torch.tensor([[elapsed, busy]], dtype=torch.float64))  # [P, 2]
-    stats = PipelineStats(len(parts), plan.size, float(times[:, 0].max()),
-                          tuple(float(b) for b in times[:, 1]))
+    stats = _gather(comm, len(parts), plan.size, 1, elapsed, busy, layers)
     return _concat(outs), stats
+
+
+def _gather(comm, micro_batches: int, stages: int, steps: int, elapsed_s: float, busy_s: float,
+            layers_s: float) -> PipelineStats:
+    """The :class:`PipelineStats` from every rank's seconds (one all-gather in the pp group)."""
+    times = comm.all_gather(torch.tensor([[elapsed_s, busy_s, layers_s]],
+                                         dtype=torch.float64))  # [P, 3]
+    return PipelineStats(micro_batches, stages, float(times[:, 0].max()),
+                         tuple(float(b) for b in times[:, 1]), steps,
+                         tuple(float(t) for t in times[:, 2]))
 
 
 #: not looked up yet
@@ -255,7 +299,8 @@ class CachedMicroBatches:
                 return self.forward(*args, **kwargs)
             weight = self.stack().parts.final_norm.weight  # the stack's dtype and device
             cache = self.stack().new_cache(batch, weight.dtype, weight.device)
-            caches = cache.split_rows([_batch_size(a, k) for a, k in parts])
+            caches = [_own_graph(part) for part in
+                      cache.split_rows([_batch_size(a, k) for a, k in parts])]
             vars(cache)[_PARTS] = caches
             _follow_static(cache)
         outs = self._run([(a, {**k, key: c}) for (a, k), c in zip(parts, caches)])
@@ -288,9 +333,45 @@ class CachedMicroBatches:
         """Every micro-batch through the stages, the broadcast of the last stage's outputs
         deferred until all ran; this rank's seconds and busy seconds added to the report."""
         report = self.report
-        outs, elapsed, busy = run_parts(self.forward, parts, report)
-        report.add_step(elapsed, busy)
+        outs, elapsed, busy, layers = run_parts(self.forward, parts, report)
+        report.add_step(elapsed, busy, layers)
         return [_broadcast_output(o, report.communicator, report.plan.ranks[-1]) for o in outs]
+
+
+@functools.cache
+def _micro_batch_cache_type() -> type:
+    """:class:`~shardwise.inject.StaticKVCache` of one micro-batch (made on first use: the
+    inject package is imported only with injection)."""
+    from ..inject.cache import StaticKVCache
+
+    class MicroBatchKVCache(StaticKVCache):
+        """A micro-batch's static cache: a view of some rows of its stage's buffers
+        (:meth:`~shardwise.inject.StaticKVCache.split_rows`), with a decode graph of its own.
+
+        A captured decode step reads and writes the buffers it was captured over, and the
+        graph of a cache is looked up by its ``graph_key`` (a whole batch's: its row count).
+        Micro-batches of equal rows are views of *different* rows of one set of buffers, so
+        that key would replay micro-batch 0's graph — its rows of the cache — for every one of
+        them. Here the key is the view itself (where its rows start in memory, and how many):
+        each micro-batch captures once and replays its own graph in every later ``generate``
+        over the same buffers (a graph keeps its view alive, so no other buffer can take that
+        address while it exists)."""
+
+        @property
+        def graph_key(self) -> object | None:
+            first = self.buffers.k[0] if self.buffers.k else None
+            if first is None:
+                return None
+            return ("pipeline micro-batch", first.data_ptr(), self.buffers.batch)
+
+    return MicroBatchKVCache
+
+
+def _own_graph(part: Any) -> Any:
+    """``part`` (a micro-batch's :class:`~shardwise.inject.StaticKVCache`, from ``split_rows``)
+    keyed for a decode graph of its own (:func:`_micro_batch_cache_type`); instance-scoped."""
+    part.__class__ = _micro_batch_cache_type()
+    return part
 
 
 #: cache methods that change rows (beam search reorders, contrastive search repeats) or length
@@ -373,10 +454,9 @@ def _count_tokens(cache, outs: list[Any], caches: list, batch: int) -> None:
         cache.update(placeholder, placeholder, layer)
 
 
-def gather_steps(report, steps: int, elapsed_s: float, busy_s: float) -> PipelineStats:
+def gather_steps(report, steps: int, elapsed_s: float, busy_s: float,
+                 layers_s: float = 0.0) -> PipelineStats:
     """The :class:`PipelineStats` of ``steps`` cached forwards (every rank calls it: one
-    all-gather of this rank's seconds and busy seconds in the pp group)."""
-    comm, plan = report.communicator, report.plan
-    times = comm.all_gather(torch.tensor([[elapsed_s, busy_s]], dtype=torch.float64))  # [P, 2]
-    return PipelineStats(report.micro_batches, plan.size, float(times[:, 0].max()),
-                         tuple(float(b) for b in times[:, 1]), steps)
+    all-gather of this rank's seconds, busy seconds and seconds in its layers, pp group)."""
+    return _gather(report.communicator, report.micro_batches, report.plan.size, steps,
+                   elapsed_s, busy_s, layers_s)

@@ -28,6 +28,7 @@ broadcast from the stage that kept them (:func:`_rebuild`).
 from __future__ import annotations
 
 import ast
+import contextlib
 import inspect
 import textwrap
 import time
@@ -134,19 +135,21 @@ class PipelineReport:
     #: forward, or of the last ``engine.generate`` (all its steps)
     stats: Any = None
     #: this rank's cached micro-batched forwards since :meth:`generate` began: [steps, seconds,
-    #: busy seconds] (:meth:`add_step`)
-    _steps: list = field(default_factory=lambda: [0, 0.0, 0.0], repr=False)
+    #: busy seconds, seconds inside its layers] (:meth:`add_step`)
+    _steps: list = field(default_factory=lambda: [0, 0.0, 0.0, 0.0], repr=False)
 
-    def add_step(self, elapsed_s: float, busy_s: float) -> None:
-        """Count one cached micro-batched forward (a prefill or decode step) of this rank."""
+    def add_step(self, elapsed_s: float, busy_s: float, layers_s: float = 0.0) -> None:
+        """Count one cached micro-batched forward (a prefill or decode step) of this rank:
+        its seconds, those not waiting on another stage, those inside its layers."""
         self._steps[0] += 1
         self._steps[1] += elapsed_s
         self._steps[2] += busy_s
+        self._steps[3] += layers_s
 
     def start_steps(self) -> None:
         """Start counting this rank's cached micro-batched forwards (every rank of the pipeline
         calls it: a barrier gives the ranks a common start)."""
-        self._steps[:] = [0, 0.0, 0.0]
+        self._steps[:] = [0, 0.0, 0.0, 0.0]
         self.communicator.barrier()
 
     def finish_steps(self) -> Any:
@@ -234,7 +237,8 @@ def apply_stages(model: nn.Module, layers: nn.ModuleList, plan: StagePlan, commu
     names = {id(m): n for n, m in model.named_modules()}
     originals = list(layers)
     replaced: list[tuple[str, nn.Module, int]] = []  # (name, original module, owner rank)
-    clock, links = StageClock(), InFlight()
+    clock = StageClock()
+    links = InFlight(clock)
     link = StageLink(plan, communicator, links, clock)
     for index, layer in enumerate(layers):
         owner = plan.owner(index)
@@ -308,8 +312,10 @@ class InFlight:
     this one's other dims) before the stage computes k, so the transfer overlaps the compute.
     Unarmed (a forward of the batch whole), the hooks send and receive blocking."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: "StageClock | None" = None) -> None:
         self.active = False
+        #: where the seconds spent waiting on the other stages are counted (None: not counted)
+        self.clock = clock
         self._rows: list[int] = []  # rows of the micro-batches still to receive, after the next
         self._recv: tuple[torch.Tensor, Any] | None = None  # (buffer, op) of the next one
         self._sends: list[tuple[torch.Tensor, Any]] = []
@@ -329,11 +335,16 @@ class InFlight:
         sends, recv = self._sends, self._recv
         self._sends, self._recv, self.active = [], None, False
         if complete:
-            for _, op in sends:
-                op.wait()
+            with self._waiting():
+                for _, op in sends:
+                    op.wait()
         elif recv is not None or sends:
             self.broken = ("a micro-batched forward failed on this rank with point-to-point "
                            "messages still in flight, so the stages' messages are out of step")
+
+    def _waiting(self):
+        """A context that counts its seconds as this stage waiting on another one."""
+        return self.clock.waiting() if self.clock is not None else contextlib.nullcontext()
 
     def _check(self) -> None:
         if self.broken:
@@ -355,7 +366,8 @@ class InFlight:
         if self._recv is not None:
             incoming, op = self._recv
             self._recv = None
-            op.wait()
+            with self._waiting():
+                op.wait()
             if incoming.shape != hidden.shape:
                 raise PipelineConfigError(
                     f"pipeline stage received hidden states {tuple(incoming.shape)} for a "
@@ -363,7 +375,8 @@ class InFlight:
                     f"must keep every non-batch dimension; run with micro_batches=1")
         else:
             incoming = torch.empty_like(hidden, memory_format=torch.contiguous_format)
-            comm.recv(incoming, src=src)
+            with self._waiting():
+                comm.recv(incoming, src=src)
         if self.active and self._rows:
             shape = (self._rows.pop(0), *hidden.shape[1:])
             buf = hidden.new_empty(shape)
@@ -372,23 +385,41 @@ class InFlight:
 
 
 class StageClock:
-    """This stage's busy time: the seconds between its first layer starting (after the hidden
-    states arrived) and its last layer ending (before they are sent), summed over forwards.
+    """This stage's clocks, summed over forwards:
+
+    * ``layers_s``: the seconds inside its own layers, between its first layer starting (after
+      the hidden states arrived) and its last layer ending (before they are sent);
+    * ``wait_s``: the seconds it waited on another stage (a receive not yet arrived, a send
+      not yet taken at the end of a micro-batched forward).
+
+    The schedule counts a stage busy whenever it is not waiting (its layers, and the model's
+    own work around them on this stage: embedding, masks, head), so the bubble is the share of
+    the wall time it waited (:class:`~shardwise.pipeline.schedule.PipelineStats`).
     ``deferred``: the micro-batch schedule broadcasts the outputs itself after every
     micro-batch ran (:mod:`shardwise.pipeline.schedule`), so the in-forward broadcast is
     skipped."""
 
     def __init__(self) -> None:
-        self.busy_s = 0.0
+        self.layers_s = 0.0
+        self.wait_s = 0.0
         self.deferred = False
         self._start: float | None = None
+
+    @contextlib.contextmanager
+    def waiting(self):
+        """Count the seconds inside as waiting on another stage."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.wait_s += time.perf_counter() - start
 
     def begin(self, *_: Any) -> None:
         self._start = time.perf_counter()
 
     def end(self, *_: Any) -> None:
         if self._start is not None:
-            self.busy_s += time.perf_counter() - self._start
+            self.layers_s += time.perf_counter() - self._start
             self._start = None
 
 
