@@ -129,12 +129,6 @@ def check_with_other_fields(cfg: Any) -> None:
             raise NotSupportedYetError(
                 f"{name}={value!r} ({what}) is not supported yet with pipeline_parallel; "
                 f"remove {name}, or pipeline_parallel")
-    if cfg.enable_graph and cfg.pipeline_parallel.micro_batches > 1:
-        raise NotSupportedYetError(
-            f"enable_graph=True (graph capture) is not supported yet with pipeline_parallel "
-            f"micro_batches={cfg.pipeline_parallel.micro_batches} (each micro-batch's cache is "
-            f"a view of other rows of one set of buffers, which one captured graph per batch "
-            f"size cannot tell apart); use micro_batches=1, or enable_graph=False")
     if isinstance(cfg.quant, Mapping) and cfg.quant.get("lm_head"):
         raise NotSupportedYetError(
             "quant lm_head=True (quantizing the output head) is not supported yet with "
