@@ -33,6 +33,22 @@ bandwidth (44 GB/s unloaded) where torch's kernels read 14-20 per core. Prefill-
 ms at 32 rows, 44 / 44 ms at 128 and 228 / 237 ms at 512, against bf16 F.linear's 22, 63 and
 332 ms and torch's packed kernels' 47-1191 ms: the native kernel is the fastest at every batch
 measured, so it runs at every batch (no crossover).
+
+A whole decode step's linears (``--decode-step smollm2-135m``: 30 layers of q, k, v, o, gate,
+up, down, 210 calls of batch 1 on weights far larger than the caches) against the copy of the
+same bytes and the same number of native calls on a 16 x 32 weight (the fixed cost of a call:
+dispatch from Python, activation quantization, output allocation, the thread pool), per kernel
+(eager ``quant_linear`` calls, and the native op called directly as a compiled step calls it):
+
+    python benchmarks/kernel_quant.py --decode-step smollm2-135m --threads 1 --clock cpu
+
+Measured (load 11-13 on the 2 cores, so ``--threads 1 --clock cpu``; bf16 activations, int8 per
+channel, 106.8 MB of packed weights): before 2026-11-26's per-call cuts the step took 4.78 ms
+(22 GB/s) of which 0.77 ms was the 210 calls' fixed cost (3.7 us each, the op called directly); after, 4.13-4.30 ms
+(25-26 GB/s) with 0.47 ms fixed (2.2 us each, 1.2 us above a trivial aten op called the same
+way), while the 1-thread copy of the same bytes took 5.3-6.1 ms. Fusing q/k/v and gate/up
+(120 calls, the same bytes) saved only 0.08 ms more: at batch 1 the native calls are bound by
+the bytes, not their count.
 """
 
 from __future__ import annotations
@@ -119,6 +135,75 @@ def fp32_model_rows(acc, batch: int, in_f: int, out_f: int):
     return rows
 
 
+#: Decoder shapes for ``--decode-step``: hidden, MLP, kv width (kv heads x head dim), layers.
+DECODE_MODELS = {"smollm2-135m": (576, 1536, 192, 30), "llama-1.7b": (2048, 8192, 2048, 24)}
+
+
+def decode_step_linears(hidden: int, inter: int, kv: int) -> list[tuple[str, int, int]]:
+    """(name, in, out) of one Llama layer's linears, in call order."""
+    return [("q", hidden, hidden), ("k", hidden, kv), ("v", hidden, kv), ("o", hidden, hidden),
+            ("gate", hidden, inter), ("up", hidden, inter), ("down", inter, hidden)]
+
+
+def decode_step_rows(acc, dtype, model: str, quant: str, kernels):
+    """(label, weight bytes, fn) for one decode step's linears (batch 1) of ``model`` per
+    kernel, the same number of calls on a tiny weight, and the copy of the same bytes."""
+    hidden, inter, kv, layers = DECODE_MODELS[model]
+    _, bits, group, sym = next(q for q in QUANT if q[0] == quant)
+    shapes = decode_step_linears(hidden, inter, kv)
+    dev = acc.device()
+    xs = {k: torch.randn(1, k, device=dev).to(dtype) for k in (hidden, inter)}
+    tiny_x = torch.randn(1, 32, device=dev).to(dtype)
+    rows = []
+    for kernel in kernels:
+        calls, nbytes = [], 0
+        for _ in range(layers):
+            for _name, in_f, out_f in shapes:
+                qw = ref.quantize_weight(torch.randn(out_f, in_f) * 0.02, bits, group, sym)
+                _, packed, impl = packed_variant(acc, dtype, qw, kernel)
+                calls.append((impl, packed, xs[in_f]))
+                nbytes += packed.nbytes
+        rows.append((f"{quant} step, {kernel}", nbytes,
+                     lambda calls=calls: [impl(x, packed) for impl, packed, x in calls]))
+        tiny_qw = ref.quantize_weight(torch.randn(16, 32) * 0.02, bits, -1, True)
+        _, tiny, impl = packed_variant(acc, dtype, tiny_qw, kernel)
+        rows.append((f"{len(calls)} tiny calls, {kernel}", 0,
+                     lambda impl=impl, tiny=tiny, n=len(calls): [impl(tiny_x, tiny)
+                                                                for _ in range(n)]))
+        if tiny.meta.get("kind") == "native":  # as a compiled step calls it: the op itself
+            rows.append((f"{len(calls)} tiny calls, native op", 0,
+                         lambda tiny=tiny, n=len(calls): [native_op(tiny_x, tiny)
+                                                         for _ in range(n)]))
+            rows.insert(-2, (f"{quant} step, native op", nbytes,
+                             lambda calls=calls: [native_op(x, p) for _, p, x in calls]))
+    nbytes = rows[0][1]
+    src = torch.empty(nbytes, dtype=torch.uint8, device=dev).random_()
+    dst = torch.empty_like(src)
+    rows.append(("copy of the step's bytes", nbytes, lambda: dst.copy_(src)))
+    return rows
+
+
+def native_op(x: torch.Tensor, packed) -> torch.Tensor:
+    """The native op on a natively packed weight, without quant_linear's Python checks."""
+    t, spec = packed.tensors, packed.spec
+    return native.cpu_qlinear(x, t["qweight"], t["scales"], t.get("zeros"), None, spec.bits,
+                              spec.group_size, packed.meta["ablock"], spec.out_features)
+
+
+def run_decode_step(acc, dtype, args, bandwidth: float) -> None:
+    """``--decode-step``: the table of :func:`decode_step_rows` (GB/s: weight bytes read;
+    the copy's row counts the bytes once, though it reads and writes them)."""
+    rows = decode_step_rows(acc, dtype, args.decode_step, args.decode_quant, args.kernels)
+    times = median_us([lambda f=f: (f(), acc.synchronize()) for *_, f in rows], args.repeats,
+                      warmup=2, clock=CLOCKS[args.clock])
+    print(f"\n{args.decode_step} decode step, batch 1, {str(dtype)[6:]} activations")
+    print(f"  {'variant':34s} {'ms':>8s} {'weight MB':>9s} {'GB/s':>7s} {'% bw':>5s}")
+    for (label, nbytes, _), us in zip(rows, times):
+        gbps = nbytes / us / 1e3
+        print(f"  {label:34s} {us / 1e3:8.3f} {nbytes / 1e6:9.1f} {gbps:7.1f} "
+              f"{100 * gbps / bandwidth:4.0f}%")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cpu")
@@ -138,6 +223,11 @@ def main() -> None:
                     help="also time the reference (dequantize + F.linear per call; slow)")
     ap.add_argument("--fp32-model", action="store_true",
                     help="also time an fp32 model's QuantLinear (casts to the kernel's dtype)")
+    ap.add_argument("--decode-step", choices=sorted(DECODE_MODELS), default=None,
+                    help="time a whole decode step's linears of this model shape instead "
+                         "(module docstring)")
+    ap.add_argument("--decode-quant", default="int8 per-channel",
+                    choices=[q[0] for q in QUANT], help="the variant --decode-step runs")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -146,6 +236,9 @@ def main() -> None:
     bandwidth = measure_bandwidth(acc).gbps
     print(f"{acc.name} ({acc.device_name()}), threads={torch.get_num_threads()}, "
           f"copy bandwidth {bandwidth:.1f} GB/s, median of {args.repeats} interleaved calls")
+    if args.decode_step:
+        run_decode_step(acc, dtype, args, bandwidth)
+        return
     for shape in args.shapes:
         in_f, out_f = map(int, shape.split("x"))
         for batch in args.batch:
