@@ -258,3 +258,138 @@ def _dtype_name(model: nn.Module) -> str:
         if p.is_floating_point():
             return str(p.dtype).removeprefix("torch.")
     return "float32"
+
+
+# ----- pipeline stages ---------------------------------------------------------------------------
+
+#: the Hugging Face index a pipeline engine's save writes (the commit point)
+HF_INDEX = "model.safetensors.index.json"
+#: what :func:`save_stages_checkpoint` writes (and so may remove once the index does not name it)
+_STAGE_FILE = re.compile(r"model-\d{5}-of-\d{5}\.safetensors(\.tmp)?")
+
+
+def stage_file(stage: int, stages: int) -> str:
+    """Stage ``stage``'s file: ``model-00001-of-00002.safetensors`` (Hugging Face's names)."""
+    return f"model-{stage + 1:05d}-of-{stages:05d}.safetensors"
+
+
+def save_stages_checkpoint(model: nn.Module, path: str | Path, stages,
+                           communicator: Communicator) -> Path:
+    """Write a pipeline engine's model (``stages``: this rank's
+    :class:`~shardwise.pipeline.PipelineReport`) to ``path`` as a Hugging Face sharded
+    checkpoint; every rank of the pipeline calls it. Each stage writes its own tensors into one
+    file (``model-0000s-of-0000P.safetensors``): its decoder layers', the first stage also the
+    embedding and every tensor outside the layers and the head (final norm, position tables:
+    each stage holds a copy, written once), the last stage the head (not when it is tied to the
+    embedding, which the first stage writes). The first stage writes ``config.json`` and, last,
+    once every stage's file is complete, ``model.safetensors.index.json`` (the commit point).
+    The folder then loads with ``init_inference(None, checkpoint=path, ...)`` at any
+    pp / tp — each stage reading only its tensors — and with ``from_pretrained``.
+
+    Returns the index's path.
+
+    Raises:
+        NotSupportedYetError: tensor parallelism within the stages, an injected or quantized
+            engine (their tensors are not the model's own), or a folder holding a shardwise
+            tensor-parallel checkpoint (its description would be read instead); each message
+            says what to do.
+    """
+    comm = stages.communicator
+    _check_stages_save(model, stages, communicator, Path(path))
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    plan = stages.plan
+    names = [stage_file(s, plan.size) for s in range(plan.size)]
+    tensors = _stage_tensors(model, stages)
+    _atomic(out / names[plan.coord], lambda tmp: _save_tensors(tensors, tmp))
+    weight_map = {}
+    for stage, stage_names in enumerate(_gather_names(comm, sorted(tensors))):
+        weight_map.update({name: names[stage] for name in stage_names})
+    comm.barrier()  # every stage's file is complete
+    index = out / HF_INDEX
+    if plan.first:
+        config = getattr(model, "config", None)
+        if config is not None and hasattr(config, "save_pretrained"):
+            _atomic(out / "config.json", lambda tmp: _save_config(config, tmp))
+        total = sum(t.numel() * t.element_size() for t in tensors.values())
+        body = {"metadata": {"format": "pt", "saved_by": "shardwise pipeline stages",
+                             "stages": plan.size, "first_stage_bytes": total},
+                "weight_map": dict(sorted(weight_map.items()))}
+        _atomic(index, lambda tmp: tmp.write_text(json.dumps(body, indent=1)))
+        keep = set(names)
+        for f in out.iterdir():  # earlier saves' stage files the index does not name
+            if f.name not in keep and _STAGE_FILE.fullmatch(f.name) and f.is_file():
+                f.unlink(missing_ok=True)
+    comm.barrier()
+    return index
+
+
+def _check_stages_save(model: nn.Module, stages, communicator: Communicator, out: Path) -> None:
+    from ..errors import NotSupportedYetError
+
+    if stages.communicator.world_size != communicator.world_size:
+        raise NotSupportedYetError(
+            "saving a checkpoint from pipeline stages with tensor parallelism inside them is not "
+            "supported yet (each stage's tensors are split over its tp ranks); save from an "
+            "engine with pipeline_parallel alone, or with tensor_parallel alone")
+    if _extension_entries(model):
+        raise NotSupportedYetError(
+            "saving a checkpoint from quantized pipeline stages is not supported yet; save an "
+            "engine built without quant= and quantize while loading (init_inference(None, "
+            "checkpoint=..., quant=...))")
+    from ..inject.injector import injected_stack
+
+    if injected_stack(model) is not None:
+        raise NotSupportedYetError(
+            "saving a checkpoint from injected pipeline stages is not supported yet (the "
+            "injected layers hold the tensors in their own layout); save from an engine built "
+            "without replace_with_kernel_inject (the saved folder loads injected)")
+    if (out / DESCRIPTION_NAME).exists():
+        raise NotSupportedYetError(
+            f"{out} holds a shardwise tensor-parallel checkpoint ({DESCRIPTION_NAME}), which a "
+            f"load would read instead of the pipeline stages' files; save into another folder")
+
+
+def _stage_tensors(model: nn.Module, stages) -> dict[str, torch.Tensor]:
+    """This stage's tensors (state-dict names → CPU tensors): those under its decoder layers;
+    on the first stage also everything outside the layers and the head; on the last the head
+    unless it is tied to the embedding."""
+    from ..pipeline.transform import RemoteHead, RemoteLayer
+
+    plan = stages.plan
+    containers = {name.rpartition(".")[0] for name, m in model.named_modules()
+                  if isinstance(m, RemoteLayer)}
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    head_name = next((n for n, m in model.named_modules() if m is head), None) \
+        if isinstance(head, nn.Module) and not isinstance(head, RemoteHead) else None
+    config = getattr(model, "config", None)
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    out = {}
+    for name, tensor in _unique_state(model).items():
+        in_layers = any(name.startswith(f"{c}.") for c in containers)
+        in_head = head_name is not None and name.startswith(f"{head_name}.")
+        if in_head:
+            keep = plan.last and not tied
+        else:
+            keep = in_layers or plan.first
+        if keep:
+            out[name] = tensor.detach().to("cpu").contiguous()
+    return out
+
+
+def _save_tensors(tensors: dict[str, torch.Tensor], tmp: Path) -> None:
+    from safetensors.torch import save_file
+
+    save_file(tensors, str(tmp), metadata={"format": "pt"})
+
+
+def _gather_names(comm: Communicator, names: list[str]) -> list[list[str]]:
+    """Every rank's ``names``, in rank order (two all-gathers: lengths, then the padded bytes)."""
+    data = torch.tensor(list(json.dumps(names).encode()), dtype=torch.uint8)
+    lengths = comm.all_gather(torch.tensor([data.numel()], dtype=torch.int64))
+    longest = int(lengths.max())
+    padded = torch.zeros(longest, dtype=torch.uint8)
+    padded[:data.numel()] = data
+    every = comm.all_gather(padded.unsqueeze(0)).reshape(len(lengths), longest)
+    return [json.loads(bytes(every[r, :int(lengths[r])].tolist()).decode())
+            for r in range(len(lengths))]
