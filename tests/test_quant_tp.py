@@ -41,9 +41,38 @@ def quant_case(rank: int, arch: str, bits: int) -> dict:
                 bytes_before=report.bytes_before, bytes_after=report.bytes_after)
 
 
+#: (arch, weight bits) whose output head, tied to the input embeddings, is quantized too
+TIED_CASES = [("gpt2", 8), ("gpt2", 4)]
+
+
+def tied_case(rank: int, arch: str, bits: int) -> dict:
+    """The vocab-parallel head and embedding share one table per rank: quantized once."""
+    from shardwise.quant import QuantLinear
+    from shardwise.quant.tied import QuantEmbedding
+
+    ref, model = tiny_causal_lm(arch), tiny_causal_lm(arch)
+    ids = prompt_ids(batch=2, length=16)
+    with torch.no_grad():
+        ref_logits = ref(ids).logits
+    engine = shardwise.init_inference(model, device="cpu", dtype=torch.bfloat16,
+                                      quant={"weight": {"num_bits": bits}, "lm_head": True},
+                                      **TP)
+    mine = ids if rank == 0 else torch.zeros_like(ids)
+    logits = engine(input_ids=mine).logits
+    rel, agree = parity(ref_logits, logits)
+    head, embed = model.get_output_embeddings(), model.get_input_embeddings()
+    return dict(rel=rel, agree=agree, digest=digest(logits.float()),
+                head=isinstance(head, QuantLinear), head_rows=head.out_features,
+                embed=isinstance(embed, QuantEmbedding) and embed.head is head,
+                embed_hooked=bool(embed._forward_pre_hooks) and bool(embed._forward_hooks),
+                vocab=ref.get_input_embeddings().weight.shape[0])
+
+
 def _run_all(rank: int) -> dict:
-    return run_cases(rank, {f"{a}-int{b}": (lambda a=a, b=b: quant_case(rank, a, b))
-                            for a, b in CASES})
+    cases = {f"{a}-int{b}": (lambda a=a, b=b: quant_case(rank, a, b)) for a, b in CASES}
+    cases.update({f"tied-{a}-int{b}": (lambda a=a, b=b: tied_case(rank, a, b))
+                  for a, b in TIED_CASES})
+    return run_cases(rank, cases)
 
 
 @pytest.fixture(scope="module")
@@ -62,3 +91,17 @@ def test_tp2_quantized_parity(ranks, arch, bits):
     assert r0["rows"] > 0 and r0["row_quantized"] == r0["rows"] == r0["row_hooked"]
     assert {b for kinds in r0["backends"].values() for b in kinds} == {"cpu"}
     assert r0["bytes_after"] < r0["bytes_before"]
+
+
+@pytest.mark.parametrize("arch,bits", TIED_CASES)
+def test_tp2_tied_head_is_quantized_once_per_rank(ranks, arch, bits):
+    """Each rank holds its vocab slice of the tied table once, quantized; the embedding keeps
+    the vocab-parallel mask / all-reduce hooks; ranks agree and parity holds."""
+    r0, r1 = case(ranks, f"tied-{arch}-int{bits}")
+    print(f"{arch} int{bits} tied head tp2: rel {r0['rel']:.4f} agree {r0['agree']:.2f}")
+    assert r0["digest"] == r1["digest"]
+    for r in (r0, r1):
+        assert r["head"] and r["embed"] and r["embed_hooked"]
+        assert r["head_rows"] * 2 == r["vocab"]  # this rank's vocab slice
+    max_rel, min_agree = BOUNDS[bits]
+    assert r0["rel"] <= max_rel and r0["agree"] >= min_agree, (r0["rel"], r0["agree"])

@@ -13,7 +13,8 @@ linears as they are); it can also be called alone::
 could run) without changing the model.
 
 Modules: :mod:`.config` (the ``quant=`` dict, DeepSpeed MoQ mapping), :mod:`.modules`
-(:class:`QuantLinear`), :mod:`.experts` (:class:`QuantExperts`: a Mixture-of-Experts model's
+(:class:`QuantLinear`), :mod:`.tied` (:class:`QuantEmbedding`: an output head tied to the input
+embeddings, quantized with ``lm_head``, stored once), :mod:`.experts` (:class:`QuantExperts`: a Mixture-of-Experts model's
 experts, quantized per expert on the grouped ``quant_moe_mlp`` kernel), :mod:`.transform`
 (:func:`quantize_model`, :class:`Quantizer` and its ``reading_hook``: the per-tensor hook the
 checkpoint loader calls), :mod:`.checkpoint`
@@ -25,9 +26,11 @@ from .checkpoint import load_quantized, save_quantized
 from .config import QuantConfig, parse_quant
 from .experts import QuantExperts
 from .modules import QuantLinear
+from .tied import QuantEmbedding
 from .transform import (AlreadyQuantizedError, QuantReport, Quantizer, check_fits, model_bytes,
                         quant_targets, quantize_model, quantize_model_experts)
 
 __all__ = ["load_quantized", "save_quantized", "QuantConfig", "parse_quant", "QuantLinear",
+           "QuantEmbedding",
            "QuantExperts", "AlreadyQuantizedError", "QuantReport", "Quantizer", "check_fits",
            "model_bytes", "quant_targets", "quantize_model", "quantize_model_experts"]

@@ -51,6 +51,7 @@ from shardwise.kernels.reference.quant import QuantSpec
 from .config import parse_quant
 from .experts import QuantExperts
 from .modules import QuantLinear
+from .tied import QuantEmbedding, tie_embedding
 from .transform import (QUANT_ATTR, QuantizedLayer, QuantReport, _refuse_twice, model_bytes,
                         regrouped_notes, swap_in)
 
@@ -60,6 +61,9 @@ FORMAT = "shardwise-quantized-v1"
 #: The ``"format"`` of a :func:`save_quantized` file's safetensors metadata.
 FILE_FORMAT = "shardwise-quantized-file-v2"
 _LAYER_KEYS = {"spec", "backend", "compute_dtype", "meta", "tensors", "source", "bias", "kind"}
+#: Optional layer keys: ``"tied"``, the input embedding (module name) that reads a tied head's
+#: table (:mod:`.tied`: stored once, under the head's name).
+_OPTIONAL_LAYER_KEYS = {"tied"}
 _FILE_KEYS = {"format", "manifest", "aliases"}
 #: The first bytes of the files torch.save writes (a zip archive, or a legacy raw pickle).
 _TORCH_SAVE_MAGIC = (b"PK\x03\x04", b"\x80\x02", b"\x80\x03", b"\x80\x04", b"\x80\x05")
@@ -90,6 +94,8 @@ def manifest(model: nn.Module) -> dict[str, Any]:
             f"this version of shardwise cannot save yet; save the full-precision model and "
             f"quantize while loading (init_inference(checkpoint=..., quant=...))")
     layers = {}
+    tied_embeddings = {id(m.head): n for n, m in model.named_modules()
+                       if isinstance(m, QuantEmbedding)}  # head → the embedding reading it
     for name, m in model.named_modules():
         if isinstance(m, QuantLinear):
             s = m.spec
@@ -99,6 +105,9 @@ def manifest(model: nn.Module) -> dict[str, Any]:
                 "meta": m.meta, "tensors": m.describe_tensors(), "source": m.source,
                 "bias": list(m.bias.shape) if m.bias is not None else None,
                 "kind": report.layers[name].kind if report and name in report.layers else None}
+            tied = tied_embeddings.get(id(m))
+            if tied is not None:
+                layers[name]["tied"] = tied
     if not layers:
         raise ConfigError(f"{type(model).__name__} holds no quantized layer; quantize it first "
                           "(shardwise.quant.quantize_model or init_inference(quant=...))")
@@ -152,8 +161,11 @@ def check_manifest(info: Any, where: str) -> None:
 def _entry_problem(entry: Any) -> str | None:
     """What is wrong with one manifest layer entry (None when it is well-formed): every key
     present with its type, so nothing malformed reaches a kernel."""
-    if not isinstance(entry, Mapping) or set(entry) != _LAYER_KEYS:
+    if not isinstance(entry, Mapping) or not (
+            _LAYER_KEYS <= set(entry) <= _LAYER_KEYS | _OPTIONAL_LAYER_KEYS):
         return f"keys {sorted(entry) if isinstance(entry, Mapping) else entry!r}"
+    if not isinstance(entry.get("tied", ""), str) or entry.get("tied", "x") == "":
+        return f"tied {entry.get('tied')!r}"
     spec = entry["spec"]
     if not (isinstance(spec, list) and len(spec) == 5 and _int(spec[0]) and spec[0] in (4, 8)
             and isinstance(spec[2], bool)
@@ -313,9 +325,11 @@ def _check_stored(info: Mapping[str, Any], handle: Any, model: nn.Module,
     manifest's shells are in, each with its shape (and, for packed tensors, the manifest's
     dtype) — checked from the header alone, before the model is changed."""
     expected = {key: (list(t.shape), None) for key, t in model.state_dict().items()}
-    for layer in info["layers"]:
+    for layer, entry in info["layers"].items():
         for key in (f"{layer}.weight", f"{layer}.bias"):
             expected.pop(key, None)
+        if entry.get("tied"):  # the embedding reads the head's table: no state of its own
+            expected.pop(f"{entry['tied']}.weight", None)
     expected.update(tensor_names(info))
     names = set(handle.keys()) | set(aliases)
     missing, unexpected = sorted(set(expected) - names), sorted(names - set(expected))
@@ -362,11 +376,30 @@ def install_shells(model: nn.Module, info: Mapping[str, Any], device: torch.devi
                 f"which cannot run here ({exc.args[0]}); re-quantize from the full-precision "
                 f"checkpoint on this device") from None
         swap_in(model, name, shell)
+        if entry.get("tied"):
+            _tie_shell(model, entry["tied"], name, shell, bias_dtype or compute or torch.float32,
+                       source)
         layers[name] = QuantizedLayer(name, entry.get("kind") or "attention", entry["backend"],
                                       spec.bits, spec.group_size,
                                       (spec.out_features, spec.in_features), shell.weight_nbytes,
                                       compute)
     return layers
+
+
+def _tie_shell(model: nn.Module, embed_name: str, head_name: str, shell: QuantLinear,
+               dtype: torch.dtype, source: str) -> None:
+    """Put the :class:`~shardwise.quant.tied.QuantEmbedding` reading ``shell``'s table in place
+    of the input embedding ``embed_name`` (as quantizing put it)."""
+    from .tied import embedding_problem
+
+    embed = dict(model.named_modules()).get(embed_name)
+    problem = "it is missing" if embed is None else embedding_problem(embed_name, embed)
+    if problem:
+        raise QuantizedCheckpointError(
+            f"{source} stores {head_name!r} once for the tied input embedding {embed_name!r}, "
+            f"but in {type(model).__name__} {problem}; load it into the architecture it was "
+            f"saved from")
+    tie_embedding(model, embed_name, shell, head_name, dtype)
 
 
 def loaded_report(model: nn.Module, info: Mapping[str, Any], layers: dict[str, QuantizedLayer],

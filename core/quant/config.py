@@ -12,7 +12,8 @@ Accepted (shardwise's names and DeepSpeed-Inference's)::
             "q_groups": 1,                  # DeepSpeed MoQ: groups per row (see below)
             "mlp_extra_grouping": False,    # DeepSpeed MoQ: twice the groups in MLP layers
         },
-        "lm_head": False,                   # also quantize the output head (off by default)
+        "lm_head": False,                   # also quantize the output head (off by default);
+                                            # or {"num_bits": 8, "group_size": -1} (see below)
         "activation": {"enabled": False},   # accepted only disabled: activations are not
                                             # quantized
         "allow_slow_kernels": False,        # opt in to layers no fast kernel can run (below)
@@ -35,6 +36,18 @@ times slower than the unquantized model: that is a :class:`ConfigError` naming t
 would be fast, unless ``allow_slow_kernels=True`` accepts it (one log line then says which layers
 run the reference). ``allow_slow_kernels`` is a run-time permission, not a weight format: it is
 not compared when a saved quantized checkpoint's settings are matched against ``quant=``.
+
+The output head (``lm_head``)
+-----------------------------
+``lm_head=True`` quantizes the output head too; ``lm_head={"num_bits": 8 | 4, "group_size": G}``
+does so with its own bits / group size (``{"enabled": False}`` is ``False``). Defaults: the
+weights' settings, except that **a head tied to the input embeddings gets 8 bits (one scale per
+output row) when the weights get 4** — llama.cpp keeps its Q4_0 files' tied table at Q8_0, and
+measured on SmolLM2-135M-Instruct an int4 tied table costs more quality than all the int4 layers
+together (benchmarks/README.md, llama.cpp section). A tied head is stored ONCE, quantized: the
+head runs the quantized linear kernel and the input embedding becomes a
+:class:`~shardwise.quant.tied.QuantEmbedding` that dequantizes only the rows it looks up
+(:mod:`shardwise.quant.tied`).
 
 ``dtype=torch.int8`` (DeepSpeed's spelling) means ``quant={"weight": {"num_bits": 8}}`` with the
 accelerator's preferred compute dtype (bf16 on a CPU with native bf16, see
@@ -72,6 +85,11 @@ from ..errors import ConfigError, NotSupportedYetError
 ALLOWED_BITS = (4, 8)
 TOP_KEYS = ("enabled", "weight", "lm_head", "activation", "allow_slow_kernels")
 WEIGHT_KEYS = ("enabled", "num_bits", "group_size", "q_type", "q_groups", "mlp_extra_grouping")
+#: Keys of the dict form of ``lm_head``.
+HEAD_KEYS = ("enabled", "num_bits", "group_size")
+#: The bits of a tied head (input embeddings and output head, one table) by the weights' bits,
+#: when ``lm_head`` does not say (module docstring).
+TIED_HEAD_BITS = {8: 8, 4: 8}
 #: DeepSpeed keys we know and do not support (rejected with this reason).
 _UNSUPPORTED = {
     "qkv": "DeepSpeed's fused-qkv quantization switch (shardwise quantizes q/k/v like every "
@@ -95,9 +113,10 @@ class QuantConfig:
     bits: 4 or 8; group_size: columns per scale (-1 per channel) or None for the default (module
     docstring); q_groups: DeepSpeed MoQ groups per row (None unless given); mlp_extra_grouping:
     double ``q_groups`` in MLP layers; symmetric: no zero points; lm_head: quantize the output
-    head too; allow_slow_kernels: let layers no fast kernel takes run the (slow) torch
-    reference instead of raising (module docstring; not part of equality: it is no weight
-    format). Built directly, the fields are checked as :func:`parse_quant` checks them.
+    head too; lm_head_bits / lm_head_group_size: the head's own bits / group size (None: the
+    defaults of :meth:`for_head`); allow_slow_kernels: let layers no fast kernel takes run the
+    (slow) torch reference instead of raising (module docstring; not part of equality: it is no
+    weight format). Built directly, the fields are checked as :func:`parse_quant` checks them.
     """
 
     bits: int = 8
@@ -107,11 +126,16 @@ class QuantConfig:
     mlp_extra_grouping: bool = False
     lm_head: bool = False
     allow_slow_kernels: bool = field(default=False, compare=False)
+    lm_head_bits: int | None = None
+    lm_head_group_size: int | None = None
 
     def __post_init__(self) -> None:
         _check_bits(self.bits)
         _check_group_size(self.group_size)
         _check_q_groups(self.q_groups)
+        if self.lm_head_bits is not None:
+            _check_bits(self.lm_head_bits)
+        _check_group_size(self.lm_head_group_size)
         for name in ("symmetric", "mlp_extra_grouping", "lm_head", "allow_slow_kernels"):
             _bool(getattr(self, name), name)
 
@@ -144,6 +168,18 @@ class QuantConfig:
             return (next((g for g in INT4_DEFAULT_GROUPS if in_features % g == 0), in_features),)
         return (in_features,)
 
+    def for_head(self, tied: bool) -> "QuantConfig":
+        """The settings the output head is quantized with (module docstring): ``lm_head_bits``
+        / ``lm_head_group_size`` where given; else a ``tied`` head gets
+        :data:`TIED_HEAD_BITS` (8 bits, one scale per row, for 4-bit weights), an untied one the
+        weights' settings. The result quantizes one layer (no ``q_groups``)."""
+        bits = self.lm_head_bits or (TIED_HEAD_BITS[self.bits] if tied else self.bits)
+        group = self.lm_head_group_size
+        if group is None and bits == self.bits and self.q_groups is None:
+            group = self.group_size  # same bits: the weights' groups
+        return QuantConfig(bits=bits, group_size=group, symmetric=self.symmetric,
+                           allow_slow_kernels=self.allow_slow_kernels)
+
     def describe(self) -> str:
         if self.q_groups is not None:
             groups = f"q_groups={self.q_groups}" + (" (x2 MLP)" if self.mlp_extra_grouping else "")
@@ -152,7 +188,14 @@ class QuantConfig:
         else:
             groups = "per-channel" if self.group_size == -1 else f"groups of {self.group_size}"
         kind = "symmetric" if self.symmetric else "asymmetric"
-        return f"int{self.bits} {kind}, {groups}{', lm_head too' if self.lm_head else ''}"
+        head = ""
+        if self.lm_head:
+            own = [f"int{self.lm_head_bits}"] if self.lm_head_bits else []
+            if self.lm_head_group_size is not None:
+                own.append("per-channel" if self.lm_head_group_size == -1
+                           else f"groups of {self.lm_head_group_size}")
+            head = f", lm_head too{' (' + ', '.join(own) + ')' if own else ''}"
+        return f"int{self.bits} {kind}, {groups}{head}"
 
     def to_dict(self) -> dict[str, Any]:
         """The ``quant=`` dict that builds this config again."""
@@ -163,7 +206,12 @@ class QuantConfig:
         if self.q_groups is not None:
             weight["q_groups"] = self.q_groups
             weight["mlp_extra_grouping"] = self.mlp_extra_grouping
-        out: dict[str, Any] = {"weight": weight, "lm_head": self.lm_head}
+        head: Any = self.lm_head
+        if self.lm_head and (self.lm_head_bits or self.lm_head_group_size is not None):
+            head = {"num_bits": self.lm_head_bits} if self.lm_head_bits else {}
+            if self.lm_head_group_size is not None:
+                head["group_size"] = self.lm_head_group_size
+        out: dict[str, Any] = {"weight": weight, "lm_head": head}
         if self.allow_slow_kernels:
             out["allow_slow_kernels"] = True
         return out
@@ -304,8 +352,25 @@ def parse_quant(value: Any, *, default_bits: int | None = None) -> QuantConfig |
     extra = _bool(weight.get("mlp_extra_grouping", False), "mlp_extra_grouping")
     if extra and q_groups is None:
         q_groups = 1  # DeepSpeed's default q_groups, doubled for the MLP
+    head, head_bits, head_group = _check_head(value.get("lm_head", False))
     return QuantConfig(bits=bits, group_size=group_size, symmetric=q_type == "symmetric",
-                       q_groups=q_groups, mlp_extra_grouping=extra,
-                       lm_head=_bool(value.get("lm_head", False), "lm_head"),
+                       q_groups=q_groups, mlp_extra_grouping=extra, lm_head=head,
                        allow_slow_kernels=_bool(value.get("allow_slow_kernels", False),
-                                                "allow_slow_kernels"))
+                                                "allow_slow_kernels"),
+                       lm_head_bits=head_bits, lm_head_group_size=head_group)
+
+
+def _check_head(value: Any) -> tuple[bool, int | None, int | None]:
+    """``lm_head`` (a bool, or a dict of :data:`HEAD_KEYS`) → (quantize the head, its bits or
+    None, its group size or None)."""
+    if isinstance(value, bool):
+        return value, None, None
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"quant lm_head must be true or false, or a dict like "
+                          f"{{'num_bits': 8, 'group_size': -1}}, got {type(value).__name__} "
+                          f"{value!r}")
+    _check_keys(value, HEAD_KEYS, "quant lm_head")
+    if not _bool(value.get("enabled", True), "lm_head.enabled"):
+        return False, None, None
+    bits = _check_bits(value["num_bits"]) if "num_bits" in value else None
+    return True, bits, _check_group_size(value.get("group_size"))

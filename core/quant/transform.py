@@ -4,7 +4,10 @@ in place (``quantize_model``), usable alone.
 Which layers: every ``nn.Linear`` / transformers ``Conv1D`` the model's tensor-parallel plan
 names as column- or row-parallel (attention and MLP projections) — the plan ``init_inference``
 would shard with (the user's ``injection_policy``, the model's HF ``tp_plan``, the family policy,
-then the heuristic); the output head only with ``lm_head=True``; embeddings never. A model no plan
+then the heuristic); the output head only with ``lm_head`` (its own settings:
+:meth:`QuantConfig.for_head`); an input embedding only as the table of a head tied to it, stored
+once (:mod:`.tied`: the embedding becomes a :class:`~.tied.QuantEmbedding` reading the head's
+packed rows). A model no plan
 covers falls back to every Linear/Conv1D except the output head (noted in the report).
 
 How: each weight is quantized in float32 on the target device (:func:`quantize_weight`, so under
@@ -55,6 +58,8 @@ from ..sharding.roles import ColumnParallel, RowParallel
 from .config import MIN_FALLBACK_GROUP, QuantConfig, is_mlp, parse_quant
 from .experts import QuantExperts, check_experts, expert_modules, quantize_experts_module
 from .modules import QuantLinear, swap_quantized
+from .tied import (embedding_problem, refuse_tied, tie_embedding, tied_embedding_name,
+                   tied_head_problem)
 from shardwise.kernels.reference.quant import QuantizationError, QuantSpec, quantize_weight
 
 
@@ -217,11 +222,10 @@ def quant_targets(model: nn.Module, config: QuantConfig, roles: Mapping[str, Any
         if head is None or not _is_target_kind(modules[head]):
             raise ConfigError(f"quant lm_head=True but {type(model).__name__} has no linear "
                               f"output head (get_output_embeddings)")
-        embed = getattr(model, "get_input_embeddings", lambda: None)()
-        if embed is not None and getattr(embed, "weight", None) is modules[head].weight:
-            raise ConfigError(f"quant lm_head=True but {head!r} is tied to the input embeddings: "
-                              "the embedding table stays in the compute dtype, so quantizing "
-                              "the head would add bytes, not save them; remove lm_head")
+        embed = tied_embedding_name(model, modules[head])
+        problem = embed and embedding_problem(embed, modules[embed])
+        if problem:
+            raise refuse_tied(head, problem)
         names.append(head)
     return names, source
 
@@ -242,6 +246,8 @@ class Quantizer:
         self.device = torch.device(device) if device is not None else accelerator.device()
         self.names = set(names) if names is not None else None
         self.lm_head_name = lm_head_name
+        #: head name → the input embedding tied to it (stored once: :mod:`.tied`)
+        self.tied: dict[str, str] = {}
         self.layers: dict[str, QuantizedLayer] = {}
 
     @classmethod
@@ -255,7 +261,23 @@ class Quantizer:
         names, source = quant_targets(model, config, roles, injection_policy, plan)
         q = cls(config, accelerator, dtype, device, names, _output_name(model))
         q.source = source
+        q.find_tied(model)
         return q
+
+    def find_tied(self, model: nn.Module) -> None:
+        """Record which wanted head is tied to ``model``'s input embeddings (:attr:`tied`)."""
+        head = self.lm_head_name
+        if head is not None and self.wants(head):
+            embed = tied_embedding_name(model, model.get_submodule(head))
+            if embed is not None:
+                self.tied[head] = embed
+
+    def config_for(self, module_name: str) -> QuantConfig:
+        """The settings layer ``module_name`` is quantized with: the head's own
+        (:meth:`QuantConfig.for_head`, tied or not) for the output head, else the config."""
+        if module_name == self.lm_head_name and module_name is not None:
+            return self.config.for_head(module_name in self.tied)
+        return self.config
 
     source = "plan"
 
@@ -269,14 +291,19 @@ class Quantizer:
         divides the inputs, 4 bits need an even count, and a fast kernel takes the layer (or
         ``allow_slow_kernels`` is set; the kernel check needs ``out_features``). Pure: for
         validating every layer before any is quantized."""
-        if self.config.bits == 4 and in_features % 2:
+        config = self.config_for(module_name)
+        if config.bits == 4 and in_features % 2:
             raise QuantizationError(f"layer {module_name!r}: 4-bit packing needs an even number "
                                     f"of input features, got {in_features}")
         if out_features is None:
-            self.config.group_size_for(module_name, in_features)  # raises where none fits
+            config.group_size_for(module_name, in_features)  # raises where none fits
             return
-        spec, impl, _ = self.choose_spec(module_name, in_features, out_features)
+        spec, impl, dtype = self.choose_spec(module_name, in_features, out_features)
         self._refuse_slow(module_name, spec, impl)
+        if module_name in self.tied:
+            problem = tied_head_problem(impl.fn.prepack, spec, self.device, dtype)
+            if problem:
+                raise refuse_tied(module_name, problem)
 
     def choose_spec(self, module_name: str, in_features: int, out_features: int
                     ) -> tuple[QuantSpec, KernelImpl, torch.dtype]:
@@ -285,11 +312,11 @@ class Quantizer:
         (:meth:`QuantConfig.group_sizes_for`: one, unless an explicit ``group_size`` does not
         divide ``in_features``; then the fitting smaller ones, largest first) that a fast
         kernel takes, else the first of them (which the slow-kernel check then judges)."""
-        sizes = self.config.group_sizes_for(module_name, in_features)
+        config = self.config_for(module_name)
+        sizes = config.group_sizes_for(module_name, in_features)
         first = None
         for size in sizes:
-            spec = QuantSpec(self.config.bits, size, self.config.symmetric, in_features,
-                             out_features)
+            spec = QuantSpec(config.bits, size, config.symmetric, in_features, out_features)
             impl, dtype = self.resolve_kernel(spec)
             if impl.backend != REFERENCE:
                 return spec, impl, dtype
@@ -405,8 +432,8 @@ class Quantizer:
         group_size = spec.group_size
         self._refuse_slow(module_name, spec, impl)  # before the (costly) quantization
         try:
-            qw = quantize_weight(w.to(self.device), bits=self.config.bits, group_size=group_size,
-                                 symmetric=self.config.symmetric)
+            qw = quantize_weight(w.to(self.device), bits=spec.bits, group_size=group_size,
+                                 symmetric=spec.symmetric)
         except QuantizationError as exc:
             raise QuantizationError(f"layer {module_name!r}: {exc}") from None
         packed = impl.fn.prepack(qw, self.device, kernel_dtype)
@@ -416,7 +443,7 @@ class Quantizer:
         module = QuantLinear(packed, impl, bias, source="conv1d" if conv1d else "linear")
         self.layers[module_name] = QuantizedLayer(
             module_name, layer_kind(module_name, self.lm_head_name), impl.backend,
-            self.config.bits, group_size, (out_features, in_features), module.weight_nbytes,
+            spec.bits, group_size, (out_features, in_features), module.weight_nbytes,
             kernel_dtype)
         return module
 
@@ -426,6 +453,8 @@ class Quantizer:
         weight (and bias) rebuilt from ``new`` by dequantizing, in the dtype and on the device
         they had."""
         swap_in(model, name, new)
+        if name in self.tied:  # the embedding reads the head's table: stored once
+            tie_embedding(model, self.tied[name], new, name, self.dtype)
 
     def reading_hook(self) -> "QuantizeOnRead":
         """The checkpoint loader's per-tensor hook quantizing this quantizer's layers as their
@@ -487,6 +516,9 @@ def regrouped_notes(config: QuantConfig, layers: Mapping[str, QuantizedLayer]) -
         return []
     changed: dict[tuple[int, int], list[str]] = {}
     for layer in layers.values():
+        if layer.kind == "lm_head" and (layer.bits != config.bits
+                                        or config.lm_head_group_size is not None):
+            continue  # the head's own settings (QuantConfig.for_head), not the weights'
         if layer.group_size != asked:
             changed.setdefault((layer.shape[1], layer.group_size), []).append(layer.name)
     notes = []
@@ -548,6 +580,8 @@ class QuantizeOnRead(TensorHook):
         self.layers: dict[str, bool] = {}  # wanted layer → whether it is a transformers Conv1D
         self.biases: dict[str, torch.Tensor] = {}  # bias read before its weight
         self.installed: dict[str, QuantLinear] = {}
+        #: the module name a tied weight is offered under → the head it is quantized for
+        self.read_as: dict[str, str] = {}
         self.bytes_before = 0  # this rank's parameters unquantized in the compute dtype
         self._root: nn.Module | None = None  # the model being loaded (plan)
 
@@ -567,15 +601,28 @@ class QuantizeOnRead(TensorHook):
             if name is None:
                 continue
             if len(t.names) > 1:
-                raise ConfigError(f"layer {name!r}'s weight is tied to {list(t.names[1:])}; a "
-                                  f"tied weight cannot be quantized (remove lm_head=True)")
+                self._plan_tied(name, t.names)
             conv1d = not isinstance(modules[name], nn.Linear)
             shape = t.shape  # [out, in]; Conv1D [in, out]
             self.quantizer.check(name, shape[0 if conv1d else 1], shape[1 if conv1d else 0])
             self.layers[name] = conv1d
 
+    def _plan_tied(self, name: str, names: tuple[str, ...]) -> None:
+        """A weight read once for several names: only the output head tied to the input
+        embeddings (:mod:`.tied`) is quantized so (stored once); the loader offers it under its
+        first name, which :meth:`on_tensor` maps back to the head."""
+        tied = self.quantizer.tied.get(name)
+        if tied is None or set(names) != {f"{name}.weight", f"{tied}.weight"}:
+            others = [n for n in names if n != f"{name}.weight"]
+            raise ConfigError(f"layer {name!r}'s weight is tied to {others}; only an output "
+                              f"head tied to the input embeddings can be quantized (once), "
+                              f"remove lm_head=True")
+        self.read_as[names[0].rpartition(".")[0]] = name
+
     def on_tensor(self, module_name: str, module: nn.Module, param: str,
                   tensor: torch.Tensor) -> bool:
+        if param == "weight":
+            module_name = self.read_as.get(module_name, module_name)
         if module_name not in self.layers or param not in ("weight", "bias"):
             return False
         if param == "bias":
@@ -738,6 +785,7 @@ def quantize_model(model: nn.Module, spec: QuantConfig | Mapping, accelerator: A
         targets = list(names)
         quantizer = Quantizer(config, accelerator, dtype, device, targets, _output_name(model))
         quantizer.source = "names given"
+        quantizer.find_tied(model)
     experts = expert_modules(model)
     if names is not None:  # experts modules named among the names
         experts = [n for n in experts if n in targets]

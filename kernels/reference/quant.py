@@ -9,15 +9,23 @@ becomes a signed integer ``q`` in ``[-2**(bits-1), 2**(bits-1) - 1]`` and is rea
 
     w ≈ (q - zero) * scale                    (zero = 0 when symmetric)
 
-* symmetric:  ``scale = amax / (2**(bits-1) - 1)``, ``q = round(w / scale)``, so ``q`` lies in
-  ``[-127, 127]`` / ``[-7, 7]`` (-128 / -8 unused) and nothing is clipped.
+* symmetric, 8 bits: ``scale = amax / 127``, ``q = round(w / scale)`` in ``[-127, 127]`` (-128
+  unused), nothing clipped.
+* symmetric, 4 bits: the scale is searched per group (:func:`_searched_scales`, as llama.cpp's
+  k-quants choose theirs): candidates map the group's largest-magnitude value ``m`` near
+  ``-8`` (``scale = m / -(8 + step)``: Q4_0's choice is step 0, which uses all 16 levels where
+  ``amax / 7`` leaves -8 unused), each gets its least-squares scale for its codes, and the one
+  with the smallest ``w²``-weighted squared error wins; ``q = clamp(round(w / scale), -8, 7)``.
+  The scale may be negative (so that ``m`` of either sign reaches -8) and a value may be
+  clipped by up to a fraction of a step. Dequantization is unchanged: ``q * scale``.
 * asymmetric: ``scale = (max - min) / (2**bits - 1)``, ``zero = qmin - min / scale`` and
   ``q = round(w / scale + zero)``: min maps to ``qmin`` and max to ``qmax`` exactly. ``zero`` is a
   float in the integer domain (it may be fractional and lie outside the q range, e.g. for an
   all-positive group); an integer zero point from a GPTQ/AWQ checkpoint is the special case of an
   integral value, so those load without loss.
 
-Either way ``|w - dequantized| <= scale / 2`` (round to nearest), up to float32 rounding.
+8-bit and asymmetric: ``|w - dequantized| <= |scale| / 2`` (round to nearest), up to float32
+rounding; symmetric 4-bit trades a little clipping of the extremes for a smaller error overall.
 
 Storage (:class:`QuantizedWeight`):
 
@@ -189,9 +197,54 @@ def _check_args(w: torch.Tensor, bits: int, group_size: int | None) -> int:
 
 
 def _symmetric_params(wg: torch.Tensor, bits: int) -> tuple[torch.Tensor, None]:
-    """wg: float32 [out, groups, group_size] → scales [out, groups], no zeros."""
+    """wg: float32 [out, groups, group_size] → scales [out, groups], no zeros: 8 bits
+    ``amax / 127``; 4 bits the searched scale of :func:`_searched_scales`."""
+    if bits in SCALE_SEARCH_BITS:
+        return _searched_scales(wg, bits), None
     amax = wg.abs().amax(-1)
     return amax.clamp_min(torch.finfo(torch.float32).tiny) / _qrange(bits)[1], None
+
+
+#: Bits whose symmetric scales are searched (:func:`_searched_scales`); 8 bits keep
+#: ``amax / 127`` (their rounding error is already far below the activations').
+SCALE_SEARCH_BITS = (4,)
+#: The candidate divisors' offsets: the group's largest-magnitude value ``m`` maps to
+#: ``qmin - step`` (Q4_0's choice is step 0: ``m -> -8``), as llama.cpp's ``make_qx_quants``
+#: tries ``-(nmax + 0.1 i)``.
+SCALE_SEARCH_STEPS = (-0.9, -0.6, -0.3, 0.0, 0.3, 0.6, 0.9, 1.2)
+
+
+def _searched_scales(wg: torch.Tensor, bits: int,
+                     steps: tuple[float, ...] = SCALE_SEARCH_STEPS) -> torch.Tensor:
+    """The symmetric scale of each group minimizing the weighted squared rounding error, as
+    llama.cpp's k-quants choose theirs (``make_qx_quants``, weights ``w²``).
+
+    wg: float32 [out, groups, group_size] → scales [out, groups]. For each candidate
+    ``d = m / (qmin - step)`` (``m`` the group's signed value of largest magnitude, so the
+    sign of ``d`` lets ``m`` use the extra negative level, -8 at 4 bits, as Q4_0 does) the codes
+    ``q = clamp(round(w / d))`` get their least-squares scale ``s = Σ w² q w / Σ w² q²``; the
+    candidate with the smallest weighted error ``Σ w² (w - s q)²`` (equivalently the largest
+    ``(Σ w² q w)² / Σ w² q²``) wins. A scale may therefore be negative. The caller rounds
+    again with the chosen scale (never worse than the candidate's codes). Cost: about
+    ``6 len(steps)`` passes over the weight, at quantization only."""
+    qmin, qmax = _qrange(bits)
+    tiny = torch.finfo(torch.float32).tiny
+    idx = wg.abs().argmax(-1, keepdim=True)
+    m = wg.gather(-1, idx)  # [out, groups, 1] signed
+    m = torch.where(m == 0, torch.full_like(m, tiny), m)
+    weight = wg * wg  # [out, groups, group_size]
+    best_score = torch.full(m.shape[:-1], -1.0, dtype=torch.float32, device=wg.device)
+    best = (m / qmin).squeeze(-1)  # Q4_0's scale, kept where every candidate is degenerate
+    for step in steps:
+        q = (wg / (m / (qmin - step))).round_().clamp_(qmin, qmax)
+        wq = weight * q
+        sum_lx, sum_l2 = (wq * wg).sum(-1), (wq * q).sum(-1)  # [out, groups]
+        ok = sum_l2 > 0
+        score = torch.where(ok, sum_lx * sum_lx / sum_l2.clamp_min(tiny), best_score)
+        better = score > best_score
+        best = torch.where(better, sum_lx / sum_l2.clamp_min(tiny), best)
+        best_score = torch.where(better, score, best_score)
+    return torch.where(best == 0, torch.full_like(best, tiny), best)
 
 
 def _asymmetric_params(wg: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -257,6 +310,109 @@ def dequantize_weight(qw: QuantizedWeight, dtype: torch.dtype = torch.float32) -
     w = (q * qw.scales[..., None]).reshape(out_features, in_features)
     return w.to(dtype)
 
+
+# ----- rows of a packed weight (a tied embedding's lookup) --------------------------------------
+#
+# An output head tied to the input embeddings is stored once, quantized (shardwise.quant.tied):
+# the head runs ``quant_linear`` and the embedding looks up ROWS of the same packed weight,
+# dequantizing only those. :func:`dequantize_rows` is the oracle (the format's own tensors);
+# :func:`packed_rows` reads them from a backend's packed layout without unpacking the rest:
+# the reference layout, the CPU backend's native layout (``meta["kind"] == "native"``: rows in
+# tiles of 16, shardwise.kernels.cpu.quant's docstring) and its torch int8 layouts
+# (``"int8"``). Every one is plain tensor indexing, so a compiled decode step traces it.
+
+
+def dequantize_rows(qw: QuantizedWeight, ids: torch.Tensor,
+                    dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Rows ``ids`` (any shape of int64 indices into ``[0, out)``) of the dequantized weight:
+    ``dequantize_weight(qw)[ids]`` as ``[*ids.shape, in]`` in ``dtype`` — the oracle of
+    :func:`packed_rows`. Dequantizes only the rows asked for."""
+    flat = ids.reshape(-1)
+    zeros = qw.zeros[flat] if qw.zeros is not None else None
+    rows = QuantizedWeight(qw.qweight[flat], qw.scales[flat], zeros, qw.bits, qw.group_size)
+    return dequantize_weight(rows, dtype).reshape(*ids.shape, qw.in_features)
+
+
+def _grouped(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
+             group_size: int) -> torch.Tensor:
+    """int q [T, K], float32 scales / zeros [T, G] → float32 ``(q - zero) * scale`` [T, K]."""
+    t, k = q.shape
+    w = q.float().reshape(t, -1, group_size)
+    if zeros is not None:
+        w = w - zeros[..., None]
+    return (w * scales.float()[..., None]).reshape(t, k)
+
+
+def _reference_rows(packed: PackedQuantWeight, ids: torch.Tensor) -> torch.Tensor:
+    return dequantize_rows(unpacked(packed), ids)
+
+
+#: Output rows per tile of the CPU backend's native layout.
+NATIVE_TILE_ROWS = 16
+
+
+def _native_rows(packed: PackedQuantWeight, ids: torch.Tensor) -> torch.Tensor:
+    """Rows of the native layout: ``qweight`` uint8 [Nb, K / L, 16, 4] (int8: byte j of step s
+    is column ``4 s + j``, ``q + 128``; int4: byte j of step s holds columns ``8 s + j`` (low
+    nibble) and ``8 s + 4 + j`` (high), ``q + 8``), ``scales`` / ``zeros`` [Nb, G, 16]."""
+    t, spec = packed.tensors, packed.spec
+    tile, row = ids // NATIVE_TILE_ROWS, ids % NATIVE_TILE_ROWS  # [T] each
+    w = t["qweight"][tile, :, row, :]  # [T, K / L, 4]
+    if spec.bits == 4:
+        w = torch.stack((w & 0x0F, w >> 4), dim=-2)  # [T, K / 8, 2, 4]: low then high nibble
+    q = w.reshape(ids.shape[0], spec.in_features).to(torch.int16) - UNSIGNED_OFFSET[spec.bits]
+    zeros = t["zeros"][tile, :, row] if "zeros" in t else None  # [T, G]
+    return _grouped(q, t["scales"][tile, :, row], zeros, spec.group_size)
+
+
+def _int8_rows(packed: PackedQuantWeight, ids: torch.Tensor) -> torch.Tensor:
+    """Rows of the CPU backend's torch int8 layouts: per channel ``qweight`` int8 [N, K],
+    ``scales`` [N]; grouped ``qweight`` [G, N, group], ``scales`` [G, N]; asymmetric adds
+    ``offsets`` float32 [G, N] (``-zero * scale``; G = 1 per channel)."""
+    t, spec = packed.tensors, packed.spec
+    q = t["qweight"]
+    if q.dim() == 2:
+        w = q[ids].float() * t["scales"][ids].float()[:, None]  # [T, K]
+        return w + t["offsets"][0, ids][:, None] if "offsets" in t else w
+    w = q[:, ids].float() * t["scales"][:, ids].float()[..., None]  # [G, T, group]
+    if "offsets" in t:
+        w = w + t["offsets"][:, ids][..., None]
+    return w.permute(1, 0, 2).reshape(ids.shape[0], spec.in_features)
+
+
+#: Packed layouts whose rows :func:`packed_rows` reads, by (backend kind): the reference's
+#: own tensors, and the CPU backend's ``meta["kind"]`` "native" and "int8".
+ROW_READERS: dict[str, Callable[[PackedQuantWeight, torch.Tensor], torch.Tensor]] = {
+    "reference": _reference_rows, "native": _native_rows, "int8": _int8_rows}
+
+
+def row_layout(packed: PackedQuantWeight) -> str:
+    """The :data:`ROW_READERS` key of ``packed``'s layout (it may be missing there)."""
+    return BACKEND if packed.backend == BACKEND else str(packed.meta.get("kind"))
+
+
+def rows_unsupported_reason(packed: PackedQuantWeight) -> str | None:
+    """Why :func:`packed_rows` cannot read ``packed``'s rows (None when it can)."""
+    layout = row_layout(packed)
+    if layout in ROW_READERS:
+        return None
+    return (f"the {packed.backend!r} backend's {layout!r} layout of int{packed.spec.bits} "
+            f"group {packed.spec.group_size} keeps its rows opaque (readable layouts: "
+            f"{', '.join(ROW_READERS)})")
+
+
+def packed_rows(packed: PackedQuantWeight, ids: torch.Tensor,
+                dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Rows ``ids`` (int64, any shape, each in ``[0, out)``) of a packed quantized weight,
+    dequantized: ``[*ids.shape, in]`` in ``dtype``, equal to :func:`dequantize_rows` of the
+    weight it holds (computed in float32 from the stored scales). Reads only those rows.
+    Raises :class:`KernelError` for a layout it cannot read (:func:`rows_unsupported_reason`)."""
+    reason = rows_unsupported_reason(packed)
+    if reason is not None:
+        raise KernelError(f"packed_rows: {reason}")
+    flat = ids.reshape(-1)
+    rows = ROW_READERS[row_layout(packed)](packed, flat)  # [T, in] float32
+    return rows.to(dtype).reshape(*ids.shape, packed.spec.in_features)
 
 
 # ----- 8-bit activations (the oracle of the CPU backend's native kernel) -------------------------
