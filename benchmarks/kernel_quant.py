@@ -42,13 +42,15 @@ dispatch from Python, activation quantization, output allocation, the thread poo
 
     python benchmarks/kernel_quant.py --decode-step smollm2-135m --threads 1 --clock cpu
 
-Measured (load 11-13 on the 2 cores, so ``--threads 1 --clock cpu``; bf16 activations, int8 per
-channel, 106.8 MB of packed weights): before 2026-11-26's per-call cuts the step took 4.78 ms
-(22 GB/s) of which 0.77 ms was the 210 calls' fixed cost (3.7 us each, the op called directly); after, 4.13-4.30 ms
-(25-26 GB/s) with 0.47 ms fixed (2.2 us each, 1.2 us above a trivial aten op called the same
-way), while the 1-thread copy of the same bytes took 5.3-6.1 ms. Fusing q/k/v and gate/up
-(120 calls, the same bytes) saved only 0.08 ms more: at batch 1 the native calls are bound by
-the bytes, not their count.
+Measured (load 11-14 on the 2 cores, so ``--threads 1 --clock cpu``; bf16 activations, int8 per
+channel, 106.8 MB of packed weights; the native op called directly): before 2026-11-26's
+per-call cuts, in one process with the new build, the step took 4.78 ms (22 GB/s) of which the
+210 calls' fixed cost was 0.77 ms (3.7 us each); after, 4.13-4.30 ms (25-26 GB/s) with 0.47 ms
+fixed (2.2 us each, 1.2 us above a trivial aten op called the same way); the 1-thread copy of
+the same bytes took 5.3-6.1 ms. (A later run at load 13-14: 5.05 ms and 0.85 ms; eager
+``quant_linear`` adds its Python, 6.7 us a call, which a compiled step does not run; torch's
+packed int8 kernel 10.2 ms.) Fusing q/k/v and gate/up (120 calls, the same bytes) saved only
+0.08 ms more: at batch 1 the native calls are bound by the bytes, not their count.
 """
 
 from __future__ import annotations
