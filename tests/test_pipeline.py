@@ -847,3 +847,41 @@ def test_the_ideal_wall_separates_the_schedule_from_unequal_stages():
     equal = PipelineStats(4, 2, wall_s=0.100, busy_s=(0.080, 0.080))
     assert equal.ideal_wall_s == pytest.approx(0.100)
     assert equal.bubble == pytest.approx((equal.theoretical_bubble,) * 2)
+
+
+class _BroadcastComm(_RecordingComm):
+    """Records broadcasts; a receiving rank's buffer is filled with 7."""
+
+    def __init__(self, rank: int) -> None:
+        super().__init__()
+        self.rank = rank
+
+    def broadcast(self, tensor, src):
+        self.calls.append(("broadcast", tuple(tensor.shape), src))
+        if self.rank != src:
+            tensor.fill_(7.0)
+        return tensor
+
+
+@pytest.mark.parametrize("coord, head, deferred, broadcast", [
+    (1, None, False, "sent"), (0, None, False, "received"),  # no head: the last stage's output
+    (0, 100, False, None),  # a head: its hook broadcasts the logits instead
+    (0, None, True, None),  # micro-batches: the schedule broadcasts once all ran
+])
+def test_a_stack_with_its_own_layer_loop_gets_the_last_stages_output(coord, head, deferred,
+                                                                      broadcast):
+    """StageLink.output, for an injected encoder's own loop (no HF last-layer hook fires)."""
+    from shardwise.pipeline import StagePlan
+    from shardwise.pipeline.transform import InFlight, StageClock, StageLink
+
+    plan = StagePlan(((0, 1), (1, 2)), coord, (0, 1), (1, 1), "balanced", 8, head)
+    comm, clock = _BroadcastComm(coord), StageClock()
+    clock.deferred = deferred
+    link = StageLink(plan, comm, InFlight(clock), clock)
+    hidden = torch.ones(2, 3, 8)
+    out = link.output(hidden)
+    if broadcast is None:
+        assert out is hidden and comm.calls == []
+    else:
+        assert comm.calls == [("broadcast", (2, 3, 8), 1)]
+        assert out.eq(1.0 if broadcast == "sent" else 7.0).all()

@@ -468,6 +468,23 @@ class StageLink:
             self.links.send(self.communicator, hidden, plan.ranks[plan.coord + 1])
 
 
+    def output(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The model's output hidden states ``[batch, seq, hidden]`` on every rank, for a stack
+        that runs its own layer loop and has no head after it (an injected encoder): the last
+        stage's, broadcast to every stage (what :func:`_wire`'s hook on the last HF layer does,
+        which such a stack never calls). Returned as given where that is done elsewhere: a model
+        with a head (the head's hook broadcasts its logits), or under the micro-batch schedule
+        (``clock.deferred``: it broadcasts every micro-batch's outputs once all ran)."""
+        if self.plan.head_features is not None or self.clock.deferred:
+            return hidden
+        src = self.plan.ranks[-1]
+        if self.plan.last:
+            self.communicator.broadcast(hidden.detach().contiguous(), src=src)
+            return hidden
+        buf = torch.empty_like(hidden, memory_format=torch.contiguous_format)
+        return self.communicator.broadcast(buf, src=src)
+
+
 def _wire(model: nn.Module, layers: nn.ModuleList, head: nn.Module | None, plan: StagePlan,
           comm, clock: StageClock, links: InFlight) -> None:
     """The hooks that move activations: receive before the stage's first layer, send after its
