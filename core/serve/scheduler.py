@@ -9,10 +9,13 @@ One background thread makes every model call. Each iteration of its loop:
 3. prefills prompt chunks under a per-iteration token budget: a long prompt is prefilled over
    several iterations while the running sequences keep decoding, and the logits of its final
    chunk give its first token. The budget is ``prefill_budget`` tokens while nothing decodes
-   (time to first token first); while streams decode it is cut to what fits in
-   ``prefill_stall`` × one measured decode step, by the prefill cost fitted to the last calls
-   (a per-call overhead plus a per-token time) (at least ``MIN_PREFILL_CHUNK``
-   tokens, so prompts always progress): a joining prompt delays the running streams' next token
+   (time to first token first); while streams decode it is cut to what fits in the stall
+   allowance — ``prefill_stall`` × the typical decode step (the median of the last
+   ``RECENT_STEPS``), plus what this iteration's step is predicted to take less than that (a
+   step over fewer rows: each row span's step time is measured), so that prefill + step stays
+   within ``1 + prefill_stall`` typical steps — by the prefill cost fitted to the last calls
+   (a per-call overhead plus a per-token time; a fit robust to a few slowed calls) (at least
+   ``MIN_PREFILL_CHUNK`` tokens, so prompts always progress): a joining prompt delays the running streams' next token
    by a bounded fraction of a step instead of by its whole prefill. Where a call's overhead
    alone is more than half that allowance (a small model, or a GPU whose step is host-bound),
    a chunk still takes at least as many tokens as the overhead's worth of time (overhead /
@@ -64,6 +67,8 @@ log = logging.getLogger(__name__)
 MIN_PREFILL_CHUNK = 8
 #: prefill calls the cost model (overhead + per token) is fitted over
 PREFILL_FIT_CALLS = 32
+#: decode steps whose median is the typical step (the prefill stall allowance's unit)
+RECENT_STEPS = 64
 
 #: ``factory(params, index, vocab_size)`` → an object with ``sample(logits[vocab]) -> TokenEvent``
 SamplerFactory = Callable[[SamplingParams, int, int], Any]
@@ -123,8 +128,9 @@ class Scheduler:
         prefill_budget: prompt tokens prefilled per iteration, over all sequences (≥ 1), the
             most ever; while other sequences decode, ``prefill_stall`` cuts it further.
         prefill_stall: while sequences decode, the prefill of one iteration may take at most
-            this fraction of a decode step (both measured as the server runs, as moving
-            averages), bounding the running streams' inter-token latency; None: always
+            this fraction of the typical decode step, plus what the iteration's own step saves
+            against it (all measured as the server runs), bounding the running streams'
+            inter-token gap to ``1 + prefill_stall`` typical steps; None: always
             ``prefill_budget``.
         metrics: a :class:`~shardwise.serve.metrics.ServeMetrics` to record into, or None.
         heartbeat_s: when idle, ``runner.heartbeat()`` is called this often (seconds).
@@ -159,8 +165,14 @@ class Scheduler:
         #: the last prefill calls' (tokens, seconds): a call costs about a + b × tokens
         self._prefill_calls: collections.deque[tuple[int, float]] = collections.deque(
             maxlen=PREFILL_FIT_CALLS)
-        #: moving average of a decode step's seconds
-        self._decode_step_s: float | None = None
+        #: the last decode steps' seconds: their median is the typical step (≈ the median
+        #: inter-token gap; a median over a window, not a moving average, so that the short
+        #: steps of a burst of joining prompts do not pull it down while the burst lasts)
+        self._recent_steps: collections.deque[float] = collections.deque(maxlen=RECENT_STEPS)
+        #: moving average of a decode step's seconds by its row span (highest slot + 1: the
+        #: runner's batch bucket grows with it), to predict the step an iteration's prefill
+        #: delays
+        self._span_step_s: dict[int, float] = {}
         self.heartbeat_s = float(heartbeat_s)
         self.metrics = metrics
         self.join_timeout_s = join_timeout_s
@@ -380,12 +392,23 @@ class Scheduler:
         token first)."""
         decoding = any(s.decoding for s in self._running)
         if (not decoding or self.prefill_stall is None or not self._prefill_calls
-                or self._decode_step_s is None):
+                or not self._recent_steps):
             return self.prefill_budget, 0
         overhead_s, token_s = _linear_fit(self._prefill_calls)
-        return (prefill_chunk_tokens(self.prefill_budget, self.prefill_stall * self._decode_step_s,
+        return (prefill_chunk_tokens(self.prefill_budget, self._stall_allowance_s(),
                                      overhead_s, token_s),
                 math.ceil(overhead_s / token_s))
+
+    def _stall_allowance_s(self) -> float:
+        """Seconds this iteration's prefill may take: ``prefill_stall`` × the typical decode
+        step, plus what this iteration's step is predicted to take less than the typical one
+        (a step over fewer rows, e.g. while a burst of prompts is still being prefilled). So
+        the running streams' gap — prefill plus step — stays within ``1 + prefill_stall``
+        typical steps, the median gap, whatever the batch: p99/p50 of the inter-token latency
+        is what the bound is for."""
+        typical = _median(self._recent_steps)
+        predicted = self._span_step_s.get(_span(self._running), typical)
+        return self.prefill_stall * typical + max(0.0, typical - predicted)
 
     def _decode(self) -> None:
         """One decode step over every decoding sequence (by slot), then sample each."""
@@ -394,7 +417,10 @@ class Scheduler:
             return
         began = time.perf_counter()
         logits = self._call("decode", [s.slot for s in batch], [s.next_token for s in batch])
-        self._decode_step_s = _average(self._decode_step_s, time.perf_counter() - began)
+        took = time.perf_counter() - began
+        self._recent_steps.append(took)
+        span = _span(batch)
+        self._span_step_s[span] = _average(self._span_step_s.get(span), took)
         if logits.shape[0] != len(batch):
             raise _RunnerFailed("decode", RuntimeError(
                 f"runner.decode returned {logits.shape[0]} rows of logits for {len(batch)} slots"))
@@ -568,16 +594,33 @@ def _average(mean: float | None, sample: float, weight: float = 0.2) -> float:
 
 
 def _linear_fit(calls: Sequence[tuple[int, float]]) -> tuple[float, float]:
-    """(a, b) of seconds ≈ a + b × tokens over ``calls`` (least squares; a ≥ 0, b > 0). One
-    chunk size seen so far: no overhead known, b = seconds / tokens (pessimistic)."""
+    """(a, b) of seconds ≈ a + b × tokens over ``calls`` (a ≥ 0, b > 0), robust to outliers:
+    b is the median of the slopes between calls of different sizes (Theil–Sen), a the median
+    of ``seconds - b × tokens``. A served prefill call is now and then slowed by other work
+    in the process (the HTTP side taking the GIL as a burst of requests arrives); least
+    squares let such a call pull b towards 0, and a near-zero b made both the tokens that
+    "fit" the allowance and the overhead's worth huge (whole prompts in one call: the
+    inter-token tail). One chunk size seen so far (or no positive slope): no overhead
+    known, b = seconds / tokens (pessimistic)."""
     n = [float(c[0]) for c in calls]
     t = [c[1] for c in calls]
-    mean_n, mean_t = sum(n) / len(n), sum(t) / len(t)
-    var = sum((x - mean_n) ** 2 for x in n)
-    b = sum((x - mean_n) * (y - mean_t) for x, y in zip(n, t)) / var if var > 0 else 0.0
+    slopes = [(t[j] - t[i]) / (n[j] - n[i]) for i in range(len(n)) for j in range(i + 1, len(n))
+              if n[j] != n[i]]
+    b = _median(slopes) if slopes else 0.0
     if b <= 0:  # no spread of sizes (or noise swamped it)
-        return 0.0, max(mean_t / mean_n, 1e-9)
-    return max(0.0, mean_t - b * mean_n), b
+        return 0.0, max(sum(t) / sum(n), 1e-9)
+    return max(0.0, _median([y - b * x for x, y in zip(n, t)])), b
+
+
+def _span(seqs: Sequence[_Sequence]) -> int:
+    """Rows a decode step over the decoding ones of ``seqs`` spans: their highest slot + 1."""
+    return max((s.slot for s in seqs if s.decoding), default=0) + 1
+
+
+def _median(values: Sequence[float]) -> float:
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else 0.5 * (ordered[mid - 1] + ordered[mid])
 
 
 def _check_positive(name: str, value: Any, integer: bool = False) -> None:
