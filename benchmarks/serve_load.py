@@ -111,6 +111,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--prefill-budget", type=int, default=None,
                         help="the most prompt tokens shardwise's scheduler prefills in one step "
                              "(default: the server's)")
+    parser.add_argument("--prefill-stall", type=float, default=None,
+                        help="while streams decode, the most one step's prefill may take, as a "
+                             "fraction of the typical decode step (default: the server's; "
+                             "inter-token gaps stay within 1 + this many typical steps)")
     parser.add_argument("--client-processes", type=int, default=1,
                         help="processes the clients run in, the streams spread over them "
                              "(default: 1; 0: in the servers' process, sharing their GIL)")
@@ -150,6 +154,9 @@ def check_args(args: argparse.Namespace) -> None:
         args.max_batch = max(args.concurrency)
     if args.prefill_budget is not None and args.prefill_budget < 1:
         raise ConfigError(f"--prefill-budget must be ≥ 1, got {args.prefill_budget}")
+    if args.prefill_stall is not None and not args.prefill_stall > 0:
+        raise ConfigError(f"--prefill-stall must be > 0 (a fraction of a decode step), got "
+                          f"{args.prefill_stall}")
     if args.max_batch < 1:
         raise ConfigError(f"--max-batch must be ≥ 1, got {args.max_batch}")
     if max(PROMPT_LENGTHS) + args.max_tokens > args.max_context:
@@ -209,6 +216,8 @@ def shardwise_stack(model, tokenizer, args, accelerator, name: str):
     from shardwise.serve.server import build_stack
 
     budget = {} if args.prefill_budget is None else {"prefill_budget": args.prefill_budget}
+    if args.prefill_stall is not None:
+        budget["prefill_stall"] = args.prefill_stall
     return build_stack(model, tokenizer, max_batch=args.max_batch, max_tokens=args.max_context,
                        name=name, max_waiting=queue_bound(args), **budget,
                        replace_with_kernel_inject=True, enable_graph=True,

@@ -40,3 +40,20 @@ def test_a_level_whose_clients_never_report_is_a_timeout_naming_the_level(serve_
     message = str(excinfo.value)
     assert "shardwise at 8 streams x 3 requests of 16 tokens" in message
     assert "2 of 2 client processes sent no result within 0.25 s" in message
+
+
+def test_prefill_stall_reaches_the_scheduler_and_a_bad_one_is_refused(serve_load, monkeypatch,
+                                                                      capsys):
+    with pytest.raises(SystemExit):
+        serve_load.parse_args(["--prefill-stall", "0"])
+    assert "--prefill-stall must be > 0" in capsys.readouterr().err
+    seen = {}
+    monkeypatch.setattr("shardwise.serve.server.build_stack",
+                        lambda *args, **kwargs: seen.update(kwargs))
+    accelerator = types.SimpleNamespace(preferred_dtype=None)
+    serve_load.shardwise_stack(None, None, serve_load.parse_args(["--prefill-stall", "0.4"]),
+                               accelerator, "m")
+    assert seen["prefill_stall"] == 0.4
+    seen.clear()
+    serve_load.shardwise_stack(None, None, serve_load.parse_args([]), accelerator, "m")
+    assert "prefill_stall" not in seen  # the server's default
