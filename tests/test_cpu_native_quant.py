@@ -108,6 +108,30 @@ def test_float16_activations_and_a_bias_of_another_dtype_match_the_oracle():
     torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -10, atol=1e-3)
 
 
+@needs_native
+def test_fp32_is_claimed_with_the_native_kernel_only(monkeypatch):
+    """fp32 activations run natively (read in place, no casts); torch's packed kernels (the
+    opt-out) stay bf16 only, so an fp32 request then names why."""
+    shape = dict(device_type="cpu", bits=8, group_size=32, in_features=64, out_features=48)
+    assert cpu_quant.supports(dtype=torch.float32, **shape)
+    qw = _case(8, 32, True, 48, 64)
+    packed = cpu_quant.quant_linear.prepack(qw, "cpu", torch.float32)
+    assert packed.meta["kind"] == "native" and packed.dtype == torch.float32
+    x = quant_x((3, 64), torch.float32)
+    torch.testing.assert_close(cpu_quant.quant_linear(x, packed),
+                               ref_quant.int8_activation_linear(x, qw, 32), rtol=1e-5, atol=1e-5)
+    reason = cpu_quant.unsupported_reason(dtype=torch.float32, **dict(shape, group_size=36,
+                                                                       bits=4))
+    assert reason is not None and "int4 in groups of 36" in reason
+    monkeypatch.setenv(native.ENV, "torch")
+    reason = cpu_quant.unsupported_reason(dtype=torch.float32, **shape)
+    assert reason is not None and "bfloat16 activations only, not float32" in reason
+    assert native.ENV in reason
+    assert cpu_quant.supports(dtype=BF16, **shape)
+    assert cpu_quant.quant_moe_mlp.unsupported_reason(
+        device_type="cpu", dtype=torch.float32, specs=(qw.spec, qw.spec)) is not None
+
+
 def test_oracle_is_the_float_product_up_to_the_activation_rounding():
     """Each activation moves by at most half its block's step (amax / 254); the product then
     stays within a percent of the float product of the same quantized weight."""
@@ -231,20 +255,22 @@ def test_the_op_compiles_whole_and_passes_opcheck():
 @needs_native
 @pytest.mark.parametrize("bits,max_rel", [(8, 0.02), (4, 0.25)])
 def test_engine_with_the_native_kernel_against_hf_fp32(bits, max_rel):
-    """A tiny llama (hidden 64, fp32 model: the quantized linears run in bf16) with every
-    linear on the native kernel: relative logit error vs the fp32 HF model within int8's 2% /
-    int4's 25% (measured 0.93% / 11.5%; torch's kernels 0.73% / 11.5%: the weight rounding
-    dominates, the 8-bit activations add little, checked against torch's kernels), greedy
-    tokens identical for int8 (a bf16 model's last of 8 tokens differed once: bf16 alone
-    changes tokens)."""
+    """A tiny llama (hidden 64, fp32 model: the quantized linears run the native kernel in
+    fp32; under the opt-out torch's kernels in bf16) with every linear on the native kernel:
+    relative logit error vs the fp32 HF model within int8's 2% / int4's 25% (measured 0.96% /
+    10.2% in fp32, 0.93% / 11.5% when they ran in bf16; torch's kernels 0.73% / 11.5%: the
+    weight rounding dominates, the 8-bit activations add little, checked against torch's
+    kernels), greedy tokens identical for int8 (a bf16 model's last of 8 tokens differed once:
+    bf16 alone changes tokens)."""
     ref, model, other = (tiny_causal_lm("llama") for _ in range(3))
     ids = prompt_ids(batch=2, length=16)
     quant = {"weight": {"num_bits": bits}}
     with torch.no_grad():
         want = ref(ids).logits
     engine = shardwise.init_inference(model, device="cpu", dtype=torch.float32, quant=quant)
-    kinds = {m.meta["kind"] for m in model.modules() if isinstance(m, QuantLinear)}
-    assert kinds == {"native"}
+    kinds = {(m.meta["kind"], m.compute_dtype) for m in model.modules()
+             if isinstance(m, QuantLinear)}
+    assert kinds == {("native", torch.float32)}
     got = engine(input_ids=ids).logits
     rel, agree = logit_parity(want, got)
     print(f"int{bits} native vs HF fp32: rel {rel:.4f}, agree {agree:.2f}")
