@@ -23,8 +23,9 @@ each expert matrix are rounded to int8 per block of 32 columns** (the token for 
 float32 GLU output for down), the numerics it declares (oracle
 :func:`shardwise.kernels.reference.moe.int8_activation_moe_mlp`; against HF on the same
 dequantized expert weights, fp32 tiny models: 0.02-0.1% relative logit error, identical greedy
-tokens) — else (or with ``SHARDWISE_CPU_QUANT_KERNEL=torch``) torch's packed weight-only
-kernels, under their rules (no int4 groups of 16).
+tokens); its packed experts take the model's dtype as it is (``compute_dtype`` None: an fp32
+model's experts are not cast to bf16) — else (or with ``SHARDWISE_CPU_QUANT_KERNEL=torch``)
+torch's packed weight-only kernels in bf16, under their rules (no int4 groups of 16).
 
 The module honours the experts-module contract (:mod:`shardwise.moe.spec`): called as a module,
 ``experts(x [T, H], ids [T, k] local to the rank, weights [T, k]) → [T, H]``, an id equal to the
@@ -337,7 +338,8 @@ def quantize_experts_module(quantizer: "Quantizer", model: nn.Module, name: str)
         layer = f"{name}.{matrix}"
         quantizer.layers[layer] = QuantizedLayer(
             layer, EXPERTS_KIND, impl.backend, spec.bits, spec.group_size,
-            (shape.experts * spec.out_features, spec.in_features), p.nbytes, kernel_dtype)
+            (shape.experts * spec.out_features, spec.in_features), p.nbytes,
+            p.dtype or quantizer.dtype)  # None: the kernel takes the model's dtype as it is
     return new
 
 

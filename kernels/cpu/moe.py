@@ -39,6 +39,8 @@ benchmarks/README.md, "MoE kernels" (``python benchmarks/kernel_moe.py``).
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
 
@@ -385,6 +387,10 @@ class CpuQuantMoE(QuantMoEKernel):
     :func:`shardwise.kernels.reference.moe.int8_activation_moe_mlp` (:meth:`oracle`); the
     weight-only reference differs from it by the activations' rounding.
 
+    Input dtypes: registered for bf16 (what the quantizer resolves with, as ``quant_linear``),
+    but natively packed experts take float32 / bf16 / fp16 as they are (``dtype`` None), so an
+    fp32 model's experts skip the bf16 round trip torch's kernels need.
+
     Native layout (``meta["kind"] == "native"``, ``meta["ablock"]`` the activation block):
     each expert's matrix in ``quant_linear``'s native layout, stacked — ``qweight`` uint8
     ``[E, Nb, K / L, 16, 4]``, ``scales`` float32 ``[E, Nb, G, 16]`` (+ ``zeros`` alike when
@@ -418,10 +424,13 @@ class CpuQuantMoE(QuantMoEKernel):
                 device: torch.device | str | None = None,
                 dtype: torch.dtype | None = None) -> PackedQuantExperts:
         """The native layout (class docstring) where the native kernel takes this spec, else
-        torch's packed kernels' layout (theirs, ``meta["kind"]`` int8/int4)."""
+        torch's packed kernels' layout (theirs, ``meta["kind"]`` int8/int4, for ``dtype``).
+        The native layout is packed for any input dtype (``dtype`` None): float32, bf16 and
+        fp16 activations go in as they are (each is quantized to int8 from float32 inside), so
+        an fp32 model's experts take its fp32 activations, not a bf16 rounding of them."""
         if not cpu_quant.uses_native(expert_spec(qw, experts)):
             return cpu_quant.quant_moe_mlp.prepack(qw, experts, device, dtype)
-        return super().prepack(qw, experts, device, dtype)
+        return dataclasses.replace(super().prepack(qw, experts, device, dtype), dtype=None)
 
     def _pack(self, qw: QuantizedWeight, experts: int, dtype: torch.dtype | None):
         n = qw.out_features // experts
