@@ -1,4 +1,5 @@
-"""The ``cpu`` backend's MoE ops: ``moe_route`` and ``moe_grouped_mlp`` without host syncs.
+"""The ``cpu`` backend's MoE ops: ``moe_route`` and ``moe_grouped_mlp`` without host syncs, and
+``quant_moe_mlp`` (quantized experts) on the native int8/int4 kernel (:class:`CpuQuantMoE`).
 
 Contracts are those of ``shardwise.kernels.reference.moe`` (shapes, layouts, options, the
 sentinel expert index E: a slot whose expert lives on another rank contributes nothing).
@@ -30,6 +31,10 @@ sentinel expert index E: a slot whose expert lives on another rank contributes n
     Math in the input dtype (bf16 GEMMs accumulate in float32 inside the op); the combine in
     float32, rounded once. Sizes ``grouped_mm`` refuses (rows not 16-byte aligned) gather each
     slot's expert matrices (a copy: small shapes only).
+* quant_moe_mlp (bf16 registered; natively packed experts take any float input): the native
+  AVX512-VNNI kernel of ``quant_linear`` per expert matrix, **activations rounded to int8 per
+  block of 32** (oracle ``int8_activation_moe_mlp``), else torch's packed kernels
+  (:class:`CpuQuantMoE`); one opaque op in the compiled step (it reads the routing on the host).
 * moe_route (fp32, bf16): the reference's own code (already sync-free and static in shape),
   registered as capturable.
 
