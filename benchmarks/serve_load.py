@@ -477,6 +477,9 @@ def run(args) -> dict[str, Any]:
               file=sys.stderr)
         stack = shardwise_stack(model, tokenizer, args, accelerator, name)
         servers.append(serve("shardwise", stack.state.backend, stack.state))
+        from shardwise.serve.server import freeze_startup_objects
+
+        freeze_startup_objects()  # as `shardwise serve` does once its stack is built
         levels = {s.name: args.baseline_levels if s.name == "hf" else args.concurrency
                   for s in servers}
         with Clients(args.client_processes) as clients:

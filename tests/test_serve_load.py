@@ -57,3 +57,25 @@ def test_prefill_stall_reaches_the_scheduler_and_a_bad_one_is_refused(serve_load
     seen.clear()
     serve_load.shardwise_stack(None, None, serve_load.parse_args([]), accelerator, "m")
     assert "prefill_stall" not in seen  # the server's default
+
+
+def test_the_server_freezes_what_start_up_left_alive():
+    import gc
+
+    from shardwise.serve.server import freeze_startup_objects
+
+    class Cycle:  # garbage of start-up: collected first, not frozen
+        pass
+
+    before = gc.get_freeze_count()
+    kept, dropped = Cycle(), Cycle()
+    dropped.me = dropped
+    probe = __import__("weakref").ref(dropped)
+    del dropped
+    try:
+        frozen = freeze_startup_objects()
+        assert probe() is None  # the cycle was collected before the freeze
+        assert frozen == gc.get_freeze_count() > before
+        assert not any(o is kept for o in gc.get_objects())  # out of the generations
+    finally:
+        gc.unfreeze()

@@ -383,6 +383,25 @@ def build_from_settings(settings: ServeSettings) -> Stack:
         **{k: v for k, v in settings.engine_options(max_tokens).items() if k != "max_tokens"})
 
 
+def freeze_startup_objects() -> int:
+    """Collect garbage once, then move every object alive after start-up — the model, its
+    compiled steps, the tokenizer, the libraries: ~500 000 objects for the default model —
+    out of the garbage collector's generations (``gc.freeze``); returns how many.
+
+    A full (oldest-generation) collection walks every tracked object while holding the GIL:
+    ~285 ms of CPU for the default model's server process (measured under load; a fraction of
+    that on a quiet CPU, still several decode steps), during which the scheduler's thread
+    cannot start the next step, so each one is an inter-token gap several times the median
+    for every running stream. Frozen objects are never walked again (nor collected: what the
+    start-up leaves behind lives as long as the server, as it would anyway). Process-wide, so
+    the server's entry point calls it, not :func:`build_stack`."""
+    import gc
+
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()
+
+
 # ----- HTTP: uvicorn with a graceful stop and a health watchdog ----------------------------------
 
 def _uvicorn_server_class():
@@ -543,6 +562,7 @@ def serve_here(settings: ServeSettings) -> int:
         try:
             with _stop_on_signal():
                 stack = build_from_settings(settings)
+            freeze_startup_objects()  # no full collection walks the model while serving
         except _StoppedBeforeServing as exc:
             print(f"shardwise serve: {exc}: stopped before serving", file=sys.stderr, flush=True)
             return 0
