@@ -145,7 +145,10 @@ def shardwise_kwargs(variant: str, args: argparse.Namespace) -> dict[str, Any]:
         weight = dict(kw["quant"]["weight"])
         if args.quant_group is not None:
             weight["group_size"] = args.quant_group
-        kw["quant"] = {"weight": weight, "lm_head": bool(args.quant_head)}
+        head: Any = bool(args.quant_head)
+        if args.quant_head and args.quant_head_bits:
+            head = {"num_bits": args.quant_head_bits}
+        kw["quant"] = {"weight": weight, "lm_head": head}
     return kw
 
 
@@ -397,6 +400,8 @@ class ShardwiseVariant:
         self.engine = shardwise.init_inference(model, replace_with_kernel_inject=True,
                                                enable_graph=True, max_tokens=max_tokens, **kwargs)
         self.init_s = time.perf_counter() - start
+        report = getattr(self.engine, "quantization", None)
+        self.quant_summary = report.summary() if report is not None else None
         self.module = self.engine.module
         cfg = self.module.generation_config
         eos = cfg.eos_token_id
@@ -562,6 +567,11 @@ def parse_args(argv):
                         "Q8_0/Q4_0's block)")
     p.add_argument("--quant-head", action="store_true",
                    help="quantize shardwise's output head too (llama.cpp's files quantize theirs)")
+    p.add_argument("--quant-head-bits", type=int, choices=[4, 8], default=None,
+                   help="with --quant-head: the head's bits (default: shardwise's, 8 for a head "
+                        "tied to the embeddings, as llama.cpp's Q4_0 files keep theirs at Q8_0)")
+    p.add_argument("--quality-only", action="store_true",
+                   help="only the quality pass: no warm-up, no timed rounds, no pool check")
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--long-prompt", type=int, default=512, help="first-token prompt (0: skip)")
@@ -641,9 +651,12 @@ def main(argv: list[str] | None = None) -> int:
             log(f"  {init_s[key]:.1f} s")
 
     names = list(variants)
-    log("warm-up (graph capture, batch buckets 1 and --batch)")
-    for n in names:
-        warm_up(variants[n], prompt, long_prompt, args)
+    if args.quality_only:
+        args.rounds, args.no_pool_check = 0, True
+    else:
+        log("warm-up (graph capture, batch buckets 1 and --batch)")
+        for n in names:
+            warm_up(variants[n], prompt, long_prompt, args)
     report_pool = None
     if not args.no_pool_check and "llama.cpp Q4_0" in variants and "shardwise int4" in variants:
         log("pool check")
@@ -703,6 +716,9 @@ def main(argv: list[str] | None = None) -> int:
                 "init_s": init_s[key],
                 "quality": qual.get(key) if qual else None,
             }
+            summary_line = getattr(variants[key], "quant_summary", None)
+            if summary_line:
+                row[engine]["quantization"] = summary_line
         sw, lc = row["shardwise"], row["llama_cpp"]
         row["ratio_shardwise_over_llama_cpp"] = (
             sw["decode_ms"] / lc["decode_ms"] if sw and lc and sw["decode_ms"] and lc["decode_ms"]

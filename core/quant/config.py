@@ -41,8 +41,9 @@ The output head (``lm_head``)
 -----------------------------
 ``lm_head=True`` quantizes the output head too; ``lm_head={"num_bits": 8 | 4, "group_size": G}``
 does so with its own bits / group size (``{"enabled": False}`` is ``False``). Defaults: the
-weights' settings, except that **a head tied to the input embeddings gets 8 bits (one scale per
-output row) when the weights get 4** — llama.cpp keeps its Q4_0 files' tied table at Q8_0, and
+weights' settings, except that **a head tied to the input embeddings gets 8 bits when the weights
+get 4, in groups of 32** (Q8_0's block; the weights' group size where they have the same bits and
+give one: :data:`TIED_HEAD_BITS`, :data:`TIED_HEAD_GROUP`) — llama.cpp keeps its Q4_0 files' tied table at Q8_0, and
 measured on SmolLM2-135M-Instruct an int4 tied table costs more quality than all the int4 layers
 together (benchmarks/README.md, llama.cpp section). A tied head is stored ONCE, quantized: the
 head runs the quantized linear kernel and the input embedding becomes a
@@ -90,6 +91,10 @@ HEAD_KEYS = ("enabled", "num_bits", "group_size")
 #: The bits of a tied head (input embeddings and output head, one table) by the weights' bits,
 #: when ``lm_head`` does not say (module docstring).
 TIED_HEAD_BITS = {8: 8, 4: 8}
+#: The group size of a tied head with other bits than the weights' when ``lm_head`` does not
+#: say: Q8_0's block (per output row cost SmolLM2-135M's int8 model 0.016 agreement and 0.3
+#: perplexity against the bf16 table; benchmarks/README.md, llama.cpp section).
+TIED_HEAD_GROUP = 32
 #: DeepSpeed keys we know and do not support (rejected with this reason).
 _UNSUPPORTED = {
     "qkv": "DeepSpeed's fused-qkv quantization switch (shardwise quantizes q/k/v like every "
@@ -171,12 +176,16 @@ class QuantConfig:
     def for_head(self, tied: bool) -> "QuantConfig":
         """The settings the output head is quantized with (module docstring): ``lm_head_bits``
         / ``lm_head_group_size`` where given; else a ``tied`` head gets
-        :data:`TIED_HEAD_BITS` (8 bits, one scale per row, for 4-bit weights), an untied one the
-        weights' settings. The result quantizes one layer (no ``q_groups``)."""
+        :data:`TIED_HEAD_BITS` (8 bits for 4-bit weights) in groups of :data:`TIED_HEAD_GROUP`
+        (the weights' group size where the bits are the same and one is given), an untied one
+        the weights' settings. The result quantizes one layer (no ``q_groups``)."""
         bits = self.lm_head_bits or (TIED_HEAD_BITS[self.bits] if tied else self.bits)
         group = self.lm_head_group_size
-        if group is None and bits == self.bits and self.q_groups is None:
+        same = bits == self.bits and self.q_groups is None
+        if group is None and same and (self.group_size is not None or not tied):
             group = self.group_size  # same bits: the weights' groups
+        elif group is None and tied:
+            group = TIED_HEAD_GROUP  # other bits, or no group given: Q8_0's block
         return QuantConfig(bits=bits, group_size=group, symmetric=self.symmetric,
                            allow_slow_kernels=self.allow_slow_kernels)
 
