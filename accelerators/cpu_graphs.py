@@ -20,6 +20,7 @@ import torch
 
 from shardwise import _torch_private as private
 from shardwise.accelerator import GraphStrategy
+from shardwise.accelerators import cpu_precompile as precompile
 from shardwise.accelerators.cpu_blocked_layout import block_linear_weights, gemm_like
 from shardwise.accelerators.cpu_gemv import use_row_products
 from shardwise.graphs import StaticGraph, cache_dir, fresh_code, static_copies, static_outputs
@@ -142,6 +143,9 @@ class CpuCompileStrategy(GraphStrategy):
         self.pack_pass = PackLinearWeights() if freezing and linear == "onednn" else None
         #: graphs inductor compiled for this strategy (a replay that recompiles adds one)
         self.compiles = 0
+        #: graphs loaded from the per-user store of precompiled steps instead of compiled
+        #: (:mod:`~shardwise.accelerators.cpu_precompile`)
+        self.loaded = 0
         self._options: dict | None = None
         self._cache_folder: str | None = None  # inductor's cache folder, chosen at first capture
         #: inductor's GEMM backends with ``linear="cpp"`` (see :meth:`_aten_gemms`)
@@ -196,6 +200,39 @@ class CpuCompileStrategy(GraphStrategy):
               inductor_cache_scope(self._cache_folder)):
             yield
 
+    def _store(self) -> precompile.PrecompiledSteps | None:
+        """The per-user store of precompiled steps, or None when they are off
+        (``SHARDWISE_CPU_PRECOMPILE=0``) or the step is frozen (its weights would be baked into
+        the artifact by value)."""
+        if self.freezing or not self.fullgraph or not precompile.enabled():
+            return None
+        return precompile.PrecompiledSteps()
+
+    def _backend(self, options: dict):
+        def backend(gm: torch.fx.GraphModule, example_inputs):
+            self.compiles += 1
+            return private.compile_fx(gm, example_inputs, options)
+        return backend
+
+    def _aot_compile(self, fn, inputs: tuple[torch.Tensor, ...], options: dict, name: str):
+        """``fn`` compiled ahead of time (savable), or None when torch's precompile refuses a
+        step that ``torch.compile`` may still take (logged). Errors of the step itself (a graph
+        break, a product no GEMM backend takes) are raised as they are."""
+        try:
+            return private.aot_compile(fn, self._backend(options), inputs)
+        except Exception as exc:
+            if private.is_graph_break_error(exc) or private.no_valid_gemm_choice(exc):
+                raise
+            log.info("shardwise: %r cannot be precompiled (%s: %s); compiling it for this "
+                     "process only", name, type(exc).__name__, _first_line(exc))
+            return None
+
+    def _about(self, name: str, inputs: tuple[torch.Tensor, ...]) -> dict:
+        """What a saved step was made from, for a person reading the store."""
+        return {"step": name, "strategy": repr(self), "gemm_backends": self.gemm_backends,
+                "inputs": [f"{tuple(t.shape)} {t.dtype}" for t in inputs],
+                "torch": torch.__version__}
+
     def capture(self, fn, *example_args: torch.Tensor) -> StaticGraph:
         """Compile ``fn`` for arguments shaped like ``example_args`` and run it once on copies
         of them; returns a :class:`StaticGraph` (see the class docstring).
@@ -214,20 +251,28 @@ class CpuCompileStrategy(GraphStrategy):
 
     def _capture(self, fn, inputs: tuple[torch.Tensor, ...], options: dict) -> StaticGraph:
         name = getattr(fn, "__name__", repr(fn))
-
-        def backend(gm: torch.fx.GraphModule, example_inputs):
-            self.compiles += 1
-            return private.compile_fx(gm, example_inputs, options)
-
-        fresh = fresh_code(fn)
-        compiled = torch.compile(fresh, backend=backend, dynamic=False, fullgraph=self.fullgraph)
         before, loaded = self.compiles, private.inductor_module_count()
+        store, key, fresh, from_store = self._store(), None, None, False
         try:
             with self._scope(options):
+                compiled = None
+                if store is not None:  # a later start: load what an earlier one compiled
+                    key = precompile.step_key(fn, inputs, options)
+                    compiled = store.load(key, fn, inputs)
+                    from_store = compiled is not None
+                    if compiled is None:
+                        compiled = self._aot_compile(fn, inputs, options, name)
+                        if compiled is not None:
+                            store.save(key, compiled, fn, self._about(name, inputs))
+                if compiled is None:  # precompile off or refused: dynamo's usual way
+                    fresh = fresh_code(fn)
+                    compiled = torch.compile(fresh, backend=self._backend(options),
+                                             dynamic=False, fullgraph=self.fullgraph)
                 outputs = static_outputs(compiled(*inputs))
         except Exception as exc:
             self.compiles = before  # a failed attempt compiled nothing that is kept
-            private.forget_compiled(fresh.__code__, private.inductor_modules_since(loaded))
+            private.forget_compiled(fresh.__code__ if fresh is not None else None,
+                                    private.inductor_modules_since(loaded))
             if private.no_valid_gemm_choice(exc) and "CPP" == options.get(
                     private.GEMM_BACKENDS_OPTION):
                 raise _NoGemmChoice from exc
@@ -235,7 +280,9 @@ class CpuCompileStrategy(GraphStrategy):
                 f"torch.compile of {name!r} on CPU failed: {type(exc).__name__}: "
                 f"{_first_line(exc)}{_where(exc)}. {_hint(exc)}; fix that, or run the step "
                 f"eagerly ({CPU_GRAPHS_ENV}=eager, or enable_graph=False)") from exc
-        if self.compiles == before:
+        if from_store:
+            self.loaded += 1
+        elif self.compiles == before:
             raise RuntimeError(f"torch.compile ran {name!r} without compiling it (dynamo "
                                f"skipped the frame); run the step eagerly ({CPU_GRAPHS_ENV}="
                                f"eager, or enable_graph=False)")
@@ -261,7 +308,8 @@ class CpuCompileStrategy(GraphStrategy):
         graph = StaticGraph(replay, inputs, outputs, compiled)
         # inductor's generated modules, freed with the graph
         graph.modules = tuple(private.inductor_modules_since(loaded))
-        weakref.finalize(graph, private.forget_compiled, fresh.__code__, graph.modules)
+        weakref.finalize(graph, private.forget_compiled,
+                         fresh.__code__ if fresh is not None else None, graph.modules)
         return graph
 
     @staticmethod

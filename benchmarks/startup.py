@@ -63,12 +63,13 @@ if spec["checkpoint"] is None:
         from transformers import AutoModelForCausalLM
         dtype = torch.bfloat16 if spec["bits"] else torch.float32  # bf16 compute when quantized
         model = AutoModelForCausalLM.from_pretrained(spec["folder"], dtype=dtype).eval()
-t1 = time.perf_counter()
+t1, c1 = time.perf_counter(), time.process_time()
 events = []
 
 class Phases(logging.Handler):
     def emit(self, record):
-        events.append((round(time.perf_counter() - t1, 2), record.getMessage()[:160]))
+        events.append((round(time.perf_counter() - t1, 2), round(time.process_time() - c1, 2),
+                       record.getMessage()[:160]))
 
 logging.getLogger("shardwise").addHandler(Phases(level=logging.INFO))
 logging.getLogger("shardwise").setLevel(logging.INFO)
@@ -80,12 +81,17 @@ if spec["bits"]:
 if spec["checkpoint"] is not None:
     kwargs["checkpoint"] = spec["checkpoint"]
 engine = shardwise.init_inference(model, device="cpu", **kwargs)
-t2 = time.perf_counter()
+t2, c2 = time.perf_counter(), time.process_time()
 if spec["save"]:
     engine.save_checkpoint(spec["save"])
 from torch._dynamo.utils import counters  # inductor's FX-graph cache: served or compiled
 cache = {k: v for k, v in counters["inductor"].items() if k.startswith("fxgraph_cache")}
-print(json.dumps({"load_s": t1 - t0, "init_s": t2 - t1, "phases": events, "fx_cache": cache,
+graphs = getattr(getattr(engine.module, "base_model", None), "graphs", None)
+strategy = getattr(graphs, "strategy", None)  # compiled now, or loaded precompiled
+steps = {k: getattr(strategy, k) for k in ("compiles", "loaded") if hasattr(strategy, k)}
+print(json.dumps({"load_s": t1 - t0, "init_s": t2 - t1, "init_cpu_s": c2 - c1,
+                  "phases": events, "fx_cache": cache,
+                  "steps": steps, "cpu_s": time.process_time(),
                   "save_s": time.perf_counter() - t2 if spec["save"] else None}))
 """
 
@@ -131,10 +137,12 @@ def run(args: argparse.Namespace, cache: str) -> list[dict]:
         how = "from the saved quantized checkpoint" if from_saved else (
             f"model load {t['load_s']:.1f} s")
         print(f"start {i + 1} ({args.shape or 'smollm2-135m'}, {args.quant or 'fp32'}): "
-              f"init_inference {t['init_s']:.1f} s ({how})", flush=True)
-        print(f"    inductor FX-graph cache: {t['fx_cache'] or 'not used'}", flush=True)
-        for seconds, message in t["phases"]:
-            print(f"    {seconds:7.2f} s  {message}", flush=True)
+              f"init_inference {t['init_s']:.1f} s, {t['init_cpu_s']:.1f} s CPU ({how})",
+              flush=True)
+        print(f"    inductor FX-graph cache: {t['fx_cache'] or 'not used'}; decode steps "
+              f"{t.get('steps') or '?'}; process CPU time {t['cpu_s']:.1f} s", flush=True)
+        for seconds, cpu, message in t["phases"]:
+            print(f"    {seconds:7.2f} s ({cpu:6.2f} s CPU)  {message}", flush=True)
         results.append({"start": i + 1, "from_saved_quantized": from_saved, **spec, **t})
     return results
 

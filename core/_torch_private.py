@@ -164,6 +164,87 @@ def is_graph_break_error(exc: BaseException) -> bool:
     return bool(kinds) and isinstance(exc, kinds)
 
 
+# ----- ahead-of-time compiled functions (dynamo's precompile: saved, loaded without tracing) ---
+
+def aot_compile(fn: Callable, backend: Callable, example_args: Sequence[torch.Tensor]) -> Any:
+    """``fn`` traced by dynamo (one graph, static shapes) and compiled by ``backend`` for
+    ``example_args``, as a callable that can be saved (:func:`save_aot_compiled`) and loaded by a
+    later process without tracing again (:func:`load_aot_compiled`): torch's
+    ``torch.compile(...).aot_compile``. Calling it checks dynamo's guards (the tensors ``fn``
+    reads keep the shapes, dtypes and strides they were traced with) and raises if one fails;
+    nothing is installed on ``fn``'s code (no dynamo cache entry)."""
+    compiled = torch.compile(fn, backend=backend, dynamic=False, fullgraph=True)
+    aot = getattr(compiled, "aot_compile", None)
+    if aot is None:
+        raise _missing("torch.compile(...).aot_compile", AttributeError("aot_compile"))
+    return aot((tuple(example_args), {}))
+
+
+def save_aot_compiled(compiled: Any, path: str, external: dict[str, Any]) -> None:
+    """Write ``compiled`` (of :func:`aot_compile`) to ``path`` (atomically); ``external`` names
+    the objects its closure holds that are not saved but handed over again at load (modules,
+    caches: keyed by name)."""
+    compiled.save_compiled_function(path, external_data=external)
+
+
+def load_aot_compiled(path: str, external: dict[str, Any], f_globals: dict[str, Any]) -> Any:
+    """The function :func:`save_aot_compiled` wrote to ``path``, bound to this process's
+    ``external`` objects (the same names) and ``f_globals`` (the traced function's module
+    globals); raises when the file is not one this torch and Python can load."""
+    load = _lookup("torch.compiler", "load_compiled_function")
+    with open(path, "rb") as f:
+        return load(f, f_globals=f_globals, external_data=external)
+
+
+def aot_guards_hold(compiled: Any, *args: Any) -> bool:
+    """Whether dynamo's guards of ``compiled`` (of :func:`aot_compile`) hold for ``args`` (and
+    the objects its closure reads)."""
+    return bool(compiled.guard_check(*args))
+
+
+def aot_traced_modules(compiled: Any) -> list[str]:
+    """The Python modules whose code dynamo traced into ``compiled`` (sorted names)."""
+    return sorted({s.module for s in compiled.source_info().inlined_sources})
+
+
+def skip_vec_isa_probe():
+    """A context manager telling inductor that every SIMD ISA this CPU reports works with the
+    C++ compiler (``cpp.vec_isa_ok``) instead of probing each with a build and a child process
+    (about 0.5 s each, once per process). Only for a process where an earlier one's probe on the
+    same CPU, compiler and torch found them all working (:func:`vec_isa_probed` equal to
+    :func:`vec_isa_candidates`)."""
+    return inductor_config_patch({"cpp.vec_isa_ok": True})
+
+
+def _valid_vec_isa_list():
+    return _lookup("torch._inductor.cpu_vec_isa", "valid_vec_isa_list")
+
+
+def vec_isa_probed() -> list[str] | None:
+    """The SIMD ISAs inductor's probe found usable in this process, or None if it has not
+    probed yet (nothing is probed here)."""
+    probe = _valid_vec_isa_list()
+    if probe.cache_info().currsize == 0:
+        return None
+    return [str(isa) for isa in probe()]
+
+
+def vec_isa_candidates() -> list[str]:
+    """The SIMD ISAs inductor would try on this CPU (its list filtered by the CPU's flags),
+    without probing them."""
+    with skip_vec_isa_probe():
+        return [str(isa) for isa in _valid_vec_isa_list().__wrapped__()]
+
+
+def cpu_isa_flags() -> list[str]:
+    """The SIMD ISAs this CPU reports (inductor's x86 check; no probe build), sorted."""
+    try:
+        checker = _lookup("torch._inductor.cpu_vec_isa", "x86_isa_checker")
+    except TorchInternalsError:
+        return []
+    return sorted(checker())
+
+
 # ----- inductor's generated modules and dynamo's per-code caches ----------------------------------
 
 def _py_code_cache():
@@ -187,7 +268,8 @@ def forget_compiled(code, modules: Sequence) -> None:
     ``code`` object (compiled graph, guards, cleanup hooks) and inductor's generated ``modules``
     (kept in its module cache and ``sys.modules``, with the constants bound in their globals,
     for the process's life otherwise). Files on disk stay (inductor's cache)."""
-    _lookup("torch._dynamo.eval_frame", "reset_code")(code)
+    if code is not None:  # None: nothing was installed on a code object (a precompiled step)
+        _lookup("torch._dynamo.eval_frame", "reset_code")(code)
     cache = _py_code_cache()
     ids = {id(m) for m in modules}
     cache.modules[:] = [m for m in cache.modules if id(m) not in ids]

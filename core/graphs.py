@@ -159,6 +159,12 @@ class StaticGraph:
         self.static_outputs = outputs
         self.graph = graph  # kept alive as long as the callable: it owns the captured memory
 
+    def __reduce__(self):
+        # a captured graph is process-local (compiled code, static buffers): it pickles as a
+        # placeholder that says so. (torch's saved guard state of a precompiled step pickles
+        # what the step's modules reach, and an instance-level forward may reach a graph.)
+        return _ProcessLocalGraph, ()
+
     def __call__(self, *args: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
         self._check(args)
         for static, arg in zip(self.static_inputs, args):
@@ -180,3 +186,11 @@ class StaticGraph:
                     f"{dtype_name(static.dtype)} (as captured), got shape {tuple(arg.shape)} "
                     f"{dtype_name(arg.dtype)}; all captured shapes: {_shapes(self.static_inputs)}."
                     f" Capture one graph per shape (e.g. per batch size) or pad the input")
+
+
+class _ProcessLocalGraph:
+    """What an unpickled :class:`StaticGraph` is: a captured graph does not leave its process."""
+
+    def __call__(self, *args: Any) -> None:
+        raise RuntimeError("a captured graph does not survive pickling: capture it again in "
+                           "this process")

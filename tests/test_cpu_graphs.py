@@ -22,6 +22,7 @@ from shardwise.accelerator import GraphStrategy
 from shardwise.accelerators import cpu as cpu_mod
 from shardwise.accelerators import cpu_blocked_layout as layout
 from shardwise.accelerators import cpu_graphs
+from shardwise.accelerators import cpu_precompile as precompile
 from shardwise.accelerators.cpu import CpuAccelerator
 from shardwise.accelerators.cpu_graphs import CpuCompileStrategy, PackLinearWeights
 from shardwise.errors import ConfigError
@@ -49,6 +50,20 @@ def _strategy(engine) -> CpuCompileStrategy:
     strategy = engine.module.base_model.graphs.strategy
     assert isinstance(strategy, CpuCompileStrategy)
     return strategy
+
+
+#: the user's store folder (the fixture below patches the module attribute)
+_USER_FOLDER = precompile.precompiled_folder
+
+
+@pytest.fixture(scope="module", autouse=True)
+def precompiled_here(tmp_path_factory):
+    """This module's precompiled steps in a folder of its own (new each run), so its counts of
+    compilations do not depend on what earlier runs left in the user's cache."""
+    folder = tmp_path_factory.mktemp("cpu-steps")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(precompile, "precompiled_folder", lambda: folder)
+        yield folder
 
 
 @pytest.fixture(scope="module")
@@ -708,3 +723,126 @@ def test_quantized_step_compiles_once_per_bucket(monkeypatch):
     assert strategy.gemm_backends == "CPP,ATEN"
     assert attempts == ["CPP,ATEN"] * len(engine.module.base_model.graphs.buckets())
     assert strategy.compiles == len(attempts)
+
+
+# ----- precompiled steps: a later start loads the step instead of tracing it ----------------------
+
+def _steps(engine) -> tuple[int, int]:
+    strategy = _strategy(engine)
+    return strategy.compiles, strategy.loaded
+
+
+def test_a_later_start_loads_the_step_and_computes_the_same(monkeypatch, tmp_path):
+    """The step compiled by one engine is saved in the per-user store; a second engine of the
+    same model loads it (no trace, no compilation) and its greedy tokens and every step's
+    logits equal the first engine's, the eager step's (within FP32_ATOL) and HF's tokens."""
+    monkeypatch.setattr(precompile, "precompiled_folder", lambda: tmp_path)
+    ids = prompt_ids(batch=1, length=8)
+    ref = tiny_causal_lm("llama")
+    with torch.no_grad():
+        ref_tokens = ref.generate(ids, **GREEDY)
+    eager_tokens, eager_logits = _generate(_engine("llama"), ids)
+    first = _engine("llama", enable_graph=True)
+    assert _steps(first) == (1, 0)
+    saved = sorted(p.name for p in tmp_path.glob("*.bin"))
+    assert len(saved) == 1
+    tokens, logits = _generate(first, ids)
+    second = _engine("llama", enable_graph=True)
+    assert _steps(second) == (0, 1)  # loaded, not compiled
+    again_tokens, again_logits = _generate(second, ids)
+    assert _steps(second) == (0, 1)  # and replayed without a recompile
+    assert torch.equal(again_tokens, ref_tokens) and torch.equal(tokens, ref_tokens)
+    assert torch.equal(eager_tokens, ref_tokens)
+    assert torch.equal(again_logits, logits)  # the same compiled code: bit for bit
+    assert (again_logits - eager_logits).abs().max().item() <= FP32_ATOL
+    assert sorted(p.name for p in tmp_path.glob("*.bin")) == saved  # nothing new written
+
+
+def test_a_changed_model_or_setting_compiles_again(monkeypatch, tmp_path):
+    """The key covers what the traced code depends on: another model config (here the norm's
+    eps: a constant baked into the code, no tensor shape changes), another compute setting
+    (quantized), or precompile turned off, each compile instead of loading the stored step."""
+    monkeypatch.setattr(precompile, "precompiled_folder", lambda: tmp_path)
+    assert _steps(_engine("llama", enable_graph=True)) == (1, 0)
+    model = tiny_causal_lm("llama")
+    model.config.rms_norm_eps = 1e-3
+    for module in model.modules():
+        for name in ("variance_epsilon", "eps"):
+            if isinstance(getattr(module, name, None), float):
+                setattr(module, name, 1e-3)
+    other = shardwise.init_inference(model, device="cpu", replace_with_kernel_inject=True,
+                                     enable_graph=True)
+    assert _steps(other) == (1, 0)
+    assert _steps(_engine("llama", enable_graph=True,
+                          quant={"weight": {"num_bits": 8}}))[1] == 0
+    assert len(list(tmp_path.glob("*.bin"))) == 3
+    monkeypatch.setenv(precompile.PRECOMPILE_ENV, "0")
+    assert _steps(_engine("llama", enable_graph=True)) == (1, 0)
+
+
+def test_step_key_follows_what_the_code_depends_on():
+    """step_key: equal for an equal step built again, different for another scalar attribute,
+    tensor shape or dtype the step reads, other inductor options or other example inputs."""
+    def step_of(module):
+        def step(x):
+            return module(x)
+        return step
+
+    def linear(n=4, dtype=torch.float32):
+        torch.manual_seed(0)
+        return torch.nn.Linear(n, 3, dtype=dtype)
+
+    x = torch.ones(2, 4)
+    base = precompile.step_key(step_of(linear()), (x,), {"a": 1})
+    assert precompile.step_key(step_of(linear()), (x,), {"a": 1}) == base
+    changed = linear()
+    changed.in_features = 5  # a scalar attribute (e.g. eps, heads) the code could bake in
+    keys = {precompile.step_key(step_of(changed), (x,), {"a": 1}),
+            precompile.step_key(step_of(linear(5)), (x,), {"a": 1}),
+            precompile.step_key(step_of(linear(dtype=torch.float64)), (x,), {"a": 1}),
+            precompile.step_key(step_of(linear()), (x,), {"a": 2}),
+            precompile.step_key(step_of(linear()), (torch.ones(3, 4),), {"a": 1})}
+    assert base not in keys and len(keys) == 5
+
+
+def test_a_stale_or_broken_store_entry_is_never_used(monkeypatch, tmp_path, caplog):
+    """A stored step whose traced sources changed since (their digest in the side file), or
+    whose file is damaged, is not loaded: the step compiles again (and is stored again)."""
+    monkeypatch.setattr(precompile, "precompiled_folder", lambda: tmp_path)
+    assert _steps(_engine("gpt2", enable_graph=True)) == (1, 0)
+    (binary,) = tmp_path.glob("*.bin")
+    meta = binary.with_suffix(".json")
+    import json
+
+    record = json.loads(meta.read_text())
+    assert any(name.startswith("shardwise.") for name in record["sources"])
+    name = next(iter(record["sources"]))
+    record["sources"][name] = "0" * 64  # as if that module had been edited since
+    meta.write_text(json.dumps(record))
+    with caplog.at_level("INFO", logger="shardwise"):
+        assert _steps(_engine("gpt2", enable_graph=True)) == (1, 0)
+    assert "stale" in caplog.text and name in caplog.text
+    binary.write_bytes(binary.read_bytes()[:100])  # damaged (the entry was written again)
+    caplog.clear()
+    with caplog.at_level("INFO", logger="shardwise"):
+        assert _steps(_engine("gpt2", enable_graph=True)) == (1, 0)
+    assert "could not be loaded" in caplog.text
+    assert _steps(_engine("gpt2", enable_graph=True)) == (0, 1)  # the rewritten entry serves
+
+
+def test_store_files_are_private(monkeypatch, tmp_path):
+    """The store lives in the user's cache folder (mode 0700) and its files are the user's
+    alone: another user could otherwise plant code that this process would run. A plain
+    function's step is stored and loaded too."""
+    monkeypatch.setenv("SHARDWISE_CACHE_DIR", str(tmp_path / "root"))
+    folder = _USER_FOLDER()
+    assert folder == (tmp_path / "root" / "cpu-steps").resolve()
+    assert folder.stat().st_mode & 0o777 == 0o700
+    monkeypatch.setattr(precompile, "precompiled_folder", lambda: folder)
+    first, again = CpuCompileStrategy(), CpuCompileStrategy()
+    first.capture(_double, torch.ones(7))
+    files = list(folder.iterdir())
+    assert files and all(f.stat().st_mode & 0o077 == 0 for f in files)
+    graph = again.capture(_double, torch.ones(7))
+    assert (first.compiles, first.loaded, again.compiles, again.loaded) == (1, 0, 0, 1)
+    assert torch.equal(graph(torch.full((7,), 3.0)), torch.full((7,), 7.0))
