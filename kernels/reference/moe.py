@@ -252,7 +252,8 @@ def int8_activation_moe_mlp(x: torch.Tensor, gate_up, down, experts: torch.Tenso
     xf, w = x.float(), weights.float()
     for t, j in zip(*(experts < n_experts).nonzero(as_tuple=True)):  # the oracle may sync
         e = int(experts[t, j])
-        hid = int8_activation_linear(xf[t, None], expert_rows(gate_up, e, two_i), blocks[0])  # [1, 2I]
+        hid = int8_activation_linear(xf[t, None], expert_rows(gate_up, e, two_i),
+                                     blocks[0])  # [1, 2I]
         if gate_up_bias is not None:
             hid = hid + gate_up_bias[e].float()
         y = int8_activation_linear(glu(hid, activation, clamp, alpha), expert_rows(down, e, h),
