@@ -27,7 +27,11 @@ layers) would otherwise make every slot four times larger than a layer needs. Ea
   the same.
 * ``"resident"`` — a unit larger than a slot that can be neither: its tensors stay in memory
   (counted in the report's ``resident_bytes``). A tensor shared by a resident unit and another
-  unit (a tied embedding) keeps the other unit resident too.
+  unit (a tied embedding) keeps the other unit resident too. So does a unit whose module another
+  module holds by plain reference (in its ``__dict__``, not as a child): that module reads the
+  unit's tensors outside the unit's forward, when its slot holds some other unit — a quantized
+  tied head, whose :class:`~shardwise.quant.tied.QuantEmbedding` looks up rows of the head's
+  packed table before the first layer runs (:func:`read_outside`).
 
 A streamed tensor not in any slot (a chunked or gathered weight) is pointed at a one-element
 stride-0 view of slot 0: right shape and dtype, no memory of its own, contents meaningless
@@ -175,15 +179,33 @@ def slot_bytes(blobs: Sequence[UnitEntry], layer_indices: Sequence[int]) -> Unit
     return max(layers, key=lambda e: e.nbytes)
 
 
+def read_outside(model: nn.Module, units: Sequence[Any]) -> set[int]:
+    """Indices of the units whose module some module of ``model`` holds by plain reference
+    (an instance attribute that is no child module: e.g. ``QuantEmbedding.head``, the tied
+    head whose packed table it reads rows of). Their tensors are read outside their own
+    forward, so they must stay resident (module docstring)."""
+    index = {id(u.module): i for i, u in enumerate(units)}
+    found = set()
+    for module in model.modules():
+        for value in vars(module).values():
+            if isinstance(value, nn.Module) and id(value) in index:
+                found.add(index[id(value)])
+    return found
+
+
 def plan_modes(units: Sequence[Any], blobs: Sequence[UnitEntry], slot: int,
-               input_embedding: nn.Module | None, output_embedding: nn.Module | None
-               ) -> list[str]:
+               input_embedding: nn.Module | None, output_embedding: nn.Module | None,
+               pinned: set[int] = frozenset()) -> list[str]:
     """Each unit's mode (module docstring). ``units``: the transform's units (``module``,
-    ``tensors`` with ``key`` / ``tensor``, ``repacked``); ``blobs``: their layouts."""
+    ``tensors`` with ``key`` / ``tensor``, ``repacked``); ``blobs``: their layouts;
+    ``pinned``: indices of units that stay resident whatever their size
+    (:func:`read_outside`)."""
     modes = []
-    for unit, blob in zip(units, blobs):
+    for i, (unit, blob) in enumerate(zip(units, blobs)):
         keys = [r.key for r in unit.tensors]
-        if blob.nbytes <= slot:
+        if i in pinned:
+            modes.append("resident")
+        elif blob.nbytes <= slot:
             modes.append("ring")
         elif unit.module is output_embedding and can_chunk(unit.module, keys, unit.repacked,
                                                           blob, slot):

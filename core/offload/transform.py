@@ -240,8 +240,9 @@ class OffloadReport:
     (name -> chunks; each chunk is one of ``units``); gathered: the input embeddings whose rows
     are read on demand (not in ``units``; their reads are in :meth:`stats`'
     ``gathered_bytes``); resident_units: units larger than a slot that can be neither chunked
-    nor gathered (or share a tensor with one that stays): kept in memory, in ``resident_bytes``
-    (:mod:`shardwise.offload.chunks`).
+    nor gathered, units another module reads outside their forward (a quantized tied head's
+    table, read by its ``QuantEmbedding``), or units sharing a tensor with one that stays: kept
+    in memory, in ``resident_bytes`` (:mod:`shardwise.offload.chunks`).
     """
 
     tier: str
@@ -288,7 +289,8 @@ class OffloadReport:
         big = "".join(
             [f"; {name} in {k} row chunks" for name, k in self.chunked.items()]
             + [f"; {name} rows read on demand" for name in self.gathered]
-            + [f"; {name} kept resident (larger than a slot)" for name in self.resident_units])
+            + [f"; {name} kept resident (larger than a slot, or read outside its forward)"
+               for name in self.resident_units])
         sizing = (f" ({_mib(self.slot_bytes)} each, sized by {self.slot_unit})"
                   if self.slot_unit else "")
         return (f"offload ({self.tier}): {len(self.units)} units streamed, "
@@ -354,7 +356,8 @@ def offload_model(model: nn.Module, settings: OffloadConfig | Mapping, accelerat
         embeds = _embeddings(model)
         sizing = _chunks.slot_bytes(entries, [i for i, u in enumerate(units)
                                               if u.module not in embeds])
-        modes = _chunks.plan_modes(units, entries, sizing.nbytes, *embeds)
+        modes = _chunks.plan_modes(units, entries, sizing.nbytes, *embeds,
+                                   pinned=_chunks.read_outside(model, units))
         check_ring_fits(accelerator, device, sizing.name, sizing.nbytes, settings.buffer_count)
         if written is None:
             fingerprint, shard = store_fingerprint(model, units, plan, fingerprint_extra)
