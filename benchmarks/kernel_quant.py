@@ -10,7 +10,8 @@ registry resolves, once per CPU kernel (``SHARDWISE_CPU_QUANT_KERNEL`` = native 
 prepack time), then prints the median µs per call, the speed-up over fp32, and the weight bytes
 read per call as GB/s against the device's measured copy bandwidth (the probe ``shardwise bench``
 uses: the decode roofline). ``--reference`` adds the reference (dequantize + F.linear per call,
-50 ms and more), ``--fp32-model`` an fp32 model's QuantLinear (the casts to bf16 timed too).
+50 ms and more), ``--fp32-model`` an fp32 model's QuantLinear (fp32 read in place by the native
+kernel; under ``SHARDWISE_CPU_QUANT_KERNEL=torch`` the casts to bf16 and back, timed too).
 
 Measured on 2 cores of an AMD EPYC (Zen4, AVX512-VNNI/BF16), torch 2.13, bf16 activations, on a
 machine shared with other jobs (load average 10-15 on the 2 cores: wall-clock 2-thread figures
@@ -118,8 +119,9 @@ def variants(acc, dtype, batch, in_f, out_f, reference: bool, kernels, quant):
 
 def fp32_model_rows(acc, batch: int, in_f: int, out_f: int):
     """An fp32 model's quantized linear (``quantize_model(..., torch.float32)``): the
-    QuantLinear runs the fastest kernel in the dtype that has one (bf16 on CPU), casting the
-    fp32 input to it and the output back — the casts are part of what is timed."""
+    QuantLinear runs the fastest kernel in the first dtype that has one (fp32 itself where the
+    native kernel runs; else bf16, casting the fp32 input to it and the output back — the
+    casts are then part of what is timed); the backend column names the dtype."""
     from torch import nn
 
     from shardwise.quant import quantize_model
