@@ -247,6 +247,11 @@ class InferenceEngine:
         file per rank plus ``shardwise_checkpoint.json``, loadable at any tp size with
         ``init_inference(None, checkpoint=path, ...)``. Returns the description's path.
 
+        A pipeline engine (``pipeline_parallel=``) writes a Hugging Face sharded checkpoint
+        instead, each stage its own layers' file (:func:`~shardwise.checkpoint.saver.
+        save_stages_checkpoint`), and returns the index's path; stages that are also
+        tensor-parallel, quantized or injected are refused by name before anything is written.
+
         A quantized engine (``quant=`` / ``dtype=torch.int8``) saves its weights as they run:
         each rank file holds that rank's packed weights, scales and zero points bit for bit plus
         its layer manifest, and the description records the quant settings and compute dtype.
@@ -256,13 +261,11 @@ class InferenceEngine:
         self._check_open()
         if self.offload is not None:
             raise ConfigError(_OFFLOAD_SAVE_REFUSAL)
-        if self.stages is not None:
-            from .errors import NotSupportedYetError
+        if self.stages is not None:  # each stage writes its own layers' file
+            from .checkpoint.saver import save_stages_checkpoint
 
-            raise NotSupportedYetError(
-                "saving a checkpoint from a pipeline-parallel engine is not supported yet (each "
-                "rank holds only its stage's layers); save from an engine built without "
-                "pipeline_parallel")
+            return str(save_stages_checkpoint(self.module, path, self.stages,
+                                              self.communicator))
         prepared = self.plan.sharding if self.sharding is not None and self.plan else None
         return str(_checkpoint.save_checkpoint(self.module, path, prepared=prepared,
                                                communicator=self.communicator))

@@ -286,16 +286,14 @@ def _file_keys(folder: Path) -> dict[str, list[str]]:
 
 def save_case(rank: int, root: str, name: str) -> dict:
     """A PP=2 engine loaded from folder ``name`` (each rank holding only its stage's tensors)
-    saves with ``save_stages_checkpoint`` (each stage its own file); the saved folder reloads at
-    PP=2, at TP=2 (no stages) and with ``from_pretrained`` (rank 0), each against HF on the
-    original folder."""
-    from shardwise.checkpoint.saver import save_stages_checkpoint
-
+    saves through ``engine.save_checkpoint`` (each stage its own file: ``save_stages_checkpoint``);
+    the saved folder reloads at PP=2, at TP=2 (no stages) and with ``from_pretrained`` (rank 0),
+    each against HF on the original folder."""
     refs = torch.load(Path(root, "refs.pt"))["hf"][name]
     out_dir = Path(root, f"saved-{name}")
     engine = shardwise.init_inference(None, checkpoint=str(Path(root, name)), device="cpu",
                                       dtype=torch.float32, **PP)
-    index = save_stages_checkpoint(engine.module, out_dir, engine.stages, engine.communicator)
+    index = Path(engine.save_checkpoint(str(out_dir)))
     engine.close()
     results = {}
     for label, kwargs in (("pp2", PP), ("tp2", {"tensor_parallel": {"tp_size": 2}})):
@@ -323,14 +321,13 @@ def save_case(rank: int, root: str, name: str) -> dict:
 
 
 def save_refused_case(rank: int, root: str) -> dict:
-    """Saving injected stages is refused by name, before anything is written."""
-    from shardwise.checkpoint.saver import save_stages_checkpoint
-
+    """Saving injected stages (``engine.save_checkpoint``) is refused by name, before anything
+    is written."""
     engine = shardwise.init_inference(tiny_causal_lm("llama"), device="cpu",
                                       dtype=torch.float32, replace_with_kernel_inject=True, **PP)
     out_dir = Path(root, f"saved-refused-{rank}")
     try:
-        save_stages_checkpoint(engine.module, out_dir, engine.stages, engine.communicator)
+        engine.save_checkpoint(str(out_dir))
         error = None
     except shardwise.ConfigError as exc:
         error = f"{type(exc).__name__}: {exc}"

@@ -10,8 +10,8 @@ tokens identical (``engine.generate`` and the bare HF ``generate``), step-by-ste
 through the cache, and the same sampled tokens on both ranks — for Llama, GPT-2, OPT and BLOOM,
 whole batches and micro-batches (each micro-batch a static cache over its rows of the
 stage's buffers; left-padded rows; beam search reordering across micro-batches). Also int8
-weights with injection and stages against the single-process injected int8 engine, and the
-refusal of an injected encoder with stages. ``close()`` gives the whole model back bit for bit.
+weights with injection and stages against the single-process injected int8 engine, and BERT
+injected with stages (hidden states and pooler against HF). ``close()`` gives the whole model back bit for bit.
 
 All 2-rank cases run in ONE pair of processes (the references of the quantized case are computed
 once in the test process).
@@ -198,19 +198,28 @@ def graphs_case(rank: int, arch: str, micro_batches: int = 1, batch: int = 2) ->
                                                       ref.state_dict().values())))
 
 
-def encoder_case(rank: int) -> dict:
-    """BERT injected with stages: refused by name on every rank, the model given back."""
-    model = tiny_encoder("bert", head="base")
-    before = {k: v.clone() for k, v in model.state_dict().items()}
-    try:
-        shardwise.init_inference(model, device="cpu", dtype=torch.float32, **INJECT, **_pp(1))
-        error = None
-    except shardwise.ConfigError as exc:
-        error = f"{type(exc).__name__}: {exc}"
-    return dict(error=error,
-                untouched=all(torch.equal(v, model.state_dict()[k]) for k, v in before.items()),
-                left_over=[type(m).__name__ for m in model.modules()
-                           if isinstance(m, RemoteLayer)])
+def encoder_case(rank: int, micro_batches: int) -> dict:
+    """BERT (with its pooler) injected at PP=2 against HF: hidden states and pooler output, the
+    stage each rank injected, and the weights given back by close()."""
+    ref, model = tiny_encoder("bert", head="base"), tiny_encoder("bert", head="base")
+    ids, mask = _inputs(ref.config.vocab_size, 4, padded=True)
+    with torch.no_grad():
+        want = ref(ids, attention_mask=mask)
+    engine = shardwise.init_inference(model, device="cpu", dtype=torch.float32, **INJECT,
+                                      **_pp(micro_batches))
+    mine = ids if rank == 0 else torch.zeros_like(ids)  # the engine broadcasts rank 0's inputs
+    got = engine(input_ids=mine, attention_mask=mask)
+    valid = mask.bool()  # padded positions' hidden states are not compared (HF's are arbitrary)
+    layers = list(engine.module.encoder.layer)
+    given_back = engine.close()
+    return dict(
+        hidden_abs=(got.last_hidden_state - want.last_hidden_state)[valid].abs().max().item(),
+        pooler_abs=(got.pooler_output - want.pooler_output).abs().max().item(),
+        injected=[i for i, layer in enumerate(layers) if not isinstance(layer, RemoteLayer)],
+        stand_ins=[i for i, layer in enumerate(layers) if isinstance(layer, RemoteLayer)],
+        given_back=given_back is model and all(
+            torch.equal(a, b) for a, b in zip(model.state_dict().values(),
+                                              ref.state_dict().values())))
 
 
 FAMILIES = ("llama", "gpt2", "opt", "bloom", "mixtral")
@@ -224,7 +233,8 @@ TABLE = {
     "llama-beam-mb2": (beam_case, "llama", 2),
     "llama-int8": (quant_case, None, 1),
     "llama-int8-mb2": (quant_case, None, 2),
-    "bert-refused": (encoder_case,),
+    "bert": (encoder_case, 1),
+    "bert-mb2": (encoder_case, 2),
     "llama-graphs-replay": (graphs_case, "llama"),
     "gpt2-graphs-replay": (graphs_case, "gpt2"),
     "llama-graphs-mb2-replay": (graphs_case, "llama", 2, 4),
@@ -327,14 +337,16 @@ def test_int8_injected_stages_match_the_single_process_engine(ranks, name):
 
 
 @pytest.mark.slow
-def test_an_injected_encoder_with_stages_is_refused_by_name(ranks):
-    for r in case(ranks, "bert-refused"):
-        # NotSupportedYetError from the checks before any change (stages.check_injected_stages,
-        # once init_inference calls it), else InjectionError from the injection step
-        assert r["error"] and r["error"].split(":")[0] in (
-            "NotSupportedYetError", "InjectionError"), r["error"]
-        assert "not supported yet for encoders" in r["error"]
-        assert r["untouched"] and r["left_over"] == []
+@pytest.mark.parametrize("name", ["bert", "bert-mb2"])
+def test_an_injected_encoder_with_stages_matches_hf(ranks, name):
+    r0, r1 = case(ranks, name)
+    for r in (r0, r1):
+        print(f"{name}: hidden {r['hidden_abs']:.2e}, pooler {r['pooler_abs']:.2e}")
+        assert r["hidden_abs"] <= ATOL and r["pooler_abs"] <= ATOL
+        assert r["given_back"]
+    # each rank injected its own stage's layers and holds stand-ins for the other's
+    assert r0["injected"] and r1["injected"]
+    assert r0["injected"] == r1["stand_ins"] and r1["injected"] == r0["stand_ins"]
 
 
 @pytest.mark.slow
@@ -357,22 +369,3 @@ def test_graphs_per_stage_match_hf(ranks, name):
         assert r["head_captured"] == r["last"]
         assert r["given_back"]
     assert r0["tokens"] == r1["tokens"]
-
-
-def test_an_injected_encoder_with_stages_is_refused_before_anything_changes():
-    """The check init_inference can run with its other checks (before the stage step): BERT's
-    injected stack has no stage boundary, so it is refused by name with what to run instead;
-    decoders pass; the model is not touched."""
-    from shardwise.pipeline.stages import check_injected_stages
-
-    for arch in ("llama", "gpt2"):
-        check_injected_stages(tiny_causal_lm(arch))
-    model = tiny_encoder("bert", head="base")
-    before = {k: v.clone() for k, v in model.state_dict().items()}
-    with pytest.raises(shardwise.ConfigError,
-                       match=r"replace_with_kernel_inject=True with pipeline_parallel is not "
-                             r"supported yet for encoders \(BertModel.*run the stages without "
-                             r"replace_with_kernel_inject, or inject without pipeline_parallel"):
-        check_injected_stages(model)
-    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
-    assert not any(isinstance(m, RemoteLayer) for m in model.modules())

@@ -37,7 +37,8 @@ from ..accelerator import Accelerator
 from ..errors import ShardwiseError
 from ..ledger import replace_module
 from .injector import InjectionError, resolve_ops
-from .layers import out_width
+from ..pipeline.transform import RemoteLayer
+from .layers import out_width, stage_of
 from .spec import ACTIVATIONS, GroupedSpec
 
 log = logging.getLogger(__name__)
@@ -323,9 +324,11 @@ class InjectedEncoder(nn.Module):
         self.config = config  # the model's (shared) config: output_* flags are read from it
         self.spec, self.kernels = spec, kernels
         hf_layers = hf_encoder.get_submodule(spec.layers)
-        layers = nn.ModuleList(InjectedEncoderLayer(layer, spec, kernels, head_dim, scales[i],
-                                                    approximate)
-                               for i, layer in enumerate(hf_layers))
+        self._stage = stage_of(hf_layers)  # the pipeline stage's link, or None (whole model)
+        layers = nn.ModuleList(
+            layer if isinstance(layer, RemoteLayer)
+            else InjectedEncoderLayer(layer, spec, kernels, head_dim, scales[i], approximate)
+            for i, layer in enumerate(hf_layers))
         for name, child in hf_encoder.named_children():  # same names, same order
             self.add_module(name, layers if child is hf_layers else child)
         self._layers = [layers]  # unregistered handle (the ModuleList is registered above)
@@ -344,8 +347,16 @@ class InjectedEncoder(nn.Module):
         if mask is not None:
             mask = mask.to(hidden_states.device)
         x = hidden_states
-        for layer in self._layers[0]:
-            x = layer(x, mask)
+        stage = self._stage
+        if stage is None:
+            for layer in self._layers[0]:
+                x = layer(x, mask)
+        else:  # this stage's layers, between the previous stage's hidden states and the next
+            x = stage.receive(x)
+            for i in stage.layers:
+                x = self._layers[0][i](x, mask)
+            stage.send(x)
+            x = stage.output(x)  # the last stage's hidden states, on every rank
         return EncoderOutput(last_hidden_state=x, past_key_values=None)
 
     def _refuse(self, encoder_hidden_states, past_key_values, use_cache, kwargs) -> None:
@@ -428,7 +439,9 @@ def inject_encoder(model: nn.Module, policy: Any, spec: EncoderInjectionSpec,
         raise InjectionError(f"policy {policy.name!r} finds no head counts in the config")
     kernels = resolve_encoder_kernels(accelerator, dtype)
     hf_layers = hf_encoder.get_submodule(spec.layers)
-    scales = [_scale(layer, spec, counts.head_dim) for layer in hf_layers]
+    # a pipeline stage's stand-ins for other stages' layers hold no weights: no scale
+    scales = [None if isinstance(layer, RemoteLayer) else _scale(layer, spec, counts.head_dim)
+              for layer in hf_layers]
     injected = InjectedEncoder(hf_encoder, spec, kernels, counts.head_dim, scales, approximate,
                                model.config)
     replace_module(parent, attr, injected, "injected encoder")

@@ -296,7 +296,6 @@ def plan_injection(model: nn.Module, accelerator: Accelerator, dtype: torch.dtyp
     from .encoder import EncoderInjectionSpec
 
     if isinstance(spec, EncoderInjectionSpec):  # encoder-only (BERT): no KV cache
-        _refuse_encoder_stages(model)
         if max_tokens is not None:
             raise InjectionError(f"max_tokens={max_tokens} (max_out_tokens) sizes the KV cache of "
                                  f"decoders; {type(model).__name__} is an encoder and has none: "
@@ -320,17 +319,6 @@ def plan_injection(model: nn.Module, accelerator: Accelerator, dtype: torch.dtyp
     return InjectionPlan(policy, spec, parent, attr, base, kernels, hf_layers,
                          _setups(model, spec, hf_layers, counts, heads, act, max_tokens),
                          _rotary_dim(model.config, spec.positions, counts.head_dim), max_tokens)
-
-
-def _refuse_encoder_stages(model: nn.Module) -> None:
-    """An injected encoder runs its own layer loop without the stage's receive and send:
-    refused under pipeline stages (named), rather than run the stand-ins' pass-through."""
-    from ..pipeline.transform import RemoteLayer
-
-    if any(isinstance(module, RemoteLayer) for module in model.modules()):
-        raise InjectionError(f"replace_with_kernel_inject=True with pipeline_parallel is not "
-                             f"supported yet for encoders ({type(model).__name__}); run the "
-                             f"stages without injection, or inject without pipeline_parallel")
 
 
 def check_injection(model: nn.Module, accelerator: Accelerator, dtype: torch.dtype,

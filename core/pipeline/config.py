@@ -110,7 +110,6 @@ def _parse_split(split: Any, pp: int) -> tuple[int, ...] | None:
 #: settings that do not run with pipeline stages yet: config field → what it enables
 _NOT_WITH_PIPELINE = {
     "offload": "offload (ZeRO-Inference)",
-    "save_mp_checkpoint_path": "saving a checkpoint",
 }
 
 
@@ -119,7 +118,9 @@ def check_with_other_fields(cfg: Any) -> None:
     none of them is silently dropped on some stage. ``quant=`` and ``checkpoint=`` compose (each
     rank quantizes, or reads, its stage's layers only), and so does kernel injection of a
     decoder (each rank's injected stack runs its stage's layers over a static KV cache of
-    those layers); ``quant``'s ``lm_head`` does not yet."""
+    those layers) or of an encoder; ``save_mp_checkpoint_path`` saves each stage's layers
+    (without ``tensor_parallel``, ``quant=`` or injection); ``quant``'s ``lm_head`` does not
+    compose yet."""
     if cfg.pipeline_parallel is None:
         return
     defaults = type(cfg)()
@@ -129,6 +130,12 @@ def check_with_other_fields(cfg: Any) -> None:
             raise NotSupportedYetError(
                 f"{name}={value!r} ({what}) is not supported yet with pipeline_parallel; "
                 f"remove {name}, or pipeline_parallel")
+    if cfg.save_mp_checkpoint_path and (cfg.tp_size > 1 or cfg.quant is not None
+                                        or cfg.replace_with_kernel_inject):
+        raise NotSupportedYetError(
+            "save_mp_checkpoint_path with pipeline_parallel saves the stages of an engine "
+            "without tensor_parallel, quant= or replace_with_kernel_inject; drop those for the "
+            "saving run (the saved folder loads with them)")
     if isinstance(cfg.quant, Mapping) and cfg.quant.get("lm_head"):
         raise NotSupportedYetError(
             "quant lm_head=True (quantizing the output head) is not supported yet with "

@@ -244,30 +244,3 @@ def foreign_modules(model: nn.Module, layers: nn.ModuleList, plan: StagePlan) ->
     if head is not None and not plan.last:
         out.append(names[id(head)])
     return tuple(out)
-
-
-def check_injected_stages(model: nn.Module, policy=None) -> None:
-    """Kernel injection with pipeline stages, checked before anything changes: an encoder's
-    injected stack (BERT) runs its own loop over every layer, without the stage's receive and
-    send, so it is refused here — at the checks of ``init_inference``, before the stage step and
-    any weight work — rather than at the injection step after the stages were applied.
-    ``policy``: the plan's (None: looked up for ``model``). A model without injection data is
-    left to the injection's own checks.
-
-    Raises:
-        NotSupportedYetError: ``model``'s injection is an encoder's (the message says what to
-            run instead).
-    """
-    from ..errors import NotSupportedYetError
-    from ..inject.encoder import EncoderInjectionSpec
-    from ..policy import policy_for
-
-    policy = policy or policy_for(model)
-    config = getattr(model, "config", None)
-    spec = policy.injection_spec(config) if policy is not None and config is not None else None
-    if isinstance(spec, EncoderInjectionSpec):
-        raise NotSupportedYetError(
-            f"replace_with_kernel_inject=True with pipeline_parallel is not supported yet for "
-            f"encoders ({type(model).__name__}: its injected stack runs every layer in one loop, "
-            f"with no stage boundary to send and receive at); run the stages without "
-            f"replace_with_kernel_inject, or inject without pipeline_parallel")
