@@ -96,6 +96,22 @@ def test_bf16_output_is_the_fp32_output_rounded_once(case):
         assert got.dtype == BF16 and torch.equal(got, want.to(BF16))
 
 
+
+@needs_native
+@pytest.mark.parametrize("group", [32, 36], ids=["vector", "scalar"])  # activation blocks 32 / 4
+def test_a_nan_activation_gives_a_nan_row_as_the_oracle_does(group):
+    """A NaN in x made its row NaN in the oracle but vanished in the kernel (the block's max
+    skipped it): now its block's scale is NaN, so that row's outputs are NaN, the others not."""
+    qw = _case(8, group, True, 32, 72 if group == 36 else 64, seed=7)
+    x = quant_x((3, qw.in_features), torch.float32)
+    x[1, 5] = float("nan")
+    for dtype in (torch.float32, BF16):
+        got = cpu_quant._native_linear(x.to(dtype), _packed(qw, dtype), None)
+        want = ref_quant.int8_activation_linear(x.to(dtype), qw, ref_quant.activation_block(
+            8, qw.group_size))
+        assert torch.equal(got.isnan(), want.isnan()) and got[1].isnan().all()
+        assert not got[[0, 2]].isnan().any()
+
 @needs_native
 def test_float16_activations_and_a_bias_of_another_dtype_match_the_oracle():
     """float16 x (converted by torch inside the op) and a bias whose dtype is not x's."""

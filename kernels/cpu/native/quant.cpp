@@ -32,6 +32,7 @@
 #include <cstdlib>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 
 // 4 activation bytes as one int32 for a broadcast (memcpy: no aliasing or alignment assumption)
 static inline int32_t load4(const int8_t* p) {
@@ -52,15 +53,25 @@ void quantize_row(const float* x, int64_t K, int64_t ablock, int64_t group, int8
     const float* xb = x + b * ablock;
     int8_t* qb = q + b * ablock;
     float amax = 0.f;
+    bool nan = false;  // max ignores NaN: a NaN activation makes its block's scale NaN instead
     int64_t i = 0;
     if (ablock % 16 == 0) {
       __m512 mx = _mm512_setzero_ps();
-      for (; i < ablock; i += 16) mx = _mm512_max_ps(mx, _mm512_abs_ps(_mm512_loadu_ps(xb + i)));
+      __mmask16 unordered = 0;
+      for (; i < ablock; i += 16) {
+        const __m512 v = _mm512_loadu_ps(xb + i);
+        unordered |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+        mx = _mm512_max_ps(mx, _mm512_abs_ps(v));
+      }
       amax = _mm512_reduce_max_ps(mx);
+      nan = unordered != 0;
     } else {
-      for (; i < ablock; ++i) amax = std::fmax(amax, std::fabs(xb[i]));
+      for (; i < ablock; ++i) {
+        nan = nan || std::isnan(xb[i]);
+        amax = std::fmax(amax, std::fabs(xb[i]));
+      }
     }
-    const float scale = amax / 127.f;
+    const float scale = nan ? std::numeric_limits<float>::quiet_NaN() : amax / 127.f;
     const float inv = amax > 0.f ? 127.f / amax : 0.f;
     int32_t isum = 0;
     if (ablock % 16 == 0) {
