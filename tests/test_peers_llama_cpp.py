@@ -64,3 +64,19 @@ def test_median_tokens_per_s_ignores_one_slow_step(peers):
     out = sample.to_dict()
     assert out["median_tokens_per_s"] == pytest.approx(8 / 0.1)
     assert out["tokens_per_s"] == pytest.approx(5 * 8 / 60.5)
+
+
+def test_quant_head_settings_reach_the_quant_config(peers):
+    """--quant-head quantizes the (tied) head with shardwise's default; --quant-head-bits sets
+    its bits; both parse as shardwise's quant= and --quality-only is an option."""
+    from shardwise.quant import parse_quant
+
+    args = peers.parse_args(["--llama-cpp-src", "x", "--quant-head", "--quant-group", "32",
+                             "--quality-only"])
+    assert args.quality_only
+    quant = peers.shardwise_kwargs("int4", args)["quant"]
+    assert quant == {"weight": {"num_bits": 4, "group_size": 32}, "lm_head": True}
+    args = peers.parse_args(["--llama-cpp-src", "x", "--quant-head", "--quant-head-bits", "4"])
+    config = parse_quant(peers.shardwise_kwargs("int4", args)["quant"])
+    assert config.lm_head and config.for_head(tied=True).bits == 4
+    assert "quant" not in peers.shardwise_kwargs("bf16", args)
