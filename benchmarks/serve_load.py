@@ -115,6 +115,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="while streams decode, the most one step's prefill may take, as a "
                              "fraction of the typical decode step (default: the server's; "
                              "inter-token gaps stay within 1 + this many typical steps)")
+    parser.add_argument("--prefill-worth", action=argparse.BooleanOptionalAction, default=None,
+                        help="while streams decode, a prefill chunk takes at least the tokens "
+                             "its call's overhead is worth, even past --prefill-stall "
+                             "(default: the server's, on); --no-prefill-worth: the stall "
+                             "bound first")
     parser.add_argument("--client-processes", type=int, default=1,
                         help="processes the clients run in, the streams spread over them "
                              "(default: 1; 0: in the servers' process, sharing their GIL)")
@@ -218,6 +223,8 @@ def shardwise_stack(model, tokenizer, args, accelerator, name: str):
     budget = {} if args.prefill_budget is None else {"prefill_budget": args.prefill_budget}
     if args.prefill_stall is not None:
         budget["prefill_stall"] = args.prefill_stall
+    if args.prefill_worth is not None:
+        budget["prefill_worth"] = args.prefill_worth
     return build_stack(model, tokenizer, max_batch=args.max_batch, max_tokens=args.max_context,
                        name=name, max_waiting=queue_bound(args), **budget,
                        replace_with_kernel_inject=True, enable_graph=True,

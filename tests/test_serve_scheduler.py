@@ -25,7 +25,9 @@ from shardwise.serve.types import (FinishEvent, GenRequest, QueueFullError, Samp
                                    ServerUnhealthyError, TokenEvent)
 
 VOCAB = 32
-WAIT_S = 10.0  # every wait on the scheduler's thread is bounded by this
+#: every wait on the scheduler's thread is bounded by this (on a loaded 2-core CPU a tiny
+#: model's eager step took up to ~0.6 s: 10 s timed the 8-sequence test out)
+WAIT_S = 30.0
 
 
 def next_token(history: list[int]) -> int:
@@ -326,6 +328,31 @@ def test_prefill_chunk_rule_bounds_the_stall(budget, allowance_s, overhead_s, to
         assert cost(n + 1) > bound - 1e-12
 
 
+@pytest.mark.parametrize("budget,allowance_s,overhead_s,token_s", [
+    (512, 0.041, 0.035, 0.00095),   # the 2-core CPU's default model: overhead ~0.85 allowance
+    (512, 0.030, 0.002, 0.001),
+    (512, 0.004, 0.001, 0.001),     # nothing fits: the smallest chunk
+    (16, 0.300, 0.001, 0.001),      # the budget caps it
+])
+def test_without_the_overhead_floor_the_allowance_bounds_the_stall(budget, allowance_s,
+                                                                   overhead_s, token_s):
+    from shardwise.serve.scheduler import MIN_PREFILL_CHUNK, prefill_chunk_tokens
+
+    def cost(n):
+        return overhead_s + token_s * n
+
+    n = prefill_chunk_tokens(budget, allowance_s, overhead_s, token_s, worth=False)
+    assert min(budget, MIN_PREFILL_CHUNK) <= n <= budget
+    bound = min(cost(budget), max(allowance_s, cost(MIN_PREFILL_CHUNK)))
+    assert cost(n) <= bound + 1e-12, (n, cost(n), bound)
+    if n < budget:
+        assert cost(n + 1) > bound - 1e-12
+    with_floor = prefill_chunk_tokens(budget, allowance_s, overhead_s, token_s)
+    assert with_floor >= n
+    if 2 * overhead_s > allowance_s and budget > n:  # where the floor acts, it is larger
+        assert cost(with_floor) > allowance_s
+
+
 class Clock:
     """A virtual clock for the scheduler module (its ``time``): runner calls advance it."""
 
@@ -484,6 +511,37 @@ def test_a_smaller_step_lends_its_saving_to_the_prefill_and_gaps_stay_bounded(mo
         assert tokens(drain(handle)) == alone(prompt(4 + i, i + 1), 12)
     for handle, (i, n) in zip(joining, enumerate((120, 100))):
         assert tokens(drain(handle)) == alone(prompt(n, 10 + i), 2)
+
+
+@pytest.mark.parametrize("worth", [True, False])
+def test_prefill_worth_false_keeps_every_stall_within_the_allowance(monkeypatch, worth):
+    # step 40 ms, stall 0.75 (30 ms), a call 25 ms + 1 ms a token: with the overhead's-worth
+    # floor a chunk is ~25 tokens (~50 ms stalls); without it, 8 tokens (33 ms: the smallest
+    # chunk) — more calls for the same prompt
+    import shardwise.serve.scheduler as scheduler_module
+
+    clock = Clock()
+    monkeypatch.setattr(scheduler_module, "time", type("T", (), {
+        "perf_counter": staticmethod(clock.now), "monotonic": staticmethod(clock.now)}))
+    runner = ClockRunner(clock, 0.025, 0.001, 0.04, max_batch=2, max_tokens=200)
+    sched = Scheduler(runner, sampler_factory=greedy, prefill_budget=512, prefill_stall=0.75,
+                      prefill_worth=worth)
+    first = [sched.submit(request("s0", prompt(40, 0), 60), None)]
+    sched.step()
+    sched.submit(request("warm", prompt(24, 1), 1), None)  # a second call size for the fit
+    for _ in range(3):
+        sched.step()
+    joined_at, stalled = len(runner.calls), len(runner.stalls())  # the fit has two sizes now
+    joining = sched.submit(request("j", prompt(100, 2), 2), None)
+    run_steps(sched)
+    chunks = [c[2] for c in runner.calls[joined_at:] if c[0] == "prefill"]
+    stalls = runner.stalls()[stalled:]
+    if worth:
+        assert min(chunks[:-1]) >= 20 and max(stalls) > 0.045, (chunks, stalls)
+    else:
+        assert max(chunks) <= 8 and max(stalls) <= 0.033 + 1e-9, (chunks, stalls)
+    assert tokens(drain(first[0])) == alone(prompt(40, 0), 60)
+    assert tokens(drain(joining)) == alone(prompt(100, 2), 2)
 
 
 def test_lowest_free_slot_is_taken_first():

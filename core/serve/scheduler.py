@@ -132,6 +132,10 @@ class Scheduler:
             against it (all measured as the server runs), bounding the running streams'
             inter-token gap to ``1 + prefill_stall`` typical steps; None: always
             ``prefill_budget``.
+        prefill_worth: while sequences decode, a chunk still takes at least the tokens one
+            prefill call's overhead is worth (see :func:`prefill_chunk_tokens`), even beyond
+            ``prefill_stall``: fewer calls, longer gaps where a call's overhead is a large part
+            of a step. False: the stall bound first.
         metrics: a :class:`~shardwise.serve.metrics.ServeMetrics` to record into, or None.
         heartbeat_s: when idle, ``runner.heartbeat()`` is called this often (seconds).
         sampler_factory: ``factory(params, index, vocab_size)`` making each sequence's sampler;
@@ -145,7 +149,8 @@ class Scheduler:
     def __init__(self, runner: Runner, *, eos_token_ids: Sequence[int] = (), max_waiting: int = 64,
                  prefill_budget: int = 512, metrics: ServeMetrics | None = None,
                  heartbeat_s: float = 5.0, sampler_factory: SamplerFactory | None = None,
-                 join_timeout_s: float = 30.0, prefill_stall: float | None = 0.75) -> None:
+                 join_timeout_s: float = 30.0, prefill_stall: float | None = 0.75,
+                 prefill_worth: bool = True) -> None:
         _check_positive("max_waiting", max_waiting, integer=True)
         _check_positive("prefill_budget", prefill_budget, integer=True)
         _check_positive("heartbeat_s", heartbeat_s)
@@ -162,6 +167,7 @@ class Scheduler:
         if prefill_stall is not None:
             _check_positive("prefill_stall", prefill_stall)
         self.prefill_stall = prefill_stall
+        self.prefill_worth = bool(prefill_worth)
         #: the last prefill calls' (tokens, seconds): a call costs about a + b × tokens
         self._prefill_calls: collections.deque[tuple[int, float]] = collections.deque(
             maxlen=PREFILL_FIT_CALLS)
@@ -396,7 +402,7 @@ class Scheduler:
             return self.prefill_budget, 0
         overhead_s, token_s = _linear_fit(self._prefill_calls)
         return (prefill_chunk_tokens(self.prefill_budget, self._stall_allowance_s(),
-                                     overhead_s, token_s),
+                                     overhead_s, token_s, worth=self.prefill_worth),
                 math.ceil(overhead_s / token_s))
 
     def _stall_allowance_s(self) -> float:
@@ -559,7 +565,7 @@ class Scheduler:
 
 
 def prefill_chunk_tokens(budget: int, allowance_s: float, overhead_s: float,
-                         token_s: float) -> int:
+                         token_s: float, *, worth: bool = True) -> int:
     """Prompt tokens one iteration prefills while streams decode, for a prefill call costing
     about ``overhead_s + token_s × tokens`` and ``allowance_s`` (``prefill_stall`` × a decode
     step) of stall allowed: the most tokens whose call fits the allowance, but at least
@@ -575,10 +581,16 @@ def prefill_chunk_tokens(budget: int, allowance_s: float, overhead_s: float,
     is at most half of it and ``MIN_PREFILL_CHUNK`` tokens fit it; beyond, the iteration's
     prefill costs at most two overheads (or the smallest chunk), whichever is more: the
     running streams then wait longer than the allowance for the prompt to progress at all
-    efficiently."""
+    efficiently. With ``worth=False`` there is no overhead's-worth floor: the stall is at most
+    ``min(cost(budget), max(allowance_s, cost(MIN_PREFILL_CHUNK)))`` — the inter-token bound
+    first, at the price of more calls, each paying the overhead (on the 2-core CPU the
+    default model's prefill call costs about as much as a decode step, so there the floor
+    alone made a 2x inter-token gap)."""
     fits = int((allowance_s - overhead_s) / token_s)
-    worth = int(overhead_s / token_s)  # tokens taking as long as one call's overhead
-    return min(budget, max(MIN_PREFILL_CHUNK, fits, worth))
+    if not worth:  # the allowance first: a chunk's call may be mostly overhead
+        return min(budget, max(MIN_PREFILL_CHUNK, fits))
+    worth_tokens = int(overhead_s / token_s)  # tokens taking as long as one call's overhead
+    return min(budget, max(MIN_PREFILL_CHUNK, fits, worth_tokens))
 
 
 def _raise_or_return(event: TokenEvent | Exception) -> TokenEvent:

@@ -302,14 +302,15 @@ def heartbeat_seconds(comm_timeout: float | None) -> float:
 def build_stack(model, tokenizer, *, max_batch: int = 16, max_tokens: int = 256,
                 name: str = "model", max_waiting: int = 64, prefill_budget: int = 512,
                 heartbeat_s: float = 5.0, start: bool = True, progress=None,
-                prefill_stall: float | None = 0.75, **engine_kwargs: Any) -> Stack:
+                prefill_stall: float | None = 0.75, prefill_worth: bool = True,
+                **engine_kwargs: Any) -> Stack:
     """Build the server's layers over ``model``: ``init_inference(model, max_tokens=...,
     **engine_kwargs)`` (a causal LM needs ``replace_with_kernel_inject=True``), a warmed-up
     ``SlotRunner(engine, max_batch, max_tokens)``, a ``Scheduler`` with the model's
     end-of-sequence ids and ``ServeMetrics`` (started unless ``start=False``), and the API's
     ``ServeState``. An encoder model (BERT-like) gets an ``Embedder`` and no runner or scheduler.
-    ``progress(text)``, when given, is told what the slow steps are doing. ``prefill_budget``
-    and ``prefill_stall`` are the scheduler's (:class:`~shardwise.serve.scheduler.Scheduler`).
+    ``progress(text)``, when given, is told what the slow steps are doing. ``prefill_budget``,
+    ``prefill_stall`` and ``prefill_worth`` are the scheduler's (:class:`~shardwise.serve.scheduler.Scheduler`).
 
     Returns a :class:`Stack` ``(engine, runner, scheduler, state)``; pass ``state`` to
     ``shardwise.serve.api.build_app``. Stop with ``scheduler.stop(drain_s)``."""
@@ -337,7 +338,8 @@ def build_stack(model, tokenizer, *, max_batch: int = 16, max_tokens: int = 256,
     runner.warmup()
     scheduler = Scheduler(runner, eos_token_ids=eos_token_ids(model, tokenizer),
                           max_waiting=max_waiting, prefill_budget=prefill_budget,
-                          prefill_stall=prefill_stall, metrics=metrics, heartbeat_s=heartbeat_s)
+                          prefill_stall=prefill_stall, prefill_worth=prefill_worth,
+                          metrics=metrics, heartbeat_s=heartbeat_s)
     if start:
         scheduler.start()
     state = ServeState(scheduler, tokenizer, name, runner.max_tokens, metrics)
