@@ -15,10 +15,10 @@ One background thread makes every model call. Each iteration of its loop:
    step over fewer rows: each row span's step time is measured), so that prefill + step stays
    within ``1 + prefill_stall`` typical steps — by the prefill cost fitted to the last calls
    (a per-call overhead plus a per-token time; a fit robust to a few slowed calls) (at least
-   ``MIN_PREFILL_CHUNK`` tokens, so prompts always progress): a joining prompt delays the running streams' next token
-   by a bounded fraction of a step instead of by its whole prefill. Where a call's overhead
-   alone is more than half that allowance (a small model, or a GPU whose step is host-bound),
-   a chunk still takes at least as many tokens as the overhead's worth of time (overhead /
+   ``MIN_PREFILL_CHUNK`` tokens, so prompts always progress): a joining prompt delays the
+   running streams' next token by a bounded fraction of a step instead of by its whole
+   prefill. Where a call's overhead alone is more than half that allowance (a small model, or
+   a GPU whose step is host-bound), and unless ``prefill_worth=False``, a chunk still takes at least as many tokens as the overhead's worth of time (overhead /
    per-token time): chunks of ``MIN_PREFILL_CHUNK`` tokens there would spend most of every
    prefill call on its overhead, and prompts would queue behind each other for hundreds of
    steps. The stall bound that holds is stated (and tested) at :func:`prefill_chunk_tokens`:

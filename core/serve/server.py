@@ -310,7 +310,8 @@ def build_stack(model, tokenizer, *, max_batch: int = 16, max_tokens: int = 256,
     end-of-sequence ids and ``ServeMetrics`` (started unless ``start=False``), and the API's
     ``ServeState``. An encoder model (BERT-like) gets an ``Embedder`` and no runner or scheduler.
     ``progress(text)``, when given, is told what the slow steps are doing. ``prefill_budget``,
-    ``prefill_stall`` and ``prefill_worth`` are the scheduler's (:class:`~shardwise.serve.scheduler.Scheduler`).
+    ``prefill_stall`` and ``prefill_worth`` are the scheduler's
+    (:class:`~shardwise.serve.scheduler.Scheduler`).
 
     Returns a :class:`Stack` ``(engine, runner, scheduler, state)``; pass ``state`` to
     ``shardwise.serve.api.build_app``. Stop with ``scheduler.stop(drain_s)``."""
