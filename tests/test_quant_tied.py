@@ -270,3 +270,16 @@ def test_checkpoint_reading_quantizes_a_tied_head_once(tmp_path):
         rel, agree = parity(ref_logits, engine(input_ids=ids).logits)
     assert rel < BOUNDS[8][0] and agree >= BOUNDS[8][1]
 
+
+
+def test_the_compiled_decode_step_runs_the_tied_lookup_as_eager_does():
+    """CPU graphs compile the decode step with the QuantEmbedding's row reads inside it."""
+    ids = prompt_ids(batch=1, length=8)
+    kw = dict(max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=0)
+    quant = {"weight": {"num_bits": 8}, "lm_head": True}
+    graphs = shardwise.init_inference(tied_model("gpt2"), device="cpu", dtype=BF16,
+                                      replace_with_kernel_inject=True, enable_graph=True,
+                                      quant=quant, max_tokens=64)
+    eager = shardwise.init_inference(tied_model("gpt2"), device="cpu", dtype=BF16, quant=quant)
+    assert isinstance(graphs.module.get_input_embeddings(), QuantEmbedding)
+    assert torch.equal(graphs.generate(ids, **kw), eager.generate(ids, **kw))
