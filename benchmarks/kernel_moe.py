@@ -79,8 +79,8 @@ QUANT_FORMATS = {"int8": (8, -1), "int4": (4, 128)}
 def quantized_experts(gate_up, down, formats):
     """{"int8-native": (kernel, (gate_up, down) packed for it, bytes per expert), ...} for each
     format in ``formats``, on the native kernel (where it builds) and torch's packed kernels."""
-    kernels = {"native": cpu_moe.quant_moe_mlp} if native.load() else {}
-    kernels["torch"] = cpu_quant.quant_moe_mlp
+    kernels = {"native": cpu_quant.quant_moe_mlp} if native.load() else {}
+    kernels["torch"] = cpu_quant.torch_quant_moe_mlp
     out = {}
     for fmt in formats:
         bits, group = QUANT_FORMATS[fmt]

@@ -57,9 +57,9 @@ def main() -> None:
     gate_up = torch.randn(e, 2 * i, h, generator=g) * h ** -0.5
     down = torch.randn(e, h, i, generator=g) * i ** -0.5
     floats = {"fp32": (gate_up, down), "bf16": (gate_up.bfloat16(), down.bfloat16())}
-    kernels = {"torch": cpu_quant.quant_moe_mlp}  # torch's packed kernels only
+    kernels = {"torch": cpu_quant.torch_quant_moe_mlp}  # torch's packed kernels only
     if native.load():
-        kernels["native"] = cpu_moe.quant_moe_mlp
+        kernels["native"] = cpu_quant.quant_moe_mlp
     else:
         print("the native kernel does not build here: its columns are left out")
     quantized = {}  # "int8-native" → (kernel, (gate_up, down) packed for it)

@@ -144,7 +144,7 @@ def test_fp32_is_claimed_with_the_native_kernel_only(monkeypatch):
     assert reason is not None and "bfloat16 activations only, not float32" in reason
     assert native.ENV in reason
     assert cpu_quant.supports(dtype=BF16, **shape)
-    assert cpu_quant.quant_moe_mlp.unsupported_reason(
+    assert cpu_quant.torch_quant_moe_mlp.unsupported_reason(
         device_type="cpu", dtype=torch.float32, specs=(qw.spec, qw.spec)) is not None
 
 

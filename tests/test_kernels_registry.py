@@ -188,7 +188,8 @@ def test_quant_linear_is_an_op():
     # torch's int4 kernel takes groups of 32..256 and N % 16 == 0; the native kernel both
     (quant_shape(4, 16), torch.bfloat16, "native or reference"),
     (quant_shape(4, 32, out_features=40), torch.bfloat16, "native or reference"),
-    (quant_shape(8, 128), torch.float32, "reference"),  # scalar kernels in fp32/fp16: by 4 rows
+    # torch's kernels are scalar in fp32 (by 4 rows): only the native kernel claims fp32
+    (quant_shape(8, 128), torch.float32, "native or reference"),
     (quant_shape(4, 32), torch.float16, "reference"),  # slower than the reference, not claimed
     ({}, torch.bfloat16, "reference"),  # no weight spec: no backend claims it
 ])

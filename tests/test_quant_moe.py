@@ -29,7 +29,8 @@ from families import QUANT_BOUNDS, families
 from kernel_inputs import assert_quant_matches
 from models import MIN_FORCED_AGREEMENT, logit_parity as parity, prompt_ids, tiny_causal_lm
 from shardwise.errors import ConfigError, NotSupportedYetError
-from shardwise.kernels.cpu import moe as cpu_moe, native
+from shardwise.kernels.cpu import native
+from shardwise.kernels.cpu import quant as cpu_quant
 from shardwise.kernels.reference import moe as ref_moe, quant as ref_quant
 from shardwise.quant import quantize_model, save_quantized
 from shardwise.quant.experts import QuantExperts, expert_modules
@@ -415,13 +416,13 @@ def test_under_expert_parallelism_each_rank_quantizes_its_own_experts(ep_ranks, 
 
 
 def test_an_expert_index_past_the_sentinel_is_refused_like_the_reference():
-    from shardwise.kernels.cpu import quant as cpu_quant
     from shardwise.errors import KernelError
 
     weights = [ref_quant.quantize_experts(torch.randn(2, n, k), 8) for n, k in ((32, 64),
                                                                                (64, 16))]
     x, routing = torch.randn(2, 64).to(BF16), torch.rand(2, 2)
-    for kernel in (ref_quant.quant_moe_mlp, cpu_quant.quant_moe_mlp, cpu_moe.quant_moe_mlp):
+    for kernel in (ref_quant.quant_moe_mlp, cpu_quant.torch_quant_moe_mlp,
+                   cpu_quant.quant_moe_mlp):
         packed = [kernel.prepack(w, 2, "cpu", BF16) for w in weights]
         assert kernel(x, *packed, torch.tensor([[0, 2], [1, 2]]), routing)[1].abs().sum() > 0
         with pytest.raises(KernelError, match="expert indices must be in 0..") as err:
@@ -452,7 +453,7 @@ def test_the_cpu_backend_resolves_quant_moe_mlp_to_the_native_capable_kernel():
 
     spec = ref_quant.QuantSpec(8, 64, True, 64, 64)
     impl = registry.resolve("quant_moe_mlp", CPU, BF16, device_type="cpu", specs=(spec, spec))
-    assert impl.fn is cpu_moe.quant_moe_mlp and impl.capturable
+    assert impl.fn is cpu_quant.quant_moe_mlp and impl.capturable
 
 
 @needs_native
@@ -469,7 +470,7 @@ def test_native_experts_are_held_to_their_8bit_activation_math(bits, symmetric, 
     qws = [ref_quant.quantize_experts(torch.randn(held, n, k, generator=g) * 0.2, bits, group,
                                       symmetric) for n, k in ((2 * inter, hidden),
                                                               (hidden, inter))]
-    kernel = cpu_moe.quant_moe_mlp
+    kernel = cpu_quant.quant_moe_mlp
     packed = [kernel.prepack(qw, held, "cpu", BF16) for qw in qws]
     assert [p.meta["kind"] for p in packed] == ["native", "native"]
     x = torch.randn(tokens, hidden, generator=g).to(BF16)

@@ -17,7 +17,7 @@ width (``gate_up``: K = H; ``down``: K = I); GPT-OSS's are first converted to th
 The ``quant_moe_mlp`` kernel is resolved as ``quant_linear``'s is (the first fast one over the
 model's dtype, then the accelerator's others: an fp32 model on CPU runs it in bf16, the input
 cast to bf16 and the output back), and a layer only the reference could run is refused unless
-``allow_slow_kernels``. On CPU it is :class:`shardwise.kernels.cpu.moe.CpuQuantMoE`: the native
+``allow_slow_kernels``. On CPU it is :class:`shardwise.kernels.cpu.quant.CpuQuantMoE`: the native
 AVX512-VNNI kernel the dense quantized linears run, where it builds — **the activations entering
 each expert matrix are rounded to int8 per block of 32 columns** (the token for gate_up, the
 float32 GLU output for down), the numerics it declares (oracle

@@ -1,5 +1,6 @@
-"""The ``cpu`` backend's MoE ops: ``moe_route`` and ``moe_grouped_mlp`` without host syncs, and
-``quant_moe_mlp`` (quantized experts) on the native int8/int4 kernel (:class:`CpuQuantMoE`).
+"""The ``cpu`` backend's MoE ops: ``moe_route`` and ``moe_grouped_mlp`` without host syncs.
+Quantized experts (``quant_moe_mlp``, the ``quant`` family) are in
+:mod:`shardwise.kernels.cpu.quant`.
 
 Contracts are those of ``shardwise.kernels.reference.moe`` (shapes, layouts, options, the
 sentinel expert index E: a slot whose expert lives on another rank contributes nothing).
@@ -31,10 +32,6 @@ sentinel expert index E: a slot whose expert lives on another rank contributes n
     Math in the input dtype (bf16 GEMMs accumulate in float32 inside the op); the combine in
     float32, rounded once. Sizes ``grouped_mm`` refuses (rows not 16-byte aligned) gather each
     slot's expert matrices (a copy: small shapes only).
-* quant_moe_mlp (bf16 registered; natively packed experts take any float input): the native
-  AVX512-VNNI kernel of ``quant_linear`` per expert matrix, **activations rounded to int8 per
-  block of 32** (oracle ``int8_activation_moe_mlp``), else torch's packed kernels
-  (:class:`CpuQuantMoE`); one opaque op in the compiled step (it reads the routing on the host).
 * moe_route (fp32, bf16): the reference's own code (already sync-free and static in shape),
   registered as capturable.
 
@@ -44,19 +41,12 @@ benchmarks/README.md, "MoE kernels" (``python benchmarks/kernel_moe.py``).
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 import torch.nn.functional as F
 
-from shardwise.errors import KernelError
 from shardwise.kernels.reference import moe as ref
-from shardwise.kernels.reference.quant import (LANE_COLUMNS, PackedQuantExperts,
-                                               PackedQuantWeight, QuantizedWeight,
-                                               QuantMoEKernel, dequantize_weight, expert_spec)
 
-from . import DEVICE_TYPES, native
-from . import quant as cpu_quant
+from . import DEVICE_TYPES
 
 BACKEND = "cpu"
 MOE_DTYPES = frozenset({torch.float32, torch.bfloat16})
@@ -256,246 +246,6 @@ def moe_grouped_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
     return out.index_add_(0, tokens, y).to(x.dtype)
 
 
-# ----- quantized experts: quant_moe_mlp on the native int8/int4 kernel --------------------------
-
-#: activation dtypes ``quant_moe_mlp`` claims (as ``quant_linear``: an fp32 model casts to bf16)
-QUANT_DTYPES = frozenset({torch.bfloat16})
-#: the native layout's kind (``PackedQuantExperts.meta["kind"]``)
-NATIVE = "native"
-
-
-def native_reason(specs) -> str | None:
-    """Why the native kernel cannot run the experts' (gate_up, down) specs here (None: it can):
-    it does not build (or ``SHARDWISE_CPU_QUANT_KERNEL=torch``), or a matrix's group has no
-    activation block (:func:`~shardwise.kernels.reference.quant.activation_block`)."""
-    if not native.load():
-        return "the native kernel is not in use here (its log line says why)"
-    blocked = [s for s in specs if not cpu_quant.uses_native(s)]
-    if not blocked:
-        return None
-    return (f"the native kernel needs a group size with an activation block (a multiple of "
-            f"{LANE_COLUMNS.get(blocked[0].bits, '?')} at int{blocked[0].bits}), not "
-            f"{blocked[0].group_size}")
-
-
-def _packed_expert(packed: PackedQuantExperts, e: int) -> PackedQuantWeight:
-    """Expert ``e`` of natively packed experts as ``quant_linear``'s packed weight (views)."""
-    return PackedQuantWeight(BACKEND, packed.spec, packed.dtype, packed.expert(e), packed.meta)
-
-
-def _stacked_weight(packed: PackedQuantExperts) -> QuantizedWeight:
-    """The stacked ``[E * N, K]`` :class:`QuantizedWeight` natively packed experts hold."""
-    parts = [cpu_quant.unpack_native(_packed_expert(packed, e)) for e in range(packed.experts)]
-    zeros = torch.cat([p.zeros for p in parts]) if parts[0].zeros is not None else None
-    return QuantizedWeight(torch.cat([p.qweight for p in parts]),
-                           torch.cat([p.scales for p in parts]), zeros, packed.spec.bits,
-                           packed.spec.group_size)
-
-
-def _native_linear(x: torch.Tensor, q, s, z, bias, e: int, bits: int, group: int, ablock: int,
-                   n: int) -> torch.Tensor:
-    """x [M, K] float32 (contiguous) times expert ``e``'s natively packed matrix (+ its bias row)
-    → [M, n] float32: one call of the native op over the expert's contiguous bytes."""
-    return native.cpu_qlinear(x, q[e], s[e], z[e] if z is not None else None,
-                              bias[e] if bias is not None else None, bits, group, ablock, n)
-
-
-def native_quant_mlp(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
-                     gu_q: torch.Tensor, gu_s: torch.Tensor, gu_z: torch.Tensor | None,
-                     dn_q: torch.Tensor, dn_s: torch.Tensor, dn_z: torch.Tensor | None,
-                     bits: int, gu_group: int, gu_ablock: int, dn_group: int, dn_ablock: int,
-                     activation: str, clamp: float | None, alpha: float,
-                     gu_bias: torch.Tensor | None, dn_bias: torch.Tensor | None) -> torch.Tensor:
-    """The routed experts' output [T, H] in x.dtype on natively packed experts (layout:
-    :class:`CpuQuantMoE`), eager: the activations in float32 (x converted once), each expert
-    matrix one call of the native op (activations quantized to int8 per block inside it).
-
-    * one token (decode, batch 1): each of its k slots' experts run on the token as it is —
-      no sort; each expert's two matrices are one contiguous stream each;
-    * more tokens: the T*k slots sorted by expert (stable) and each hit expert's two matrices
-      run once over its slots' rows (up to 8 rows share each loaded weight vector), the
-      weighted rows added into their tokens.
-
-    Slots of expert E (another rank's) are never computed. Reads the routing on the host (the
-    expert ids of one token, or E + 1 counts): host memory on CPU, no device sync; under
-    ``torch.compile`` this runs as one opaque op."""
-    t, k = experts.shape
-    n_experts, hidden = gu_q.shape[0], x.shape[1]
-    inter = dn_q.shape[2] * LANE_COLUMNS[bits]  # K of down
-    gu = (gu_q, gu_s, gu_z, gu_bias)
-    dn = (dn_q, dn_s, dn_z, dn_bias)
-    xf = x.float().contiguous()  # [T, H]
-    out = torch.zeros(t, hidden, dtype=torch.float32, device=x.device)
-
-    def mlp(rows: torch.Tensor, e: int) -> torch.Tensor:  # [M, H] float32 → [M, H] float32
-        h = _native_linear(rows, *gu, e, bits, gu_group, gu_ablock, 2 * inter)  # [M, 2I]
-        a = ref.glu(h, activation, clamp, alpha).contiguous()  # [M, I] float32
-        return _native_linear(a, *dn, e, bits, dn_group, dn_ablock, hidden)  # [M, H]
-
-    if t == 1:
-        ids = experts[0].tolist()
-        _check_ids(max(ids), n_experts)
-        for j, e in enumerate(ids):
-            if e < n_experts:
-                out.add_(mlp(xf, e) * weights[0, j].float())
-        return out.to(x.dtype)
-    flat = experts.reshape(-1)  # [T*k]
-    order = torch.argsort(flat, stable=True)  # [T*k]: slots by expert, the sentinel's last
-    counts = torch.bincount(flat, minlength=n_experts + 1).tolist()  # host ints
-    _check_ids(len(counts) - 1, n_experts)
-    tokens = order // k  # [T*k]: each sorted slot's token
-    slot_weights = weights.reshape(-1)[order].float()  # [T*k]
-    xs = xf[tokens]  # [T*k, H]
-    start = 0
-    for e, n in enumerate(counts[:n_experts]):
-        if n:
-            rows = slice(start, start + n)
-            out.index_add_(0, tokens[rows], mlp(xs[rows], e) * slot_weights[rows, None])
-            start += n
-    return out.to(x.dtype)
-
-
-def _check_ids(highest: int, n_experts: int) -> None:
-    if highest > n_experts:  # past the sentinel: the reference refuses them too
-        raise KernelError(f"expert indices must be in 0..{n_experts} ({n_experts}: another "
-                          f"rank's expert), got {highest}")
-
-
-@torch.library.custom_op("shardwise::cpu_native_quant_moe_mlp", mutates_args=(),
-                         device_types="cpu")
-def _native_quant_moe_op(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
-                         gu_q: torch.Tensor, gu_s: torch.Tensor, gu_z: torch.Tensor | None,
-                         dn_q: torch.Tensor, dn_s: torch.Tensor, dn_z: torch.Tensor | None,
-                         bits: int, gu_group: int, gu_ablock: int, dn_group: int,
-                         dn_ablock: int, activation: str, clamp: float | None, alpha: float,
-                         gu_bias: torch.Tensor | None,
-                         dn_bias: torch.Tensor | None) -> torch.Tensor:
-    """:func:`native_quant_mlp` as an op the compiled decode step calls without tracing it."""
-    return native_quant_mlp(x, experts, weights, gu_q, gu_s, gu_z, dn_q, dn_s, dn_z, bits,
-                            gu_group, gu_ablock, dn_group, dn_ablock, activation, clamp, alpha,
-                            gu_bias, dn_bias)
-
-
-@_native_quant_moe_op.register_fake
-def _(x, experts, weights, *rest):
-    return x.new_empty(x.shape)  # [T, H] in x.dtype, as the real op returns
-
-
-class CpuQuantMoE(QuantMoEKernel):
-    """``quant_moe_mlp`` on CPU: the native AVX512-VNNI int8/int4 kernel where it runs (the
-    one dense ``quant_linear`` runs: :mod:`shardwise.kernels.cpu.quant`), else torch's packed
-    weight-only kernels (:data:`shardwise.kernels.cpu.quant.quant_moe_mlp`, their rules).
-
-    **Numerics (native)**: as the native linears, the activations entering each expert matrix
-    are quantized to int8 per block of 32 columns (``amax / 127`` scales): the token for
-    gate_up, the float32 GLU output for down. The oracle is that math in torch:
-    :func:`shardwise.kernels.reference.moe.int8_activation_moe_mlp` (:meth:`oracle`); the
-    weight-only reference differs from it by the activations' rounding.
-
-    Input dtypes: registered for bf16 (what the quantizer resolves with, as ``quant_linear``),
-    but natively packed experts take float32 / bf16 / fp16 as they are (``dtype`` None), so an
-    fp32 model's experts skip the bf16 round trip torch's kernels need.
-
-    Native layout (``meta["kind"] == "native"``, ``meta["ablock"]`` the activation block):
-    each expert's matrix in ``quant_linear``'s native layout, stacked — ``qweight`` uint8
-    ``[E, Nb, K / L, 16, 4]``, ``scales`` float32 ``[E, Nb, G, 16]`` (+ ``zeros`` alike when
-    asymmetric), ``Nb = ceil(N / 16)`` (rows padded per expert), so expert ``e``'s bytes are
-    one contiguous block. Which experts run how: :func:`native_quant_mlp` (one token: per
-    slot, no sort; more: sorted, per hit expert); under ``torch.compile`` (the CPU graph
-    strategy's captured decode step) it is one opaque custom op (``capturable``).
-
-    Both matrices of a layer must run on the same kernel: where the native kernel runs but a
-    group of one of them has no activation block, the layer is refused by name (with torch's
-    kernels' reasons where they refuse too)."""
-
-    backend = BACKEND
-
-    def unsupported_reason(self, *, device_type: str, dtype: torch.dtype | None,
-                           specs=None, **_shape) -> str | None:
-        if not specs:
-            return "it needs the experts' weight specs (specs=(gate_up, down)) to decide"
-        if device_type not in DEVICE_TYPES or dtype not in QUANT_DTYPES:
-            return cpu_quant.quant_moe_mlp.unsupported_reason(device_type=device_type,
-                                                              dtype=dtype, specs=specs)
-        why_not_native = native_reason(specs)
-        if why_not_native is None:
-            return None
-        if native.load() and any(cpu_quant.uses_native(s) for s in specs):
-            return f"{why_not_native} (both expert matrices must run on one kernel)"
-        return cpu_quant.quant_moe_mlp.unsupported_reason(device_type=device_type, dtype=dtype,
-                                                          specs=specs)
-
-    def prepack(self, qw: QuantizedWeight, experts: int,
-                device: torch.device | str | None = None,
-                dtype: torch.dtype | None = None) -> PackedQuantExperts:
-        """The native layout (class docstring) where the native kernel takes this spec, else
-        torch's packed kernels' layout (theirs, ``meta["kind"]`` int8/int4, for ``dtype``).
-        The native layout is packed for any input dtype (``dtype`` None): float32, bf16 and
-        fp16 activations go in as they are (each is quantized to int8 from float32 inside), so
-        an fp32 model's experts take its fp32 activations, not a bf16 rounding of them."""
-        if not cpu_quant.uses_native(expert_spec(qw, experts)):
-            return cpu_quant.quant_moe_mlp.prepack(qw, experts, device, dtype)
-        return dataclasses.replace(super().prepack(qw, experts, device, dtype), dtype=None)
-
-    def _pack(self, qw: QuantizedWeight, experts: int, dtype: torch.dtype | None):
-        n = qw.out_features // experts
-        packs = [cpu_quant.quant_linear.prepack(ref.expert_rows(qw, e, n), qw.qweight.device,
-                                                torch.bfloat16)  # the layout is dtype-free
-                 for e in range(experts)]
-        if packs[0].meta.get("kind") != NATIVE:
-            raise KernelError("quant_moe_mlp (cpu): quant_linear packed an expert in the "
-                              f"{packs[0].meta.get('kind')!r} layout, not the native one")
-        tensors = {name: torch.stack([p.tensors[name] for p in packs])
-                   for name in packs[0].tensors}
-        return tensors, dict(packs[0].meta)
-
-    def dequantize(self, packed: PackedQuantExperts) -> torch.Tensor:
-        """float32 [E, N, K]: the weights the kernel computes with (exact)."""
-        if packed.meta.get("kind") != NATIVE:
-            return cpu_quant.quant_moe_mlp.dequantize(packed)
-        return dequantize_weight(_stacked_weight(packed)).reshape(
-            packed.experts, packed.spec.out_features, packed.spec.in_features)
-
-    def oracle(self, gate_up: PackedQuantExperts, down: PackedQuantExperts):
-        """The math this kernel computes on these packed experts, in torch, as a callable with
-        this op's signature (native: :func:`~shardwise.kernels.reference.moe.
-        int8_activation_moe_mlp`); None where it is the weight-only reference's (torch's
-        kernels)."""
-        if gate_up.meta.get("kind") != NATIVE:
-            return None
-        blocks = (gate_up.meta["ablock"], down.meta["ablock"])
-
-        def native_math(x, gate_up, down, experts, weights, **kwargs):
-            return ref.int8_activation_moe_mlp(x, _stacked_weight(gate_up),
-                                               _stacked_weight(down), experts, weights, blocks,
-                                               **kwargs)
-        return native_math
-
-    def _mlp(self, x, gate_up, down, experts, weights, activation, gate_up_bias, down_bias,
-             clamp, alpha) -> torch.Tensor:
-        kinds = (gate_up.meta.get("kind"), down.meta.get("kind"))
-        if NATIVE not in kinds:  # torch's packed kernels
-            return cpu_quant.quant_moe_mlp(x, gate_up, down, experts, weights,
-                                           activation=activation, gate_up_bias=gate_up_bias,
-                                           down_bias=down_bias, clamp=clamp, alpha=alpha)
-        if kinds != (NATIVE, NATIVE):
-            raise KernelError(f"quant_moe_mlp (cpu): gate_up packed {kinds[0]!r}, down "
-                              f"{kinds[1]!r}: pack both for one kernel")
-        gu, dn = gate_up.tensors, down.tensors
-        args = (x.contiguous(), experts, weights, gu["qweight"], gu["scales"], gu.get("zeros"),
-                dn["qweight"], dn["scales"], dn.get("zeros"), gate_up.spec.bits,
-                gate_up.spec.group_size, gate_up.meta["ablock"], down.spec.group_size,
-                down.meta["ablock"], activation, clamp, alpha, gate_up_bias, down_bias)
-        if torch.compiler.is_compiling():
-            return torch.ops.shardwise.cpu_native_quant_moe_mlp(*args)
-        native.load(respect_choice=False)
-        return native_quant_mlp(*args)
-
-
-#: ``quant_moe_mlp(x, gate_up, down, experts, weights, ...)`` + ``.prepack`` / ``.oracle``
-quant_moe_mlp = CpuQuantMoE()
-
-
 def moe_route(logits: torch.Tensor, top_k: int, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
     """The reference router (sync-free, static shapes): registered as capturable."""
     return ref.moe_route(logits, top_k, **kwargs)
@@ -511,13 +261,8 @@ CAPTURABLE: frozenset[str] = frozenset({"moe_grouped_mlp", "moe_route"})
 
 
 def register(registry) -> None:
-    """Register the CPU MoE ops (fp32, bf16), capturable, and ``quant_moe_mlp`` (bf16,
-    capturable: :class:`CpuQuantMoE`; registered after the ``quant`` family, it takes the
-    place of that family's torch-kernels-only implementation, which it runs where the native
-    kernel does not)."""
+    """Register the CPU MoE ops (fp32, bf16), capturable. Quantized experts (``quant_moe_mlp``)
+    are the ``quant`` family's: :mod:`shardwise.kernels.cpu.quant`."""
     for op, (fn, dtypes) in REGISTERED.items():
         registry.register(op, BACKEND, fn, dtypes=dtypes, device_types=DEVICE_TYPES,
                           capturable=op in CAPTURABLE)
-    registry.register("quant_moe_mlp", BACKEND, quant_moe_mlp, dtypes=QUANT_DTYPES,
-                      device_types=DEVICE_TYPES, supports=quant_moe_mlp.supports,
-                      capturable=True)

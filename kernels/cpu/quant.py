@@ -91,6 +91,7 @@ Packed layouts (``PackedQuantWeight.tensors``; ``meta["kind"]`` is "int8" or "in
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -101,8 +102,9 @@ from shardwise.kernels.reference import moe as ref_moe
 from shardwise.kernels.reference.quant import (LANE_COLUMNS, UNSIGNED_OFFSET, PackedQuantExperts,
                                                PackedQuantWeight, QuantizedWeight,
                                                QuantLinearKernel, QuantMoEKernel, QuantSpec,
-                                               activation_block, int8_activation_linear,
-                                               int_weight, pack_int4)
+                                               activation_block, dequantize_weight,
+                                               expert_spec, int8_activation_linear, int_weight,
+                                               pack_int4)
 
 from . import native
 
@@ -397,13 +399,6 @@ quant_linear = CpuQuantLinear()
 # ----- quantized experts: quant_moe_mlp ---------------------------------------------------------
 
 
-def _expert_rows(qw: QuantizedWeight, e: int, n: int) -> QuantizedWeight:
-    """Expert ``e``'s ``[n, K]`` matrix of the stacked ``[E * n, K]`` quantized weight."""
-    rows = slice(e * n, (e + 1) * n)
-    zeros = qw.zeros[rows] if qw.zeros is not None else None
-    return QuantizedWeight(qw.qweight[rows], qw.scales[rows], zeros, qw.bits, qw.group_size)
-
-
 def _expert_mm(x2: torch.Tensor, q: torch.Tensor, s: torch.Tensor, offsets: torch.Tensor | None,
                bits: int, kernel_group: int) -> torch.Tensor:
     """x2 [M, K] (contiguous, bf16) times ONE expert's packed matrix → [M, N] in x2.dtype:
@@ -470,8 +465,9 @@ def _(x, experts, weights, gu_q, gu_s, gu_off, dn_q, dn_s, dn_off, bits, gu_grou
     return x.new_empty(x.shape)  # [T, H], as the real op returns
 
 
-class CpuQuantMoE(QuantMoEKernel):
-    """``quant_moe_mlp`` on torch's packed CPU kernels (bf16 activations).
+class TorchQuantMoE(QuantMoEKernel):
+    """``quant_moe_mlp`` on torch's packed CPU kernels (bf16 activations): what
+    :class:`CpuQuantMoE` runs where the native kernel does not.
 
     Layout (``PackedQuantExperts.tensors``, each stacked over the E experts): ``quant_linear``'s
     per expert — int8 per channel ``qweight`` int8 [E, N, K], ``scales`` bf16 [E, N]; int8
@@ -505,10 +501,10 @@ class CpuQuantMoE(QuantMoEKernel):
     def _pack(self, qw: QuantizedWeight, experts: int, dtype: torch.dtype):
         n = qw.out_features // experts
         if qw.bits == 8:
-            per_expert = [_pack_int8(_expert_rows(qw, e, n), dtype) for e in range(experts)]
+            per_expert = [_pack_int8(ref_moe.expert_rows(qw, e, n), dtype) for e in range(experts)]
             meta = {"kind": "int8", "kernel_group": qw.group_size}
         else:
-            packs = [_pack_int4(_expert_rows(qw, e, n), dtype) for e in range(experts)]
+            packs = [_pack_int4(ref_moe.expert_rows(qw, e, n), dtype) for e in range(experts)]
             per_expert = [tensors for tensors, _ in packs]
             meta = {"kind": "int4", "kernel_group": packs[0][1]}
         return {name: torch.stack([p[name] for p in per_expert])
@@ -546,14 +542,254 @@ class CpuQuantMoE(QuantMoEKernel):
         return _hit_experts_mlp(args[0], experts, weights, args[3:6], args[6:9], *args[9:])
 
 
-#: ``quant_moe_mlp(x, gate_up, down, experts, weights, ...)`` + ``.prepack``.
+#: torch's packed kernels' ``quant_moe_mlp(x, gate_up, down, experts, weights, ...)`` +
+#: ``.prepack``
+torch_quant_moe_mlp = TorchQuantMoE()
+
+
+# ----- quantized experts: quant_moe_mlp on the native int8/int4 kernel --------------------------
+
+#: the native layout's kind (``PackedQuantExperts.meta["kind"]``)
+NATIVE = "native"
+
+
+def native_reason(specs) -> str | None:
+    """Why the native kernel cannot run the experts' (gate_up, down) specs here (None: it can):
+    it does not build (or ``SHARDWISE_CPU_QUANT_KERNEL=torch``), or a matrix's group has no
+    activation block (:func:`~shardwise.kernels.reference.quant.activation_block`)."""
+    if not native.load():
+        return "the native kernel is not in use here (its log line says why)"
+    blocked = [s for s in specs if not uses_native(s)]
+    if not blocked:
+        return None
+    return (f"the native kernel needs a group size with an activation block (a multiple of "
+            f"{LANE_COLUMNS.get(blocked[0].bits, '?')} at int{blocked[0].bits}), not "
+            f"{blocked[0].group_size}")
+
+
+def _packed_expert(packed: PackedQuantExperts, e: int) -> PackedQuantWeight:
+    """Expert ``e`` of natively packed experts as ``quant_linear``'s packed weight (views)."""
+    return PackedQuantWeight(BACKEND, packed.spec, packed.dtype, packed.expert(e), packed.meta)
+
+
+def _stacked_weight(packed: PackedQuantExperts) -> QuantizedWeight:
+    """The stacked ``[E * N, K]`` :class:`QuantizedWeight` natively packed experts hold."""
+    parts = [unpack_native(_packed_expert(packed, e)) for e in range(packed.experts)]
+    zeros = torch.cat([p.zeros for p in parts]) if parts[0].zeros is not None else None
+    return QuantizedWeight(torch.cat([p.qweight for p in parts]),
+                           torch.cat([p.scales for p in parts]), zeros, packed.spec.bits,
+                           packed.spec.group_size)
+
+
+def _expert_native_linear(x: torch.Tensor, q, s, z, bias, e: int, bits: int, group: int,
+                          ablock: int, n: int) -> torch.Tensor:
+    """x [M, K] float32 (contiguous) times expert ``e``'s natively packed matrix (+ its bias row)
+    → [M, n] float32: one call of the native op over the expert's contiguous bytes."""
+    return native.cpu_qlinear(x, q[e], s[e], z[e] if z is not None else None,
+                              bias[e] if bias is not None else None, bits, group, ablock, n)
+
+
+def native_quant_mlp(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
+                     gu_q: torch.Tensor, gu_s: torch.Tensor, gu_z: torch.Tensor | None,
+                     dn_q: torch.Tensor, dn_s: torch.Tensor, dn_z: torch.Tensor | None,
+                     bits: int, gu_group: int, gu_ablock: int, dn_group: int, dn_ablock: int,
+                     activation: str, clamp: float | None, alpha: float,
+                     gu_bias: torch.Tensor | None, dn_bias: torch.Tensor | None) -> torch.Tensor:
+    """The routed experts' output [T, H] in x.dtype on natively packed experts (layout:
+    :class:`CpuQuantMoE`), eager: the activations in float32 (x converted once), each expert
+    matrix one call of the native op (activations quantized to int8 per block inside it).
+
+    * one token (decode, batch 1): each of its k slots' experts run on the token as it is —
+      no sort; each expert's two matrices are one contiguous stream each;
+    * more tokens: the T*k slots sorted by expert (stable) and each hit expert's two matrices
+      run once over its slots' rows (up to 8 rows share each loaded weight vector), the
+      weighted rows added into their tokens.
+
+    Slots of expert E (another rank's) are never computed. Reads the routing on the host (the
+    expert ids of one token, or E + 1 counts): host memory on CPU, no device sync; under
+    ``torch.compile`` this runs as one opaque op."""
+    t, k = experts.shape
+    n_experts, hidden = gu_q.shape[0], x.shape[1]
+    inter = dn_q.shape[2] * LANE_COLUMNS[bits]  # K of down
+    gu = (gu_q, gu_s, gu_z, gu_bias)
+    dn = (dn_q, dn_s, dn_z, dn_bias)
+    xf = x.float().contiguous()  # [T, H]
+    out = torch.zeros(t, hidden, dtype=torch.float32, device=x.device)
+
+    def mlp(rows: torch.Tensor, e: int) -> torch.Tensor:  # [M, H] float32 → [M, H] float32
+        h = _expert_native_linear(rows, *gu, e, bits, gu_group, gu_ablock, 2 * inter)  # [M, 2I]
+        a = ref_moe.glu(h, activation, clamp, alpha).contiguous()  # [M, I] float32
+        return _expert_native_linear(a, *dn, e, bits, dn_group, dn_ablock, hidden)  # [M, H]
+
+    if t == 1:
+        ids = experts[0].tolist()
+        _check_ids(max(ids), n_experts)
+        for j, e in enumerate(ids):
+            if e < n_experts:
+                out.add_(mlp(xf, e) * weights[0, j].float())
+        return out.to(x.dtype)
+    flat = experts.reshape(-1)  # [T*k]
+    order = torch.argsort(flat, stable=True)  # [T*k]: slots by expert, the sentinel's last
+    counts = torch.bincount(flat, minlength=n_experts + 1).tolist()  # host ints
+    _check_ids(len(counts) - 1, n_experts)
+    tokens = order // k  # [T*k]: each sorted slot's token
+    slot_weights = weights.reshape(-1)[order].float()  # [T*k]
+    xs = xf[tokens]  # [T*k, H]
+    start = 0
+    for e, n in enumerate(counts[:n_experts]):
+        if n:
+            rows = slice(start, start + n)
+            out.index_add_(0, tokens[rows], mlp(xs[rows], e) * slot_weights[rows, None])
+            start += n
+    return out.to(x.dtype)
+
+
+def _check_ids(highest: int, n_experts: int) -> None:
+    if highest > n_experts:  # past the sentinel: the reference refuses them too
+        raise KernelError(f"expert indices must be in 0..{n_experts} ({n_experts}: another "
+                          f"rank's expert), got {highest}")
+
+
+@torch.library.custom_op("shardwise::cpu_native_quant_moe_mlp", mutates_args=(),
+                         device_types="cpu")
+def _native_quant_moe_op(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
+                         gu_q: torch.Tensor, gu_s: torch.Tensor, gu_z: torch.Tensor | None,
+                         dn_q: torch.Tensor, dn_s: torch.Tensor, dn_z: torch.Tensor | None,
+                         bits: int, gu_group: int, gu_ablock: int, dn_group: int,
+                         dn_ablock: int, activation: str, clamp: float | None, alpha: float,
+                         gu_bias: torch.Tensor | None,
+                         dn_bias: torch.Tensor | None) -> torch.Tensor:
+    """:func:`native_quant_mlp` as an op the compiled decode step calls without tracing it."""
+    return native_quant_mlp(x, experts, weights, gu_q, gu_s, gu_z, dn_q, dn_s, dn_z, bits,
+                            gu_group, gu_ablock, dn_group, dn_ablock, activation, clamp, alpha,
+                            gu_bias, dn_bias)
+
+
+@_native_quant_moe_op.register_fake
+def _(x, experts, weights, *rest):
+    return x.new_empty(x.shape)  # [T, H] in x.dtype, as the real op returns
+
+
+class CpuQuantMoE(QuantMoEKernel):
+    """``quant_moe_mlp`` on CPU: the native AVX512-VNNI int8/int4 kernel where it runs (the
+    one dense ``quant_linear`` runs: :mod:`shardwise.kernels.cpu.quant`), else torch's packed
+    weight-only kernels (:data:`shardwise.kernels.cpu.quant.quant_moe_mlp`, their rules).
+
+    **Numerics (native)**: as the native linears, the activations entering each expert matrix
+    are quantized to int8 per block of 32 columns (``amax / 127`` scales): the token for
+    gate_up, the float32 GLU output for down. The oracle is that math in torch:
+    :func:`shardwise.kernels.reference.moe.int8_activation_moe_mlp` (:meth:`oracle`); the
+    weight-only reference differs from it by the activations' rounding.
+
+    Input dtypes: registered for bf16 (what the quantizer resolves with, as ``quant_linear``),
+    but natively packed experts take float32 / bf16 / fp16 as they are (``dtype`` None), so an
+    fp32 model's experts skip the bf16 round trip torch's kernels need.
+
+    Native layout (``meta["kind"] == "native"``, ``meta["ablock"]`` the activation block):
+    each expert's matrix in ``quant_linear``'s native layout, stacked — ``qweight`` uint8
+    ``[E, Nb, K / L, 16, 4]``, ``scales`` float32 ``[E, Nb, G, 16]`` (+ ``zeros`` alike when
+    asymmetric), ``Nb = ceil(N / 16)`` (rows padded per expert), so expert ``e``'s bytes are
+    one contiguous block. Which experts run how: :func:`native_quant_mlp` (one token: per
+    slot, no sort; more: sorted, per hit expert); under ``torch.compile`` (the CPU graph
+    strategy's captured decode step) it is one opaque custom op (``capturable``).
+
+    Both matrices of a layer must run on the same kernel: where the native kernel runs but a
+    group of one of them has no activation block, the layer is refused by name (with torch's
+    kernels' reasons where they refuse too)."""
+
+    backend = BACKEND
+
+    def unsupported_reason(self, *, device_type: str, dtype: torch.dtype | None,
+                           specs=None, **_shape) -> str | None:
+        if not specs:
+            return "it needs the experts' weight specs (specs=(gate_up, down)) to decide"
+        if device_type not in DEVICE_TYPES or dtype not in DTYPES:
+            return torch_quant_moe_mlp.unsupported_reason(device_type=device_type,
+                                                              dtype=dtype, specs=specs)
+        why_not_native = native_reason(specs)
+        if why_not_native is None:
+            return None
+        if native.load() and any(uses_native(s) for s in specs):
+            return f"{why_not_native} (both expert matrices must run on one kernel)"
+        return torch_quant_moe_mlp.unsupported_reason(device_type=device_type, dtype=dtype,
+                                                          specs=specs)
+
+    def prepack(self, qw: QuantizedWeight, experts: int,
+                device: torch.device | str | None = None,
+                dtype: torch.dtype | None = None) -> PackedQuantExperts:
+        """The native layout (class docstring) where the native kernel takes this spec, else
+        torch's packed kernels' layout (theirs, ``meta["kind"]`` int8/int4, for ``dtype``).
+        The native layout is packed for any input dtype (``dtype`` None): float32, bf16 and
+        fp16 activations go in as they are (each is quantized to int8 from float32 inside), so
+        an fp32 model's experts take its fp32 activations, not a bf16 rounding of them."""
+        if not uses_native(expert_spec(qw, experts)):
+            return torch_quant_moe_mlp.prepack(qw, experts, device, dtype)
+        return dataclasses.replace(super().prepack(qw, experts, device, dtype), dtype=None)
+
+    def _pack(self, qw: QuantizedWeight, experts: int, dtype: torch.dtype | None):
+        n = qw.out_features // experts
+        packs = [quant_linear.prepack(ref_moe.expert_rows(qw, e, n), qw.qweight.device,
+                                                torch.bfloat16)  # the layout is dtype-free
+                 for e in range(experts)]
+        if packs[0].meta.get("kind") != NATIVE:
+            raise KernelError("quant_moe_mlp (cpu): quant_linear packed an expert in the "
+                              f"{packs[0].meta.get('kind')!r} layout, not the native one")
+        tensors = {name: torch.stack([p.tensors[name] for p in packs])
+                   for name in packs[0].tensors}
+        return tensors, dict(packs[0].meta)
+
+    def dequantize(self, packed: PackedQuantExperts) -> torch.Tensor:
+        """float32 [E, N, K]: the weights the kernel computes with (exact)."""
+        if packed.meta.get("kind") != NATIVE:
+            return torch_quant_moe_mlp.dequantize(packed)
+        return dequantize_weight(_stacked_weight(packed)).reshape(
+            packed.experts, packed.spec.out_features, packed.spec.in_features)
+
+    def oracle(self, gate_up: PackedQuantExperts, down: PackedQuantExperts):
+        """The math this kernel computes on these packed experts, in torch, as a callable with
+        this op's signature (native: :func:`~shardwise.kernels.reference.moe.
+        int8_activation_moe_mlp`); None where it is the weight-only reference's (torch's
+        kernels)."""
+        if gate_up.meta.get("kind") != NATIVE:
+            return None
+        blocks = (gate_up.meta["ablock"], down.meta["ablock"])
+
+        def native_math(x, gate_up, down, experts, weights, **kwargs):
+            return ref_moe.int8_activation_moe_mlp(x, _stacked_weight(gate_up),
+                                               _stacked_weight(down), experts, weights, blocks,
+                                               **kwargs)
+        return native_math
+
+    def _mlp(self, x, gate_up, down, experts, weights, activation, gate_up_bias, down_bias,
+             clamp, alpha) -> torch.Tensor:
+        kinds = (gate_up.meta.get("kind"), down.meta.get("kind"))
+        if NATIVE not in kinds:  # torch's packed kernels
+            return torch_quant_moe_mlp(x, gate_up, down, experts, weights,
+                                           activation=activation, gate_up_bias=gate_up_bias,
+                                           down_bias=down_bias, clamp=clamp, alpha=alpha)
+        if kinds != (NATIVE, NATIVE):
+            raise KernelError(f"quant_moe_mlp (cpu): gate_up packed {kinds[0]!r}, down "
+                              f"{kinds[1]!r}: pack both for one kernel")
+        gu, dn = gate_up.tensors, down.tensors
+        args = (x.contiguous(), experts, weights, gu["qweight"], gu["scales"], gu.get("zeros"),
+                dn["qweight"], dn["scales"], dn.get("zeros"), gate_up.spec.bits,
+                gate_up.spec.group_size, gate_up.meta["ablock"], down.spec.group_size,
+                down.meta["ablock"], activation, clamp, alpha, gate_up_bias, down_bias)
+        if torch.compiler.is_compiling():
+            return torch.ops.shardwise.cpu_native_quant_moe_mlp(*args)
+        native.load(respect_choice=False)
+        return native_quant_mlp(*args)
+
+
+#: ``quant_moe_mlp(x, gate_up, down, experts, weights, ...)`` + ``.prepack`` / ``.oracle``
 quant_moe_mlp = CpuQuantMoE()
+
 
 
 def register(registry) -> None:
     """Register ``quant_linear`` (bf16 CPU tensors; fp32 too where the native kernel runs:
-    :func:`supports` decides) and ``quant_moe_mlp`` (bf16) when torch has the packed kernels
-    (``quant_moe_mlp`` capturable: see :class:`CpuQuantMoE`)."""
+    :func:`supports` decides) and ``quant_moe_mlp`` (bf16, capturable: :class:`CpuQuantMoE`,
+    the native kernel, else torch's) when torch has the packed kernels."""
     if has_int8() or has_int4():
         registry.register("quant_linear", BACKEND, quant_linear, dtypes=NATIVE_DTYPES,
                           device_types=DEVICE_TYPES, supports=supports)

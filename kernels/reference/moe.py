@@ -234,7 +234,7 @@ def int8_activation_moe_mlp(x: torch.Tensor, gate_up, down, experts: torch.Tenso
                             down_bias: torch.Tensor | None = None, clamp: float | None = None,
                             alpha: float = GPT_OSS_ALPHA) -> torch.Tensor:
     """The CPU native quantized experts' math (8-bit activations), in torch: the oracle of
-    ``quant_moe_mlp`` on natively packed experts (``shardwise.kernels.cpu.moe``).
+    ``quant_moe_mlp`` on natively packed experts (``shardwise.kernels.cpu.quant``).
 
     x [T, H]; gate_up / down: ``QuantizedWeight`` of the stacked experts ([E * 2I, H] and
     [E * H, I], each expert its own rows: ``quantize_experts``); experts [T, k] in 0..E (E: the
