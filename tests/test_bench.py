@@ -271,6 +271,7 @@ def test_presets_are_named_by_shape_and_cover_the_required_shapes():
     (["--graphs"], "--graphs captures the injected decode step: add --inject"),
     (["--graphs", "--quant", "int8"], "add --inject"),
     (["--plain", "--inject"], "--plain is the variant without optimising options"),
+    (["--quant-head"], "--quant-head quantizes the head with --quant's format: add --quant"),
     (["--master-port", "29999"], "--master-port need --nnodes > 1"),
     (["--nnodes", "2", "--tp", "2", "--node-rank", "2"], "--node-rank 2 is not in 0..1"),
     (["--prompt-len", "500", "--new-tokens", "20"], "exceed the 512 positions of " + TINY),
@@ -326,6 +327,10 @@ def test_default_run_is_injection_with_graphs_int8_and_int4_as_the_device_says()
     # any variant option means the one variant it describes
     plan, *_ = _default_plan(["--dtype", "fp32"])
     assert plan.variants == [Variant("float32")] and plan.baseline_dtype == "float32"
+    plan, *_ = _default_plan(["--quant", "int4", "--quant-head"])
+    assert plan.variant_names == ["shardwise[int4,head]"]
+    assert plan.variants[0].engine_options()["quant"] == {"weight": {"num_bits": 4},
+                                                          "lm_head": True}
 
 
 def test_default_variants_ask_the_accelerator_not_the_device_name():

@@ -53,7 +53,9 @@ class Variant:
     ``"int8"``, ``"int4"`` or None; ``ep`` the expert-parallel size (``moe={"ep_size": ep}``
     when > 1: one ``--ep`` value, so ``--ep 1 2`` runs each variant both ways in one run);
     ``offload`` the tier its weights stream from (``"nvme"``, ``"cpu"`` or None: resident; the
-    directory and ring size are the plan's, :meth:`Plan.offload_settings`)."""
+    directory and ring size are the plan's, :meth:`Plan.offload_settings`); ``quant_head`` also
+    quantizes the output head with ``quant`` (``lm_head: True``: a head tied to the input
+    embeddings is stored once, quantized)."""
 
     dtype: str | None = None
     inject: bool = False
@@ -61,17 +63,18 @@ class Variant:
     quant: str | None = None
     ep: int = 1
     offload: str | None = None
+    quant_head: bool = False
 
     def tags(self) -> list[str]:
         """The options as the words of the variant's name (``inject``, ``graphs``, ``int8``,
         ``offload-nvme``)."""
         return [t for t, on in (("inject", self.inject), ("graphs", self.graphs)) if on] + \
-            ([self.quant] if self.quant else []) + \
+            ([self.quant] if self.quant else []) + (["head"] if self.quant_head else []) + \
             ([f"offload-{self.offload}"] if self.offload else [])
 
     def engine_options(self) -> dict[str, Any]:
         """The ``init_inference`` keywords of these options (dtype aside)."""
-        return engine_options(self.inject, self.graphs, self.quant)
+        return engine_options(self.inject, self.graphs, self.quant, self.quant_head)
 
 
 @dataclass
@@ -248,9 +251,10 @@ def resolve_dtype_name(accelerator: Accelerator, dtype: str | None) -> str | Non
     return str(accelerator.check_dtype(parsed)).removeprefix("torch.")
 
 
-def engine_options(inject: bool = False, graphs: bool = False,
-                   quant: str | None = None) -> dict[str, Any]:
-    """The shardwise variant's ``init_inference`` keywords for ``--inject/--graphs/--quant``."""
+def engine_options(inject: bool = False, graphs: bool = False, quant: str | None = None,
+                   quant_head: bool = False) -> dict[str, Any]:
+    """The shardwise variant's ``init_inference`` keywords for ``--inject/--graphs/--quant``
+    (and ``--quant-head``: the head quantized too)."""
     options: dict[str, Any] = {}
     if inject:
         options["replace_with_kernel_inject"] = True
@@ -259,7 +263,10 @@ def engine_options(inject: bool = False, graphs: bool = False,
     if quant is not None:
         if quant not in QUANT_CONFIGS:
             raise ConfigError(f"--quant {quant!r} is not one of {', '.join(QUANT_CONFIGS)}")
-        options["quant"] = QUANT_CONFIGS[quant]
+        options["quant"] = {**QUANT_CONFIGS[quant], **({"lm_head": True} if quant_head else {})}
+    elif quant_head:
+        raise ConfigError("--quant-head quantizes the head with --quant's format: add --quant "
+                          "int8 or int4")
     return options
 
 

@@ -97,6 +97,9 @@ def _add_variant_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--inject", action="store_true", help="kernel injection")
     g.add_argument("--graphs", action="store_true", help="graph capture (needs --inject)")
     g.add_argument("--quant", choices=["int8", "int4"], help="weight quantization")
+    g.add_argument("--quant-head", action="store_true",
+                   help="with --quant: quantize the output head too (a head tied to the input "
+                        "embeddings is stored once, quantized)")
     g.add_argument("--offload", choices=["nvme", "cpu"],
                    help="ZeRO-Inference: the variant's weights stream layer by layer from files "
                         "under --nvme-path (nvme) or from host memory to an accelerator (cpu), "
@@ -209,6 +212,9 @@ def check_combinations(args: argparse.Namespace) -> None:
     if args.plain and (args.inject or args.graphs or args.quant):
         raise ConfigError("--plain is the variant without optimising options; drop --plain or "
                           "drop --inject/--graphs/--quant")
+    if args.quant_head and not args.quant:
+        raise ConfigError("--quant-head quantizes the head with --quant's format: add --quant "
+                          "int8 or int4")
     if args.graphs and not args.inject:
         raise ConfigError("--graphs captures the injected decode step: add --inject (or drop "
                           "--graphs; without variant options the bench runs both)")
@@ -289,7 +295,8 @@ def _variants(args: argparse.Namespace, accelerator) -> tuple[list, str | None, 
                 f"injection, graphs or offload yet; the bench does not run them quantized)")
         return [Variant(dtype, ep=ep) for ep in eps], baseline or dtype, [note]
     if any(getattr(args, d) for d in VARIANT_OPTIONS):
-        variant = Variant(dtype, args.inject, args.graphs, args.quant, offload=args.offload)
+        variant = Variant(dtype, args.inject, args.graphs, args.quant, offload=args.offload,
+                          quant_head=args.quant_head)
         return [replace(variant, ep=ep) for ep in eps], baseline or dtype, []
     variants, notes = default_variants(accelerator)
     return ([replace(v, ep=ep) for ep in eps for v in variants], baseline or variants[0].dtype,
