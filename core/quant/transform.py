@@ -385,8 +385,13 @@ class Quantizer:
                 reasons.append(f"backend {backend!r} takes {names} activations, which this "
                                f"accelerator does not run")
                 continue
-            why = explain(device_type=self.device.type, dtype=dtypes[0], **spec.as_shape()) \
-                if callable(explain) else None
+            whys = {dtype: explain(device_type=self.device.type, dtype=dtype, **spec.as_shape())
+                    for dtype in dtypes} if callable(explain) else {}
+            if len(set(whys.values())) > 1:  # say why for each activation dtype tried
+                why = "; ".join(f"in {str(d).removeprefix('torch.')}: {w or 'refused'}"
+                                for d, w in whys.items())
+            else:
+                why = next(iter(whys.values()), None)
             reasons.append(f"backend {backend!r}: {why or 'refuses this weight'}")
         if not reasons:
             return (f"accelerator {self.accelerator.name!r} lists no kernel backend besides the "
