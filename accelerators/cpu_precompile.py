@@ -30,6 +30,7 @@ every start, served by inductor's FX-graph cache where it can).
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import importlib
 import inspect
@@ -55,8 +56,9 @@ log = logging.getLogger(__name__)
 PRECOMPILE_ENV = "SHARDWISE_CPU_PRECOMPILE"
 #: Bump when what this module writes changes incompatibly.
 FORMAT = 2
-#: How deep :func:`describe` follows attributes (a model's tensors sit about 6 deep).
-_MAX_DEPTH = 14
+#: How deep :func:`describe` follows attributes (a model's tensors sit about 6 deep, its
+#: config and kernels' settings deeper along some paths).
+_MAX_DEPTH = 24
 
 
 def enabled() -> bool:
@@ -70,7 +72,7 @@ def precompiled_folder() -> Path:
     return cache_dir("cpu-steps")
 
 
-# ----- the key -------------------------------------------------------------------------------------
+# ----- the key ------------------------------------------------------------------------------------
 
 def _tensor_text(t: torch.Tensor) -> str:
     return (f"T{tuple(t.shape)}{tuple(t.stride())}{t.dtype}{t.device.type}"
@@ -102,7 +104,7 @@ _SCALARS = (int, float, complex, str, bytes, bool, type(None), torch.dtype, torc
             torch.Size)
 
 
-def describe(obj: Any, depth: int = 0, seen: dict[int, int] | None = None,
+def describe(obj: Any, depth: int = 0, seen: dict[int, tuple[int, Any]] | None = None,
              out: list[str] | None = None) -> list[str]:
     """A structural description of ``obj`` and everything it reaches, as text (deterministic
     across processes: no addresses, no tensor values): scalars by value, tensors by shape,
@@ -121,12 +123,13 @@ def describe(obj: Any, depth: int = 0, seen: dict[int, int] | None = None,
         out.append(repr(obj))
         return out
     if id(obj) in seen:
-        out.append(f"@{seen[id(obj)]}")
+        out.append(f"@{seen[id(obj)][0]}")
         return out
-    seen[id(obj)] = len(seen)
     if depth >= _MAX_DEPTH or isinstance(obj, (types.ModuleType, *_opaque_types())):
+        # not marked as seen: met again nearer the root, it is described in full there
         out.append(f"<{type(obj).__qualname__}:{getattr(obj, '__name__', '')}>")
         return out
+    seen[id(obj)] = (len(seen), obj)  # the object kept alive: a freed one's id is reused
     if isinstance(obj, types.CodeType):
         out.append(_code_text(obj))
         return out
@@ -146,6 +149,10 @@ def describe(obj: Any, depth: int = 0, seen: dict[int, int] | None = None,
                 describe(cell.cell_contents, depth + 1, seen, out)
             except ValueError:  # an empty cell
                 out.append("<empty>")
+        return out
+    if isinstance(obj, functools.partial):  # its function and bound arguments are slots
+        out.append("P")
+        describe((obj.func, obj.args, obj.keywords), depth + 1, seen, out)
         return out
     if isinstance(obj, (list, tuple)):
         out.append(f"{type(obj).__name__}[{len(obj)}")
@@ -205,7 +212,7 @@ def step_key(fn: Callable, example_args: Sequence[torch.Tensor], options: dict) 
     return hashlib.sha256(json.dumps(parts, default=repr).encode()).hexdigest()
 
 
-# ----- inductor's SIMD probe, remembered -----------------------------------------------------------
+# ----- inductor's SIMD probe, remembered ----------------------------------------------------------
 
 def _compiler_text() -> str:
     """The C++ compilers inductor may run (``$CXX``, ``g++``, ``c++``): path, size, mtime."""
@@ -250,7 +257,7 @@ def known_vec_isa(folder: Path):
     return private.skip_vec_isa_probe() if known else contextlib.nullcontext()
 
 
-# ----- the traced sources, checked at load ---------------------------------------------------------
+# ----- the traced sources, checked at load --------------------------------------------------------
 
 def _globals_text(module: types.ModuleType) -> list[str]:
     """What of ``module``'s globals a trace may have baked in: its functions by their code (a
@@ -289,7 +296,7 @@ def _sources(modules: Sequence[str]) -> dict[str, str | None]:
     return {name: _module_digest(name) for name in modules}
 
 
-# ----- saving and loading --------------------------------------------------------------------------
+# ----- saving and loading -------------------------------------------------------------------------
 
 def closure_objects(fn: Callable) -> dict[str, Any]:
     """What ``fn``'s closure holds, by variable name: handed to the saved function again at
