@@ -146,6 +146,9 @@ class CpuCompileStrategy(GraphStrategy):
         #: graphs loaded from the per-user store of precompiled steps instead of compiled
         #: (:mod:`~shardwise.accelerators.cpu_precompile`)
         self.loaded = 0
+        #: a step of this strategy could not be saved (e.g. it reaches unpicklable state):
+        #: later captures compile for this process without trying again
+        self._unsavable = False
         self._options: dict | None = None
         self._cache_folder: str | None = None  # inductor's cache folder, chosen at first capture
         #: inductor's GEMM backends with ``linear="cpp"`` (see :meth:`_aten_gemms`)
@@ -204,8 +207,10 @@ class CpuCompileStrategy(GraphStrategy):
         """The per-user store of precompiled steps, or None when they are off
         (``SHARDWISE_CPU_PRECOMPILE=0``) or the step is frozen (its weights would be baked into
         the artifact by value)."""
-        if self.freezing or not self.fullgraph or not precompile.enabled():
+        if self.freezing or not self.fullgraph or not precompile.enabled() or self._unsavable:
             return None
+        if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+            return None  # the step calls the communicator (shared memory): it cannot be saved
         return precompile.PrecompiledSteps()
 
     def _backend(self, options: dict):
@@ -218,11 +223,14 @@ class CpuCompileStrategy(GraphStrategy):
         """``fn`` compiled ahead of time (savable), or None when torch's precompile refuses a
         step that ``torch.compile`` may still take (logged). Errors of the step itself (a graph
         break, a product no GEMM backend takes) are raised as they are."""
+        before = self.compiles
         try:
             return private.aot_compile(fn, self._backend(options), inputs)
         except Exception as exc:
             if private.is_graph_break_error(exc) or private.no_valid_gemm_choice(exc):
                 raise
+            self.compiles = before  # what it compiled is not kept
+            self._unsavable = True  # the other buckets' steps hold the same state: no retry
             log.info("shardwise: %r cannot be precompiled (%s: %s); compiling it for this "
                      "process only", name, type(exc).__name__, _first_line(exc))
             return None

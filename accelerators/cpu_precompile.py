@@ -104,6 +104,19 @@ _SCALARS = (int, float, complex, str, bytes, bool, type(None), torch.dtype, torc
             torch.Size)
 
 
+#: a Hugging Face config's fields that record where and how it was saved, not the model: a model
+#: handed in and the same model loaded from its checkpoint differ in them (``model_type`` is the
+#: class's own, copied onto a loaded instance)
+_CONFIG_PROVENANCE = frozenset({"transformers_version", "_name_or_path", "_commit_hash",
+                                "architectures", "model_type"})
+
+
+def _is_hf_config(obj: Any) -> bool:
+    from transformers import PretrainedConfig
+
+    return isinstance(obj, PretrainedConfig)
+
+
 def describe(obj: Any, depth: int = 0, seen: dict[int, tuple[int, Any]] | None = None,
              out: list[str] | None = None) -> list[str]:
     """A structural description of ``obj`` and everything it reaches, as text (deterministic
@@ -182,6 +195,8 @@ def describe(obj: Any, depth: int = 0, seen: dict[int, tuple[int, Any]] | None =
         if isinstance(obj, torch.nn.Module):  # hooks are keyed by a process-wide counter
             state = {k: list(v.values()) if "hook" in k and isinstance(v, dict) else v
                      for k, v in state.items()}
+        elif _is_hf_config(obj):  # where it was read from is not what the step computes
+            state = {k: v for k, v in state.items() if k not in _CONFIG_PROVENANCE}
         describe(state, depth + 1, seen, out)
     out.append(">")
     return out

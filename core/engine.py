@@ -465,6 +465,7 @@ def _build_engine(model: nn.Module | None, cfg: InferenceConfig) -> InferenceEng
     if cfg.enable_graph:  # 8. (the config requires injection for it)
         from .inject import enable_graphs
 
+        _no_grad_parameters(model)
         enable_graphs(model, accelerator)
     log.info("shardwise: %s on %s (%s)", type(model).__name__, device, dtype)
     engine = InferenceEngine(model, cfg, accelerator, communicator, device, dtype, report,
@@ -608,6 +609,15 @@ def _max_tokens(cfg: InferenceConfig) -> int | None:
 def _injected_heads(plan: Plan):
     """The head partition the injected layers hold: the plan's under TP, all heads else."""
     return plan.heads if plan.sharded else None
+
+
+def _no_grad_parameters(model: nn.Module) -> None:
+    """``requires_grad=False`` on every parameter before graph capture, as a model loaded from
+    a checkpoint has them: a captured step guards on the flag, so without this the same model
+    handed in from HF and loaded by ``checkpoint=`` would never share a saved compiled step.
+    The ledger gives the user's parameters their flags back on ``close()``."""
+    for param in model.parameters():
+        param.requires_grad_(False)
 
 
 def _check_later_steps(model: nn.Module, cfg: InferenceConfig, accelerator: Accelerator,

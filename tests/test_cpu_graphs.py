@@ -758,6 +758,26 @@ def test_a_later_start_loads_the_step_and_computes_the_same(monkeypatch, tmp_pat
     assert sorted(p.name for p in tmp_path.glob("*.bin")) == saved  # nothing new written
 
 
+def test_a_checkpoint_start_loads_the_step_of_a_model_handed_in(monkeypatch, tmp_path):
+    """The same model handed in from HF and loaded by ``checkpoint=`` share one stored step: the
+    engine clears ``requires_grad`` before capture (the step guards on it; a checkpoint's
+    parameters never need grad), and ``close()`` gives the user's flags back."""
+    (tmp_path / "steps").mkdir()
+    monkeypatch.setattr(precompile, "precompiled_folder", lambda: tmp_path / "steps")
+    model = tiny_causal_lm("llama")
+    model.save_pretrained(tmp_path / "hf")
+    assert all(p.requires_grad for p in model.parameters())  # as from_pretrained gives it
+    first = shardwise.init_inference(model, device="cpu", replace_with_kernel_inject=True,
+                                     enable_graph=True)
+    assert _steps(first) == (1, 0)
+    assert not any(p.requires_grad for p in first.module.parameters())
+    assert first.close() is model and all(p.requires_grad for p in model.parameters())
+    second = shardwise.init_inference(None, checkpoint=str(tmp_path / "hf"), device="cpu",
+                                      dtype=torch.float32, replace_with_kernel_inject=True,
+                                      enable_graph=True)
+    assert _steps(second) == (0, 1)  # loaded, not compiled
+
+
 def test_a_changed_model_or_setting_compiles_again(monkeypatch, tmp_path):
     """The key covers what the traced code depends on: another model config (here the norm's
     eps: a constant baked into the code, no tensor shape changes), another compute setting
