@@ -536,7 +536,7 @@ def _quant_cases():
         if bits == 4 and group == 16:
             continue  # refused by the cpu backend (tests/test_kernels_registry.py)
         yield Case("quant_linear", f"int{bits}-sym{int(sym)}-{k}x{n}-g{group}-rows{rows}",
-                   _quant_build(k, n, group, bits, sym, _rows(rows, k)), {"cpu": (BF16,)},
+                   _quant_build(k, n, group, bits, sym, _rows(rows, k)), {"cpu": (BF16, F32)},
                    quant_check)
     yield Case("quant_linear", "cpu-leading-dims-strided",
                _quant_build(128, 96, 64, 4, False, _strided_columns, (False,)),
@@ -732,10 +732,12 @@ def _implementation(case: Case, target: str, dtype: torch.dtype, call: Call, dev
 
 
 def _declared_math(case: Case, kernel, args: tuple):
-    """The math a quantized-experts kernel declares for its packed weights (``oracle``: the
-    native CPU kernel's 8-bit activations), or None where it is the reference's."""
+    """The math a quantized kernel declares for its packed weights (``oracle``: the native CPU
+    kernel's 8-bit activations), or None where it is the reference's."""
     oracle = getattr(kernel, "oracle", None)
-    return oracle(args[1], args[2]) if case.op == "quant_moe_mlp" and oracle else None
+    if oracle is None or case.op not in ("quant_linear", "quant_moe_mlp"):
+        return None
+    return oracle(args[1], args[2]) if case.op == "quant_moe_mlp" else oracle(args[1])
 
 
 def _copy(args: tuple) -> tuple:
@@ -776,7 +778,8 @@ def test_matches_reference(target, case, dtype, request):
 
 #: the cpu quant_linear cases, run again with torch's packed kernels (the native kernel is the
 #: default where it builds, so test_matches_reference runs it)
-CPU_QUANT_PARAMS = [p for p in PARAMS if p.values[0] == "cpu" and p.values[1].op == "quant_linear"]
+CPU_QUANT_PARAMS = [p for p in PARAMS if p.values[0] == "cpu" and p.values[1].op == "quant_linear"
+                    and p.values[2] == BF16]  # torch's packed kernels take bf16 only
 
 
 @pytest.mark.parametrize("target,case,dtype", CPU_QUANT_PARAMS)

@@ -75,7 +75,8 @@ def test_the_server_freezes_what_start_up_left_alive():
     try:
         frozen = freeze_startup_objects()
         assert probe() is None  # the cycle was collected before the freeze
-        assert frozen == gc.get_freeze_count() > before
+        # frozen objects freed since (other threads of a long test process) leave the count
+        assert frozen > before and gc.get_freeze_count() > before
         assert not any(o is kept for o in gc.get_objects())  # out of the generations
     finally:
         gc.unfreeze()
