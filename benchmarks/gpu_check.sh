@@ -6,7 +6,8 @@
 # Run from the repository root with shardwise installed (`pip install -e '.[test]'` on a CUDA
 # build of torch). Steps, in this order unless named: tests (every gpu-marked test), bench
 # (`shardwise bench`, inject + graphs, fp16, batch 1/8/32), kernels (benchmarks/kernel_cuda.py),
-# kernels-graphs (decode attention timed inside CUDA graphs), quant (the bench with int8 and
+# kernels-graphs (decode attention timed inside CUDA graphs), kernels-paths (quant_linear with
+# each path forced, in graphs; not a default step), quant (the bench with int8 and
 # int4 weights), prefill (the bench at a 2k-token prompt), moe (the Mixtral-shaped preset in
 # bf16), offload (weights streamed from pinned host memory), serve (benchmarks/serve_load.py
 # on the preset saved with a tokenizer from $TOKENIZER, default .whl/tokenizer). Each step has its own time limit, writes its log and JSON under
@@ -66,6 +67,10 @@ for s in $steps; do
     kernels)
         TAIL=120 step kernels 110 python3 benchmarks/kernel_cuda.py \
             --output "$out/cuda-kernels.json" ;;
+    kernels-paths)  # quant_linear's paths forced (GEMV, GEMM, dequantize + torch.mm), in graphs
+        TAIL=60 step kernels-paths "${KERNELS_LIMIT:-150}" python3 benchmarks/kernel_cuda.py \
+            --graphs --parts quant --paths ${KERNEL_MODELS:+--models $KERNEL_MODELS} \
+            --output "$out/cuda-kernels-quant-paths.json" ;;
     kernels-graphs)  # decode attention as the captured step runs it (no launch cost)
         TAIL=30 step kernels-graphs 60 python3 benchmarks/kernel_cuda.py --graphs --parts decode \
             --output "$out/cuda-kernels-decode-graphs.json" ;;
@@ -86,7 +91,7 @@ for s in $steps; do
             --model /tmp/serve-$preset --concurrency 1 8 64 --requests-per-stream 2 \
             --max-tokens 64 --repeats 1 --baseline-levels 1 --client-processes 4 \
             --output "$out/cuda-serve-load-$preset.json" ;;
-    *) echo "unknown step $s (tests, bench, kernels, kernels-graphs, quant, prefill, moe, offload, serve)"
+    *) echo "unknown step $s (tests, bench, kernels, kernels-paths, kernels-graphs, quant, prefill, moe, offload, serve)"
        status=2 ;;
     esac
 done

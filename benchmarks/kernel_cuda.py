@@ -52,10 +52,10 @@ LAYERS = (("7b", "qkv", 4096, 12288), ("7b", "o", 4096, 4096),
           ("7b", "gate_up", 4096, 22016), ("7b", "down", 11008, 4096),
           ("70b", "qkv", 8192, 10240), ("70b", "o", 8192, 8192),
           ("70b", "gate_up", 8192, 57344), ("70b", "down", 28672, 8192))
-ROWS = (1, 8, 32, 2048)
+ROWS = (1, 2, 8, 32, 256, 2048)
 QUANT = (("int8/channel", 8, -1), ("int4 g128", 4, 128))
 SMOKE = dict(heads=(("gqa 4/2", 4, 2),), head_dim=16, contexts=(64,), batches=(1, 2),
-             prefill=((1, 32),), layers=(("tiny", "proj", 128, 64),), rows=(1, 16))
+             prefill=((1, 32),), layers=(("tiny", "proj", 128, 64),), rows=(1, 32))
 
 
 def timer(device: str, graphs: bool = False) -> Callable[[Callable[[], object]], float]:
@@ -164,7 +164,20 @@ def torch_int_mm(w: torch.Tensor, bits: int, group: int, rows: int, device: str)
     return lambda: torch._weight_int4pack_mm(x, wp, group, sz)
 
 
-def quant_case(kernel, qref, time_ms, device, in_f, out_f, rows, bits, group) -> dict:
+def forced_paths(cls, device: str) -> dict:
+    """The quant_linear of each path whatever the rows: GEMV, GEMM, dequantize + torch.mm."""
+    never, kw = 1 << 30, dict(device_types=frozenset({device}))
+    return {"gemv": cls(gemv_max_rows=never, **kw),
+            "gemm": cls(gemv_max_rows=0, dequant_min_rows={8: never, 4: never}, **kw),
+            "dequant": cls(gemv_max_rows=0, dequant_min_rows={8: 0, 4: 0}, **kw)}
+
+
+#: rows at which each forced path is timed besides the registered choice
+PATH_ROWS = {"gemv": (1, 2), "gemm": (8, 32, 256, 2048), "dequant": (32, 256, 2048)}
+
+
+def quant_case(kernel, qref, time_ms, device, in_f, out_f, rows, bits, group,
+               paths=None) -> dict:
     g = torch.Generator(device=device).manual_seed(in_f + out_f + rows)
     w = torch.randn(out_f, in_f, device=device, generator=g) * 0.02
     x = torch.randn(rows, in_f, device=device, generator=g).half()
@@ -179,6 +192,10 @@ def quant_case(kernel, qref, time_ms, device, in_f, out_f, rows, bits, group) ->
     out["triton_gbps"] = packed.nbytes / out["triton_us"] / 1e3
     out["speedup_vs_fp16"] = out["cublas_fp16_us"] / out["triton_us"]
     out["triton_tflops"] = 2 * rows * in_f * out_f / out["triton_us"] / 1e6
+    for name, forced in (paths or {}).items():
+        if rows in PATH_ROWS[name]:
+            out[f"{name}_err"] = rel_err(forced(x, packed), qref.quant_linear(x.float(), rpacked))
+            out[f"{name}_us"] = 1e3 * time_ms(lambda: forced(x, packed))
     if device == "cuda":
         try:
             out["torch_int_us"] = 1e3 * time_ms(torch_int_mm(w, bits, group, rows, device))
@@ -198,6 +215,7 @@ def run(args) -> dict:
     from shardwise.kernels.triton import attention as att
     from shardwise.kernels.triton.quant import TritonQuantLinear
     kernel = TritonQuantLinear(device_types=frozenset({device}))
+    paths = forced_paths(TritonQuantLinear, device) if args.paths else None
     time_ms = timer(device, args.graphs)
     doc = {"device": torch.cuda.get_device_name() if device == "cuda" else platform.processor(),
            "torch": torch.__version__, "cuda": torch.version.cuda,
@@ -222,13 +240,14 @@ def run(args) -> dict:
                                                 shapes["head_dim"], batch, length)))
         doc["prefill"].append(row)
         print("prefill", row, flush=True)
-    for model, layer, in_f, out_f in shapes["layers"] if "quant" in args.parts else ():
+    layers = [s for s in shapes["layers"] if args.models is None or s[0] in args.models]
+    for model, layer, in_f, out_f in layers if "quant" in args.parts else ():
         for label, bits, group in QUANT:
             for rows in shapes["rows"]:
                 row = {"model": model, "layer": layer, "in": in_f, "out": out_f, "quant": label,
                        "rows": rows}
                 row.update(attempt(lambda: quant_case(kernel, qref, time_ms, device, in_f,
-                                                      out_f, rows, bits, group)))
+                                                      out_f, rows, bits, group, paths)))
                 doc["quant"].append(row)
                 print("quant", row, flush=True)
     return doc
@@ -265,7 +284,9 @@ def summary(doc: dict) -> str:
                      f"{fmt(r.get('cublas_fp16_us'), '8.1f')} "
                      f"{fmt(r.get('speedup_vs_fp16'), '6.2f')} "
                      f"{fmt(r.get('torch_int_us'), '12.1f')} {fmt(r.get('triton_gbps'), '5.0f')} "
-                     f"{fmt(pct, '5.1f')}  {r.get('error', '')}")
+                     f"{fmt(pct, '5.1f')}  "
+                     + " ".join(f"{p}={r[p + '_us']:.1f}" for p in PATH_ROWS if p + "_us" in r)
+                     + f" {r.get('error', '')}")
     return "\n".join(lines)
 
 
@@ -278,6 +299,11 @@ def main(argv=None) -> int:
                         help="time replays of each call captured in a CUDA graph")
     parser.add_argument("--parts", nargs="+", default=["decode", "prefill", "quant"],
                         choices=["decode", "prefill", "quant"], help="which cases to run")
+    parser.add_argument("--paths", action="store_true",
+                        help="also time each quant_linear path forced (GEMV at 1-2 rows, GEMM, "
+                             "dequantize + torch.mm), whatever the registered instance picks")
+    parser.add_argument("--models", nargs="+", help="quant layer shapes of these models only "
+                        "(7b, 70b; default all)")
     args = parser.parse_args(argv)
     if args.smoke:
         os.environ.setdefault("TRITON_INTERPRET", "1")

@@ -512,11 +512,12 @@ def _row_pitch(dtype, device):
 CPU_QUANT = [(64, 48, 16), (64, 48, 32), (64, 96, -1), (128, 48, 64), (128, 96, -1),
              (256, 48, 128)]
 #: triton (rows, in, group, kernel): GEMV with 1 and 3 rows, split-K (2 splits), GEMM with 9/10
-#: rows. A group that is a multiple of the K tile takes one scale per row per tile (64/16,
+#: rows, the weight dequantized once then torch.mm ("dequant", from 4 rows here). A group that is a multiple of the K tile takes one scale per row per tile (64/16,
 #: 96/16, 128/64); group 24 is gathered per element, and in 72 then leaves a partial K tile.
 #: out 48 leaves a partial N tile (block_n 32).
 TRITON_QUANT = [(1, 64, 16, "gemv"), (3, 72, 24, "gemv"), (3, 96, 16, "split"),
-                (9, 128, 64, "gemv"), (10, 72, 24, "gemv")]
+                (9, 128, 64, "gemv"), (10, 72, 24, "gemv"), (9, 128, 64, "dequant"),
+                (10, 72, 24, "dequant")]
 
 
 def _triton_quant_kernel(config: str):
@@ -527,6 +528,9 @@ def _triton_quant_kernel(config: str):
         gemv = {"gemv": tq.GemvConfig(block_n=32, block_k=32, rows_x_k=64, min_block_k=16,
                                       split_k=1),
                 "split": tq.GemvConfig(block_n=32, block_k=16, min_block_k=16, split_k=2)}
+        if config == "dequant":
+            return type(fn)(gemv["gemv"], gemm, device_types={device},
+                            dequant_min_rows={8: 4, 4: 4})
         return type(fn)(gemv[config], gemm, device_types={device})
     return kernel
 
@@ -548,7 +552,7 @@ def _quant_cases():
     yield Case("quant_linear", "triton-row-pitch",
                _quant_build(64, 48, 16, 4, False, _row_pitch, (False,)),
                {"triton": (F16,)}, quant_check, kernel=_triton_quant_kernel("gemv"))
-    for (bits, sym), group, rows in itertools.product(QUANT_SPECS, (128, -1), (1, 4, 16, 64)):
+    for (bits, sym), group, rows in itertools.product(QUANT_SPECS, (128, -1), (1, 4, 16, 64, 256)):
         yield Case("quant_linear", f"gpu-int{bits}-sym{int(sym)}-g{group}-rows{rows}",
                    _quant_build(4096, 4096, group, bits, sym, _rows(rows, 4096), (True,)),
                    {"cuda": HALF}, quant_check)

@@ -228,11 +228,14 @@ def tri_quant(triton_device):
     return tq, kernels, device
 
 
-@pytest.mark.parametrize("rows,path", [(8, "gemv"), (9, "gemm")])
+@pytest.mark.parametrize("rows,path", [(8, "gemv"), (9, "gemm"), (11, "gemm"), (12, "dequant")])
 def test_triton_path_by_rows(tri_quant, rows, path, monkeypatch):
+    """Rows up to gemv_max_rows take the GEMV, then the GEMM, and from the bit width's
+    dequant_min_rows the weight is dequantized once for torch.mm."""
     tq, kernels, device = tri_quant
+    kernels["gemv"].dequant_min_rows[8] = 12
     seen = []
-    for name in ("_launch_gemv", "_launch_gemm"):
+    for name in ("_launch_gemv", "_launch_gemm", "_launch_dequant"):
         real = getattr(tq.TritonQuantLinear, name)
         monkeypatch.setattr(tq.TritonQuantLinear, name,
                             lambda self, *a, _r=real, _n=name: seen.append(_n) or _r(self, *a))
@@ -242,12 +245,15 @@ def test_triton_path_by_rows(tri_quant, rows, path, monkeypatch):
     assert seen == [f"_launch_{path}"]
 
 
-def test_triton_default_hands_rows_beyond_two_to_the_gemm():
-    """The registered instance's threshold (measured on an H200: the 8-row GEMV took 6-8x its
-    1-row time, the GEMM 32 rows in about the 1-row GEMV's time)."""
+def test_triton_default_thresholds():
+    """The registered instance's thresholds (H200: the 8-row GEMV took 6-8x its 1-row time, the
+    GEMM 32 rows in about the 1-row GEMV's time; at 2048 rows the fused GEMMs were 4-40x
+    cuBLAS) and its autotuned tiles (no fixed configs)."""
     from shardwise.kernels.triton import quant as tq
 
     assert tq.quant_linear.gemv_max_rows == 2
+    assert tq.quant_linear.dequant_min_rows == tq.DEQUANT_MIN_ROWS
+    assert tq.quant_linear.gemv is None and tq.quant_linear.gemm is None
 
 
 def test_triton_packed_layout(tri_quant):

@@ -3,15 +3,24 @@
 Imported by ``shardwise.kernels.triton.register`` (so it imports triton), never by
 ``import shardwise`` nor on a CPU-only run. Kernels compile on first launch.
 
-Two paths, chosen per call by the number of rows ``M`` of ``x [M, K]``:
+Three paths, chosen per call by the number of rows ``M`` of ``x [M, K]``:
 
 * GEMV (``M <= gemv_max_rows``, 2): a program owns ``BLOCK_N`` outputs for every row and walks
   its share of K in ``BLOCK_K`` steps, loading the quantized tile ``[BLOCK_N, BLOCK_K]``,
-  dequantizing it in registers and reducing ``x[:, None, :] * w[None, :, :]`` over K. When the N
-  blocks alone are too few programs to fill the GPU, K is split over a second grid axis and the
-  float32 partials ``[split, M, N]`` are summed by torch (split-K).
-* GEMM (larger M): ``[BLOCK_M, BLOCK_N]`` output tiles, the K loop dequantizes the weight tile to
-  x.dtype and accumulates ``tl.dot`` in float32.
+  dequantizing it in registers and accumulating the products ``x * w`` elementwise; they are
+  reduced over K once, after the loop. When the N blocks alone are too few programs to fill the
+  GPU, K is split over a second grid axis and the float32 partials ``[split, M, N]`` are summed
+  by torch (split-K, in a fixed order).
+* GEMM (up to the bit width's ``dequant_min_rows``): ``[BLOCK_M, BLOCK_N]`` output tiles, the K
+  loop dequantizes the weight tile to x.dtype (int4: the two nibble tiles interleaved back into
+  columns) and accumulates ``tl.dot`` in float32.
+* Beyond that (prefill sizes) the whole weight is dequantized once into a scratch ``[N, K]`` of
+  x.dtype and multiplied by ``torch.mm`` (the vendor GEMM): exactly the reference's math.
+
+On CUDA the GEMV and GEMM tiles are autotuned per shape on first use (a few candidate tiles
+each, short timing runs, results cached on disk by Triton), inside the graph strategy's
+warm-up, never during a capture; fixed tiles (``GemvConfig`` / ``GemmConfig``) serve the
+interpreter and the tests.
 
 Both dequantize as the reference does: ``w = q * scale + offset`` in float32 (``offset = -zero *
 scale``, absent when symmetric), rounded to x.dtype, then multiplied with float32 accumulation.
@@ -24,13 +33,10 @@ Packed layout (``PackedQuantWeight.tensors``; made once by ``prepack`` on the GP
 ``qweight`` int8 [N, K] or uint8 [N, K / 2] (the reference's, contiguous); ``scales`` float32
 [N, n_groups]; ``offsets`` float32 [N, n_groups] when asymmetric.
 
-Block sizes are defaults for an H100-class GPU, checked by compiling ahead of time for sm_90
-(GEMV 37-72 registers per thread, GEMM 138-175, no spills); the interpreter tests pass small
-ones. Timed on an H200 (benchmarks/results/cuda-h200-kernels.json): the GEMV at 8 rows took
-6-8x its 1-row time (its K tile shrinks to 32: Llama-7B qkv int8 394 us against 51 us), while
-the GEMM kernel ran 32 rows of the same weight in 62 us, so rows beyond 2 take the GEMM path.
-Both paths are still far from cuBLAS fp16 at model sizes (int8 GEMV 0.2-0.7x, int4 0.1-0.4x; int4
-GEMM 0.03x): the tiles are not yet tuned.
+The first H200 run (benchmarks/results/cuda-h200-kernels.json, fixed tiles, a reduction over K
+in every step) put the GEMV at 0.2-0.7x cuBLAS fp16 at one row and 8 rows at 6-8x the 1-row
+time, hence rows beyond 2 on the GEMM; the fused GEMMs at 2048 rows took 4-40x cuBLAS, hence
+the dequantizing path.
 """
 
 from __future__ import annotations
@@ -146,7 +152,9 @@ def _gemv_kernel(X, W, S, Z, B, Y, P, M, N, K, n_groups, group_size, stride_xm, 
     mask_m = offs_m < M
     k_start = pid_s * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    # elementwise products accumulate in [BLOCK_M, BLOCK_N, BLOCK_K (int4: BLOCK_K / 2)] and
+    # are reduced over K once, after the loop (a reduction per tile costs shuffles every step)
+    acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K * BITS // 8), dtype=tl.float32)
     x_rows = X + offs_m[:, None] * stride_xm
     for k0 in range(k_start, k_end, BLOCK_K):
         if BITS == 8:
@@ -156,7 +164,7 @@ def _gemv_kernel(X, W, S, Z, B, Y, P, M, N, K, n_groups, group_size, stride_xm, 
                         other=0.0).to(tl.float32)
             w = _dequant8(W, S, Z, rn, mask_n, k0, offs_k, mask_k, K, n_groups, group_size,
                           HAS_ZERO, TILE_GROUP).to(DT).to(tl.float32)
-            acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
+            acc += x[:, None, :] * w[None, :, :]
         else:
             offs_j = k0 // 2 + tl.arange(0, BLOCK_K // 2)  # byte (column pair) index
             mask_j = 2 * offs_j < k_end
@@ -165,8 +173,9 @@ def _gemv_kernel(X, W, S, Z, B, Y, P, M, N, K, n_groups, group_size, stride_xm, 
             xo = tl.load(x_rows + 2 * offs_j[None, :] + 1, mask=xmask, other=0.0).to(tl.float32)
             lo, hi = _dequant4(W, S, Z, rn, mask_n, k0, offs_j, mask_j, K, n_groups, group_size,
                                HAS_ZERO, TILE_GROUP)
-            acc += tl.sum(xe[:, None, :] * lo.to(DT).to(tl.float32)[None, :, :], axis=2)
-            acc += tl.sum(xo[:, None, :] * hi.to(DT).to(tl.float32)[None, :, :], axis=2)
+            acc += xe[:, None, :] * lo.to(DT).to(tl.float32)[None, :, :]
+            acc += xo[:, None, :] * hi.to(DT).to(tl.float32)[None, :, :]
+    acc = tl.sum(acc, axis=2)
     if SPLIT == 1:
         _store(Y, B, acc, offs_m, offs_n, mask_m, mask_n, stride_ym, HAS_BIAS)
     else:
@@ -190,10 +199,11 @@ def _dot(x, w, acc, DT: tl.constexpr, F32_DOT: tl.constexpr):
 
 @triton.jit
 def _gemm_kernel(X, W, S, Z, B, Y, M, N, K, n_groups, group_size, stride_xm, stride_ym,
-                 BITS: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr,
+                 M_BUCKET, BITS: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr,
                  TILE_GROUP: tl.constexpr, F32_DOT: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Y [M, N] = X [M, K] @ dequant(W)ᵀ with tl.dot, dequantization fused into the K loop."""
+    """Y [M, N] = X [M, K] @ dequant(W)ᵀ with tl.dot, dequantization fused into the K loop.
+    M_BUCKET (rows rounded up to a power of two) only keys the autotuning."""
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     DT: tl.constexpr = Y.dtype.element_ty
     n0 = pid_n * BLOCK_N
@@ -219,14 +229,47 @@ def _gemm_kernel(X, W, S, Z, B, Y, M, N, K, n_groups, group_size, stride_xm, str
         else:
             offs_j = k0 // 2 + tl.arange(0, BLOCK_K // 2)
             mask_j = 2 * offs_j < K
-            xmask = mask_m[:, None] & mask_j[None, :]
-            xe = tl.load(x_rows + 2 * offs_j[None, :], mask=xmask, other=0.0)
-            xo = tl.load(x_rows + 2 * offs_j[None, :] + 1, mask=xmask, other=0.0)
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            x = tl.load(x_rows + offs_k[None, :], mask=mask_m[:, None] & (offs_k < K)[None, :],
+                        other=0.0)
             lo, hi = _dequant4(W, S, Z, rn, mask_n, k0, offs_j, mask_j, K, n_groups, group_size,
                                HAS_ZERO, TILE_GROUP)
-            acc = _dot(xe, lo, acc, DT, F32_DOT)
-            acc = _dot(xo, hi, acc, DT, F32_DOT)
+            # [BLOCK_N, BLOCK_K]: column 2j from the low nibbles, 2j + 1 from the high ones
+            acc = _dot(x, tl.interleave(lo, hi), acc, DT, F32_DOT)
     _store(Y, B, acc, offs_m, offs_n, mask_m, mask_n, stride_ym, HAS_BIAS)
+
+
+@triton.jit
+def _dequant_kernel(W, S, Z, OUT, N, K, n_groups, group_size, BITS: tl.constexpr,
+                    HAS_ZERO: tl.constexpr, TILE_GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr):
+    """OUT [N, K] (x's dtype) = dequant(W), tile [BLOCK_N, BLOCK_K] of program (n, k), rounded
+    as the reference rounds its dequantized weight."""
+    pid_n, pid_k = tl.program_id(0), tl.program_id(1)
+    DT: tl.constexpr = OUT.dtype.element_ty
+    n0 = pid_n * BLOCK_N
+    W += n0.to(tl.int64) * (K * BITS // 8)
+    S += n0.to(tl.int64) * n_groups
+    Z += n0.to(tl.int64) * n_groups
+    OUT += n0.to(tl.int64) * K
+    rn = tl.arange(0, BLOCK_N)
+    mask_n = n0 + rn < N
+    k0 = pid_k * BLOCK_K
+    if BITS == 8:
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        mask_k = offs_k < K
+        w = _dequant8(W, S, Z, rn, mask_n, k0, offs_k, mask_k, K, n_groups, group_size,
+                      HAS_ZERO, TILE_GROUP)
+        tl.store(OUT + rn[:, None] * K + offs_k[None, :], w.to(DT),
+                 mask=mask_n[:, None] & mask_k[None, :])
+    else:
+        offs_j = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+        mask_j = 2 * offs_j < K
+        lo, hi = _dequant4(W, S, Z, rn, mask_n, k0, offs_j, mask_j, K, n_groups, group_size,
+                           HAS_ZERO, TILE_GROUP)
+        mask = mask_n[:, None] & mask_j[None, :]
+        tl.store(OUT + rn[:, None] * K + 2 * offs_j[None, :], lo.to(DT), mask=mask)
+        tl.store(OUT + rn[:, None] * K + 2 * offs_j[None, :] + 1, hi.to(DT), mask=mask)
 
 
 # ----- launchers --------------------------------------------------------------------------------
@@ -234,9 +277,9 @@ def _gemm_kernel(X, W, S, Z, B, Y, M, N, K, n_groups, group_size, stride_xm, str
 
 @dataclass(frozen=True)
 class GemvConfig:
-    """GEMV tiles. ``block_k`` is for one row and shrinks as rows grow, keeping ``block_m *
-    block_k <= rows_x_k`` (the ``[M, N, K]`` product per program stays ``block_n * rows_x_k``
-    elements) down to ``min_block_k``; ``split_k`` None picks it from the SM count."""
+    """Fixed GEMV tiles (tests, the interpreter). ``block_k`` is for one row and shrinks as rows
+    grow, keeping ``block_m * block_k <= rows_x_k`` down to ``min_block_k``; ``split_k`` None
+    picks it from the SM count."""
 
     block_n: int = 16
     block_k: int = 256
@@ -248,13 +291,70 @@ class GemvConfig:
 
 @dataclass(frozen=True)
 class GemmConfig:
-    """GEMM tiles (each at least 16 for tl.dot; ``block_k`` at least 32 for 4 bits)."""
+    """Fixed GEMM tiles (each at least 16 for tl.dot; ``block_k`` at least 32 for 4 bits)."""
 
     block_m: int = 64
     block_n: int = 64
     block_k: int = 64
     num_warps: int = 8
     num_stages: int = 3
+
+
+#: Rows from which a call dequantizes the whole weight once (x's dtype, a scratch [N, K]) and
+#: multiplies with the vendor GEMM: at prefill sizes that GEMM is several times any fused
+#: dequantizing tile here (H200, Llama-7B qkv, 2048 rows: int8 GEMM 1021 us, int4 10826 us,
+#: cuBLAS fp16 269 us), and dequantizing costs one pass over N x K.
+DEQUANT_MIN_ROWS = {8: 256, 4: 64}
+
+#: Candidate tiles the GPU picks from on first use of a (rows, N, K) shape (triton.autotune;
+#: results cached on disk). GEMV: (block_n, block_k, warps, stages), its float32 products
+#: [block_n, block_k] per row at most 64 registers a thread.
+_GEMV_TUNE = ((16, 512, 4, 3), (32, 256, 4, 3), (64, 128, 4, 3), (8, 1024, 4, 3),
+              (32, 512, 8, 3), (64, 256, 8, 3), (16, 256, 4, 4), (32, 128, 4, 4))
+#: GEMM: (block_m, block_n, block_k, warps, stages); block_m beyond the rows is pruned.
+_GEMM_TUNE = ((16, 64, 128, 4, 4), (16, 128, 128, 4, 3), (32, 64, 128, 4, 4),
+              (32, 128, 64, 4, 3), (64, 64, 64, 4, 3), (64, 128, 64, 8, 3),
+              (128, 128, 64, 8, 3), (128, 64, 64, 4, 4))
+
+
+def _quick_bench(kernel_call, quantiles):
+    """Autotuning's timer: short runs (the default 25 + 100 ms per candidate multiplies into
+    seconds per shape at start-up)."""
+    return triton.testing.do_bench(kernel_call, warmup=5, rep=20, quantiles=quantiles)
+
+
+def _k_per_split(args) -> int:
+    """K columns per split: whole K tiles, the splits together covering K."""
+    return triton.cdiv(triton.cdiv(args["K"], args["BLOCK_K"]), args["SPLIT"]) * args["BLOCK_K"]
+
+
+def _tile_group(args) -> bool:
+    return args["group_size"] % args["BLOCK_K"] == 0
+
+
+def _gemm_prune(configs, named_args, **_):
+    """Drop row tiles larger than the rows (keeping the smallest, 16, always)."""
+    rows = named_args["M_BUCKET"]
+    kept = [c for c in configs if c.kwargs["BLOCK_M"] <= max(16, rows)]
+    return kept or configs[:1]
+
+
+def _tuned(kernel, configs, key, prune=None):
+    """``kernel`` autotuned over ``configs`` (dicts of meta-parameters plus num_warps and
+    num_stages), its K split and group tiling derived from the chosen BLOCK_K."""
+    heuristic = triton.heuristics({"TILE_GROUP": _tile_group} | (
+        {"k_per_split": _k_per_split} if "SPLIT" in kernel.arg_names else {}))
+    tuned = [triton.Config(dict(meta), num_warps=w, num_stages=st) for meta, w, st in configs]
+    return triton.autotune(tuned, key=key, do_bench=_quick_bench, cache_results=True,
+                           prune_configs_by={"early_config_prune": prune} if prune else None,
+                           )(heuristic(kernel))
+
+
+_gemv_tuned = _tuned(_gemv_kernel, [({"BLOCK_N": n, "BLOCK_K": k}, w, st)
+                                    for n, k, w, st in _GEMV_TUNE], key=["M", "N", "K", "SPLIT"])
+_gemm_tuned = _tuned(_gemm_kernel, [({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k}, w, st)
+                                    for m, n, k, w, st in _GEMM_TUNE],
+                     key=["M_BUCKET", "N", "K"], prune=_gemm_prune)
 
 
 @functools.cache
@@ -265,16 +365,23 @@ def _num_sms(index: int) -> int:
 class TritonQuantLinear(QuantLinearKernel):
     """``quant_linear`` with the Triton kernels above (module docstring).
 
+    By rows of ``x``: up to ``gemv_max_rows`` the GEMV, up to the bit width's
+    ``dequant_min_rows`` the GEMM, beyond that the whole weight dequantized once and the vendor
+    GEMM (``torch.mm``). Without ``gemv``/``gemm`` configs the tiles are autotuned on the GPU per
+    shape (the registered instance); given, they are used as they are (tests, the interpreter).
     ``device_types`` may add "cpu" to run the kernels on CPU tensors under
     ``TRITON_INTERPRET=1`` (tests); the registered instance claims CUDA only.
     """
 
     backend = BACKEND
 
-    def __init__(self, gemv: GemvConfig = GemvConfig(), gemm: GemmConfig = GemmConfig(),
-                 gemv_max_rows: int = 2, device_types: frozenset[str] = DEVICE_TYPES) -> None:
+    def __init__(self, gemv: GemvConfig | None = None, gemm: GemmConfig | None = None,
+                 gemv_max_rows: int = 2, device_types: frozenset[str] = DEVICE_TYPES,
+                 dequant_min_rows: dict[int, int] | None = None) -> None:
         self.gemv, self.gemm = gemv, gemm
         self.gemv_max_rows, self.device_types = gemv_max_rows, frozenset(device_types)
+        self.dequant_min_rows = dict(DEQUANT_MIN_ROWS if dequant_min_rows is None
+                                     else dequant_min_rows)
 
     def supports(self, **kwargs) -> bool:
         return supports(device_types=self.device_types, **kwargs)
@@ -296,9 +403,12 @@ class TritonQuantLinear(QuantLinearKernel):
             return y
         if bias is not None:
             bias = bias.contiguous()
-        if x2.shape[0] <= self.gemv_max_rows:
+        rows = x2.shape[0]
+        if rows <= self.gemv_max_rows:
             return self._launch_gemv(x2, packed, bias, y)
-        return self._launch_gemm(x2, packed, bias, y)
+        if rows < self.dequant_min_rows.get(spec.bits, 1 << 62):
+            return self._launch_gemm(x2, packed, bias, y)
+        return self._launch_dequant(x2, packed, bias, y)
 
     def _common(self, x2, packed, bias, y):
         """Arguments shared by both kernels (unused pointers get a placeholder tensor)."""
@@ -307,54 +417,99 @@ class TritonQuantLinear(QuantLinearKernel):
         return (x2, t["qweight"], t["scales"], zeros, bias if bias is not None else t["scales"],
                 y), dict(BITS=spec.bits, HAS_ZERO="offsets" in t, HAS_BIAS=bias is not None)
 
-    def _gemv_tiles(self, rows: int, spec, device: torch.device):
-        """(block_m, block_k, k_per_split, split) for a GEMV launch."""
-        cfg, n, k = self.gemv, spec.out_features, spec.in_features
+    @staticmethod
+    def _gemv_tiles(rows: int, spec, device: torch.device, cfg: GemvConfig):
+        """(block_m, block_k, k_per_split, split) for a launch with fixed tiles."""
+        n, k = spec.out_features, spec.in_features
         block_m = triton.next_power_of_2(rows)
         block_k = max(cfg.min_block_k, min(cfg.block_k, cfg.rows_x_k // block_m))
         block_k = tile_k(block_k, spec.group_size, cfg.min_block_k)
         k_blocks = triton.cdiv(k, block_k)
         split = cfg.split_k
         if split is None:
-            split = 1
-            if device.type == "cuda":
-                programs = triton.cdiv(n, cfg.block_n)
-                split = max(1, min(k_blocks // 4, triton.cdiv(2 * _num_sms(device.index or 0),
-                                                                programs)))
+            split = _auto_split(n, k_blocks * block_k, device, cfg.block_n, block_k)
         k_per_split = triton.cdiv(k_blocks, split) * block_k
         return block_m, block_k, k_per_split, triton.cdiv(k, k_per_split)
 
     def _launch_gemv(self, x2, packed, bias, y):
-        spec, cfg = packed.spec, self.gemv
+        spec = packed.spec
         m, n, k = x2.shape[0], spec.out_features, spec.in_features
-        block_m, block_k, k_per_split, split = self._gemv_tiles(m, spec, x2.device)
-        partial = y if split == 1 else torch.empty(split, m, n, dtype=torch.float32,
-                                                    device=y.device)
         args, flags = self._common(x2, packed, bias, y)
-        _gemv_kernel[(triton.cdiv(n, cfg.block_n), split)](
-            *args, partial, m, n, k, spec.n_groups, spec.group_size, x2.stride(0), y.stride(0),
-            k_per_split, **flags, TILE_GROUP=spec.group_size % block_k == 0, SPLIT=split,
-            BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k, num_warps=cfg.num_warps)
+        shape = (m, n, k, spec.n_groups, spec.group_size, x2.stride(0), y.stride(0))
+        if self.gemv is None and x2.is_cuda:  # autotuned; the split from the SM count
+            split = _auto_split(n, k, x2.device, 32, 512)
+            partial = self._partial(y, split)
+            _gemv_tuned[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), split)](
+                *args, partial, *shape, **flags, SPLIT=split,
+                BLOCK_M=triton.next_power_of_2(m))
+        else:
+            cfg = self.gemv or GemvConfig()  # fixed tiles (the interpreter cannot autotune)
+            block_m, block_k, k_per_split, split = self._gemv_tiles(m, spec, x2.device, cfg)
+            partial = self._partial(y, split)
+            _gemv_kernel[(triton.cdiv(n, cfg.block_n), split)](
+                *args, partial, *shape, k_per_split, **flags,
+                TILE_GROUP=spec.group_size % block_k == 0, SPLIT=split, BLOCK_M=block_m,
+                BLOCK_N=cfg.block_n, BLOCK_K=block_k, num_warps=cfg.num_warps)
         if split == 1:
             return y
-        out = partial.sum(0)
+        out = partial.sum(0)  # [split, M, N] float32 partials, summed in a fixed order
         if bias is not None:
             out += bias.float()
         return out.to(y.dtype)
 
+    @staticmethod
+    def _partial(y: torch.Tensor, split: int) -> torch.Tensor:
+        """Where the GEMV writes: y itself, or float32 partials [split, M, N]."""
+        if split == 1:
+            return y
+        return torch.empty(split, *y.shape, dtype=torch.float32, device=y.device)
+
     def _launch_gemm(self, x2, packed, bias, y):
         spec, cfg = packed.spec, self.gemm
         m, n = x2.shape[0], spec.out_features
+        args, flags = self._common(x2, packed, bias, y)
+        shape = (m, n, spec.in_features, spec.n_groups, spec.group_size, x2.stride(0),
+                 y.stride(0))
+        f32_dot = x2.device.type == "cpu"
+        if cfg is None and x2.is_cuda:
+            bucket = min(triton.next_power_of_2(m), 1024)
+            _gemm_tuned[lambda meta: (triton.cdiv(m, meta["BLOCK_M"]),
+                                      triton.cdiv(n, meta["BLOCK_N"]))](
+                *args, *shape, bucket, **flags, F32_DOT=f32_dot)
+            return y
+        cfg = cfg or GemmConfig()
         block_m = min(cfg.block_m, max(16, triton.next_power_of_2(m)))
         block_k = tile_k(cfg.block_k, spec.group_size, 32 if spec.bits == 4 else 16)
-        args, flags = self._common(x2, packed, bias, y)
         grid = (triton.cdiv(m, block_m), triton.cdiv(n, cfg.block_n))
         _gemm_kernel[grid](
-            *args, m, n, spec.in_features, spec.n_groups, spec.group_size, x2.stride(0),
-            y.stride(0), **flags, TILE_GROUP=spec.group_size % block_k == 0,
-            F32_DOT=x2.device.type == "cpu", BLOCK_M=block_m, BLOCK_N=cfg.block_n,
-            BLOCK_K=block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+            *args, *shape, 0, **flags, TILE_GROUP=spec.group_size % block_k == 0,
+            F32_DOT=f32_dot, BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         return y
+
+    def _launch_dequant(self, x2, packed, bias, y):
+        """The weight dequantized into a scratch [N, K] of x's dtype, then ``torch.mm``."""
+        t, spec = packed.tensors, packed.spec
+        n, k = spec.out_features, spec.in_features
+        w = torch.empty(n, k, dtype=x2.dtype, device=x2.device)
+        block_n, block_k = 32, tile_k(256, spec.group_size, 32)
+        _dequant_kernel[(triton.cdiv(n, block_n), triton.cdiv(k, block_k))](
+            t["qweight"], t["scales"], t.get("offsets", t["scales"]), w, n, k, spec.n_groups,
+            spec.group_size, BITS=spec.bits, HAS_ZERO="offsets" in t,
+            TILE_GROUP=spec.group_size % block_k == 0, BLOCK_N=block_n, BLOCK_K=block_k)
+        if bias is None:
+            return torch.mm(x2, w.t(), out=y)
+        return torch.addmm(bias, x2, w.t(), out=y)
+
+
+def _auto_split(n: int, k: int, device: torch.device, block_n: int, block_k: int) -> int:
+    """K splits for a GEMV whose N tiles alone are too few programs to fill the GPU (about two
+    per SM), each split keeping at least four K tiles; 1 off CUDA."""
+    if device.type != "cuda":
+        return 1
+    programs = triton.cdiv(n, block_n)
+    return max(1, min(triton.cdiv(k, block_k) // 4,
+                      triton.cdiv(2 * _num_sms(device.index or 0), programs)))
 
 
 def tile_k(block_k: int, group_size: int, min_k: int) -> int:
