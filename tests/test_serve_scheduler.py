@@ -840,7 +840,8 @@ def test_each_metrics_instance_has_its_own_registry():
 
 def test_eight_concurrent_greedy_sequences_over_slot_runner_each_equal_hf_generate_alone():
     """8 sequences of different prompt lengths and max_tokens over 4 slots (so they join and
-    leave, and the longer prompts are prefilled in chunks of ``prefill_budget``) through the real
+    leave, and the longer prompts are prefilled in chunks of ``prefill_budget``, alone or inside
+    decode steps: mixed steps) through the real
     ``SlotRunner`` and ``Sampler``: each is token-for-token HF ``generate`` of its prompt alone."""
     import shardwise
     from models import prompt_ids, tiny_causal_lm
@@ -857,7 +858,14 @@ def test_eight_concurrent_greedy_sequences_over_slot_runner_each_equal_hf_genera
         chunks.append((slot, len(token_ids), last))
         return real_prefill(slot, token_ids, last)
 
+    real_mixed = runner.mixed
+
+    def recording_mixed(slots, token_ids, parts):          # chunks inside decode steps
+        chunks.extend((slot, len(ids), last) for slot, ids, last in parts)
+        return real_mixed(slots, token_ids, parts)
+
     runner.prefill = recording_prefill                      # this instance only
+    runner.mixed = recording_mixed
     eos = ref.generation_config.eos_token_id                # tiny Llama: 2, which greedy hits
     eos_ids = [eos] if isinstance(eos, int) else list(eos)
     sched = Scheduler(runner, eos_token_ids=eos_ids, prefill_budget=16).start()  # H2's Sampler

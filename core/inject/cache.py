@@ -173,6 +173,43 @@ class DecodeRows:
     starts: torch.Tensor | None
 
 
+@dataclass
+class MixedRows:
+    """What one *mixed* forward carries (continuous batching's chunked prefill inside the
+    decode batch, :meth:`~shardwise.inject.slots.SlotKVCache.mixed`): its ``T`` tokens are
+    packed as one batch row ``[1, T]`` — first one decode token for each of ``len(slots)``
+    slots, then the prompt chunks, each continuing its own slot after its cached tokens.
+
+    * decode part, over the cache's first ``span`` rows (the rows holding no decoding slot
+      write to the scratch position and attend only to it, as in a decode step):
+      ``slots`` [n_decode] int64 (the row of each decode token, in packed order),
+      ``write_index``/``lengths``/``starts`` [span] int64 (per row: where its new key is
+      written, its valid range after the write — :class:`DecodeRows`' meaning);
+    * ``chunks``: ``(slot, past, n)`` per prompt chunk, in packed order (``n`` tokens written
+      at positions ``past .. past + n - 1`` of row ``slot``, attending causally to the row's
+      ``past`` cached tokens and to the chunk);
+    * ``position_ids`` [1, T] int64: each token's position in its own sequence.
+    """
+
+    slots: torch.Tensor
+    span: int
+    write_index: torch.Tensor
+    lengths: torch.Tensor
+    starts: torch.Tensor
+    chunks: tuple[tuple[int, int, int], ...]
+    position_ids: torch.Tensor
+
+    @property
+    def n_decode(self) -> int:
+        """Decode tokens at the front of the packed row."""
+        return int(self.slots.shape[0])
+
+    @property
+    def tokens(self) -> int:
+        """Every token of the packed row (``T``)."""
+        return self.n_decode + sum(n for _, _, n in self.chunks)
+
+
 def write_rows(cache: torch.Tensor, index: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
     """Write one token per row in place, each row at its own position, without a host sync
     (graph-safe): ``cache`` [rows, heads, max_tokens, d], ``index`` [rows] int64, ``new``
@@ -199,6 +236,8 @@ class StaticKVCache(Cache):
     #: True for a cache whose rows hold sequences of different lengths (each one-token forward
     #: is then a decode step with the cache's own :meth:`decode_rows`)
     ragged = False
+    #: a mixed forward's packed rows (:class:`MixedRows`); None: a plain prompt or decode step
+    mixed: MixedRows | None = None
 
     def __init__(self, buffers: KVBuffers, owner: "object", generation: int,
                  batch: int | None = None) -> None:

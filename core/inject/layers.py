@@ -39,7 +39,8 @@ from shardwise.kernels.reference.attention import softmax_with_sinks
 from shardwise.kernels.reference.rotary import rotary_cos_sin
 
 from ..errors import ShardwiseError
-from .cache import (THREADS_HINT, ConcurrentUseError, DecodeRows, KVBuffers, StaticKVCache,
+from .cache import (THREADS_HINT, ConcurrentUseError, DecodeRows, KVBuffers, MixedRows,
+                    StaticKVCache,
                     check_kv_fits, free_memory_of, kv_cache_bytes, kv_memory_error, write_rows)
 from .mla import latent_core
 from .spec import InjectionSpec
@@ -93,6 +94,8 @@ class StepContext:
     graph_safe: bool = False  # decode step under graph capture: no host syncs
     write_index: torch.Tensor | None = None  # [b] int64 per-row write position, graph_safe only
     masks: dict = field(default_factory=dict)  # graph_safe: (window, alibi id) → SDPA mask
+    #: a mixed forward (decode tokens and prompt chunks packed in one row): where each goes
+    mixed: MixedRows | None = None
 
     def mask_for(self, layer: "InjectedLayer") -> torch.Tensor:
         """Graph-safe decode: ``layer``'s SDPA mask over the whole cache, built once per step
@@ -309,7 +312,9 @@ class InjectedLayer(nn.Module):
         if ctx.cos is not None:
             q, k = kernels.rotary(q, k, ctx.cos, ctx.sin, style=self.spec.positions.rotary_style)
         cache, kw = ctx.cache, self.attn_kw
-        if cache is None:
+        if ctx.mixed is not None:
+            context = self._mixed_attention(q, k, v, ctx)
+        elif cache is None:
             context = kernels.attention_prefill(q, k, v, causal=True,
                                                 key_padding_mask=ctx.key_padding_mask, **kw)
         else:
@@ -334,6 +339,51 @@ class InjectedLayer(nn.Module):
                         key_padding_mask=ctx.key_padding_mask, **kw)
         # context [b, q_heads, s, d] → [b, s, q_heads * d]
         return self.parts.out_proj(context.transpose(1, 2).reshape(b, s, self.q_heads * self.head_dim))
+
+    def _mixed_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         ctx: StepContext) -> torch.Tensor:
+        """Attention of a mixed forward (:class:`~shardwise.inject.cache.MixedRows`): q
+        [1, q_heads, T, d], k and v [1, kv_heads, T, d], packed as decode tokens then prompt
+        chunks → context [1, q_heads, T, d]. The decode part is one ``attention_decode`` over
+        the cache's first ``span`` rows; each chunk one ``attention_prefill`` over its slot's
+        row (causal, bottom-right: after its cached tokens), as a prompt chunk alone runs."""
+        rows, kernels, kw = ctx.mixed, self.kernels, self.attn_kw
+        k_cache, v_cache = ctx.cache.k[self.slot], ctx.cache.v[self.slot]
+        n = rows.n_decode
+        parts = [self._mixed_decode(q[:, :, :n], k[:, :, :n], v[:, :, :n], k_cache, v_cache,
+                                    rows)] if n else []
+        for slot, past, size in rows.chunks:
+            part = slice(n, n + size)
+            q_c, k_c, v_c = q[:, :, part], k[:, :, part], v[:, :, part]
+            k_row, v_row = k_cache[slot:slot + 1], v_cache[slot:slot + 1]
+            kernels.kv_cache_write(k_row, v_row, k_c, v_c, past)
+            if past:  # after cached tokens: attend over all of them
+                k_c, v_c = k_row[:, :, :past + size], v_row[:, :, :past + size]
+            parts.append(kernels.attention_prefill(q_c, k_c, v_c, causal=True, **kw))
+            n += size
+        return torch.cat(parts, dim=2) if len(parts) > 1 else parts[0]
+
+    def _mixed_decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      rows: MixedRows) -> torch.Tensor:
+        """The decode part of a mixed forward: q [1, q_heads, n, d], k and v
+        [1, kv_heads, n, d] (token i of slot ``rows.slots[i]``) → [1, q_heads, n, d]. The
+        tokens are scattered to their rows of the first ``span`` cache rows ([span, heads, 1,
+        d]; rows holding no decode token write and read the scratch position), written with
+        ``kv_cache_write`` at each row's own position and attended with ``attention_decode``
+        over each row's valid range, as in a decode step."""
+        span, slots = rows.span, rows.slots
+
+        def by_row(t: torch.Tensor) -> torch.Tensor:  # [1, h, n, d] → [span, h, 1, d]
+            out = t.new_zeros(span, t.shape[1], 1, t.shape[3])
+            out[slots] = t[0].transpose(0, 1)[:, :, None]
+            return out
+
+        k_span, v_span = k_cache[:span], v_cache[:span]
+        self.kernels.kv_cache_write(k_span, v_span, by_row(k), by_row(v), rows.write_index)
+        out = self.kernels.attention_decode(by_row(q), k_span, v_span, rows.lengths,
+                                            starts=rows.starts, **self.attn_kw)
+        return out[slots, :, 0].transpose(0, 1)[None]  # [span, hq, 1, d] → [1, hq, n, d]
 
     def _captured_decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          ctx: StepContext) -> torch.Tensor:
@@ -667,6 +717,10 @@ class InjectedModel(nn.Module):
         cache = self._cache_for(past_key_values, b, self.parts.final_norm.weight, use_cache)
         past = cache.length if cache is not None else 0
         write_pos = cache.reserve(s) if cache is not None else 0
+        if cache is not None and cache.mixed is not None:
+            x = self.parts.embed(input_ids) if inputs_embeds is None else inputs_embeds.to(dtype)
+            types = None if token_type_ids is None else self.parts.embed(token_type_ids)
+            return self._output(self._forward_mixed(cache, x, types), cache)
         decode = cache is not None and s == 1 and (past > 0 or cache.ragged)
         position_ids = self._position_ids(position_ids, attention_mask, past, b, s, ref.device)
         # token embeddings [b, s, hidden]; GPT-2's token types use the same table
@@ -696,6 +750,28 @@ class InjectedModel(nn.Module):
         installed transformers gives it (``cache`` from 5.2x, else ``past_key_values``)."""
         name = "cache" if "cache" in self.output_type.__dataclass_fields__ else "past_key_values"
         return self.output_type(last_hidden_state=hidden, **{name: cache})
+
+    @property
+    def mixed_unsupported(self) -> str | None:
+        """Why this stack cannot run mixed forwards (decode tokens and prompt chunks in one
+        forward, :class:`~shardwise.inject.cache.MixedRows`); None when it can."""
+        if self.stage is not None:
+            return "pipeline stages (each stage's step is sent on as a whole batch)"
+        if any(layer.latent_attn is not None for layer in self._own):
+            return "multi-head latent attention (its latent cache has its own attention path)"
+        return None
+
+    def _forward_mixed(self, cache: StaticKVCache, x: torch.Tensor,
+                       types: torch.Tensor | None) -> torch.Tensor:
+        """A mixed forward, eager: token embeddings ``x`` [1, T, hidden] packed as
+        ``cache.mixed`` says → hidden [1, T, hidden]. Its positions are ``cache.mixed``'s."""
+        reason = self.mixed_unsupported
+        if reason is not None:
+            raise ShardwiseError(f"this injected model cannot run mixed steps: {reason}; "
+                                 f"prefill and decode in separate forwards")
+        rows = cache.mixed
+        ctx = StepContext(cache, past=-1, decode=False, mixed=rows)
+        return self.run_layers(self._embedded(ctx, x, rows.position_ids, types), ctx)
 
     def _decode_eagerly(self, cache: StaticKVCache, x: torch.Tensor, rows: DecodeRows,
                         types: torch.Tensor | None) -> torch.Tensor:

@@ -15,6 +15,13 @@ sequence has the same length. A server's sequences join and leave at any step, s
   active sequence write to the *scratch* position — the buffers' last one, which therefore is
   never a token of a sequence (a slot holds ``max_tokens``, its buffers ``max_tokens + 1``) —
   and attend only to it; their results are dropped.
+* **mixed step** (chunked prefill inside the decode batch): one forward appends one token to
+  each decoding slot *and* a prompt chunk to each of some other slots (:meth:`SlotKVCache.mixed`,
+  a :class:`SlotMixed` cache): the tokens are packed as one batch row, so the projections and
+  MLPs run once over all of them, while attention is dispatched per part
+  (:class:`~shardwise.inject.cache.MixedRows`): the decode tokens attend to their slots' cached
+  ranges, each chunk causally to its slot's cache and itself. Run eagerly (its token count
+  changes every step: nothing to capture); the decode-only steps keep their captured graphs.
 * **leave**: :meth:`SlotKVCache.release` sets the slot's length to 0; it is reusable at once
   (its old keys are overwritten before they are read again).
 
@@ -31,7 +38,7 @@ from typing import Sequence
 import torch
 
 from ..errors import ConfigError
-from .cache import RAISE_HINT, DecodeRows, KVBuffers, MaxTokensError, StaticKVCache
+from .cache import RAISE_HINT, DecodeRows, KVBuffers, MaxTokensError, MixedRows, StaticKVCache
 
 
 class SlotRow(StaticKVCache):
@@ -85,6 +92,38 @@ class SlotStep(StaticKVCache):
             raise MaxTokensError(f"a decode step over slots appends one token per slot, got "
                                  f"{n_new}")
         return 0  # each row's position is in ``rows``; the slot store checked they fit
+
+    def advance(self, n_new: int) -> None:
+        """The slot store counts each slot's tokens."""
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.longest
+
+
+class SlotMixed(StaticKVCache):
+    """The cache of one mixed forward over a :class:`SlotKVCache` (its :attr:`mixed` rows say
+    which packed token goes where); the input is one batch row of ``mixed.tokens`` tokens.
+    Run eagerly, never through a captured graph; the slot store counts each slot's tokens.
+    ``longest``: the most tokens a slot of the forward holds before it."""
+
+    def __init__(self, buffers: KVBuffers, mixed: MixedRows, longest: int) -> None:
+        super().__init__(buffers, None, -1)
+        self.mixed, self.longest = mixed, longest
+        self.batch = 1  # the packed row
+        self.length = -1  # no one length: each part has its own
+
+    def check_live(self) -> None:
+        """Slot caches are never retired."""
+
+    @property
+    def graph_key(self) -> None:
+        return None
+
+    def reserve(self, n_new: int) -> int:
+        if n_new != self.mixed.tokens:
+            raise MaxTokensError(f"a mixed step packs {self.mixed.tokens} tokens, the input "
+                                 f"has {n_new}")
+        return 0  # each part's positions are in ``mixed``; the slot store checked they fit
 
     def advance(self, n_new: int) -> None:
         """The slot store counts each slot's tokens."""
@@ -178,6 +217,44 @@ class SlotKVCache:
                           lengths=write_index + 1, starts=as_tensor(starts))
         longest = max((self.lengths[s] for s in slots), default=0)
         return SlotStep(self._bucket(bucket), rows, self.graph_key(bucket), longest)
+
+    def check_mixed(self, slots: Sequence[int], chunks: Sequence[tuple[int, int]]) -> None:
+        """Raise unless one mixed forward can append one token to each of ``slots`` (as
+        :meth:`check_step`) and ``n`` ≥ 1 prompt tokens to each ``(slot, n)`` of ``chunks``
+        (as :meth:`check_chunk`): at least one chunk, every slot at most once overall."""
+        if not chunks:
+            raise ValueError("a mixed step needs at least one prompt chunk (without one it is a "
+                             "decode step)")
+        self.check_step(slots)
+        chunk_slots = [slot for slot, _ in chunks]
+        twice = set(chunk_slots) & set(slots) or len(set(chunk_slots)) != len(chunk_slots)
+        if twice:
+            raise ValueError(f"a mixed step got a slot twice: decode slots {list(slots)}, "
+                             f"chunk slots {chunk_slots}")
+        for slot, n in chunks:
+            self.check_chunk(slot, n)
+
+    def mixed(self, slots: Sequence[int], chunks: Sequence[tuple[int, int]]) -> SlotMixed:
+        """The cache of one mixed forward: one decode token for each of ``slots``, then
+        ``n`` prompt tokens for each ``(slot, n)`` of ``chunks``, packed in that order (see
+        :class:`~shardwise.inject.cache.MixedRows`). The decode part spans rows
+        0 .. max(slots) (the others there write to the scratch position)."""
+        self.check_mixed(slots, chunks)
+        span = max(slots) + 1
+        write, starts = [self.scratch] * span, [self.scratch] * span
+        for slot in slots:
+            write[slot], starts[slot] = self.lengths[slot], 0
+        positions = [self.lengths[slot] for slot in slots]
+        for slot, n in chunks:
+            positions.extend(range(self.lengths[slot], self.lengths[slot] + n))
+        as_tensor = lambda v: torch.tensor(v, dtype=torch.int64, device=self.device)  # noqa: E731
+        write_index = as_tensor(write)
+        rows = MixedRows(slots=as_tensor(list(slots)), span=span, write_index=write_index,
+                         lengths=write_index + 1, starts=as_tensor(starts),
+                         chunks=tuple((slot, self.lengths[slot], n) for slot, n in chunks),
+                         position_ids=as_tensor(positions)[None])
+        longest = max(self.lengths[s] for s in [*slots, *(c for c, _ in chunks)])
+        return SlotMixed(self.buffers, rows, longest)
 
     def graph_key(self, bucket: int) -> tuple:
         """The key of the decode step captured over this cache's first ``bucket`` rows."""

@@ -7,7 +7,10 @@ output head — and under tensor parallelism the head's hooks, e.g. the vocab al
 as in ``generate``: a prompt chunk is a batch-1 forward over its slot's row; a decode step is
 one forward over the smallest batch bucket covering the highest active slot (with graph
 capture: that bucket's captured step, captured by :meth:`SlotRunner.warmup` before serving and
-never again when sequences join or leave).
+never again when sequences join or leave); a *mixed* step (:meth:`SlotRunner.mixed`) is one
+forward carrying a decode token of each running slot and prompt chunks of others, packed in
+one row (chunked prefill inside the decode batch: :mod:`shardwise.inject.slots`), run eagerly
+(its token count changes every step) while decode-only steps keep their captured graphs.
 
 Tensor parallelism: every rank runs the same forwards. Rank 0's runner first sends each
 operation to the other ranks through ``engine.communicator.broadcast`` — one int64 header
@@ -34,9 +37,9 @@ from ..inject.layers import InjectedModel
 from ..inject.slots import SlotKVCache
 
 # operations rank 0 sends (header[0])
-INIT, PREFILL, DECODE, RELEASE, HEARTBEAT, WARMUP, CLOSE = range(1, 8)
+INIT, PREFILL, DECODE, RELEASE, HEARTBEAT, WARMUP, CLOSE, MIXED = range(1, 9)
 _OP_NAMES = {INIT: "init", PREFILL: "prefill", DECODE: "decode", RELEASE: "release",
-             HEARTBEAT: "heartbeat", WARMUP: "warmup", CLOSE: "close"}
+             HEARTBEAT: "heartbeat", WARMUP: "warmup", CLOSE: "close", MIXED: "mixed"}
 HEADER = 4  # int64 words of a header: op, then up to three arguments
 
 
@@ -108,6 +111,9 @@ class SlotRunner:
         self._keep_kw = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(
             engine.module.forward).parameters else {}
         self.closed = False
+        #: why this runner cannot run :meth:`mixed` steps (None: it can): the scheduler then
+        #: alternates prefill calls and decode steps
+        self.mixed_unsupported: str | None = stack.mixed_unsupported
         #: under tensor parallelism, the error of a step that failed once it had started (the
         #: ranks may be out of step: every later call is refused)
         self.failed: BaseException | None = None
@@ -140,6 +146,40 @@ class SlotRunner:
             if self.tp:
                 self._send(DECODE, len(slots), payload=slots + tokens)
             return self._decode(slots, tokens)
+
+    @property
+    def supports_mixed(self) -> bool:
+        """Whether :meth:`mixed` runs here (else :attr:`mixed_unsupported` says why)."""
+        return self.mixed_unsupported is None
+
+    def mixed(self, slots: Sequence[int], token_ids: Sequence[int],
+              chunks: Sequence[tuple[int, Sequence[int], bool]]
+              ) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+        """One forward that is a decode step appending ``token_ids[i]`` to ``slots[i]`` AND
+        a prompt chunk ``(slot, tokens, last)`` appended to each of ``chunks``' slots (chunked
+        prefill inside the decode batch; eager). Returns the decode logits, float32
+        [len(slots), vocab] (as :meth:`decode`), and per chunk its final token's logits
+        float32 [vocab] when ``last``, else None (as :meth:`prefill`). Every slot at most once;
+        nothing is written when a check fails (:class:`ValueError`,
+        :class:`~shardwise.inject.cache.MaxTokensError`). Raises
+        :class:`~shardwise.errors.ConfigError` where :attr:`mixed_unsupported`."""
+        self._check_open()
+        if self.mixed_unsupported is not None:
+            raise ConfigError(f"this engine cannot run mixed steps: {self.mixed_unsupported}; "
+                              f"call prefill and decode separately")
+        slots, tokens = [int(s) for s in slots], [int(t) for t in token_ids]
+        if len(slots) != len(tokens):
+            raise ValueError(f"mixed takes one decode token per slot, got {len(slots)} slots "
+                             f"and {len(tokens)} tokens")
+        parts = [(int(slot), [int(t) for t in ids], bool(last)) for slot, ids, last in chunks]
+        self.cache.check_mixed(slots, [(slot, len(ids)) for slot, ids, _ in parts])
+        with self._in_step():
+            if self.tp:
+                words = [w for slot, ids, last in parts for w in (slot, len(ids), int(last))]
+                chunk_tokens = [t for _, ids, _ in parts for t in ids]
+                self._send(MIXED, len(slots), len(parts), len(chunk_tokens),
+                           payload=slots + tokens + words + chunk_tokens)
+            return self._mixed(slots, tokens, parts)
 
     def release(self, slot: int) -> None:
         """Forget ``slot``'s tokens: a new sequence can take it at once."""
@@ -221,6 +261,38 @@ class SlotRunner:
         index = torch.tensor(slots, dtype=torch.int64, device=logits.device)
         return logits.index_select(0, index).float()
 
+    def _mixed(self, slots: list[int], tokens: list[int], parts: list[tuple[int, list[int], bool]]
+               ) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+        cache = self.cache.mixed(slots, [(slot, len(ids)) for slot, ids, _ in parts])
+        ids = torch.tensor([tokens + [t for _, chunk, _ in parts for t in chunk]],
+                           dtype=torch.int64, device=self.device)  # [1, T]
+        keep, end = list(range(len(slots))), len(slots)  # packed positions whose logits count
+        for _, chunk, last in parts:
+            end += len(chunk)
+            if last:
+                keep.append(end - 1)
+        logits = self._forward_packed(ids, cache, keep)  # [len(keep), vocab]
+        for slot in slots:
+            self.cache.advance(slot, 1)
+        for slot, chunk, _ in parts:
+            self.cache.advance(slot, len(chunk))
+        rows = iter(logits[len(slots):].float())
+        return logits[:len(slots)].float(), [next(rows) if last else None
+                                             for _, _, last in parts]
+
+    def _forward_packed(self, ids: torch.Tensor, cache: StaticKVCache,
+                        keep: list[int]) -> torch.Tensor:
+        """The HF model's forward of one packed row ``ids`` [1, T] → the logits of the
+        positions ``keep`` [len(keep), vocab] (the head runs on those only where the model
+        takes ``logits_to_keep``)."""
+        index = torch.tensor(keep, dtype=torch.int64, device=self.device)
+        kw = {"logits_to_keep": index} if self._keep_kw else {}
+        with torch.inference_mode():
+            out = self.engine.module(input_ids=ids, use_cache=True, **{self._cache_kw: cache},
+                                     **kw)
+        logits = out.logits[0]
+        return logits if self._keep_kw else logits.index_select(0, index)
+
     def _warmup(self) -> None:
         for bucket in self.buckets():
             ids = torch.zeros(bucket, 1, dtype=torch.int64, device=self.device)
@@ -296,6 +368,15 @@ def follow(engine: Any) -> None:
             elif op == DECODE:
                 words = _receive(engine, 2 * a)
                 runner._decode(words[:a], words[a:])
+            elif op == MIXED:  # a decode slots, b chunks, c chunk tokens
+                words = _receive(engine, 2 * a + 3 * b + c)
+                slots, tokens, spec = words[:a], words[a:2 * a], words[2 * a:2 * a + 3 * b]
+                chunk_tokens, parts = words[2 * a + 3 * b:], []
+                for i in range(b):
+                    slot, n, last = spec[3 * i:3 * i + 3]
+                    parts.append((slot, chunk_tokens[:n], bool(last)))
+                    chunk_tokens = chunk_tokens[n:]
+                runner._mixed(slots, tokens, parts)
             elif op == RELEASE:
                 runner.cache.release(a)
             elif op == WARMUP:

@@ -29,6 +29,18 @@ One background thread makes every model call. Each iteration of its loop:
    (``"stop"``, the id itself is delivered) or after ``max_tokens`` tokens (``"length"``) and
    frees its slot for the next iteration.
 
+**Mixed steps** (``mixed=True``, the default, where the runner has ``mixed``: chunked prefill
+inside the decode batch, as vLLM and SGLang do): while sequences decode AND prompts wait to be
+prefilled, steps 3 and 4 are ONE ``runner.mixed`` forward carrying every decoding sequence's
+token and prompt chunks, so the running streams' next token waits for one forward instead of a
+prefill call and then a decode step. The per-step token budget counts every token of that
+forward: one per decoding sequence first, the rest to prompt chunks in admission order
+(:func:`split_step_budget`, at least ``MIN_PREFILL_CHUNK``); while ``prefill_stall`` is set the
+chunk tokens are further cut, as in step 3, to what fits the stall allowance by the cost the
+chunk adds to a decode step, fitted to the last mixed steps (the step's time less the predicted
+decode step of its rows). A runner without mixed steps (its ``mixed_unsupported`` says why,
+logged once) gets steps 3 and 4 as above.
+
 Delivery is per step, not per token: the events of a phase (the prefill's first tokens, the
 decode step's tokens, the ends) go to the HTTP side's event loop in one wake-up
 (:class:`~shardwise.serve.types.EventBatch`), and the metrics of a step are recorded at once
@@ -142,6 +154,9 @@ class Scheduler:
             :class:`shardwise.serve.sampling.Sampler` by default.
         join_timeout_s: how long :meth:`stop` waits for the loop beyond ``drain_s`` (one model call
             in flight) before giving up on it.
+        mixed: prefill prompt chunks inside the decode step (``runner.mixed``; see the module
+            docstring) where the runner supports it (``runner.supports_mixed``); False: prefill
+            calls and decode steps alternate.
 
     Call :meth:`start` to run the loop on its thread.
     """
@@ -150,7 +165,7 @@ class Scheduler:
                  prefill_budget: int = 512, metrics: ServeMetrics | None = None,
                  heartbeat_s: float = 5.0, sampler_factory: SamplerFactory | None = None,
                  join_timeout_s: float = 30.0, prefill_stall: float | None = 0.75,
-                 prefill_worth: bool = True) -> None:
+                 prefill_worth: bool = True, mixed: bool = True) -> None:
         _check_positive("max_waiting", max_waiting, integer=True)
         _check_positive("prefill_budget", prefill_budget, integer=True)
         _check_positive("heartbeat_s", heartbeat_s)
@@ -179,6 +194,15 @@ class Scheduler:
         #: runner's batch bucket grows with it), to predict the step an iteration's prefill
         #: delays
         self._span_step_s: dict[int, float] = {}
+        #: the last mixed steps' (chunk tokens, seconds beyond the predicted decode step)
+        self._mixed_calls: collections.deque[tuple[int, float]] = collections.deque(
+            maxlen=PREFILL_FIT_CALLS)
+        #: whether prompt chunks ride in the decode step (runner.mixed)
+        self.mixed = bool(mixed) and bool(getattr(runner, "supports_mixed", False))
+        if mixed and not self.mixed:
+            why = getattr(runner, "mixed_unsupported", None) or \
+                f"{type(runner).__name__} has no mixed steps"
+            log.info("mixed steps off (%s): prompt chunks and decode steps alternate", why)
         self.heartbeat_s = float(heartbeat_s)
         self.metrics = metrics
         self.join_timeout_s = join_timeout_s
@@ -334,9 +358,10 @@ class Scheduler:
                 self._cancel_all()
             self._finish_cancelled()
             self._admit()
-            self._prefill()
-            self._deliver()  # first tokens go out now, not after the decode step
-            self._decode()
+            if not self._mixed_step():
+                self._prefill()
+                self._deliver()  # first tokens go out now, not after the decode step
+                self._decode()
         finally:
             self._deliver()
         self._record_load()
@@ -415,6 +440,66 @@ class Scheduler:
         typical = _median(self._recent_steps)
         predicted = self._span_step_s.get(_span(self._running), typical)
         return self.prefill_stall * typical + max(0.0, typical - predicted)
+
+    def _mixed_step(self) -> bool:
+        """One ``runner.mixed`` forward: every decoding sequence's token and prompt chunks
+        under the step's token budget (the module docstring); False (nothing run) unless
+        mixed steps are on and sequences both decode and wait to be prefilled."""
+        if not self.mixed:
+            return False
+        batch = sorted((s for s in self._running if s.decoding), key=lambda s: s.slot)
+        filling = [s for s in self._running if not s.decoding]
+        if not batch or not filling:
+            return False
+        sizes = split_step_budget(self._mixed_budget(len(batch)), len(batch),
+                                  [len(s.prompt) - s.prefilled for s in filling])
+        parts = [(seq, seq.prefilled, n) for seq, n in zip(filling, sizes)]
+        chunks = [(seq.slot, seq.prompt[start:start + n], start + n == len(seq.prompt))
+                  for seq, start, n in parts]
+        began = time.perf_counter()
+        logits, firsts = self._call("mixed", [s.slot for s in batch],
+                                    [s.next_token for s in batch], chunks)
+        took = time.perf_counter() - began
+        self._note_mixed(batch, sum(sizes), took)
+        if logits.shape[0] != len(batch) or len(firsts) != len(chunks):
+            raise _RunnerFailed("mixed", RuntimeError(
+                f"runner.mixed returned {logits.shape[0]} rows of logits for {len(batch)} "
+                f"slots and {len(firsts)} chunk results for {len(chunks)} chunks"))
+        now = time.monotonic()
+        for (seq, _, n), (_, _, last), first in zip(parts, chunks, firsts):
+            seq.prefilled += n
+            if self.metrics is not None:
+                self.metrics.add_prompt_tokens(n)
+            if last:
+                self._accept_isolated(seq, lambda seq=seq, first=first: seq.sampler.sample(first),
+                                      now)
+        events = sample_rows([s.sampler for s in batch], logits)
+        for seq, event in zip(batch, events):
+            self._accept_isolated(seq, lambda event=event: _raise_or_return(event), now)
+        return True
+
+    def _note_mixed(self, batch: Sequence[_Sequence], chunk_tokens: int, took: float) -> None:
+        """Record what a mixed step's chunks cost beyond the decode step of its rows."""
+        if not self._recent_steps:
+            return  # no decode step measured yet: nothing to compare with
+        predicted = self._span_step_s.get(_span(batch), _median(self._recent_steps))
+        self._mixed_calls.append((chunk_tokens, max(0.0, took - predicted)))
+
+    def _mixed_budget(self, n_decode: int) -> int:
+        """Tokens of this iteration's mixed step (decode tokens included): ``prefill_budget``,
+        cut while ``prefill_stall`` is set to the decode tokens plus the chunk tokens whose
+        added cost fits the stall allowance (fitted to the last mixed steps, else to the
+        prefill calls; nothing measured yet: no cut)."""
+        if self.prefill_stall is None or not self._recent_steps:
+            return self.prefill_budget
+        calls = self._mixed_calls if len({n for n, _ in self._mixed_calls}) > 1 else \
+            self._prefill_calls
+        if not calls:
+            return self.prefill_budget
+        overhead_s, token_s = _linear_fit(calls)
+        chunk = prefill_chunk_tokens(self.prefill_budget, self._stall_allowance_s(), overhead_s,
+                                     token_s, worth=self.prefill_worth)
+        return min(self.prefill_budget, n_decode + chunk)
 
     def _decode(self) -> None:
         """One decode step over every decoding sequence (by slot), then sample each."""
@@ -591,6 +676,22 @@ def prefill_chunk_tokens(budget: int, allowance_s: float, overhead_s: float,
         return min(budget, max(MIN_PREFILL_CHUNK, fits))
     worth_tokens = int(overhead_s / token_s)  # tokens taking as long as one call's overhead
     return min(budget, max(MIN_PREFILL_CHUNK, fits, worth_tokens))
+
+
+def split_step_budget(budget: int, n_decode: int, remaining: Sequence[int]) -> list[int]:
+    """Prompt tokens of each waiting prompt (``remaining``: tokens each still has to
+    prefill, in admission order) that one mixed step of ``budget`` tokens carries besides its
+    ``n_decode`` decode tokens: the decode tokens first, the rest in admission order, at least
+    ``MIN_PREFILL_CHUNK`` tokens in all (prompts always progress). Prompts beyond the budget
+    get nothing (they are left off the list)."""
+    left = max(MIN_PREFILL_CHUNK, budget - n_decode)
+    sizes = []
+    for tokens in remaining:
+        if left <= 0:
+            break
+        sizes.append(min(tokens, left))
+        left -= sizes[-1]
+    return sizes
 
 
 def _raise_or_return(event: TokenEvent | Exception) -> TokenEvent:

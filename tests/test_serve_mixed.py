@@ -1,0 +1,271 @@
+"""Mixed steps (``SlotRunner.mixed``): one forward carrying a decode token of every running slot
+AND prompt chunks of other slots (chunked prefill inside the decode batch) gives each sequence
+what Hugging Face ``generate`` gives it alone, and the scheduler uses it so that running
+streams get a token at every step while a long prompt prefills.
+
+The runner scenario (this file's greedy loop): three sequences decode while a long prompt is
+prefilled in chunks through mixed steps (the first chunk, a one-token chunk, two prompts'
+chunks in one step, the final chunk giving the prompt's first token in the same forward as the
+streams' tokens), then all decode to the end; every sequence's tokens equal HF ``generate`` of
+its prompt alone and the logits are within ``FP32_ATOL`` of HF's (teacher forced). With graphs
+(tests/graph_doubles.py) the decode-only steps replay the captured graphs and mixed steps
+capture nothing (they run eagerly).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import shardwise
+from shardwise.accelerators.cpu import CpuAccelerator
+from shardwise.errors import ConfigError
+from shardwise.inject.cache import MaxTokensError
+from shardwise.serve.runner import SlotRunner
+from shardwise.serve.scheduler import MIN_PREFILL_CHUNK, Scheduler
+from shardwise.serve.types import GenRequest, SamplingParams, TokenEvent
+from graph_doubles import ReplayOnCpu
+from models import prompt_ids, tiny_causal_lm
+from slot_scenario import Seq, check_against_hf, hf_greedy, prefill, step
+
+ARCHS = ["llama", "gpt2", "opt", "mixtral"]  # rotary, learned, learned with offset 2, MoE
+
+
+class CountingReplay(ReplayOnCpu):
+    """ReplayOnCpu counting the steps it replays (calls beyond each capture's own)."""
+
+    calls = 0
+
+    def capture(self, fn, *example_args):
+        def counted(*args):
+            type(self).calls += 1
+            return fn(*args)
+        return super().capture(counted, *example_args)
+
+
+def replays() -> int:
+    return CountingReplay.calls - CountingReplay.captures
+
+
+@pytest.fixture(scope="module")
+def engines():
+    """(arch, graphs) -> (HF reference, injected engine), built once per module."""
+    made = {}
+
+    def get(arch: str, graphs: bool):
+        if (arch, graphs) not in made:
+            original = CpuAccelerator.graph_strategy
+            if graphs:
+                CpuAccelerator.graph_strategy = lambda self: CountingReplay()
+            try:
+                engine = shardwise.init_inference(tiny_causal_lm(arch), device="cpu",
+                                                  replace_with_kernel_inject=True,
+                                                  enable_graph=graphs, max_tokens=64)
+            finally:
+                CpuAccelerator.graph_strategy = original
+            made[arch, graphs] = (tiny_causal_lm(arch), engine)
+        return made[arch, graphs]
+    yield get
+    made.clear()
+
+
+def mixed(runner: SlotRunner, running: list[Seq], chunks: list[tuple[Seq, int]]) -> list[Seq]:
+    """One mixed step: a decode token for every running sequence and the next ``n`` prompt
+    tokens of each ``(seq, n)`` of ``chunks`` (its slot already set). Returns the running ones
+    (a prompt whose final chunk ran joins them)."""
+    active = [s for s in running if not s.done]
+    parts = []
+    for seq, n in chunks:
+        start = runner.length(seq.slot)
+        parts.append((seq.slot, seq.prompt[start:start + n], start + n == len(seq.prompt)))
+    logits, firsts = runner.mixed([s.slot for s in active], [s.tokens[-1] for s in active],
+                                  parts)
+    assert logits.shape == (len(active), runner.vocab_size) and logits.dtype == torch.float32
+    for seq, row in zip(active, logits):
+        seq.take(row)
+    for (seq, _), (_, _, last), first in zip(chunks, parts, firsts):
+        assert (first is None) == (not last)
+        if first is not None:
+            seq.take(first)
+            running = running + [seq]
+    return running
+
+
+def mixed_scenario(runner: SlotRunner) -> list[Seq]:
+    """A, B, C decode in slots 0, 1, 3; the long prompt L (slot 2) and E (slot 4) are
+    prefilled through mixed steps while they decode; then everything decodes to the end."""
+    prompts = [prompt_ids(1, n, seed=20 + n)[0].tolist() for n in (5, 7, 3, 23, 4)]
+    a, b, c = Seq(prompts[0], 12), Seq(prompts[1], 10), Seq(prompts[2], 11)
+    long_, e = Seq(prompts[3], 6), Seq(prompts[4], 5)
+    prefill(runner, a, 0, [5])
+    prefill(runner, b, 1, [7])
+    prefill(runner, c, 3, [3])
+    long_.slot, e.slot = 2, 4
+    running = step(runner, [a, b, c])
+    running = mixed(runner, running, [(long_, 8)])     # L's first chunk (nothing cached)
+    running = mixed(runner, running, [(long_, 1)])     # a one-token chunk after cached ones
+    running = mixed(runner, running, [(long_, 6), (e, 2)])  # two prompts in one step
+    running = mixed(runner, running, [(e, 2), (long_, 8)])  # both final chunks: first tokens
+    assert long_ in running and e in running and len(long_.tokens) == len(e.tokens) == 1
+    while running:
+        running = step(runner, running)
+    return [a, b, c, long_, e]
+
+
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_mixed_steps_give_each_sequence_its_greedy_hf_tokens(engines, arch, graphs):
+    ref, engine = engines(arch, graphs)
+    runner = SlotRunner(engine, max_batch=5, max_tokens=40)
+    try:
+        assert runner.supports_mixed and runner.mixed_unsupported is None
+        runner.warmup()
+        captured, replayed = CountingReplay.captures, replays()
+        seqs = mixed_scenario(runner)
+        worst = check_against_hf(ref, seqs)
+        print(f"{arch} {'graphs' if graphs else 'eager'} mixed: max |logit diff| {worst:.2e}")
+        assert all(runner.length(slot) == 0 for slot in range(5))
+        if graphs:
+            assert CountingReplay.captures == captured  # mixed steps captured nothing
+            assert replays() > replayed  # the decode-only steps replayed captured graphs
+    finally:
+        runner.close()
+
+
+def test_bad_mixed_calls_are_refused_before_any_work(engines):
+    _, engine = engines("llama", False)
+    runner = SlotRunner(engine, max_batch=3, max_tokens=8)
+    first = runner.prefill(0, [3, 4, 5], last=True)
+    token = int(first.argmax())
+    with pytest.raises(ValueError, match="at least one prompt chunk"):
+        runner.mixed([0], [token], [])
+    with pytest.raises(ValueError, match="slot twice"):
+        runner.mixed([0], [token], [(0, [1], True)])
+    with pytest.raises(ValueError, match="slot twice"):
+        runner.mixed([0], [token], [(1, [1], False), (1, [2], True)])
+    with pytest.raises(MaxTokensError, match="max_tokens=8"):
+        runner.mixed([0], [token], [(1, list(range(9)), True)])
+    with pytest.raises(ValueError, match="holds no tokens"):
+        runner.mixed([2], [token], [(1, [1], True)])
+    with pytest.raises(ValueError, match="one decode token per slot"):
+        runner.mixed([0], [token, token], [(1, [1], True)])
+    assert [runner.length(s) for s in range(3)] == [3, 0, 0]  # nothing written
+    runner.close()
+
+
+def test_latent_attention_has_no_mixed_steps():
+    engine = shardwise.init_inference(tiny_causal_lm("deepseek_v3-mla"), device="cpu",
+                                      replace_with_kernel_inject=True, max_tokens=32)
+    runner = SlotRunner(engine, max_batch=2, max_tokens=16)
+    assert not runner.supports_mixed and "latent" in runner.mixed_unsupported
+    runner.prefill(0, [3, 4], last=True)
+    with pytest.raises(ConfigError, match="latent"):
+        runner.mixed([0], [5], [(1, [1, 2], True)])
+    runner.close()
+
+
+# ----- the scheduler over a real runner ---------------------------------------------------------
+
+
+class Recording:
+    """A SlotRunner wrapper recording each forward: ("decode" | "prefill" | "mixed", the
+    decode slots, the prompt tokens it carried)."""
+
+    def __init__(self, runner: SlotRunner, mixed: bool = True) -> None:
+        self.runner, self.calls = runner, []
+        self.max_batch, self.max_tokens = runner.max_batch, runner.max_tokens
+        self.vocab_size = runner.vocab_size
+        self.supports_mixed = mixed
+        self.mixed_unsupported = None if mixed else "switched off by the test"
+
+    def prefill(self, slot, token_ids, last):
+        self.calls.append(("prefill", [], len(token_ids)))
+        return self.runner.prefill(slot, token_ids, last)
+
+    def decode(self, slots, token_ids):
+        self.calls.append(("decode", list(slots), 0))
+        return self.runner.decode(slots, token_ids)
+
+    def mixed(self, slots, token_ids, chunks):
+        self.calls.append(("mixed", list(slots), sum(len(c[1]) for c in chunks)))
+        return self.runner.mixed(slots, token_ids, chunks)
+
+    def __getattr__(self, name):  # release, length, heartbeat, close
+        return getattr(self.runner, name)
+
+
+def request(prompt: list[int], new: int, rid: str) -> GenRequest:
+    return GenRequest(id=rid, prompt_ids=prompt,
+                      params=SamplingParams(max_tokens=new, temperature=0.0))
+
+
+def run_long_prompt_scenario(engine, mixed_on: bool, budget: int):
+    """Three streams decode; a long prompt arrives; the scheduler is stepped until all end.
+    Returns (the recording runner, tokens per request, tokens per stream per step while the
+    long prompt prefilled)."""
+    recording = Recording(SlotRunner(engine, max_batch=4, max_tokens=64), mixed=mixed_on)
+    scheduler = Scheduler(recording, prefill_budget=budget, prefill_stall=None)
+    prompts = [prompt_ids(1, n, seed=40 + n)[0].tolist() for n in (5, 6, 4, 30)]
+    handles = [scheduler.submit(request(p, 14, f"s{i}"), None) for i, p in enumerate(prompts[:3])]
+    for _ in range(3):  # the streams are decoding
+        scheduler.step()
+    long_handle = scheduler.submit(request(prompts[3], 5, "long"), None)
+    handles.append(long_handle)
+    per_step, first_call = [], len(recording.calls)
+    while not long_handle.completion_tokens:  # until the long prompt's first token
+        before = [h.completion_tokens for h in handles[:3]]
+        scheduler.step()
+        per_step.append([h.completion_tokens - n for h, n in zip(handles[:3], before)])
+    during = recording.calls[first_call:]  # the forwards while the long prompt prefilled
+    while scheduler.step():
+        pass
+    tokens = []
+    for handle in handles:
+        events = []
+        while not handle.queue.empty():
+            events.append(handle.queue.get_nowait())
+        assert events[-1].reason == "length"
+        tokens.append([e.token_id for e in events if isinstance(e, TokenEvent)])
+    scheduler.stop(0)
+    return during, prompts, tokens, per_step
+
+
+@pytest.mark.parametrize("mixed_on", [True, False], ids=["mixed", "alternating"])
+def test_streams_get_a_token_every_step_while_a_long_prompt_prefills(engines, mixed_on):
+    ref, engine = engines("llama", False)
+    budget = 12  # 3 decode tokens + 9 prompt tokens per mixed step: the prompt takes 4 steps
+    during, prompts, tokens, per_step = run_long_prompt_scenario(engine, mixed_on, budget)
+    for prompt, got, new in zip(prompts, tokens, (14, 14, 14, 5)):
+        assert got == hf_greedy(ref, prompt, new)  # exact, every request
+    assert len(per_step) > 1  # the prompt was prefilled over several steps
+    assert all(step == [1, 1, 1] for step in per_step)  # no stream skipped a step
+    if mixed_on:  # ONE forward per step, carrying the 3 streams' tokens and 9 prompt tokens
+        assert [c[0] for c in during] == ["mixed"] * len(per_step)
+        assert [len(c[1]) for c in during] == [3] * len(per_step)
+        assert [c[2] for c in during] == [9, 9, 9, 3]  # the budget split: 12 - 3 decode tokens
+    else:  # the alternating steps: a prefill call, then a decode step, each iteration
+        assert [c[0] for c in during] == ["prefill", "decode"] * len(per_step)
+        assert [c[2] for c in during[::2]] == [12, 12, 6]
+
+
+def test_scheduler_falls_back_to_alternating_steps_and_says_why(engines, caplog):
+    _, engine = engines("llama", False)
+    recording = Recording(SlotRunner(engine, max_batch=2, max_tokens=32), mixed=False)
+    with caplog.at_level("INFO", logger="shardwise.serve.scheduler"):
+        scheduler = Scheduler(recording)
+    assert not scheduler.mixed
+    assert "switched off by the test" in caplog.text
+    scheduler.stop(0)
+
+
+def test_mixed_chunk_budget_counts_the_decode_tokens():
+    """The per-step token budget: one token per decoding stream first, the rest to prompt
+    chunks (at least MIN_PREFILL_CHUNK), in admission order."""
+    from shardwise.serve.scheduler import split_step_budget
+
+    assert split_step_budget(64, 3, [100]) == [61]
+    assert split_step_budget(64, 3, [20, 100]) == [20, 41]
+    assert split_step_budget(64, 3, [20, 41, 5]) == [20, 41]  # the budget is spent
+    assert split_step_budget(64, 60, [100]) == [MIN_PREFILL_CHUNK]  # prompts still progress
+    assert split_step_budget(64, 0, [3, 4]) == [3, 4]
+    assert split_step_budget(10, 2, [5, 5]) == [5, 3]
