@@ -21,6 +21,9 @@ columns). Measured (``pytest -s``, native kernel, 2026-11-26): int8 rel 1.0-1.8%
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -28,7 +31,7 @@ import shardwise
 from families import QUANT_BOUNDS, families
 from kernel_inputs import assert_quant_matches
 from models import MIN_FORCED_AGREEMENT, logit_parity as parity, prompt_ids, tiny_causal_lm
-from shardwise.errors import ConfigError, NotSupportedYetError
+from shardwise.errors import ConfigError
 from shardwise.kernels.cpu import native
 from shardwise.kernels.cpu import quant as cpu_quant
 from shardwise.kernels.reference import moe as ref_moe, quant as ref_quant
@@ -296,11 +299,145 @@ def test_int4_experts_in_groups_of_16_run_natively_and_torchs_kernels_refuse_the
                        names=["model.layers.0.mlp.experts"])
 
 
-def test_saving_quantized_experts_is_refused_by_name(tmp_path):
+# ----- saving and loading quantized experts (one process; ep=2: the pair below) ------------------
+
+#: saved → reloaded: (family, bits), fp32 compute (the native kernel takes the model's fp32):
+#: Mixtral (routed experts only), Qwen2-MoE (a shared expert with its gate: quantized linears
+#: too), DeepSeek-V3 (shared experts, leading dense layer), GPT-OSS (expert biases, clamped GLU)
+SAVE_CASES = [("mixtral", 8), ("mixtral", 4), ("qwen2_moe", 4), ("deepseek_v3", 8),
+              ("gpt_oss", 8)]
+GEN = dict(max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=0)
+
+
+def _no_quantization(monkeypatch) -> None:
+    """Quantizing any weight fails the test (a saved checkpoint must load as it is)."""
+    from shardwise.quant import experts as quant_experts, transform
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a saved quantized checkpoint was quantized again")
+    monkeypatch.setattr(transform, "quantize_weight", refuse)
+    monkeypatch.setattr(quant_experts, "quantize_experts", refuse)
+
+
+def _quantized(model) -> dict[str, QuantExperts]:
+    return {n: m for n, m in model.named_modules() if isinstance(m, QuantExperts)}
+
+
+def _state_differences(a: torch.nn.Module, b: torch.nn.Module) -> list[str]:
+    """State-dict keys (packed expert buffers included) differing in presence, dtype or value,
+    and quantized experts modules differing in settings; [] when identical."""
+    sa, sb = a.state_dict(), b.state_dict()
+    out = sorted(set(sa) ^ set(sb))
+    out += [k for k in sa.keys() & sb.keys()
+            if sa[k].dtype != sb[k].dtype or not torch.equal(sa[k], sb[k])]
+    qa, qb = _quantized(a), _quantized(b)
+    out += [f"{n} settings" for n in qa.keys() | qb.keys()
+            if not (isinstance(qa.get(n), QuantExperts) and isinstance(qb.get(n), QuantExperts))
+            or (qa[n].spec, qa[n].down_spec, qa[n].backend, qa[n].compute_dtype,
+                qa[n].packed_meta(), qa[n].shape)
+            != (qb[n].spec, qb[n].down_spec, qb[n].backend, qb[n].compute_dtype,
+                qb[n].packed_meta(), qb[n].shape)]
+    return out
+
+
+@pytest.mark.parametrize("arch,bits", SAVE_CASES)
+def test_quantized_experts_round_trip_through_the_sharded_checkpoint(tmp_path, monkeypatch, arch,
+                                                                      bits):
+    """engine.save_checkpoint of a quantized MoE engine writes the packed experts (safetensors,
+    a JSON manifest); init_inference(None, checkpoint=...) loads them as saved, never
+    re-quantized: the same state bit for bit, identical fp32 logits and greedy tokens."""
+    quant = {"weight": {"num_bits": bits}}
+    saver = shardwise.init_inference(tiny_causal_lm(arch), device="cpu", dtype=torch.float32,
+                                     quant=quant)
+    ids = prompt_ids(batch=2, length=8)
+    logits, tokens = saver(input_ids=ids).logits, saver.generate(ids, **GEN)
+    saver.save_checkpoint(tmp_path / "q")
+    desc = json.loads((tmp_path / "q" / "shardwise_checkpoint.json").read_text())
+    entry = desc["extensions"]["shardwise.quant"]
+    assert entry["format"] == "shardwise-quantized-v2"
+    assert entry["experts"] == sorted(expert_modules(tiny_causal_lm(arch)))
+    _no_quantization(monkeypatch)
+    loaded = shardwise.init_inference(None, checkpoint=str(tmp_path / "q"), device="cpu")
+    assert loaded.dtype == torch.float32  # dtype unset: the saved one
+    assert _state_differences(saver.module, loaded.module) == []
+    assert torch.equal(loaded(input_ids=ids).logits, logits)
+    assert torch.equal(loaded.generate(ids, **GEN), tokens)
+    mine, theirs = loaded.quantization, saver.quantization
+    assert mine.backends() == theirs.backends() and mine.config == theirs.config
+    assert {n: (l.kind, l.bits, l.group_size, l.shape) for n, l in mine.layers.items()} == \
+        {n: (l.kind, l.bits, l.group_size, l.shape) for n, l in theirs.layers.items()}
+    assert mine.bytes_after == theirs.bytes_after
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "gpt_oss"])
+def test_save_quantized_file_round_trips_quantized_experts(tmp_path, monkeypatch, arch):
+    """save_quantized / load_quantized (one safetensors file) carry quantized experts too, into
+    a fresh float model or one on the meta device."""
+    from shardwise.quant import load_quantized
+
+    model = tiny_causal_lm(arch)
+    quantize_model(model, {"weight": {"num_bits": 4}}, CPU, torch.float32)
+    ids = prompt_ids(batch=2, length=8)
+    want = model(ids).logits
+    save_quantized(model, tmp_path / "q.safetensors")
+    _no_quantization(monkeypatch)
+    fresh = tiny_causal_lm(arch, seed=1)
+    with torch.device("meta"):
+        meta = tiny_causal_lm(arch)
+    for target in (fresh, meta):
+        report = load_quantized(target, tmp_path / "q.safetensors")
+        assert len(_quantized(target)) == len(_quantized(model)) > 0
+        assert report.backends()["experts"] == {"cpu": 2 * len(_quantized(target))}
+        assert _state_differences(model, target) == []
+        assert torch.equal(target(ids).logits, want)
+
+
+def _saved_experts(tmp_path) -> "Path":
     model = tiny_causal_lm("mixtral")
-    quantize_model(model, {"weight": {"num_bits": 8}}, CPU, BF16)
-    with pytest.raises(NotSupportedYetError, match="quantized MoE experts"):
-        save_quantized(model, tmp_path / "q.safetensors")
+    quantize_model(model, {"weight": {"num_bits": 8}}, CPU, torch.float32)
+    return save_quantized(model, tmp_path / "q.safetensors")
+
+
+def _rewrite_manifest(path, edit) -> None:
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    with safe_open(path, "pt") as f:
+        meta = f.metadata()
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    info = json.loads(meta["manifest"])
+    edit(info["experts"]["model.layers.1.mlp.experts"])
+    save_file(tensors, path, metadata={**meta, "manifest": json.dumps(info)})
+
+
+@pytest.mark.parametrize("edit,match", [
+    (lambda e: e["shape"].update(inter=e["shape"]["inter"] + 1), r"malformed \(specs"),
+    (lambda e: e["tensors"].update(down_qweight=[[3, 1], "int8"]), r"malformed \(tensor entry"),
+    (lambda e: e.pop("bias"), r"malformed \(keys"),
+    (lambda e: e["shape"].update(activation="relu"), r"malformed \(shape"),
+])
+def test_a_malformed_experts_manifest_entry_is_named(tmp_path, edit, match):
+    path = _saved_experts(tmp_path)
+    _rewrite_manifest(path, edit)
+    model = tiny_causal_lm("mixtral")
+    with pytest.raises(ConfigError, match=r"experts module 'model.layers.1.mlp.experts' is " + match):
+        shardwise.quant.load_quantized(model, path)
+    assert not _quantized(model)  # left as it was
+
+
+def test_quantized_experts_into_another_expert_count_are_refused_before_any_change(tmp_path):
+    path = _saved_experts(tmp_path)
+    import transformers
+
+    config = tiny_causal_lm("mixtral").config
+    config.num_local_experts += 2
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ConfigError, match=r"saved quantized experts 'model.layers.0.mlp.experts':"
+                                          r" saved as .* \('stacked', 4, 64, .*\) .* model's is "
+                                          r"\('stacked', 6, 64"):
+        shardwise.quant.load_quantized(model, path)
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
 
 
 def test_quantized_experts_under_injection_and_graphs_match_eager():

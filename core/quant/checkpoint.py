@@ -13,6 +13,15 @@ sharded the same way, on the same rank), puts empty QuantLinear shells where the
 checks every stored tensor against them, and loads them: no quantization happens, so the
 weights are bit-identical to the saved ones.
 
+Quantized Mixture-of-Experts experts (:class:`~shardwise.quant.experts.QuantExperts`) are saved
+the same way: their packed per-expert buffers (each ``[E_held, ...]``: the experts this rank
+holds) and biases in the state dict, and in the manifest's ``"experts"`` section (format
+:data:`FORMAT_EXPERTS`) each module's per-expert specs, backend, layout settings, buffer shapes
+and :class:`~shardwise.quant.experts.ExpertsShape`. Loading puts empty ``QuantExperts`` shells
+in place of the float experts modules. Under expert parallelism each rank's file holds its own
+experts, and each rank reads only its file: such a checkpoint loads at the tp and ep sizes it was
+saved with (packed weights are never merged or split, as for tensor parallelism).
+
 File layout (safetensors metadata, every value a JSON string): ``"format"``: :data:`FILE_FORMAT`;
 ``"manifest"``: :func:`manifest`; ``"aliases"``: state-dict key → the stored key it shares its
 tensor with.
@@ -33,6 +42,7 @@ the full-precision checkpoint.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -46,10 +56,11 @@ from ..checkpoint.errors import CheckpointError
 from ..checkpoint.extensions import (CheckpointExtension, LoadContext, SavedEntries,
                                      register_extension)
 from ..checkpoint.sources import SAFETENSORS_DTYPES
-from ..errors import ConfigError, NotSupportedYetError
+from ..errors import ConfigError
 from shardwise.kernels.reference.quant import QuantSpec
 from .config import parse_quant
-from .experts import QuantExperts
+from .experts import (EXPERTS_KIND, MATRICES, ExpertsShape, QuantExperts, experts_shape,
+                      is_experts_module, swap_in_experts)
 from .modules import QuantLinear
 from .tied import QuantEmbedding, tie_embedding
 from .transform import (QUANT_ATTR, QuantizedLayer, QuantReport, _refuse_twice, model_bytes,
@@ -58,6 +69,10 @@ from .transform import (QUANT_ATTR, QuantizedLayer, QuantReport, _refuse_twice, 
 log = logging.getLogger(__name__)
 
 FORMAT = "shardwise-quantized-v1"
+#: The manifest format of a model holding quantized MoE experts (:class:`QuantExperts`): v1 plus
+#: an ``"experts"`` section. A shardwise that reads v1 only refuses it by its format, naming it.
+FORMAT_EXPERTS = "shardwise-quantized-v2"
+_FORMATS = (FORMAT, FORMAT_EXPERTS)
 #: The ``"format"`` of a :func:`save_quantized` file's safetensors metadata.
 FILE_FORMAT = "shardwise-quantized-file-v2"
 _LAYER_KEYS = {"spec", "backend", "compute_dtype", "meta", "tensors", "source", "bias", "kind"}
@@ -65,6 +80,10 @@ _LAYER_KEYS = {"spec", "backend", "compute_dtype", "meta", "tensors", "source", 
 #: table (:mod:`.tied`: stored once, under the head's name).
 _OPTIONAL_LAYER_KEYS = {"tied"}
 _FILE_KEYS = {"format", "manifest", "aliases"}
+#: The keys of one ``"experts"`` manifest entry (:func:`_experts_entry`).
+_EXPERTS_KEYS = {"specs", "backend", "compute_dtype", "meta", "tensors", "bias", "shape"}
+#: The bias parameters a quantized experts module may hold (GPT-OSS's), kernels' layout.
+_EXPERTS_BIASES = ("gate_up_proj_bias", "down_proj_bias")
 #: The first bytes of the files torch.save writes (a zip archive, or a legacy raw pickle).
 _TORCH_SAVE_MAGIC = (b"PK\x03\x04", b"\x80\x02", b"\x80\x03", b"\x80\x04", b"\x80\x05")
 
@@ -87,12 +106,8 @@ def manifest(model: nn.Module) -> dict[str, Any]:
     """The description :func:`save_quantized` stores next to the state dict (JSON-serialisable:
     the sharded checkpoint stores it in each rank file's metadata)."""
     report: QuantReport | None = getattr(model, QUANT_ATTR, None)
-    experts = [name for name, m in model.named_modules() if isinstance(m, QuantExperts)]
-    if experts:
-        raise NotSupportedYetError(
-            f"{type(model).__name__} holds quantized MoE experts ({experts[0]!r} ...), which "
-            f"this version of shardwise cannot save yet; save the full-precision model and "
-            f"quantize while loading (init_inference(checkpoint=..., quant=...))")
+    experts = {name: _experts_entry(m) for name, m in model.named_modules()
+               if isinstance(m, QuantExperts)}
     layers = {}
     tied_embeddings = {id(m.head): n for n, m in model.named_modules()
                        if isinstance(m, QuantEmbedding)}  # head → the embedding reading it
@@ -108,17 +123,36 @@ def manifest(model: nn.Module) -> dict[str, Any]:
             tied = tied_embeddings.get(id(m))
             if tied is not None:
                 layers[name]["tied"] = tied
-    if not layers:
+    if not layers and not experts:
         raise ConfigError(f"{type(model).__name__} holds no quantized layer; quantize it first "
                           "(shardwise.quant.quantize_model or init_inference(quant=...))")
-    return {"format": FORMAT, "layers": layers,
+    info = {"format": FORMAT_EXPERTS if experts else FORMAT, "layers": layers,
             "config": report.config.to_dict() if report else None,
             "dtype": _dtype_name(report.dtype) if report else None}
+    if experts:
+        info["experts"] = experts
+    return info
+
+
+def _experts_entry(module: QuantExperts) -> dict[str, Any]:
+    """One quantized experts module's manifest entry: (gate_up, down) per-expert specs, the
+    backend and compute dtype, each matrix's layout settings, the packed buffers (each
+    ``[E_held, ...]``), the biases' shapes (GPT-OSS's, kernels' layout; None: none) and the
+    :class:`~shardwise.quant.experts.ExpertsShape` (``experts`` = E held by this rank)."""
+    def spec(s: QuantSpec) -> list:
+        return [s.bits, s.group_size, s.symmetric, s.in_features, s.out_features]
+    return {"specs": [spec(module.spec), spec(module.down_spec)], "backend": module.backend,
+            "compute_dtype": _dtype_name(module.compute_dtype), "meta": module.packed_meta(),
+            "tensors": module.describe_tensors(),
+            "bias": {b: list(getattr(module, b).shape) if getattr(module, b) is not None
+                     else None for b in _EXPERTS_BIASES},
+            "shape": dataclasses.asdict(module.shape)}
 
 
 def is_quantized(model: nn.Module) -> bool:
-    """Whether ``model`` holds a :class:`QuantLinear`."""
-    return any(isinstance(m, QuantLinear) for m in model.modules())
+    """Whether ``model`` holds a :class:`QuantLinear` or quantized MoE experts
+    (:class:`QuantExperts`)."""
+    return any(isinstance(m, (QuantLinear, QuantExperts)) for m in model.modules())
 
 
 def tensor_names(info: Mapping[str, Any]) -> dict[str, tuple[list[int], str | None]]:
@@ -130,6 +164,12 @@ def tensor_names(info: Mapping[str, Any]) -> dict[str, tuple[list[int], str | No
             out[f"{layer}.{tname}"] = (list(shape), dtype)
         if entry.get("bias") is not None:
             out[f"{layer}.bias"] = (list(entry["bias"]), None)
+    for name, entry in info.get("experts", {}).items():
+        for tname, (shape, dtype) in entry["tensors"].items():
+            out[f"{name}.{tname}"] = (list(shape), dtype)
+        for bias, shape in entry["bias"].items():
+            if shape is not None:
+                out[f"{name}.{bias}"] = (list(shape), None)
     return out
 
 
@@ -142,20 +182,30 @@ class QuantizedCheckpointError(CheckpointError):
 def check_manifest(info: Any, where: str) -> None:
     """Raise :class:`QuantizedCheckpointError` naming ``where`` unless ``info`` is a
     well-formed :func:`manifest`."""
-    if not isinstance(info, Mapping) or info.get("format") != FORMAT:
+    if not isinstance(info, Mapping) or info.get("format") not in _FORMATS:
         got = info.get("format") if isinstance(info, Mapping) else type(info).__name__
         raise QuantizedCheckpointError(
-            f"{where} is not a shardwise quantization manifest (format {got!r}, expected "
-            f"{FORMAT!r}); re-save it with this shardwise")
+            f"{where} is not a shardwise quantization manifest (format {got!r}, expected one "
+            f"of {list(_FORMATS)}); re-save it with this shardwise")
     layers = info.get("layers")
-    if not isinstance(layers, Mapping) or not layers:
+    experts = info.get("experts", {}) if info["format"] == FORMAT_EXPERTS else {}
+    if (("experts" in info and info["format"] != FORMAT_EXPERTS)
+            or not isinstance(experts, Mapping)
+            or (info["format"] == FORMAT_EXPERTS and not experts)):
+        raise QuantizedCheckpointError(
+            f"{where}: the quantization manifest's 'experts' section does not fit its format "
+            f"{info['format']!r} ({FORMAT_EXPERTS!r} and only it lists quantized experts); the "
+            f"checkpoint is corrupted: re-save it")
+    if not isinstance(layers, Mapping) or not (layers or experts):
         raise QuantizedCheckpointError(f"{where}: the quantization manifest lists no layers")
-    for name, entry in layers.items():
-        problem = _entry_problem(entry)
-        if problem:
-            raise QuantizedCheckpointError(
-                f"{where}: the quantization manifest entry of layer {name!r} is malformed "
-                f"({problem}); the checkpoint is corrupted: re-save it")
+    for kind, entries, problem_of in (("layer", layers, _entry_problem),
+                                      ("experts module", experts, _experts_problem)):
+        for name, entry in entries.items():
+            problem = problem_of(entry)
+            if problem:
+                raise QuantizedCheckpointError(
+                    f"{where}: the quantization manifest entry of {kind} {name!r} is malformed "
+                    f"({problem}); the checkpoint is corrupted: re-save it")
 
 
 def _entry_problem(entry: Any) -> str | None:
@@ -209,6 +259,79 @@ def _entry_problem(entry: Any) -> str | None:
 def _int(value: Any) -> bool:
     """A JSON integer (not a bool, not a float)."""
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _spec_ok(spec: Any) -> bool:
+    """A :class:`QuantSpec` as a manifest stores it: [bits 4|8, group, symmetric, in, out]."""
+    return (isinstance(spec, list) and len(spec) == 5 and _int(spec[0]) and spec[0] in (4, 8)
+            and isinstance(spec[2], bool)
+            and all(_int(v) and v > 0 for v in (spec[1], spec[3], spec[4])))
+
+
+def _flat_ok(meta: Any) -> bool:
+    """A layout's settings: string keys, JSON scalar values."""
+    return isinstance(meta, Mapping) and all(
+        isinstance(k, str) and (v is None or isinstance(v, (str, int, float, bool)))
+        for k, v in meta.items())
+
+
+def _shape_ok(shape: Any, leading: int | None = None) -> bool:
+    """A list of non-negative ints (its first ``leading`` when given)."""
+    return (isinstance(shape, list) and all(_int(d) and d >= 0 for d in shape)
+            and (leading is None or (bool(shape) and shape[0] == leading)))
+
+
+#: ExpertsShape field → whether a manifest value is valid for it
+_EXPERTS_SHAPE_FIELDS = {
+    "layout": lambda v: v in ("stacked", "gpt_oss"),
+    "experts": lambda v: _int(v) and v > 0, "hidden": lambda v: _int(v) and v > 0,
+    "inter": lambda v: _int(v) and v > 0, "activation": lambda v: v in ("silu", "gelu"),
+    "clamp": lambda v: v is None or (isinstance(v, (int, float)) and not isinstance(v, bool)),
+    "alpha": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+
+def _experts_problem(entry: Any) -> str | None:
+    """What is wrong with one ``"experts"`` manifest entry (None when it is well-formed): every
+    key with its type, the specs agreeing with the shape (gate_up [2I, H], down [H, I] per
+    expert) and every packed tensor and bias holding one entry per expert."""
+    if not isinstance(entry, Mapping) or set(entry) != _EXPERTS_KEYS:
+        return f"keys {sorted(entry) if isinstance(entry, Mapping) else entry!r}"
+    shape = entry["shape"]
+    if not isinstance(shape, Mapping) or set(shape) != set(_EXPERTS_SHAPE_FIELDS) or not all(
+            ok(shape[k]) for k, ok in _EXPERTS_SHAPE_FIELDS.items()):
+        return f"shape {shape!r}"
+    e, h, i = shape["experts"], shape["hidden"], shape["inter"]
+    specs = entry["specs"]
+    if not (isinstance(specs, list) and len(specs) == 2 and all(map(_spec_ok, specs))
+            and specs[0][3:] == [h, 2 * i] and specs[1][3:] == [i, h]
+            and specs[0][0] == specs[1][0]):
+        return f"specs {specs!r} for hidden {h}, intermediate {i}"
+    if not isinstance(entry["backend"], str) or not entry["backend"]:
+        return f"backend {entry['backend']!r}"
+    meta = entry["meta"]
+    if not (isinstance(meta, Mapping) and set(meta) == {"gate_up", "down"}
+            and all(_flat_ok(m) for m in meta.values())):
+        return f"meta {meta!r}"
+    bias = entry["bias"]
+    if not (isinstance(bias, Mapping) and set(bias) == set(_EXPERTS_BIASES) and all(
+            b is None or _shape_ok(b, e) for b in bias.values())):
+        return f"bias {bias!r}"
+    tensors = entry["tensors"]
+    if not isinstance(tensors, Mapping) or not all(
+            any(isinstance(n, str) and n.startswith(f"{part}_") for n in tensors)
+            for part in ("gate_up", "down")):
+        return f"tensors {tensors!r}"
+    try:
+        _torch_dtype(entry["compute_dtype"])
+        for tname, value in tensors.items():
+            if not (isinstance(value, (list, tuple)) and len(value) == 2
+                    and isinstance(value[1], str) and _shape_ok(value[0], e)
+                    and tname.startswith(("gate_up_", "down_"))):
+                return f"tensor entry {tname!r}: {value!r} (each [{e} experts, ...])"
+            _torch_dtype(value[1])
+    except (KeyError, TypeError, ValueError) as exc:
+        return f"dtype or tensor entry {exc}"
+    return None
 
 
 def save_quantized(model: nn.Module, path: str | os.PathLike) -> str:
@@ -304,7 +427,7 @@ def _json(meta: Mapping[str, str], key: str, where: str) -> Any:
 def _check_settings(info: Mapping[str, Any], where: str) -> None:
     """The manifest's ``config`` (a ``quant=`` dict or None) and ``dtype`` (a dtype name or
     None) are valid."""
-    extra = set(info) - {"format", "layers", "config", "dtype"}
+    extra = set(info) - {"format", "layers", "config", "dtype", "experts"}
     if extra:
         raise ConfigError(f"{where}: unknown quantization manifest keys {sorted(extra)}")
     try:
@@ -330,6 +453,9 @@ def _check_stored(info: Mapping[str, Any], handle: Any, model: nn.Module,
             expected.pop(key, None)
         if entry.get("tied"):  # the embedding reads the head's table: no state of its own
             expected.pop(f"{entry['tied']}.weight", None)
+    for name in info.get("experts", {}):  # the float experts module's own tensors
+        for key in [k for k in expected if k.rpartition(".")[0] == name]:
+            expected.pop(key)
     expected.update(tensor_names(info))
     names = set(handle.keys()) | set(aliases)
     missing, unexpected = sorted(set(expected) - names), sorted(names - set(expected))
@@ -357,7 +483,7 @@ def install_shells(model: nn.Module, info: Mapping[str, Any], device: torch.devi
     :class:`QuantizedCheckpointError` for a layer
     the model lacks or a backend that cannot run here."""
     modules = dict(model.named_modules())
-    missing = [n for n in info["layers"] if n not in modules]
+    missing = [n for n in (*info["layers"], *info.get("experts", {})) if n not in modules]
     if missing:
         raise QuantizedCheckpointError(f"the saved quantized layers {missing[:3]} are not in "
                     f"{type(model).__name__}; load into the model architecture {source} was "
@@ -383,7 +509,44 @@ def install_shells(model: nn.Module, info: Mapping[str, Any], device: torch.devi
                                       spec.bits, spec.group_size,
                                       (spec.out_features, spec.in_features), shell.weight_nbytes,
                                       compute)
+    for name, entry in info.get("experts", {}).items():
+        layers.update(_install_experts_shell(model, name, entry, device, source, bias_dtype,
+                                             _torch_dtype(info.get("dtype"))))
     return layers
+
+
+def _install_experts_shell(model: nn.Module, name: str, entry: Mapping[str, Any],
+                           device: torch.device | str, source: str,
+                           bias_dtype: torch.dtype | None, saved_dtype: torch.dtype | None
+                           ) -> dict[str, QuantizedLayer]:
+    """Put an empty :class:`QuantExperts` (buffers uninitialised on ``device``) in place of the
+    experts module ``name`` (recorded like quantizing it: the undo dequantizes back into the
+    original). Returns the report's two layers (``<name>.gate_up_proj``, ``<name>.down_proj``,
+    each ``[E * out, in]``), as quantizing reports them."""
+    if not is_experts_module(model.get_submodule(name)):
+        raise QuantizedCheckpointError(
+            f"{source} holds quantized experts {name!r}, but in {type(model).__name__} that "
+            f"module holds no stacked expert weights (gate_up_proj, down_proj); load it into "
+            f"the architecture it was saved from")
+    specs = tuple(QuantSpec(*s) for s in entry["specs"])
+    compute = _torch_dtype(entry["compute_dtype"])
+    shape = ExpertsShape(**entry["shape"])
+    try:
+        shell = QuantExperts.empty_like(specs, entry["backend"], compute, entry["meta"],
+                                        entry["tensors"], shape, entry["bias"], device=device,
+                                        bias_dtype=bias_dtype)
+    except KeyError as exc:
+        raise QuantizedCheckpointError(
+            f"{source} holds experts packed for the {entry['backend']!r} kernel backend, which "
+            f"cannot run here ({exc.args[0]}); re-quantize from the full-precision checkpoint "
+            f"on this device") from None
+    swap_in_experts(model, name, shell)
+    packed = shell.packed
+    return {f"{name}.{matrix}": QuantizedLayer(
+        f"{name}.{matrix}", EXPERTS_KIND, entry["backend"], spec.bits, spec.group_size,
+        (shape.experts * spec.out_features, spec.in_features), packed[part].nbytes,
+        compute or bias_dtype or saved_dtype or torch.float32)
+        for matrix, part, spec in zip(MATRICES, ("gate_up", "down"), specs)}
 
 
 def _tie_shell(model: nn.Module, embed_name: str, head_name: str, shell: QuantLinear,
@@ -447,6 +610,10 @@ def load_quantized(model: nn.Module, path: str | os.PathLike,
     if not meta_model:
         model.to(device)
     model.load_state_dict(state, strict=True, assign=meta_model)
+    if meta_model:  # non-persistent buffers (rotary inv_freq) recomputed, as the loader does
+        from ..checkpoint.loader import _fill_meta_buffers
+
+        _fill_meta_buffers(model, device)
     dtype = _torch_dtype(info.get("dtype"))
     if dtype is not None:
         from ..transforms import cast_and_move
@@ -473,6 +640,37 @@ def _check_fits_model(model: nn.Module, info: Mapping[str, Any], where: str) -> 
                               f"{[entry['spec'][4], entry['spec'][3]]}, the model's is {want}; "
                               "load it into the model (and tensor-parallel rank) it was saved "
                               "from")
+    for name, entry in info.get("experts", {}).items():
+        problem = _experts_misfit(modules.get(name), name, entry, None)
+        if problem:
+            raise ConfigError(f"{where}: saved quantized experts {name!r}: {problem}; load it "
+                              f"into the architecture (and expert-parallel rank) it was saved "
+                              f"from")
+
+
+def _experts_misfit(module: nn.Module | None, name: str, entry: Mapping[str, Any],
+                    held: int | None) -> str | None:
+    """Why the saved experts ``entry`` does not fit ``module`` (None when it does): an experts
+    module of the same layout, hidden and intermediate sizes, holding ``held`` experts (default
+    the module's own count: under expert parallelism, this rank's), with biases exactly where
+    the module has them."""
+    if module is None or not is_experts_module(module):
+        return f"{type(module).__name__ if module is not None else 'no module'} is there, not " \
+               f"an experts module holding stacked expert weights"
+    try:
+        have = experts_shape(name, module)
+    except ConfigError as exc:
+        return str(exc)
+    held = have.experts if held is None else held
+    saved = entry["shape"]
+    want = (have.layout, held, have.hidden, have.inter)
+    got = (saved["layout"], saved["experts"], saved["hidden"], saved["inter"])
+    biases = {b: isinstance(getattr(module, b, None), torch.Tensor) for b in _EXPERTS_BIASES}
+    if got != want or biases != {b: s is not None for b, s in entry["bias"].items()}:
+        return (f"saved as (layout, experts, hidden, intermediate) {got} with biases "
+                f"{sorted(b for b, s in entry['bias'].items() if s is not None)}, the model's "
+                f"is {want} with {sorted(b for b, has in biases.items() if has)}")
+    return None
 
 
 # ----- the sharded checkpoint's quant settings ----------------------------------------------------
@@ -480,18 +678,21 @@ def _check_fits_model(model: nn.Module, info: Mapping[str, Any], where: str) -> 
 def description_entry(info: Mapping[str, Any]) -> dict[str, Any]:
     """What a checkpoint description records of a quantized model (rank 0's :func:`manifest`):
     the format, the ``quant=`` settings, the compute dtype and the quantized layers' names."""
-    return {"format": FORMAT, "config": info.get("config"), "dtype": info.get("dtype"),
-            "layers": sorted(info["layers"])}
+    entry = {"format": info["format"], "config": info.get("config"), "dtype": info.get("dtype"),
+             "layers": sorted(info["layers"])}
+    if info.get("experts"):
+        entry["experts"] = sorted(info["experts"])
+    return entry
 
 
 def check_description_entry(entry: Any, where: str) -> None:
     """Raise :class:`QuantizedCheckpointError` unless ``entry`` (a description's
     ``"shardwise.quant"`` extension entry) is well-formed."""
-    if not isinstance(entry, Mapping) or entry.get("format") != FORMAT:
+    if not isinstance(entry, Mapping) or entry.get("format") not in _FORMATS:
         got = entry.get("format") if isinstance(entry, Mapping) else entry
         raise QuantizedCheckpointError(
             f"{where}: its 'shardwise.quant' entry has format {got!r}; this shardwise reads "
-            f"{FORMAT!r} (re-save the checkpoint with this shardwise)")
+            f"{list(_FORMATS)} (re-save the checkpoint with this shardwise)")
     try:
         if entry.get("config") is not None:
             parse_quant(entry["config"])
@@ -500,10 +701,14 @@ def check_description_entry(entry: Any, where: str) -> None:
         raise QuantizedCheckpointError(
             f"{where}: its 'shardwise.quant' settings are invalid ({exc}); the checkpoint "
             "description is corrupted: re-save it") from None
-    names = entry.get("layers")
-    if not isinstance(names, list) or not names or not all(isinstance(n, str) for n in names):
+    names, experts = entry.get("layers"), entry.get("experts", [])
+    v2 = entry["format"] == FORMAT_EXPERTS
+    if not all(isinstance(v, list) and all(isinstance(n, str) for n in v)
+               for v in (names, experts)) or not (names or experts) or v2 != bool(experts):
         raise QuantizedCheckpointError(f"{where}: its 'shardwise.quant' entry must list the "
-                                       f"quantized layers, got {names!r}")
+                                       f"quantized layers (and, format {FORMAT_EXPERTS!r} only, "
+                                       f"the quantized experts modules), got layers {names!r}, "
+                                       f"experts {entry.get('experts')!r}")
 
 
 def adopt_saved_quant(entry: Mapping[str, Any], asked: Mapping | None,
@@ -542,25 +747,43 @@ def saved_dtype(entry: Mapping[str, Any]) -> torch.dtype | None:
 EXTENSION = "shardwise.quant"
 
 
-def settings_for_checkpoint(desc: Any, asked: Mapping | None, tp_size: int) -> Mapping | None:
+def settings_for_checkpoint(desc: Any, asked: Mapping | None, tp_size: int,
+                            ep_size: int | None = None) -> Mapping | None:
     """The ``quant=`` settings to run with when loading the checkpoint ``desc`` (a
     :class:`~shardwise.checkpoint.Description`): ``asked`` for a full-precision one; for a
-    quantized one its saved settings (:func:`adopt_saved_quant`), after refusing another tp
-    size. Reads no file."""
+    quantized one its saved settings (:func:`adopt_saved_quant`), after refusing another split.
+    Reads no file.
+
+    The split is the ranks the model is split over, ``max(tp_size, ep_size)``; with
+    ``ep_size`` None (not known to the caller) a checkpoint holding quantized experts, whose
+    rank files may be an expert-parallel split, is left to the loader's check
+    (:meth:`QuantCheckpointExtension.check_load`, also before any weight is read)."""
     entry = desc.extensions.get(EXTENSION)
     if entry is None:
         return asked
-    _check_tp(desc.source, desc.tp_size, tp_size)
+    if ep_size is not None or not (isinstance(entry, Mapping) and entry.get("experts")):
+        _check_tp(desc.source, desc.tp_size, max(tp_size, ep_size or 1),
+                  bool(isinstance(entry, Mapping) and entry.get("experts")))
     return adopt_saved_quant(entry, asked, desc.source)
 
 
-def _check_tp(source: str, saved: int | None, tp: int) -> None:
-    if tp != saved:
+def _check_tp(source: str, saved: int | None, ranks: int, experts: bool = False) -> None:
+    """The model is split over the ``saved`` ranks it was saved from (packed weights are stored
+    whole per rank: never merged or split)."""
+    if ranks == saved:
+        return
+    if not experts:
         raise QuantizedCheckpointError(
             f"{source} holds quantized weights saved at tp_size={saved}; packed "
-            f"quantized weights cannot be merged or split for tp_size={tp}: load it at "
+            f"quantized weights cannot be merged or split for tp_size={ranks}: load it at "
             f"tp_size={saved}, or save the model unquantized (init_inference without "
             f"quant=) and quantize while loading at the new tp size")
+    raise QuantizedCheckpointError(
+        f"{source} holds quantized weights and MoE experts saved split over {saved} rank(s) "
+        f"(max(tp_size, ep_size) = {saved}); packed quantized weights cannot be merged or split "
+        f"for {ranks} rank(s): load it with the tp_size and moe ep_size it was saved with, or "
+        f"save the model unquantized (init_inference without quant=) and quantize while "
+        f"loading at the new sizes")
 
 
 class QuantCheckpointExtension(CheckpointExtension):
@@ -582,7 +805,8 @@ class QuantCheckpointExtension(CheckpointExtension):
         """At its tp size, without being quantized again, in its compute dtype."""
         from .transform import QuantizeOnRead
 
-        _check_tp(context.source, context.saved_tp, context.tp_size)
+        _check_tp(context.source, context.saved_tp, context.tp_size,
+                  bool(isinstance(entry, Mapping) and entry.get("experts")))
         if any(isinstance(h, QuantizeOnRead) for h in context.hooks):
             raise QuantizedCheckpointError(
                 f"{context.source} holds weights that are already quantized; load it without "
@@ -600,8 +824,10 @@ class QuantCheckpointExtension(CheckpointExtension):
         """A rank file's manifest: well-formed and agreeing with the description's settings
         and layers; its packed tensors (and biases) are what the file must hold."""
         check_manifest(rank_entry, where)
-        if (sorted(rank_entry["layers"]), rank_entry.get("config"), rank_entry.get("dtype")) \
-                != (entry["layers"], entry.get("config"), entry.get("dtype")):
+        if (sorted(rank_entry["layers"]), sorted(rank_entry.get("experts", {})),
+                rank_entry.get("config"), rank_entry.get("dtype")) \
+                != (entry["layers"], entry.get("experts", []), entry.get("config"),
+                    entry.get("dtype")):
             raise QuantizedCheckpointError(
                 f"{where} disagrees with the description's 'shardwise.quant' entry (other "
                 f"quantized layers, settings or dtype): the rank files do not belong to this "
@@ -612,8 +838,15 @@ class QuantCheckpointExtension(CheckpointExtension):
                 shapes: Mapping[str, tuple[int, ...]], context: LoadContext) -> Any:
         """Each saved layer checked against this rank's slice of the model's module, then an
         empty shell (buffers on meta) put in its place. Returns (manifest, layer name →
-        QuantizedLayer)."""
+        QuantizedLayer).
+
+        An experts module is checked against this rank's experts (``shapes``: its stacked
+        parameters' dim 0 under expert parallelism); the float module it replaces keeps meta
+        parameters of that shape, so the expert-parallel split (which slices float experts the
+        loader did not) finds it already holding this rank's experts."""
         _check_shell_shapes(model, rank_entry, shapes, context)
+        for name in rank_entry.get("experts", {}):
+            _local_meta(model.get_submodule(name), name, shapes)
         return rank_entry, install_shells(model, rank_entry, "meta", context.source)
 
     def finish(self, model: nn.Module, state: Any, context: LoadContext,
@@ -622,11 +855,32 @@ class QuantCheckpointExtension(CheckpointExtension):
         return loaded_report(model, info, layers, device, f"loaded {context.source}")
 
 
+def _local_meta(module: nn.Module, name: str, shapes: Mapping[str, tuple[int, ...]]) -> None:
+    """``module``'s parameters still on meta take the shape this rank keeps of them."""
+    for pname, param in list(module.named_parameters(recurse=False)):
+        shape = tuple(shapes.get(f"{name}.{pname}", param.shape))
+        if param.is_meta and tuple(param.shape) != shape:
+            setattr(module, pname, nn.Parameter(torch.empty(shape, dtype=param.dtype,
+                                                            device="meta"),
+                                                requires_grad=False))
+
+
 def _check_shell_shapes(model: nn.Module, info: Mapping[str, Any],
                         shapes: Mapping[str, tuple[int, ...]], context: LoadContext) -> None:
     """Each saved layer's [out, in] (and bias or none) equals this rank's slice of the model's
-    module of that name; else the checkpoint was saved from another config or plan."""
+    module of that name, each saved experts module this rank's experts; else the checkpoint
+    was saved from another config or plan."""
     modules = dict(model.named_modules())
+    for name, entry in info.get("experts", {}).items():
+        module = modules.get(name)
+        held = shapes.get(f"{name}.gate_up_proj", (None,))[0]
+        problem = _experts_misfit(module, name, entry, held)
+        if problem:
+            raise QuantizedCheckpointError(
+                f"quantized experts {name!r} on rank {context.rank} of {context.source}: "
+                f"{problem} (this rank's experts, in the model built from the config); the "
+                f"checkpoint and the config (or the tensor/expert-parallel plan) do not belong "
+                f"together")
     for name, entry in info["layers"].items():
         module = modules.get(name)
         weight = getattr(module, "weight", None)

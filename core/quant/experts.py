@@ -35,6 +35,10 @@ it the same way.
 
 Undo (``engine.close()``): the original experts module is put back with its weights rebuilt by
 dequantizing, in its own layout, dtype and device (lossy, as for quantized linears).
+
+Saving and loading (:mod:`shardwise.quant.checkpoint`): :meth:`QuantExperts.describe_tensors`,
+:meth:`~QuantExperts.packed_meta` and the :class:`ExpertsShape` describe the module; a loader
+makes an empty one with :meth:`QuantExperts.empty_like` and fills its buffers as saved.
 """
 
 from __future__ import annotations
@@ -228,6 +232,48 @@ class QuantExperts(PackedLayout):
         return (self.kernel.fn.dequantize(self._packed["gate_up"]),
                 self.kernel.fn.dequantize(self._packed["down"]))
 
+    # ----- saving and loading (shardwise.quant.checkpoint) ---------------------------------------
+
+    def describe_tensors(self) -> dict[str, tuple[list[int], str]]:
+        """Buffer name (``gate_up_<t>`` / ``down_<t>``) → (shape, dtype name) of the packed
+        tensors, each with the leading ``[E]`` (experts held) dimension (see
+        :meth:`empty_like`)."""
+        return {f"{part}_{n}": (list(getattr(self, f"{part}_{n}").shape),
+                                str(getattr(self, f"{part}_{n}").dtype).removeprefix("torch."))
+                for part, names in self._names.items() for n in names}
+
+    def packed_meta(self) -> dict[str, dict[str, Any]]:
+        """``{"gate_up": meta, "down": meta}``: each matrix's layout settings (JSON values)."""
+        return {part: dict(meta) for part, meta in self._meta.items()}
+
+    @classmethod
+    def empty_like(cls, specs: tuple[QuantSpec, QuantSpec], backend: str,
+                   compute_dtype: torch.dtype | None, meta: dict[str, dict],
+                   shapes: dict[str, tuple[list[int], str]], shape: ExpertsShape,
+                   bias_shapes: dict[str, list[int] | None],
+                   device: torch.device | str | None = None,
+                   bias_dtype: torch.dtype | None = None) -> "QuantExperts":
+        """A shell with uninitialised buffers of the given shapes/dtypes, to load a saved state
+        dict into (nothing is quantized). ``specs``: (gate_up, down) per-expert specs;
+        ``shapes``: :meth:`describe_tensors`' output; ``shape``: the module's
+        :class:`ExpertsShape`; ``bias_shapes``: ``{"gate_up_proj_bias": [E, 2I] | None,
+        "down_proj_bias": [E, H] | None}``, made in ``bias_dtype`` (default the compute dtype,
+        else float32). The kernel is ``backend``'s ``quant_moe_mlp`` (KeyError when that backend
+        cannot run here)."""
+        kernel = experts_kernel_for_backend(backend)
+        packed = {}
+        for part, spec in zip(("gate_up", "down"), specs):
+            prefix = f"{part}_"
+            tensors = {n[len(prefix):]: torch.empty(s, dtype=getattr(torch, dt), device=device)
+                       for n, (s, dt) in shapes.items() if n.startswith(prefix)}
+            packed[part] = PackedQuantExperts(backend, spec, shape.experts, compute_dtype,
+                                              tensors, dict(meta[part]))
+        bias_dtype = bias_dtype or compute_dtype or torch.float32
+        biases = [torch.empty(s, dtype=bias_dtype, device=device) if s is not None else None
+                  for s in (bias_shapes.get("gate_up_proj_bias"),
+                            bias_shapes.get("down_proj_bias"))]
+        return cls(packed["gate_up"], packed["down"], kernel, shape, *biases)
+
     def extra_repr(self) -> str:
         s, d = self.spec, self.down_spec
         kind = "sym" if s.symmetric else "asym"
@@ -237,6 +283,17 @@ class QuantExperts(PackedLayout):
                 f"{', clamped' if self.shape.clamp is not None else ''}, "
                 f"backend={self.backend}, "
                 f"compute={str(self.compute_dtype).removeprefix('torch.')}")
+
+
+def experts_kernel_for_backend(backend: str) -> KernelImpl:
+    """``backend``'s ``quant_moe_mlp`` implementation (its module imported on demand); KeyError
+    naming it when that backend cannot run here."""
+    error = registry.load_backend(backend)
+    impl = registry.implementations("quant_moe_mlp").get(backend)
+    if impl is None:
+        raise KeyError(f"quant_moe_mlp backend {backend!r} is not available here"
+                       f"{': ' + error if error else ''}")
+    return impl
 
 
 def _param(tensor: torch.Tensor | None) -> nn.Parameter | None:
