@@ -507,20 +507,65 @@ def _ep_case(rank: int, bits: int, tp: int, inject: bool, dispatch: str) -> dict
     return result
 
 
-def _ep_all(rank: int) -> dict:
+#: name → (family, bits, tp): a quantized ep=2 engine saved and loaded back at its sizes, fp32
+#: compute (Qwen2-MoE: its shared expert's quantized linears replicated on both ranks)
+EP_SAVE_CASES = {"save-ep2-mixtral-int8": ("mixtral", 8, 1),
+                 "save-ep2-qwen2_moe-int4": ("qwen2_moe", 4, 1),
+                 "save-ep2-tp2-deepseek_v3-int8": ("deepseek_v3", 8, 2)}
+
+
+def _ep_save_case(rank: int, root: str, arch: str, bits: int, tp: int) -> dict:
+    """A quantized ep=2 (and tp) engine saves itself and is loaded back from the checkpoint at
+    the same sizes (the packed weights as saved, not quantized again): its logits, greedy tokens
+    and state against the saver's, and what this rank read."""
+    sizes = dict(moe={"ep_size": 2})
+    if tp > 1:
+        sizes["tensor_parallel"] = {"tp_size": tp}
+    saver = shardwise.init_inference(tiny_causal_lm(arch), device="cpu", dtype=torch.float32,
+                                     quant={"weight": {"num_bits": bits}}, **sizes)
+    ids = prompt_ids(batch=2, length=8)
+    logits, tokens = saver(input_ids=ids).logits, saver.generate(ids, **GEN)
+    path = Path(root) / f"{arch}-int{bits}-tp{tp}"
+    saver.save_checkpoint(path)
+    from shardwise.quant import experts as quant_experts, transform
+
+    real = transform.quantize_weight, quant_experts.quantize_experts
+    transform.quantize_weight = quant_experts.quantize_experts = None  # a call would fail
+    try:
+        loaded = shardwise.init_inference(None, checkpoint=str(path), device="cpu", **sizes)
+    finally:
+        transform.quantize_weight, quant_experts.quantize_experts = real
+    unique = {id(t): t for t in loaded.module.state_dict(keep_vars=True).values()}
+    return dict(logits_equal=torch.equal(loaded(input_ids=ids).logits, logits),
+                tokens_equal=torch.equal(loaded.generate(ids, **GEN), tokens),
+                state_diff=_state_differences(saver.module, loaded.module),
+                held=sorted({m.num_experts for m in _quantized(loaded.module).values()}),
+                range=list(loaded.plan.experts.range),
+                bytes_read=loaded.checkpoint_load.bytes_read,
+                state_bytes=sum(t.numel() * t.element_size() for t in unique.values()),
+                backends=loaded.quantization.backends())
+
+
+def _ep_all(rank: int, root: str) -> dict:
     from functools import partial
 
     from tp_harness import run_cases
 
-    return run_cases(rank, {name: partial(_ep_case, rank, *args)
-                            for name, args in EP_CASES.items()})
+    cases = {name: partial(_ep_case, rank, *args) for name, args in EP_CASES.items()}
+    cases.update({name: partial(_ep_save_case, rank, root, *args)
+                  for name, args in EP_SAVE_CASES.items()})
+    return run_cases(rank, cases)
 
 
 @pytest.fixture(scope="module")
 def ep_ranks(tmp_path_factory):
+    from functools import partial
+
     from tp_harness import run_pair
 
-    return run_pair(_ep_all, tmp_path_factory.mktemp("quant_moe_ep"), deadline_s=300)
+    root = tmp_path_factory.mktemp("quant_moe_ep_saved")
+    return root, run_pair(partial(_ep_all, root=str(root)),
+                          tmp_path_factory.mktemp("quant_moe_ep"), deadline_s=300)
 
 
 @pytest.mark.parametrize("name", list(EP_CASES))
@@ -528,7 +573,7 @@ def test_under_expert_parallelism_each_rank_quantizes_its_own_experts(ep_ranks, 
     from tp_harness import case
 
     bits, tp, inject, _ = EP_CASES[name]
-    r0, r1 = case(ep_ranks, name)
+    r0, r1 = case(ep_ranks[1], name)
     ref = tiny_causal_lm("mixtral")
     ids = prompt_ids(batch=2, length=16)
     with torch.no_grad():
@@ -667,3 +712,50 @@ def test_native_quantized_experts_match_hf_on_their_dequantized_weights(arch):
     want = hf.generate(ids[:1, :8], max_new_tokens=16, do_sample=False, pad_token_id=0)
     got = model.generate(ids[:1, :8], max_new_tokens=16, do_sample=False, pad_token_id=0)
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("name", list(EP_SAVE_CASES))
+def test_quantized_experts_saved_at_ep2_load_back_with_each_rank_reading_its_own(ep_ranks, name):
+    """A quantized ep=2 engine's checkpoint: one file per rank holding that rank's packed
+    experts (and its copy of the quantized dense parts); loaded at ep=2 (and the tp it was saved
+    with) each rank reads its own file only — exactly the tensors it holds — and computes the
+    saver's fp32 logits and greedy tokens bit for bit."""
+    from safetensors import safe_open
+    from tp_harness import case
+
+    root, ranks = ep_ranks
+    arch, bits, tp = EP_SAVE_CASES[name]
+    r0, r1 = case(ranks, name)
+    model = tiny_causal_lm(arch)
+    total = {e.gate_up_proj.shape[0] for e in _experts(model).values()}.pop()
+    assert (r0["range"], r1["range"]) == ([0, total // 2], [total // 2, total])
+    for r in (r0, r1):
+        assert r["logits_equal"] and r["tokens_equal"] and r["state_diff"] == [], r
+        assert r["held"] == [total // 2]
+        assert r["bytes_read"] == r["state_bytes"], r
+        assert r["backends"]["experts"] == {"cpu": 2 * len(_experts(model))}
+    path = root / f"{arch}-int{bits}-tp{tp}"
+    desc = json.loads((path / "shardwise_checkpoint.json").read_text())
+    assert desc["tp_size"] == 2 and desc["ep_size"] == 2
+    assert desc["extensions"]["shardwise.quant"]["experts"] == sorted(_experts(model))
+    for file in desc["checkpoints"]:
+        with safe_open(path / file, "pt") as f:
+            held = {f.get_slice(k).get_shape()[0] for k in f.keys() if ".experts.down_" in k}
+        assert held == {total // 2}
+
+
+def test_an_ep2_quantized_checkpoint_on_one_rank_is_refused_before_reading(ep_ranks, monkeypatch):
+    """Packed experts are never merged: the ep=2 checkpoint at one rank is named (its sizes and
+    what to do) before any weight is read."""
+    from shardwise.checkpoint import CheckpointError
+    from shardwise.checkpoint.sources import Reader
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a weight was read before the checkpoint was checked")
+    monkeypatch.setattr(Reader, "read", refuse)
+    with pytest.raises(CheckpointError, match=r"MoE experts saved split over 2 rank\(s\) .* "
+                                              r"cannot be merged or split for 1 rank\(s\): load "
+                                              r"it with the tp_size and moe ep_size it was saved "
+                                              r"with"):
+        shardwise.init_inference(None, checkpoint=str(ep_ranks[0] / "mixtral-int8-tp1"),
+                                 device="cpu")
