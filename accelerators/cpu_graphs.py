@@ -158,6 +158,21 @@ class CpuCompileStrategy(GraphStrategy):
         return (f"CpuCompileStrategy(linear={self.linear!r}, mode={self.mode!r}, "
                 f"freezing={self.freezing})")
 
+    @property
+    def weight_binding(self) -> str:  # type: ignore[override]
+        """``"inputs"`` unfrozen (the parameters are graph inputs, read where they are at each
+        call), ``"copies"`` frozen (constants baked into the compiled code); see
+        :attr:`GraphStrategy.weight_binding <shardwise.GraphStrategy.weight_binding>`."""
+        return "copies" if self.freezing else "inputs"
+
+    def keep_weight_layout(self) -> None:
+        """The weights stay in the model's layout (offload's ring slots): unfrozen ``"cpp"``
+        gives its products ATen's GEMMs beside the C++ template from the first capture on
+        (the template takes only weights :meth:`share_weights` laid out), instead of finding
+        out by a failed compilation."""
+        if not self.freezing and self.linear == "cpp":
+            self._aten_gemms()
+
     def inductor_options(self) -> dict:
         """The inductor config patches of this strategy's compilations."""
         if self._options is None:

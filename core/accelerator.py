@@ -35,6 +35,10 @@ class Availability:
         return self.ok
 
 
+#: The values of :attr:`GraphStrategy.weight_binding`.
+WEIGHT_BINDINGS = ("inputs", "addresses", "copies")
+
+
 class GraphStrategy:
     """How a device turns a repeated step into a replayable graph.
 
@@ -46,6 +50,17 @@ class GraphStrategy:
     name: ClassVar[str] = "none"
     #: True when captured callables avoid per-op launch overhead (eager returns False).
     accelerates: ClassVar[bool] = False
+    #: How a captured callable reads the tensors it reaches other than its arguments (the
+    #: weights), one of :data:`WEIGHT_BINDINGS`: ``"inputs"`` — read where they are at each call
+    #: (a weight rebound to other memory is seen by the next call: compiled code taking the
+    #: parameters as inputs); ``"addresses"`` — read at the addresses they had at capture (a
+    #: CUDA graph: the memory must hold the weights at replay); ``"copies"`` — a copy kept by the
+    #: captured code (frozen constants). Offload's per-layer graphs
+    #: (:mod:`shardwise.offload.graphs`) capture one graph per layer for ``"inputs"``, one per
+    #: layer and ring slot for ``"addresses"``, and refuse ``"copies"`` (every layer's weights
+    #: would stay resident inside the graphs). The default is the safe one for a strategy that
+    #: does not say: ``"addresses"``.
+    weight_binding: ClassVar[str] = "addresses"
 
     def capture(self, fn: Callable[..., torch.Tensor], *example_args: torch.Tensor) -> Callable:
         """Return ``fn`` itself: eager execution needs no capture."""
@@ -60,6 +75,12 @@ class GraphStrategy:
         so captured and eager code share one copy. Returns the number of layers changed; the
         base strategy changes none."""
         return 0
+
+    def keep_weight_layout(self) -> None:
+        """Called instead of :meth:`share_weights` when the weights the captured code will read
+        stay in the model's own layout, laid out by someone else (offload streams them through
+        its ring slots as the blobs hold them): a strategy whose captured code would rely on
+        its own layout switches to kernels that read the usual one. Default: nothing."""
 
     def batch_bucket(self, batch: int) -> int:
         """The captured batch size that serves ``batch`` sequences (padded up to it), so a few

@@ -82,7 +82,8 @@ class InferenceConfig:
             ``{"device": "cpu" | "nvme", "nvme_path": DIR, "buffer_count": K, "pin_memory":
             bool}``; normalised to an :class:`~shardwise.offload.config.OffloadConfig`
             (``{"device": "none"}`` → None; every key used or refused by name: see
-            :func:`~shardwise.offload.config.parse_offload`). Needs ``enable_graph=False``.
+            :func:`~shardwise.offload.config.parse_offload`). With ``enable_graph`` the decode
+            step is captured one layer at a time (:mod:`shardwise.offload.graphs`).
             Checked against the machine and the model before anything changes.
         pipeline_parallel: pipeline stages, ``{"pp_size": P}`` (P × tp ranks: the decoder
             layers cut into P contiguous stages balanced by weight bytes, each stage split by
@@ -145,7 +146,7 @@ class InferenceConfig:
         _check_checkpoint_fields(self)
         resolve_timeout(self.comm_timeout)  # the field, or the variable it falls back on
         _reject_unlanded(self)
-        _check_offload(self)  # before injection's: its graph message says the whole fix
+        _check_offload(self)
         _check_injection(self)
         _check_quant(self)
         self.moe = parse_moe(self.moe)
@@ -366,13 +367,10 @@ def _check_injection(cfg: InferenceConfig) -> None:
 
 
 def _check_offload(cfg: InferenceConfig) -> None:
-    """Normalise ``offload`` (see :func:`~shardwise.offload.config.parse_offload`) and refuse it
-    with graphs: captured graphs replay on weights at fixed addresses, offload moves them."""
-    from .offload.config import GRAPH_REFUSAL, OffloadError
-
+    """Normalise ``offload`` (see :func:`~shardwise.offload.config.parse_offload`). Graphs with
+    it depend on the accelerator's graph strategy (captured one layer at a time, between the
+    ring's waits): :func:`~shardwise.offload.config.check_offload` decides, at init."""
     cfg.offload = _parse_offload(cfg.offload)
-    if cfg.offload is not None and cfg.enable_graph:
-        raise OffloadError(GRAPH_REFUSAL)
 
 
 # ----- moe ----------------------------------------------------------------------------------------

@@ -184,13 +184,14 @@ def test_offload_in_the_config_and_as_a_keyword_merge_by_meaning():
 
 
 @pytest.mark.parametrize("graph", [{"enable_graph": True}, {"enable_cuda_graph": True}])
-def test_offload_with_graphs_is_refused_saying_why(graph):
-    with pytest.raises(OffloadError, match="fixed addresses it was captured with, and the "
-                                           "CPU's compiled decode step .* per-layer waits; pass "
-                                           "enable_graph=False with offload"):
-        InferenceConfig.build(offload={"device": "cpu"}, replace_with_kernel_inject=True, **graph)
-    # without injection too: this message, not injection's, since it names the whole fix
-    with pytest.raises(OffloadError, match="pass enable_graph=False"):
+def test_offload_with_graphs_is_left_to_the_init_check(graph):
+    """Whether graphs go with offload depends on the accelerator's graph strategy (captured per
+    layer, between the ring's waits): the config takes the pair, :func:`check_offload`
+    decides; without injection, injection's message says graphs need it."""
+    cfg = InferenceConfig.build(offload={"device": "cpu"}, replace_with_kernel_inject=True,
+                                **graph)
+    assert cfg.enable_graph and cfg.offload == OffloadConfig("cpu")
+    with pytest.raises(ConfigError, match="needs replace_with_kernel_inject=True"):
         InferenceConfig.build(offload={"device": "cpu"}, **graph)
 
 
@@ -235,10 +236,27 @@ def test_nvme_on_the_cpu_with_a_host_model_passes_and_leaves_nothing(tmp_path):
     assert list(tmp_path.iterdir()) == []  # the write test's file is gone
 
 
-def test_graphs_are_refused_by_the_check_too(tmp_path):
-    with pytest.raises(OffloadError, match="pass enable_graph=False with offload"):
+def test_graphs_are_refused_by_the_check_unless_captured_per_layer(tmp_path):
+    with pytest.raises(OffloadError, match="fixed addresses it was captured with, and the "
+                                           "CPU's compiled decode step .* per-layer waits; pass "
+                                           "enable_graph=False with offload"):
         check_offload(_nvme(tmp_path), CpuAccelerator(), None, torch.device("cpu"),
                       enable_graph=True)
+    check_offload(_nvme(tmp_path), CpuAccelerator(), None, torch.device("cpu"),
+                  enable_graph=True, per_layer_graphs=True)  # the default CPU strategy can
+
+
+@pytest.mark.parametrize("choice", ["frozen", "onednn", "inductor"])
+def test_a_strategy_that_copies_the_weights_is_refused_naming_it(choice, tmp_path, monkeypatch):
+    monkeypatch.setenv("SHARDWISE_CPU_GRAPHS", choice)
+    with pytest.raises(OffloadError, match="keeps its own copy of the weights in its captured "
+                                           "code \\(weight_binding='copies'\\).*"
+                                           "SHARDWISE_CPU_GRAPHS=cpp"):
+        check_offload(_nvme(tmp_path), CpuAccelerator(), None, torch.device("cpu"),
+                      enable_graph=True, per_layer_graphs=True)
+    monkeypatch.setenv("SHARDWISE_CPU_GRAPHS", "eager")  # captures nothing: nothing to refuse
+    check_offload(_nvme(tmp_path), CpuAccelerator(), None, torch.device("cpu"),
+                  enable_graph=True, per_layer_graphs=True)
 
 
 def test_a_missing_nvme_path_is_refused(tmp_path):

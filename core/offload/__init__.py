@@ -7,6 +7,8 @@ disk through a ring of ``buffer_count`` slots, the next layers read while one co
 * :mod:`shardwise.offload.ring` — the ring of slots, its loaders and its stats.
 * :mod:`shardwise.offload.transform` — the engine step: units, repack, free, hooks
   (:func:`offload_model`, whose :class:`OffloadReport` is ``engine.offload``).
+* :mod:`shardwise.offload.graphs` — ``enable_graph`` with offload: the decode step captured one
+  layer at a time, the ring's waits between the graphs (:func:`enable_offload_graphs`).
 
 The machinery is imported on first use of those names, so ``shardwise.config`` can read the
 settings without loading it.
@@ -19,11 +21,12 @@ from typing import Any
 from .config import OffloadConfig, OffloadError, parse_offload
 
 __all__ = ["OffloadConfig", "OffloadError", "parse_offload", "OffloadReport", "Ring",
-           "RingStats", "Unit", "offload_model", "offload_units"]
+           "RingStats", "Unit", "enable_offload_graphs", "offload_model", "offload_units"]
 
 #: name → submodule for the names loaded on first use
 _LAZY = {"OffloadReport": "transform", "Unit": "transform", "offload_model": "transform",
-         "offload_units": "transform", "Ring": "ring", "RingStats": "ring"}
+         "offload_units": "transform", "Ring": "ring", "RingStats": "ring",
+         "enable_offload_graphs": "graphs"}
 
 
 def __getattr__(name: str) -> Any:

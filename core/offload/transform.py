@@ -242,7 +242,8 @@ class OffloadReport:
     ``gathered_bytes``); resident_units: units larger than a slot that can be neither chunked
     nor gathered, units another module reads outside their forward (a quantized tied head's
     table, read by its ``QuantEmbedding``), or units sharing a tensor with one that stays: kept
-    in memory, in ``resident_bytes`` (:mod:`shardwise.offload.chunks`).
+    in memory, in ``resident_bytes`` (:mod:`shardwise.offload.chunks`); graphs: what
+    ``enable_graph`` captured (:mod:`shardwise.offload.graphs`), None without graphs.
     """
 
     tier: str
@@ -262,6 +263,9 @@ class OffloadReport:
     chunked: dict[str, int] = field(default_factory=dict)
     gathered: list[str] = field(default_factory=list)
     resident_units: list[str] = field(default_factory=list)
+    #: what ``enable_graph`` captured, one line (None: no graphs); see
+    #: :mod:`shardwise.offload.graphs`
+    graphs: str | None = None
 
     def stats(self) -> dict:
         """Reading since the last :meth:`reset_stats`: ``bytes_read``, ``read_s``, ``wait_s``
