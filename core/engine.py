@@ -97,16 +97,42 @@ class InferenceEngine:
             return self.module(*self._inputs(args), **self._inputs(kwargs))
 
     @torch.inference_mode()
-    def generate(self, *args: Any, **kwargs: Any) -> Any:
+    def generate(self, *args: Any, shardwise_fast_loop: bool = True, **kwargs: Any) -> Any:
         """``module.generate`` with tensor inputs moved to the engine's device (and broadcast
         from rank 0 under tensor or pipeline parallelism). On an injected engine, calls from several
-        threads run one after another (the static KV cache serves one generate at a time)."""
+        threads run one after another (the static KV cache serves one generate at a time).
+
+        On an injected decoder (without pipeline stages; under tensor parallelism every rank
+        runs it alike) a call whose every setting shardwise's own decode loop implements runs
+        that loop (:mod:`shardwise.inject.decode_loop`): the prompt through the model's forward,
+        then the injected decode step — with graphs, the captured step and its head's logits —
+        called directly each token, the next token chosen on the device. It returns the tensor
+        ``module.generate`` returns and calls a streamer as it does: greedy or sampling with
+        ``max_new_tokens``/``max_length``, ``min_new_tokens``/``min_length``,
+        ``eos_token_id``, ``pad_token_id``, ``temperature``/``top_k``/``top_p``,
+        ``attention_mask`` (left padding), ``streamer``. Any other setting — in the call or in
+        the model's ``generation_config`` (``repetition_penalty``, ``num_beams``,
+        ``logits_processor``, ``output_scores``, ``return_dict_in_generate=True``, ...) — runs
+        ``module.generate`` unchanged.
+
+        Args:
+            shardwise_fast_loop: False runs ``module.generate`` even where shardwise's loop
+                could (e.g. to compare the two in one process).
+        """
         self._check_open()
         with self._session():
             if self.stages is not None:  # micro-batches in flight, measured
                 return self.stages.generate(self.module, self._inputs(args),
                                             self._inputs(kwargs))
-            return self.module.generate(*self._inputs(args), **self._inputs(kwargs))
+            args, kwargs = self._inputs(args), self._inputs(kwargs)
+            if shardwise_fast_loop and self._stack is not None:
+                from .inject import decode_loop
+
+                plan = decode_loop.plan_loop(self.module, self._stack, args, kwargs)
+                if not isinstance(plan, str):
+                    return decode_loop.run_loop(self.module, self._stack, plan)
+                log.debug("shardwise: generate runs Hugging Face's loop (%s)", plan)
+            return self.module.generate(*args, **kwargs)
 
     #: the injected decoder stack (its generate session serializes threads), if any
     _stack = None
