@@ -22,8 +22,10 @@ each, short timing runs, results cached on disk by Triton), inside the graph str
 warm-up, never during a capture; fixed tiles (``GemvConfig`` / ``GemmConfig``) serve the
 interpreter and the tests.
 
-Both dequantize as the reference does: ``w = q * scale + offset`` in float32 (``offset = -zero *
-scale``, absent when symmetric), rounded to x.dtype, then multiplied with float32 accumulation.
+All dequantize as the reference does, ``w = q * scale + offset`` in float32 (``offset = -zero *
+scale``, absent when symmetric); the GEMM and the dequantizing path round it to x.dtype as the
+reference does before multiplying with float32 accumulation, the GEMV multiplies the float32
+weight (see ``_gemv_kernel``).
 int4 tiles are read as bytes ``[BLOCK_N, BLOCK_K / 2]``; the low nibble of byte ``j`` is column
 ``2j`` and the high nibble column ``2j + 1`` (the reference layout), so the kernel multiplies the
 low nibbles with x's even columns and the high nibbles with its odd columns: no interleave.
@@ -98,14 +100,35 @@ def _scale_offset(S, Z, rn, mask_n, k0, k, n_groups, group_size, HAS_ZERO: tl.co
 
 
 @triton.jit
+def _exact_float(q, bias: tl.constexpr):
+    """int32 ``q`` → float32, exactly: ``q`` itself for a signed byte (bias 128: ``q + 128`` is
+    in [0, 256)) and ``q - 8`` for a nibble (bias -8, ``q`` in [0, 16)). The integer is
+    written into the mantissa of 2**23 and 2**23 subtracted, an integer add and a float add
+    instead of a conversion (conversions run at a quarter of the float rate and were what
+    bounded the int4 GEMV)."""
+    if bias > 0:
+        return (q + (0x4B000000 + bias)).to(tl.float32, bitcast=True) - (8388608.0 + bias)
+    return (q | 0x4B000000).to(tl.float32, bitcast=True) - (8388608.0 - bias)
+
+
+@triton.jit
+def _affine(q, s, z, HAS_ZERO: tl.constexpr):
+    """``q * scale (+ offset)``: symmetric weights skip the add of zeros."""
+    if HAS_ZERO:
+        return q * s + z
+    return q * s
+
+
+@triton.jit
 def _dequant8(W, S, Z, rn, mask_n, k0, offs_k, mask_k, K, n_groups, group_size,
               HAS_ZERO: tl.constexpr, TILE_GROUP: tl.constexpr):
     """int8 W [N, K] (from row n0) → float32 tile [BLOCK_N, BLOCK_K] of ``q * scale + offset``."""
     mask = mask_n[:, None] & mask_k[None, :]
-    q = tl.load(W + rn[:, None] * K + offs_k[None, :], mask=mask, other=0).to(tl.float32)
+    q = _exact_float(tl.load(W + rn[:, None] * K + offs_k[None, :], mask=mask, other=0)
+                     .to(tl.int32), 128)
     s, z = _scale_offset(S, Z, rn, mask_n, k0, offs_k[None, :], n_groups, group_size, HAS_ZERO,
                          TILE_GROUP)
-    return q * s + z
+    return _affine(q, s, z, HAS_ZERO)
 
 
 @triton.jit
@@ -117,8 +140,8 @@ def _dequant4(W, S, Z, rn, mask_n, k0, offs_j, mask_j, K, n_groups, group_size,
     b = tl.load(W + rn[:, None] * (K // 2) + offs_j[None, :], mask=mask, other=0).to(tl.int32)
     s, z = _scale_offset(S, Z, rn, mask_n, k0, 2 * offs_j[None, :], n_groups, group_size,
                          HAS_ZERO, TILE_GROUP)
-    lo = ((b & 15) - 8).to(tl.float32) * s + z
-    hi = ((b >> 4) - 8).to(tl.float32) * s + z
+    lo = _affine(_exact_float(b & 15, -8), s, z, HAS_ZERO)
+    hi = _affine(_exact_float(b >> 4, -8), s, z, HAS_ZERO)
     return lo, hi
 
 
@@ -137,8 +160,10 @@ def _gemv_kernel(X, W, S, Z, B, Y, P, M, N, K, n_groups, group_size, stride_xm, 
                  HAS_BIAS: tl.constexpr, TILE_GROUP: tl.constexpr, SPLIT: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """Y [M, N] = X [M, K] @ dequant(W)ᵀ for small M; with SPLIT > 1 program (n, s) writes its
-    K share's float32 partial to P [SPLIT, M, N] instead. The dequantized weights are rounded to
-    Y's dtype before the multiply, as the reference rounds its dequantized weight."""
+    K share's float32 partial to P [SPLIT, M, N] instead. The float32 dequantized weights are
+    multiplied as they are: the reference rounds them to Y's dtype first, a conversion pair per
+    weight that bounded this kernel; the difference is that rounding (2**-11 relative per weight
+    in fp16, 2**-8 in bf16), far inside the quantization error and the parity tolerance."""
     pid_n, pid_s = tl.program_id(0), tl.program_id(1)
     DT: tl.constexpr = Y.dtype.element_ty
     n0 = pid_n * BLOCK_N
@@ -163,7 +188,7 @@ def _gemv_kernel(X, W, S, Z, B, Y, P, M, N, K, n_groups, group_size, stride_xm, 
             x = tl.load(x_rows + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :],
                         other=0.0).to(tl.float32)
             w = _dequant8(W, S, Z, rn, mask_n, k0, offs_k, mask_k, K, n_groups, group_size,
-                          HAS_ZERO, TILE_GROUP).to(DT).to(tl.float32)
+                          HAS_ZERO, TILE_GROUP)
             acc += x[:, None, :] * w[None, :, :]
         else:
             offs_j = k0 // 2 + tl.arange(0, BLOCK_K // 2)  # byte (column pair) index
@@ -173,8 +198,8 @@ def _gemv_kernel(X, W, S, Z, B, Y, P, M, N, K, n_groups, group_size, stride_xm, 
             xo = tl.load(x_rows + 2 * offs_j[None, :] + 1, mask=xmask, other=0.0).to(tl.float32)
             lo, hi = _dequant4(W, S, Z, rn, mask_n, k0, offs_j, mask_j, K, n_groups, group_size,
                                HAS_ZERO, TILE_GROUP)
-            acc += xe[:, None, :] * lo.to(DT).to(tl.float32)[None, :, :]
-            acc += xo[:, None, :] * hi.to(DT).to(tl.float32)[None, :, :]
+            acc += xe[:, None, :] * lo[None, :, :]
+            acc += xo[:, None, :] * hi[None, :, :]
     acc = tl.sum(acc, axis=2)
     if SPLIT == 1:
         _store(Y, B, acc, offs_m, offs_n, mask_m, mask_n, stride_ym, HAS_BIAS)
@@ -267,9 +292,9 @@ def _dequant_kernel(W, S, Z, OUT, N, K, n_groups, group_size, BITS: tl.constexpr
         mask_j = 2 * offs_j < K
         lo, hi = _dequant4(W, S, Z, rn, mask_n, k0, offs_j, mask_j, K, n_groups, group_size,
                            HAS_ZERO, TILE_GROUP)
-        mask = mask_n[:, None] & mask_j[None, :]
-        tl.store(OUT + rn[:, None] * K + 2 * offs_j[None, :], lo.to(DT), mask=mask)
-        tl.store(OUT + rn[:, None] * K + 2 * offs_j[None, :] + 1, hi.to(DT), mask=mask)
+        offs_k = k0 + tl.arange(0, BLOCK_K)  # the nibbles back in column order: one store
+        tl.store(OUT + rn[:, None] * K + offs_k[None, :], tl.interleave(lo, hi).to(DT),
+                 mask=mask_n[:, None] & (offs_k < K)[None, :])
 
 
 # ----- launchers --------------------------------------------------------------------------------
@@ -301,10 +326,13 @@ class GemmConfig:
 
 
 #: Rows from which a call dequantizes the whole weight once (x's dtype, a scratch [N, K]) and
-#: multiplies with the vendor GEMM: at prefill sizes that GEMM is several times any fused
-#: dequantizing tile here (H200, Llama-7B qkv, 2048 rows: int8 GEMM 1021 us, int4 10826 us,
-#: cuBLAS fp16 269 us), and dequantizing costs one pass over N x K.
-DEQUANT_MIN_ROWS = {8: 256, 4: 64}
+#: multiplies with the vendor GEMM. H200, Llama-7B qkv (4096 -> 12288), autotuned tiles, in CUDA
+#: graphs (results/cuda-h200-kernels-quant-paths.json): int8 GEMM vs dequantize + torch.mm 38 vs
+#: 72 us at 32 rows, 113 vs 78 at 256, 745 vs 368 at 2048 (cuBLAS fp16: 319). int4's
+#: dequantizing kernel then stored its two nibble tiles with stride 2 (784 us at 256 rows
+#: against the GEMM's 119); it now stores the interleaved tile, not yet timed: 1024 keeps int4
+#: on the GEMM until it is.
+DEQUANT_MIN_ROWS = {8: 128, 4: 1024}
 
 #: Candidate tiles the GPU picks from on first use of a (rows, N, K) shape (triton.autotune;
 #: results cached on disk). GEMV: (block_n, block_k, warps, stages), its float32 products
