@@ -80,6 +80,40 @@ def test_quantized_weights_run_in_the_captured_decode_step(bits):
     assert torch.equal(engine.generate(ids[:, :8], **GREEDY), eager.generate(ids[:, :8], **GREEDY))
 
 
+@pytest.mark.parametrize("arch", ["gpt2", "llama-tied"])
+def test_a_tied_quantized_head_reads_its_rows_inside_the_captured_step(arch):
+    """``quant lm_head`` on a tied model, on CUDA: the head runs the Triton kernel on the one
+    quantized table, the embedding reads its rows from it (plain indexing, inside the captured
+    decode step), and the captured step gives the eager engine's tokens."""
+    from shardwise.kernels.reference.quant import dequantize_rows, unpacked
+    from shardwise.quant import QuantEmbedding
+
+    def tied(seed=0):
+        model = tiny_causal_lm("llama" if arch == "llama-tied" else arch, seed)
+        if arch == "llama-tied":
+            model.config.tie_word_embeddings = True
+            model.lm_head.weight = model.get_input_embeddings().weight
+        return model
+
+    quant = {"weight": {"num_bits": 8}, "lm_head": True}
+    ref = tied().cuda().half()
+    engine = shardwise.init_inference(tied(), device="cuda", dtype=torch.float16,
+                                      replace_with_kernel_inject=True, enable_graph=True,
+                                      quant=quant)
+    eager = shardwise.init_inference(tied(), device="cuda", dtype=torch.float16, quant=quant)
+    embed = engine.module.get_input_embeddings()
+    assert isinstance(embed, QuantEmbedding) and embed.head.packed.backend == "triton"
+    ids = prompt_ids(batch=2, length=16).cuda()
+    assert torch.equal(embed(ids), dequantize_rows(unpacked(embed.head.packed), ids,
+                                                   torch.float16))
+    with torch.no_grad():
+        ref_logits = ref(ids).logits.float()
+    rel, agree = logit_parity(ref_logits, engine(input_ids=ids).logits.float())
+    max_rel, min_agree = QUANT_BOUNDS[8]
+    assert rel <= max_rel and agree >= min_agree, (rel, agree)
+    assert torch.equal(engine.generate(ids[:, :8], **GREEDY), eager.generate(ids[:, :8], **GREEDY))
+
+
 def test_serving_slots_over_cuda_graphs_give_each_sequence_its_hf_tokens():
     from shardwise.serve.runner import SlotRunner
 
