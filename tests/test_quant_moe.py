@@ -759,3 +759,23 @@ def test_an_ep2_quantized_checkpoint_on_one_rank_is_refused_before_reading(ep_ra
                                               r"with"):
         shardwise.init_inference(None, checkpoint=str(ep_ranks[0] / "mixtral-int8-tp1"),
                                  device="cpu")
+
+
+@pytest.mark.gpu
+def test_quantized_experts_round_trip_on_cuda(tmp_path, monkeypatch):
+    """The same save → load on the GPU (bf16, the experts on whichever quant_moe_mlp the CUDA
+    accelerator resolves; the slow reference accepted): the packed experts come back as saved,
+    the logits bit for bit."""
+    from gpu import cuda_accelerator
+
+    cuda_accelerator(BF16)
+    quant = {"weight": {"num_bits": 8}, "allow_slow_kernels": True}
+    saver = shardwise.init_inference(tiny_causal_lm("mixtral"), device="cuda", dtype=BF16,
+                                     quant=quant)
+    ids = prompt_ids(batch=2, length=8).cuda()
+    logits = saver(input_ids=ids).logits
+    saver.save_checkpoint(tmp_path / "q")
+    _no_quantization(monkeypatch)
+    loaded = shardwise.init_inference(None, checkpoint=str(tmp_path / "q"), device="cuda")
+    assert _quantized(loaded.module) and _state_differences(saver.module, loaded.module) == []
+    assert torch.equal(loaded(input_ids=ids).logits, logits)
