@@ -70,6 +70,7 @@ for s in $steps; do
     kernels-paths)  # quant_linear's paths forced (GEMV, GEMM, dequantize + torch.mm), in graphs
         TAIL=60 step kernels-paths "${KERNELS_LIMIT:-150}" python3 benchmarks/kernel_cuda.py \
             --graphs --parts quant --paths ${KERNEL_MODELS:+--models $KERNEL_MODELS} \
+            ${KERNEL_LAYERS:+--layers $KERNEL_LAYERS} \
             --output "$out/cuda-kernels-quant-paths.json" ;;
     kernels-graphs)  # decode attention as the captured step runs it (no launch cost)
         TAIL=30 step kernels-graphs 60 python3 benchmarks/kernel_cuda.py --graphs --parts decode \

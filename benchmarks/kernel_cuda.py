@@ -240,7 +240,8 @@ def run(args) -> dict:
                                                 shapes["head_dim"], batch, length)))
         doc["prefill"].append(row)
         print("prefill", row, flush=True)
-    layers = [s for s in shapes["layers"] if args.models is None or s[0] in args.models]
+    layers = [s for s in shapes["layers"] if (args.models is None or s[0] in args.models)
+              and (args.layers is None or s[1] in args.layers)]
     for model, layer, in_f, out_f in layers if "quant" in args.parts else ():
         for label, bits, group in QUANT:
             for rows in shapes["rows"]:
@@ -304,6 +305,8 @@ def main(argv=None) -> int:
                              "dequantize + torch.mm), whatever the registered instance picks")
     parser.add_argument("--models", nargs="+", help="quant layer shapes of these models only "
                         "(7b, 70b; default all)")
+    parser.add_argument("--layers", nargs="+", help="quant layers of these names only (qkv, o, "
+                        "gate_up, down; default all)")
     args = parser.parse_args(argv)
     if args.smoke:
         os.environ.setdefault("TRITON_INTERPRET", "1")
