@@ -50,6 +50,9 @@ FOLDERS = {"llama": ("llama", {}), "gpt2-sharded": ("gpt2", {"max_shard_size": "
 QUANT = {"llama-int8": ("llama", 8, None), "gpt2-int4": ("gpt2", 4, None),
          "llama-int8-ckpt": ("llama", 8, "llama")}
 QDTYPE = torch.bfloat16
+#: the output head quantized too (``lm_head``), fp32, from a checkpoint: name → (folder, bits);
+#: GPT-2's head is tied to its embedding (int4 weights: the tied table gets 8 bits), Llama's not
+QUANT_HEAD = {"gpt2-int4-head": ("gpt2-sharded", 4), "llama-int8-head": ("llama", 8)}
 
 
 def _ids(vocab: int) -> torch.Tensor:
@@ -105,8 +108,27 @@ def _references(root: Path) -> None:
             hf_logits = ref(_ids(ref.config.vocab_size)).logits
         refs["quant"][name] = dict(hf_logits=hf_logits, **_quant_reference(
             arch, bits, root / folder if folder else None))
+    refs["quant_head"] = {name: _quant_head_reference(root / folder, bits)
+                          for name, (folder, bits) in QUANT_HEAD.items()}
     _broken(root / "llama", root / "llama-no-layer1-q")
     torch.save(refs, root / "refs.pt")
+
+
+def _head_quant(bits: int) -> dict:
+    return {"weight": {"num_bits": bits}, "lm_head": True}
+
+
+def _quant_head_reference(folder: Path, bits: int) -> dict:
+    """The single-process fp32 engine from ``folder`` with its head quantized: logits, tokens,
+    the settings its head got."""
+    engine = shardwise.init_inference(None, checkpoint=str(folder), device="cpu",
+                                      dtype=torch.float32, quant=_head_quant(bits))
+    ids = _ids(engine.module.config.vocab_size)
+    head = engine.quantization.layers["lm_head"]
+    out = dict(logits=engine(input_ids=ids).logits, tokens=engine.generate(ids, **GEN),
+               head=(head.bits, head.group_size))
+    engine.close()
+    return out
 
 
 def _broken(good: Path, out: Path) -> None:
@@ -273,6 +295,39 @@ def quant_case(rank: int, root: str, name: str) -> dict:
     return out
 
 
+def quant_head_case(rank: int, root: str, name: str) -> dict:
+    """The head quantized too (``lm_head``) at PP=2 from a checkpoint: against the
+    single-process engine quantized alike; what each end stage holds of the head."""
+    from shardwise.pipeline.quant import StageQuantEmbedding
+    from shardwise.quant import QuantLinear
+
+    folder, bits = QUANT_HEAD[name]
+    ref = torch.load(Path(root, "refs.pt"))["quant_head"][name]
+    engine = shardwise.init_inference(None, checkpoint=str(Path(root, folder)), device="cpu",
+                                      dtype=torch.float32, quant=_head_quant(bits), **PP)
+    ids = _ids(engine.module.config.vocab_size)
+    mine = ids if rank == 0 else torch.zeros_like(ids)  # the engine broadcasts rank 0's inputs
+    logits = engine(input_ids=mine).logits
+    tokens = engine.generate(mine, **GEN)
+    model, plan = engine.module, engine.stages.plan
+    embed, head = model.get_input_embeddings(), model.get_output_embeddings()
+    layers = engine.quantization.layers
+    mine_head = layers.get(plan.embed_name if plan.first else plan.head_name)
+    out = dict(
+        vs_single=(logits - ref["logits"]).abs().max().item(),
+        tokens_equal=torch.equal(tokens, ref["tokens"]), tied=plan.tied,
+        first=plan.first, embed=type(embed).__name__, head=type(head).__name__,
+        head_is_quant=isinstance(head, QuantLinear),
+        embed_owns_table=isinstance(embed, StageQuantEmbedding)
+        and isinstance(embed.table, QuantLinear),
+        head_settings=(mine_head.bits, mine_head.group_size) if mine_head else None,
+        ref_head_settings=list(ref["head"]),
+        float_tables=[n for n, p in model.named_parameters() if p.dim() == 2 and any(
+            n.startswith(part + ".") for part in (plan.embed_name, plan.head_name))])
+    engine.close()
+    return out
+
+
 def _file_keys(folder: Path) -> dict[str, list[str]]:
     """Every safetensors file of ``folder`` → its tensor names."""
     from safetensors import safe_open
@@ -355,6 +410,7 @@ PAIR = {
     "ckpt-gpt2-sharded": (checkpoint_case, "gpt2-sharded"),
     "ckpt-llama-meta-model": (checkpoint_case, "llama", 1, True),
     **{f"quant-{name}": (quant_case, name) for name in QUANT},
+    **{f"quant-{name}": (quant_head_case, name) for name in QUANT_HEAD},
     "ckpt-missing-key": (broken_case,),
     "save-llama": (save_case, "llama"),
     "save-gpt2-sharded": (save_case, "gpt2-sharded"),
@@ -537,13 +593,40 @@ def test_pp2_tp2_quantized_within_the_quant_bounds(four):
     assert len({str(r["tokens"]) for r in results}) == 1
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(QUANT_HEAD))
+def test_pp2_with_the_head_quantized_matches_the_single_process_engine(pair, name):
+    """``lm_head`` at PP=2: fp32 logits within 1e-4 of the single-process engine quantized
+    alike and 32 greedy tokens identical; the last stage holds the quantized head, the first
+    (tied) the same table quantized as its embedding, with the settings the whole model's
+    head gets (8 bits for GPT-2's tied table under int4 weights), and no full-precision
+    vocabulary table on either."""
+    first, last = _case(pair, f"quant-{name}")
+    for r in (first, last):
+        print(f"{name} PP=2: vs single-process {r['vs_single']:.2e}")
+        assert r["vs_single"] < ATOL and r["tokens_equal"], name
+        assert r["embed"] == "RemoteEmbedding" if not r["first"] else r["head"] == "RemoteHead"
+    assert first["first"] and not last["first"] and first["tied"] == last["tied"]
+    assert last["head_is_quant"] and last["head_settings"] == last["ref_head_settings"]
+    if first["tied"]:
+        assert first["embed_owns_table"] and first["head_settings"] == last["head_settings"]
+        assert first["head_settings"][0] == 8  # GPT-2's int4 weights, its tied table at 8
+        assert first["float_tables"] == [] and last["float_tables"] == []
+    else:  # an untied head: the first stage's embedding stays as it is
+        assert first["embed"] == "Embedding" and first["head_settings"] is None
+        assert last["float_tables"] == []
+
+
 # ----- one process: what still does not compose -------------------------------------------------
 
-def test_quantizing_the_head_with_stages_is_refused_by_name():
+def test_quantizing_the_head_of_a_model_handed_in_with_stages_is_refused_by_name():
     with pytest.raises(shardwise.ConfigError,
-                       match="lm_head=True.*not supported yet with pipeline_parallel"):
+                       match="lm_head=True.*only with checkpoint=.*not for a model handed in"):
         shardwise.InferenceConfig.build(**PP, quant={"weight": {"num_bits": 8},
                                                      "lm_head": True})
+    cfg = shardwise.InferenceConfig.build(**PP, checkpoint="/some/folder",
+                                          quant={"weight": {"num_bits": 8}, "lm_head": True})
+    assert cfg.quant["lm_head"]
 
 
 def test_checkpoint_and_quant_are_accepted_with_stages():

@@ -8,7 +8,9 @@ stages by point-to-point sends and the last stage's output is broadcast, so ``en
 
 Modules: :mod:`.config` (the ``pipeline_parallel=`` field), :mod:`.stages` (where the cuts go;
 planning only), :mod:`.transform` (the step that applies them, recorded in the ledger),
-:mod:`.schedule` (micro-batches through the stages for the engine's forward, and their bubble).
+:mod:`.schedule` (micro-batches through the stages for the engine's forward, and their bubble),
+:mod:`.quant` (a stage's weight quantization, the output head's part with ``lm_head``: the last
+stage's head, a tied table's copy on the first stage).
 Kernel injection composes: the injected stack runs its stage's layers between the receive and the
 send of this rank's :class:`StageLink` (docs/pipeline.md, "With kernel injection").
 """

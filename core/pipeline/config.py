@@ -119,8 +119,11 @@ def check_with_other_fields(cfg: Any) -> None:
     rank quantizes, or reads, its stage's layers only), and so does kernel injection of a
     decoder (each rank's injected stack runs its stage's layers over a static KV cache of
     those layers) or of an encoder; ``save_mp_checkpoint_path`` saves each stage's layers
-    (without ``tensor_parallel``, ``quant=`` or injection); ``quant``'s ``lm_head`` does not
-    compose yet."""
+    (without ``tensor_parallel``, ``quant=`` or injection); ``quant``'s ``lm_head`` composes
+    with ``checkpoint=`` (the last stage quantizes the head while reading; a tied table is
+    quantized alike on the first stage: :mod:`shardwise.pipeline.quant`), not yet for a model
+    handed in (the engine's quantization step does not hand a stage's head to
+    :func:`shardwise.pipeline.quant.quantize_stage` yet)."""
     if cfg.pipeline_parallel is None:
         return
     defaults = type(cfg)()
@@ -136,8 +139,16 @@ def check_with_other_fields(cfg: Any) -> None:
             "save_mp_checkpoint_path with pipeline_parallel saves the stages of an engine "
             "without tensor_parallel, quant= or replace_with_kernel_inject; drop those for the "
             "saving run (the saved folder loads with them)")
-    if isinstance(cfg.quant, Mapping) and cfg.quant.get("lm_head"):
+    if _quantizes_head(cfg.quant) and not cfg.checkpoint:
         raise NotSupportedYetError(
-            "quant lm_head=True (quantizing the output head) is not supported yet with "
-            "pipeline_parallel (only the last stage holds the head); remove lm_head, or "
-            "pipeline_parallel")
+            "quant lm_head=True (quantizing the output head) with pipeline_parallel is "
+            "supported yet only with checkpoint= (each end stage quantizes its part of the head "
+            "while reading), not for a model handed in; save the model (save_pretrained) and "
+            "pass checkpoint=, or remove lm_head")
+
+
+def _quantizes_head(quant: Any) -> bool:
+    """Whether ``quant=`` (the dict or a parsed config) quantizes the output head."""
+    if isinstance(quant, Mapping):
+        return bool(quant.get("lm_head"))
+    return bool(getattr(quant, "lm_head", False))

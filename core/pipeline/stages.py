@@ -33,6 +33,10 @@ class StagePlan:
             model at planning time (a tensor-parallel split may narrow the weight later).
         head_features: the output head's output width (the vocabulary), likewise; None for a
             model without a head.
+        embed_name / head_name: the input embedding's and the output head's module names in
+            the whole model (None: the model has none).
+        tied: whether the head's weight IS the embedding's (one table): the first stage keeps
+            it as its embedding, the last as its head (each its own copy, on its own rank).
     """
 
     bounds: tuple[tuple[int, int], ...]
@@ -42,6 +46,9 @@ class StagePlan:
     source: str
     embed_dim: int | None = None
     head_features: int | None = None
+    embed_name: str | None = None
+    head_name: str | None = None
+    tied: bool = False
 
     @property
     def size(self) -> int:
@@ -142,8 +149,16 @@ def plan_stages(model: nn.Module, layers: nn.ModuleList, settings: PipelineSetti
         bounds, source = balanced_bounds(costs, pp, embed, head), "balanced"
     stage_costs = tuple(sum(costs[a:b]) + (embed if s == 0 else 0) + (head if s == pp - 1 else 0)
                         for s, (a, b) in enumerate(bounds))
+    names = {id(m): n for n, m in model.named_modules()}
     return StagePlan(bounds, coord, ranks, stage_costs, source, _width(embed_module, 1),
-                     _width(head_module, 0))
+                     _width(head_module, 0), names.get(id(embed_module)),
+                     names.get(id(head_module)), _tied(embed_module, head_module))
+
+
+def _tied(embed: nn.Module | None, head: nn.Module | None) -> bool:
+    """Whether ``head``'s weight is ``embed``'s (one Parameter)."""
+    weight = getattr(embed, "weight", None)
+    return weight is not None and getattr(head, "weight", None) is weight
 
 
 def _width(module: nn.Module | None, dim: int) -> int | None:

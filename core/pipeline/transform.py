@@ -259,8 +259,11 @@ def apply_stages(model: nn.Module, layers: nn.ModuleList, plan: StagePlan, commu
                  plan.ranks[0], replaced)
     if isinstance(head, nn.Module) and not plan.last:
         _replace(model, names, head,
-                 RemoteHead(plan.head_features or head.weight.shape[0], dtype),
+                 RemoteHead(plan.head_features or _out_features(head), dtype),
                  plan.ranks[-1], replaced)
+        from .quant import rehome_tied_table
+
+        rehome_tied_table(model, plan, embed, head)  # a tied table quantized while loading
     _wire(model, layers, head, plan, communicator, clock, links)
     report = PipelineReport(plan, tuple(plan.layers), 0, tuple(name for name, _, _ in replaced),
                             micro_batches, clock, communicator, links=links)
@@ -280,6 +283,13 @@ def apply_stages(model: nn.Module, layers: nn.ModuleList, plan: StagePlan, commu
     _let_go(model, [module for _, module, _ in replaced])
     report.param_bytes = param_bytes(model)
     return report
+
+
+def _out_features(head: nn.Module) -> int:
+    """The output width of ``head``: a linear's weight rows, a quantized linear's
+    ``out_features``."""
+    weight = getattr(head, "weight", None)
+    return int(weight.shape[0]) if isinstance(weight, torch.Tensor) else int(head.out_features)
 
 
 def _let_go(model: nn.Module, modules: list[nn.Module]) -> None:
