@@ -1,13 +1,15 @@
-"""Timed text generation: HF ``generate`` with per-token wall-clock times, shared by
-``shardwise generate`` and the benchmark.
+"""Timed text generation: ``generate`` (HF's, or an engine's: on an injected decoder
+shardwise's own decode loop) with per-token wall-clock times, shared by ``shardwise generate``
+and the benchmark.
 
-Times come from a ``transformers`` streamer: ``generate`` hands it the prompt once before the
-prefill and then each step's new tokens as soon as they are on the host (``tokens.cpu()``, which
-waits for the device), so the gaps between calls are the real per-step latencies.
+Times come from a ``transformers`` streamer: ``generate`` (and shardwise's loop, which calls it
+alike) hands it the prompt once before the prefill and then each step's new tokens as soon as
+they are on the host (``tokens.cpu()``, which waits for the device), so the gaps between calls are the real per-step latencies.
 """
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -95,9 +97,11 @@ def timed_generate(model, inputs: dict[str, torch.Tensor],
     """Run ``model.generate(**inputs, **gen_kwargs)`` and time it token by token.
 
     Args:
-        model: a model with HF ``generate`` (e.g. ``engine.module``); ``inputs`` must already be
-            on its device. An injected model is held for the whole call (its generate
-            session), so timed generates from several threads run one after another.
+        model: a model with HF ``generate`` (e.g. ``engine.module``), or an engine (its
+            ``generate``: on an injected decoder, shardwise's own decode loop, which calls the
+            streamer as HF's does); ``inputs`` must already be on its device. An injected
+            model is held for the whole call (its generate session), so timed generates from
+            several threads run one after another.
         inputs: ``input_ids`` and optionally ``attention_mask`` (a ``BatchEncoding`` works).
         synchronize: waits for the device before each timestamp (``accelerator.synchronize``),
             so asynchronous devices are timed honestly.
@@ -112,6 +116,8 @@ def timed_generate(model, inputs: dict[str, torch.Tensor],
     if synchronize is not None:
         synchronize()  # start from an idle device
     timer = TokenTimer(synchronize)
-    with generation_session(model):  # an injected model's cache: one generate at a time
+    # an injected model's cache: one generate at a time (an engine's generate holds it itself)
+    held = model if isinstance(model, torch.nn.Module) else getattr(model, "module", None)
+    with generation_session(held) if isinstance(held, torch.nn.Module) else contextlib.nullcontext():
         output = model.generate(**inputs, streamer=timer, **gen_kwargs)
     return output, timer.timings()

@@ -282,7 +282,7 @@ def test_default_length_and_model_eos_like_hf(engines):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("arch", ["llama", "gpt2", "mixtral"])
-def test_cuda_fp16_graphs_fast_loop_matches_hf_loop(arch):
+def test_cuda_fp16_graphs_fast_loop_matches_hf_loop(monkeypatch, arch):
     """fp16 with the captured step on CUDA: the fast loop returns what HF's loop on the same
     engine returns (greedy, left-padded batch with eos mid-batch; and sampling with a seed), and
     the streamer sees the same calls."""
@@ -290,6 +290,7 @@ def test_cuda_fp16_graphs_fast_loop_matches_hf_loop(arch):
     engine = shardwise.init_inference(tiny_causal_lm(arch), device=accelerator.name,
                                       dtype=torch.float16, replace_with_kernel_inject=True,
                                       enable_graph=True)
+    counted = Counted(monkeypatch, engine)
     ids, mask = (t.to(engine.device) for t in _padded_batch())
     with torch.no_grad():
         free = engine.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False,
@@ -314,3 +315,4 @@ def test_cuda_fp16_graphs_fast_loop_matches_hf_loop(arch):
         assert torch.equal(no_stream, engine.generate(
             ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, eos_token_id=eos,
             pad_token_id=0, shardwise_fast_loop=False))
+    assert (counted.fast, counted.hf) == (4, 3)  # the fast loop ran where asked

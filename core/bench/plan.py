@@ -55,7 +55,9 @@ class Variant:
     ``offload`` the tier its weights stream from (``"nvme"``, ``"cpu"`` or None: resident; the
     directory and ring size are the plan's, :meth:`Plan.offload_settings`); ``quant_head`` also
     quantizes the output head with ``quant`` (``lm_head: True``: a head tied to the input
-    embeddings is stored once, quantized)."""
+    embeddings is stored once, quantized); ``hf_loop`` times Hugging Face's ``generate`` loop
+    around the engine's step (``engine.generate(..., shardwise_fast_loop=False)``) instead of
+    shardwise's own decode loop, which an injected engine's ``generate`` runs by default."""
 
     dtype: str | None = None
     inject: bool = False
@@ -64,13 +66,15 @@ class Variant:
     ep: int = 1
     offload: str | None = None
     quant_head: bool = False
+    hf_loop: bool = False
 
     def tags(self) -> list[str]:
         """The options as the words of the variant's name (``inject``, ``graphs``, ``int8``,
         ``offload-nvme``)."""
         return [t for t, on in (("inject", self.inject), ("graphs", self.graphs)) if on] + \
             ([self.quant] if self.quant else []) + (["head"] if self.quant_head else []) + \
-            ([f"offload-{self.offload}"] if self.offload else [])
+            ([f"offload-{self.offload}"] if self.offload else []) + \
+            (["hf-loop"] if self.hf_loop else [])
 
     def engine_options(self) -> dict[str, Any]:
         """The ``init_inference`` keywords of these options (dtype aside)."""

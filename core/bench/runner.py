@@ -243,16 +243,42 @@ def experts_implementation(module) -> str | None:
 
 def prepare_shardwise(model, plan: Plan, variant: Variant, accelerator: Accelerator):
     """``init_inference`` on ``model`` (in place) with ``variant``'s options; returns
-    :class:`Prepared` ``(engine.module, engine.module, extra record fields, engine.offload)``:
-    generate runs on the engine's module, as a user's code does (the inputs are already on the device, and every rank under
-    tensor parallelism builds the same ones). The engine, its graphs and its cache go with the
+    :class:`Prepared` ``(what generate is called on, engine.module, extra record fields,
+    engine.offload)``: generate runs on the engine where it is an injected decoder (shardwise's
+    decode loop, :func:`generate_target`), else on the engine's module, as a user's code does
+    (the inputs are already on the device, and every rank under tensor parallelism builds the
+    same ones). The engine, its graphs and its cache go with the
     module when the variant is done (``engine.close()`` would rebuild the original weights of a
     model that is dropped anyway)."""
     from ..engine import init_inference
 
     engine = init_inference(model, **plan.engine_kwargs(variant))
-    return Prepared(engine.module, engine.module, {"kernel_dtype": kernel_dtypes(engine)},
+    return Prepared(generate_target(engine, variant), engine.module,
+                    {"kernel_dtype": kernel_dtypes(engine)},
                     getattr(engine, "offload", None), getattr(engine, "stages", None))
+
+
+class HFLoop:
+    """``engine.generate`` with shardwise's own decode loop turned off (Hugging Face's
+    ``generate`` loop around the engine's step): the ``hf_loop`` variant."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+
+    def generate(self, *args: Any, **kwargs: Any) -> Any:
+        return self.engine.generate(*args, shardwise_fast_loop=False, **kwargs)
+
+
+def generate_target(engine: Any, variant: Variant) -> Any:
+    """What a shardwise variant's ``generate`` is called on: an injected decoder engine itself
+    (its ``generate`` runs shardwise's decode loop; with ``variant.hf_loop`` HF's loop, through
+    :class:`HFLoop`), otherwise the engine's module, as a user's code calls it (pipeline stages
+    and un-injected models run HF's ``generate`` either way)."""
+    from ..inject.layers import InjectedModel
+
+    if not isinstance(getattr(engine, "_stack", None), InjectedModel) or engine.stages is not None:
+        return engine.module
+    return HFLoop(engine) if variant.hf_loop else engine
 
 
 def kernel_dtypes(engine: Any) -> str | None:

@@ -288,7 +288,7 @@ def run_loop(module: nn.Module, stack: InjectedModel, plan: LoopPlan) -> torch.T
             streamer.put(tokens.cpu())
         if length >= plan.max_length:
             break
-        if plan.eos is not None and finished.all_done(unfinished, length):
+        if plan.eos is not None and finished.all_done(unfinished, length, now=not step.fits()):
             break
         logits = step(tokens)
     length = finished.trim(length)
@@ -366,6 +366,10 @@ class _DecodeStep:
         self.captured = stack.graphs is not None and cache.graph_key is not None
         self.started = False
 
+    def fits(self) -> bool:
+        """Whether the cache holds one more token (else the next step raises, as HF's would)."""
+        return self.cache.length < self.cache.buffers.max_tokens
+
     def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
         """Append ``tokens`` [batch] → the next logits [batch, vocab]."""
         if self.started:  # the previous step's positions, one further
@@ -402,20 +406,27 @@ class _FinishedCheck:
             except (RuntimeError, TypeError, ValueError):  # no events (CPU) or no pinned memory
                 self.slots = []
 
-    def all_done(self, unfinished: torch.Tensor, length: int) -> bool:
-        """After the step that made the sequences ``length`` long: stop now?"""
+    def all_done(self, unfinished: torch.Tensor, length: int, now: bool = False) -> bool:
+        """After the step that made the sequences ``length`` long: stop now? ``now``: read
+        this step's flag at once (the next step must not run unless needed: e.g. it would
+        not fit the cache)."""
         done = unfinished.max() == 0
-        if not self.slots:
-            return bool(done)
+        if not self.slots or now:
+            previous, self.pending = self.pending, None
+            return self._read(previous) or bool(done)
         flag, event = self.slots[0]
         self.slots.reverse()
         flag.copy_(done, non_blocking=True)
         event.record()
         previous, self.pending = self.pending, (flag, event, length)
-        if previous is None:
+        return self._read(previous)
+
+    def _read(self, entry: tuple | None) -> bool:
+        """Whether a pending flag (None: none) says every row had finished at its length."""
+        if entry is None:
             return False
-        flag, event, at = previous
-        event.synchronize()  # the step before the one just queued
+        flag, event, at = entry
+        event.synchronize()  # its step only: the one queued after it runs on
         if bool(flag):
             self.done_at = at
             return True
