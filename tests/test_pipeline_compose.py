@@ -52,6 +52,8 @@ QUANT = {"llama-int8": ("llama", 8, None), "gpt2-int4": ("gpt2", 4, None),
 QDTYPE = torch.bfloat16
 #: the output head quantized too (``lm_head``), fp32, from a checkpoint: name → (folder, bits);
 #: GPT-2's head is tied to its embedding (int4 weights: the tied table gets 8 bits), Llama's not
+#: offloaded stages (``offload=`` from disk): Llama (untied), GPT-2 (tied head)
+OFFLOAD_ARCHS = ("llama", "gpt2")
 QUANT_HEAD = {"gpt2-int4-head": ("gpt2-sharded", 4), "llama-int8-head": ("llama", 8)}
 
 
@@ -108,6 +110,13 @@ def _references(root: Path) -> None:
             hf_logits = ref(_ids(ref.config.vocab_size)).logits
         refs["quant"][name] = dict(hf_logits=hf_logits, **_quant_reference(
             arch, bits, root / folder if folder else None))
+    refs["resident"] = {}
+    for arch in OFFLOAD_ARCHS:  # the resident fp32 model the offloaded stages must match
+        model = tiny_causal_lm(arch)
+        ids = _ids(model.config.vocab_size)
+        with torch.no_grad():
+            refs["resident"][arch] = dict(logits=model(ids).logits,
+                                          tokens=model.generate(ids, **GEN))
     refs["quant_head"] = {name: _quant_head_reference(root / folder, bits)
                           for name, (folder, bits) in QUANT_HEAD.items()}
     _broken(root / "llama", root / "llama-no-layer1-q")
@@ -328,6 +337,34 @@ def quant_head_case(rank: int, root: str, name: str) -> dict:
     return out
 
 
+def offload_case(rank: int, root: str, arch: str, micro_batches: int = 1) -> dict:
+    """An fp32 model handed in, offloaded from disk at PP=2 (both ranks under one
+    ``nvme_path``): tokens and logits against the resident model; the units this rank streams
+    and the ones its store's manifest holds, against its stage's modules."""
+    ref = torch.load(Path(root, "refs.pt"))["resident"][arch]
+    blobs = Path(root, f"blobs-{arch}-{micro_batches}")
+    blobs.mkdir(exist_ok=True)
+    pp = {"pipeline_parallel": {"pp_size": 2, "micro_batches": micro_batches}}
+    engine = shardwise.init_inference(tiny_causal_lm(arch), device="cpu", dtype=torch.float32,
+                                      offload={"device": "nvme", "nvme_path": str(blobs)}, **pp)
+    ids = _ids(engine.module.config.vocab_size)
+    logits = engine(input_ids=ids).logits
+    tokens = engine.generate(ids, **GEN)
+    model, plan = engine.module, engine.stages.plan
+    names = {id(m): n for n, m in model.named_modules()}
+    stage = [names[id(layer)] for i, layer in enumerate(_layers(model)) if i in plan.layers]
+    stage += [plan.embed_name] if plan.first else [plan.head_name]
+    report = engine.offload
+    manifest = json.loads(Path(report.path, "manifest.json").read_text())
+    out = dict(max_abs=(logits - ref["logits"]).abs().max().item(),
+               tokens_equal=torch.equal(tokens, ref["tokens"]), units=report.units,
+               stage=sorted(stage), path=report.path,
+               stored=sorted(u["name"] for u in manifest["units"]),
+               coords=manifest["shard"]["coords"], reused=report.reused)
+    engine.close()
+    return out
+
+
 def _file_keys(folder: Path) -> dict[str, list[str]]:
     """Every safetensors file of ``folder`` → its tensor names."""
     from safetensors import safe_open
@@ -411,6 +448,8 @@ PAIR = {
     "ckpt-llama-meta-model": (checkpoint_case, "llama", 1, True),
     **{f"quant-{name}": (quant_case, name) for name in QUANT},
     **{f"quant-{name}": (quant_head_case, name) for name in QUANT_HEAD},
+    **{f"offload-{arch}": (offload_case, arch) for arch in OFFLOAD_ARCHS},
+    "offload-llama-micro-batches": (offload_case, "llama", 2),
     "ckpt-missing-key": (broken_case,),
     "save-llama": (save_case, "llama"),
     "save-gpt2-sharded": (save_case, "gpt2-sharded"),
@@ -615,6 +654,25 @@ def test_pp2_with_the_head_quantized_matches_the_single_process_engine(pair, nam
     else:  # an untied head: the first stage's embedding stays as it is
         assert first["embed"] == "Embedding" and first["head_settings"] is None
         assert last["float_tables"] == []
+
+
+# ----- offload= -----------------------------------------------------------------------------------
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", [*OFFLOAD_ARCHS, "llama-micro-batches"])
+def test_pp2_offloaded_stages_stream_only_their_own_layers(pair, name):
+    """``offload=`` (from disk) at PP=2: fp32 logits within 1e-4 of the resident model and 32
+    greedy tokens identical; each rank streams, and its store holds, exactly its stage's
+    modules (its layers, the embedding on the first stage, the head on the last), in a shard
+    directory of its own."""
+    first, last = _case(pair, f"offload-{name}")
+    for r in (first, last):
+        print(f"offload {name} PP=2: max |logit diff| {r['max_abs']:.2e}")
+        assert r["max_abs"] < ATOL and r["tokens_equal"], name
+        assert sorted(r["units"]) == r["stage"] == r["stored"], (r["units"], r["stored"])
+    assert not set(first["units"]) & set(last["units"])
+    assert first["path"] != last["path"]
+    assert (first["coords"]["pp"], last["coords"]["pp"]) == (0, 1)
 
 
 # ----- one process: what still does not compose -------------------------------------------------

@@ -49,6 +49,7 @@ from . import store as _store
 from .config import (OffloadConfig, OffloadError, check_ring_fits, check_space,
                      parse_offload)
 from .ring import DeviceLoader, HostLoader, Loader, Ring
+from .stages import stage_dims
 
 log = logging.getLogger(__name__)
 
@@ -213,6 +214,7 @@ def store_fingerprint(model: nn.Module, units: Sequence[Unit], plan: Any,
     from .. import __version__
 
     dims = {name: getattr(plan, name) for name in ("tp", "ep") if hasattr(plan, name)}
+    dims.update(stage_dims(plan))  # a pipeline stage's blobs: a shard of their own
     digests = [[u.name, _store.content_digest(r.current() for r in u.tensors)] for u in units]
     fingerprint = {"format": FINGERPRINT_FORMAT, "shardwise": __version__,
                    "model": _model_config(model), "sizes": {k: d.size for k, d in dims.items()},

@@ -108,9 +108,7 @@ def _parse_split(split: Any, pp: int) -> tuple[int, ...] | None:
 
 
 #: settings that do not run with pipeline stages yet: config field → what it enables
-_NOT_WITH_PIPELINE = {
-    "offload": "offload (ZeRO-Inference)",
-}
+_NOT_WITH_PIPELINE: dict[str, str] = {}
 
 
 def check_with_other_fields(cfg: Any) -> None:
@@ -139,6 +137,12 @@ def check_with_other_fields(cfg: Any) -> None:
             "save_mp_checkpoint_path with pipeline_parallel saves the stages of an engine "
             "without tensor_parallel, quant= or replace_with_kernel_inject; drop those for the "
             "saving run (the saved folder loads with them)")
+    if cfg.offload is not None and cfg.checkpoint:
+        raise NotSupportedYetError(
+            f"offload={cfg.offload!r} together with checkpoint= is not supported yet with "
+            f"pipeline_parallel (loading straight into offload blobs would read every stage's "
+            f"layers on every rank); build the model first (from_pretrained) and hand it in, "
+            f"or drop checkpoint=, offload= or pipeline_parallel")
     if _quantizes_head(cfg.quant) and not cfg.checkpoint:
         raise NotSupportedYetError(
             "quant lm_head=True (quantizing the output head) with pipeline_parallel is "
