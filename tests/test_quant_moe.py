@@ -420,7 +420,8 @@ def test_a_malformed_experts_manifest_entry_is_named(tmp_path, edit, match):
     path = _saved_experts(tmp_path)
     _rewrite_manifest(path, edit)
     model = tiny_causal_lm("mixtral")
-    with pytest.raises(ConfigError, match=r"experts module 'model.layers.1.mlp.experts' is " + match):
+    name = "model.layers.1.mlp.experts"
+    with pytest.raises(ConfigError, match=rf"experts module '{name}' is " + match):
         shardwise.quant.load_quantized(model, path)
     assert not _quantized(model)  # left as it was
 
