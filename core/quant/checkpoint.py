@@ -217,9 +217,7 @@ def _entry_problem(entry: Any) -> str | None:
     if not isinstance(entry.get("tied", ""), str) or entry.get("tied", "x") == "":
         return f"tied {entry.get('tied')!r}"
     spec = entry["spec"]
-    if not (isinstance(spec, list) and len(spec) == 5 and _int(spec[0]) and spec[0] in (4, 8)
-            and isinstance(spec[2], bool)
-            and all(_int(v) and v > 0 for v in (spec[1], spec[3], spec[4]))):
+    if not _spec_ok(spec):
         return f"spec {spec!r}"
     if not isinstance(entry["backend"], str) or not entry["backend"]:
         return f"backend {entry['backend']!r}"
@@ -232,9 +230,7 @@ def _entry_problem(entry: Any) -> str | None:
                                                                 for d in bias)):
         return f"bias shape {bias!r}"
     meta = entry["meta"]
-    if not isinstance(meta, Mapping) or not all(
-            isinstance(k, str) and (v is None or isinstance(v, (str, int, float, bool)))
-            for k, v in meta.items()):
+    if not _flat_ok(meta):
         return f"meta {meta!r}"
     tensors = entry["tensors"]
     if not isinstance(tensors, Mapping) or not tensors:
