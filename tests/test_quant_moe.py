@@ -762,6 +762,31 @@ def test_an_ep2_quantized_checkpoint_on_one_rank_is_refused_before_reading(ep_ra
                                  device="cpu")
 
 
+def test_a_quantized_experts_checkpoint_into_another_expert_count_is_named_before_reading(
+        tmp_path, monkeypatch):
+    """A quantized checkpoint of 4 experts per layer into a model built with 6: the saved
+    experts are named against the model's, before any weight is read."""
+    import transformers
+    from shardwise.checkpoint import CheckpointError
+    from shardwise.checkpoint.sources import Reader
+
+    saver = shardwise.init_inference(tiny_causal_lm("mixtral"), device="cpu",
+                                     dtype=torch.float32, quant={"weight": {"num_bits": 8}})
+    saver.save_checkpoint(tmp_path / "q")
+    config = saver.module.config
+    config.num_local_experts = 6
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a weight was read before the checkpoint was checked")
+    monkeypatch.setattr(Reader, "read", refuse)
+    with pytest.raises(CheckpointError, match=r"quantized experts 'model.layers.0.mlp.experts' "
+                                              r"on rank 0 .*\('stacked', 4, 64, \d+\) .*"
+                                              r"model's is \('stacked', 6, 64"):
+        shardwise.init_inference(model, checkpoint=str(tmp_path / "q"), device="cpu")
+
+
 @pytest.mark.gpu
 def test_quantized_experts_round_trip_on_cuda(tmp_path, monkeypatch):
     """The same save → load on the GPU (bf16, the experts on whichever quant_moe_mlp the CUDA
