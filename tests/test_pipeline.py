@@ -480,9 +480,9 @@ def test_settings_that_do_not_compose_yet_are_refused(field, value, other):
         shardwise.InferenceConfig.build(**PP, **{field: value}, **other)
 
 
-@pytest.mark.parametrize("other", [{"tensor_parallel": {"tp_size": 2}}, {"quant": {"weight": {"num_bits": 8}}},
-                                   {"replace_with_kernel_inject": True}])
-def test_saving_stages_with_tp_quant_or_injection_is_refused_up_front(other):
+@pytest.mark.parametrize("other", [{"tensor_parallel": {"tp_size": 2}},
+                                   {"quant": {"weight": {"num_bits": 8}}}])
+def test_saving_stages_with_tp_or_quant_is_refused_up_front(other):  # injected: they save
     with pytest.raises(shardwise.ConfigError, match="save_mp_checkpoint_path with "
                                                     "pipeline_parallel saves the stages"):
         shardwise.InferenceConfig.build(**PP, save_mp_checkpoint_path="/nonexistent", **other)

@@ -288,9 +288,14 @@ def save_stages_checkpoint(model: nn.Module, path: str | Path, stages,
 
     Returns the index's path.
 
+    Injected stages save as the model's own tensors (the injected layers adopt the HF
+    modules' parameters; a layout a transform changed is saved as the module's own through
+    :data:`~shardwise.checkpoint.extensions.CHECKPOINT_VIEW`, as :func:`save_checkpoint` does),
+    so the folder loads with or without injection.
+
     Raises:
-        NotSupportedYetError: tensor parallelism within the stages, an injected or quantized
-            engine (their tensors are not the model's own), or a folder holding a shardwise
+        NotSupportedYetError: tensor parallelism within the stages, a quantized engine (its
+            packed layers are no Hugging Face tensors), or a folder holding a shardwise
             tensor-parallel checkpoint (its description would be read instead); each message
             says what to do.
     """
@@ -337,13 +342,6 @@ def _check_stages_save(model: nn.Module, stages, communicator: Communicator, out
             "saving a checkpoint from quantized pipeline stages is not supported yet; save an "
             "engine built without quant= and quantize while loading (init_inference(None, "
             "checkpoint=..., quant=...))")
-    from ..inject.injector import injected_stack
-
-    if injected_stack(model) is not None:
-        raise NotSupportedYetError(
-            "saving a checkpoint from injected pipeline stages is not supported yet (the "
-            "injected layers hold the tensors in their own layout); save from an engine built "
-            "without replace_with_kernel_inject (the saved folder loads injected)")
     if (out / DESCRIPTION_NAME).exists():
         raise NotSupportedYetError(
             f"{out} holds a shardwise tensor-parallel checkpoint ({DESCRIPTION_NAME}), which a "
@@ -365,7 +363,7 @@ def _stage_tensors(model: nn.Module, stages) -> dict[str, torch.Tensor]:
     config = getattr(model, "config", None)
     tied = bool(getattr(config, "tie_word_embeddings", False))
     out = {}
-    for name, tensor in _unique_state(model).items():
+    for name, tensor in _unique_state(model, views=True).items():
         in_layers = any(name.startswith(f"{c}.") for c in containers)
         in_head = head_name is not None and name.startswith(f"{head_name}.")
         if in_head:

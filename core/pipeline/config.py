@@ -117,7 +117,7 @@ def check_with_other_fields(cfg: Any) -> None:
     rank quantizes, or reads, its stage's layers only), and so does kernel injection of a
     decoder (each rank's injected stack runs its stage's layers over a static KV cache of
     those layers) or of an encoder; ``save_mp_checkpoint_path`` saves each stage's layers
-    (without ``tensor_parallel``, ``quant=`` or injection); ``quant``'s ``lm_head`` composes
+    (injected ones too; without ``tensor_parallel`` or ``quant=``); ``quant``'s ``lm_head`` composes
     with ``checkpoint=`` (the last stage quantizes the head while reading; a tied table is
     quantized alike on the first stage: :mod:`shardwise.pipeline.quant`), not yet for a model
     handed in (the engine's quantization step does not hand a stage's head to
@@ -131,12 +131,11 @@ def check_with_other_fields(cfg: Any) -> None:
             raise NotSupportedYetError(
                 f"{name}={value!r} ({what}) is not supported yet with pipeline_parallel; "
                 f"remove {name}, or pipeline_parallel")
-    if cfg.save_mp_checkpoint_path and (cfg.tp_size > 1 or cfg.quant is not None
-                                        or cfg.replace_with_kernel_inject):
+    if cfg.save_mp_checkpoint_path and (cfg.tp_size > 1 or cfg.quant is not None):
         raise NotSupportedYetError(
             "save_mp_checkpoint_path with pipeline_parallel saves the stages of an engine "
-            "without tensor_parallel, quant= or replace_with_kernel_inject; drop those for the "
-            "saving run (the saved folder loads with them)")
+            "without tensor_parallel or quant=; drop those for the saving run (the saved "
+            "folder loads with them)")
     if cfg.offload is not None and cfg.checkpoint:
         raise NotSupportedYetError(
             f"offload={cfg.offload!r} together with checkpoint= is not supported yet with "
