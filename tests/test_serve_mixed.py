@@ -269,3 +269,23 @@ def test_mixed_chunk_budget_counts_the_decode_tokens():
     assert split_step_budget(64, 60, [100]) == [MIN_PREFILL_CHUNK]  # prompts still progress
     assert split_step_budget(64, 0, [3, 4]) == [3, 4]
     assert split_step_budget(10, 2, [5, 5]) == [5, 3]
+
+
+@pytest.mark.gpu
+def test_mixed_steps_on_cuda_give_each_sequence_its_hf_tokens():
+    """The same scenario on CUDA (fp32): the mixed steps run eagerly through the CUDA
+    backend's attention ops, the decode-only steps replay the captured graphs, nothing is
+    captured after warmup."""
+    ref = tiny_causal_lm("llama").cuda()
+    engine = shardwise.init_inference(tiny_causal_lm("llama"), device="cuda",
+                                      replace_with_kernel_inject=True, enable_graph=True,
+                                      dtype=torch.float32, max_tokens=64)
+    runner = SlotRunner(engine, max_batch=5, max_tokens=40)
+    try:
+        assert runner.supports_mixed
+        runner.warmup()
+        keys = set(runner.stack.graphs.graphs)
+        check_against_hf(ref, mixed_scenario(runner), atol=1e-3)
+        assert set(runner.stack.graphs.graphs) == keys  # mixed steps captured nothing
+    finally:
+        runner.close()

@@ -1,0 +1,142 @@
+"""Mixed steps (chunked prefill inside the decode batch) against alternating prefill calls and
+decode steps: the serve stack's scheduler alone (no HTTP, no client processes), the two modes
+interleaved on ONE stack in one process, so a loaded machine slows both alike.
+
+    python benchmarks/serve_mixed.py                        # default model, 8 streams, 3 rounds
+    python benchmarks/serve_mixed.py --streams 8 --rounds 5 --requests-per-stream 4
+    python benchmarks/serve_mixed.py --long 400             # + a 400-token prompt per stream
+
+The load is ``benchmarks/serve_load.py``'s at one concurrency: ``--streams`` streams each submit
+``--requests-per-stream`` greedy requests one after the other (``--max-tokens`` new tokens each),
+prompts of 32-128 tokens (``--long N``: each stream's second request has an N-token prompt), so
+requests keep joining while the others decode. Per mode and round: the inter-token gaps of
+every stream (the times its token events reach the asyncio loop, as a client's chunks would:
+p50, p99 and p99/p50), time to first token p50/p99 and the decode tokens/s (tokens after each
+request's first over the round's wall time). Prints the medians over rounds of each mode, with
+the load average; writes nothing. The stack is the server's own
+(:func:`shardwise.serve.server.build_stack`: kernel injection, graphs, the preferred dtype); the
+mode is the scheduler's ``mixed`` attribute, switched between rounds while it is idle.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import random
+import statistics
+import time
+
+import torch
+
+#: prompt lengths the streams cycle through (serve_load.py's 32-128 tokens)
+PROMPT_LENGTHS = (32, 96, 48, 128, 64, 112, 40, 80)
+MODES = {"alternating": False, "mixed": True}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--streams", type=int, default=8, help="concurrent streams (default 8)")
+    parser.add_argument("--requests-per-stream", type=int, default=4,
+                        help="requests each stream sends one after the other (default 4)")
+    parser.add_argument("--max-tokens", type=int, default=64, help="new tokens per request")
+    parser.add_argument("--rounds", type=int, default=3, help="timed rounds per mode")
+    parser.add_argument("--long", type=int, default=0,
+                        help="prompt tokens of each stream's second request (0: no long prompt)")
+    parser.add_argument("--max-context", type=int, default=512, help="tokens a slot holds")
+    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    args = parser.parse_args(argv)
+    for name in ("streams", "requests_per_stream", "max_tokens", "rounds"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.long < 0 or args.long + args.max_tokens > args.max_context:
+        parser.error(f"--long must be >= 0 and --long + --max-tokens at most --max-context "
+                     f"({args.max_context})")
+    return args
+
+
+async def one_round(scheduler, args, seed: int) -> dict[str, float]:
+    """Run the load once → p50/p99 inter-token gap (ms), p99/p50, TTFT p50/p99 (ms),
+    decode tokens/s."""
+    from shardwise.serve.types import FinishEvent, GenRequest, SamplingParams
+
+    loop = asyncio.get_running_loop()
+    rng = random.Random(seed)
+    gaps, ttfts, decoded = [], [], [0]
+
+    async def stream(index: int) -> None:
+        for r in range(args.requests_per_stream):
+            n = args.long if (args.long and r == 1) else \
+                PROMPT_LENGTHS[(index + r) % len(PROMPT_LENGTHS)]
+            prompt = [rng.randrange(1000, 2000) for _ in range(n)]
+            request = GenRequest(f"s{index}r{r}", prompt,
+                                 SamplingParams(max_tokens=args.max_tokens, temperature=0.0))
+            sent = time.perf_counter()
+            handle = scheduler.submit(request, loop)
+            last = None
+            async for event in handle.events():
+                if isinstance(event, FinishEvent):
+                    break
+                now = time.perf_counter()
+                if last is None:
+                    ttfts.append(now - sent)
+                else:
+                    gaps.append(now - last)
+                    decoded[0] += 1
+                last = now
+
+    began = time.perf_counter()
+    await asyncio.gather(*(stream(i) for i in range(args.streams)))
+    wall = time.perf_counter() - began
+    q = lambda values, p: 1e3 * statistics.quantiles(values, n=100)[p - 1]  # noqa: E731
+    return {"itl_p50_ms": q(gaps, 50), "itl_p99_ms": q(gaps, 99),
+            "itl_p99_over_p50": q(gaps, 99) / q(gaps, 50),
+            "ttft_p50_ms": q(ttfts, 50), "ttft_p99_ms": q(ttfts, 99),
+            "decode_tok_s": decoded[0] / wall}
+
+
+def main(argv=None) -> None:
+    import shardwise
+    from shardwise.bench.runner import quiet_loader_bars
+    from shardwise.models import default_model_path, load_model
+    from shardwise.serve.server import build_stack
+
+    args = parse_args(argv)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    dtype = shardwise.get_accelerator().preferred_dtype
+    with quiet_loader_bars():
+        model, tokenizer = load_model(default_model_path(), dtype)
+    model.to(dtype=dtype)
+    stack = build_stack(model, tokenizer, max_batch=args.streams, max_tokens=args.max_context,
+                        max_waiting=4 * args.streams, start=True,
+                        replace_with_kernel_inject=True, enable_graph=True, dtype=dtype)
+    scheduler = stack.scheduler
+    if not scheduler.mixed:
+        raise SystemExit(f"this runner has no mixed steps: {stack.runner.mixed_unsupported}")
+    results: dict[str, list[dict[str, float]]] = {mode: [] for mode in MODES}
+    loads = []
+    try:
+        for mode, on in MODES.items():  # warm-up round of each mode (untimed)
+            scheduler.mixed = on
+            asyncio.run(one_round(scheduler, args, seed=0))
+        for r in range(args.rounds):
+            order = list(MODES.items()) if r % 2 == 0 else list(MODES.items())[::-1]
+            for mode, on in order:  # interleaved, alternating which goes first
+                scheduler.mixed = on
+                loads.append(os.getloadavg()[0])
+                results[mode].append(asyncio.run(one_round(scheduler, args, seed=1 + r)))
+    finally:
+        scheduler.stop(drain_s=1.0)
+    print(f"{args.streams} streams x {args.requests_per_stream} requests x {args.max_tokens} "
+          f"tokens, long prompt {args.long or 'none'}, threads {torch.get_num_threads()}, "
+          f"{dtype}, load {min(loads):.1f}-{max(loads):.1f}; medians over {args.rounds} rounds:")
+    keys = list(results["mixed"][0])
+    print(f"  {'mode':<12}" + "".join(f"{k:>18}" for k in keys))
+    for mode, rounds in results.items():
+        print(f"  {mode:<12}" + "".join(
+            f"{statistics.median(r[k] for r in rounds):>18.2f}" for k in keys))
+
+
+if __name__ == "__main__":
+    main()
