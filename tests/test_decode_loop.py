@@ -278,6 +278,22 @@ def test_default_length_and_model_eos_like_hf(engines):
     assert torch.equal(engine.generate(ids), expected)
 
 
+def test_offloaded_engine_runs_the_fast_loop(monkeypatch, tmp_path):
+    """With offload= the fast loop's step streams the units as the forward does (their hooks
+    run: a pass over the units per step) and returns HF's loop's tokens on the same engine."""
+    engine = shardwise.init_inference(
+        tiny_causal_lm("llama"), device="cpu", replace_with_kernel_inject=True,
+        offload={"device": "nvme", "nvme_path": str(tmp_path), "buffer_count": 2})
+    counted = Counted(monkeypatch, engine)
+    ids, mask = _padded_batch()
+    kw = dict(attention_mask=mask, max_new_tokens=NEW, do_sample=False, pad_token_id=0)
+    engine.offload.reset_stats()
+    fast = engine.generate(ids, **kw)
+    assert engine.offload.stats()["passes"] >= NEW  # prefill + NEW - 1 decode steps
+    assert torch.equal(fast, engine.generate(ids, shardwise_fast_loop=False, **kw))
+    assert (counted.fast, counted.hf) == (1, 1)
+
+
 # ----- CUDA ------------------------------------------------------------------------------------
 
 @pytest.mark.gpu

@@ -134,7 +134,8 @@ def plan_loop(module: nn.Module, stack: InjectedModel, args: tuple,
         return ", ".join(given)
     streamer = kwargs.pop("streamer", None)
     generation_config = kwargs.pop("generation_config", None)
-    if any(not hasattr(module, step) for step in _HF_STEPS):
+    if any(not hasattr(module, step) for step in _HF_STEPS) or not hasattr(
+            GenerationConfig, "_get_default_generation_params"):
         return "a transformers version without generate's preparation steps"
     has_default_max = (kwargs.get("max_length") is None and (
         generation_config is None or generation_config.max_length is None)
@@ -146,6 +147,8 @@ def plan_loop(module: nn.Module, stack: InjectedModel, args: tuple,
         config, model_kwargs = module._prepare_generation_config(generation_config, **kwargs)
     except ValueError as exc:  # HF's loop raises the same
         return f"settings generate refuses ({exc})"
+    except TypeError:  # another transformers' signature
+        return "a transformers version whose generate prepares its settings otherwise"
     extra = sorted(set(model_kwargs) - MODEL_INPUTS)
     if extra:
         return ", ".join(extra)
@@ -258,11 +261,12 @@ def run_loop(module: nn.Module, stack: InjectedModel, plan: LoopPlan) -> torch.T
     the tensor ``module.generate`` returns for the same call.
 
     Host syncs that remain, and why: with a streamer, one per step (it takes the tokens on the
-    host, as in HF's loop); with eos ids, the all-finished flag of each step is read on the host
-    — one step late where the device has events (copied without blocking, the next step
-    already queued; the extra step's tokens are all padding and are cut), at once where it has
-    none (a CPU, where the work is done by then anyway); the prompt's padding check once. No
-    other step reads device values on the host."""
+    host, as in HF's loop; the eos check then reads those host tokens); without one, with eos
+    ids, the all-finished flag of each step is read on the host — one step late where the
+    device has events (copied without blocking, the next step already queued; the extra step's
+    tokens are all padding and are cut), at once where it has none (a CPU, where the work is
+    done by then anyway); once per call, the prompt's padding check and the eos ids. No other
+    step reads device values on the host."""
     streamer, ids = plan.streamer, plan.input_ids
     batch, prompt_len = ids.shape
     device = ids.device
@@ -273,7 +277,7 @@ def run_loop(module: nn.Module, stack: InjectedModel, plan: LoopPlan) -> torch.T
     out[:, :prompt_len] = ids
     logits, cache = _prefill(module, plan)
     step = _DecodeStep(module, stack, cache, plan)
-    finished = _FinishedCheck(device, deferred=streamer is None and plan.eos is not None)
+    finished = _FinishedCheck(device, streamer is None and plan.eos is not None, plan.eos)
     unfinished = torch.ones(batch, dtype=torch.int64, device=device)
     length = prompt_len
     while True:
@@ -284,11 +288,15 @@ def run_loop(module: nn.Module, stack: InjectedModel, plan: LoopPlan) -> torch.T
         length += 1
         if plan.eos is not None:
             unfinished = unfinished & ~torch.isin(tokens, plan.eos)
+        ended = False  # every row finished: read from host tokens, or the device flag below
         if streamer is not None:
-            streamer.put(tokens.cpu())
-        if length >= plan.max_length:
+            host = tokens.cpu()  # the step's one sync: the streamer takes host tokens
+            ended = plan.eos is not None and finished.ended_on_host(host)
+            streamer.put(host)
+        if length >= plan.max_length or ended:
             break
-        if plan.eos is not None and finished.all_done(unfinished, length, now=not step.fits()):
+        if streamer is None and plan.eos is not None and finished.all_done(
+                unfinished, length, now=not step.fits()):
             break
         logits = step(tokens)
     length = finished.trim(length)
@@ -390,21 +398,33 @@ class _DecodeStep:
 
 
 class _FinishedCheck:
-    """Whether every row has finished, read on the host as cheaply as the device allows: where
-    it has events and ``deferred``, each step's flag is copied without blocking and read after
-    the next step is queued (so the device never waits for the host); the step run after the
-    last row finished only added padding, and :meth:`trim` cuts it. Else read at once."""
+    """Whether every row has finished, read on the host as cheaply as the device allows: from
+    the tokens a streamer already took to the host (:meth:`ended_on_host`); else, where the
+    device has events and ``deferred``, each step's flag is copied without blocking and read
+    after the next step is queued (so the device never waits for the host; the step run after
+    the last row finished only added padding, and :meth:`trim` cuts it); else read at once."""
 
-    def __init__(self, device: torch.device, deferred: bool) -> None:
+    def __init__(self, device: torch.device, deferred: bool,
+                 eos: torch.Tensor | None = None) -> None:
+        self.eos_host = eos.cpu() if eos is not None else None  # [n] int64, read once
         self.slots: list[tuple[torch.Tensor, Any]] = []
         self.pending: tuple[torch.Tensor, Any, int] | None = None
         self.done_at: int | None = None
+        self.host_unfinished: torch.Tensor | None = None  # [batch] bool, from host tokens
         if deferred:
             try:
                 self.slots = [(torch.zeros((), dtype=torch.bool).pin_memory(),
                                torch.Event(device=device, blocking=True)) for _ in range(2)]
             except (RuntimeError, TypeError, ValueError):  # no events (CPU) or no pinned memory
                 self.slots = []
+
+    def ended_on_host(self, tokens: torch.Tensor) -> bool:
+        """With the step's tokens [batch] already on the host (a streamer took them): whether
+        every row has now produced an eos id (counted on the host, no device read)."""
+        ended = torch.isin(tokens, self.eos_host)
+        self.host_unfinished = ~ended if self.host_unfinished is None else \
+            self.host_unfinished & ~ended
+        return not bool(self.host_unfinished.any())
 
     def all_done(self, unfinished: torch.Tensor, length: int, now: bool = False) -> bool:
         """After the step that made the sequences ``length`` long: stop now? ``now``: read
