@@ -444,6 +444,34 @@ def save_injected_case(rank: int, root: str, arch: str) -> dict:
     return dict(injected=injected, reloaded=results, files=_file_keys(out_dir))
 
 
+#: quantized stages saved: name → (family, quant=, checkpoint folder or None: handed in)
+SAVE_QUANT = {"llama-int8": ("llama", {"weight": {"num_bits": 8}}, None),
+              "gpt2-int4-head": ("gpt2", _head_quant(4), "gpt2-sharded")}
+
+
+def save_quant_case(rank: int, root: str, name: str) -> dict:
+    """Quantized PP=2 stages (fp32) save through ``engine.save_checkpoint``: one shardwise
+    quantized checkpoint of the whole model. Rank 0 keeps the saving engine's logits and
+    tokens for the test process, which reloads the folder without stages."""
+    arch, quant, folder = SAVE_QUANT[name]
+    if folder is None:
+        engine = shardwise.init_inference(tiny_causal_lm(arch), device="cpu",
+                                          dtype=torch.float32, quant=quant, **PP)
+    else:
+        engine = shardwise.init_inference(None, checkpoint=str(Path(root, folder)),
+                                          device="cpu", dtype=torch.float32, quant=quant, **PP)
+    ids = _ids(engine.module.config.vocab_size)
+    outputs = dict(logits=engine(input_ids=ids).logits, tokens=engine.generate(ids, **GEN))
+    out_dir = Path(root, f"saved-quant-{name}")
+    description = engine.save_checkpoint(str(out_dir))
+    layers = sorted(engine.quantization.layers)
+    engine.close()
+    if rank == 0:
+        torch.save(outputs, Path(root, f"saved-quant-{name}.pt"))
+    return dict(description=description, layers=layers, files=sorted(
+        f.name for f in out_dir.iterdir()))
+
+
 def _run_all(rank: int, world: int, root: str, table: dict) -> dict:
     os.environ.pop("OMP_NUM_THREADS", None)  # the accelerator splits the cores between ranks
     shardwise.get_accelerator("cpu").configure_process(rank, world)
@@ -471,6 +499,7 @@ PAIR = {
     "save-llama": (save_case, "llama"),
     "save-gpt2-sharded": (save_case, "gpt2-sharded"),
     **{f"save-injected-{arch}": (save_injected_case, arch) for arch in RESIDENT_ARCHS},
+    **{f"save-quant-{name}": (save_quant_case, name) for name in SAVE_QUANT},
 }
 FOUR = {
     "ckpt-llama-tp2": (checkpoint_case, "llama", 2),
@@ -748,3 +777,35 @@ def test_injected_stages_save_and_reload_with_and_without_stages(pair, arch):
         for label, got in r["reloaded"].items():
             print(f"{arch} injected stages saved, reloaded at {label}: {got['max_abs']:.2e}")
             assert got["max_abs"] < ATOL and got["tokens_equal"], (label, got)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(SAVE_QUANT))
+def test_quantized_stages_save_one_checkpoint_that_reloads_without_stages(pair, root, name):
+    """Quantized PP=2 stages (int8 handed in; int4 with GPT-2's tied head quantized, from a
+    checkpoint) save one shardwise quantized checkpoint of the whole model: a rank file and
+    the description, every stage's quantized layers in it (the tied table once, as the head);
+    it reloads in one process without re-quantizing, with the saving stages' fp32 logits
+    (within 1e-4) and 32 greedy tokens."""
+    r0, r1 = _case(pair, f"save-quant-{name}")
+    assert r0["description"] == r1["description"]
+    assert r0["files"] == ["config.json", "rank00-of-01.safetensors", "shardwise_checkpoint.json"]
+    saved = torch.load(Path(root, f"saved-quant-{name}.pt"))
+    engine = shardwise.init_inference(None, checkpoint=r0["description"], device="cpu",
+                                      dtype=torch.float32)
+    try:
+        ids = _ids(engine.module.config.vocab_size)
+        logits = engine(input_ids=ids).logits
+        tokens = engine.generate(ids, **GEN)
+        reloaded = sorted(engine.quantization.layers)
+        embed = engine.module.get_input_embeddings()
+    finally:
+        engine.close()
+    print(f"{name}: quantized stages saved, reloaded: {(logits - saved['logits']).abs().max():.2e}")
+    assert (logits - saved["logits"]).abs().max() < ATOL
+    assert torch.equal(tokens, saved["tokens"])
+    stage_layers = set(r0["layers"]) | set(r1["layers"])
+    if "head" in name:  # the first stage's copy of the tied table is not saved: the head's is
+        stage_layers -= {n for n in r0["layers"] if "wte" in n}
+        assert "lm_head" in reloaded and type(embed).__name__ == "QuantEmbedding"
+    assert reloaded == sorted(stage_layers)

@@ -117,7 +117,8 @@ def check_with_other_fields(cfg: Any) -> None:
     rank quantizes, or reads, its stage's layers only), and so does kernel injection of a
     decoder (each rank's injected stack runs its stage's layers over a static KV cache of
     those layers) or of an encoder; ``save_mp_checkpoint_path`` saves each stage's layers
-    (injected ones too; without ``tensor_parallel`` or ``quant=``); ``quant``'s ``lm_head`` composes
+    (injected ones too; quantized stages as one quantized checkpoint; not with
+    ``tensor_parallel``); ``quant``'s ``lm_head`` composes
     with ``checkpoint=`` (the last stage quantizes the head while reading; a tied table is
     quantized alike on the first stage: :mod:`shardwise.pipeline.quant`), not yet for a model
     handed in (the engine's quantization step does not hand a stage's head to
@@ -131,11 +132,11 @@ def check_with_other_fields(cfg: Any) -> None:
             raise NotSupportedYetError(
                 f"{name}={value!r} ({what}) is not supported yet with pipeline_parallel; "
                 f"remove {name}, or pipeline_parallel")
-    if cfg.save_mp_checkpoint_path and (cfg.tp_size > 1 or cfg.quant is not None):
+    if cfg.save_mp_checkpoint_path and cfg.tp_size > 1:
         raise NotSupportedYetError(
             "save_mp_checkpoint_path with pipeline_parallel saves the stages of an engine "
-            "without tensor_parallel or quant=; drop those for the saving run (the saved "
-            "folder loads with them)")
+            "without tensor_parallel; drop tensor_parallel for the saving run (the saved "
+            "folder loads with it)")
     if cfg.offload is not None and cfg.checkpoint:
         raise NotSupportedYetError(
             f"offload={cfg.offload!r} together with checkpoint= is not supported yet with "
