@@ -106,9 +106,13 @@ _SCALARS = (int, float, complex, str, bytes, bool, type(None), torch.dtype, torc
 
 #: a Hugging Face config's fields that record where and how it was saved, not the model: a model
 #: handed in and the same model loaded from its checkpoint differ in them (``model_type`` is the
-#: class's own, copied onto a loaded instance)
+#: class's own, copied onto a loaded instance; a model read from a GGUF file carries its
+#: ``GgufConfig`` object and ``_is_quantized``, the same model reloaded from shardwise's
+#: checkpoint a dict of it: how the weights were read, while the modules and tensors the step
+#: runs are described themselves)
 _CONFIG_PROVENANCE = frozenset({"transformers_version", "_name_or_path", "_commit_hash",
-                                "architectures", "model_type"})
+                                "architectures", "model_type", "quantization_config",
+                                "_is_quantized"})
 
 
 def _is_hf_config(obj: Any) -> bool:
@@ -195,8 +199,9 @@ def describe(obj: Any, depth: int = 0, seen: dict[int, tuple[int, Any]] | None =
         if isinstance(obj, torch.nn.Module):  # hooks are keyed by a process-wide counter
             state = {k: list(v.values()) if "hook" in k and isinstance(v, dict) else v
                      for k, v in state.items()}
-        elif _is_hf_config(obj):  # where it was read from is not what the step computes
-            state = {k: v for k, v in state.items() if k not in _CONFIG_PROVENANCE}
+        elif _is_hf_config(obj):  # where it was read from is not what the step computes,
+            # nor the order its fields were set in (a loaded config sets them in another)
+            state = {k: v for k, v in sorted(state.items()) if k not in _CONFIG_PROVENANCE}
         describe(state, depth + 1, seen, out)
     out.append(">")
     return out

@@ -825,6 +825,31 @@ def test_step_key_follows_what_the_code_depends_on():
     assert base not in keys and len(keys) == 5
 
 
+def test_step_key_ignores_how_a_config_was_read():
+    """A model read from a GGUF file and the same model reloaded from shardwise's checkpoint:
+    their configs differ only in provenance (a GgufConfig object against a dict of it,
+    ``_is_quantized``, the order the fields were set in), so their steps share one key; a
+    config value the step could read still changes it."""
+    from transformers import LlamaConfig
+    from transformers.utils.quantization_config import GgufConfig
+
+    def step_of(config):
+        def step(x):
+            return x * config.rms_norm_eps
+        return step
+
+    read = LlamaConfig(hidden_size=64, rms_norm_eps=1e-5)
+    read.quantization_config = GgufConfig(gguf_file="model.gguf")
+    read._is_quantized = True
+    reloaded = LlamaConfig(rms_norm_eps=1e-5, hidden_size=64)
+    reloaded.quantization_config = {"gguf_file": "model.gguf", "quant_method": "gguf"}
+    x = torch.ones(2)
+    key = precompile.step_key(step_of(read), (x,), {})
+    assert precompile.step_key(step_of(reloaded), (x,), {}) == key
+    assert precompile.step_key(step_of(LlamaConfig(hidden_size=64, rms_norm_eps=1e-6)),
+                               (x,), {}) != key
+
+
 def test_a_stale_or_broken_store_entry_is_never_used(monkeypatch, tmp_path, caplog):
     """A stored step whose traced sources changed since (their digest in the side file), or
     whose file is damaged, is not loaded: the step compiles again (and is stored again)."""
