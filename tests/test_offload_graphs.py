@@ -14,6 +14,7 @@ slots, CUDA graphs per slot) where a GPU exists.
 from __future__ import annotations
 
 import logging
+import os
 
 import pytest
 import torch
@@ -25,6 +26,7 @@ from shardwise.errors import ConfigError
 from shardwise.graphs import StaticGraph, static_copies, static_outputs
 from shardwise.offload.graphs import OffloadDecodeGraphs, enable_offload_graphs
 from shardwise.offload.transform import offload_units
+from tp_harness import TP, case, table_fixture
 
 #: scores of the per-layer graphs against eager runs (CPU: inductor's fused C++ loops sum in
 #: another order than eager kernels; measured 1.2e-7 on these models)
@@ -238,6 +240,40 @@ def test_a_strategy_that_cannot_capture_fails_at_init_with_its_reason(tmp_path):
                                           "enable_graph=False"):
         _with_graphs(engine, Broken())
     assert engine._stack.graphs is None
+
+
+# ----- tensor parallelism: each rank captures its shard's layers --------------------------------
+
+def _tp_case(rank: int, arch: str, bits: int | None, store: str) -> dict:
+    os.makedirs(store, exist_ok=True)  # this case's own: the two ranks' stores side by side
+    ids = prompt_ids(batch=2, length=8)
+    mine = ids if rank == 0 else torch.zeros_like(ids)  # the engine broadcasts rank 0's inputs
+    plain = {k: v for k, v in GREEDY.items() if k not in ("output_scores",
+                                                          "return_dict_in_generate")}
+    resident = shardwise.init_inference(tiny_causal_lm(arch), **_settings(bits), **TP)
+    ref_tokens = resident.generate(mine, **plain)
+    engine = shardwise.init_inference(tiny_causal_lm(arch), offload=_nvme(store, 3),
+                                      **_settings(bits), **TP)
+    graphs = _with_graphs(engine)
+    tokens = engine.generate(mine, **plain)
+    return dict(tokens_equal=torch.equal(tokens, ref_tokens), tokens=tokens.tolist(),
+                captures=graphs.captures, layers=len(engine._stack.parts.layers),
+                per_slot=graphs.per_slot, path=engine.offload.path)
+
+
+TP_TABLE = {"llama": ("llama", None), "gpt2-int8": ("gpt2", 8)}
+tp_ranks = table_fixture(_tp_case, TP_TABLE, "offload-graphs-tp", deadline_s=900,
+                         case_dirs=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(TP_TABLE))
+def test_tp2_each_rank_captures_its_layers_and_matches_resident_tp(tp_ranks, name):
+    r0, r1 = case(tp_ranks, name)
+    for r in (r0, r1):
+        assert r["tokens_equal"], r
+        assert not r["per_slot"] and r["captures"] == 2 * r["layers"]  # buckets 1 and 2
+    assert r0["tokens"] == r1["tokens"] and r0["path"] != r1["path"]
 
 
 # ----- through init_inference (the engine's graph step) -------------------------------------------
