@@ -205,6 +205,20 @@ def test_streamer_calls_match_hf(engines):
         assert a[1].device.type == "cpu" and a[1].shape == b[1].shape and torch.equal(a[1], b[1])
 
 
+def test_timed_generate_on_an_engine_times_the_fast_loop(engines, monkeypatch):
+    """The benchmark's timer (shardwise.generation.timed_generate) on an engine: one gap per
+    new token after the first, through the fast loop."""
+    from shardwise.generation import timed_generate
+
+    _, engine = engines("llama")
+    counted = Counted(monkeypatch, engine)
+    ids = prompt_ids(batch=2, length=8)
+    out, timings = timed_generate(engine, {"input_ids": ids}, max_new_tokens=NEW,
+                                  min_new_tokens=NEW, do_sample=False, pad_token_id=0)
+    assert out.shape == (2, 8 + NEW) and timings.new_tokens == NEW and timings.batch_size == 2
+    assert (counted.fast, counted.hf) == (1, 0)
+
+
 # ----- what falls back -----------------------------------------------------------------------------
 
 #: settings the fast loop does not implement: each must run HF's generate
