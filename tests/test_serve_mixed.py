@@ -289,3 +289,31 @@ def test_mixed_steps_on_cuda_give_each_sequence_its_hf_tokens():
         assert set(runner.stack.graphs.graphs) == keys  # mixed steps captured nothing
     finally:
         runner.close()
+
+
+class _Shape:
+    """Just what a Scheduler reads of a runner at construction, with mixed steps."""
+
+    max_batch, max_tokens, vocab_size = 4, 64, 256
+    supports_mixed, mixed_unsupported = True, None
+
+
+def test_mixed_budget_is_cut_to_the_stall_allowance_by_the_chunks_measured_cost():
+    """While streams decode, a mixed step's chunk takes what its cost beyond the decode step
+    does in 0.75 of the typical step (62.5 ms: 46.875 ms), plus the decode tokens; never above
+    prefill_budget. Before two mixed steps of different sizes the prefill calls' fit stands in
+    (7.8125 ms + 0.9765625 ms a token: 40 tokens), then the mixed steps' (1.953125 ms a token:
+    24 tokens). Binary fractions: the fits are exact."""
+    scheduler = Scheduler(_Shape(), prefill_budget=512, prefill_worth=False)
+    assert scheduler.mixed
+    assert scheduler._mixed_budget(3) == 512  # nothing measured yet: no cut
+    scheduler._recent_steps.extend([1 / 16] * 5)
+    scheduler._prefill_calls.extend([(16, 1 / 128 + 16 / 1024), (64, 1 / 128 + 64 / 1024)])
+    assert scheduler._mixed_budget(3) == 3 + 40
+    scheduler._mixed_calls.append((8, 8 / 512))
+    assert scheduler._mixed_budget(3) == 3 + 40  # one size: no fit of its own yet
+    scheduler._mixed_calls.append((32, 32 / 512))
+    assert scheduler._mixed_budget(3) == 3 + 24
+    assert scheduler._mixed_budget(500) == 512  # the budget caps decode + chunk tokens
+    scheduler.prefill_stall = None
+    assert scheduler._mixed_budget(3) == 512
