@@ -248,7 +248,10 @@ def foreign_modules(model: nn.Module, layers: nn.ModuleList, plan: StagePlan) ->
     embedding off the first stage, the output head off the last. The checkpoint loader skips
     their tensors (``load_checkpoint(skip_modules=...)``), so a rank reads only its stage's; a
     weight tied between the embedding and the head is read by both end stages (each keeps one
-    of the two modules) and by no middle stage."""
+    of the two modules) and by no middle stage. A head tied to the embedding is not skipped
+    on the first stage: a float tie is one tensor (read once, as the embedding's), and a
+    quantized checkpoint stores a tied table under the head's name alone, which the first
+    stage's embedding reads its rows from (:mod:`shardwise.pipeline.quant`)."""
     names = {id(m): n for n, m in model.named_modules()}
     out = [names[id(layer)] for index, layer in enumerate(layers)
            if plan.owner(index) != plan.coord]
@@ -256,6 +259,6 @@ def foreign_modules(model: nn.Module, layers: nn.ModuleList, plan: StagePlan) ->
     head = _maybe(model, "get_output_embeddings")
     if embed is not None and not plan.first:
         out.append(names[id(embed)])
-    if head is not None and not plan.last:
+    if head is not None and not plan.last and not (plan.first and plan.tied):
         out.append(names[id(head)])
     return tuple(out)
