@@ -40,8 +40,8 @@ from shardwise.kernels.reference.rotary import rotary_cos_sin
 
 from ..errors import ShardwiseError
 from .cache import (THREADS_HINT, ConcurrentUseError, DecodeRows, KVBuffers, MixedRows,
-                    StaticKVCache,
-                    check_kv_fits, free_memory_of, kv_cache_bytes, kv_memory_error, write_rows)
+                    StaticKVCache, check_kv_fits, free_memory_of, kv_cache_bytes,
+                    kv_memory_error, write_rows)
 from .mla import latent_core
 from .spec import InjectionSpec
 
