@@ -35,7 +35,7 @@ NEW_TOKENS = 10
 GREEDY = dict(max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False,
               pad_token_id=0, output_scores=True, return_dict_in_generate=True)
 #: (arch, quant bits or None)
-CASES = [("llama", None), ("llama", 8), ("gpt2", None), ("gpt2", 8)]
+CASES = [("llama", None), ("llama", 8), ("gpt2", None), ("gpt2", 8), ("mixtral", None)]
 
 
 def _settings(bits: int | None, device: str = "cpu") -> dict:
