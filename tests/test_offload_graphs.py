@@ -215,6 +215,27 @@ def test_address_bound_graphs_are_captured_per_layer_and_slot(tmp_path):
     assert "one per layer and ring slot" in engine.offload.graphs
 
 
+def test_the_serving_slots_run_on_per_layer_graphs_too(tmp_path):
+    """Continuous batching (shardwise.serve's slot runner: its own caches and graph keys per
+    bucket) on an offloaded engine with address-bound layer graphs: each sequence gets its HF
+    greedy tokens."""
+    from shardwise.serve.runner import SlotRunner
+    from slot_scenario import check_against_hf, scenario
+
+    engine = shardwise.init_inference(tiny_causal_lm("llama"), device="cpu",
+                                      replace_with_kernel_inject=True, max_tokens=64,
+                                      offload=_nvme(tmp_path, 3))
+    graphs = _with_graphs(engine, AddressBound())
+    runner = SlotRunner(engine, max_batch=3, max_tokens=32)
+    try:
+        runner.warmup()
+        assert check_against_hf(tiny_causal_lm("llama"), scenario(runner)) <= ATOL
+        slot_keys = [key for key in graphs.graphs if not isinstance(key, int)]
+        assert len(slot_keys) == 3 and all(graphs.graphs[key] for key in slot_keys)
+    finally:
+        runner.close()
+
+
 def test_a_graph_per_layer_alone_would_replay_on_the_wrong_slot(tmp_path):
     """The per-slot key is what keeps address-bound replays right: keyed by layer alone, the
     stand-in catches a replay on a slot the graph was not captured on."""
