@@ -56,12 +56,14 @@ FOLDERS = {"llama": ("llama", {}), "gpt2-sharded": ("gpt2", {"max_shard_size": "
 QUANT = {"llama-int8": ("llama", 8, None), "gpt2-int4": ("gpt2", 4, None),
          "llama-int8-ckpt": ("llama", 8, "llama")}
 QDTYPE = torch.bfloat16
-#: the output head quantized too (``lm_head``), fp32, from a checkpoint: name → (folder, bits);
-#: GPT-2's head is tied to its embedding (int4 weights: the tied table gets 8 bits), Llama's not
 #: models handed in whose resident fp32 outputs the offloaded and the injected-and-saved stages
 #: must match: Llama (untied), GPT-2 (tied head)
 RESIDENT_ARCHS = ("llama", "gpt2")
-QUANT_HEAD = {"gpt2-int4-head": ("gpt2-sharded", 4), "llama-int8-head": ("llama", 8)}
+#: the output head quantized too (``lm_head``), fp32: name → (family, checkpoint folder or None
+#: for the model handed in, bits); GPT-2's head is tied to its embedding (int4 weights: the tied
+#: table gets 8 bits), Llama's not
+QUANT_HEAD = {"gpt2-int4-head": ("gpt2", "gpt2-sharded", 4),
+              "llama-int8-head": ("llama", "llama", 8)}
 
 
 def _ids(vocab: int) -> torch.Tensor:
@@ -124,8 +126,9 @@ def _references(root: Path) -> None:
         with torch.no_grad():
             refs["resident"][arch] = dict(logits=model(ids).logits,
                                           tokens=model.generate(ids, **GEN))
-    refs["quant_head"] = {name: _quant_head_reference(root / folder, bits)
-                          for name, (folder, bits) in QUANT_HEAD.items()}
+    refs["quant_head"] = {name: _quant_head_reference(arch, root / folder if folder else None,
+                                                      bits)
+                          for name, (arch, folder, bits) in QUANT_HEAD.items()}
     _broken(root / "llama", root / "llama-no-layer1-q")
     torch.save(refs, root / "refs.pt")
 
@@ -134,11 +137,20 @@ def _head_quant(bits: int) -> dict:
     return {"weight": {"num_bits": bits}, "lm_head": True}
 
 
-def _quant_head_reference(folder: Path, bits: int) -> dict:
-    """The single-process fp32 engine from ``folder`` with its head quantized: logits, tokens,
-    the settings its head got."""
-    engine = shardwise.init_inference(None, checkpoint=str(folder), device="cpu",
-                                      dtype=torch.float32, quant=_head_quant(bits))
+def _head_engine(arch: str, folder: Path | None, bits: int, **kwargs):
+    """An fp32 engine with the head quantized too: from ``folder``, or ``arch``'s tiny model
+    handed in (None)."""
+    if folder is None:
+        return shardwise.init_inference(tiny_causal_lm(arch), device="cpu", dtype=torch.float32,
+                                        quant=_head_quant(bits), **kwargs)
+    return shardwise.init_inference(None, checkpoint=str(folder), device="cpu",
+                                    dtype=torch.float32, quant=_head_quant(bits), **kwargs)
+
+
+def _quant_head_reference(arch: str, folder: Path | None, bits: int) -> dict:
+    """The single-process fp32 engine (:func:`_head_engine`) with its head quantized: logits,
+    tokens, the settings its head got."""
+    engine = _head_engine(arch, folder, bits)
     ids = _ids(engine.module.config.vocab_size)
     head = engine.quantization.layers["lm_head"]
     out = dict(logits=engine(input_ids=ids).logits, tokens=engine.generate(ids, **GEN),
@@ -312,15 +324,14 @@ def quant_case(rank: int, root: str, name: str) -> dict:
 
 
 def quant_head_case(rank: int, root: str, name: str) -> dict:
-    """The head quantized too (``lm_head``) at PP=2 from a checkpoint: against the
-    single-process engine quantized alike; what each end stage holds of the head."""
+    """The head quantized too (``lm_head``) at PP=2: against the single-process engine
+    quantized alike; what each end stage holds of the head."""
     from shardwise.pipeline.quant import StageQuantEmbedding
     from shardwise.quant import QuantLinear
 
-    folder, bits = QUANT_HEAD[name]
+    arch, folder, bits = QUANT_HEAD[name]
     ref = torch.load(Path(root, "refs.pt"))["quant_head"][name]
-    engine = shardwise.init_inference(None, checkpoint=str(Path(root, folder)), device="cpu",
-                                      dtype=torch.float32, quant=_head_quant(bits), **PP)
+    engine = _head_engine(arch, Path(root, folder) if folder else None, bits, **PP)
     ids = _ids(engine.module.config.vocab_size)
     mine = ids if rank == 0 else torch.zeros_like(ids)  # the engine broadcasts rank 0's inputs
     logits = engine(input_ids=mine).logits
