@@ -14,8 +14,9 @@ one row (chunked prefill inside the decode batch: :mod:`shardwise.inject.slots`)
 
 Tensor parallelism: every rank runs the same forwards. Rank 0's runner first sends each
 operation to the other ranks through ``engine.communicator.broadcast`` — one int64 header
-``[op, a, b, c]`` and, for prefill and decode, one int64 payload (the tokens; the slots and the
-tokens) — and the other ranks run :func:`follow`, which receives and executes them until
+``[op, a, b, c]`` and, for prefill, decode and mixed steps, one int64 payload (the tokens; the
+slots and the tokens; the decode slots and tokens, each chunk's slot, size and ``last``, then
+the chunk tokens) — and the other ranks run :func:`follow`, which receives and executes them until
 :meth:`SlotRunner.close`. The communicator's collectives time out, so a dead rank makes the
 others raise :class:`~shardwise.errors.CollectiveError` within the collective timeout; rank 0's
 scheduler calls :meth:`SlotRunner.heartbeat` while idle so that the followers' wait for the
