@@ -243,6 +243,7 @@ def checkpoint_case(rank: int, root: str, name: str, tp: int = 1, meta_model: bo
         tokens_equal=torch.equal(tokens, refs["tokens"]), tokens=tokens.tolist(),
         read=sorted(read.keys), files=sorted(read.files), all_keys=refs["keys"],
         layers=list(stages.layers), bounds=[list(b) for b in stages.plan.bounds],
+        cost=stages.plan.costs[stages.plan.coord],
         first=stages.plan.first, last=stages.plan.last, layer_names=layer_names,
         skipped=load.skipped, bytes_read=load.bytes_read, meta_left=meta_left,
         param_bytes=sum(p.numel() * p.element_size() for p in engine.module.parameters()),
@@ -606,6 +607,19 @@ def test_each_pp_rank_reads_only_its_stages_tensors(pair, name):
         assert r["bytes_read"] == r["param_bytes"], r["summary"]
     if "sharded" in name:  # a file holding none of a rank's tensors is never opened
         assert results[0]["files"] != results[1]["files"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["ckpt-llama", "ckpt-gpt2-sharded"])
+def test_the_balance_counts_what_each_stage_holds(pair, name):
+    """A stage's planned cost (its layers' bytes, the embedding's on the first stage, the
+    head's on the last) is what it holds beyond the small tensors every stage keeps a copy of
+    (final norm, position table): the same remainder on both. GPT-2's tied table is counted on
+    both end stages because both hold it (the first as its embedding, the last as its head:
+    two ranks, two copies), not once."""
+    r0, r1 = _case(pair, name)
+    assert r0["param_bytes"] - r0["cost"] == r1["param_bytes"] - r1["cost"] >= 0
+    assert r0["cost"] > 0 and r1["cost"] > 0
 
 
 @pytest.mark.slow
