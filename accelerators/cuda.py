@@ -33,6 +33,10 @@ class CudaGraphStrategy(GraphStrategy):
     name = "cuda_graph"
     accelerates = True
 
+    #: a captured graph replays on the addresses it was captured with: offload's per-layer
+    #: graphs are captured once per layer and ring slot (shardwise.offload.graphs)
+    weight_binding = "addresses"
+
     def __init__(self, warmup_iters: int = 3) -> None:
         self.warmup_iters = warmup_iters
 

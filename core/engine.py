@@ -489,10 +489,15 @@ def _build_engine(model: nn.Module | None, cfg: InferenceConfig) -> InferenceEng
     offload = _offload_step(model, cfg, accelerator, dtype, device, plan, injected,
                             loaded)  # 7b.
     if cfg.enable_graph:  # 8. (the config requires injection for it)
-        from .inject import enable_graphs
-
         _no_grad_parameters(model)
-        enable_graphs(model, accelerator)
+        if offload is not None:  # one graph per layer (and ring slot), the ring's waits between
+            from .offload.graphs import enable_offload_graphs
+
+            enable_offload_graphs(model, accelerator, offload)
+        else:
+            from .inject import enable_graphs
+
+            enable_graphs(model, accelerator)
     log.info("shardwise: %s on %s (%s)", type(model).__name__, device, dtype)
     engine = InferenceEngine(model, cfg, accelerator, communicator, device, dtype, report,
                              plan=plan)
@@ -682,7 +687,8 @@ def _check_later_steps(model: nn.Module, cfg: InferenceConfig, accelerator: Acce
     if cfg.offload is not None:
         from .offload.config import check_offload
 
-        check_offload(cfg.offload, accelerator, model, device, enable_graph=cfg.enable_graph)
+        check_offload(cfg.offload, accelerator, model, device, enable_graph=cfg.enable_graph,
+                      per_layer_graphs=True)
         if cfg.save_mp_checkpoint_path:
             raise ConfigError(_OFFLOAD_SAVE_REFUSAL)
 

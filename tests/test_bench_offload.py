@@ -46,8 +46,6 @@ def _refusals(tmp_path):
         (["--offload", "nvme", "--nvme-path", str(tmp_path / "a-file")], ["not a directory"]),
         (["--offload", "nvme", "--nvme-path", str(blobs), "--buffer-count", "1"],
          [">= 2", "got 1", "buffer_count is --buffer-count"]),
-        (["--offload", "nvme", "--nvme-path", str(blobs), "--inject", "--graphs"],
-         ["captured graph", "enable_graph is --graphs"]),
         (["--offload", "cpu"], ["computes in host memory", "'nvme'"]),  # the CPU plugin's
         (["--offload", "cpu", "--nvme-path", str(blobs)], ["used only by device 'nvme'"]),
         (["--nvme-path", str(blobs)], ["--nvme-path: used only by --offload", "drop it"]),

@@ -525,7 +525,8 @@ def check_offload_variants(plan: Plan, accelerator: Accelerator) -> None:
     """Every offloading variant's settings against this machine, before any load: the engine's
     own checks (:func:`shardwise.offload.config.check_offload`: ``--nvme-path`` given for the
     ``nvme`` tier, an existing writable directory; ``--buffer-count`` at least 2; the ``cpu``
-    tier only on a device with memory of its own; no ``--graphs``), their errors prefixed with
+    tier only on a device with memory of its own; ``--graphs`` only where the graph strategy
+    can capture one layer at a time), their errors prefixed with
     the ``--offload`` option and the bench options the message's settings are."""
     from ..offload.config import check_offload, parse_offload
 
@@ -535,7 +536,7 @@ def check_offload_variants(plan: Plan, accelerator: Accelerator) -> None:
         try:
             settings = parse_offload(plan.offload_settings(variant.offload))
             check_offload(settings, accelerator, None, accelerator.device(),
-                          enable_graph=variant.graphs)
+                          enable_graph=variant.graphs, per_layer_graphs=True)
         except ConfigError as exc:
             text = str(exc)
             named = [f"{key} is {flag}" for key, flag in OFFLOAD_OPTIONS.items() if key in text]
