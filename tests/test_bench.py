@@ -333,6 +333,16 @@ def test_default_run_is_injection_with_graphs_int8_and_int4_as_the_device_says()
                                                           "lm_head": True}
 
 
+def test_hf_loop_times_hfs_generate_around_the_injected_variants():
+    """--hf-loop: the injected variants (the default set's, or the one described) time HF's
+    loop (tag hf-loop); a variant without injection has no loop of shardwise's to replace."""
+    plan, *_ = _default_plan(["--hf-loop"])
+    assert [v.hf_loop for v in plan.variants] == [True, True, True]
+    assert all(name.endswith(",hf-loop]") for name in plan.variant_names)
+    plan, *_ = _default_plan(["--dtype", "fp32", "--hf-loop"])
+    assert plan.variants == [Variant("float32")]
+
+
 def test_default_variants_ask_the_accelerator_not_the_device_name():
     from shardwise.accelerator import GraphStrategy
 

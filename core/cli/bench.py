@@ -96,6 +96,11 @@ def _add_variant_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--master-port", type=int, metavar="PORT", help="rendezvous port (--nnodes > 1)")
     g.add_argument("--inject", action="store_true", help="kernel injection")
     g.add_argument("--graphs", action="store_true", help="graph capture (needs --inject)")
+    g.add_argument("--hf-loop", action="store_true",
+                   help="time Hugging Face's generate loop around each injected engine's step "
+                        "(engine.generate(..., shardwise_fast_loop=False)) instead of "
+                        "shardwise's own decode loop; benchmarks/decode_loop.py compares both "
+                        "on one engine")
     g.add_argument("--quant", choices=["int8", "int4"], help="weight quantization")
     g.add_argument("--quant-head", action="store_true",
                    help="with --quant: quantize the output head too (a head tied to the input "
@@ -284,7 +289,16 @@ def output_path(args: argparse.Namespace) -> Path:
 def _variants(args: argparse.Namespace, accelerator) -> tuple[list, str | None, list[str]]:
     """``(variants, baseline dtype, notes)``: the one variant the variant options describe, or
     the device's default set (see :func:`~shardwise.bench.plan.default_variants`), whose
-    baseline runs in the same preferred dtype as its first variant."""
+    baseline runs in the same preferred dtype as its first variant; with ``--hf-loop`` the
+    injected ones time HF's generate loop."""
+    variants, baseline, notes = _described_variants(args, accelerator)
+    if args.hf_loop:
+        variants = [replace(v, hf_loop=True) if v.inject else v for v in variants]
+    return variants, baseline, notes
+
+
+def _described_variants(args: argparse.Namespace,
+                        accelerator) -> tuple[list, str | None, list[str]]:
     from ..bench.plan import Variant, default_variants, resolve_dtype_name
 
     dtype = resolve_dtype_name(accelerator, args.dtype)
