@@ -286,7 +286,9 @@ def save_stages_checkpoint(model: nn.Module, path: str | Path, stages,
     The folder then loads with ``init_inference(None, checkpoint=path, ...)`` at any
     pp / tp — each stage reading only its tensors — and with ``from_pretrained``.
 
-    Returns the index's path.
+    Returns the index's path; for stages carrying extension data (quantized stages: packed
+    layers, no Hugging Face tensors) the description's path of the one shardwise checkpoint
+    :func:`save_extended_stages` writes instead.
 
     Injected stages save as the model's own tensors (the injected layers adopt the HF
     modules' parameters; a layout a transform changed is saved as the module's own through
@@ -294,15 +296,14 @@ def save_stages_checkpoint(model: nn.Module, path: str | Path, stages,
     so the folder loads with or without injection.
 
     Raises:
-        NotSupportedYetError: tensor parallelism within the stages, a quantized engine (its
-            packed layers are no Hugging Face tensors), or a folder holding a shardwise
-            tensor-parallel checkpoint (its description would be read instead); each message
-            says what to do.
+        NotSupportedYetError: tensor parallelism within the stages, extension data the
+            stages cannot merge, or (for a Hugging Face save) a folder holding a shardwise
+            checkpoint (its description would be read instead); each message says what to do.
     """
     comm = stages.communicator
     _check_stages_save(model, stages, communicator, Path(path))
-    if _extension_entries(model):  # quantized stages: one shardwise quantized checkpoint
-        return save_quantized_stages(model, path, stages)
+    if _extension_entries(model):  # quantized stages: one shardwise checkpoint, tp size 1
+        return save_extended_stages(model, path, stages)
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
     plan = stages.plan
@@ -339,11 +340,12 @@ def _check_stages_save(model: nn.Module, stages, communicator: Communicator, out
             "saving a checkpoint from pipeline stages with tensor parallelism inside them is not "
             "supported yet (each stage's tensors are split over its tp ranks); save from an "
             "engine with pipeline_parallel alone, or with tensor_parallel alone")
-    unknown = sorted(set(_extension_entries(model)) - {_QUANT_EXTENSION})
+    mergeable = getattr(stages, "MERGED_EXTENSIONS", ())
+    unknown = sorted(set(_extension_entries(model)) - set(mergeable))
     if unknown:
         raise NotSupportedYetError(
             f"saving a checkpoint from pipeline stages carrying the checkpoint extension(s) "
-            f"{unknown} is not supported yet (only quantized stages merge their entries); save "
+            f"{unknown} is not supported yet (the stages merge only {list(mergeable)}); save "
             f"from an engine without pipeline_parallel")
     if (out / DESCRIPTION_NAME).exists() and not _extension_entries(model):
         raise NotSupportedYetError(
@@ -351,13 +353,14 @@ def _check_stages_save(model: nn.Module, stages, communicator: Communicator, out
             f"load would read instead of the pipeline stages' files; save into another folder")
 
 
-def _stage_tensors(model: nn.Module, stages, quantized: bool = False
+def _stage_tensors(model: nn.Module, stages, extended: frozenset[str] = frozenset()
                    ) -> dict[str, torch.Tensor]:
     """This stage's tensors (state-dict names → CPU tensors): those under its decoder layers;
     on the first stage also everything outside the layers and the head; on the last the head
-    unless it is tied to the embedding. ``quantized``: the last stage's head always (a tied
-    table is stored once, under the head's name), and not the first stage's copy of it
-    (``<embedding>.table``: :class:`~shardwise.pipeline.quant.StageQuantEmbedding`)."""
+    unless it is tied to the embedding. ``extended``: the tensors an extension stores for this
+    stage (a quantized stage's packed layers): a head holding some is written by the last
+    stage even when tied (an extension stores a tied table once, under the head's name), and
+    the first stage's own copy of it (extension tensors under the embedding's name) is not."""
     from ..pipeline.transform import RemoteHead, RemoteLayer
 
     plan = stages.plan
@@ -368,26 +371,22 @@ def _stage_tensors(model: nn.Module, stages, quantized: bool = False
         if isinstance(head, nn.Module) and not isinstance(head, RemoteHead) else None
     config = getattr(model, "config", None)
     tied = bool(getattr(config, "tie_word_embeddings", False))
-    head_quantized = quantized and _is_quant_linear(head)
+    head_extended = head_name is not None and any(n.startswith(f"{head_name}.")
+                                                  for n in extended)
+    embed_name = getattr(plan, "embed_name", None)
     out = {}
     for name, tensor in _unique_state(model, views=True).items():
         in_layers = any(name.startswith(f"{c}.") for c in containers)
         in_head = head_name is not None and name.startswith(f"{head_name}.")
         if in_head:
-            keep = plan.last and (not tied or head_quantized)
-        elif quantized and plan.embed_name and name.startswith(f"{plan.embed_name}.table."):
-            keep = False  # the first stage's copy of the tied table: the head's is stored
+            keep = plan.last and (not tied or head_extended)
+        elif name in extended and embed_name and name.startswith(f"{embed_name}."):
+            keep = False  # the first stage's copy of a tied table: the head's is stored
         else:
             keep = in_layers or plan.first
         if keep:
             out[name] = tensor.detach().to("cpu").contiguous()
     return out
-
-
-def _is_quant_linear(module: Any) -> bool:
-    from ..quant import QuantLinear
-
-    return isinstance(module, QuantLinear)
 
 
 def _save_tensors(tensors: dict[str, torch.Tensor], tmp: Path) -> None:
@@ -408,121 +407,76 @@ def _gather_names(comm: Communicator, names: list[str]) -> list[list[str]]:
             for r in range(len(lengths))]
 
 
-# ----- quantized pipeline stages -----------------------------------------------------------------
+# ----- pipeline stages carrying extension data (quantized stages) ---------------------------------
 
-#: the quantization extension's name (``shardwise.quant.checkpoint.EXTENSION``)
-_QUANT_EXTENSION = "shardwise.quant"
-
-
-def save_quantized_stages(model: nn.Module, path: str | Path, stages) -> Path:
-    """Write quantized pipeline stages (``stages``: this rank's
-    :class:`~shardwise.pipeline.PipelineReport`) as ONE shardwise quantized checkpoint of the
-    whole model at tp size 1 (a rank file and ``shardwise_checkpoint.json``, as
-    :func:`save_checkpoint` writes for the same model quantized in one process): every stage
-    sends its tensors — its layers' packed weights and float tensors, the first stage also
-    everything outside the layers and the head, the last the head — and its quantization
-    manifest to the first stage, which merges the manifests and writes the file, then the
-    description last (the commit point). Every rank of the pipeline calls it.
-
-    A head tied to the embedding is one table there, stored once under the head's name: the
-    last stage's quantized head, with the tie recorded from the first stage's
-    :class:`~shardwise.pipeline.quant.StageQuantEmbedding` (whose own copy of the table is
-    not written). The first stage holds the whole quantized model in host memory while it
-    writes. The folder loads without re-quantizing at tp size 1 (packed layouts are not
-    re-split), e.g. ``init_inference(None, checkpoint=path)``.
-
-    Returns the description's path."""
+def save_extended_stages(model: nn.Module, path: str | Path, stages) -> Path:
+    """Write pipeline stages whose model carries checkpoint-extension data (quantized stages:
+    packed layers) as ONE shardwise checkpoint of the whole model at tp size 1 (a rank file and
+    ``shardwise_checkpoint.json``, as :func:`save_checkpoint` writes for the same model in one
+    process): every stage sends its tensors (as :func:`_stage_tensors` picks them) and its
+    extensions' rank entries to the first stage; there ``stages.merge_entries`` (the pipeline
+    package's: :meth:`~shardwise.pipeline.PipelineReport.merge_entries`) makes each
+    extension's rank and description entries of the whole model, and the first stage writes
+    the file, then the description last (the commit point). Every rank of the pipeline calls
+    it. The first stage holds the whole model's tensors in host memory while it writes; the
+    folder loads as any tp-size-1 shardwise checkpoint (a quantized one without
+    re-quantizing). Returns the description's path."""
     comm, plan = stages.communicator, stages.plan
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
     save_id, plain = _shared_id(comm, out, 1)
-    tensors = _stage_tensors(model, stages, quantized=True)
-    info = _stage_manifest(model, plan)
-    parts = _gather_to_first(comm, plan, tensors, info)
+    saved = _extension_entries(model)
+    extended = frozenset(k for entries in saved.values() for k in entries.tensors)
+    tensors = _stage_tensors(model, stages, extended)
+    parts = _gather_to_first(comm, plan, tensors, {n: e.rank for n, e in saved.items()})
     description = out / DESCRIPTION_NAME
     if plan.first:
-        everything, manifest = {}, _merge_manifests([m for _, m in parts], plan)
+        everything, names = {}, sorted({n for _, entries in parts for n in entries})
         for part, _ in parts:
             everything.update(part)
+        merged = {n: stages.merge_entries(n, [entries.get(n) for _, entries in parts])
+                  for n in names}  # name → (rank entry, description entry)
         name = rank_file(0, 1, None if plain else save_id)
         metadata = {"format": "pt", "save_id": save_id, "rank": "0", "tp_size": "1",
-                    RANK_METADATA: json.dumps({_QUANT_EXTENSION: manifest})}
+                    RANK_METADATA: json.dumps({n: rank for n, (rank, _) in merged.items()})}
         from safetensors.torch import save_file
 
         _atomic(out / name, lambda tmp: save_file(everything, str(tmp), metadata=metadata))
-        _write_quantized_description(model, description, save_id, name, manifest)
+        _write_extended_description(model, description, save_id, name,
+                                    {n: entry for n, (_, entry) in merged.items()})
         _remove_stale(out, [name])
     comm.barrier()
     return description
 
 
-def _stage_manifest(model: nn.Module, plan) -> dict[str, Any]:
-    """This stage's quantization manifest (``shardwise.quant.checkpoint.manifest``; a stage
-    without a quantized layer: an empty one)."""
-    from ..quant.checkpoint import is_quantized, manifest
-
-    if not is_quantized(model):
-        return {"layers": {}}
-    return manifest(model)
-
-
-def _merge_manifests(infos: list[dict[str, Any]], plan) -> dict[str, Any]:
-    """The whole model's manifest from every stage's: their layers together; the first
-    stage's copy of a tied table (``<embedding>.table``) dropped, its tie moved onto the
-    head's entry; settings, dtype and format from the stages that have them."""
-    merged: dict[str, Any] = {"layers": {}}
-    table = f"{plan.embed_name}.table" if plan.embed_name else None
-    tie = None
-    for info in infos:
-        for key in ("format", "config", "dtype"):
-            if info.get(key) is not None:
-                merged.setdefault(key, info[key])
-        for name, entry in info.get("layers", {}).items():
-            if name == table:
-                tie = entry.get("tied")
-                continue
-            merged["layers"][name] = entry
-        if info.get("experts"):
-            merged.setdefault("experts", {}).update(info["experts"])
-    if tie is not None and plan.head_name in merged["layers"]:
-        merged["layers"][plan.head_name]["tied"] = tie
-    if merged.get("experts") and merged.get("format"):
-        from ..quant.checkpoint import FORMAT_EXPERTS
-
-        merged["format"] = FORMAT_EXPERTS
-    return merged
-
-
-def _write_quantized_description(model: nn.Module, description: Path, save_id: str, name: str,
-                                 manifest: dict[str, Any]) -> None:
-    """The description of a tp-size-1 quantized checkpoint (what :func:`_write_description`
-    writes for one rank), ``config.json`` next to it."""
-    from ..quant.checkpoint import description_entry
-
+def _write_extended_description(model: nn.Module, description: Path, save_id: str, name: str,
+                                extensions: dict[str, Any]) -> None:
+    """The description of a tp-size-1 checkpoint whose one rank file is ``name`` (what
+    :func:`_write_description` writes for one rank), ``config.json`` next to it."""
     config = getattr(model, "config", None)
     if config is not None and hasattr(config, "save_pretrained"):
         _atomic(description.parent / "config.json", lambda tmp: _save_config(config, tmp))
     body = {"type": "shardwise", "version": VERSION, "tp_size": 1, "ep_size": 1,
             "dtype": _dtype_name(model), "save_id": save_id, "checkpoints": [name],
-            "shards": {}, "extensions": {_QUANT_EXTENSION: description_entry(manifest)}}
+            "shards": {}, "extensions": extensions}
     _atomic(description, lambda tmp: tmp.write_text(json.dumps(body, indent=1)))
 
 
 def _gather_to_first(comm: Communicator, plan, tensors: dict[str, torch.Tensor],
-                     info: dict[str, Any]) -> list[tuple[dict[str, torch.Tensor], dict]]:
-    """Every stage's (tensors, manifest) on the first stage, first stage first (point-to-point:
-    a length, then the safetensors bytes with the manifest in their metadata); the other
-    stages get an empty list."""
+                     entries: dict[str, Any]) -> list[tuple[dict[str, torch.Tensor], dict]]:
+    """Every stage's (tensors, extension rank entries) on the first stage, first stage first
+    (point-to-point: a length, then the safetensors bytes with the entries in their metadata);
+    the other stages get an empty list."""
     from safetensors.torch import load as st_load, save as st_save
 
     first = plan.ranks[0]
     if not plan.first:
-        data = st_save(tensors, metadata={"manifest": json.dumps(info)})
+        data = st_save(tensors, metadata={"entries": json.dumps(entries)})
         payload = torch.frombuffer(bytearray(data), dtype=torch.uint8)
         comm.send(torch.tensor([payload.numel()], dtype=torch.int64), dst=first)
         comm.send(payload, dst=first)
         return []
-    parts = [(tensors, info)]
+    parts = [(tensors, entries)]
     for stage in range(1, plan.size):
         src = plan.ranks[stage]
         length = torch.zeros(1, dtype=torch.int64)
@@ -530,7 +484,7 @@ def _gather_to_first(comm: Communicator, plan, tensors: dict[str, torch.Tensor],
         payload = torch.empty(int(length.item()), dtype=torch.uint8)
         comm.recv(payload, src=src)
         data = payload.numpy().tobytes()
-        parts.append((st_load(data), json.loads(_safetensors_metadata(data)["manifest"])))
+        parts.append((st_load(data), json.loads(_safetensors_metadata(data)["entries"])))
     return parts
 
 

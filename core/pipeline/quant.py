@@ -185,3 +185,36 @@ def rehome_tied_table(model: nn.Module, stages: StagePlan, embed: nn.Module,
     layer = report.layers.pop(stages.head_name, None) if report is not None else None
     if layer is not None:
         report.layers[name] = dataclasses.replace(layer, name=name)
+
+
+# ----- saving quantized stages (shardwise.checkpoint.saver.save_extended_stages) ----------------
+
+def merge_manifests(infos: list[dict[str, Any] | None], plan: StagePlan
+                    ) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(the whole model's quantization manifest, its description entry) from every stage's
+    manifest (``shardwise.quant.checkpoint.manifest``; None: a stage without quantized
+    layers), for :func:`shardwise.checkpoint.saver.save_extended_stages`: the stages' layers
+    together; the first stage's copy of a tied table (its :class:`StageQuantEmbedding`'s
+    ``table``) left out, its tie recorded on the head's entry (the head holds the table, as
+    in one process); settings, dtype and format from the stages that have them."""
+    from ..quant.checkpoint import FORMAT_EXPERTS, description_entry
+
+    merged: dict[str, Any] = {"layers": {}}
+    table = f"{plan.embed_name}.table" if plan.embed_name else None
+    tie = None
+    for info in filter(None, infos):
+        for key in ("format", "config", "dtype"):
+            if info.get(key) is not None:
+                merged.setdefault(key, info[key])
+        for name, entry in info.get("layers", {}).items():
+            if name == table:
+                tie = entry.get("tied")
+                continue
+            merged["layers"][name] = entry
+        if info.get("experts"):
+            merged.setdefault("experts", {}).update(info["experts"])
+    if tie is not None and plan.head_name in merged["layers"]:
+        merged["layers"][plan.head_name] = {**merged["layers"][plan.head_name], "tied": tie}
+    if merged.get("experts"):
+        merged["format"] = FORMAT_EXPERTS
+    return merged, description_entry(merged)

@@ -189,6 +189,24 @@ class PipelineReport:
         out, self.stats = run_micro_batches(module, args, kwargs, self)
         return out
 
+    #: the checkpoint extensions whose per-stage entries :meth:`merge_entries` merges
+    MERGED_EXTENSIONS = ("shardwise.quant",)
+
+    def merge_entries(self, name: str, entries: list) -> tuple[Any, Any]:
+        """(the rank entry, the description entry) of checkpoint extension ``name`` for the
+        whole model, from every stage's rank entry (None: a stage without its data), first
+        stage first: what :func:`shardwise.checkpoint.saver.save_extended_stages` writes
+        (quantized stages: :func:`shardwise.pipeline.quant.merge_manifests`).
+
+        Raises:
+            PipelineConfigError: an extension not in :attr:`MERGED_EXTENSIONS`."""
+        if name not in self.MERGED_EXTENSIONS:
+            raise PipelineConfigError(f"pipeline stages cannot merge the checkpoint extension "
+                                      f"{name!r}'s data (only {list(self.MERGED_EXTENSIONS)})")
+        from .quant import merge_manifests
+
+        return merge_manifests(entries, self.plan)
+
     def summary(self) -> str:
         a, b = self.plan.bounds[self.plan.coord]
         return (f"pipeline: stage {self.plan.coord} of {self.plan.size} runs layers [{a}, {b}) "
