@@ -17,8 +17,12 @@ The dimensions and their checks (:func:`check_dims`), made before any process gr
   and vLLM do): ep divides tp × dp, and ``ep_coord = (dp_coord × tp + tp_coord) mod ep``;
 * ``tp_size=1`` in a larger world (each rank runs the whole model alone, as before) is dp =
   world with no collectives between the replicas — unless they form the expert-parallel group;
-  data-parallel replicas of a TP group or of a pipeline, and an ep group smaller than the
-  world (several expert groups) are :class:`ParallelismNotSupportedError` ("not supported yet");
+  data-parallel replicas of a TP group or of a pipeline, and expert groups inside pipeline
+  stages are :class:`ParallelismNotSupportedError` ("not supported yet");
+* an ep group smaller than the world: several expert groups, each of ``ep`` consecutive ranks
+  (``rank // ep``: ranks 0-1 and 2-3 at world 4, ep 2) holding every expert once, so each
+  expert is held by ``world / ep`` ranks; the ranks hold the same tokens (the engine broadcasts
+  rank 0's inputs), so each group's all-reduce gives its ranks the whole MoE output;
 * pipeline stages (``pipeline_parallel={"pp_size": P}``) run tp ranks per stage (world == P ×
   tp; each stage's layers split by tensor parallelism inside the stage): ``plan.stages``
   (:class:`~shardwise.pipeline.StagePlan`) says which decoder layers each stage runs;
@@ -204,11 +208,11 @@ def check_dims(world: int, rank: int, tp: int = 1, pp: int = 1, dp: int | None =
         raise ParallelismNotSupportedError(
             f"data parallelism (dp_size={dp}) is not supported yet; run with dp_size=1")
     _check_pipeline_dims(pp, tp, dp_size, world)
-    if 1 < ep < world:
+    if 1 < ep < world and pp > 1:
         raise ParallelismNotSupportedError(
-            f"expert parallelism over part of the world (ep_size={ep} of {world} ranks: several "
-            f"expert groups) is not supported yet; run with ep_size={world} (every rank one "
-            f"share of the experts) or ep_size=1")
+            f"expert parallelism inside pipeline stages (ep_size={ep} with pp_size={pp}: an "
+            f"expert group per stage) is not supported yet; run with pp_size=1, or without "
+            f"moe ep_size")
     tp_coord = rank % tp
     dp_coord = (rank // tp) % dp_size
     pp_coord = rank // (tp * dp_size)
@@ -256,7 +260,8 @@ class Plan:
 
     Attributes:
         world, rank: the world size and this process's rank in it.
-        tp, pp, dp, ep: the :class:`Dim` s (size, this rank's coordinate, process group).
+        tp, pp, dp, ep: the :class:`Dim` s (size, this rank's coordinate, process group; the ep
+            group is this rank's expert group, :meth:`dim_ranks`).
         policy: the model's :class:`~shardwise.policy.Policy` (the
             :class:`~shardwise.policy.GenericPolicy` when none is registered for its
             ``model_type``: see ``policy_registered``).
@@ -325,9 +330,9 @@ class Plan:
         """Give each dimension that needs collectives its group: the world's ``communicator``
         when the dimension spans the world, else this rank's sub-group of it
         (:func:`~shardwise.communicator.subgroups`: under pp × tp the tp group is one stage's
-        tp ranks, the pp group the ranks of this tp coordinate in every stage). Expert
-        parallelism spans the world (:func:`check_dims`). Every rank creates the same groups in
-        the same order."""
+        tp ranks, the pp group the ranks of this tp coordinate in every stage, the ep group this
+        rank's expert group of ``ep`` consecutive ranks). Every rank creates the same groups
+        in the same order."""
         from .communicator import subgroups
 
         for dim in (self.tp, self.ep, self.pp):
@@ -335,7 +340,7 @@ class Plan:
                 continue
             if communicator.world_size == dim.size:
                 group = communicator
-            elif communicator.world_size == self.world and dim.name in ("tp", "pp"):
+            elif communicator.world_size == self.world and dim.name in ("tp", "pp", "ep"):
                 group = subgroups(communicator, self.dim_ranks(dim.name))
             else:
                 raise ShardingError(f"the plan's {dim.name}_size={dim.size} needs a "
@@ -344,9 +349,13 @@ class Plan:
             setattr(self, dim.name, replace(dim, group=group))
 
     def dim_ranks(self, name: str) -> list[tuple[int, ...]]:
-        """Every group of dimension ``name`` (``tp`` or ``pp``) as world ranks, in a fixed
-        order (the layout: ``rank = (pp_coord × dp + dp_coord) × tp + tp_coord``)."""
+        """Every group of dimension ``name`` (``tp``, ``pp`` or ``ep``) as world ranks, in a fixed
+        order (the layout: ``rank = (pp_coord × dp + dp_coord) × tp + tp_coord``; an ep group is
+        ``ep`` consecutive ranks, ``ep_coord = rank mod ep``)."""
         tp, dp, pp = self.tp.size, self.dp.size, self.pp.size
+        if name == "ep":
+            ep = self.ep.size
+            return [tuple(range(g * ep, (g + 1) * ep)) for g in range(self.world // ep)]
         if name == "tp":
             return [tuple((p * dp + d) * tp + t for t in range(tp))
                     for p in range(pp) for d in range(dp)]

@@ -80,9 +80,8 @@ def test_a_model_no_plan_fits_has_no_roles_on_one_rank_and_the_plan_says_why():
     (dict(world=4, rank=0, tp=2), ParallelismNotSupportedError, "2 data-parallel replicas"),
     (dict(world=8, rank=0, tp=2, pp=2), NotSupportedYetError,
      r"2 data-parallel replicas of the pipeline"),
-    (dict(world=4, rank=0, tp=4, ep=2), NotSupportedYetError,
-     r"expert parallelism over part of the world \(ep_size=2 of 4 ranks.*run with ep_size=4"),
-    (dict(world=4, rank=0, tp=1, ep=2), NotSupportedYetError, "ep_size=2 of 4 ranks"),
+    (dict(world=4, rank=0, tp=2, pp=2, ep=2), NotSupportedYetError,
+     r"expert parallelism inside pipeline stages \(ep_size=2 with pp_size=2"),
     (dict(world=1, rank=0, ep=2), ShardingError,
      r"ep_size=2 needs 2 ranks .*this process runs alone.*torchrun --nproc-per-node 2"),
     (dict(world=4, rank=0, tp=4, ep=3), ShardingError,
@@ -112,6 +111,19 @@ def test_not_supported_yet_is_a_sharding_and_a_config_error():
 def test_expert_parallelism_is_carved_out_of_the_worlds_ranks(tp, rank, coords):
     dims = check_dims(world=2, rank=rank, tp=tp, ep=2)
     assert {n: (dims[n].size, dims[n].coord) for n in coords} == coords
+
+
+@pytest.mark.parametrize("tp", [1, 4])
+def test_an_ep_group_smaller_than_the_world_makes_several_expert_groups(tp):
+    """world 4, ep 2 (tp 4: heads over all 4; tp 1: dense parts replicated): expert groups of 2
+    consecutive ranks, rank r holding ep coordinate r mod 2's experts (tests/test_moe_ep_groups.py
+    runs them)."""
+    for rank in range(4):
+        plan = build_plan(_meta_model(_moe_config("mixtral")), moe=_moe(ep_size=2), world=4,
+                          rank=rank, tp_size=tp)
+        assert (plan.ep.size, plan.ep.coord) == (2, rank % 2)
+        assert plan.experts.range == ((0, 2), (2, 4))[rank % 2]  # 4 experts over 2
+        assert plan.dim_ranks("ep") == [(0, 1), (2, 3)]
 
 
 def test_tp1_in_a_larger_world_is_independent_replicas_with_their_coordinates():
@@ -459,8 +471,6 @@ def _moe(**kwargs):
     ("qwen2_moe", dict(type="standard"), 1, ConfigError,
      r"type='standard' does not match the 'qwen2_moe' model: it has 1 shared expert\(s\), a "
      r"'residual' MoE"),
-    ("mixtral", dict(ep_size=2), 4, ParallelismNotSupportedError,
-     r"expert parallelism over part of the world \(ep_size=2 of 4 ranks"),
 ])
 def test_bad_moe_input_gets_its_own_error_before_not_supported_yet(name, moe, world, error,
                                                                     match):

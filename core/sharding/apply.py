@@ -197,8 +197,10 @@ def slice_experts(prepared: PreparedShards, rank: int, communicator: Communicato
 def _unslice_experts(spec: ExpertShardSpec, comm: Communicator,
                      grads: Mapping[str, bool]) -> Callable[[], None]:
     """The undo of one experts module's slice: each parameter gathered whole from every ep
-    rank's experts (collectives: runs on every rank). Parameters already whole are left."""
-    ranges = [[r] for r in spec.ranges]
+    rank's experts (collectives: runs on every rank of ``comm``, which may hold several expert
+    groups: rank r holds ep coordinate ``r mod ep``'s experts, the same values in every group).
+    Parameters already whole are left."""
+    ranges = [[spec.ranges[r % len(spec.ranges)]] for r in range(comm.world_size)]
 
     def undo() -> None:
         for pname in spec.params:
@@ -456,9 +458,10 @@ def _check_groups(prepared: PreparedShards, communicator: Communicator) -> None:
     if prepared.specs and communicator.world_size != prepared.tp_size:
         raise ShardingError(f"prepared for tp_size={prepared.tp_size} but the communicator has "
                             f"{communicator.world_size} ranks")
-    if prepared.experts and communicator.world_size != prepared.ep_size:
+    if prepared.experts and communicator.world_size % prepared.ep_size:
         raise ShardingError(f"prepared for ep_size={prepared.ep_size} but the communicator has "
-                            f"{communicator.world_size} ranks (the ep group is the world)")
+                            f"{communicator.world_size} ranks (expert groups of ep_size ranks "
+                            f"must split it)")
 
 
 def _replicated(model: nn.Module, sharded: Mapping[str, Any]) -> list[str]:
