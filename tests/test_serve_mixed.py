@@ -317,3 +317,18 @@ def test_mixed_budget_is_cut_to_the_stall_allowance_by_the_chunks_measured_cost(
     assert scheduler._mixed_budget(500) == 512  # the budget caps decode + chunk tokens
     scheduler.prefill_stall = None
     assert scheduler._mixed_budget(3) == 512
+
+
+def test_mixed_steps_on_an_offloaded_engine(tmp_path):
+    """Weights streamed from disk (offload, 3 buffers): the mixed forward runs the same
+    layers eagerly, so every sequence still gets its HF greedy tokens."""
+    engine = shardwise.init_inference(tiny_causal_lm("llama"), device="cpu",
+                                      replace_with_kernel_inject=True, max_tokens=64,
+                                      offload={"device": "nvme", "nvme_path": str(tmp_path),
+                                               "buffer_count": 3})
+    runner = SlotRunner(engine, max_batch=5, max_tokens=40)
+    try:
+        assert runner.supports_mixed
+        check_against_hf(tiny_causal_lm("llama"), mixed_scenario(runner))
+    finally:
+        runner.close()
