@@ -718,7 +718,8 @@ def _saved_quant_settings(cfg: InferenceConfig, desc: "_checkpoint.Description")
     see :func:`shardwise.quant.checkpoint.adopt_saved_quant`)."""
     from .quant.checkpoint import settings_for_checkpoint
 
-    cfg.quant = settings_for_checkpoint(desc, cfg.quant, cfg.tp_size)
+    ep_size = cfg.moe.ep_size if cfg.moe is not None else 1  # a wrong split: refused now
+    cfg.quant = settings_for_checkpoint(desc, cfg.quant, cfg.tp_size, ep_size=ep_size)
 
 
 def _saved_quantized(desc: "_checkpoint.Description | None") -> bool:
