@@ -120,6 +120,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "its call's overhead is worth, even past --prefill-stall "
                              "(default: the server's, on); --no-prefill-worth: the stall "
                              "bound first")
+    parser.add_argument("--mixed", action=argparse.BooleanOptionalAction, default=None,
+                        help="prefill prompt chunks inside the decode step (default: the "
+                             "server's, on); --no-mixed: prefill and decode steps alternate")
     parser.add_argument("--client-processes", type=int, default=1,
                         help="processes the clients run in, the streams spread over them "
                              "(default: 1; 0: in the servers' process, sharing their GIL)")
@@ -225,6 +228,8 @@ def shardwise_stack(model, tokenizer, args, accelerator, name: str):
         budget["prefill_stall"] = args.prefill_stall
     if args.prefill_worth is not None:
         budget["prefill_worth"] = args.prefill_worth
+    if args.mixed is not None:
+        budget["mixed"] = args.mixed
     return build_stack(model, tokenizer, max_batch=args.max_batch, max_tokens=args.max_context,
                        name=name, max_waiting=queue_bound(args), **budget,
                        replace_with_kernel_inject=True, enable_graph=True,

@@ -303,14 +303,15 @@ def build_stack(model, tokenizer, *, max_batch: int = 16, max_tokens: int = 256,
                 name: str = "model", max_waiting: int = 64, prefill_budget: int = 512,
                 heartbeat_s: float = 5.0, start: bool = True, progress=None,
                 prefill_stall: float | None = 0.75, prefill_worth: bool = True,
-                **engine_kwargs: Any) -> Stack:
+                mixed: bool = True, **engine_kwargs: Any) -> Stack:
     """Build the server's layers over ``model``: ``init_inference(model, max_tokens=...,
     **engine_kwargs)`` (a causal LM needs ``replace_with_kernel_inject=True``), a warmed-up
     ``SlotRunner(engine, max_batch, max_tokens)``, a ``Scheduler`` with the model's
     end-of-sequence ids and ``ServeMetrics`` (started unless ``start=False``), and the API's
     ``ServeState``. An encoder model (BERT-like) gets an ``Embedder`` and no runner or scheduler.
     ``progress(text)``, when given, is told what the slow steps are doing. ``prefill_budget``,
-    ``prefill_stall`` and ``prefill_worth`` are the scheduler's
+    ``prefill_stall``, ``prefill_worth`` and ``mixed`` (prompt chunks inside the decode step)
+    are the scheduler's
     (:class:`~shardwise.serve.scheduler.Scheduler`).
 
     Returns a :class:`Stack` ``(engine, runner, scheduler, state)``; pass ``state`` to
@@ -340,7 +341,7 @@ def build_stack(model, tokenizer, *, max_batch: int = 16, max_tokens: int = 256,
     scheduler = Scheduler(runner, eos_token_ids=eos_token_ids(model, tokenizer),
                           max_waiting=max_waiting, prefill_budget=prefill_budget,
                           prefill_stall=prefill_stall, prefill_worth=prefill_worth,
-                          metrics=metrics, heartbeat_s=heartbeat_s)
+                          mixed=mixed, metrics=metrics, heartbeat_s=heartbeat_s)
     if start:
         scheduler.start()
     state = ServeState(scheduler, tokenizer, name, runner.max_tokens, metrics)
