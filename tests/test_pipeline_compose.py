@@ -356,14 +356,16 @@ def quant_head_case(rank: int, root: str, name: str) -> dict:
     return out
 
 
-def offload_case(rank: int, root: str, arch: str, micro_batches: int = 1) -> dict:
-    """An fp32 model handed in, offloaded from disk at PP=2 (both ranks under one
-    ``nvme_path``): tokens and logits against the resident model; the units this rank streams
-    and the ones its store's manifest holds, against its stage's modules."""
+def offload_case(rank: int, root: str, arch: str, micro_batches: int = 1,
+                 inject: bool = False) -> dict:
+    """An fp32 model handed in (``inject``: kernel-injected), offloaded from disk at PP=2 (both
+    ranks under one ``nvme_path``): tokens and logits against the resident model; the units
+    this rank streams and the ones its store's manifest holds, against its stage's modules."""
     ref = torch.load(Path(root, "refs.pt"))["resident"][arch]
-    blobs = Path(root, f"blobs-{arch}-{micro_batches}")
+    blobs = Path(root, f"blobs-{arch}-{micro_batches}-{inject}")
     blobs.mkdir(exist_ok=True)
-    pp = {"pipeline_parallel": {"pp_size": 2, "micro_batches": micro_batches}}
+    pp = {"pipeline_parallel": {"pp_size": 2, "micro_batches": micro_batches},
+          "replace_with_kernel_inject": inject}
     engine = shardwise.init_inference(tiny_causal_lm(arch), device="cpu", dtype=torch.float32,
                                       offload={"device": "nvme", "nvme_path": str(blobs)}, **pp)
     ids = _ids(engine.module.config.vocab_size)
@@ -507,6 +509,7 @@ PAIR = {
     **{f"quant-{name}": (quant_head_case, name) for name in QUANT_HEAD},
     **{f"offload-{arch}": (offload_case, arch) for arch in RESIDENT_ARCHS},
     "offload-llama-micro-batches": (offload_case, "llama", 2),
+    "offload-gpt2-injected": (offload_case, "gpt2", 1, True),
     "ckpt-missing-key": (broken_case,),
     "save-llama": (save_case, "llama"),
     "save-gpt2-sharded": (save_case, "gpt2-sharded"),
@@ -730,10 +733,11 @@ def test_pp2_with_the_head_quantized_matches_the_single_process_engine(pair, nam
 # ----- offload= -----------------------------------------------------------------------------------
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", [*RESIDENT_ARCHS, "llama-micro-batches"])
+@pytest.mark.parametrize("name", [*RESIDENT_ARCHS, "llama-micro-batches", "gpt2-injected"])
 def test_pp2_offloaded_stages_stream_only_their_own_layers(pair, name):
-    """``offload=`` (from disk) at PP=2: fp32 logits within 1e-4 of the resident model and 32
-    greedy tokens identical; each rank streams, and its store holds, exactly its stage's
+    """``offload=`` (from disk) at PP=2, also with micro-batches and kernel-injected: fp32
+    logits within 1e-4 of the resident model and 32 greedy tokens identical; each rank
+    streams, and its store holds, exactly its stage's
     modules (its layers, the embedding on the first stage, the head on the last), in a shard
     directory of its own."""
     first, last = _case(pair, f"offload-{name}")
