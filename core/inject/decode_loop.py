@@ -390,7 +390,7 @@ class _DecodeStep:
         if self.captured:
             hidden = stack.graphs.run(stack, cache, self.ids, self.rows)
         else:  # the eager step the stack's forward runs
-            hidden = stack._decode_eagerly(cache, stack.parts.embed(self.ids), self.rows, None)
+            hidden = stack.decode_eagerly(cache, stack.parts.embed(self.ids), self.rows)
         cache.advance(1)
         # the head as a module (its hooks run: the tensor-parallel vocab gather); with graphs
         # it answers from the captured head's logits (HeadFromGraph)

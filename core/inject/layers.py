@@ -733,7 +733,7 @@ class InjectedModel(nn.Module):
             else:
                 x = self.parts.embed(input_ids) if inputs_embeds is None else \
                     inputs_embeds.to(dtype)
-                hidden = self._decode_eagerly(cache, x, rows, types)
+                hidden = self.decode_eagerly(cache, x, rows, types)
             cache.advance(1)
             return self._output(hidden, cache)
         ctx = StepContext(cache, past, decode, write_pos=write_pos)
@@ -773,8 +773,8 @@ class InjectedModel(nn.Module):
         ctx = StepContext(cache, past=-1, decode=False, mixed=rows)
         return self.run_layers(self._embedded(ctx, x, rows.position_ids, types), ctx)
 
-    def _decode_eagerly(self, cache: StaticKVCache, x: torch.Tensor, rows: DecodeRows,
-                        types: torch.Tensor | None) -> torch.Tensor:
+    def decode_eagerly(self, cache: StaticKVCache, x: torch.Tensor, rows: DecodeRows,
+                       types: torch.Tensor | None = None) -> torch.Tensor:
         """One decode step run op by op: token embeddings ``x`` [b, 1, hidden], the per-row
         positions, write index, lengths and starts ``rows`` → hidden [b, 1, hidden]."""
         ctx = StepContext(cache, cache.length, True, write_pos=rows.write_index,
