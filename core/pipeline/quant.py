@@ -27,7 +27,6 @@ first stage's embedding then gets the table as its own submodule.
 from __future__ import annotations
 
 import dataclasses
-import logging
 from typing import Any, Mapping
 
 import torch
@@ -38,8 +37,6 @@ from ..quant import QuantConfig, QuantEmbedding, QuantLinear, Quantizer, parse_q
 from ..quant.modules import swap_quantized
 from ..quant.transform import QUANT_ATTR, model_bytes, quantize_model
 from .stages import StagePlan
-
-log = logging.getLogger(__name__)
 
 
 class StageQuantEmbedding(QuantEmbedding):
