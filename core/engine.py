@@ -275,8 +275,10 @@ class InferenceEngine:
 
         A pipeline engine (``pipeline_parallel=``) writes a Hugging Face sharded checkpoint
         instead, each stage its own layers' file (:func:`~shardwise.checkpoint.saver.
-        save_stages_checkpoint`), and returns the index's path; stages that are also
-        tensor-parallel, quantized or injected are refused by name before anything is written.
+        save_stages_checkpoint`), and returns the index's path: injected stages save their HF
+        tensors; quantized stages save one shardwise quantized checkpoint of the whole model
+        (tp size 1, gathered on the first stage, which holds it in host memory while writing);
+        stages that are also tensor-parallel are refused by name before anything is written.
 
         A quantized engine (``quant=`` / ``dtype=torch.int8``) saves its weights as they run:
         each rank file holds that rank's packed weights, scales and zero points bit for bit plus
@@ -777,6 +779,12 @@ def _quantize_step(model: nn.Module, cfg: InferenceConfig, accelerator: Accelera
     sharding, so scales follow their rows) and cast/move the rest; None without ``quant``."""
     if cfg.quant is None:
         return None
+    if plan.stages is not None:  # this stage's linears; with lm_head its part of the head
+        from .pipeline.quant import quantize_stage
+
+        report = quantize_stage(model, cfg.quant, accelerator, dtype, device, plan)
+        log.info("shardwise: %s", report.summary())
+        return report
     from .quant import quantize_model
 
     report = quantize_model(model, cfg.quant, accelerator, dtype, device=device,

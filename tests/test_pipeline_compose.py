@@ -63,7 +63,9 @@ RESIDENT_ARCHS = ("llama", "gpt2")
 #: for the model handed in, bits); GPT-2's head is tied to its embedding (int4 weights: the tied
 #: table gets 8 bits), Llama's not
 QUANT_HEAD = {"gpt2-int4-head": ("gpt2", "gpt2-sharded", 4),
-              "llama-int8-head": ("llama", "llama", 8)}
+              "llama-int8-head": ("llama", "llama", 8),
+              "gpt2-int4-head-handed-in": ("gpt2", None, 4),
+              "opt-int8-head-handed-in": ("opt", None, 8)}
 
 
 def _ids(vocab: int) -> torch.Tensor:
@@ -482,7 +484,12 @@ def save_quant_case(rank: int, root: str, name: str) -> dict:
     engine.close()
     if rank == 0:
         torch.save(outputs, Path(root, f"saved-quant-{name}.pt"))
-    return dict(description=description, layers=layers, files=sorted(
+    again = shardwise.init_inference(None, checkpoint=description, device="cpu",
+                                     dtype=torch.float32, **PP)  # each stage its layers
+    staged = dict(max_abs=(again(input_ids=ids).logits - outputs["logits"]).abs().max().item(),
+                  tokens_equal=torch.equal(again.generate(ids, **GEN), outputs["tokens"]))
+    again.close()
+    return dict(description=description, layers=layers, staged=staged, files=sorted(
         f.name for f in out_dir.iterdir()))
 
 
@@ -752,16 +759,6 @@ def test_pp2_offloaded_stages_stream_only_their_own_layers(pair, name):
 
 # ----- one process: what still does not compose -------------------------------------------------
 
-def test_quantizing_the_head_of_a_model_handed_in_with_stages_is_refused_by_name():
-    with pytest.raises(shardwise.ConfigError,
-                       match="lm_head=True.*only with checkpoint=.*not for a model handed in"):
-        shardwise.InferenceConfig.build(**PP, quant={"weight": {"num_bits": 8},
-                                                     "lm_head": True})
-    cfg = shardwise.InferenceConfig.build(**PP, checkpoint="/some/folder",
-                                          quant={"weight": {"num_bits": 8}, "lm_head": True})
-    assert cfg.quant["lm_head"]
-
-
 def test_checkpoint_and_quant_are_accepted_with_stages():
     cfg = shardwise.InferenceConfig.build(**PP, checkpoint="/some/folder",
                                           quant={"weight": {"num_bits": 4}})
@@ -818,6 +815,8 @@ def test_quantized_stages_save_one_checkpoint_that_reloads_without_stages(pair, 
     (within 1e-4) and 32 greedy tokens."""
     r0, r1 = _case(pair, f"save-quant-{name}")
     assert r0["description"] == r1["description"]
+    for r in (r0, r1):  # reloaded at PP=2 too
+        assert r["staged"]["max_abs"] < ATOL and r["staged"]["tokens_equal"], r["staged"]
     assert r0["files"] == ["config.json", "rank00-of-01.safetensors", "shardwise_checkpoint.json"]
     saved = torch.load(Path(root, f"saved-quant-{name}.pt"))
     engine = shardwise.init_inference(None, checkpoint=r0["description"], device="cpu",

@@ -175,7 +175,7 @@ def load_checkpoint(model: nn.Module, checkpoint: "str | os.PathLike | Mapping |
         start = time.perf_counter()
         with Reader(index, rank) as reader, Progress(desc, targets, index, rank, progress) as bar:
             count = _materialise(model, targets, reader, torch.device(device), dtype, bar, hooks)
-            _fill_meta_buffers(model, torch.device(device))
+            _fill_meta_buffers(model, torch.device(device), tuple(skip_modules))
             bytes_read = reader.bytes_read
         results = {h.name: h.finish(model) for h in hooks}
     except BaseException:
@@ -457,12 +457,17 @@ def _assign(model: nn.Module, name: str, value: torch.Tensor, is_buffer: bool) -
         owner._parameters[attr] = value
 
 
-def _fill_meta_buffers(model: nn.Module, device: torch.device) -> None:
+def _fill_meta_buffers(model: nn.Module, device: torch.device, skip: tuple[str, ...] = ()
+                       ) -> None:
     """Non-persistent buffers still on the meta device (the model was built under
     ``torch.device("meta")``) are recomputed by the model's own initialiser (HF's
-    ``_init_weights``, e.g. rotary ``inv_freq``); one it does not fill is an error, named."""
+    ``_init_weights``, e.g. rotary ``inv_freq``); one it does not fill is an error, named.
+    Buffers inside the ``skip`` modules (another pipeline stage's) stay on meta, as their
+    parameters do."""
     owners = {}
     for name, buf in model.named_buffers():
+        if any(name.startswith(m + ".") for m in skip):
+            continue
         if buf is not None and buf.is_meta:
             owner_name, _, attr = name.rpartition(".")
             owner = model.get_submodule(owner_name)

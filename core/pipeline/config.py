@@ -119,10 +119,8 @@ def check_with_other_fields(cfg: Any) -> None:
     those layers) or of an encoder; ``save_mp_checkpoint_path`` saves each stage's layers
     (injected ones too; quantized stages as one quantized checkpoint; not with
     ``tensor_parallel``); ``quant``'s ``lm_head`` composes
-    with ``checkpoint=`` (the last stage quantizes the head while reading; a tied table is
-    quantized alike on the first stage: :mod:`shardwise.pipeline.quant`), not yet for a model
-    handed in (the engine's quantization step does not hand a stage's head to
-    :func:`shardwise.pipeline.quant.quantize_stage` yet)."""
+    (the last stage quantizes the head; a tied table is quantized alike on the first stage:
+    :mod:`shardwise.pipeline.quant`)."""
     if cfg.pipeline_parallel is None:
         return
     defaults = type(cfg)()
@@ -143,12 +141,6 @@ def check_with_other_fields(cfg: Any) -> None:
             f"pipeline_parallel (loading straight into offload blobs would read every stage's "
             f"layers on every rank); build the model first (from_pretrained) and hand it in, "
             f"or drop checkpoint=, offload= or pipeline_parallel")
-    if _quantizes_head(cfg.quant) and not cfg.checkpoint:
-        raise NotSupportedYetError(
-            "quant lm_head=True (quantizing the output head) with pipeline_parallel is "
-            "supported yet only with checkpoint= (each end stage quantizes its part of the head "
-            "while reading), not for a model handed in; save the model (save_pretrained) and "
-            "pass checkpoint=, or remove lm_head")
 
 
 def _quantizes_head(quant: Any) -> bool:
