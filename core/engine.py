@@ -584,8 +584,12 @@ def _load_step(model: nn.Module, cfg: InferenceConfig, accelerator: Accelerator,
 
 
 def _stage_rank(plan: Plan, communicator: Communicator) -> int:
-    """This rank within its pipeline stage (the world's rank without stages): the rank the
-    stage's tensor-parallel slices are planned for (ranks are laid out tp fastest)."""
+    """The rank whose slices this rank reads: its rank within its pipeline stage (the world's
+    rank without stages), the one the stage's tensor-parallel and expert slices are planned for
+    (ranks are laid out tp fastest); 0 where nothing is split (replicas each read the whole
+    model: a checkpoint saved at tp 1 has rank 0's file only)."""
+    if plan.shards is None:
+        return 0
     return communicator.rank % (communicator.world_size // plan.pp.size)
 
 

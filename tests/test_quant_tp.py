@@ -6,6 +6,8 @@ same logits, and parity with the fp32 single-process model holds within families
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
 
@@ -68,16 +70,36 @@ def tied_case(rank: int, arch: str, bits: int) -> dict:
                 vocab=ref.get_input_embeddings().weight.shape[0])
 
 
-def _run_all(rank: int) -> dict:
+def replicas_case(folder: str) -> dict:
+    """Two ranks without tensor parallelism are two replicas of the model: a quantized
+    checkpoint they save holds one rank file (tp 1), and each reads that file back (rank 1 used
+    to look for a file of its own and was refused)."""
+    kw = dict(max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=0)
+    engine = shardwise.init_inference(tiny_causal_lm("llama"), device="cpu", dtype=torch.bfloat16,
+                                      quant={"weight": {"num_bits": 8}})
+    path = engine.save_checkpoint(folder)
+    loaded = shardwise.init_inference(None, checkpoint=path, device="cpu", dtype=torch.bfloat16)
+    ids = prompt_ids(batch=1, length=8)
+    return dict(saved=engine.generate(ids, **kw).tolist(), loaded=loaded.generate(ids, **kw).tolist())
+
+
+def _run_all(rank: int, folder: str) -> dict:
     cases = {f"{a}-int{b}": (lambda a=a, b=b: quant_case(rank, a, b)) for a, b in CASES}
     cases.update({f"tied-{a}-int{b}": (lambda a=a, b=b: tied_case(rank, a, b))
                   for a, b in TIED_CASES})
+    cases["replicas"] = lambda: replicas_case(folder)
     return run_cases(rank, cases)
 
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
-    return run_pair(_run_all, tmp_path_factory.mktemp("quant_tp"))
+    folder = str(tmp_path_factory.mktemp("quant_tp_replicas") / "saved")
+    return run_pair(partial(_run_all, folder=folder), tmp_path_factory.mktemp("quant_tp"))
+
+
+def test_replicas_read_a_tp1_quantized_checkpoint(ranks):
+    first, second = case(ranks, "replicas")
+    assert first["loaded"] == first["saved"] == second["loaded"] == second["saved"]
 
 
 @pytest.mark.parametrize("arch,bits", CASES)
