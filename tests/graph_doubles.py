@@ -1,5 +1,6 @@
 """Graph strategies standing in for a device's graphs, shared by the test files that need one
-(test_inject.py, test_inject_tp.py): a test module never imports another test module."""
+(test_inject.py, test_inject_tp.py, the serving tests): a test module never imports another
+test module."""
 
 from __future__ import annotations
 
@@ -29,3 +30,47 @@ class ReplayOnCpu(GraphStrategy):
                                      (new,) if isinstance(new, torch.Tensor) else new):
                 static.copy_(value)
         return StaticGraph(replay, inputs, outputs)
+
+
+class CountingReplay(ReplayOnCpu):
+    """ReplayOnCpu that also counts the steps it replays (calls of the captured function
+    beyond the one each capture makes)."""
+
+    calls = 0
+
+    def capture(self, fn, *example_args):
+        def counted(*args):
+            type(self).calls += 1
+            return fn(*args)
+        return super().capture(counted, *example_args)
+
+
+def replays() -> int:
+    """Steps replayed by every CountingReplay so far."""
+    return CountingReplay.calls - CountingReplay.captures
+
+
+def engine_maker(max_tokens: int = 64):
+    """``(get, made)``: ``get(arch, graphs)`` builds (once per pair) the HF reference and an
+    injected CPU engine of the tiny ``arch``, with a CountingReplay strategy when ``graphs``;
+    ``made`` holds them (clear it when done)."""
+    import shardwise
+    from shardwise.accelerators.cpu import CpuAccelerator
+    from models import tiny_causal_lm
+
+    made = {}
+
+    def get(arch: str, graphs: bool):
+        if (arch, graphs) not in made:
+            original = CpuAccelerator.graph_strategy
+            if graphs:
+                CpuAccelerator.graph_strategy = lambda self: CountingReplay()
+            try:
+                engine = shardwise.init_inference(tiny_causal_lm(arch), device="cpu",
+                                                  replace_with_kernel_inject=True,
+                                                  enable_graph=graphs, max_tokens=max_tokens)
+            finally:
+                CpuAccelerator.graph_strategy = original
+            made[arch, graphs] = (tiny_causal_lm(arch), engine)
+        return made[arch, graphs]
+    return get, made

@@ -18,53 +18,22 @@ import pytest
 import torch
 
 import shardwise
-from shardwise.accelerators.cpu import CpuAccelerator
 from shardwise.errors import ConfigError
 from shardwise.inject.cache import MaxTokensError
 from shardwise.serve.runner import SlotRunner
 from shardwise.serve.scheduler import MIN_PREFILL_CHUNK, Scheduler
 from shardwise.serve.types import GenRequest, SamplingParams, TokenEvent
-from graph_doubles import ReplayOnCpu
+from graph_doubles import CountingReplay, engine_maker, replays
 from models import prompt_ids, tiny_causal_lm
 from slot_scenario import Seq, check_against_hf, hf_greedy, prefill, step
 
 ARCHS = ["llama", "gpt2", "opt", "mixtral"]  # rotary, learned, learned with offset 2, MoE
 
 
-class CountingReplay(ReplayOnCpu):
-    """ReplayOnCpu counting the steps it replays (calls beyond each capture's own)."""
-
-    calls = 0
-
-    def capture(self, fn, *example_args):
-        def counted(*args):
-            type(self).calls += 1
-            return fn(*args)
-        return super().capture(counted, *example_args)
-
-
-def replays() -> int:
-    return CountingReplay.calls - CountingReplay.captures
-
-
 @pytest.fixture(scope="module")
 def engines():
     """(arch, graphs) -> (HF reference, injected engine), built once per module."""
-    made = {}
-
-    def get(arch: str, graphs: bool):
-        if (arch, graphs) not in made:
-            original = CpuAccelerator.graph_strategy
-            if graphs:
-                CpuAccelerator.graph_strategy = lambda self: CountingReplay()
-            try:
-                engine = shardwise.init_inference(tiny_causal_lm(arch), device="cpu",
-                                                  replace_with_kernel_inject=True,
-                                                  enable_graph=graphs, max_tokens=64)
-            finally:
-                CpuAccelerator.graph_strategy = original
-            made[arch, graphs] = (tiny_causal_lm(arch), engine)
-        return made[arch, graphs]
+    get, made = engine_maker()
     yield get
     made.clear()
 

@@ -16,52 +16,20 @@ from __future__ import annotations
 import pytest
 
 import shardwise
-from shardwise.accelerators.cpu import CpuAccelerator
 from shardwise.errors import ConfigError
 from shardwise.inject.cache import MaxTokensError
 from shardwise.serve.runner import SlotRunner
-from graph_doubles import ReplayOnCpu
+from graph_doubles import CountingReplay, engine_maker, replays
 from models import prompt_ids, tiny_causal_lm, tiny_encoder
 from slot_scenario import DECODES, Seq, check_against_hf, prefill, scenario, step
 ARCHS = ["llama", "gpt2", "opt", "mixtral", "deepseek_v3-mla"]  # rotary, learned, learned
 # with offset 2, MoE, multi-head latent attention (its latent cache written per row)
 
 
-class CountingReplay(ReplayOnCpu):
-    """ReplayOnCpu that also counts the steps it replays (calls of the captured function
-    beyond the one each capture makes)."""
-
-    calls = 0
-
-    def capture(self, fn, *example_args):
-        def counted(*args):
-            type(self).calls += 1
-            return fn(*args)
-        return super().capture(counted, *example_args)
-
-
-def replays() -> int:
-    return CountingReplay.calls - CountingReplay.captures
-
-
 @pytest.fixture(scope="module")
 def engines():
-    """(arch, graphs) -> (HF reference, injected engine); built once per module."""
-    made = {}
-
-    def get(arch: str, graphs: bool):
-        if (arch, graphs) not in made:
-            original = CpuAccelerator.graph_strategy
-            if graphs:
-                CpuAccelerator.graph_strategy = lambda self: CountingReplay()
-            try:
-                engine = shardwise.init_inference(tiny_causal_lm(arch), device="cpu",
-                                                  replace_with_kernel_inject=True,
-                                                  enable_graph=graphs, max_tokens=64)
-            finally:
-                CpuAccelerator.graph_strategy = original
-            made[arch, graphs] = (tiny_causal_lm(arch), engine)
-        return made[arch, graphs]
+    """(arch, graphs) -> (HF reference, injected engine), built once per module."""
+    get, made = engine_maker()
     yield get
     made.clear()
 

@@ -1,12 +1,13 @@
 """SlotRunner under tensor parallelism (2 gloo ranks): rank 0 drives the runner, rank 1 runs
-``follow`` and executes every step rank 0 broadcasts. The tokens equal HF ``generate`` of each
-prompt alone, and a rank dying makes the other fail with CollectiveError within the collective
+``follow`` and executes every step rank 0 broadcasts, plain and mixed steps (one process pair
+for both). The tokens equal HF ``generate`` of each prompt alone, and a rank dying makes the other fail with CollectiveError within the collective
 timeout instead of hanging."""
 
 from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 
 from distributed import after_peer_death, assert_survivor_failed, run_ranks
@@ -63,31 +64,97 @@ def _greedy(runner) -> list[list[int]]:
     return tokens
 
 
+# ----- mixed steps: decode tokens and prompt chunks in one forward
+
+MIXED_PROMPTS = [(5, 8), (4, 7), (13, 5), (3, 4)]  # (prompt length, new tokens)
+
+
+def _mixed_prompts() -> list[list[int]]:
+    return [prompt_ids(1, n, seed=30 + n)[0].tolist() for n, _ in MIXED_PROMPTS]
+
+
+def _mixed_greedy(runner) -> list[list[int]]:
+    """Prompts 0 and 1 decode in slots 0, 1; prompt 2 (slot 2) and 3 (slot 3) are prefilled
+    through mixed steps (two chunks of 2, one step carrying both prompts' chunks); then all
+    decode to the end."""
+    prompts, news = _mixed_prompts(), [new for _, new in MIXED_PROMPTS]
+    tokens: list[list[int]] = [[], [], [], []]
+
+    def live(seqs):
+        return [i for i in seqs if len(tokens[i]) < news[i]]
+
+    def take_rows(seqs, logits):
+        for i, row in zip(seqs, logits):
+            tokens[i].append(int(row.argmax()))
+
+    for i in (0, 1):
+        tokens[i].append(int(runner.prefill(i, prompts[i], last=True).argmax()))
+    chunks = [[(2, prompts[2][:6], False)],
+              [(2, prompts[2][6:10], False), (3, prompts[3][:2], False)],
+              [(3, prompts[3][2:], True), (2, prompts[2][10:], True)]]
+    for parts in chunks:
+        seqs = live([0, 1])
+        logits, firsts = runner.mixed(seqs, [tokens[i][-1] for i in seqs], parts)
+        take_rows(seqs, logits)
+        for (slot, _, last), first in zip(parts, firsts):
+            assert (first is None) == (not last)
+            if first is not None:
+                tokens[slot].append(int(first.argmax()))
+    while live([0, 1, 2, 3]):
+        seqs = live([0, 1, 2, 3])
+        take_rows(seqs, runner.decode(seqs, [tokens[i][-1] for i in seqs]))
+    return tokens
+
+
 def _serve(rank: int):
     from shardwise.serve.runner import SlotRunner, follow
 
     engine = _engine()
     if rank != 0:
-        follow(engine)  # returns when rank 0 closes
+        follow(engine)  # returns when rank 0 closes the first runner
+        follow(engine)  # and the second (mixed steps)
         return None
     runner = SlotRunner(engine, max_batch=2)
     runner.warmup()
     tokens = _greedy(runner)
     runner.close()
-    return tokens
+    runner = SlotRunner(engine, max_batch=4)
+    mixed = _mixed_greedy(runner)
+    runner.close()
+    return {"plain": tokens, "mixed": mixed}
 
 
-def test_two_ranks_give_hf_greedy_tokens(tmp_path):
-    results = run_ranks(_serve, 2, tmp_path, deadline_s=120)
-    assert all(r["ok"] for r in results), [r.get("trace") for r in results]
+def _hf_new_tokens(prompt: list[int], new: int) -> list[int]:
     ref = tiny_causal_lm("llama")
-    for prompt, (_, new), got in zip(_prompts(), PROMPTS, results[0]["value"]):
-        with torch.no_grad():
-            expected = ref.generate(torch.tensor([prompt]), max_new_tokens=new,
-                                    do_sample=False, pad_token_id=0)[0, len(prompt):].tolist()
+    with torch.no_grad():
+        return ref.generate(torch.tensor([prompt]), max_new_tokens=new, do_sample=False,
+                            pad_token_id=0)[0, len(prompt):].tolist()
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """One process pair for both runners' scenarios."""
+    return run_ranks(_serve, 2, tmp_path_factory.mktemp("serve_tp"), deadline_s=150)
+
+
+def test_two_ranks_give_hf_greedy_tokens(served):
+    assert all(r["ok"] for r in served), [r.get("trace") for r in served]
+    for prompt, (_, new), got in zip(_prompts(), PROMPTS, served[0]["value"]["plain"]):
+        expected = _hf_new_tokens(prompt, new)
         assert len(expected) == new  # no end-of-sequence token cut HF's short
         assert got == expected
-    assert results[1]["value"] is None  # the follower left its loop at close
+    assert served[1]["value"] is None  # the follower left its loop at each close
+
+
+def test_two_ranks_run_mixed_steps_with_hf_greedy_tokens(served):
+    """Rank 0's ``SlotRunner.mixed`` sends the step (decode slots and tokens, each chunk's
+    slot, size and ``last``, the chunk tokens) and rank 1's ``follow`` runs the same packed
+    forward; the tokens equal HF ``generate`` of each prompt alone."""
+    assert all(r["ok"] for r in served), [r.get("trace") for r in served]
+    for prompt, (_, new), got in zip(_mixed_prompts(), MIXED_PROMPTS,
+                                     served[0]["value"]["mixed"]):
+        expected = _hf_new_tokens(prompt, new)
+        assert len(got) == new and got[:len(expected)] == expected  # HF stops at its eos
 
 
 def _follower_dies(rank: int) -> dict:
