@@ -180,6 +180,20 @@ def _head(model: nn.Module) -> nn.Module | None:
     return head if isinstance(head, nn.Module) else None
 
 
+def stack_and_strategy(model: nn.Module,
+                       accelerator: Accelerator) -> tuple[InjectedModel, GraphStrategy]:
+    """The model's injected decoder stack and the accelerator's graph strategy (errors named);
+    a strategy that does not accelerate is logged as the documented no-op it is, and the
+    caller captures nothing."""
+    stack = _stack(model)
+    strategy = _strategy(accelerator)
+    if not strategy.accelerates:
+        log.info("shardwise: enable_graph on %s: its graph strategy %r runs the decode step "
+                 "eagerly (a documented no-op: nothing to capture on this device)",
+                 accelerator.name, strategy.name)
+    return stack, strategy
+
+
 def _strategy(accelerator: Accelerator) -> GraphStrategy:
     strategy = accelerator.graph_strategy()
     if not isinstance(strategy, GraphStrategy):
@@ -214,12 +228,8 @@ def enable_graphs(model: nn.Module, accelerator: Accelerator) -> GraphStrategy:
     one-sequence step (that graph is kept for batch size 1), so a strategy that cannot capture
     fails here, at init, with its reason — not in the middle of a generate.
     """
-    stack = _stack(model)
-    strategy = _strategy(accelerator)
+    stack, strategy = stack_and_strategy(model, accelerator)
     if not strategy.accelerates:
-        log.info("shardwise: enable_graph on %s: its graph strategy %r runs the decode step "
-                 "eagerly (a documented no-op: nothing to capture on this device)",
-                 accelerator.name, strategy.name)
         return strategy
     head = _head(model)
     if stack.stage is not None and not stack.stage.plan.last:

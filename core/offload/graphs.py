@@ -179,14 +179,10 @@ def enable_offload_graphs(model: nn.Module, accelerator: Accelerator, report: An
         OffloadError: the strategy keeps copies of the weights (``weight_binding="copies"``);
         ConfigError: no injected decoder stack, pipeline stages, or the trial capture failed.
     """
-    from ..inject.capture import _stack, _strategy
+    from ..inject.capture import stack_and_strategy
 
-    stack = _stack(model)
-    strategy = _strategy(accelerator)
+    stack, strategy = stack_and_strategy(model, accelerator)
     if not strategy.accelerates:
-        log.info("shardwise: enable_graph on %s: its graph strategy %r runs the decode step "
-                 "eagerly (a documented no-op: nothing to capture on this device)",
-                 accelerator.name, strategy.name)
         return strategy
     refusal = strategy_refusal(strategy)
     if refusal:
