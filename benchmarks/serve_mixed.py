@@ -22,9 +22,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import random
 import statistics
+import sys
 import time
 
 import torch
@@ -45,6 +47,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="prompt tokens of each stream's second request (0: no long prompt)")
     parser.add_argument("--max-context", type=int, default=512, help="tokens a slot holds")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    parser.add_argument("--output", help="JSON file for every round's figures and the medians")
     args = parser.parse_args(argv)
     for name in ("streams", "requests_per_stream", "max_tokens", "rounds"):
         if getattr(args, name) < 1:
@@ -133,9 +136,15 @@ def main(argv=None) -> None:
           f"{dtype}, load {min(loads):.1f}-{max(loads):.1f}; medians over {args.rounds} rounds:")
     keys = list(results["mixed"][0])
     print(f"  {'mode':<12}" + "".join(f"{k:>18}" for k in keys))
-    for mode, rounds in results.items():
-        print(f"  {mode:<12}" + "".join(
-            f"{statistics.median(r[k] for r in rounds):>18.2f}" for k in keys))
+    medians = {mode: {k: statistics.median(r[k] for r in rounds) for k in keys}
+               for mode, rounds in results.items()}
+    for mode, row in medians.items():
+        print(f"  {mode:<12}" + "".join(f"{row[k]:>18.2f}" for k in keys))
+    if args.output:
+        with open(args.output, "w") as f:
+            json.dump({"command": " ".join(sys.argv), "threads": torch.get_num_threads(),
+                       "dtype": str(dtype), "load": [min(loads), max(loads)],
+                       "medians": medians, "rounds": results}, f, indent=1)
 
 
 if __name__ == "__main__":
