@@ -86,7 +86,8 @@ class InferenceConfig:
             step is captured one layer at a time (:mod:`shardwise.offload.graphs`).
             Checked against the machine and the model before anything changes.
         pipeline_parallel: pipeline stages, ``{"pp_size": P}`` (P × tp ranks: the decoder
-            layers cut into P contiguous stages balanced by weight bytes, each stage split by
+            layers cut into P contiguous stages balanced by weight bytes read per step (the
+            head's counted, the embedding's not), each stage split by
             ``tensor_parallel`` among its ranks) with an optional ``"split": [n_0, ...,
             n_{P-1}]`` (layers per stage, first stage first; must cover every layer once) and
             ``"micro_batches": M`` (micro-batches in flight, forwards and ``generate``);

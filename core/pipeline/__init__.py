@@ -1,10 +1,10 @@
 """Pipeline-parallel inference: ``shardwise.pipeline`` (docs/architecture.md, "Pipeline stages").
 
 ``init_inference(model, pipeline_parallel={"pp_size": P})`` on P ranks cuts the decoder layers
-into P contiguous stages (balanced by weight bytes, or the user's ``split``); each rank keeps its
-stage's layers, the first stage the embedding, the last the head; hidden states travel between
-stages by point-to-point sends and the last stage's output is broadcast, so ``engine.module``,
-``engine.generate`` and HF ``generate`` give the same outputs on every rank.
+into P contiguous stages (balanced by weight bytes read per step, or the user's ``split``); each
+rank keeps its stage's layers, the first stage the embedding, the last the head; hidden states
+travel between stages by point-to-point sends and the last stage's output is broadcast, so
+``engine.module``, ``engine.generate`` and HF ``generate`` give the same outputs on every rank.
 
 Modules: :mod:`.config` (the ``pipeline_parallel=`` field), :mod:`.stages` (where the cuts go;
 planning only), :mod:`.transform` (the step that applies them, recorded in the ledger),

@@ -3,7 +3,7 @@ checks â€” ``pp_size`` against the layer count, a ``split`` against the layers â
 :func:`shardwise.pipeline.stages.plan_stages`).
 
 ``pipeline_parallel={"pp_size": P}`` cuts the decoder layers into P contiguous stages balanced by
-weight bytes; ``"split": [n_0, ..., n_{P-1}]`` gives the layer count of each stage instead
+weight bytes read per step; ``"split": [n_0, ..., n_{P-1}]`` gives the layer count of each stage instead
 (docs/architecture.md, "Pipeline stages"). This module imports nothing of shardwise but its
 errors, so :mod:`shardwise.config` can load it eagerly.
 """
@@ -30,7 +30,8 @@ class PipelineSettings:
 
     Attributes:
         pp_size: pipeline stages (ranks along the pipeline dimension).
-        split: decoder layers per stage, first stage first (None: balanced by weight bytes).
+        split: decoder layers per stage, first stage first (None: balanced by weight bytes
+            read per step).
         micro_batches: how many micro-batches the engine's forward splits a batch into, so the
             stages overlap (:mod:`shardwise.pipeline.schedule`; 1: the batch whole).
     """

@@ -2,8 +2,11 @@
 stages"). Planning only: nothing here touches the model.
 
 The decoder layers are cut into P contiguous stages. By default the cut minimises the largest
-stage's cost, a stage's cost being its layers' weight bytes, plus the input embedding's on the
-first stage and the output head's on the last (they run there); a user ``split`` (layers per
+stage's work per step: its layers' weight bytes, plus the output head's on the last stage (every
+step reads them whole). The input embedding is held by the first stage but reads only the
+looked-up rows, so it weighs nothing in the cut (counting its bytes, as an earlier version did,
+gave GPT-2's first stage 6 layers of 12 against a compute-balanced 9: its stage 1 then did 1.8x
+stage 0's work and the schedule's bubble was that imbalance). A user ``split`` (layers per
 stage) is taken as given once checked.
 """
 
@@ -28,7 +31,8 @@ class StagePlan:
         ranks: each stage's rank in this rank's pipeline group (the ranks of this tp
             coordinate, one per stage: stage s is group rank s).
         costs: every stage's weight bytes as planned (layers, plus embedding / head at the ends).
-        source: ``"balanced"`` (by weight bytes) or ``"split"`` (the user's).
+        source: ``"balanced"`` (by work per step: weight bytes read, the embedding's not
+            counted) or ``"split"`` (the user's).
         embed_dim: the input embedding's output width (the hidden size), read from the whole
             model at planning time (a tensor-parallel split may narrow the weight later).
         head_features: the output head's output width (the vocabulary), likewise; None for a
@@ -146,7 +150,7 @@ def plan_stages(model: nn.Module, layers: nn.ModuleList, settings: PipelineSetti
         bounds = tuple((starts[s], starts[s + 1]) for s in range(pp))
         source = "split"
     else:
-        bounds, source = balanced_bounds(costs, pp, embed, head), "balanced"
+        bounds, source = balanced_bounds(costs, pp, 0, head), "balanced"  # embedding: rows
     stage_costs = tuple(sum(costs[a:b]) + (embed if s == 0 else 0) + (head if s == pp - 1 else 0)
                         for s, (a, b) in enumerate(bounds))
     names = {id(m): n for n, m in model.named_modules()}
