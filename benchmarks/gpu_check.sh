@@ -7,7 +7,8 @@
 # build of torch). Steps, in this order unless named: tests (every gpu-marked test), bench
 # (`shardwise bench`, inject + graphs, fp16, batch 1/8/32), kernels (benchmarks/kernel_cuda.py),
 # kernels-graphs (decode attention timed inside CUDA graphs), kernels-paths (quant_linear with
-# each path forced, in graphs; not a default step), quant (the bench with int8 and
+# each path forced, in graphs; not a default step), floor (benchmarks/cuda_step_floor.py: the
+# captured step's replay floor against the decode loops; not a default step), quant (the bench with int8 and
 # int4 weights), prefill (the bench at a 2k-token prompt), moe (the Mixtral-shaped preset in
 # bf16), offload (weights streamed from pinned host memory), serve (benchmarks/serve_load.py
 # on the preset saved with a tokenizer from $TOKENIZER, default .whl/tokenizer). Each step has its own time limit, writes its log and JSON under
@@ -72,6 +73,9 @@ for s in $steps; do
             --graphs --parts quant --paths ${KERNEL_MODELS:+--models $KERNEL_MODELS} \
             ${KERNEL_LAYERS:+--layers $KERNEL_LAYERS} \
             --output "$out/cuda-kernels-quant-paths.json" ;;
+    floor)  # where a decode token's time goes: the captured step's replay floor vs the loops
+        TAIL=8 step floor "${FLOOR_LIMIT:-90}" python3 benchmarks/cuda_step_floor.py \
+            --preset $preset --dtype fp16 --batch 1 8 32 --output "$out/cuda-step-floor-$preset.json" ;;
     kernels-graphs)  # decode attention as the captured step runs it (no launch cost)
         TAIL=30 step kernels-graphs 60 python3 benchmarks/kernel_cuda.py --graphs --parts decode \
             --output "$out/cuda-kernels-decode-graphs.json" ;;
@@ -92,7 +96,7 @@ for s in $steps; do
             --model /tmp/serve-$preset --concurrency 1 8 64 --requests-per-stream 2 \
             --max-tokens 64 --repeats 1 --baseline-levels 1 --client-processes 4 \
             --output "$out/cuda-serve-load-$preset.json" ;;
-    *) echo "unknown step $s (tests, bench, kernels, kernels-paths, kernels-graphs, quant, prefill, moe, offload, serve)"
+    *) echo "unknown step $s (tests, bench, kernels, kernels-paths, floor, kernels-graphs, quant, prefill, moe, offload, serve)"
        status=2 ;;
     esac
 done
