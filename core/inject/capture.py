@@ -273,19 +273,27 @@ def _share_weights(model: nn.Module, head: nn.Module | None, strategy: GraphStra
                  "code)", changed, strategy.name)
 
 
-def _trial_capture(stack: InjectedModel, graphs: DecodeGraphs, accelerator: Accelerator,
-                   strategy: GraphStrategy) -> None:
+def trial_step(stack: InjectedModel, graphs: DecodeGraphs) -> None:
+    """One decode step of one sequence on a fresh one-row cache, through ``graphs``: captures
+    the batch-1 graph(s), kept with that bucket's buffers; the step's logits are dropped.
+    Raises whatever the strategy raised (the callers name it)."""
     weight = stack.parts.final_norm.weight
     try:
         with torch.inference_mode():
             cache = stack.new_cache(1, weight.dtype, weight.device)
             ids = torch.zeros(1, 1, dtype=torch.int64, device=weight.device)
             graphs.run(stack, cache, ids, cache.decode_rows(ids))
+    finally:
+        graphs._pending = None
+
+
+def _trial_capture(stack: InjectedModel, graphs: DecodeGraphs, accelerator: Accelerator,
+                   strategy: GraphStrategy) -> None:
+    try:
+        trial_step(stack, graphs)
     except Exception as exc:
         raise ConfigError(
             f"enable_graph: the {accelerator.name!r} graph strategy {strategy.name!r} cannot "
             f"capture the decode step ({type(exc).__name__}: {exc}); run with "
             f"enable_graph=False") from exc
-    finally:
-        graphs._pending = None
         stack.retire_cache()  # the trial cache (its buffers stay: the bucket-1 graph uses them)

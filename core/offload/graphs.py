@@ -211,14 +211,12 @@ def describe(graphs: OffloadDecodeGraphs, layers: int) -> str:
 
 def _trial(stack: InjectedModel, graphs: OffloadDecodeGraphs, accelerator: Accelerator,
            strategy: GraphStrategy) -> None:
-    """One decode step of one sequence on a trial cache, capturing the bucket-1 layer graphs
-    (kept, with that bucket's buffers)."""
-    weight = stack.parts.final_norm.weight
+    """The bucket-1 layer graphs captured by one trial step (:func:`~shardwise.inject.capture.
+    trial_step`), its cache retired after; a strategy that cannot capture is named."""
+    from ..inject.capture import trial_step
+
     try:
-        with torch.inference_mode():
-            cache = stack.new_cache(1, weight.dtype, weight.device)
-            ids = torch.zeros(1, 1, dtype=torch.int64, device=weight.device)
-            graphs.run(stack, cache, ids, cache.decode_rows(ids))
+        trial_step(stack, graphs)
     except Exception as exc:
         graphs.clear()
         raise ConfigError(
