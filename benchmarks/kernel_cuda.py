@@ -164,9 +164,9 @@ def torch_int_mm(w: torch.Tensor, bits: int, group: int, rows: int, device: str)
     return lambda: torch._weight_int4pack_mm(x, wp, group, sz)
 
 
-def forced_paths(cls, device: str) -> dict:
+def forced_paths(cls, device: str, never: int) -> dict:
     """The quant_linear of each path whatever the rows: GEMV, GEMM, dequantize + torch.mm."""
-    never, kw = 1 << 30, dict(device_types=frozenset({device}))
+    kw = dict(device_types=frozenset({device}))
     return {"gemv": cls(gemv_max_rows=never, **kw),
             "gemm": cls(gemv_max_rows=0, dequant_min_rows={8: never, 4: never}, **kw),
             "dequant": cls(gemv_max_rows=0, dequant_min_rows={8: 0, 4: 0}, **kw)}
@@ -213,9 +213,9 @@ def run(args) -> dict:
     from shardwise.kernels.reference import attention as ref_att
     from shardwise.kernels.reference import quant as qref
     from shardwise.kernels.triton import attention as att
-    from shardwise.kernels.triton.quant import TritonQuantLinear
+    from shardwise.kernels.triton.quant import NEVER, TritonQuantLinear
     kernel = TritonQuantLinear(device_types=frozenset({device}))
-    paths = forced_paths(TritonQuantLinear, device) if args.paths else None
+    paths = forced_paths(TritonQuantLinear, device, NEVER) if args.paths else None
     time_ms = timer(device, args.graphs)
     doc = {"device": torch.cuda.get_device_name() if device == "cuda" else platform.processor(),
            "torch": torch.__version__, "cuda": torch.version.cuda,

@@ -233,7 +233,7 @@ def test_triton_path_by_rows(tri_quant, rows, path, monkeypatch):
     """Rows up to gemv_max_rows take the GEMV, then the GEMM, and from the bit width's
     dequant_min_rows the weight is dequantized once for torch.mm."""
     tq, kernels, device = tri_quant
-    kernels["gemv"].dequant_min_rows[8] = 12
+    monkeypatch.setitem(kernels["gemv"].dequant_min_rows, 8, 12)  # the fixture is shared
     seen = []
     for name in ("_launch_gemv", "_launch_gemm", "_launch_dequant"):
         real = getattr(tq.TritonQuantLinear, name)
@@ -246,13 +246,13 @@ def test_triton_path_by_rows(tri_quant, rows, path, monkeypatch):
 
 
 def test_triton_default_thresholds():
-    """The registered instance's thresholds (H200: the 8-row GEMV took 6-8x its 1-row time, the
-    GEMM 32 rows in about the 1-row GEMV's time; at 2048 rows the fused GEMMs were 4-40x
-    cuBLAS) and its autotuned tiles (no fixed configs)."""
+    """The registered instance: the GEMV up to 2 rows, int8 dequantized once from 128 rows and
+    int4 from 1024 (the thresholds kernels/triton/quant.py's DEQUANT_MIN_ROWS comment measures),
+    tiles autotuned (no fixed configs)."""
     from shardwise.kernels.triton import quant as tq
 
     assert tq.quant_linear.gemv_max_rows == 2
-    assert tq.quant_linear.dequant_min_rows == tq.DEQUANT_MIN_ROWS
+    assert tq.quant_linear.dequant_min_rows == {8: 128, 4: 1024}
     assert tq.quant_linear.gemv is None and tq.quant_linear.gemm is None
 
 

@@ -27,8 +27,9 @@ scale``, absent when symmetric); the GEMM and the dequantizing path round it to 
 reference does before multiplying with float32 accumulation, the GEMV multiplies the float32
 weight (see ``_gemv_kernel``).
 int4 tiles are read as bytes ``[BLOCK_N, BLOCK_K / 2]``; the low nibble of byte ``j`` is column
-``2j`` and the high nibble column ``2j + 1`` (the reference layout), so the kernel multiplies the
-low nibbles with x's even columns and the high nibbles with its odd columns: no interleave.
+``2j`` and the high nibble column ``2j + 1`` (the reference layout): the GEMV multiplies the low
+nibbles with x's even columns and the high nibbles with its odd columns; the GEMM and the
+dequantizing kernel interleave the two nibble tiles back into column order (``tl.interleave``).
 A group must therefore hold whole bytes (even ``group_size`` for 4 bits).
 
 Packed layout (``PackedQuantWeight.tensors``; made once by ``prepack`` on the GPU):
@@ -165,7 +166,6 @@ def _gemv_kernel(X, W, S, Z, B, Y, P, M, N, K, n_groups, group_size, stride_xm, 
     weight that bounded this kernel; the difference is that rounding (2**-11 relative per weight
     in fp16, 2**-8 in bf16), far inside the quantization error and the parity tolerance."""
     pid_n, pid_s = tl.program_id(0), tl.program_id(1)
-    DT: tl.constexpr = Y.dtype.element_ty
     n0 = pid_n * BLOCK_N
     W += n0.to(tl.int64) * (K * BITS // 8)
     S += n0.to(tl.int64) * n_groups
@@ -333,6 +333,11 @@ class GemmConfig:
 #: against the GEMM's 119); it now stores the interleaved tile, not yet timed: 1024 keeps int4
 #: on the GEMM until it is.
 DEQUANT_MIN_ROWS = {8: 128, 4: 1024}
+#: a row count no call reaches: a threshold that never switches paths
+NEVER = 1 << 62
+#: (block_n, block_k) the autotuned GEMV's K split is planned for, before the tile is chosen: a
+#: typical tuned tile (the candidates below span 8-64 x 128-1024)
+_SPLIT_TILE = (32, 512)
 
 #: Candidate tiles the GPU picks from on first use of a (rows, N, K) shape (triton.autotune;
 #: results cached on disk). GEMV: (block_n, block_k, warps, stages), its float32 products
@@ -361,10 +366,8 @@ def _tile_group(args) -> bool:
 
 
 def _gemm_prune(configs, named_args, **_):
-    """Drop row tiles larger than the rows (keeping the smallest, 16, always)."""
-    rows = named_args["M_BUCKET"]
-    kept = [c for c in configs if c.kwargs["BLOCK_M"] <= max(16, rows)]
-    return kept or configs[:1]
+    """Drop row tiles larger than the rows (16, the smallest candidate, always stays)."""
+    return [c for c in configs if c.kwargs["BLOCK_M"] <= max(16, named_args["M_BUCKET"])]
 
 
 def _tuned(kernel, configs, key, prune=None):
@@ -434,7 +437,7 @@ class TritonQuantLinear(QuantLinearKernel):
         rows = x2.shape[0]
         if rows <= self.gemv_max_rows:
             return self._launch_gemv(x2, packed, bias, y)
-        if rows < self.dequant_min_rows.get(spec.bits, 1 << 62):
+        if rows < self.dequant_min_rows.get(spec.bits, NEVER):
             return self._launch_gemm(x2, packed, bias, y)
         return self._launch_dequant(x2, packed, bias, y)
 
@@ -465,7 +468,7 @@ class TritonQuantLinear(QuantLinearKernel):
         args, flags = self._common(x2, packed, bias, y)
         shape = (m, n, k, spec.n_groups, spec.group_size, x2.stride(0), y.stride(0))
         if self.gemv is None and x2.is_cuda:  # autotuned; the split from the SM count
-            split = _auto_split(n, k, x2.device, 32, 512)
+            split = _auto_split(n, k, x2.device, *_SPLIT_TILE)
             partial = self._partial(y, split)
             _gemv_tuned[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), split)](
                 *args, partial, *shape, **flags, SPLIT=split,
