@@ -493,10 +493,7 @@ def install_shells(model: nn.Module, info: Mapping[str, Any], device: torch.devi
                                            entry["tensors"], entry["bias"], entry["source"],
                                            device=device, bias_dtype=bias_dtype)
         except KeyError as exc:
-            raise QuantizedCheckpointError(
-                f"{source} holds weights packed for the {entry['backend']!r} kernel backend, "
-                f"which cannot run here ({exc.args[0]}); re-quantize from the full-precision "
-                f"checkpoint on this device") from None
+            raise _backend_missing(source, "weights", entry["backend"], exc) from None
         swap_in(model, name, shell)
         if entry.get("tied"):
             _tie_shell(model, entry["tied"], name, shell, bias_dtype or compute or torch.float32,
@@ -509,6 +506,14 @@ def install_shells(model: nn.Module, info: Mapping[str, Any], device: torch.devi
         layers.update(_install_experts_shell(model, name, entry, device, source, bias_dtype,
                                              _torch_dtype(info.get("dtype"))))
     return layers
+
+
+def _backend_missing(source: str, what: str, backend: str,
+                     exc: KeyError) -> QuantizedCheckpointError:
+    """The error for ``what`` (weights, experts) packed for a backend that cannot run here."""
+    return QuantizedCheckpointError(
+        f"{source} holds {what} packed for the {backend!r} kernel backend, which cannot run "
+        f"here ({exc.args[0]}); re-quantize from the full-precision checkpoint on this device")
 
 
 def _install_experts_shell(model: nn.Module, name: str, entry: Mapping[str, Any],
@@ -532,10 +537,7 @@ def _install_experts_shell(model: nn.Module, name: str, entry: Mapping[str, Any]
                                         entry["tensors"], shape, entry["bias"], device=device,
                                         bias_dtype=bias_dtype)
     except KeyError as exc:
-        raise QuantizedCheckpointError(
-            f"{source} holds experts packed for the {entry['backend']!r} kernel backend, which "
-            f"cannot run here ({exc.args[0]}); re-quantize from the full-precision checkpoint "
-            f"on this device") from None
+        raise _backend_missing(source, "experts", entry["backend"], exc) from None
     swap_in_experts(model, name, shell)
     packed = shell.packed
     return {f"{name}.{matrix}": QuantizedLayer(

@@ -51,7 +51,7 @@ from torch import nn
 
 from ..errors import ConfigError
 from ..kernel_registry import REFERENCE, KernelImpl, registry
-from .modules import PackedLayout, swap_quantized
+from .modules import PackedLayout, kernel_for_backend, swap_quantized
 from shardwise.kernels.reference import moe as ref_moe
 from shardwise.kernels.reference.quant import (PackedQuantExperts, QuantizationError, QuantSpec,
                                                quantize_experts)
@@ -260,7 +260,7 @@ class QuantExperts(PackedLayout):
         "down_proj_bias": [E, H] | None}``, made in ``bias_dtype`` (default the compute dtype,
         else float32). The kernel is ``backend``'s ``quant_moe_mlp`` (KeyError when that backend
         cannot run here)."""
-        kernel = experts_kernel_for_backend(backend)
+        kernel = kernel_for_backend(backend, "quant_moe_mlp")
         packed = {}
         for part, spec in zip(("gate_up", "down"), specs):
             prefix = f"{part}_"
@@ -283,17 +283,6 @@ class QuantExperts(PackedLayout):
                 f"{', clamped' if self.shape.clamp is not None else ''}, "
                 f"backend={self.backend}, "
                 f"compute={str(self.compute_dtype).removeprefix('torch.')}")
-
-
-def experts_kernel_for_backend(backend: str) -> KernelImpl:
-    """``backend``'s ``quant_moe_mlp`` implementation (its module imported on demand); KeyError
-    naming it when that backend cannot run here."""
-    error = registry.load_backend(backend)
-    impl = registry.implementations("quant_moe_mlp").get(backend)
-    if impl is None:
-        raise KeyError(f"quant_moe_mlp backend {backend!r} is not available here"
-                       f"{': ' + error if error else ''}")
-    return impl
 
 
 def _param(tensor: torch.Tensor | None) -> nn.Parameter | None:

@@ -221,12 +221,13 @@ class QuantLinear(PackedLayout):
 _IDENTITY_ROWS = 1024
 
 
-def kernel_for_backend(backend: str) -> KernelImpl:
-    """``backend``'s ``quant_linear`` implementation (its module imported on demand)."""
+def kernel_for_backend(backend: str, op: str = "quant_linear") -> KernelImpl:
+    """``backend``'s implementation of ``op`` (``quant_linear``, ``quant_moe_mlp``; its module
+    imported on demand); KeyError naming it when that backend cannot run here."""
     error = registry.load_backend(backend)
-    impl = registry.implementations("quant_linear").get(backend)
+    impl = registry.implementations(op).get(backend)
     if impl is None:
-        raise KeyError(f"quant_linear backend {backend!r} is not available here"
+        raise KeyError(f"{op} backend {backend!r} is not available here"
                        f"{': ' + error if error else ''}")
     return impl
 

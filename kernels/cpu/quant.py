@@ -673,7 +673,7 @@ def _(x, experts, weights, *rest):
 class CpuQuantMoE(QuantMoEKernel):
     """``quant_moe_mlp`` on CPU: the native AVX512-VNNI int8/int4 kernel where it runs (the
     one dense ``quant_linear`` runs: :mod:`shardwise.kernels.cpu.quant`), else torch's packed
-    weight-only kernels (:data:`shardwise.kernels.cpu.quant.quant_moe_mlp`, their rules).
+    weight-only kernels (:data:`torch_quant_moe_mlp`, their rules).
 
     **Numerics (native)**: as the native linears, the activations entering each expert matrix
     are quantized to int8 per block of 32 columns (``amax / 127`` scales): the token for
