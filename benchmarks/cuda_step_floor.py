@@ -112,8 +112,9 @@ def main(argv=None) -> int:
         parser.error("needs a CUDA GPU")
     import shardwise
     from shardwise.bench.presets import build_preset
+    from shardwise.config import parse_dtype
 
-    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[args.dtype]
+    dtype = parse_dtype(args.dtype)
     model = build_preset(args.preset, dtype=dtype)
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     vocab = model.config.vocab_size

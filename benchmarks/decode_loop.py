@@ -34,8 +34,9 @@ import time
 import torch
 
 import shardwise
-from shardwise.bench.runner import generation_kwargs, make_inputs
 from shardwise.bench.plan import Cell
+from shardwise.bench.runner import HFLoop, generation_kwargs, make_inputs
+from shardwise.config import parse_dtype
 from shardwise.generation import timed_generate
 
 #: --variant name → init_inference keywords (dtype aside)
@@ -82,19 +83,9 @@ def _time_pair(engine, inputs: dict, kwargs: dict, sync, fast_first: bool) -> di
     """One round: each loop once, in the given order → {loop: TokenTimings as a dict}."""
     out = {}
     for fast in ((True, False) if fast_first else (False, True)):
-        _, timings = timed_generate(_Loop(engine, fast), inputs, sync, **kwargs)
+        _, timings = timed_generate(engine if fast else HFLoop(engine), inputs, sync, **kwargs)
         out["shardwise" if fast else "hf"] = timings.to_dict()
     return out
-
-
-class _Loop:
-    """``engine.generate`` with the fast loop switched on or off."""
-
-    def __init__(self, engine, fast: bool) -> None:
-        self.engine, self.fast = engine, fast
-
-    def generate(self, *args, **kwargs):
-        return self.engine.generate(*args, shardwise_fast_loop=self.fast, **kwargs)
 
 
 def _measure(engine, tokenizer, name: str, batch: int, args: argparse.Namespace) -> dict:
@@ -105,8 +96,8 @@ def _measure(engine, tokenizer, name: str, batch: int, args: argparse.Namespace)
     kwargs = generation_kwargs(engine.module, args.new_tokens)
     sync = engine.accelerator.synchronize
     # warm-up: each loop once (captures/compiles what the batch needs)
-    out_fast = _Loop(engine, True).generate(**inputs, **kwargs)
-    out_hf = _Loop(engine, False).generate(**inputs, **kwargs)
+    out_fast = engine.generate(**inputs, **kwargs)
+    out_hf = HFLoop(engine).generate(**inputs, **kwargs)
     same = bool(torch.equal(out_fast, out_hf))
     rounds = [_time_pair(engine, inputs, kwargs, sync, fast_first=i % 2 == 0)
               for i in range(args.rounds)]
@@ -127,12 +118,12 @@ def _measure(engine, tokenizer, name: str, batch: int, args: argparse.Namespace)
 def run(args: argparse.Namespace) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
+    dtype = parse_dtype(args.dtype)
     source, tokenizer = _load(args, dtype)
     results = {"command": " ".join([os.path.basename(sys.argv[0]), *sys.argv[1:]]),
                "load": os.getloadavg(), "threads": torch.get_num_threads(),
                "machine": platform.processor() or platform.machine(),
-               "device": str(torch.cuda.get_device_name()) if args.device == "cuda" else None,
+               "device": shardwise.get_accelerator(args.device).device_name(),
                "torch": torch.__version__, "rows": []}
     for i, name in enumerate(args.variant):  # the last variant transforms the loaded model
         model = source if i == len(args.variant) - 1 else copy.deepcopy(source)

@@ -4,7 +4,8 @@ and the benchmark.
 
 Times come from a ``transformers`` streamer: ``generate`` (and shardwise's loop, which calls it
 alike) hands it the prompt once before the prefill and then each step's new tokens as soon as
-they are on the host (``tokens.cpu()``, which waits for the device), so the gaps between calls are the real per-step latencies.
+they are on the host (``tokens.cpu()``, which waits for the device), so the gaps between calls
+are the real per-step latencies.
 """
 
 from __future__ import annotations
@@ -117,7 +118,8 @@ def timed_generate(model, inputs: dict[str, torch.Tensor],
         synchronize()  # start from an idle device
     timer = TokenTimer(synchronize)
     # an injected model's cache: one generate at a time (an engine's generate holds it itself)
-    held = model if isinstance(model, torch.nn.Module) else getattr(model, "module", None)
-    with generation_session(held) if isinstance(held, torch.nn.Module) else contextlib.nullcontext():
+    session = generation_session(model) if isinstance(model, torch.nn.Module) \
+        else contextlib.nullcontext()
+    with session:
         output = model.generate(**inputs, streamer=timer, **gen_kwargs)
     return output, timer.timings()

@@ -322,9 +322,8 @@ def test_cuda_fp16_graphs_fast_loop_matches_hf_loop(monkeypatch, arch):
                                       enable_graph=True)
     counted = Counted(monkeypatch, engine)
     ids, mask = (t.to(engine.device) for t in _padded_batch())
-    with torch.no_grad():
-        free = engine.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False,
-                               eos_token_id=None, pad_token_id=0)
+    free = engine.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False,
+                           eos_token_id=None, pad_token_id=0)
     eos = int(free[0, 8 + 3])
     for kw, seed in ((dict(do_sample=False, eos_token_id=eos), None),
                      (dict(do_sample=True, top_k=20, temperature=0.8), 7)):
@@ -341,8 +340,7 @@ def test_cuda_fp16_graphs_fast_loop_matches_hf_loop(monkeypatch, arch):
         assert all(torch.equal(a[1], b[1]) for a, b in zip(streams[0][:-1], streams[1][:-1]))
     no_stream = engine.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False,
                                 eos_token_id=eos, pad_token_id=0)  # deferred eos check
-    with torch.no_grad():
-        assert torch.equal(no_stream, engine.generate(
-            ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, eos_token_id=eos,
-            pad_token_id=0, shardwise_fast_loop=False))
+    assert torch.equal(no_stream, engine.generate(
+        ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, eos_token_id=eos,
+        pad_token_id=0, shardwise_fast_loop=False))
     assert (counted.fast, counted.hf) == (4, 3)  # the fast loop ran where asked

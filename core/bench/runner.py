@@ -274,9 +274,7 @@ def generate_target(engine: Any, variant: Variant) -> Any:
     (its ``generate`` runs shardwise's decode loop; with ``variant.hf_loop`` HF's loop, through
     :class:`HFLoop`), otherwise the engine's module, as a user's code calls it (pipeline stages
     and un-injected models run HF's ``generate`` either way)."""
-    from ..inject.layers import InjectedModel
-
-    if not isinstance(getattr(engine, "_stack", None), InjectedModel) or engine.stages is not None:
+    if engine._stack is None or engine.stages is not None:
         return engine.module
     return HFLoop(engine) if variant.hf_loop else engine
 

@@ -174,7 +174,8 @@ class HeadFromGraph:
         return f"HeadFromGraph({self.original!r})"
 
 
-def _head(model: nn.Module) -> nn.Module | None:
+def output_head(model: nn.Module) -> nn.Module | None:
+    """The model's output head module (``get_output_embeddings``), or None."""
     get = getattr(model, "get_output_embeddings", None)
     head = get() if callable(get) else None
     return head if isinstance(head, nn.Module) else None
@@ -231,7 +232,7 @@ def enable_graphs(model: nn.Module, accelerator: Accelerator) -> GraphStrategy:
     stack, strategy = stack_and_strategy(model, accelerator)
     if not strategy.accelerates:
         return strategy
-    head = _head(model)
+    head = output_head(model)
     if stack.stage is not None and not stack.stage.plan.last:
         head = None  # another pipeline stage runs the head (this one holds a stand-in)
     _share_weights(model, head, strategy)

@@ -40,12 +40,10 @@ from transformers.generation.logits_process import (LogitsProcessorList, MinLeng
                                                     TopPLogitsWarper)
 
 from .cache import DecodeRows, StaticKVCache
+from .capture import output_head
 from .layers import InjectedModel
 
 log = logging.getLogger(__name__)
-
-#: the ``engine.generate`` keyword that turns this loop off for one call (``False``: HF's)
-SWITCH = "shardwise_fast_loop"
 
 #: generation-config fields this loop implements exactly, whatever their value (the others
 #: must keep transformers' default value, else the call runs HF's ``generate``)
@@ -167,7 +165,7 @@ def _structural_reason(module: nn.Module, stack: InjectedModel) -> str | None:
         return "pipeline stages"
     if getattr(module.config, "is_encoder_decoder", False):
         return "an encoder-decoder model"
-    if _head(module) is None:
+    if output_head(module) is None:
         return "a model without an output head module"
     text = module.config.get_text_config() if hasattr(module.config, "get_text_config") \
         else module.config
@@ -247,12 +245,6 @@ def _processors(config: GenerationConfig, prompt_len: int,
     return out
 
 
-def _head(module: nn.Module) -> nn.Module | None:
-    get = getattr(module, "get_output_embeddings", None)
-    head = get() if callable(get) else None
-    return head if isinstance(head, nn.Module) else None
-
-
 # ----- the loop ------------------------------------------------------------------------------------
 
 def run_loop(module: nn.Module, stack: InjectedModel, plan: LoopPlan) -> torch.Tensor:
@@ -265,8 +257,8 @@ def run_loop(module: nn.Module, stack: InjectedModel, plan: LoopPlan) -> torch.T
     ids, the all-finished flag of each step is read on the host — one step late where the
     device has events (copied without blocking, the next step already queued; the extra step's
     tokens are all padding and are cut), at once where it has none (a CPU, where the work is
-    done by then anyway); once per call, the prompt's padding check and the eos ids. No other
-    step reads device values on the host."""
+    done by then anyway). Once per call, before this loop, :func:`plan_loop` reads the
+    prompt's padding and the eos ids. No other step reads device values on the host."""
     streamer, ids = plan.streamer, plan.input_ids
     batch, prompt_len = ids.shape
     device = ids.device
@@ -356,7 +348,7 @@ class _DecodeStep:
 
     def __init__(self, module: nn.Module, stack: InjectedModel, cache: StaticKVCache,
                  plan: LoopPlan) -> None:
-        self.stack, self.cache, self.head = stack, cache, _head(module)
+        self.stack, self.cache, self.head = stack, cache, output_head(module)
         batch, device = plan.input_ids.shape[0], plan.input_ids.device
         self.ids = torch.zeros(batch, 1, dtype=torch.int64, device=device)
         counted = ("position_ids" in inspect.signature(module.forward).parameters
@@ -372,7 +364,6 @@ class _DecodeStep:
                                                   dtype=torch.int64, device=device),
                                starts=cache.starts)
         self.captured = stack.graphs is not None and cache.graph_key is not None
-        self.started = False
 
     def fits(self) -> bool:
         """Whether the cache holds one more token (else the next step raises, as HF's would)."""
@@ -380,10 +371,6 @@ class _DecodeStep:
 
     def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
         """Append ``tokens`` [batch] → the next logits [batch, vocab]."""
-        if self.started:  # the previous step's positions, one further
-            for t in (self.rows.position_ids, self.rows.write_index, self.rows.lengths):
-                t.add_(1)
-        self.started = True
         cache, stack = self.cache, self.stack
         cache.reserve(1)  # MaxTokensError at the step generate would raise it
         self.ids.copy_(tokens[:, None])
@@ -392,6 +379,8 @@ class _DecodeStep:
         else:  # the eager step the stack's forward runs
             hidden = stack.decode_eagerly(cache, stack.parts.embed(self.ids), self.rows)
         cache.advance(1)
+        for t in (self.rows.position_ids, self.rows.write_index, self.rows.lengths):
+            t.add_(1)  # the next step's positions (queued after this step's reads of them)
         # the head as a module (its hooks run: the tensor-parallel vocab gather); with graphs
         # it answers from the captured head's logits (HeadFromGraph)
         return self.head(hidden)[:, -1]
