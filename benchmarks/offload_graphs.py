@@ -16,10 +16,6 @@ Run::
         [--rounds 5] [--layers 5] [--hidden 1024] [--quant int8] [--output F.json]
     # an accelerator, from pinned host memory (CUDA graphs per layer and ring slot):
     python benchmarks/offload_graphs.py --device cuda --tier cpu [...]
-
-Until the engine's graph step calls ``enable_offload_graphs`` for an offloaded model
-(``init_inference(..., offload=..., enable_graph=True)``), the graphs variant is built with
-``enable_graph=False`` and the per-layer graphs enabled on it here, as that step would.
 """
 
 from __future__ import annotations
@@ -51,27 +47,21 @@ def build_model(args) -> torch.nn.Module:
 
 
 def build_engine(args, path: str, graphs: bool):
-    """An injected, offloaded engine; with ``graphs`` its decode step captured per layer.
-    Returns (engine, seconds the capture took)."""
+    """An injected, offloaded engine; with ``graphs`` its decode step captured per layer
+    (``init_inference(..., enable_graph=True)``). Returns (engine, seconds its init took)."""
     import shardwise
-    from shardwise.offload.graphs import enable_offload_graphs
 
     kwargs = {"quant": QUANT[args.quant]} if QUANT[args.quant] else {}
     if args.tier == "nvme":
         offload = {"device": "nvme", "nvme_path": path, "buffer_count": args.buffer_count}
     else:  # pinned host memory, copied into the accelerator's ring slots
         offload = {"device": "cpu", "pin_memory": True, "buffer_count": args.buffer_count}
+    model = build_model(args)
+    start = time.perf_counter()
     engine = shardwise.init_inference(
-        build_model(args), device=args.device, dtype=torch.float32,
-        replace_with_kernel_inject=True, offload=offload, **kwargs)
-    captured = 0.0
-    if graphs:
-        for param in engine.module.parameters():
-            param.requires_grad_(False)
-        start = time.perf_counter()
-        enable_offload_graphs(engine.module, engine.accelerator, engine.offload)
-        captured = time.perf_counter() - start
-    return engine, captured
+        model, device=args.device, dtype=torch.float32, replace_with_kernel_inject=True,
+        enable_graph=graphs, offload=offload, **kwargs)
+    return engine, time.perf_counter() - start
 
 
 class Stamps:
@@ -124,7 +114,7 @@ def main() -> None:
     quant = "" if args.quant == "none" else f", {args.quant}"
     print(f"model: {args.layers} layers x {args.hidden} (fp32{quant}) on {eager.device}, "
           f"{size / 2**20:.1f} MiB streamed per token from {args.tier}; store {path}; "
-          f"bucket-1 capture {capture_s:.1f} s; {captured_engine.offload.graphs}")
+          f"init with the bucket-1 capture {capture_s:.1f} s; {captured_engine.offload.graphs}")
     results = {"args": vars(args), "mib_per_token": size / 2**20, "capture_s": capture_s,
                "by_batch": {}}
     for batch in args.batch:

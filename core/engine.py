@@ -693,8 +693,7 @@ def _check_later_steps(model: nn.Module, cfg: InferenceConfig, accelerator: Acce
     if cfg.offload is not None:
         from .offload.config import check_offload
 
-        check_offload(cfg.offload, accelerator, model, device, enable_graph=cfg.enable_graph,
-                      per_layer_graphs=True)
+        check_offload(cfg.offload, accelerator, model, device, enable_graph=cfg.enable_graph)
         if cfg.save_mp_checkpoint_path:
             raise ConfigError(_OFFLOAD_SAVE_REFUSAL)
 

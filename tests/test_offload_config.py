@@ -236,14 +236,9 @@ def test_nvme_on_the_cpu_with_a_host_model_passes_and_leaves_nothing(tmp_path):
     assert list(tmp_path.iterdir()) == []  # the write test's file is gone
 
 
-def test_graphs_are_refused_by_the_check_unless_captured_per_layer(tmp_path):
-    with pytest.raises(OffloadError, match="fixed addresses it was captured with, and the "
-                                           "CPU's compiled decode step .* per-layer waits; pass "
-                                           "enable_graph=False with offload"):
-        check_offload(_nvme(tmp_path), CpuAccelerator(), None, torch.device("cpu"),
-                      enable_graph=True)
+def test_graphs_pass_the_check_with_the_default_strategy(tmp_path):
     check_offload(_nvme(tmp_path), CpuAccelerator(), None, torch.device("cpu"),
-                  enable_graph=True, per_layer_graphs=True)  # the default CPU strategy can
+                  enable_graph=True)  # the default CPU strategy reads weights as inputs
 
 
 @pytest.mark.parametrize("choice", ["frozen", "onednn", "inductor"])
@@ -251,12 +246,12 @@ def test_a_strategy_that_copies_the_weights_is_refused_naming_it(choice, tmp_pat
     monkeypatch.setenv("SHARDWISE_CPU_GRAPHS", choice)
     with pytest.raises(OffloadError, match="keeps its own copy of the weights in its captured "
                                            "code \\(weight_binding='copies'\\).*"
-                                           "SHARDWISE_CPU_GRAPHS=cpp"):
+                                           "default graph strategy"):
         check_offload(_nvme(tmp_path), CpuAccelerator(), None, torch.device("cpu"),
-                      enable_graph=True, per_layer_graphs=True)
+                      enable_graph=True)
     monkeypatch.setenv("SHARDWISE_CPU_GRAPHS", "eager")  # captures nothing: nothing to refuse
     check_offload(_nvme(tmp_path), CpuAccelerator(), None, torch.device("cpu"),
-                  enable_graph=True, per_layer_graphs=True)
+                  enable_graph=True)
 
 
 def test_a_missing_nvme_path_is_refused(tmp_path):

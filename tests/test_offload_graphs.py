@@ -300,8 +300,6 @@ def test_tp2_each_rank_captures_its_layers_and_matches_resident_tp(tp_ranks, nam
 # ----- through init_inference (the engine's graph step) -------------------------------------------
 
 def test_init_inference_captures_per_layer_and_says_so(tmp_path, caplog):
-    """Needs the engine's graph step to call enable_offload_graphs when offload is on (and its
-    check to pass per_layer_graphs=True)."""
     ids = prompt_ids(batch=1, length=6)
     ref_tokens, _ = _generate(shardwise.init_inference(tiny_causal_lm("gpt2"), **_settings(None)),
                               ids)
@@ -350,7 +348,7 @@ def test_cuda_graphs_per_slot_over_pinned_host_memory(arch, bits):
 
 @pytest.mark.gpu
 def test_cuda_init_inference_with_offload_and_graphs():
-    """Through init_inference (needs the engine's graph step wired to enable_offload_graphs)."""
+    """Through init_inference, on CUDA."""
     ids = prompt_ids(batch=1, length=6).cuda()
     ref_tokens, _ = _generate(shardwise.init_inference(tiny_causal_lm("llama"),
                                                        **_settings(None, "cuda")), ids)

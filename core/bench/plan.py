@@ -536,7 +536,7 @@ def check_offload_variants(plan: Plan, accelerator: Accelerator) -> None:
         try:
             settings = parse_offload(plan.offload_settings(variant.offload))
             check_offload(settings, accelerator, None, accelerator.device(),
-                          enable_graph=variant.graphs, per_layer_graphs=True)
+                          enable_graph=variant.graphs)
         except ConfigError as exc:
             text = str(exc)
             named = [f"{key} is {flag}" for key, flag in OFFLOAD_OPTIONS.items() if key in text]

@@ -251,10 +251,7 @@ def _without_skipped(targets: list[Target], skip: tuple[str, ...]) -> tuple[list
     goes by lies inside one of the ``skip`` modules (a tied alias outside them keeps it)."""
     if not skip:
         return targets, 0
-
-    def inside(name: str) -> bool:
-        return any(name == m or name.startswith(m + ".") for m in skip)
-    kept = [t for t in targets if not all(inside(n) for n in t.names)]
+    kept = [t for t in targets if not all(_inside(n, skip) for n in t.names)]
     return kept, len(targets) - len(kept)
 
 
@@ -457,6 +454,11 @@ def _assign(model: nn.Module, name: str, value: torch.Tensor, is_buffer: bool) -
         owner._parameters[attr] = value
 
 
+def _inside(name: str, modules: "tuple[str, ...] | list[str]") -> bool:
+    """Whether the tensor or module ``name`` is one of ``modules`` or lies inside one."""
+    return any(name == m or name.startswith(m + ".") for m in modules)
+
+
 def _fill_meta_buffers(model: nn.Module, device: torch.device, skip: tuple[str, ...] = ()
                        ) -> None:
     """Non-persistent buffers still on the meta device (the model was built under
@@ -466,7 +468,7 @@ def _fill_meta_buffers(model: nn.Module, device: torch.device, skip: tuple[str, 
     parameters do."""
     owners = {}
     for name, buf in model.named_buffers():
-        if any(name.startswith(m + ".") for m in skip):
+        if _inside(name, skip):
             continue
         if buf is not None and buf.is_meta:
             owner_name, _, attr = name.rpartition(".")

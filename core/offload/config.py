@@ -202,18 +202,6 @@ def _check_path_for_tier(settings: OffloadConfig) -> None:
 
 # ----- the checks against the machine and the model -----------------------------------------------
 
-#: Why graphs and offload do not go together when the caller captures the decode step whole
-#: (:func:`check_offload` without ``per_layer_graphs``). Accelerators capture graphs at fixed
-#: addresses, and the CPU's compiled step reads every layer's weights as inputs of one graph with
-#: no place for the ring's per-layer waits: :mod:`shardwise.offload.graphs` captures one layer
-#: at a time instead, with the waits between the graphs.
-GRAPH_REFUSAL = ("offload streams each layer's weights into ring slots that change from step to "
-                 "step, but a captured graph replays its kernels on the weights at the fixed "
-                 "addresses it was captured with, and the CPU's compiled decode step reads every "
-                 "layer's weights as inputs of one graph with no place for the ring's per-layer "
-                 "waits; pass enable_graph=False with offload")
-
-
 def strategy_refusal(strategy: Any) -> str | None:
     """Why ``strategy`` (a :class:`~shardwise.GraphStrategy`) cannot capture an offloaded
     model's layers, or None when it can: its captured code must read the weights where they
@@ -221,20 +209,18 @@ def strategy_refusal(strategy: Any) -> str | None:
     (``"addresses"``: one graph per ring slot); a strategy that keeps ``"copies"`` would hold
     every layer's weights resident inside its graphs. A strategy that captures nothing
     (``accelerates`` False) always can."""
-    binding = getattr(strategy, "weight_binding", "addresses")
-    if not getattr(strategy, "accelerates", False) or binding in ("inputs", "addresses"):
+    if not strategy.accelerates or strategy.weight_binding != "copies":
         return None
-    return (f"enable_graph with offload: the graph strategy {getattr(strategy, 'name', strategy)!r}"
-            f" ({strategy!r}) keeps its own copy of the weights in its captured code "
-            f"(weight_binding={binding!r}), so every layer's weights would stay resident inside "
-            f"the graphs and offload would save nothing; use a strategy that reads the weights "
-            f"as inputs (on CPU the default, SHARDWISE_CPU_GRAPHS=cpp, not frozen, onednn or "
-            f"inductor), or pass enable_graph=False")
+    return (f"enable_graph with offload: the graph strategy {strategy.name!r} ({strategy!r}) "
+            f"keeps its own copy of the weights in its captured code (weight_binding="
+            f"'copies'), so every layer's weights would stay resident inside the graphs and "
+            f"offload would save nothing; use the accelerator's default graph strategy (it reads "
+            f"the weights as inputs or at their addresses), or pass enable_graph=False")
 
 
 def check_offload(settings: "OffloadConfig | Mapping | None", accelerator: "Accelerator",
                   model: "nn.Module | None", device: "torch.device", *,
-                  enable_graph: bool, per_layer_graphs: bool = False) -> None:
+                  enable_graph: bool) -> None:
     """Check ``offload=`` against this machine and ``model`` before anything is changed.
 
     Args:
@@ -245,28 +231,21 @@ def check_offload(settings: "OffloadConfig | Mapping | None", accelerator: "Acce
         model: the model as handed to ``init_inference`` (real weights, on the meta device, or
             None when it is built from a checkpoint).
         device: the ``torch.device`` the layers compute on.
-        enable_graph: the config's ``enable_graph``.
-        per_layer_graphs: the caller captures an offloaded model's decode step one layer at a
-            time (:func:`shardwise.offload.graphs.enable_offload_graphs`); then graphs are
-            checked against the accelerator's strategy (:func:`strategy_refusal`). False: any
-            graphs are refused (:data:`GRAPH_REFUSAL`: a whole-step capture cannot serve
-            streamed weights).
+        enable_graph: the config's ``enable_graph`` (offloaded models capture it one layer at a
+            time, :func:`shardwise.offload.graphs.enable_offload_graphs`: checked against the
+            accelerator's strategy, :func:`strategy_refusal`).
 
     Raises:
-        OffloadError: graphs asked for and not captured per layer, or by a strategy that keeps
-            copies of the weights; ``nvme_path`` missing, not a directory or not writable;
+        OffloadError: graphs asked for with a strategy that keeps copies of the weights; ``nvme_path`` missing, not a directory or not writable;
             the ``"cpu"`` tier on a device that computes in host memory; a model whose
             parameters are all on ``device`` already (nothing to stream from).
     """
     settings = parse_offload(settings)
     if settings is None:
         return
-    if enable_graph:
-        if not per_layer_graphs:
-            raise OffloadError(GRAPH_REFUSAL)
-        refusal = strategy_refusal(accelerator.graph_strategy())
-        if refusal:
-            raise OffloadError(refusal)
+    refusal = strategy_refusal(accelerator.graph_strategy()) if enable_graph else None
+    if refusal:
+        raise OffloadError(refusal)
     if settings.nvme_path is not None:
         check_directory(settings.nvme_path)
     _check_tier(settings, accelerator)

@@ -108,10 +108,6 @@ def _parse_split(split: Any, pp: int) -> tuple[int, ...] | None:
     return tuple(split)
 
 
-#: settings that do not run with pipeline stages yet: config field → what it enables
-_NOT_WITH_PIPELINE: dict[str, str] = {}
-
-
 def check_with_other_fields(cfg: Any) -> None:
     """Refuse the settings that do not compose with ``pipeline_parallel`` yet (each named), so
     none of them is silently dropped on some stage. ``quant=`` and ``checkpoint=`` compose (each
@@ -124,13 +120,6 @@ def check_with_other_fields(cfg: Any) -> None:
     :mod:`shardwise.pipeline.quant`)."""
     if cfg.pipeline_parallel is None:
         return
-    defaults = type(cfg)()
-    for name, what in _NOT_WITH_PIPELINE.items():
-        value = getattr(cfg, name)
-        if value != getattr(defaults, name):
-            raise NotSupportedYetError(
-                f"{name}={value!r} ({what}) is not supported yet with pipeline_parallel; "
-                f"remove {name}, or pipeline_parallel")
     if cfg.save_mp_checkpoint_path and cfg.tp_size > 1:
         raise NotSupportedYetError(
             "save_mp_checkpoint_path with pipeline_parallel saves the stages of an engine "
@@ -142,10 +131,3 @@ def check_with_other_fields(cfg: Any) -> None:
             f"pipeline_parallel (loading straight into offload blobs would read every stage's "
             f"layers on every rank); build the model first (from_pretrained) and hand it in, "
             f"or drop checkpoint=, offload= or pipeline_parallel")
-
-
-def _quantizes_head(quant: Any) -> bool:
-    """Whether ``quant=`` (the dict or a parsed config) quantizes the output head."""
-    if isinstance(quant, Mapping):
-        return bool(quant.get("lm_head"))
-    return bool(getattr(quant, "lm_head", False))

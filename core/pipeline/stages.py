@@ -150,7 +150,7 @@ def plan_stages(model: nn.Module, layers: nn.ModuleList, settings: PipelineSetti
         bounds = tuple((starts[s], starts[s + 1]) for s in range(pp))
         source = "split"
     else:
-        bounds, source = balanced_bounds(costs, pp, 0, head), "balanced"  # embedding: rows
+        bounds, source = balanced_bounds(costs, pp, last_extra=head), "balanced"
     stage_costs = tuple(sum(costs[a:b]) + (embed if s == 0 else 0) + (head if s == pp - 1 else 0)
                         for s, (a, b) in enumerate(bounds))
     names = {id(m): n for n, m in model.named_modules()}
