@@ -223,13 +223,8 @@ def shardwise_stack(model, tokenizer, args, accelerator, name: str):
     ``--max-batch`` slots, every batch bucket captured → the Scheduler."""
     from shardwise.serve.server import build_stack
 
-    budget = {} if args.prefill_budget is None else {"prefill_budget": args.prefill_budget}
-    if args.prefill_stall is not None:
-        budget["prefill_stall"] = args.prefill_stall
-    if args.prefill_worth is not None:
-        budget["prefill_worth"] = args.prefill_worth
-    if args.mixed is not None:
-        budget["mixed"] = args.mixed
+    budget = {k: getattr(args, k) for k in ("prefill_budget", "prefill_stall", "prefill_worth",
+                                            "mixed") if getattr(args, k) is not None}
     return build_stack(model, tokenizer, max_batch=args.max_batch, max_tokens=args.max_context,
                        name=name, max_waiting=queue_bound(args), **budget,
                        replace_with_kernel_inject=True, enable_graph=True,

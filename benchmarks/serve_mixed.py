@@ -13,7 +13,7 @@ requests keep joining while the others decode. Per mode and round: the inter-tok
 every stream (the times its token events reach the asyncio loop, as a client's chunks would:
 p50, p99 and p99/p50), time to first token p50/p99 and the decode tokens/s (tokens after each
 request's first over the round's wall time). Prints the medians over rounds of each mode, with
-the load average; writes nothing. The stack is the server's own
+the load average; ``--output`` writes every round and the medians as JSON. The stack is the server's own
 (:func:`shardwise.serve.server.build_stack`: kernel injection, graphs, the preferred dtype); the
 mode is the scheduler's ``mixed`` attribute, switched between rounds while it is idle.
 """
@@ -25,14 +25,14 @@ import asyncio
 import json
 import os
 import random
-import statistics
 import sys
 import time
 
 import torch
+from serve_load import PROMPT_LENGTHS  # the same prompts as the HTTP load (this folder)
 
-#: prompt lengths the streams cycle through (serve_load.py's 32-128 tokens)
-PROMPT_LENGTHS = (32, 96, 48, 128, 64, 112, 40, 80)
+from shardwise.bench.stats import median, percentile
+
 MODES = {"alternating": False, "mixed": True}
 
 
@@ -91,7 +91,7 @@ async def one_round(scheduler, args, seed: int) -> dict[str, float]:
     began = time.perf_counter()
     await asyncio.gather(*(stream(i) for i in range(args.streams)))
     wall = time.perf_counter() - began
-    q = lambda values, p: 1e3 * statistics.quantiles(values, n=100)[p - 1]  # noqa: E731
+    q = lambda values, p: 1e3 * percentile(values, p)  # noqa: E731
     return {"itl_p50_ms": q(gaps, 50), "itl_p99_ms": q(gaps, 99),
             "itl_p99_over_p50": q(gaps, 99) / q(gaps, 50),
             "ttft_p50_ms": q(ttfts, 50), "ttft_p99_ms": q(ttfts, 99),
@@ -136,7 +136,7 @@ def main(argv=None) -> None:
           f"{dtype}, load {min(loads):.1f}-{max(loads):.1f}; medians over {args.rounds} rounds:")
     keys = list(results["mixed"][0])
     print(f"  {'mode':<12}" + "".join(f"{k:>18}" for k in keys))
-    medians = {mode: {k: statistics.median(r[k] for r in rounds) for k in keys}
+    medians = {mode: {k: median([r[k] for r in rounds]) for k in keys}
                for mode, rounds in results.items()}
     for mode, row in medians.items():
         print(f"  {mode:<12}" + "".join(f"{row[k]:>18.2f}" for k in keys))

@@ -1,7 +1,7 @@
 """SlotRunner under tensor parallelism (2 gloo ranks): rank 0 drives the runner, rank 1 runs
 ``follow`` and executes every step rank 0 broadcasts, plain and mixed steps (one process pair
-for both). The tokens equal HF ``generate`` of each prompt alone, and a rank dying makes the other fail with CollectiveError within the collective
-timeout instead of hanging."""
+for both). The tokens equal HF ``generate`` of each prompt alone, and a rank dying makes the
+other fail with CollectiveError within the collective timeout instead of hanging."""
 
 from __future__ import annotations
 
@@ -74,9 +74,9 @@ def _mixed_prompts() -> list[list[int]]:
 
 
 def _mixed_greedy(runner) -> list[list[int]]:
-    """Prompts 0 and 1 decode in slots 0, 1; prompt 2 (slot 2) and 3 (slot 3) are prefilled
-    through mixed steps (two chunks of 2, one step carrying both prompts' chunks); then all
-    decode to the end."""
+    """Prompts 0 and 1 decode in slots 0, 1; prompt 2 (slot 2, chunks of 6, 4 and the rest) and
+    prompt 3 (slot 3, chunks of 2 and the rest) are prefilled through mixed steps, two of which
+    carry both prompts' chunks; then all decode to the end."""
     prompts, news = _mixed_prompts(), [new for _, new in MIXED_PROMPTS]
     tokens: list[list[int]] = [[], [], [], []]
 

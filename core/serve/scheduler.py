@@ -29,7 +29,7 @@ One background thread makes every model call. Each iteration of its loop:
    (``"stop"``, the id itself is delivered) or after ``max_tokens`` tokens (``"length"``) and
    frees its slot for the next iteration.
 
-**Mixed steps** (``mixed=True``, the default, where the runner has ``mixed``: chunked prefill
+**Mixed steps** (``mixed=True``, the default, where ``runner.supports_mixed``: chunked prefill
 inside the decode batch, as vLLM and SGLang do): while sequences decode AND prompts wait to be
 prefilled, steps 3 and 4 are ONE ``runner.mixed`` forward carrying every decoding sequence's
 token and prompt chunks, so the running streams' next token waits for one forward instead of a

@@ -197,7 +197,13 @@ class EventBatch:
 class Runner(Protocol):
     """The model side of continuous batching: ``max_batch`` slots of one static KV cache of
     ``max_tokens`` positions each (the prompt plus every generated token of a sequence must
-    fit). Every call happens on the scheduler's one thread."""
+    fit). Every call happens on the scheduler's one thread.
+
+    Optional (the scheduler asks with ``getattr``): ``supports_mixed`` (bool),
+    ``mixed_unsupported`` (why not, for the log) and ``mixed(slots, token_ids, chunks)``, one
+    forward of the decode tokens and prompt chunks ``(slot, tokens, last)`` →
+    (decode logits [len(slots), vocab], each chunk's last-token logits or None), as
+    :meth:`shardwise.serve.runner.SlotRunner.mixed`."""
 
     max_batch: int
     max_tokens: int
