@@ -76,7 +76,8 @@ def save_checkpoint(model: nn.Module, path: str | Path, *, prepared: PreparedSha
     comm.barrier()
     description = out / DESCRIPTION_NAME
     if comm.rank == 0:  # last, so a description means every rank file is complete
-        _write_description(model, description, tp, save_id, shards, saved, names,
+        _write_description(model, description, tp, save_id, shards,
+                           {n: e.description for n, e in saved.items()}, names,
                            prepared.ep_size if prepared is not None and prepared.experts else 1)
         _remove_stale(out, names)
     comm.barrier()
@@ -95,8 +96,10 @@ def _write_rank_file(model: nn.Module, file: Path, shards: dict, per_rank: set[s
 
 
 def _write_description(model: nn.Module, description: Path, tp: int, save_id: str,
-                       shards: dict, saved: dict[str, SavedEntries], names: list[str],
+                       shards: dict, extensions: dict[str, Any], names: list[str],
                        ep: int = 1) -> None:
+    """``shardwise_checkpoint.json`` (and ``config.json`` beside it): the rank files ``names``,
+    the tensor-parallel ``shards`` stored, each extension's description entry."""
     config = getattr(model, "config", None)
     if config is not None and hasattr(config, "save_pretrained"):
         _atomic(description.parent / "config.json", lambda tmp: _save_config(config, tmp))
@@ -105,8 +108,8 @@ def _write_description(model: nn.Module, description: Path, tp: int, save_id: st
             "dtype": _dtype_name(model),
             "save_id": save_id, "checkpoints": names,
             "shards": {k: v for k, v in shards.items() if k in stored}}
-    if saved:
-        body["extensions"] = {n: e.description for n, e in saved.items()}
+    if extensions:
+        body["extensions"] = extensions
     _atomic(description, lambda tmp: tmp.write_text(json.dumps(body, indent=1)))
 
 
@@ -340,7 +343,7 @@ def _check_stages_save(model: nn.Module, stages, communicator: Communicator, out
             "saving a checkpoint from pipeline stages with tensor parallelism inside them is not "
             "supported yet (each stage's tensors are split over its tp ranks); save from an "
             "engine with pipeline_parallel alone, or with tensor_parallel alone")
-    mergeable = getattr(stages, "MERGED_EXTENSIONS", ())
+    mergeable = stages.MERGED_EXTENSIONS
     unknown = sorted(set(_extension_entries(model)) - set(mergeable))
     if unknown:
         raise NotSupportedYetError(
@@ -369,11 +372,10 @@ def _stage_tensors(model: nn.Module, stages, extended: frozenset[str] = frozense
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     head_name = next((n for n, m in model.named_modules() if m is head), None) \
         if isinstance(head, nn.Module) and not isinstance(head, RemoteHead) else None
-    config = getattr(model, "config", None)
-    tied = bool(getattr(config, "tie_word_embeddings", False))
+    tied = plan.tied
     head_extended = head_name is not None and any(n.startswith(f"{head_name}.")
                                                   for n in extended)
-    embed_name = getattr(plan, "embed_name", None)
+    embed_name = plan.embed_name
     out = {}
     for name, tensor in _unique_state(model, views=True).items():
         in_layers = any(name.startswith(f"{c}.") for c in containers)
@@ -442,24 +444,11 @@ def save_extended_stages(model: nn.Module, path: str | Path, stages) -> Path:
         from safetensors.torch import save_file
 
         _atomic(out / name, lambda tmp: save_file(everything, str(tmp), metadata=metadata))
-        _write_extended_description(model, description, save_id, name,
-                                    {n: entry for n, (_, entry) in merged.items()})
+        _write_description(model, description, 1, save_id, {},
+                           {n: entry for n, (_, entry) in merged.items()}, [name])
         _remove_stale(out, [name])
     comm.barrier()
     return description
-
-
-def _write_extended_description(model: nn.Module, description: Path, save_id: str, name: str,
-                                extensions: dict[str, Any]) -> None:
-    """The description of a tp-size-1 checkpoint whose one rank file is ``name`` (what
-    :func:`_write_description` writes for one rank), ``config.json`` next to it."""
-    config = getattr(model, "config", None)
-    if config is not None and hasattr(config, "save_pretrained"):
-        _atomic(description.parent / "config.json", lambda tmp: _save_config(config, tmp))
-    body = {"type": "shardwise", "version": VERSION, "tp_size": 1, "ep_size": 1,
-            "dtype": _dtype_name(model), "save_id": save_id, "checkpoints": [name],
-            "shards": {}, "extensions": extensions}
-    _atomic(description, lambda tmp: tmp.write_text(json.dumps(body, indent=1)))
 
 
 def _gather_to_first(comm: Communicator, plan, tensors: dict[str, torch.Tensor],
