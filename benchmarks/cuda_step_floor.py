@@ -112,16 +112,16 @@ def main(argv=None) -> int:
         parser.error("needs a CUDA GPU")
     import shardwise
     from shardwise.bench.presets import build_preset
+    from shardwise.bench.plan import engine_options
     from shardwise.config import parse_dtype
 
     dtype = parse_dtype(args.dtype)
     model = build_preset(args.preset, dtype=dtype)
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     vocab = model.config.vocab_size
-    kwargs = {"quant": {"weight": {"num_bits": int(args.quant[3:])}}} if args.quant else {}
     engine = shardwise.init_inference(model, device="cuda", dtype=dtype,
-                                      replace_with_kernel_inject=True, enable_graph=True,
-                                      max_tokens=args.prompt_len + args.new_tokens + 8, **kwargs)
+                                      max_tokens=args.prompt_len + args.new_tokens + 8,
+                                      **engine_options(True, True, args.quant))
     if args.quant:
         weight_bytes = engine.quantization.bytes_after
     probe = copy_gbps()

@@ -34,20 +34,16 @@ import time
 import torch
 
 import shardwise
-from shardwise.bench.plan import Cell
+from shardwise.bench.plan import Cell, engine_options
 from shardwise.bench.runner import HFLoop, generation_kwargs, make_inputs
 from shardwise.config import parse_dtype
 from shardwise.generation import timed_generate
 
 #: --variant name → init_inference keywords (dtype aside)
-VARIANTS = {
-    "inject-graphs": dict(replace_with_kernel_inject=True, enable_graph=True),
-    "inject": dict(replace_with_kernel_inject=True),
-    "int4-inject-graphs": dict(replace_with_kernel_inject=True, enable_graph=True,
-                               quant={"weight": {"num_bits": 4}}),
-    "int8-inject-graphs": dict(replace_with_kernel_inject=True, enable_graph=True,
-                               quant={"weight": {"num_bits": 8}}),
-}
+VARIANTS = {name: engine_options(inject=True, graphs=graphs, quant=quant)
+            for name, graphs, quant in (("inject-graphs", True, None), ("inject", False, None),
+                                        ("int4-inject-graphs", True, "int4"),
+                                        ("int8-inject-graphs", True, "int8"))}
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:

@@ -29,7 +29,10 @@ import time
 
 import torch
 
-QUANT = {"none": None, "int8": {"weight": {"num_bits": 8}}, "int4": {"weight": {"num_bits": 4}}}
+from shardwise.bench.plan import QUANT_CONFIGS
+
+#: ``--quant`` → the engine's ``quant=`` dict
+QUANT = {"none": None, **QUANT_CONFIGS}
 
 
 def build_model(args) -> torch.nn.Module:

@@ -37,8 +37,10 @@ import warnings
 
 import torch
 
+from shardwise.bench.plan import QUANT_CONFIGS
+
 #: ``--quant`` → the engine's ``quant=`` dict
-QUANT = {"none": None, "int8": {"weight": {"num_bits": 8}}, "int4": {"weight": {"num_bits": 4}}}
+QUANT = {"none": None, **QUANT_CONFIGS}
 MODES = ("resident", "offload", "offload, reads skipped", "offload, reads elsewhere")
 
 
