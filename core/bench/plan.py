@@ -255,6 +255,10 @@ def resolve_dtype_name(accelerator: Accelerator, dtype: str | None) -> str | Non
     return str(accelerator.check_dtype(parsed)).removeprefix("torch.")
 
 
+#: the refusal of --quant-head without --quant (the CLI checks it first, engine_options again)
+QUANT_HEAD_ALONE = "--quant-head quantizes the head with --quant's format: add --quant int8 or int4"
+
+
 def engine_options(inject: bool = False, graphs: bool = False, quant: str | None = None,
                    quant_head: bool = False) -> dict[str, Any]:
     """The shardwise variant's ``init_inference`` keywords for ``--inject/--graphs/--quant``
@@ -269,8 +273,7 @@ def engine_options(inject: bool = False, graphs: bool = False, quant: str | None
             raise ConfigError(f"--quant {quant!r} is not one of {', '.join(QUANT_CONFIGS)}")
         options["quant"] = {**QUANT_CONFIGS[quant], **({"lm_head": True} if quant_head else {})}
     elif quant_head:
-        raise ConfigError("--quant-head quantizes the head with --quant's format: add --quant "
-                          "int8 or int4")
+        raise ConfigError(QUANT_HEAD_ALONE)
     return options
 
 

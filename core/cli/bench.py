@@ -218,8 +218,9 @@ def check_combinations(args: argparse.Namespace) -> None:
         raise ConfigError("--plain is the variant without optimising options; drop --plain or "
                           "drop --inject/--graphs/--quant")
     if args.quant_head and not args.quant:
-        raise ConfigError("--quant-head quantizes the head with --quant's format: add --quant "
-                          "int8 or int4")
+        from ..bench.plan import QUANT_HEAD_ALONE
+
+        raise ConfigError(QUANT_HEAD_ALONE)
     if args.graphs and not args.inject:
         raise ConfigError("--graphs captures the injected decode step: add --inject (or drop "
                           "--graphs; without variant options the bench runs both)")

@@ -57,10 +57,11 @@ from ..checkpoint.extensions import (CheckpointExtension, LoadContext, SavedEntr
                                      register_extension)
 from ..checkpoint.sources import SAFETENSORS_DTYPES
 from ..errors import ConfigError
+from shardwise.kernels.reference.moe import ACTIVATIONS
 from shardwise.kernels.reference.quant import QuantSpec
 from .config import parse_quant
-from .experts import (EXPERTS_KIND, MATRICES, ExpertsShape, QuantExperts, experts_shape,
-                      is_experts_module, swap_in_experts)
+from .experts import (EXPERTS_KIND, LAYOUTS, MATRICES, ExpertsShape, QuantExperts,
+                      experts_shape, is_experts_module, swap_in_experts)
 from .modules import QuantLinear
 from .tied import QuantEmbedding, tie_embedding
 from .transform import (QUANT_ATTR, QuantizedLayer, QuantReport, _refuse_twice, model_bytes,
@@ -279,9 +280,9 @@ def _shape_ok(shape: Any, leading: int | None = None) -> bool:
 
 #: ExpertsShape field → whether a manifest value is valid for it
 _EXPERTS_SHAPE_FIELDS = {
-    "layout": lambda v: v in ("stacked", "gpt_oss"),
+    "layout": lambda v: v in LAYOUTS,
     "experts": lambda v: _int(v) and v > 0, "hidden": lambda v: _int(v) and v > 0,
-    "inter": lambda v: _int(v) and v > 0, "activation": lambda v: v in ("silu", "gelu"),
+    "inter": lambda v: _int(v) and v > 0, "activation": lambda v: v in ACTIVATIONS,
     "clamp": lambda v: v is None or (isinstance(v, (int, float)) and not isinstance(v, bool)),
     "alpha": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)}
 

@@ -83,6 +83,10 @@ def expert_modules(model: nn.Module) -> list[str]:
     return [name for name, m in model.named_modules() if name and is_experts_module(m)]
 
 
+#: the layouts an experts module's weights are held in (``ExpertsShape.layout``)
+LAYOUTS = ("stacked", "gpt_oss")
+
+
 @dataclass(frozen=True)
 class ExpertsShape:
     """One experts module as the kernel sees it.
