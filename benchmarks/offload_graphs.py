@@ -111,14 +111,14 @@ def main() -> None:
     path = args.nvme_path or (tempfile.mkdtemp(prefix="shardwise-offload-graphs-")
                               if args.tier == "nvme" else None)
     eager, _ = build_engine(args, path, graphs=False)
-    captured_engine, capture_s = build_engine(args, path, graphs=True)
+    captured_engine, init_s = build_engine(args, path, graphs=True)
     engines = {"offload eager": eager, "offload + graphs": captured_engine}
     size = eager.offload.streamed_bytes_per_pass
     quant = "" if args.quant == "none" else f", {args.quant}"
     print(f"model: {args.layers} layers x {args.hidden} (fp32{quant}) on {eager.device}, "
           f"{size / 2**20:.1f} MiB streamed per token from {args.tier}; store {path}; "
-          f"init with the bucket-1 capture {capture_s:.1f} s; {captured_engine.offload.graphs}")
-    results = {"args": vars(args), "mib_per_token": size / 2**20, "capture_s": capture_s,
+          f"init with the bucket-1 capture {init_s:.1f} s; {captured_engine.offload.graphs}")
+    results = {"args": vars(args), "mib_per_token": size / 2**20, "init_s": init_s,
                "by_batch": {}}
     for batch in args.batch:
         ids = torch.randint(3, args.vocab, (batch, 16),
