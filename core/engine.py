@@ -13,7 +13,7 @@ from torch import nn
 from .accelerator import Accelerator
 from .communicator import Communicator, create_communicator
 from .config import InferenceConfig
-from .errors import ConfigError, ShardwiseError
+from .errors import ConfigError, NotSupportedYetError, ShardwiseError
 from .launch.startup_check import check_ranks_agree, fingerprint
 from .ledger import Ledger, NotRestorableError, RestoreError  # noqa: F401 (re-exported)
 from .plan import Plan, build_plan
@@ -38,8 +38,8 @@ class InferenceEngine:
         quantization: the :class:`~shardwise.quant.QuantReport` with ``quant=`` / ``dtype=int8``
             (model bytes before/after, layers quantized, backend per layer kind), else None.
         plan: the :class:`~shardwise.plan.Plan` the engine was built with, resolved once at the
-            start of ``init_inference``: the world and per parallel dimension (tp, ep, pp; dp
-            reserved) its size, this rank's coordinate and process group; the policy; the head
+            start of ``init_inference``: the world and per parallel dimension (pp, dp, tp, ep)
+            its size, this rank's coordinate and process group; the policy; the head
             counts and this rank's head partition; the roles of every linear; under
             ``pipeline_parallel`` every stage's layers (``plan.stages``).
 
@@ -89,7 +89,8 @@ class InferenceEngine:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Run the module's forward on inputs moved to the engine's device (under tensor or
         pipeline parallelism, rank 0's tensor inputs are broadcast so every rank computes the
-        same)."""
+        same; with data-parallel replicas, each replica's first rank's inputs within the
+        replica: replicas run on their own inputs)."""
         self._check_open()
         with self._session():
             if self.stages is not None:  # micro-batches through the stages, when configured
@@ -99,7 +100,8 @@ class InferenceEngine:
     @torch.inference_mode()
     def generate(self, *args: Any, shardwise_fast_loop: bool = True, **kwargs: Any) -> Any:
         """``module.generate`` with tensor inputs moved to the engine's device (and broadcast
-        from rank 0 under tensor or pipeline parallelism). On an injected engine, calls from several
+        from rank 0 under tensor or pipeline parallelism; from each data-parallel replica's
+        first rank within the replica). On an injected engine, calls from several
         threads run one after another (the static KV cache serves one generate at a time).
 
         On an injected decoder (without pipeline stages; under tensor parallelism every rank
@@ -290,20 +292,45 @@ class InferenceEngine:
         if self.offload is not None:
             raise ConfigError(_OFFLOAD_SAVE_REFUSAL)
         if self.stages is not None:  # each stage writes its own layers' file
-            from .checkpoint.saver import save_stages_checkpoint
-
-            return str(save_stages_checkpoint(self.module, path, self.stages,
-                                              self.communicator))
+            return str(self._save_stages(path))
         prepared = self.plan.sharding if self.sharding is not None and self.plan else None
         return str(_checkpoint.save_checkpoint(self.module, path, prepared=prepared,
                                                communicator=self.communicator))
 
+    def _save_stages(self, path: str | os.PathLike) -> Any:
+        """:meth:`save_checkpoint` of a pipeline engine: the stages write their files
+        (:func:`~shardwise.checkpoint.saver.save_stages_checkpoint`); with data-parallel
+        replicas of the pipeline the first replica writes and the others wait for it (every
+        rank returns the same path)."""
+        from .checkpoint.saver import save_stages_checkpoint
+
+        plan = self.plan
+        if plan is not None and plan.ep.enabled:
+            raise NotSupportedYetError(
+                f"saving a checkpoint from pipeline stages whose experts are split by expert "
+                f"parallelism (ep_size={plan.ep.size}) is not supported yet; save from an "
+                f"engine with pipeline_parallel and without moe ep_size (the saved folder "
+                f"loads with it)")
+        if plan is None or plan.dp.size == 1 or plan.tp.enabled:
+            return save_stages_checkpoint(self.module, path, self.stages, self.communicator)
+        written = None
+        if plan.dp.coord == 0:  # the first replica's pipeline (tp 1: its pp group)
+            written = save_stages_checkpoint(self.module, path, self.stages, plan.inputs)
+        # the others wait until its files are complete, and return the path rank 0 returns
+        return _broadcast_text(str(written) if written is not None else "", self.communicator)
+
     def _inputs(self, value: Any) -> Any:
         value = self._to_device(value)
-        if ((self.sharding is not None or self.stages is not None)
-                and self.communicator.world_size > 1):
-            value = _broadcast_tensors(value, self.communicator)
+        group = self._input_group()
+        if (self.sharding is not None or self.stages is not None) and group.world_size > 1:
+            value = _broadcast_tensors(value, group)
         return value
+
+    def _input_group(self) -> Communicator:
+        """The ranks whose inputs are one: this rank's data-parallel replica (its TP group, or
+        its pipeline's pp × tp ranks), the world without replicas (``plan.inputs``)."""
+        group = getattr(self.plan, "inputs", None)
+        return group if group is not None else self.communicator
 
     def _to_device(self, value: Any) -> Any:
         if isinstance(value, torch.Tensor):
@@ -353,12 +380,27 @@ def _broadcast_tensors(value: Any, comm: Communicator) -> Any:
     return value
 
 
+def _broadcast_text(text: str, comm: Communicator) -> str:
+    """Rank 0's ``text`` on every rank (its UTF-8 length first, then its bytes)."""
+    data = text.encode()
+    size = comm.broadcast(torch.tensor([len(data)], dtype=torch.int64), src=0)
+    buf = (torch.tensor(list(data), dtype=torch.uint8) if comm.rank == 0
+           else torch.zeros(int(size), dtype=torch.uint8))
+    return comm.broadcast(buf, src=0).numpy().tobytes().decode()
+
+
 def _plan_step(model: nn.Module, cfg: InferenceConfig) -> Plan:
     """Step 2, before any process group or weight work: the :class:`~shardwise.plan.Plan` —
     the world's dimensions checked against ``tp_size``, the policy looked up, the heads split,
     the sharding plan chosen and every rank's slices computed (all errors surface here)."""
     return build_plan(model, tp_size=cfg.tp_size, injection_policy=cfg.injection_policy,
-                      moe=cfg.moe, pipeline=cfg.pipeline_parallel)
+                      moe=cfg.moe, pipeline=cfg.pipeline_parallel, dp_size=_dp_size(cfg))
+
+
+def _dp_size(cfg: InferenceConfig) -> int | None:
+    """The data-parallel replicas asked for: the config's ``dp_size`` when it has that field and
+    it is set, else None (the world's remainder, ``world // (pp × tp)``)."""
+    return getattr(cfg, "dp_size", None)
 
 
 def _seed(cfg: InferenceConfig) -> None:
@@ -584,12 +626,16 @@ def _load_step(model: nn.Module, cfg: InferenceConfig, accelerator: Accelerator,
 
 
 def _stage_rank(plan: Plan, communicator: Communicator) -> int:
-    """The rank whose slices this rank reads: its rank within its pipeline stage (the world's
-    rank without stages), the one the stage's tensor-parallel and expert slices are planned for
-    (ranks are laid out tp fastest); 0 where nothing is split (replicas each read the whole
-    model: a checkpoint saved at tp 1 has rank 0's file only)."""
+    """The rank whose slices this rank reads: under tensor parallelism its tp coordinate (the
+    stage's slices are planned per tp rank; an expert group lies inside a tp group, so
+    ``tp_coord mod ep`` is its ep coordinate), else its rank within its pipeline stage (the
+    world's rank without stages: its ep coordinate is that ``mod ep``); 0 where nothing is
+    split (replicas each read the whole model: a checkpoint saved at tp 1 has rank 0's file
+    only)."""
     if plan.shards is None:
         return 0
+    if plan.tp.enabled:
+        return plan.tp.coord
     return communicator.rank % (communicator.world_size // plan.pp.size)
 
 

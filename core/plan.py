@@ -2,7 +2,7 @@
 ``init_inference`` (docs/architecture.md, "One plan").
 
 A :class:`Plan` is a plain object in the spirit of torchtitan's ``ParallelDims``: the world and,
-per parallel dimension (:class:`Dim`: ``tp``, ``ep`` and ``pp`` now; ``dp`` reserved), its size,
+per parallel dimension (:class:`Dim`: ``pp``, ``dp``, ``tp``, ``ep``), its size,
 this rank's coordinate and its process group; the model's policy (looked up once), its head
 counts and this rank's head / kv-head partition; the roles of every linear (the sharding plan's
 rows resolved against the model) and, under tensor parallelism, every rank's slices. Sharding,
@@ -11,23 +11,32 @@ chooses a plan or splits heads again. ``engine.plan`` is the plan an engine was 
 
 The dimensions and their checks (:func:`check_dims`), made before any process group exists:
 
-* world = pp × tp × dp; ranks are laid out tp fastest, then dp, then pp (Megatron's order), so
+* world = pp × tp × dp (``dp`` given: checked against the world; else the world's remainder);
+  ranks are laid out tp fastest, then dp, then pp (Megatron's order), so
   ``rank = (pp_coord × dp + dp_coord) × tp + tp_coord``;
-* the expert-parallel group is carved out of one pipeline stage's tp × dp ranks (as Megatron
-  and vLLM do): ep divides tp × dp, and ``ep_coord = (dp_coord × tp + tp_coord) mod ep``;
+* data-parallel replicas: each replica — a TP group of tp ranks, or a pipeline of pp × tp
+  ranks — runs on its own inputs. The engine broadcasts a replica's inputs from its first rank
+  inside the replica (:attr:`Plan.inputs`, :meth:`Plan.input_ranks`) and every collective runs
+  in a group inside it (tp: one stage of one replica, pp: one tp coordinate of one replica), so
+  replicas never talk — except where they jointly form expert groups (below);
 * ``tp_size=1`` in a larger world (each rank runs the whole model alone, as before) is dp =
   world with no collectives between the replicas — unless they form the expert-parallel group;
-  data-parallel replicas of a TP group or of a pipeline, and expert groups inside pipeline
-  stages are :class:`ParallelismNotSupportedError` ("not supported yet");
+* the expert-parallel group is carved out of one pipeline stage's tp × dp ranks (as Megatron
+  and vLLM do): ep divides tp × dp, and ``ep_coord = (dp_coord × tp + tp_coord) mod ep``. Under
+  tensor parallelism (tp > 1) the expert group lies inside a tp group (ep divides tp: the
+  ranks of a tp group hold the same tokens, the replicas stay apart); at tp 1 the expert groups
+  span replicas, which then run on the same inputs (the engine broadcasts rank 0's to the
+  world, as at pp 1);
 * an ep group smaller than the world: several expert groups, each of ``ep`` consecutive ranks
   (``rank // ep``: ranks 0-1 and 2-3 at world 4, ep 2) holding every expert once, so each
-  expert is held by ``world / ep`` ranks; the ranks hold the same tokens (the engine broadcasts
-  rank 0's inputs), so each group's all-reduce gives its ranks the whole MoE output;
-* pipeline stages (``pipeline_parallel={"pp_size": P}``) run tp ranks per stage (world == P ×
-  tp; each stage's layers split by tensor parallelism inside the stage): ``plan.stages``
-  (:class:`~shardwise.pipeline.StagePlan`) says which decoder layers each stage runs;
-  ``pp_size`` above the layer count or a ``split`` that does not cover every layer once is a
-  :class:`~shardwise.pipeline.PipelineConfigError`, checked before the dimensions.
+  expert is held by ``world / ep`` ranks; the ranks hold the same tokens, so each group's
+  all-reduce gives its ranks the whole MoE output. With pipeline stages each stage's tp × dp
+  ranks (consecutive) hold whole expert groups;
+* pipeline stages (``pipeline_parallel={"pp_size": P}``) run tp ranks per stage (each stage's
+  layers split by tensor parallelism inside the stage), dp pipelines side by side:
+  ``plan.stages`` (:class:`~shardwise.pipeline.StagePlan`) says which decoder layers each stage
+  runs; ``pp_size`` above the layer count or a ``split`` that does not cover every layer once
+  is a :class:`~shardwise.pipeline.PipelineConfigError`, checked before the dimensions.
 
 Expert parallelism (``moe={"ep_size": N}``): the experts of every MoE layer are split by whole
 experts over the N ep ranks (``plan.experts.ranges``; ``plan.sharding.experts`` the modules, an
@@ -41,8 +50,10 @@ not the model's, ep_size above the expert count), then the dimensions, so bad in
 error before the dimensions'.
 
 Process groups: at world 1 none; a dimension spanning the world gets the engine's communicator
-(:meth:`Plan.bind`); under pp × tp the tp group is one stage's ranks and the pp group the ranks
-of one tp coordinate across the stages (sub-groups of the world: :meth:`Plan.dim_ranks`).
+(:meth:`Plan.bind`); otherwise the tp group is one stage's tp ranks of one replica and the pp
+group the ranks of one tp coordinate of one replica across the stages (sub-groups of the world:
+:meth:`Plan.dim_ranks`); the dp dimension has no group (replicas never talk), and
+:attr:`Plan.inputs` is the group the engine broadcasts its inputs in.
 """
 
 from __future__ import annotations
@@ -73,9 +84,9 @@ DIM_NAMES = ("pp", "dp", "tp", "ep")
 
 
 class ParallelismNotSupportedError(ShardingError, NotSupportedYetError):
-    """A parallel dimension this version does not run yet (pipeline stages, expert parallelism,
-    data-parallel replicas of a tensor-parallel group): the sizes are valid, the feature is not
-    there yet."""
+    """A combination of parallel dimensions this version does not run yet (an expert group
+    spanning data-parallel replicas of a tensor-parallel group): the sizes are valid, the
+    feature is not there yet."""
 
 
 @dataclass(frozen=True)
@@ -160,14 +171,16 @@ def check_dims(world: int, rank: int, tp: int = 1, pp: int = 1, dp: int | None =
                ep: int = 1, max_ep: int | None = None) -> dict[str, Dim]:
     """The dimensions for ``world`` ranks as name → :class:`Dim` (this ``rank``'s coordinates),
     after every check, before any process group exists. ``dp`` None: the world's remainder
-    (``world // (pp × tp)``). ``max_ep``: the model's expert count (the ep sizes an error
-    suggests are at most that).
+    (``world // (pp × tp)``: the data-parallel replicas); given, it must make pp × tp × dp the
+    world. ``max_ep``: the model's expert count (the ep sizes an error suggests are at most
+    that).
 
     Raises:
         ShardingError: sizes that do not multiply to the world, or an ep that does not divide
             tp × dp (each naming the sizes that would work).
-        ParallelismNotSupportedError: explicit dp other than 1, data-parallel replicas of a
-            tensor-parallel group or of a pipeline, or 1 < ep < world (not supported yet).
+        ParallelismNotSupportedError: under tensor parallelism, an expert group wider than a tp
+            group (ep not dividing tp_size; not supported yet: named, with the ep sizes that
+            would work).
         ConfigError: a size that is not a positive integer.
     """
     for name, size in (("world", world), ("tp_size", tp), ("pp_size", pp), ("ep_size", ep),
@@ -193,7 +206,7 @@ def check_dims(world: int, rank: int, tp: int = 1, pp: int = 1, dp: int | None =
         raise ShardingError(
             f"world = pp × tp × dp: {pp} × {tp} × {dp_size} = {pp * tp * dp_size}, not the "
             f"world of {world} ranks; with pp_size={pp} and tp_size={tp}, dp_size would be "
-            f"{world // (pp * tp)}")
+            f"{world // (pp * tp)} (or launch {pp * tp * dp_size} ranks)")
     if ep > 1 and world == 1:
         raise ShardingError(
             f"ep_size={ep} needs {ep} ranks (one share of the experts each), but this process "
@@ -204,15 +217,7 @@ def check_dims(world: int, rank: int, tp: int = 1, pp: int = 1, dp: int | None =
             f"ep_size={ep} must divide tp × dp = {tp * dp_size} (the expert-parallel group is "
             f"carved out of one pipeline stage's tp × dp ranks); ep sizes that would work: "
             f"{', '.join(str(d) for d in divisors(tp * dp_size) if d <= (max_ep or d))}")
-    if dp is not None and dp != 1:
-        raise ParallelismNotSupportedError(
-            f"data parallelism (dp_size={dp}) is not supported yet; run with dp_size=1")
-    _check_pipeline_dims(pp, tp, dp_size, world)
-    if 1 < ep < world and pp > 1:
-        raise ParallelismNotSupportedError(
-            f"expert parallelism inside pipeline stages (ep_size={ep} with pp_size={pp}: an "
-            f"expert group per stage) is not supported yet; run with pp_size=1, or without "
-            f"moe ep_size")
+    _check_experts_in_tp(tp, dp_size, ep, max_ep)
     tp_coord = rank % tp
     dp_coord = (rank // tp) % dp_size
     pp_coord = rank // (tp * dp_size)
@@ -220,26 +225,30 @@ def check_dims(world: int, rank: int, tp: int = 1, pp: int = 1, dp: int | None =
             "tp": Dim("tp", tp, tp_coord), "ep": Dim("ep", ep, (dp_coord * tp + tp_coord) % ep)}
 
 
-def _check_pipeline_dims(pp: int, tp: int, dp: int, world: int) -> None:
-    """Pipeline stages run with tp ranks per stage (each stage's layers split by tensor
-    parallelism inside it) and no data-parallel replicas in this version: world == pp × tp."""
-    if pp == 1:
+def _check_experts_in_tp(tp: int, dp: int, ep: int, max_ep: int | None) -> None:
+    """Under tensor parallelism with data-parallel replicas the expert group lies inside a tp
+    group (ep divides tp): the replicas run on their own inputs, and an expert group spanning
+    two of them would mix their tokens. Expert groups across replicas are the tp-1 layout."""
+    if tp == 1 or dp == 1 or tp % ep == 0:
         return
-    if dp > 1:
-        raise ParallelismNotSupportedError(
-            f"pipeline_parallel pp_size={pp} with tp_size={tp} in a world of {world} ranks "
-            f"would need {dp} data-parallel replicas of the pipeline, which are not supported "
-            f"yet; launch pp_size × tp_size = {pp * tp} ranks (WORLD_SIZE={pp * tp})")
+    fits = [d for d in divisors(tp) if d <= (max_ep or d)]
+    raise ParallelismNotSupportedError(
+        f"ep_size={ep} with tp_size={tp} and {dp} data-parallel replicas: under tensor "
+        f"parallelism the expert group lies inside a tp group (ep_size must divide "
+        f"tp_size={tp}), and expert groups spanning replicas of a tp group are not supported "
+        f"yet; ep sizes that would work: {', '.join(map(str, fits))} (or tp_size=1, where the "
+        f"expert groups span the replicas)")
 
 
 def _check_tp_world(tp: int, world: int) -> None:
     """The tensor-parallel size against the world alone, with the messages users know
-    (:func:`~shardwise.sharding.tp_world_problem`) and the tp sizes that fit."""
+    (:func:`~shardwise.sharding.tp_world_problem`) and the tp sizes that fit. A world of
+    several tp groups is fine: data-parallel replicas of a TP group."""
+    if world % tp == 0 and world > 1:
+        return
     problem = tp_world_problem(tp, world)
     if problem is None:
         return
-    if tp > 1 and world > tp and world % tp == 0:  # data-parallel replicas of a TP group
-        raise ParallelismNotSupportedError(f"{problem} (not supported yet)")
     if world > 1:
         problem += f"; tp sizes that fit a world of {world}: {', '.join(map(str, divisors(world)))}"
     raise ShardingError(problem)
@@ -285,6 +294,9 @@ class Plan:
         stages: under pipeline parallelism (pp > 1) the
             :class:`~shardwise.pipeline.StagePlan`: every stage's decoder layers, this rank's
             stage; else None.
+        inputs: after :meth:`bind`, the communicator over the ranks that run on the same
+            inputs (the engine broadcasts them from its rank 0): this rank's replica with
+            data-parallel replicas (:meth:`input_ranks`), else the world; None before.
     """
 
     world: int
@@ -304,6 +316,7 @@ class Plan:
     notes: list[str] = field(default_factory=list)
     experts: ExpertPlan | None = None
     stages: "StagePlan | None" = None
+    inputs: Any = None
 
     @property
     def dims(self) -> dict[str, Dim]:
@@ -326,13 +339,32 @@ class Plan:
         expert parallelism, experts modules); None when every rank keeps the whole model."""
         return self.sharding if self.tp.enabled or self.ep.enabled else None
 
+    @property
+    def replicas_share_inputs(self) -> bool:
+        """Whether the data-parallel replicas run on the same inputs: their ranks jointly form
+        expert groups (tp 1 with ep > 1: an expert group spans several replicas, whose tokens
+        must be the same for its all-reduce; the engine then broadcasts rank 0's inputs to the
+        world, as without replicas)."""
+        return self.dp.enabled and self.ep.size > self.tp.size
+
+    def input_ranks(self) -> list[tuple[int, ...]]:
+        """The groups of world ranks that run on the same inputs, in a fixed order: one per
+        data-parallel replica (its pp × tp ranks, stage by stage), or the whole world when
+        there are no replicas or they share inputs (:attr:`replicas_share_inputs`)."""
+        tp, dp, pp = self.tp.size, self.dp.size, self.pp.size
+        if dp == 1 or self.replicas_share_inputs:
+            return [tuple(range(self.world))]
+        return [tuple((p * dp + d) * tp + t for p in range(pp) for t in range(tp))
+                for d in range(dp)]
+
     def bind(self, communicator: "Communicator") -> None:
         """Give each dimension that needs collectives its group: the world's ``communicator``
         when the dimension spans the world, else this rank's sub-group of it
-        (:func:`~shardwise.communicator.subgroups`: under pp × tp the tp group is one stage's
-        tp ranks, the pp group the ranks of this tp coordinate in every stage, the ep group this
-        rank's expert group of ``ep`` consecutive ranks). Every rank creates the same groups
-        in the same order."""
+        (:func:`~shardwise.communicator.subgroups`: the tp group is one stage's tp ranks of one
+        replica, the pp group the ranks of this tp coordinate of this replica in every stage,
+        the ep group this rank's expert group of ``ep`` consecutive ranks); and :attr:`inputs`,
+        this rank's replica (the world without replicas). Every rank creates the same groups in
+        the same order."""
         from .communicator import subgroups
 
         for dim in (self.tp, self.ep, self.pp):
@@ -347,11 +379,17 @@ class Plan:
                                     f"communicator of {dim.size} ranks (or of the plan's world "
                                     f"of {self.world}), got {communicator.world_size}")
             setattr(self, dim.name, replace(dim, group=group))
+        groups = self.input_ranks()
+        if len(groups) > 1 and communicator.world_size != self.world:
+            raise ShardingError(f"the plan's {len(groups)} data-parallel replicas need the "
+                                f"communicator of the plan's world of {self.world} ranks, got "
+                                f"{communicator.world_size}")
+        self.inputs = subgroups(communicator, groups) if len(groups) > 1 else communicator
 
     def dim_ranks(self, name: str) -> list[tuple[int, ...]]:
         """Every group of dimension ``name`` (``tp``, ``pp`` or ``ep``) as world ranks, in a fixed
         order (the layout: ``rank = (pp_coord × dp + dp_coord) × tp + tp_coord``; an ep group is
-        ``ep`` consecutive ranks, ``ep_coord = rank mod ep``)."""
+        ``ep`` consecutive ranks, ``ep_coord = rank mod ep``, inside one stage)."""
         tp, dp, pp = self.tp.size, self.dp.size, self.pp.size
         if name == "ep":
             ep = self.ep.size

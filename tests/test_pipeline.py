@@ -21,7 +21,7 @@ import shardwise
 from families import family
 from models import forced_decode_logits, prompt_ids, tiny_causal_lm, tiny_encoder
 from shardwise.pipeline import PipelineConfigError, RemoteLayer, balanced_bounds
-from shardwise.plan import ParallelismNotSupportedError, build_plan
+from shardwise.plan import build_plan
 from tp_harness import assert_parity, case, digest, pipeline_beam_case, table_fixture
 
 PP = {"pipeline_parallel": {"pp_size": 2}}
@@ -513,12 +513,12 @@ def test_pp_without_enough_ranks_fails_before_any_work(monkeypatch):
     assert not torch.distributed.is_initialized()
 
 
-def test_the_world_must_be_pp_times_tp_ranks():
+def test_the_world_must_be_pp_times_tp_times_dp_ranks():
     model = tiny_causal_lm("llama")
     with pytest.raises(shardwise.ConfigError, match="does not divide the world of 3"):
         _plan(model, world=3)
-    with pytest.raises(ParallelismNotSupportedError, match="2 data-parallel replicas"):
-        _plan(model, world=4)
+    plan = _plan(model, world=4)  # two replicas of a pipeline: test_pipeline_tp.py runs it
+    assert (plan.pp.size, plan.tp.size, plan.dp.size) == (2, 1, 2)
     plan = _plan(model, world=4, tp_size=2)  # pp × tp: test_pipeline_tp.py runs it
     assert (plan.pp.size, plan.tp.size, plan.dp.size) == (2, 2, 1)
 

@@ -28,7 +28,7 @@ import shardwise
 from families import family
 from models import forced_decode_logits, prompt_ids, tiny_causal_lm, tiny_encoder
 from shardwise.pipeline import RemoteLayer
-from shardwise.plan import ParallelismNotSupportedError, build_plan
+from shardwise.plan import build_plan
 from tp_harness import digest, with_random_biases
 
 WORLD = 4
@@ -213,6 +213,59 @@ def inject_case(rank: int, arch: str, micro_batches: int) -> dict:
                                                       ref.state_dict().values())))
 
 
+def _held_experts(model: nn.Module) -> list[int]:
+    """The expert counts of the experts modules in this rank's own decoder layers."""
+    from shardwise.quant.experts import expert_modules
+
+    owned = {id(layer) for layer in _layers(model) if not isinstance(layer, RemoteLayer)}
+    names = {n: m for n, m in model.named_modules() if id(m) in owned}
+    return sorted({model.get_submodule(e).gate_up_proj.shape[0] for e in expert_modules(model)
+                   if any(e.startswith(f"{n}.") for n in names)})
+
+
+def replica_case(rank: int, arch: str, sizes: dict) -> dict:
+    """Data-parallel replicas (world 4 = pp × tp × dp): every replica runs on prompts of its own
+    (a seed per replica), handed in on the replica's first rank only (zeros on its others: the
+    engine broadcasts inside the replica); where the replicas form expert groups (tp 1, ep 2)
+    they share rank 0's. Each replica's outputs against HF's for its prompts."""
+    ref, model = causal_lm(arch), causal_lm(arch)
+    engine = shardwise.init_inference(model, device="cpu", dtype=torch.float32, **sizes)
+    plan = engine.plan
+    replica = 0 if plan.replicas_share_inputs else plan.dp.coord
+    ids = prompt_ids(batch=4, length=8, vocab=ref.config.vocab_size, seed=11 + replica)
+    gen = dict(max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False,
+               pad_token_id=0)
+    with torch.no_grad():
+        ref_logits, ref_tokens = ref(ids).logits, ref.generate(ids, **gen)
+    mine = ids if plan.inputs.rank == 0 else torch.zeros_like(ids)
+    logits = engine(input_ids=mine).logits
+    tokens = engine.generate(mine, **gen)
+    stats = engine.pipeline_stats  # the greedy generate's, over its steps
+    sampled = engine.generate(mine, max_new_tokens=8, do_sample=True, pad_token_id=0)
+    held = _held_experts(model) if plan.experts is not None else []
+    given_back = engine.close()
+    return dict(max_abs=(logits - ref_logits).abs().max().item(), digest=digest(logits),
+                tokens_equal=torch.equal(tokens, ref_tokens), tokens=tokens.tolist(),
+                sampled=sampled.tolist(), replica=replica,
+                dims={n: [d.size, d.coord] for n, d in plan.dims.items()},
+                inputs=list(getattr(plan.inputs, "ranks", range(WORLD))),
+                tp_group=list(getattr(plan.tp.group, "ranks", [])),
+                pp_group=list(getattr(plan.pp.group, "ranks", [])),
+                ep_group=list(getattr(plan.ep.group, "ranks", [])),
+                steps=stats.steps if stats is not None else None, held=held,
+                given_back=given_back is model and all(
+                    torch.equal(a, b) for a, b in zip(model.state_dict().values(),
+                                                      ref.state_dict().values())))
+
+
+#: data-parallel replicas and expert groups in stages: name → (arch, init_inference sizes)
+REPLICAS = {
+    "pp2-dp2-llama": ("llama", dict(pipeline_parallel={"pp_size": 2, "micro_batches": 2})),
+    "tp2-dp2-gpt2": ("gpt2", dict(tensor_parallel={"tp_size": 2})),
+    "pp2-ep2-mixtral": ("mixtral", dict(pipeline_parallel={"pp_size": 2, "micro_batches": 2},
+                                        moe={"ep_size": 2})),
+}
+
 #: the dense families the issue names (TP-even ones: each rank holds exactly half of a split)
 CAUSAL = ("llama", "gpt2", "opt", "bloom")
 TABLE = {
@@ -224,6 +277,7 @@ TABLE = {
     "gpt2-gen-mb4": (generate_micro_case, "gpt2", 4),
     "llama-inject-mb2": (inject_case, "llama", 2),
     "gpt2-inject": (inject_case, "gpt2", 1),
+    **{name: (replica_case, arch, sizes) for name, (arch, sizes) in REPLICAS.items()},
 }
 
 
@@ -355,16 +409,67 @@ def test_the_plan_places_every_rank(rank):
     assert plan.dim_ranks("pp") == [(0, 2), (1, 3)]
 
 
-def test_pp_times_tp_must_be_the_world():
+def test_pp_times_tp_must_divide_the_world():
     with pytest.raises(shardwise.ConfigError,
                        match=r"pp_size=2 × tp_size=2 does not divide the world of 6"):
         _plan(6)
     with pytest.raises(shardwise.ConfigError,
                        match=r"pp_size=2 × tp_size=4 does not divide the world of 4"):
         _plan(4, tp_size=4)
-    with pytest.raises(ParallelismNotSupportedError,
-                       match=r"2 data-parallel replicas.*launch pp_size × tp_size = 4 ranks"):
-        _plan(8)
+    plan = _plan(8, rank=5)  # two replicas of a pipeline of pp 2 × tp 2
+    assert (plan.dp.size, plan.dp.coord, plan.pp.coord, plan.tp.coord) == (2, 0, 1, 1)
+    assert plan.input_ranks() == [(0, 1, 4, 5), (2, 3, 6, 7)]
+
+
+# ----- 4 ranks: data-parallel replicas, expert groups inside stages --------------------------------
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(REPLICAS))
+def test_each_replica_matches_hf_on_its_own_prompts(ranks, name):
+    """fp32 logits within ATOL and 32 greedy tokens equal to HF's for the replica's prompts on
+    every rank; the ranks of a replica agree bit for bit (and on sampled tokens); replicas that
+    run their own inputs return different tokens (their prompts differ)."""
+    results = case(ranks, name)
+    print(f"{name} fp32: max |logit diff| {max(r['max_abs'] for r in results):.2e}")
+    for r in results:
+        assert r["max_abs"] < ATOL, f"{name}: logits differ by {r['max_abs']:.2e}"
+        assert r["tokens_equal"], f"{name}: {NEW_TOKENS} greedy tokens differ from HF's"
+        assert r["given_back"], f"{name}: close() did not give back HF's weights"
+    by_replica: dict[int, list[dict]] = {}
+    for r in results:
+        by_replica.setdefault(r["replica"], []).append(r)
+    for members in by_replica.values():
+        for key in ("digest", "tokens", "sampled"):
+            assert len({str(m[key]) for m in members}) == 1, f"{name}: a replica's {key}"
+    if len(by_replica) > 1:
+        assert by_replica[0][0]["tokens"] != by_replica[1][0]["tokens"]
+
+
+@pytest.mark.slow
+def test_replica_groups_stay_inside_their_replica(ranks):
+    """pp 2 × dp 2 (tp 1): rank = pp_coord × 2 + dp_coord; each pipeline is (d, d + 2) and
+    broadcasts its inputs in itself. tp 2 × dp 2: the TP groups (0, 1), (2, 3), each its own
+    inputs."""
+    for rank, r in enumerate(case(ranks, "pp2-dp2-llama")):
+        assert r["dims"]["pp"] == [2, rank // 2] and r["dims"]["dp"] == [2, rank % 2]
+        assert r["pp_group"] == r["inputs"] == [rank % 2, rank % 2 + 2]
+        assert r["replica"] == rank % 2 and r["steps"] == NEW_TOKENS
+    for rank, r in enumerate(case(ranks, "tp2-dp2-gpt2")):
+        assert r["dims"]["dp"] == [2, rank // 2] and r["replica"] == rank // 2
+        assert r["tp_group"] == r["inputs"] == [2 * (rank // 2), 2 * (rank // 2) + 1]
+
+
+@pytest.mark.slow
+def test_expert_groups_are_carved_out_of_each_stage(ranks):
+    """pp 2 × ep 2 (tp 1, so dp 2): stage s holds ranks 2s, 2s + 1, one expert group of two;
+    each rank holds half the experts (2 of Mixtral's 4) of its stage's MoE layer; the two
+    pipelines (0, 2) and (1, 3) run rank 0's inputs, as expert groups need."""
+    for rank, r in enumerate(case(ranks, "pp2-ep2-mixtral")):
+        assert r["dims"]["ep"] == [2, rank % 2] and r["dims"]["pp"] == [2, rank // 2]
+        assert r["ep_group"] == [2 * (rank // 2), 2 * (rank // 2) + 1]
+        assert r["pp_group"] == [rank % 2, rank % 2 + 2]
+        assert r["inputs"] == list(range(WORLD)) and r["replica"] == 0
+        assert r["held"] == [2] and r["steps"] == NEW_TOKENS
 
 
 @pytest.mark.slow

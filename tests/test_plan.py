@@ -77,11 +77,11 @@ def test_a_model_no_plan_fits_has_no_roles_on_one_rank_and_the_plan_says_why():
 @pytest.mark.parametrize("kwargs, error, match", [
     (dict(world=1, rank=0, tp=2), ShardingError, "needs 2 ranks"),
     (dict(world=3, rank=0, tp=2), ShardingError, "tp sizes that fit a world of 3: 1, 3"),
-    (dict(world=4, rank=0, tp=2), ParallelismNotSupportedError, "2 data-parallel replicas"),
-    (dict(world=8, rank=0, tp=2, pp=2), NotSupportedYetError,
-     r"2 data-parallel replicas of the pipeline"),
-    (dict(world=4, rank=0, tp=2, pp=2, ep=2), NotSupportedYetError,
-     r"expert parallelism inside pipeline stages \(ep_size=2 with pp_size=2"),
+    (dict(world=4, rank=0, tp=2, ep=4, max_ep=8), ParallelismNotSupportedError,
+     r"ep_size=4 with tp_size=2 and 2 data-parallel replicas.*ep sizes that would work: 1, 2 "
+     r"\(or tp_size=1"),
+    (dict(world=8, rank=0, tp=2, pp=2, dp=4), ShardingError,
+     r"2 × 2 × 4 = 16, not the world of 8 ranks; .*dp_size would be 2 \(or launch 16 ranks\)"),
     (dict(world=1, rank=0, ep=2), ShardingError,
      r"ep_size=2 needs 2 ranks .*this process runs alone.*torchrun --nproc-per-node 2"),
     (dict(world=4, rank=0, tp=4, ep=3), ShardingError,
@@ -89,7 +89,7 @@ def test_a_model_no_plan_fits_has_no_roles_on_one_rank_and_the_plan_says_why():
     (dict(world=6, rank=0, tp=4, pp=1, dp=1), ShardingError,
      r"tp_size=4 does not divide the world of 6.*would .*: 1, 2, 3, 6"),
     (dict(world=4, rank=0, tp=2, dp=3), ShardingError, r"2 × 3 = 6, not the world of 4"),
-    (dict(world=4, rank=0, tp=2, dp=2), NotSupportedYetError, r"data parallelism \(dp_size=2\)"),
+    (dict(world=4, rank=0, tp=2, dp=0), ConfigError, "dp_size must be an integer >= 1"),
     (dict(world=2, rank=0, tp=0), ConfigError, "tp_size must be an integer >= 1"),
     (dict(world=2, rank=2, tp=2), ConfigError, "rank 2 is not a rank of a world of 2"),
 ])
@@ -124,6 +124,63 @@ def test_an_ep_group_smaller_than_the_world_makes_several_expert_groups(tp):
         assert (plan.ep.size, plan.ep.coord) == (2, rank % 2)
         assert plan.experts.range == ((0, 2), (2, 4))[rank % 2]  # 4 experts over 2
         assert plan.dim_ranks("ep") == [(0, 1), (2, 3)]
+
+
+@pytest.mark.parametrize("sizes, layout", [
+    # world 8 = pp 2 × dp 2 × tp 2: rank = (pp_coord × dp + dp_coord) × tp + tp_coord
+    (dict(tp=2, pp=2), dict(tp=[(0, 1), (2, 3), (4, 5), (6, 7)],
+                            pp=[(0, 4), (1, 5), (2, 6), (3, 7)],
+                            inputs=[(0, 1, 4, 5), (2, 3, 6, 7)])),
+    # tp 2 × dp 4: four TP groups, each its own inputs
+    (dict(tp=2), dict(tp=[(0, 1), (2, 3), (4, 5), (6, 7)],
+                      inputs=[(0, 1), (2, 3), (4, 5), (6, 7)])),
+    # pp 2 × dp 4 (tp 1): four pipelines of two stages
+    (dict(pp=2), dict(pp=[(0, 4), (1, 5), (2, 6), (3, 7)],
+                      inputs=[(0, 4), (1, 5), (2, 6), (3, 7)])),
+])
+def test_data_parallel_replicas_are_groups_of_their_own(sizes, layout):
+    """Replicas of a TP group or of a pipeline: every group (tp, pp, the engine's input
+    broadcast) lies inside one replica; the replica of a rank is its dp coordinate's ranks."""
+    model = tiny_causal_lm("llama")
+    pipeline = (shardwise.pipeline.parse_pipeline({"pp_size": sizes["pp"]})
+                if "pp" in sizes else None)
+    for rank in range(8):
+        plan = build_plan(model, world=8, rank=rank, tp_size=sizes.get("tp", 1),
+                          pipeline=pipeline)
+        tp, pp = sizes.get("tp", 1), sizes.get("pp", 1)
+        assert plan.dp.size == 8 // (tp * pp) and plan.dp.coord == (rank // tp) % plan.dp.size
+        for name, groups in layout.items():
+            got = plan.input_ranks() if name == "inputs" else plan.dim_ranks(name)
+            assert got == groups, name
+        mine = [g for g in plan.input_ranks() if rank in g]
+        assert len(mine) == 1 and all(
+            (r // tp) % plan.dp.size == plan.dp.coord for r in mine[0])
+        assert not plan.replicas_share_inputs
+
+
+def test_explicit_dp_size_is_checked_against_the_world():
+    model = tiny_causal_lm("llama")
+    plan = build_plan(model, world=4, rank=3, tp_size=2, dp_size=2)
+    assert (plan.tp.size, plan.dp.size, plan.dp.coord, plan.tp.coord) == (2, 2, 1, 1)
+    with pytest.raises(ShardingError, match=r"2 × 2 × 3 = 12.*not the world of 4 ranks; .*"
+                                            r"dp_size would be 1"):
+        build_plan(model, world=4, rank=0, tp_size=2, dp_size=3,
+                   pipeline=shardwise.pipeline.parse_pipeline({"pp_size": 2}))
+
+
+@pytest.mark.parametrize("tp, ep, shared", [(1, 2, True), (1, 4, True), (2, 2, False),
+                                            (4, 2, False)])
+def test_replicas_share_inputs_only_when_their_ranks_form_expert_groups(tp, ep, shared):
+    """tp 1 with ep: the expert groups span replicas, which then run on the same inputs (rank 0's,
+    as before); under tp the expert group lies inside a tp group and replicas stay apart."""
+    for rank in range(8):
+        plan = build_plan(_meta_model(_moe_config("mixtral")), moe=_moe(ep_size=ep), world=8,
+                          rank=rank, tp_size=tp)
+        assert plan.replicas_share_inputs is shared
+        assert plan.input_ranks() == ([tuple(range(8))] if shared else
+                                      [tuple(range(g * tp, (g + 1) * tp))
+                                       for g in range(8 // tp)])
+        assert plan.ep.coord == rank % ep
 
 
 def test_tp1_in_a_larger_world_is_independent_replicas_with_their_coordinates():
