@@ -18,6 +18,7 @@ import os
 import time
 import traceback
 from functools import partial
+from pathlib import Path
 
 import pytest
 import torch
@@ -258,6 +259,28 @@ def replica_case(rank: int, arch: str, sizes: dict) -> dict:
                                                       ref.state_dict().values())))
 
 
+def replica_checkpoint_case(rank: int, arch: str, sizes: dict) -> dict:
+    """Data-parallel replicas save and load: an engine at ``sizes`` (world 4, dp 2) saves its
+    checkpoint (the first replica writes it, every rank returns its path), then
+    ``init_inference(None, checkpoint=...)`` at the same sizes reads it — each rank its slices
+    (its tp coordinate's) or its stage's tensors — and each replica runs its own prompts."""
+    ref = causal_lm(arch)
+    root = Path(os.environ[ROOT_ENV]) / arch
+    saver = shardwise.init_inference(causal_lm(arch), device="cpu", dtype=torch.float32,
+                                     **sizes)
+    written = saver.save_checkpoint(root)
+    saver.close()
+    engine = shardwise.init_inference(None, checkpoint=str(root), device="cpu",
+                                      dtype=torch.float32, **sizes)
+    plan = engine.plan
+    ids = prompt_ids(batch=4, length=8, vocab=ref.config.vocab_size, seed=11 + plan.dp.coord)
+    with torch.no_grad():
+        want = ref(ids).logits
+    logits = engine(input_ids=ids if plan.inputs.rank == 0 else torch.zeros_like(ids)).logits
+    return dict(max_abs=(logits - want).abs().max().item(), written=written,
+                replica=plan.dp.coord, bytes_read=engine.checkpoint_load.bytes_read)
+
+
 #: data-parallel replicas and expert groups in stages: name → (arch, init_inference sizes)
 REPLICAS = {
     "pp2-dp2-llama": ("llama", dict(pipeline_parallel={"pp_size": 2, "micro_batches": 2})),
@@ -278,7 +301,12 @@ TABLE = {
     "llama-inject-mb2": (inject_case, "llama", 2),
     "gpt2-inject": (inject_case, "gpt2", 1),
     **{name: (replica_case, arch, sizes) for name, (arch, sizes) in REPLICAS.items()},
+    "tp2-dp2-save-load": (replica_checkpoint_case, "gpt2", dict(tensor_parallel={"tp_size": 2})),
+    "pp2-dp2-save-load": (replica_checkpoint_case, "llama",
+                          dict(pipeline_parallel={"pp_size": 2})),
 }
+#: where the checkpoint cases write (one folder the four ranks share, set by the fixture)
+ROOT_ENV = "SHARDWISE_TEST_PIPELINE_TP_ROOT"
 
 
 def run_table(rank: int, table: dict) -> dict:
@@ -301,7 +329,8 @@ def ranks(tmp_path_factory):
     from distributed import run_ranks
 
     results = run_ranks(partial(run_table, table=TABLE), WORLD,
-                        tmp_path_factory.mktemp("pipeline-tp"), deadline_s=500)
+                        tmp_path_factory.mktemp("pipeline-tp"), deadline_s=500,
+                        env={ROOT_ENV: str(tmp_path_factory.mktemp("pipeline-tp-checkpoints"))})
     for res in results:
         assert res["ok"], res.get("trace", res.get("error"))
     return [res["value"] for res in results]
@@ -457,6 +486,24 @@ def test_replica_groups_stay_inside_their_replica(ranks):
     for rank, r in enumerate(case(ranks, "tp2-dp2-gpt2")):
         assert r["dims"]["dp"] == [2, rank // 2] and r["replica"] == rank // 2
         assert r["tp_group"] == r["inputs"] == [2 * (rank // 2), 2 * (rank // 2) + 1]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, written", [("tp2-dp2-save-load", "shardwise_checkpoint.json"),
+                                           ("pp2-dp2-save-load",
+                                            "model.safetensors.index.json")])
+def test_replicas_save_once_and_load_their_slices(ranks, name, written):
+    """Saved by the first replica (every rank returns the same path), loaded at the same sizes:
+    each replica's logits for its prompts within ATOL of HF's; a rank reads what the same rank
+    of the other replica reads (its tp slices, or its stage's tensors)."""
+    results = case(ranks, name)
+    for r in results:
+        assert r["max_abs"] < ATOL, f"{name}: logits differ by {r['max_abs']:.2e}"
+        assert Path(r["written"]).name == written
+    assert len({r["written"] for r in results}) == 1
+    read = [r["bytes_read"] for r in results]
+    assert read[0] == read[2] and read[1] == read[3] if name.startswith("tp") else \
+        read[0] == read[1] and read[2] == read[3]  # pp: rank = stage × 2 + replica
 
 
 @pytest.mark.slow
