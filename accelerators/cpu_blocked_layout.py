@@ -116,6 +116,31 @@ class BlockedLinear:
         out = blocked_matmul(x, module.weight, self.out_features)
         return out if module.bias is None else out + module.bias
 
+    def split_views(self, parts: tuple[nn.Module, ...], widths: tuple[int, ...]) -> bool:
+        """Lay ``parts`` out as views of this module's blocks, when this module is a fused
+        projection of them (:mod:`shardwise.inject.fuse`: its output rows are the parts'
+        side by side, ``widths`` each): part ``i``'s weight becomes blocks ``[b_i, b_i +
+        ceil(w_i / block))`` (no copy), with a :class:`BlockedLinear` forward and a
+        :class:`PlainLayoutInStateDict` hook as :func:`block_linear_weights` gives, and an undo
+        that lays its plain layout out again. Needs every width but the last to fill whole
+        blocks and plain ``nn.Linear`` parts; returns False (nothing changed) otherwise."""
+        blocked = self.module.weight  # [Nb, K, block]
+        block = blocked.shape[-1]
+        if blocked.dim() != 3 or any(w % block for w in widths[:-1]) or any(
+                type(p) is not nn.Linear for p in parts):
+            return False
+        start = 0
+        for part, width in zip(parts, widths):
+            count = -(-width // block)
+            with torch.no_grad():
+                part.weight.data = blocked.detach()[start:start + count]
+            _record_blocked(part.weight, width, conv=False)
+            set_forward(part, BlockedLinear(part, width), "blocked-layout forward")
+            add_hook(part.register_state_dict_post_hook(PlainLayoutInStateDict(width, True)),
+                     "plain-layout state_dict hook of Linear")
+            start += count
+        return True
+
     def __repr__(self) -> str:
         return f"BlockedLinear(out_features={self.out_features})"
 
@@ -210,11 +235,17 @@ def _lay_out_blocked(weight: nn.Parameter, conv: bool) -> int:
     n = mat2.shape[1]
     with torch.no_grad():
         weight.data = block_weight(mat2)
-    blocked = (weight.data_ptr(), tuple(weight.shape))  # no reference: the undo holds no tensor
-    record(f"linear weight ({mat2.shape[0]} in, {n} out) laid out in blocks of {BLOCK_N} "
-           f"columns (re-laid from the blocks, exactly)",
-           lambda: relay_plain_weight(weight, n, conv, blocked))
+    _record_blocked(weight, n, conv)
     return n
+
+
+def _record_blocked(weight: nn.Parameter, n: int, conv: bool) -> None:
+    """Record that ``weight`` (N = ``n``) now holds blocks, with the undo that lays the plain
+    layout out again from them (:func:`relay_plain_weight`)."""
+    blocked = (weight.data_ptr(), tuple(weight.shape))  # no reference: the undo holds no tensor
+    record(f"linear weight ({weight.shape[1]} in, {n} out) laid out in blocks of "
+           f"{weight.shape[2]} columns (re-laid from the blocks, exactly)",
+           lambda: relay_plain_weight(weight, n, conv, blocked))
 
 
 def relay_plain_weight(weight: nn.Parameter, n: int, conv: bool,

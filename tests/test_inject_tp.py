@@ -29,18 +29,24 @@ FAMILIES = families(kind="causal", inject=2, uneven_heads=False)  # tests/famili
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-def _inject_case(rank: int, arch: str, dtype: torch.dtype, graphs: str | None = None) -> dict:
+def _inject_case(rank: int, arch: str, dtype: torch.dtype, graphs: str | None = None,
+                 fuse: bool = True) -> dict:
+    import os
+
     from shardwise.accelerators.cpu import CpuAccelerator
+    from shardwise.inject.fuse import FUSE_ENV
 
     original = CpuAccelerator.graph_strategy
     if graphs == "replay":  # an accelerating strategy on CPU tensors (see test_inject.py)
         from graph_doubles import ReplayOnCpu
 
         CpuAccelerator.graph_strategy = lambda self: ReplayOnCpu()
+    os.environ[FUSE_ENV] = "1" if fuse else "0"  # fused q|k|v and gate|up, or not
     try:
         return _run_case(rank, arch, dtype, graphs)
     finally:
         CpuAccelerator.graph_strategy = original
+        os.environ.pop(FUSE_ENV)
 
 
 def _run_case(rank: int, arch: str, dtype: torch.dtype, graphs: str | None) -> dict:
@@ -64,7 +70,9 @@ def _run_case(rank: int, arch: str, dtype: torch.dtype, graphs: str | None) -> d
     forced_in = ref_tokens if rank == 0 else torch.zeros_like(ref_tokens)
     forced_logits = engine(input_ids=forced_in).logits.float()
     stack = injected_stack(model)
-    return dict(max_abs=(logits - ref_logits).abs().max().item(),
+    from shardwise.inject.fuse import fusion_report
+
+    return dict(fused=fusion_report(stack),max_abs=(logits - ref_logits).abs().max().item(),
                 forced=teacher_forced_agreement(forced_ref, forced_logits, ids.shape[1]),
                 forced_max_abs=(forced_logits - forced_ref).abs().max().item(),
                 tokens_equal=torch.equal(tokens, ref_tokens), digest=digest(logits),
@@ -86,6 +94,13 @@ CASES["gpt_neo-fp32-graphs-replay"] = ("gpt_neo", torch.float32, "replay")  # lo
 # the CPU graph strategy itself: each rank compiles its step, all-reduces as an opaque op
 CASES["gpt2-fp32-graphs-compiled"] = ("gpt2", torch.float32, "compiled")
 CASES["llama-fp32-graphs-compiled"] = ("llama", torch.float32, "compiled")
+# fused q|k|v and gate|up (on by default: every case above with separate projections runs them
+# fused, each rank over its own shards) against the unfused projections
+CASES["llama-fp32-unfused"] = ("llama", torch.float32, None, False)
+CASES["qwen2-bf16-unfused"] = ("qwen2", torch.bfloat16, None, False)
+#: families whose q, k, v (and gate, up) are separate linears: fused in both layers per rank
+SEPARATE_QKV = {"llama", "llama-7heads", "llama-gqa-6q3kv", "mistral", "qwen2", "opt", "gptj",
+                "gpt_neo", "mistral-sw4", "qwen2-sw4"}
 
 
 ranks = table_fixture(_inject_case, CASES, "inject_tp")
@@ -94,8 +109,10 @@ ranks = table_fixture(_inject_case, CASES, "inject_tp")
 @pytest.mark.parametrize("name", list(CASES))
 def test_tp2_injection_matches_hf(ranks, name):
     r0, r1 = case(ranks, name)
-    arch, dtype, graphs = CASES[name]
+    arch, dtype, graphs, *fuse = CASES[name]
     assert r0["injected"] and r1["injected"]
+    fused = arch in SEPARATE_QKV and fuse != [False]
+    assert r0["fused"]["q|k|v"] == r1["fused"]["q|k|v"] == (2 if fused else 0), r0["fused"]
     heads = 7 if "7heads" in arch else 4  # the rank's whole heads: 2 | 2 or 4 | 3
     assert (r0["local_q_heads"], r1["local_q_heads"]) == ((heads + 1) // 2, heads // 2)
     assert r0["digest"] == r1["digest"]  # every rank returns the same logits

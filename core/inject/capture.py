@@ -235,7 +235,7 @@ def enable_graphs(model: nn.Module, accelerator: Accelerator) -> GraphStrategy:
     head = output_head(model)
     if stack.stage is not None and not stack.stage.plan.last:
         head = None  # another pipeline stage runs the head (this one holds a stand-in)
-    _share_weights(model, head, strategy)
+    _share_weights(model, head, strategy, stack)
     original = None
     if head is not None:
         original = head.forward
@@ -250,12 +250,14 @@ def enable_graphs(model: nn.Module, accelerator: Accelerator) -> GraphStrategy:
     return strategy
 
 
-def _share_weights(model: nn.Module, head: nn.Module | None, strategy: GraphStrategy) -> None:
+def _share_weights(model: nn.Module, head: nn.Module | None, strategy: GraphStrategy,
+                   stack: InjectedModel | None = None) -> None:
     """Let the strategy lay the model's linear weights out for its captured code (one copy
     shared by eager and captured code; see ``GraphStrategy.share_weights``): every leaf module
     holding tensors once (a quantized linear holds its weight packed, as a buffer, and the
     strategy must know it is there too), and the input embedding when the head shares its
-    weight."""
+    weight. The fused projections of ``stack`` (:mod:`shardwise.inject.fuse`) are laid out in
+    place of their parts, which then view the new layout (``FusedProjection.follow_layout``)."""
     seen: set[int] = set()
     leaves = []
     for module in model.modules():
@@ -268,7 +270,14 @@ def _share_weights(model: nn.Module, head: nn.Module | None, strategy: GraphStra
     embed = get() if callable(get) else None
     tied = (embed if head is not None and isinstance(embed, nn.Module)
             and getattr(embed, "weight", None) is getattr(head, "weight", False) else None)
-    changed = strategy.share_weights([m for m in leaves if m is not embed], tied)
+    from .fuse import layout_targets, stack_groups
+
+    groups = list(stack_groups(stack)) if stack is not None else []
+    # the captured step calls each fused group's module, not its parts (their tensors are views)
+    changed = strategy.share_weights(layout_targets([m for m in leaves if m is not embed],
+                                                    groups), tied)
+    for group in groups:
+        group.follow_layout()
     if changed:
         log.info("shardwise: %d linear weights laid out for %s (shared by eager and captured "
                  "code)", changed, strategy.name)

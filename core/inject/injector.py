@@ -343,8 +343,8 @@ def check_injection(model: nn.Module, accelerator: Accelerator, dtype: torch.dty
 
 
 def inject_model(model: nn.Module, accelerator: Accelerator, dtype: torch.dtype,
-                 max_tokens: int | None, policy=None, heads: HeadPartition | None = None
-                 ) -> nn.Module:
+                 max_tokens: int | None, policy=None, heads: HeadPartition | None = None,
+                 fuse_projections: bool | None = None) -> nn.Module:
     """Replace ``model``'s decoder stack in place with shardwise's inference layers (run after
     sharding and quantization: the layers adopt whatever projection modules the model holds —
     ``nn.Linear``, transformers ``Conv1D``, quantized linears, sharded ones with their hooks —
@@ -359,11 +359,19 @@ def inject_model(model: nn.Module, accelerator: Accelerator, dtype: torch.dtype,
         policy: the model's policy (``init_inference`` passes its plan's; None: looked up).
         heads: this rank's head partition the model was sharded with (its heads, ALiBi
             slopes): ``init_inference`` passes its plan's; None: one rank, every head.
+        fuse_projections: run separate q, k, v as one projection and separate gate, up as
+            one, over one copy of the weights (the parts' tensors become views of the fused
+            ones: :mod:`shardwise.inject.fuse`); None: the ``SHARDWISE_FUSE_PROJECTIONS``
+            environment variable, default on. Groups that cannot be fused (a quantized layout
+            without row dimension, hooks, meta tensors …) keep their projections.
 
     Raises:
         InjectionError: no policy with injection data (the message lists the families that have
             one), or a model setting the injected layers do not implement.
     """
+    from .fuse import fuse_by_default
+
+    fuse = fuse_by_default() if fuse_projections is None else bool(fuse_projections)
     plan = plan_injection(model, accelerator, dtype, max_tokens, policy, heads)
     if plan is None:
         from .encoder import inject_encoder
@@ -374,9 +382,11 @@ def inject_model(model: nn.Module, accelerator: Accelerator, dtype: torch.dtype,
                              plan.rotary_dim, moe=getattr(plan.policy, "moe", None))
     injected.free_memory = accelerator.free_memory  # checked before each cache allocation
     replace_module(plan.parent, plan.attr, injected, "injected decoder stack")
-    log.info("shardwise: injected %d %s layers (kernels: %s), static KV cache of %d tokens",
+    fused = injected.fuse_projections() if fuse else {}
+    log.info("shardwise: injected %d %s layers (kernels: %s), static KV cache of %d tokens%s",
              len(plan.hf_layers), plan.policy.name,
-             ", ".join(f"{op}={b}" for op, b in plan.kernels.backends.items()), plan.max_tokens)
+             ", ".join(f"{op}={b}" for op, b in plan.kernels.backends.items()), plan.max_tokens,
+             "".join(f"; {what} fused in {n} layers" for what, n in fused.items() if n))
     return injected
 
 

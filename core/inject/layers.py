@@ -23,6 +23,7 @@ through the engine's communicator; head counts are read from the local weight sh
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import logging
 import threading
@@ -215,6 +216,13 @@ class InjectedLayer(nn.Module):
         self.widths = [self.q_heads * self.head_dim, *[self.kv_heads * self.head_dim] * 2]
         self._bind_adopted()
         self.fused_qkv = len(self.parts.qkv) == 1
+        #: how a one-projection q/k/v output is laid out: the spec's, or "blocks" once
+        #: :meth:`fuse_projections` fused separate q, k, v
+        self.qkv_layout = spec.attention.qkv_layout
+        #: the groups :meth:`fuse_projections` fused (:class:`~shardwise.inject.fuse.
+        #: FusedProjection`), and the parts as adopted, to go back to
+        self.fused_groups: list = []
+        self._unfused_parts: LayerParts | None = None
         # multi-head latent attention (DeepSeek): its own attention, over a latent cache
         self.latent_attn = latent_core(self, spec, index)
         width = sum(out_width(proj) for proj in self.parts.qkv)
@@ -245,6 +253,46 @@ class InjectedLayer(nn.Module):
         runs after every transform that swaps modules (quantization), so they are the ones the
         model keeps."""
         self.parts = LayerParts.of(self, self.spec, self.moe_spec)
+
+    def fuse_projections(self) -> list[str]:
+        """Run separate q, k, v as one projection and separate gate, up as one (module
+        docstring of :mod:`shardwise.inject.fuse`: one copy of the weights, the parts' tensors
+        become views of the fused ones, recorded in the active ledger). Latent attention and MoE
+        layers keep their projections. Returns what was fused (``"q|k|v"``, ``"gate|up"``)."""
+        from .fuse import fuse
+
+        if self.fused_groups or self.latent_attn is not None:
+            return []
+        parts, changes, done = self.parts, {}, []
+        if len(parts.qkv) == 3:
+            group = fuse(parts.qkv, "q|k|v")
+            if group is not None:
+                changes["qkv"] = (group.module,)
+                self.fused_groups.append(group)
+        if parts.moe is None and self.spec.mlp.kind == "gated" and len(parts.mlp_in) == 2:
+            group = fuse(parts.mlp_in, "gate|up")
+            if group is not None:
+                changes["mlp_in"] = (group.module,)
+                self.fused_groups.append(group)
+        if changes:
+            self._unfused_parts = parts
+            self.parts = dataclasses.replace(parts, **changes)
+            if "qkv" in changes:
+                self.fused_qkv, self.qkv_layout = True, "blocks"
+            done = [g.what for g in self.fused_groups]
+        return done
+
+    def unfuse_projections(self) -> int:
+        """Undo :meth:`fuse_projections`: the parts get their own storage again and the layer
+        calls them. Returns the number of groups unfused."""
+        groups, self.fused_groups = self.fused_groups, []
+        for group in groups:
+            group.release()
+        if self._unfused_parts is not None:
+            self.parts, self._unfused_parts = self._unfused_parts, None
+            self.fused_qkv = len(self.parts.qkv) == 1
+            self.qkv_layout = self.spec.attention.qkv_layout
+        return len(groups)
 
     def _norm(self, module: nn.Module, x: torch.Tensor, residual: torch.Tensor | None):
         """(norm(x + residual), x + residual) — fused; residual None: norm(x), x."""
@@ -289,7 +337,7 @@ class InjectedLayer(nn.Module):
         qkv = self.parts.qkv
         if not self.fused_qkv:
             q, k, v = (proj(x) for proj in qkv)
-        elif self.spec.attention.qkv_layout == "blocks":  # [q | k | v]
+        elif self.qkv_layout == "blocks":  # [q | k | v]
             q, k, v = qkv[0](x).split(self.widths, dim=-1)
         else:  # grouped: [kv_heads, q_per_kv + 2, d]
             q_per_kv = hq // hkv
@@ -348,6 +396,9 @@ class InjectedLayer(nn.Module):
         the cache's first ``span`` rows; each chunk one ``attention_prefill`` over its slot's
         row (causal, bottom-right: after its cached tokens), as a prompt chunk alone runs."""
         rows, kernels, kw = ctx.mixed, self.kernels, self.attn_kw
+        attend = getattr(rows, "attend", None)
+        if attend is not None:  # a captured mixed step's static layout (inject.slots.PackedRows)
+            return attend(self, q, k, v, ctx)
         k_cache, v_cache = ctx.cache.k[self.slot], ctx.cache.v[self.slot]
         n = rows.n_decode
         parts = [self._mixed_decode(q[:, :, :n], k[:, :, :n], v[:, :, :n], k_cache, v_cache,
@@ -599,6 +650,22 @@ class InjectedModel(nn.Module):
         :meth:`InjectedLayer._bind_adopted`)."""
         self.parts = StackParts.of(self, self.spec, self._layers[0])
 
+    def fuse_projections(self) -> dict[str, int]:
+        """Fuse q|k|v and gate|up in every layer this rank runs
+        (:meth:`InjectedLayer.fuse_projections`). Returns ``{"q|k|v": n, "gate|up": m}``, the
+        layers that run each fused group (:func:`~shardwise.inject.fuse.fusion_report`)."""
+        from .fuse import fusion_report
+
+        for layer in self._own:
+            layer.fuse_projections()
+        return fusion_report(self)
+
+    def unfuse_projections(self) -> int:
+        """Undo :meth:`fuse_projections` in every layer (the parts get their own storage again);
+        returns the number of groups unfused. A captured step captured the fused modules: call
+        this before capture (the offload step does), not after."""
+        return sum(layer.unfuse_projections() for layer in self._own)
+
     # HF helpers the shell delegates to its base model
     def get_input_embeddings(self) -> nn.Module:
         return self.parts.embed
@@ -769,6 +836,9 @@ class InjectedModel(nn.Module):
         if reason is not None:
             raise ShardwiseError(f"this injected model cannot run mixed steps: {reason}; "
                                  f"prefill and decode in separate forwards")
+        replay = getattr(cache, "replay", None)
+        if replay is not None and types is None:  # its captured step (inject.slots.SlotMixed)
+            return replay(self, x)
         rows = cache.mixed
         ctx = StepContext(cache, past=-1, decode=False, mixed=rows)
         return self.run_layers(self._embedded(ctx, x, rows.position_ids, types), ctx)

@@ -345,6 +345,11 @@ def offload_model(model: nn.Module, settings: OffloadConfig | Mapping, accelerat
             writing), or a ring that does not fit the device (naming the largest layer).
     """
     settings = parse_offload(settings)
+    if stack is not None and hasattr(stack, "unfuse_projections"):
+        # fused q|k|v and gate|up (shardwise.inject.fuse) make the parts views of one tensor
+        # per group; the units stream each part's tensors as they are named, so offloaded
+        # layers run their projections unfused (the parts get their own storage back)
+        stack.unfuse_projections()
     units = offload_units(model, plan, stack)
     if not units:
         raise OffloadError(f"offload found nothing to stream in {type(model).__name__}: no input "

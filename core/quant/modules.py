@@ -221,6 +221,28 @@ class QuantLinear(PackedLayout):
 _IDENTITY_ROWS = 1024
 
 
+#: backend → (packed tensor name → the dimension its output rows run along, counted from the
+#: end; output rows per index along it) for the layouts whose kernel does not say itself
+#: (``row_dims(meta)`` on the kernel, e.g. the CPU backend's): the reference's ``qweight``
+#: [N, K or K / 2], ``scales``/``zeros`` [N, n_groups]; Triton's the same with ``offsets``
+_ROW_DIMS: dict[str, tuple[dict[str, int], int]] = {
+    "reference": ({"qweight": -2, "scales": -2, "zeros": -2}, 1),
+    "triton": ({"qweight": -2, "scales": -2, "offsets": -2}, 1),
+}
+
+
+def quant_row_dims(module: QuantLinear) -> tuple[dict[str, int], int] | None:
+    """Where ``module``'s packed tensors stack their output rows: (tensor name → dimension,
+    counted from the end; output rows per index along it), so modules of one layout with
+    equal settings concatenate along it into one wider module (fused projections:
+    :mod:`shardwise.inject.fuse`); None for a layout that does not stack its rows (torch's
+    opaque CPU int4 layout) or that no table describes."""
+    own = getattr(module.kernel.fn, "row_dims", None)
+    if callable(own):
+        return own(module.meta)
+    return _ROW_DIMS.get(module.backend)
+
+
 def kernel_for_backend(backend: str, op: str = "quant_linear") -> KernelImpl:
     """``backend``'s implementation of ``op`` (``quant_linear``, ``quant_moe_mlp``; its module
     imported on demand); KeyError naming it when that backend cannot run here."""

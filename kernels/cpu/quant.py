@@ -337,6 +337,16 @@ def _epilogue(y: torch.Tensor, x2: torch.Tensor, offsets: torch.Tensor | None,
     return y.to(x2.dtype)
 
 
+#: ``meta["kind"]`` → (tensor → the dimension its output rows run along, counted from the end;
+#: output rows per index): native ``qweight`` [Nb, K / L, 16, 4], ``scales``/``zeros``
+#: [Nb, G, 16] (16 rows per block); int8 ``qweight`` [N, K] or [G, N, group], ``scales`` [N] or
+#: [G, N], ``offsets`` [G, N]. torch's int4 layout is opaque: not listed.
+_ROW_DIMS: dict[str, tuple[dict[str, int], int]] = {
+    "native": ({"qweight": -4, "scales": -3, "zeros": -3}, NATIVE_ROWS),
+    "int8": ({"qweight": -2, "scales": -1, "offsets": -1}, 1),
+}
+
+
 class CpuQuantLinear(QuantLinearKernel):
     """``quant_linear`` with the native kernel where it builds, else torch's packed CPU kernels
     (module docstring); the layout is chosen at ``prepack`` (``meta["kind"]``)."""
@@ -359,6 +369,12 @@ class CpuQuantLinear(QuantLinearKernel):
                                        unpack_native(packed), packed.meta["ablock"], bias)
             return y.reshape(*x.shape[:-1], packed.spec.out_features)
         return native_math
+
+    def row_dims(self, meta: dict[str, Any]) -> tuple[dict[str, int], int] | None:
+        """Where this layout's tensors stack their output rows (tensor → dimension from the
+        end; rows per index), for concatenating weights along N
+        (:func:`shardwise.quant.modules.quant_row_dims`); None for torch's opaque int4 layout."""
+        return _ROW_DIMS.get(meta.get("kind"))
 
     def prepare(self, meta: dict[str, Any]) -> None:
         """Build or load the native op for a natively packed weight now, not at the first eager
