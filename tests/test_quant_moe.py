@@ -539,12 +539,76 @@ def _ep_save_case(rank: int, root: str, arch: str, bits: int, tp: int) -> dict:
     unique = {id(t): t for t in loaded.module.state_dict(keep_vars=True).values()}
     return dict(logits_equal=torch.equal(loaded(input_ids=ids).logits, logits),
                 tokens_equal=torch.equal(loaded.generate(ids, **GEN), tokens),
+                logits=logits.tolist(), tokens=tokens.tolist(),
                 state_diff=_state_differences(saver.module, loaded.module),
                 held=sorted({m.num_experts for m in _quantized(loaded.module).values()}),
                 range=list(loaded.plan.experts.range),
                 bytes_read=loaded.checkpoint_load.bytes_read,
                 state_bytes=sum(t.numel() * t.element_size() for t in unique.values()),
                 backends=loaded.quantization.backends())
+
+
+#: name → (family, bits): a quantized one-process checkpoint (saved by the fixture, fp32
+#: compute) loaded at ep=2: each rank reads its experts' rows of the one file
+RESHARD_CASES = {"reshard-ep1-to-ep2-mixtral-int4": ("mixtral", 4),
+                 "reshard-ep1-to-ep2-gpt_oss-int8": ("gpt_oss", 8)}
+
+
+def _one_process_save(root: Path, arch: str, bits: int) -> None:
+    """A quantized one-process engine of ``arch`` saves itself to ``root/<arch>-int<bits>-ep1``,
+    its fp32 logits and greedy tokens next to it (``expected.json``)."""
+    saver = shardwise.init_inference(tiny_causal_lm(arch), device="cpu", dtype=torch.float32,
+                                     quant={"weight": {"num_bits": bits}})
+    ids = prompt_ids(batch=2, length=8)
+    path = root / f"{arch}-int{bits}-ep1"
+    saver.save_checkpoint(path)
+    expected = {"logits": saver(input_ids=ids).logits.tolist(),
+                "tokens": saver.generate(ids, **GEN).tolist()}
+    (path / "expected.json").write_text(json.dumps(expected))
+    saver.close()
+
+
+def _packed_rows(model, files: list, start: int | None = None) -> list[str]:
+    """The quantized experts' buffers and biases of ``model`` that differ from the rank files'
+    (``files``: each a key → tensor dict, concatenated along dim 0 in order), taken from row
+    ``start`` (None: 0, all of them); [] when every one is equal."""
+    wrong = []
+    for name, module in _quantized(model).items():
+        for key, tensor in module.state_dict().items():
+            whole = torch.cat([f[f"{name}.{key}"] for f in files])
+            rows = whole[start or 0:(start or 0) + tensor.shape[0]]
+            if tensor.shape != rows.shape or tensor.dtype != rows.dtype \
+                    or not torch.equal(tensor, rows):
+                wrong.append(f"{name}.{key}")
+    return wrong
+
+
+def _reshard_case(rank: int, root: str, arch: str, bits: int) -> dict:
+    """The one-process checkpoint of ``arch`` loaded at ep=2 (never quantized again): this
+    rank's logits and tokens, its packed experts against the file's rows of its range, what it
+    read against what it holds."""
+    from safetensors.torch import load_file
+    from shardwise.quant import experts as quant_experts, transform
+
+    path = Path(root) / f"{arch}-int{bits}-ep1"
+    real = transform.quantize_weight, quant_experts.quantize_experts
+    transform.quantize_weight = quant_experts.quantize_experts = None  # a call would fail
+    try:
+        loaded = shardwise.init_inference(None, checkpoint=str(path), device="cpu",
+                                          moe={"ep_size": 2})
+    finally:
+        transform.quantize_weight, quant_experts.quantize_experts = real
+    desc = json.loads((path / "shardwise_checkpoint.json").read_text())
+    ids = prompt_ids(batch=2, length=8)
+    start, stop = loaded.plan.experts.range
+    unique = {id(t): t for t in loaded.module.state_dict(keep_vars=True).values()}
+    return dict(logits=loaded(input_ids=ids).logits.tolist(),
+                tokens=loaded.generate(ids, **GEN).tolist(), range=[start, stop],
+                held=sorted({m.num_experts for m in _quantized(loaded.module).values()}),
+                wrong_rows=_packed_rows(loaded.module,
+                                        [load_file(path / desc["checkpoints"][0])], start),
+                bytes_read=loaded.checkpoint_load.bytes_read,
+                state_bytes=sum(t.numel() * t.element_size() for t in unique.values()))
 
 
 def _ep_all(rank: int, root: str) -> dict:
@@ -555,6 +619,8 @@ def _ep_all(rank: int, root: str) -> dict:
     cases = {name: partial(_ep_case, rank, *args) for name, args in EP_CASES.items()}
     cases.update({name: partial(_ep_save_case, rank, root, *args)
                   for name, args in EP_SAVE_CASES.items()})
+    cases.update({name: partial(_reshard_case, rank, root, *args)
+                  for name, args in RESHARD_CASES.items()})
     return run_cases(rank, cases)
 
 
@@ -565,6 +631,8 @@ def ep_ranks(tmp_path_factory):
     from tp_harness import run_pair
 
     root = tmp_path_factory.mktemp("quant_moe_ep_saved")
+    for arch, bits in RESHARD_CASES.values():
+        _one_process_save(root, arch, bits)
     return root, run_pair(partial(_ep_all, root=str(root)),
                           tmp_path_factory.mktemp("quant_moe_ep"), deadline_s=300)
 
@@ -745,20 +813,69 @@ def test_quantized_experts_saved_at_ep2_load_back_with_each_rank_reading_its_own
         assert held == {total // 2}
 
 
-def test_an_ep2_quantized_checkpoint_on_one_rank_is_refused_before_reading(ep_ranks, monkeypatch):
-    """Packed experts are never merged: the ep=2 checkpoint at one rank is named (its sizes and
-    what to do) before any weight is read."""
+def test_an_ep2_quantized_checkpoint_loads_on_one_rank(ep_ranks, monkeypatch):
+    """The ep=2 checkpoint on one process: its experts merged from both rank files (each
+    module's packed rows the two files' in order), never quantized again; the ep=2 saver's
+    fp32 logits (the ranks' shares summed in another order: within 1e-5) and greedy tokens."""
+    from safetensors.torch import load_file
+    from tp_harness import case
+
+    root, ranks = ep_ranks
+    path = root / "mixtral-int8-tp1"
+    saver = case(ranks, "save-ep2-mixtral-int8")[0]
+    _no_quantization(monkeypatch)
+    loaded = shardwise.init_inference(None, checkpoint=str(path), device="cpu")
+    desc = json.loads((path / "shardwise_checkpoint.json").read_text())
+    files = [load_file(path / f) for f in desc["checkpoints"]]
+    assert _packed_rows(loaded.module, files) == []
+    total = tiny_causal_lm("mixtral").config.num_local_experts
+    assert {m.num_experts for m in _quantized(loaded.module).values()} == {total}
+    ids = prompt_ids(batch=2, length=8)
+    torch.testing.assert_close(loaded(input_ids=ids).logits,
+                               torch.tensor(saver["logits"]), atol=1e-5, rtol=0)
+    assert loaded.generate(ids, **GEN).tolist() == saver["tokens"]
+    assert loaded.checkpoint_load.bytes_read == sum(
+        t.numel() * t.element_size() for t in
+        {id(t): t for t in loaded.module.state_dict(keep_vars=True).values()}.values())
+
+
+@pytest.mark.parametrize("name", list(RESHARD_CASES))
+def test_a_one_process_quantized_checkpoint_loads_at_ep2(ep_ranks, name):
+    """A quantized checkpoint saved by one process, loaded at ep=2: each rank holds exactly the
+    file's packed rows of its experts (GPT-OSS's biases too) and reads nothing else (its
+    experts' rows and the replicated parts); the saver's fp32 logits within 1e-5 (the ep
+    all-reduce sums the shares in another order) and its greedy tokens."""
+    from tp_harness import case
+
+    root, ranks = ep_ranks
+    arch, bits = RESHARD_CASES[name]
+    expected = json.loads((root / f"{arch}-int{bits}-ep1" / "expected.json").read_text())
+    total = {e.gate_up_proj.shape[0] for e in _experts(tiny_causal_lm(arch)).values()}.pop()
+    r0, r1 = case(ranks, name)
+    assert (r0["range"], r1["range"]) == ([0, total // 2], [total // 2, total])
+    for r in (r0, r1):
+        assert r["wrong_rows"] == [] and r["held"] == [total // 2], r["wrong_rows"]
+        assert r["bytes_read"] == r["state_bytes"]
+        torch.testing.assert_close(torch.tensor(r["logits"]), torch.tensor(expected["logits"]),
+                                   atol=1e-5, rtol=0)
+        assert r["tokens"] == expected["tokens"]
+
+
+def test_a_tensor_parallel_quantized_checkpoint_at_another_tp_size_is_named_before_reading(
+        ep_ranks, monkeypatch):
+    """The experts reshard, packed dense layers do not: the ep=2 × tp=2 checkpoint (attention
+    split by heads) on one process is named (the layer, its saved and wanted shapes, the
+    split it loads at) before any weight is read."""
     from shardwise.checkpoint import CheckpointError
     from shardwise.checkpoint.sources import Reader
 
     def refuse(*args, **kwargs):
         raise AssertionError("a weight was read before the checkpoint was checked")
     monkeypatch.setattr(Reader, "read", refuse)
-    with pytest.raises(CheckpointError, match=r"MoE experts saved split over 2 rank\(s\) .* "
-                                              r"cannot be merged or split for 1 rank\(s\): load "
-                                              r"it with the tp_size and moe ep_size it was saved "
-                                              r"with"):
-        shardwise.init_inference(None, checkpoint=str(ep_ranks[0] / "mixtral-int8-tp1"),
+    with pytest.raises(CheckpointError, match=r"quantized layer .* is \[out, in\] = .* but .* "
+                                              r"load only at the tensor-parallel split they were "
+                                              r"saved with: 2 rank file\(s\)"):
+        shardwise.init_inference(None, checkpoint=str(ep_ranks[0] / "deepseek_v3-int8-tp2"),
                                  device="cpu")
 
 

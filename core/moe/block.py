@@ -529,3 +529,15 @@ def install_moe(model: nn.Module, plan, accelerator, dtype: torch.dtype | None =
                            dispatch)
     log.info("shardwise: %s", report.summary())
     return report
+
+
+def expert_ranges(model: nn.Module) -> dict[int, tuple[int, int, int]]:
+    """``id(experts module)`` → ``(start, stop, total)``: the experts this rank holds of each MoE
+    block :func:`install_moe` gave a forward (what a checkpoint records of a rank's experts);
+    blocks without one are not listed (they hold every expert)."""
+    out = {}
+    for module in model.modules():
+        forward = vars(module).get("forward")
+        if isinstance(forward, MoEBlockForward):
+            out[id(forward.parts.experts)] = (*forward.range, forward.total)
+    return out

@@ -19,8 +19,13 @@ holds) and biases in the state dict, and in the manifest's ``"experts"`` section
 :data:`FORMAT_EXPERTS`) each module's per-expert specs, backend, layout settings, buffer shapes
 and :class:`~shardwise.quant.experts.ExpertsShape`. Loading puts empty ``QuantExperts`` shells
 in place of the float experts modules. Under expert parallelism each rank's file holds its own
-experts, and each rank reads only its file: such a checkpoint loads at the tp and ep sizes it was
-saved with (packed weights are never merged or split, as for tensor parallelism).
+experts, and each entry records which (``"range"`` of ``"total"``): the packed buffers hold
+one independent entry per expert along dim 0, so such a checkpoint loads at another ep size (or
+on one process), each rank reading only its experts' rows from whichever rank files hold them
+(:meth:`QuantCheckpointExtension.split_tensors`), as float experts reshard. The quantized dense
+layers are stored whole per rank and load only at the tensor-parallel split they were saved
+with (packed weights are never merged or split along a matrix): replicated ones (tp 1) at any
+ep size, tp-split ones at their tp size; any other split is named before a weight is read.
 
 File layout (safetensors metadata, every value a JSON string): ``"format"``: :data:`FILE_FORMAT`;
 ``"manifest"``: :func:`manifest`; ``"aliases"``: state-dict key → the stored key it shares its
@@ -83,6 +88,9 @@ _OPTIONAL_LAYER_KEYS = {"tied"}
 _FILE_KEYS = {"format", "manifest", "aliases"}
 #: The keys of one ``"experts"`` manifest entry (:func:`_experts_entry`).
 _EXPERTS_KEYS = {"specs", "backend", "compute_dtype", "meta", "tensors", "bias", "shape"}
+#: Its optional keys: ``"range"`` (the experts ``[start, stop)`` of ``"total"`` this entry holds;
+#: absent in files saved before resharding existed: such experts load at their saved split).
+_OPTIONAL_EXPERTS_KEYS = {"range", "total"}
 #: The bias parameters a quantized experts module may hold (GPT-OSS's), kernels' layout.
 _EXPERTS_BIASES = ("gate_up_proj_bias", "down_proj_bias")
 #: The first bytes of the files torch.save writes (a zip archive, or a legacy raw pickle).
@@ -106,8 +114,11 @@ def _torch_dtype(name: str | None) -> torch.dtype | None:
 def manifest(model: nn.Module) -> dict[str, Any]:
     """The description :func:`save_quantized` stores next to the state dict (JSON-serialisable:
     the sharded checkpoint stores it in each rank file's metadata)."""
+    from ..moe.block import expert_ranges
+
     report: QuantReport | None = getattr(model, QUANT_ATTR, None)
-    experts = {name: _experts_entry(m) for name, m in model.named_modules()
+    ranges = expert_ranges(model)
+    experts = {name: _experts_entry(m, ranges.get(id(m))) for name, m in model.named_modules()
                if isinstance(m, QuantExperts)}
     layers = {}
     tied_embeddings = {id(m.head): n for n, m in model.named_modules()
@@ -135,19 +146,24 @@ def manifest(model: nn.Module) -> dict[str, Any]:
     return info
 
 
-def _experts_entry(module: QuantExperts) -> dict[str, Any]:
+def _experts_entry(module: QuantExperts,
+                   held: tuple[int, int, int] | None = None) -> dict[str, Any]:
     """One quantized experts module's manifest entry: (gate_up, down) per-expert specs, the
     backend and compute dtype, each matrix's layout settings, the packed buffers (each
-    ``[E_held, ...]``), the biases' shapes (GPT-OSS's, kernels' layout; None: none) and the
-    :class:`~shardwise.quant.experts.ExpertsShape` (``experts`` = E held by this rank)."""
+    ``[E_held, ...]``), the biases' shapes (GPT-OSS's, kernels' layout; None: none), the
+    :class:`~shardwise.quant.experts.ExpertsShape` (``experts`` = E held by this rank) and
+    which experts they are: ``range`` ``[start, stop)`` of ``total`` (``held``: the MoE
+    block's ``(start, stop, total)``; None: it holds every expert)."""
     def spec(s: QuantSpec) -> list:
         return [s.bits, s.group_size, s.symmetric, s.in_features, s.out_features]
+    start, stop, total = held if held is not None else (0, module.num_experts,
+                                                         module.num_experts)
     return {"specs": [spec(module.spec), spec(module.down_spec)], "backend": module.backend,
             "compute_dtype": _dtype_name(module.compute_dtype), "meta": module.packed_meta(),
             "tensors": module.describe_tensors(),
             "bias": {b: list(getattr(module, b).shape) if getattr(module, b) is not None
                      else None for b in _EXPERTS_BIASES},
-            "shape": dataclasses.asdict(module.shape)}
+            "shape": dataclasses.asdict(module.shape), "range": [start, stop], "total": total}
 
 
 def is_quantized(model: nn.Module) -> bool:
@@ -291,13 +307,19 @@ def _experts_problem(entry: Any) -> str | None:
     """What is wrong with one ``"experts"`` manifest entry (None when it is well-formed): every
     key with its type, the specs agreeing with the shape (gate_up [2I, H], down [H, I] per
     expert) and every packed tensor and bias holding one entry per expert."""
-    if not isinstance(entry, Mapping) or set(entry) != _EXPERTS_KEYS:
+    if not isinstance(entry, Mapping) or not (
+            _EXPERTS_KEYS <= set(entry) <= _EXPERTS_KEYS | _OPTIONAL_EXPERTS_KEYS):
         return f"keys {sorted(entry) if isinstance(entry, Mapping) else entry!r}"
     shape = entry["shape"]
     if not isinstance(shape, Mapping) or set(shape) != set(_EXPERTS_SHAPE_FIELDS) or not all(
             ok(shape[k]) for k, ok in _EXPERTS_SHAPE_FIELDS.items()):
         return f"shape {shape!r}"
     e, h, i = shape["experts"], shape["hidden"], shape["inter"]
+    held, total = entry.get("range"), entry.get("total")
+    if ("range" in entry) != ("total" in entry) or ("range" in entry and not (
+            _int(total) and isinstance(held, list) and len(held) == 2 and all(map(_int, held))
+            and 0 <= held[0] and held[1] - held[0] == e and held[1] <= total)):
+        return f"range {held!r} of {total!r} for {e} experts held"
     specs = entry["specs"]
     if not (isinstance(specs, list) and len(specs) == 2 and all(map(_spec_ok, specs))
             and specs[0][3:] == [h, 2 * i] and specs[1][3:] == [i, h]
@@ -760,15 +782,29 @@ def settings_for_checkpoint(desc: Any, asked: Mapping | None, tp_size: int,
     entry = desc.extensions.get(EXTENSION)
     if entry is None:
         return asked
-    if ep_size is not None or not (isinstance(entry, Mapping) and entry.get("experts")):
-        _check_tp(desc.source, desc.tp_size, max(tp_size, ep_size or 1),
-                  bool(isinstance(entry, Mapping) and entry.get("experts")))
+    if not _experts_reshard(entry):
+        _check_tp(desc.source, desc.tp_size, max(tp_size, ep_size or 1))
     return adopt_saved_quant(entry, asked, desc.source)
+
+
+def _experts_reshard(entry: Any) -> bool:
+    """Whether a checkpoint with the description ``entry`` may load at another split: it holds
+    quantized experts (resharded by expert, :meth:`QuantCheckpointExtension.split_tensors`)
+    and the loader reads split extension tensors. Its dense quantized layers are then checked
+    against this rank's modules (:func:`_check_shell_shapes`), before any read."""
+    return bool(isinstance(entry, Mapping) and entry.get("experts")) and _SPLIT_LOADING
+
+
+#: the checkpoint loader reads an extension's tensors split over the rank files (a loader
+#: without :meth:`CheckpointExtension.split_tensors` reads each rank's own file only)
+_SPLIT_LOADING = "split_tensors" in vars(CheckpointExtension)
 
 
 def _check_tp(source: str, saved: int | None, ranks: int, experts: bool = False) -> None:
     """The model is split over the ``saved`` ranks it was saved from (packed weights are stored
-    whole per rank: never merged or split)."""
+    whole per rank: never merged or split). ``experts``: the checkpoint holds quantized experts
+    (named in the message; with a loader reading split tensors they reshard instead:
+    :func:`_experts_reshard`)."""
     if ranks == saved:
         return
     if not experts:
@@ -804,8 +840,9 @@ class QuantCheckpointExtension(CheckpointExtension):
         """At its tp size, without being quantized again, in its compute dtype."""
         from .transform import QuantizeOnRead
 
-        _check_tp(context.source, context.saved_tp, context.tp_size,
-                  bool(isinstance(entry, Mapping) and entry.get("experts")))
+        if not _experts_reshard(entry):
+            _check_tp(context.source, context.saved_tp, context.tp_size,
+                      bool(isinstance(entry, Mapping) and entry.get("experts")))
         if any(isinstance(h, QuantizeOnRead) for h in context.hooks):
             raise QuantizedCheckpointError(
                 f"{context.source} holds weights that are already quantized; load it without "
@@ -833,6 +870,19 @@ class QuantCheckpointExtension(CheckpointExtension):
                 f"description; re-save the checkpoint")
         return tensor_names(rank_entry)
 
+    def split_tensors(self, entry: Any, rank_entries: list[Any]) -> dict:
+        """Every experts module's packed buffers and biases whose rank files' ``range`` s tile
+        its ``total`` experts (each expert in one file, or the same range in several: expert
+        groups): they load at another ep size (module docstring)."""
+        out = {}
+        for name in entry.get("experts", []) if _SPLIT_LOADING else ():
+            parts = _expert_parts([e["experts"][name] for e in rank_entries])
+            if parts is not None:
+                saved = rank_entries[0]["experts"][name]
+                keys = [*saved["tensors"], *(b for b, s in saved["bias"].items() if s)]
+                out.update({f"{name}.{key}": parts for key in keys})
+        return out
+
     def install(self, model: nn.Module, entry: Any, rank_entry: Any,
                 shapes: Mapping[str, tuple[int, ...]], context: LoadContext) -> Any:
         """Each saved layer checked against this rank's slice of the model's module, then an
@@ -843,6 +893,8 @@ class QuantCheckpointExtension(CheckpointExtension):
         parameters' dim 0 under expert parallelism); the float module it replaces keeps meta
         parameters of that shape, so the expert-parallel split (which slices float experts the
         loader did not) finds it already holding this rank's experts."""
+        if _experts_reshard(entry):
+            rank_entry = _for_this_rank(model, rank_entry, shapes)
         _check_shell_shapes(model, rank_entry, shapes, context)
         for name in rank_entry.get("experts", {}):
             _local_meta(model.get_submodule(name), name, shapes)
@@ -852,6 +904,58 @@ class QuantCheckpointExtension(CheckpointExtension):
                device: torch.device) -> QuantReport:
         info, layers = state
         return loaded_report(model, info, layers, device, f"loaded {context.source}")
+
+
+def _expert_parts(entries: list[Mapping[str, Any]]) -> tuple[int, list] | None:
+    """(total, [(file, (start, stop)), ...] tiling ``[0, total)``) of one experts module's
+    entries in the rank files (file order), each expert from the first file holding it; None
+    when they do not tile it (saved before ranges were recorded, by more than one file; or
+    disagreeing on anything but their range: another split, e.g. tp-sliced experts)."""
+    def same(e: Mapping[str, Any]) -> tuple:
+        shape = {k: v for k, v in e["shape"].items() if k != "experts"}
+        tensors = {k: (v[0][1:], v[1]) for k, v in e["tensors"].items()}
+        bias = {k: v and v[1:] for k, v in e["bias"].items()}
+        return (e["specs"], e["backend"], e["compute_dtype"], e["meta"], shape, tensors, bias,
+                e.get("total"))
+    first = entries[0]
+    if "range" not in first:
+        return (first["shape"]["experts"], [(0, (0, first["shape"]["experts"]))]) \
+            if len(entries) == 1 else None
+    if any(same(e) != same(first) or "range" not in e for e in entries):
+        return None
+    parts, cursor = [], 0
+    for file, e in enumerate(entries):
+        start, stop = e["range"]
+        if start == cursor:
+            parts.append((file, (start, stop)))
+            cursor = stop
+        elif (start, stop) not in [r for _, r in parts]:
+            return None
+    return (first["total"], parts) if cursor == first["total"] else None
+
+
+def _for_this_rank(model: nn.Module, info: Mapping[str, Any],
+                   shapes: Mapping[str, tuple[int, ...]]) -> dict[str, Any]:
+    """The rank file's manifest ``info`` with each experts module that reshards (its ``total``
+    the model's expert count) describing the experts this rank keeps (``shapes``: its
+    ``gate_up_proj`` rows) instead of those the saving rank held: what the loader reads for it
+    from the rank files. Another count is left as saved (named by :func:`_check_shell_shapes`)."""
+    experts = {}
+    for name, entry in info.get("experts", {}).items():
+        module = dict(model.named_modules()).get(name)
+        whole = getattr(module, "gate_up_proj", None)
+        held = shapes.get(f"{name}.gate_up_proj", (None,))[0]
+        if "total" not in entry or not isinstance(whole, torch.Tensor) or held is None \
+                or whole.shape[0] != entry["total"]:
+            experts[name] = entry
+            continue
+        experts[name] = {
+            **{k: v for k, v in entry.items() if k != "range"},
+            "shape": {**entry["shape"], "experts": held},
+            "tensors": {k: [[held, *shape[1:]], dtype]
+                        for k, (shape, dtype) in entry["tensors"].items()},
+            "bias": {k: v and [held, *v[1:]] for k, v in entry["bias"].items()}}
+    return {**info, "experts": experts} if experts else dict(info)
 
 
 def _local_meta(module: nn.Module, name: str, shapes: Mapping[str, tuple[int, ...]]) -> None:
@@ -896,7 +1000,9 @@ def _check_shell_shapes(model: nn.Module, info: Mapping[str, Any],
                 f"{context.rank} of {context.source}, but {want} "
                 f"({'with' if has_bias else 'without'} bias) in the model built from the "
                 f"config; the checkpoint and the config (or tensor-parallel plan) do not belong "
-                f"together")
+                f"together (packed quantized layers load only at the tensor-parallel split "
+                f"they were saved with: {context.saved_tp} rank file(s); the experts alone "
+                f"reshard across ep sizes)")
 
 
 register_extension(QuantCheckpointExtension())
