@@ -32,12 +32,17 @@ Command (what benchmarks/README.md quotes)::
         --micro-batches 1 2 4 8
     python benchmarks/pipeline_bubble.py --pp 2 --preset gpt2-12l-768h --split 9 3 \\
         --micro-batches 1 2 4 8
+    python benchmarks/pipeline_bubble.py --pp 2 --preset gpt2-12l-768h --batch 8 \\
+        --micro-batches 1 2 4 8 --new-tokens 8 --split auto
 
 The bubble counts a stage busy whenever it is not waiting on another stage (its layers and
 the model's own work around them on that rank: embedding, masks, head); the share of the wall
 inside its layers alone is printed too ('in layers'). The theoretical bubble holds for stages of
 equal cost: with real compute, give the stages equal work (``--split``: the last stage runs the
-output head besides its layers).
+output head besides its layers; ``--split auto`` measures the cut on this workload). The default
+cut balances the bytes each stage reads per decode step; ``generate`` with a 32-token prompt and
+8 new tokens spends much of its time in the prefill, where the layers compute every prompt token
+and the head one per row, so its balanced cut differs (gpt2-12l-768h: 8/4, not 9/3).
 """
 
 from __future__ import annotations
@@ -152,6 +157,56 @@ def report(rows: list[dict], args: argparse.Namespace) -> int:
     return 1 if bad else 0
 
 
+def _parse_split(ap: argparse.ArgumentParser, split: list[str] | None,
+                 pp: int) -> "list[int] | str | None":
+    """``--split``: None, ``"auto"``, or ``pp`` layer counts."""
+    if split is None:
+        return None
+    if split == ["auto"]:
+        return "auto"
+    try:
+        counts = [int(n) for n in split]
+    except ValueError:
+        ap.error(f"--split takes {pp} layer counts or 'auto', got {' '.join(split)}")
+    if len(counts) != pp:
+        ap.error(f"--split gives {len(counts)} stages, --pp {pp}")
+    return counts
+
+
+def measure_split(args: argparse.Namespace) -> list[int]:
+    """``--split auto``: the layers per stage that balance the measured seconds of this
+    workload (:func:`shardwise.pipeline.measured_split`), on this process with one thread (as
+    each rank runs): the batch in the largest M's micro-batches, each through ``generate``
+    (``forward`` when only forward runs), once untimed and once timed."""
+    import torch
+
+    from shardwise.bench.presets import build_preset
+    from shardwise.pipeline import measured_split
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model = build_preset(args.preset, dtype=torch.float32, seed=0)
+        g = torch.Generator().manual_seed(1)
+        ids = torch.randint(3, model.config.vocab_size, (args.batch, args.prompt_len),
+                            generator=g)
+        parts = ids.tensor_split(max(args.micro_batches))
+        gen = dict(max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens,
+                   do_sample=False, pad_token_id=0)
+
+        @torch.inference_mode()
+        def run() -> None:
+            for part in parts:
+                if "generate" in args.modes:
+                    model.generate(part, **gen)
+                else:
+                    model(input_ids=part)
+
+        return list(measured_split(model, run, args.pp))
+    finally:
+        torch.set_num_threads(threads)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--pp", type=int, default=2, help="pipeline stages (default 2)")
@@ -164,11 +219,13 @@ def main() -> int:
     ap.add_argument("--micro-batches", type=int, nargs="+", default=[1, 2, 4, 8], metavar="M")
     ap.add_argument("--modes", nargs="+", choices=["forward", "generate"],
                     default=["forward", "generate"])
-    ap.add_argument("--split", type=int, nargs="+", metavar="N",
-                    help="decoder layers per stage (pipeline_parallel split), e.g. 9 3 for "
-                         "gpt2-12l-768h: the last stage also runs the output head, as costly as "
-                         "about 6 of its layers, and the theoretical bubble assumes stages of "
-                         "equal cost (default: balanced by weight bytes)")
+    ap.add_argument("--split", nargs="+", metavar="N",
+                    help="decoder layers per stage (pipeline_parallel split), e.g. 8 4 for "
+                         "gpt2-12l-768h, or 'auto': measured on this workload before the ranks "
+                         "start (shardwise.pipeline.measured_split: one process, one thread, "
+                         "the largest M's micro-batches through generate, or forward when only "
+                         "forward runs); the theoretical bubble assumes stages of equal cost "
+                         "(default: balanced by weight bytes read per step)")
     ap.add_argument("--delay-ms", type=float, default=0.0,
                     help="sleep per decoder layer call, inside the stage's busy time")
     ap.add_argument("--warmup", type=int, default=1)
@@ -177,20 +234,25 @@ def main() -> int:
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    args.split = _parse_split(ap, args.split, args.pp)
     if args.worker:
         worker(args)
         return 0
     if args.pp < 2 or args.tp < 1 or min(args.micro_batches) < 1 or args.batch < 1:
         ap.error("--pp must be >= 2; --tp, --batch and every --micro-batches >= 1")
-    if args.split and len(args.split) != args.pp:
-        ap.error(f"--split gives {len(args.split)} stages, --pp {args.pp}")
     if max(args.micro_batches) > args.batch:
         ap.error(f"--micro-batches {max(args.micro_batches)} is more than --batch "
                  f"{args.batch} rows (at most one micro-batch per row)")
     out = Path(args.output).with_suffix(".raw.json")
     load_before = os.getloadavg()
+    argv = sys.argv[1:]
+    if args.split == "auto":
+        args.split = measure_split(args)
+        at = argv.index("--split")
+        argv[at:at + 2] = ["--split", *map(str, args.split)]
+        print(f"--split auto: measured {' '.join(map(str, args.split))}", flush=True)
     cmd = [sys.executable, "-m", "shardwise", "launch", "--nproc-per-node",
-           str(args.pp * args.tp), __file__, *sys.argv[1:], "--worker", "--out", str(out)]
+           str(args.pp * args.tp), __file__, *argv, "--worker", "--out", str(out)]
     print("$", " ".join(cmd), flush=True)
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
     subprocess.run(cmd, check=True, env=env)
@@ -198,6 +260,8 @@ def main() -> int:
     out.unlink()
     code = report(rows, args)
     command = "python benchmarks/pipeline_bubble.py " + " ".join(sys.argv[1:])
+    if "auto" in sys.argv[1:]:
+        command += f"  (--split auto measured {' '.join(map(str, args.split))})"
     load = {"before": load_before, "after": os.getloadavg(), "cpus": os.cpu_count(),
             "what": "1, 5, 15 minute load averages (os.getloadavg) before and after the run"}
     Path(args.output).write_text(json.dumps({"command": command, "load": load, "rows": rows},

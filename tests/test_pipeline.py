@@ -579,6 +579,46 @@ def test_balanced_bounds_minimise_the_largest_stage():
     assert balanced_bounds([1] * 6, 3) == ((0, 2), (2, 4), (4, 6))
 
 
+def _slowed(layer: nn.Module, seconds: float) -> None:
+    """``layer``'s forward sleeps ``seconds`` first (instance-scoped: inside its own call)."""
+    forward = layer.forward
+
+    def slow(*args, **kwargs):
+        time.sleep(seconds)
+        return forward(*args, **kwargs)
+    layer.forward = slow
+
+
+@pytest.mark.parametrize("slow, split", [(0, (1, 3)), (3, (3, 1))])
+def test_measured_split_balances_the_seconds_each_layer_takes(slow, split):
+    """A layer that takes 300 ms a call weighs more than the other three together: the cut
+    puts it alone in its stage (the bytes cut would be 2/2). The hooks are gone afterwards.
+    (One thread: on a loaded machine a tiny layer's two-thread forward can take 0.2 s.)"""
+    from shardwise.pipeline import measured_split
+
+    model = causal_lm("llama", 4)
+    _slowed(_layers(model)[slow], 0.3)
+    ids = prompt_ids(batch=2, length=8)
+    calls = []
+
+    def run():
+        calls.append(1)
+        with torch.no_grad():
+            model(input_ids=ids)
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert measured_split(model, run, 2, warmup=1, repeats=2) == split
+    finally:
+        torch.set_num_threads(threads)
+    assert len(calls) == 3
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+    with pytest.raises(PipelineConfigError, match=r"pp_size=5 must be between 1 and the 4 "
+                                                  r"decoder layers of LlamaForCausalLM"):
+        measured_split(model, run, 5)
+
+
 # ----- three stages: a middle stage holds neither the embedding nor the head ----------------------
 
 THREE = {"llama-4l": (causal_case, "llama", 4, None, 3),
