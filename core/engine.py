@@ -279,8 +279,11 @@ class InferenceEngine:
         instead, each stage its own layers' file (:func:`~shardwise.checkpoint.saver.
         save_stages_checkpoint`), and returns the index's path: injected stages save their HF
         tensors; quantized stages save one shardwise quantized checkpoint of the whole model
-        (tp size 1, gathered on the first stage, which holds it in host memory while writing);
-        stages that are also tensor-parallel are refused by name before anything is written.
+        (tp size 1, gathered on the first stage, which holds it in host memory while writing).
+        Stages that are also tensor-parallel gather their split tensors whole on each stage's
+        tp rank 0, which writes the stage's file (quantized or injected ones are refused by
+        name before anything is gathered); with data-parallel replicas the first replica
+        writes and every rank returns the same path.
 
         A quantized engine (``quant=`` / ``dtype=torch.int8``) saves its weights as they run:
         each rank file holds that rank's packed weights, scales and zero points bit for bit plus
@@ -311,13 +314,32 @@ class InferenceEngine:
                 f"parallelism (ep_size={plan.ep.size}) is not supported yet; save from an "
                 f"engine with pipeline_parallel and without moe ep_size (the saved folder "
                 f"loads with it)")
-        if plan is None or plan.dp.size == 1 or plan.tp.enabled:
+        if plan is None or (plan.dp.size == 1 and not plan.tp.enabled):
             return save_stages_checkpoint(self.module, path, self.stages, self.communicator)
+        if plan.tp.enabled:
+            self._check_tp_stages_save()
         written = None
-        if plan.dp.coord == 0:  # the first replica's pipeline (tp 1: its pp group)
-            written = save_stages_checkpoint(self.module, path, self.stages, plan.inputs)
-        # the others wait until its files are complete, and return the path rank 0 returns
-        return _broadcast_text(str(written) if written is not None else "", self.communicator)
+        with _whole_stage(self.module, plan) as writer:  # tp: the stage's tp rank 0 holds it
+            if writer and plan.dp.coord == 0:  # the first replica's pipeline of tp rank 0s
+                written = save_stages_checkpoint(self.module, path, self.stages,
+                                                 self.stages.communicator)
+            # the others wait until its files are complete, and return the path rank 0 returns
+            return _broadcast_text(str(written) if written is not None else "",
+                                   self.communicator)
+
+    def _check_tp_stages_save(self) -> None:
+        """Pipeline stages split by tensor parallelism save their HF tensors whole (gathered on
+        each stage's tp rank 0); quantized or injected stages keep layouts the gather does not
+        know: refused by name before anything is gathered or written."""
+        what = ("quantized" if self.quantization is not None else
+                "kernel-injected" if self.config.replace_with_kernel_inject else None)
+        if what is not None:
+            raise NotSupportedYetError(
+                f"saving a checkpoint from {what} pipeline stages split by tensor parallelism "
+                f"(tp_size={self.plan.tp.size}) is not supported yet; save from an engine with "
+                f"the same pipeline_parallel and tensor_parallel but without "
+                f"{'quant=' if what == 'quantized' else 'replace_with_kernel_inject'} (the "
+                f"saved folder loads with it), or without tensor_parallel")
 
     def _inputs(self, value: Any) -> Any:
         value = self._to_device(value)
@@ -378,6 +400,47 @@ def _broadcast_tensors(value: Any, comm: Communicator) -> Any:
     if hasattr(value, "keys") and hasattr(value, "data") and isinstance(value.data, dict):
         value.data = _broadcast_tensors(value.data, comm)  # transformers BatchEncoding
     return value
+
+
+@contextlib.contextmanager
+def _whole_stage(model: nn.Module, plan: Plan):
+    """Under tensor parallelism, this stage's split tensors whole on its tp rank 0 for the
+    block (each gathered over the stage's tp group: every tp rank takes part; the slices come
+    back after); yields whether this rank holds its stage whole (tp rank 0, or no tp)."""
+    if not plan.tp.enabled:
+        yield True
+        return
+    live = {id(m) for m in model.modules()}
+    kept: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id → (parameter, its slice)
+    for spec in plan.sharding.specs:
+        if id(spec.module) not in live:
+            continue  # another stage's module, replaced by a stand-in
+        for name, whole in _gathered(spec, plan.tp.group):
+            param = getattr(spec.module, name)
+            if plan.tp.coord == 0 and id(param) not in kept:  # a tied one once
+                kept[id(param)] = (param, param.data)
+                param.data = whole
+    try:
+        yield plan.tp.coord == 0
+    finally:
+        for param, data in kept.values():
+            param.data = data
+
+
+def _gathered(spec, group: Communicator) -> list[tuple[str, torch.Tensor]]:
+    """``(parameter name, whole tensor)`` of ``spec``'s module, gathered over the tp
+    ``group``: the weight along its split dim; a column-parallel bias along its ranges; a
+    row-parallel bias is whole on tp rank 0 already (zeros elsewhere)."""
+    from .sharding.apply import gather_whole
+    from .layout import RowParallel
+
+    module = spec.module
+    out = [("weight", gather_whole(module.weight.detach(), spec.dim, spec.ranges, spec.size,
+                                   group))]
+    bias = getattr(module, "bias", None)
+    if isinstance(bias, torch.Tensor) and not isinstance(spec.role, RowParallel):
+        out.append(("bias", gather_whole(bias.detach(), 0, spec.ranges, spec.size, group)))
+    return out
 
 
 def _broadcast_text(text: str, comm: Communicator) -> str:

@@ -480,11 +480,23 @@ def test_settings_that_do_not_compose_yet_are_refused(field, value, other):
         shardwise.InferenceConfig.build(**PP, **{field: value}, **other)
 
 
-@pytest.mark.parametrize("other", [{"tensor_parallel": {"tp_size": 2}}])
-def test_saving_stages_with_tp_is_refused_up_front(other):  # injected, quantized: they save
-    with pytest.raises(shardwise.ConfigError, match="save_mp_checkpoint_path with "
-                                                    "pipeline_parallel saves the stages"):
-        shardwise.InferenceConfig.build(**PP, save_mp_checkpoint_path="/nonexistent", **other)
+TP2 = {"tensor_parallel": {"tp_size": 2}}
+
+
+@pytest.mark.parametrize("other, what", [
+    ({"quant": {"weight": {"num_bits": 8}}}, "quant="),
+    ({"replace_with_kernel_inject": True}, "replace_with_kernel_inject")])
+def test_saving_stages_split_by_tp_quantized_or_injected_is_refused_up_front(other, what):
+    """Stages split by tp save gathered whole tensors (tests/test_pipeline_tp.py); quantized or
+    injected ones, without tp, save too; the two together are refused before any work."""
+    with pytest.raises(shardwise.ConfigError,
+                       match=f"save_mp_checkpoint_path with pipeline_parallel and "
+                             f"tensor_parallel .* which {what} does not support yet; drop"):
+        shardwise.InferenceConfig.build(**PP, **TP2, save_mp_checkpoint_path="/nonexistent",
+                                        **other)
+    for settings in (TP2, other):  # each alone saves
+        shardwise.InferenceConfig.build(**PP, save_mp_checkpoint_path="/nonexistent",
+                                        **settings)
 
 
 def test_pp_size_off_is_no_pipeline():

@@ -281,6 +281,35 @@ def replica_checkpoint_case(rank: int, arch: str, sizes: dict) -> dict:
                 replica=plan.dp.coord, bytes_read=engine.checkpoint_load.bytes_read)
 
 
+def stages_save_case(rank: int, arch: str) -> dict:
+    """PP=2 × TP=2 saves its stages: each stage's split tensors gathered whole on its tp rank 0,
+    which writes the stage's file; the folder loads back at PP=2 × TP=2 (each rank its stage's
+    slices) and, on rank 0, with HF's ``from_pretrained`` (every tensor equal to the model's)."""
+    ref = causal_lm(arch)
+    root = Path(os.environ[ROOT_ENV]) / f"stages-{arch}"
+    saver = shardwise.init_inference(causal_lm(arch), device="cpu", dtype=torch.float32,
+                                     **PP_TP)
+    ids = prompt_ids(batch=2, length=8, vocab=ref.config.vocab_size)
+    before = saver(input_ids=ids).logits
+    written = saver.save_checkpoint(root)
+    after = saver(input_ids=ids).logits  # the slices are back
+    saver.close()
+    engine = shardwise.init_inference(None, checkpoint=str(root), device="cpu",
+                                      dtype=torch.float32, **PP_TP)
+    with torch.no_grad():
+        want = ref(ids).logits
+    logits = engine(input_ids=ids).logits
+    hf_equal = None
+    if rank == 0:
+        loaded = transformers.AutoModelForCausalLM.from_pretrained(root)
+        theirs, mine = loaded.state_dict(), ref.state_dict()
+        hf_equal = theirs.keys() == mine.keys() and all(
+            torch.equal(theirs[k], mine[k]) for k in mine)
+    return dict(max_abs=(logits - want).abs().max().item(), written=written,
+                same_after=torch.equal(before, after), hf_equal=hf_equal,
+                files=sorted(p.name for p in root.glob("*.safetensors")))
+
+
 #: data-parallel replicas and expert groups in stages: name → (arch, init_inference sizes)
 REPLICAS = {
     "pp2-dp2-llama": ("llama", dict(pipeline_parallel={"pp_size": 2, "micro_batches": 2})),
@@ -304,6 +333,8 @@ TABLE = {
     "tp2-dp2-save-load": (replica_checkpoint_case, "gpt2", dict(tensor_parallel={"tp_size": 2})),
     "pp2-dp2-save-load": (replica_checkpoint_case, "llama",
                           dict(pipeline_parallel={"pp_size": 2})),
+    "llama-stages-save": (stages_save_case, "llama"),
+    "gpt2-stages-save": (stages_save_case, "gpt2"),
 }
 #: where the checkpoint cases write (one folder the four ranks share, set by the fixture)
 ROOT_ENV = "SHARDWISE_TEST_PIPELINE_TP_ROOT"
@@ -504,6 +535,22 @@ def test_replicas_save_once_and_load_their_slices(ranks, name, written):
     read = [r["bytes_read"] for r in results]
     assert read[0] == read[2] and read[1] == read[3] if name.startswith("tp") else \
         read[0] == read[1] and read[2] == read[3]  # pp: rank = stage × 2 + replica
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["llama-stages-save", "gpt2-stages-save"])
+def test_stages_split_by_tp_save_whole_tensors(ranks, name):
+    """One file per stage, written by its tp rank 0 with the tensors gathered whole: HF's
+    from_pretrained reads every tensor of the model back equal, PP=2 × TP=2 loads it within
+    ATOL of HF; the saving engine runs on its slices afterwards as before."""
+    results = case(ranks, name)
+    assert results[0]["hf_equal"], f"{name}: from_pretrained differs from the model"
+    for r in results:
+        assert r["max_abs"] < ATOL, f"{name}: logits differ by {r['max_abs']:.2e}"
+        assert r["same_after"] and Path(r["written"]).name == "model.safetensors.index.json"
+        assert r["files"] == ["model-00001-of-00002.safetensors",
+                              "model-00002-of-00002.safetensors"]
+    assert len({r["written"] for r in results}) == 1
 
 
 @pytest.mark.slow

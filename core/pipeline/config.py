@@ -114,17 +114,20 @@ def check_with_other_fields(cfg: Any) -> None:
     rank quantizes, or reads, its stage's layers only), and so does kernel injection of a
     decoder (each rank's injected stack runs its stage's layers over a static KV cache of
     those layers) or of an encoder; ``save_mp_checkpoint_path`` saves each stage's layers
-    (injected ones too; quantized stages as one quantized checkpoint; not with
-    ``tensor_parallel``); ``quant``'s ``lm_head`` composes
+    (injected ones too; quantized stages as one quantized checkpoint; under
+    ``tensor_parallel`` gathered whole on each stage's tp rank 0, not with ``quant`` or
+    injection); ``quant``'s ``lm_head`` composes
     (the last stage quantizes the head; a tied table is quantized alike on the first stage:
     :mod:`shardwise.pipeline.quant`)."""
     if cfg.pipeline_parallel is None:
         return
-    if cfg.save_mp_checkpoint_path and cfg.tp_size > 1:
+    if cfg.save_mp_checkpoint_path and cfg.tp_size > 1 and (
+            cfg.quant is not None or cfg.replace_with_kernel_inject):
+        what = "quant=" if cfg.quant is not None else "replace_with_kernel_inject"
         raise NotSupportedYetError(
-            "save_mp_checkpoint_path with pipeline_parallel saves the stages of an engine "
-            "without tensor_parallel; drop tensor_parallel for the saving run (the saved "
-            "folder loads with it)")
+            f"save_mp_checkpoint_path with pipeline_parallel and tensor_parallel saves the "
+            f"stages' tensors gathered whole, which {what} does not support yet; drop {what} "
+            f"(or tensor_parallel) for the saving run (the saved folder loads with it)")
     if cfg.offload is not None and cfg.checkpoint:
         raise NotSupportedYetError(
             f"offload={cfg.offload!r} together with checkpoint= is not supported yet with "
