@@ -49,7 +49,8 @@ COMPARED = {
 #: InferenceConfig fields every rank must share (paths such as checkpoint, base_dir or the
 #: offload directory may differ per node and are not compared)
 CONFIG_FIELDS = ("tp_size", "pipeline_parallel", "dtype", "replace_with_kernel_inject",
-                 "injection_policy", "enable_graph", "max_tokens", "quant", "seed", "moe")
+                 "injection_policy", "enable_graph", "max_tokens", "quant", "seed", "moe",
+                 "dp_size")
 
 #: config keys that name where or when a model was saved, not what it is
 _VOLATILE_CONFIG_KEYS = ("_name_or_path", "transformers_version", "_commit_hash",
