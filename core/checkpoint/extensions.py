@@ -136,6 +136,20 @@ class CheckpointExtension:
         file must hold whole: key → (shape, dtype name; None: any floating dtype)."""
         return {}
 
+    def split_tensors(self, entry: Any, rank_entries: list[Any]
+                      ) -> dict[str, tuple[int, list[tuple[int, tuple[int, int]]]]]:
+        """Of the tensors the rank files hold whole (:meth:`rank_tensors`), those that are dim-0
+        slices of one whole tensor, e.g. the experts an expert-parallel save gave each rank:
+        key → (the whole tensor's dim-0 size, [(file index, (start, stop)), ...] covering
+        ``[0, size)``). ``rank_entries``: every rank file's entry, in file order. The loader then
+        reads what each rank keeps of them (its experts: the sharding plan's range of the module
+        owning the key; the whole tensor without a plan) from whichever files hold it, so they
+        load at another split; the rest of the extension's tensors are read from the rank's own
+        file (by a rank past the files of a one-file checkpoint: from that file; past the files
+        of a split one: refused, they may be another rank's slices).
+        Default: none (every tensor loads at the split it was saved with)."""
+        return {}
+
     def install(self, model: nn.Module, entry: Any, rank_entry: Any,
                 shapes: Mapping[str, tuple[int, ...]], context: LoadContext) -> Any:
         """Before the load plans its tensors: change ``model`` so its state dict holds this

@@ -163,7 +163,7 @@ def load_checkpoint(model: nn.Module, checkpoint: "str | os.PathLike | Mapping |
     hooks = tuple(hooks)
     context = LoadContext(desc.source, desc.tp_size, split_ranks(prepared), rank, dtype, hooks)
     check_extensions(desc, context)
-    index = build_index(desc, rank)
+    index = build_index(desc, rank, _split_keep(prepared, rank))
     bytes_before = sum(p.numel() * p.element_size() for p in model.parameters())
     modules = _module_tree(model)  # to put back if the load fails (modules swapped in)
     try:
@@ -334,6 +334,15 @@ def _rank_slices(prepared: PreparedShards, rank: int) -> dict[str, Any]:
         for pname, keep in expert_param_ranges(spec, coord).items():
             out[f"{spec.name}.{pname}"] = keep
     return out
+
+
+def _split_keep(prepared: PreparedShards | None, rank: int) -> dict[str, tuple[int, int]]:
+    """Experts module name → the experts ``[start, stop)`` ``rank`` keeps: what it reads of the
+    tensors an extension stores split over the rank files (packed quantized experts)."""
+    if prepared is None or not prepared.experts:
+        return {}
+    coord = prepared.ep_coord(rank)
+    return {spec.name: tuple(spec.ranges[coord]) for spec in prepared.experts}
 
 
 def _key_resolver(model: nn.Module, keys: list[str]):

@@ -20,7 +20,7 @@ import struct
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 
@@ -214,12 +214,17 @@ class CheckpointIndex:
         return list(self.pieces)
 
 
-def build_index(desc: Description, rank: int = 0) -> CheckpointIndex:
+def build_index(desc: Description, rank: int = 0,
+                split_keep: Mapping[str, Range] | None = None) -> CheckpointIndex:
     """Read every file's header (never its data) and index the tensors of ``desc`` (for a
     shardwise checkpoint with extension data: as ``rank`` reads it; every rank file's entries
-    are checked against its header)."""
+    are checked against its header). ``split_keep``: module name → the dim-0 range ``rank``
+    keeps of that module's tensors an extension stores split over the rank files
+    (:meth:`~.extensions.CheckpointExtension.split_tensors`: its experts); a module not named
+    keeps all of them. Such a key is indexed as this rank's part: its shape has the kept
+    length along dim 0, its pieces from the files holding them."""
     if desc.kind == "shardwise":
-        return _shardwise_index(desc, rank)
+        return _shardwise_index(desc, rank, split_keep or {})
     index = CheckpointIndex({}, {}, {}, {})
     bins = [f for f in desc.files if f.suffix == ".bin"]
     if bins:
@@ -246,12 +251,13 @@ def _file_infos(path: Path, index: CheckpointIndex) -> dict[str, TensorInfo]:
             if isinstance(v, torch.Tensor)}
 
 
-def _shardwise_index(desc: Description, rank: int = 0) -> CheckpointIndex:
+def _shardwise_index(desc: Description, rank: int = 0,
+                     split_keep: Mapping[str, Range] | None = None) -> CheckpointIndex:
     headers = [safetensors_header(f) for f in desc.files]
     _check_rank_files(desc, headers)
     index = CheckpointIndex({}, {}, {}, {})
     if desc.extensions:
-        _index_extensions(desc, headers, rank, index)
+        _index_extensions(desc, headers, rank, index, split_keep or {})
     rank0 = headers[0][0]
     for name, info in rank0.items():
         if name not in desc.shards and name not in index.per_rank:
@@ -300,33 +306,67 @@ def _check_rank_files(desc: Description, headers: list) -> None:
                                       f"{info.dtype} {list(info.shape)}")
 
 
-def _index_extensions(desc: Description, headers: list, rank: int,
-                      index: CheckpointIndex) -> None:
+def _index_extensions(desc: Description, headers: list, rank: int, index: CheckpointIndex,
+                      split_keep: Mapping[str, Range]) -> None:
     """Check every rank file's extension entries (each by its extension, against the
     description's entry) and the tensors they name against the file's header, then index
-    ``rank``'s own tensors from its own file (whole: never merged or split)."""
-    if not 0 <= rank < len(headers):
-        raise CheckpointError(f"{desc.source} carries {', '.join(sorted(desc.extensions))} "
-                              f"data saved at tp_size={desc.tp_size}; rank {rank} has no file "
-                              f"in it: load it at tp_size={desc.tp_size}")
+    ``rank``'s tensors: those the extension stores split over the files (its
+    ``split_tensors``) as ``split_keep`` says this rank keeps them, from every file holding a
+    part; the others from ``rank``'s own file (whole: never merged or split)."""
     for name, entry in desc.extensions.items():
         ext = extension(name, desc.source)
-        for r, (path, (tensors, meta)) in enumerate(zip(desc.files, headers)):
+        entries, wanted = [], []
+        for path, (tensors, meta) in zip(desc.files, headers):
             where = f"rank file {path}"
             rank_entry = _rank_entries(meta, where).get(name)
             if rank_entry is None:
                 raise CheckpointError(f"{where} has no {name!r} entry in its metadata although "
                                       f"the description names that extension; the rank files "
                                       f"do not belong to it: re-save the checkpoint")
-            wanted = ext.rank_tensors(entry, rank_entry, where)
-            _check_stored(tensors, wanted, where, name)
-            if r == rank:
-                index.extensions[name] = rank_entry
-                for key in wanted:
-                    info = tensors[key]
-                    index.pieces[key] = [Piece(info, owner=rank)]
-                    index.shapes[key], index.dtypes[key] = info.shape, info.dtype
-                    index.per_rank.add(key)
+            wanted.append(ext.rank_tensors(entry, rank_entry, where))
+            _check_stored(tensors, wanted[-1], where, name)
+            entries.append(rank_entry)
+        split = ext.split_tensors(entry, entries)
+        own = rank
+        if not 0 <= rank < len(headers):
+            if len(headers) > 1 and set(wanted[0]) - set(split):
+                raise CheckpointError(
+                    f"{desc.source} carries {name} data saved at tp_size={desc.tp_size}; rank "
+                    f"{rank} has no file in it: load it at tp_size={desc.tp_size}")
+            own = 0  # one file (saved unsplit: whole), or every tensor split over the files
+        index.extensions[name] = entries[own]
+        for key in wanted[own]:
+            if key in split:
+                _index_split(key, split[key], headers, split_keep, index)
+            else:
+                info = headers[own][0][key]
+                index.pieces[key] = [Piece(info, owner=own)]
+                index.shapes[key], index.dtypes[key] = info.shape, info.dtype
+            index.per_rank.add(key)
+
+
+def _index_split(key: str, split: tuple[int, list], headers: list,
+                 split_keep: Mapping[str, Range], index: CheckpointIndex) -> None:
+    """Index what this rank keeps of ``key``, stored as dim-0 parts ``split`` = (size,
+    [(file, (start, stop)), ...]): the kept range ``[a, b)`` (its module's in ``split_keep``,
+    else all) becomes indices ``[0, b - a)`` of the indexed key, each from the file holding it."""
+    size, parts = split
+    a, b = split_keep.get(key.rpartition(".")[0], (0, size))
+    pieces = []
+    for file, (start, stop) in parts:
+        lo, hi = max(a, start), min(b, stop)
+        if lo < hi:
+            info = headers[file][0][key]
+            pieces.append(Piece(info, 0, lo - a, hi - a, lo - start, file))
+    covered = sum(p.stop - p.start for p in pieces)
+    if not 0 <= a <= b <= size or covered != b - a:
+        raise CheckpointError(f"{key!r}: this rank keeps [{a}, {b}) of dim 0, but the rank files "
+                              f"hold {[list(r) for _, r in parts]} of {size}; the checkpoint "
+                              f"and the split do not belong together")
+    first = pieces[0].info if pieces else headers[parts[0][0]][0][key]
+    index.pieces[key] = pieces or [Piece(first, 0, 0, 0, 0, parts[0][0])]
+    index.shapes[key] = (b - a, *first.shape[1:])
+    index.dtypes[key] = first.dtype
 
 
 def _rank_entries(meta: dict[str, str], where: str) -> dict:
