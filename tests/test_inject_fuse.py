@@ -51,6 +51,13 @@ def _storage(t: torch.Tensor) -> int:
     return t.untyped_storage().data_ptr()
 
 
+def _held_bytes(model: nn.Module) -> int:
+    """Bytes of the distinct storages the model's parameters and buffers hold."""
+    storages = {_storage(t): t.untyped_storage().nbytes()
+                for t in [*model.parameters(), *model.buffers()] if not t.is_meta}
+    return sum(storages.values())
+
+
 @pytest.mark.parametrize("arch", list(SEPARATE))
 def test_fused_fp32_matches_unfused(arch, monkeypatch):
     model, fused = _engine(arch, True, monkeypatch)
@@ -97,10 +104,12 @@ def test_state_dict_is_unchanged_and_close_gives_the_weights_back(arch, monkeypa
     model = with_random_biases(tiny_causal_lm(arch))
     before = {k: v.clone() for k, v in model.state_dict().items()}
     params = dict(model.named_parameters())
+    held = _held_bytes(model)
     monkeypatch.setenv(FUSE_ENV, "1")
     engine = shardwise.init_inference(model, device="cpu", dtype=torch.float32,
                                       replace_with_kernel_inject=True)
     attn = model.model.layers[0].self_attn
+    assert _held_bytes(model) == held  # one copy of the weights: the fused tensors are them
     # one storage: the parts are views of the fused tensors
     assert _storage(attn.q_proj.weight) == _storage(attn.k_proj.weight) == _storage(
         attn.v_proj.weight)
