@@ -266,11 +266,16 @@ def test_one_token_decode_path_matches_the_reference(route, dtype):
     x, gate_up, down, _, weights = moe_inputs(1, 64, 32, 8, 2, dtype, remote=True)
     experts = torch.tensor([route])
     args = (x, gate_up, down, experts, weights)
-    assert_moe_matches(cpu_moe.token_mlp(*args), ref.moe_grouped_mlp(*args), dtype)
-    if route == [4, 4]:
-        assert torch.equal(cpu_moe.token_mlp(*args), torch.zeros_like(x))
     kw = dict(gate_up_bias=_x(4, 64, 8).to(dtype), down_bias=_x(4, 64, 9).to(dtype), clamp=0.5)
-    assert_moe_matches(cpu_moe.token_mlp(*args, **kw), ref.moe_grouped_mlp(*args, **kw), dtype)
+    # token_mlp, the sentinel-skipping slots, and the path picking one of them by the routing
+    for path in (cpu_moe.token_mlp, cpu_moe.sentinel_token_mlp, cpu_moe.one_token_mlp):
+        assert_moe_matches(path(*args), ref.moe_grouped_mlp(*args), dtype)
+        if route == [4, 4]:
+            assert torch.equal(path(*args), torch.zeros_like(x)), path.__name__
+        assert_moe_matches(path(*args, **kw), ref.moe_grouped_mlp(*args, **kw), dtype)
+        one_bias = dict(down_bias=kw["down_bias"])  # either bias alone
+        assert_moe_matches(path(*args, **one_bias), ref.moe_grouped_mlp(*args, **one_bias),
+                           dtype)
 
 
 def test_compiled_decode_traces_whole_into_the_streamed_path():
@@ -296,6 +301,9 @@ def test_compiled_decode_traces_whole_into_the_streamed_path():
     def sorts(gm):
         return sum("argsort" in str(node.target) for node in gm.graph.nodes)
 
+    def conds(gm):
+        return sum("cond" in str(node.target) for node in gm.graph.nodes)
+
     compiled = torch.compile(call, backend=keep, fullgraph=True, dynamic=False)
     many = cpu_moe.STREAMED_SLOTS_PER_EXPERT * 4 // 2 + 1  # tokens: 4 local experts, top-2
     for tokens, dtype, gemms in ((3, torch.float32, 0), (1, torch.bfloat16, 0),
@@ -304,6 +312,8 @@ def test_compiled_decode_traces_whole_into_the_streamed_path():
         assert_moe_matches(compiled(*args), ref.moe_grouped_mlp(*args), dtype)
         assert grouped_gemms(graphs[-1]) == gemms, (tokens, dtype)
         assert (sorts(graphs[-1]) == 0) == (tokens == 1), (tokens, dtype)  # 1 token: token_mlp
+        # 1 token: the branch between token_mlp and the sentinel-skipping slots is in the graph
+        assert (conds(graphs[-1]) > 0) == (tokens == 1), (tokens, dtype)
     assert len(graphs) == 4
 
 
@@ -327,6 +337,32 @@ def test_cpu_graph_strategy_compiles_the_decode_path():
         want = ref.moe_grouped_mlp(x, gate_up, down, new, weights, gate_up_bias=bias[0],
                                    down_bias=bias[1], clamp=0.5)
         assert_moe_matches(graph(x, new, weights), want, torch.bfloat16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_cpu_graph_strategy_captures_one_token_with_the_sentinel(dtype):
+    """Batch-1 decode on a rank holding 4 of 8 experts, captured once by the CPU graph strategy
+    (inductor, C++, the torch.cond branches inside), replayed with every kind of routing: both
+    slots here (token_mlp), one here, none here (the sentinel slots skipped), with and without
+    GPT-OSS's biases: the reference's output each time."""
+    from shardwise.accelerators.cpu_graphs import CpuCompileStrategy
+    from shardwise.kernels.cpu import moe as cpu_moe
+
+    x, gate_up, down, experts, weights = moe_inputs(1, 64, 32, 8, 2, dtype, remote=True)
+    biased = dict(gate_up_bias=_x(4, 64, 8).to(dtype), down_bias=_x(4, 64, 9).to(dtype),
+                  clamp=0.5)
+    for kw in ({}, biased):
+        def step(x, experts, weights):
+            return cpu_moe.moe_grouped_mlp(x, gate_up, down, experts, weights, **kw)
+
+        graph = CpuCompileStrategy().capture(step, x, torch.tensor([[1, 3]]), weights)
+        for route in ([1, 3], [4, 2], [0, 4], [4, 4], [3, 0]):
+            new = torch.tensor([route])
+            want = ref.moe_grouped_mlp(x, gate_up, down, new, weights, **kw)
+            got = graph(x, new, weights)
+            assert_moe_matches(got, want, dtype)
+            if route == [4, 4]:
+                assert torch.equal(got, torch.zeros_like(x))
 
 
 def test_cpu_grouped_mlp_refuses_what_the_reference_refuses():
