@@ -772,8 +772,10 @@ def settings_for_checkpoint(desc: Any, asked: Mapping | None, tp_size: int,
                             ep_size: int | None = None) -> Mapping | None:
     """The ``quant=`` settings to run with when loading the checkpoint ``desc`` (a
     :class:`~shardwise.checkpoint.Description`): ``asked`` for a full-precision one; for a
-    quantized one its saved settings (:func:`adopt_saved_quant`), after refusing another split.
-    Reads no file.
+    quantized one its saved settings (:func:`adopt_saved_quant`), after refusing another split
+    (one holding quantized experts reshards where the loader reads split tensors,
+    :func:`_experts_reshard`: only its dense layers' split is checked, by the loader). Reads no
+    file.
 
     The split is the ranks the model is split over, ``max(tp_size, ep_size)``; with
     ``ep_size`` None (not known to the caller) a checkpoint holding quantized experts, whose
@@ -782,8 +784,9 @@ def settings_for_checkpoint(desc: Any, asked: Mapping | None, tp_size: int,
     entry = desc.extensions.get(EXTENSION)
     if entry is None:
         return asked
-    if not _experts_reshard(entry):
-        _check_tp(desc.source, desc.tp_size, max(tp_size, ep_size or 1))
+    experts = bool(isinstance(entry, Mapping) and entry.get("experts"))
+    if not _experts_reshard(entry) and (ep_size is not None or not experts):
+        _check_tp(desc.source, desc.tp_size, max(tp_size, ep_size or 1), experts)
     return adopt_saved_quant(entry, asked, desc.source)
 
 
