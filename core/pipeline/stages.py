@@ -7,7 +7,9 @@ step reads them whole). The input embedding is held by the first stage but reads
 looked-up rows, so it weighs nothing in the cut (counting its bytes, as an earlier version did,
 gave GPT-2's first stage 6 layers of 12 against a compute-balanced 9: its stage 1 then did 1.8x
 stage 0's work and the schedule's bubble was that imbalance). A user ``split`` (layers per
-stage) is taken as given once checked.
+stage) is taken as given once checked; :func:`measured_split` computes one from the measured
+seconds of a workload (a prefill-heavy ``generate`` balances otherwise than a decode step's
+bytes).
 """
 
 from __future__ import annotations
