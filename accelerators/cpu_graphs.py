@@ -127,6 +127,12 @@ class CpuCompileStrategy(GraphStrategy):
 
     name = "cpu_compile"
     accelerates = True
+    #: the compiled step calls the opaque custom ops it holds (inductor's extern calls) at
+    #: every replay, so an op may read host values from its tensor inputs at run time (a CUDA
+    #: graph replays the kernels recorded at capture instead): serving's mixed steps are
+    #: captured here, their prompt chunks attended by such an op
+    #: (:func:`shardwise.inject.slots.chunk_attention`)
+    replays_host_code = True
 
     def __init__(self, linear: str = "cpp", mode: str = "default", freezing: bool = False,
                  fullgraph: bool = True) -> None:

@@ -1,10 +1,12 @@
-"""Mixed steps (chunked prefill inside the decode batch) against alternating prefill calls and
-decode steps: the serve stack's scheduler alone (no HTTP, no client processes), the two modes
-interleaved on ONE stack in one process, so a loaded machine slows both alike.
+"""Mixed steps (chunked prefill inside the decode batch), captured per chunk bucket and eager,
+against alternating prefill calls and decode steps: the serve stack's scheduler alone (no HTTP,
+no client processes), the modes interleaved on ONE stack in one process, so a loaded machine
+slows them alike.
 
     python benchmarks/serve_mixed.py                        # default model, 8 streams, 3 rounds
     python benchmarks/serve_mixed.py --streams 8 --rounds 5 --requests-per-stream 4
     python benchmarks/serve_mixed.py --long 400             # + a 400-token prompt per stream
+    python benchmarks/serve_mixed.py --steps --rounds 15    # the runner's step times alone
 
 The load is ``benchmarks/serve_load.py``'s at one concurrency: ``--streams`` streams each submit
 ``--requests-per-stream`` greedy requests one after the other (``--max-tokens`` new tokens each),
@@ -15,7 +17,11 @@ p50, p99 and p99/p50), time to first token p50/p99 and the decode tokens/s (toke
 request's first over the round's wall time). Prints the medians over rounds of each mode, with
 the load average; ``--output`` writes every round and the medians as JSON. The stack is the server's own
 (:func:`shardwise.serve.server.build_stack`: kernel injection, graphs, the preferred dtype); the
-mode is the scheduler's ``mixed`` attribute, switched between rounds while it is idle.
+mode is switched between rounds while the scheduler is idle: ``alternating`` (the scheduler's
+``mixed`` off), ``mixed-eager`` (mixed steps with the runner's chunk buckets emptied: every
+mixed step eager, chunks cut by the stall allowance alone) and ``mixed`` (the captured step of
+each chunk bucket, as served). Each round also reports the mixed steps it ran captured and
+eager, and the graph strategy's compilations during the round (0: nothing recompiled).
 """
 
 from __future__ import annotations
@@ -33,7 +39,8 @@ from serve_load import PROMPT_LENGTHS  # the same prompts as the HTTP load (this
 
 from shardwise.bench.stats import median, percentile
 
-MODES = {"alternating": False, "mixed": True}
+#: mode → (the scheduler's ``mixed``, mixed steps captured)
+MODES = {"alternating": (False, False), "mixed-eager": (True, False), "mixed": (True, True)}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -48,6 +55,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--max-context", type=int, default=512, help="tokens a slot holds")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     parser.add_argument("--output", help="JSON file for every round's figures and the medians")
+    parser.add_argument("--steps", action="store_true",
+                        help="time the runner's steps alone instead of the load: a decode step "
+                             "of streams - 1 slots, and a mixed step of the same slots with a "
+                             "chunk of each bucket's size, eager and captured, interleaved "
+                             "--rounds times; medians and p90 in ms")
     args = parser.parse_args(argv)
     for name in ("streams", "requests_per_stream", "max_tokens", "rounds"):
         if getattr(args, name) < 1:
@@ -98,6 +110,42 @@ async def one_round(scheduler, args, seed: int) -> dict[str, float]:
             "decode_tok_s": decoded[0] / wall}
 
 
+def step_times(runner, args) -> dict[str, dict[str, float]]:
+    """``--steps``: slots 0 .. streams - 2 hold the load's prompts and decode; each round
+    times one decode step of them, then for each chunk bucket one mixed step of them with a
+    chunk of that many prompt tokens into the last slot (released after), eager and captured.
+    Returns kind → {"p50_ms", "p90_ms"}."""
+    buckets, chunks = runner.mixed_buckets, runner.mixed_chunks
+    if not buckets:
+        raise SystemExit(f"mixed steps are not captured here: {runner.mixed_eager_reason}")
+    decoding = list(range(args.streams - 1))
+    chunk_slot = args.streams - 1
+    tokens = []
+    for slot in decoding:
+        prompt = [1000 + slot] * PROMPT_LENGTHS[slot % len(PROMPT_LENGTHS)]
+        tokens.append(int(runner.prefill(slot, prompt, last=True).argmax()))
+    times: dict[str, list[float]] = {}
+
+    def timed(kind: str, call) -> None:
+        began = time.perf_counter()
+        call()
+        times.setdefault(kind, []).append(1e3 * (time.perf_counter() - began))
+
+    for _ in range(args.rounds):
+        timed("decode", lambda: runner.decode(decoding, tokens))
+        for bucket in buckets:
+            for captured in (False, True):
+                runner.mixed_buckets, runner.mixed_chunks = \
+                    (buckets, chunks) if captured else ((), None)
+                chunk = [(chunk_slot, [1500] * bucket, True)]
+                timed(f"mixed {bucket} {'captured' if captured else 'eager'}",
+                      lambda: runner.mixed(decoding, tokens, chunk))
+                runner.release(chunk_slot)
+    runner.mixed_buckets, runner.mixed_chunks = buckets, chunks
+    return {kind: {"p50_ms": percentile(v, 50), "p90_ms": percentile(v, 90)}
+            for kind, v in times.items()}
+
+
 def main(argv=None) -> None:
     import shardwise
     from shardwise.bench.runner import quiet_loader_bars
@@ -112,34 +160,63 @@ def main(argv=None) -> None:
         model, tokenizer = load_model(default_model_path(), dtype)
     model.to(dtype=dtype)
     stack = build_stack(model, tokenizer, max_batch=args.streams, max_tokens=args.max_context,
-                        max_waiting=4 * args.streams, start=True,
+                        max_waiting=4 * args.streams, start=not args.steps,
                         replace_with_kernel_inject=True, enable_graph=True, dtype=dtype)
     scheduler = stack.scheduler
+    if args.steps:
+        load = os.getloadavg()[0]
+        rows = step_times(stack.runner, args)
+        print(f"{args.streams - 1} decoding slots, threads {torch.get_num_threads()}, {dtype}, "
+              f"load {load:.1f}-{os.getloadavg()[0]:.1f}; step times over {args.rounds} rounds:")
+        for kind, row in rows.items():
+            print(f"  {kind:<22} p50 {row['p50_ms']:8.2f} ms   p90 {row['p90_ms']:8.2f} ms")
+        if args.output:
+            with open(args.output, "w") as f:
+                json.dump({"command": " ".join(sys.argv), "threads": torch.get_num_threads(),
+                           "dtype": str(dtype), "steps": rows}, f, indent=1)
+        return
     if not scheduler.mixed:
         raise SystemExit(f"this runner has no mixed steps: {stack.runner.mixed_unsupported}")
+    runner = stack.runner
+    buckets, chunks = runner.mixed_buckets, runner.mixed_chunks
+    if not buckets:
+        print(f"note: mixed steps are not captured here ({runner.mixed_eager_reason}): "
+              f"'mixed' runs them eagerly too")
+
+    def switch(mode: str) -> None:
+        scheduler.mixed, captured = MODES[mode]
+        runner.mixed_buckets, runner.mixed_chunks = (buckets, chunks) if captured else ((), None)
+
+    def timed(mode: str, seed: int) -> dict[str, float]:
+        switch(mode)
+        steps = dict(runner.mixed_steps)
+        compiles = getattr(runner.strategy, "compiles", 0)
+        row = asyncio.run(one_round(scheduler, args, seed=seed))
+        row.update({f"{k}_steps": runner.mixed_steps[k] - steps[k] for k in steps})
+        row["compiles"] = getattr(runner.strategy, "compiles", 0) - compiles
+        return row
+
     results: dict[str, list[dict[str, float]]] = {mode: [] for mode in MODES}
     loads = []
     try:
-        for mode, on in MODES.items():  # warm-up round of each mode (untimed)
-            scheduler.mixed = on
-            asyncio.run(one_round(scheduler, args, seed=0))
+        for mode in MODES:  # warm-up round of each mode (untimed)
+            timed(mode, seed=0)
         for r in range(args.rounds):
-            order = list(MODES.items()) if r % 2 == 0 else list(MODES.items())[::-1]
-            for mode, on in order:  # interleaved, alternating which goes first
-                scheduler.mixed = on
+            order = list(MODES) if r % 2 == 0 else list(MODES)[::-1]
+            for mode in order:  # interleaved, alternating which goes first
                 loads.append(os.getloadavg()[0])
-                results[mode].append(asyncio.run(one_round(scheduler, args, seed=1 + r)))
+                results[mode].append(timed(mode, seed=1 + r))
     finally:
         scheduler.stop(drain_s=1.0)
     print(f"{args.streams} streams x {args.requests_per_stream} requests x {args.max_tokens} "
           f"tokens, long prompt {args.long or 'none'}, threads {torch.get_num_threads()}, "
           f"{dtype}, load {min(loads):.1f}-{max(loads):.1f}; medians over {args.rounds} rounds:")
     keys = list(results["mixed"][0])
-    print(f"  {'mode':<12}" + "".join(f"{k:>18}" for k in keys))
+    print(f"  {'mode':<12}" + "".join(f"{k:>17}" for k in keys))
     medians = {mode: {k: median([r[k] for r in rounds]) for k in keys}
                for mode, rounds in results.items()}
     for mode, row in medians.items():
-        print(f"  {mode:<12}" + "".join(f"{row[k]:>18.2f}" for k in keys))
+        print(f"  {mode:<12}" + "".join(f"{row[k]:>17.2f}" for k in keys))
     if args.output:
         with open(args.output, "w") as f:
             json.dump({"command": " ".join(sys.argv), "threads": torch.get_num_threads(),

@@ -8,8 +8,9 @@ prefilled in chunks through mixed steps (the first chunk, a one-token chunk, two
 chunks in one step, the final chunk giving the prompt's first token in the same forward as the
 streams' tokens), then all decode to the end; every sequence's tokens equal HF ``generate`` of
 its prompt alone and the logits are within ``FP32_ATOL`` of HF's (teacher forced). With graphs
-(tests/graph_doubles.py) the decode-only steps replay the captured graphs and mixed steps
-capture nothing (they run eagerly).
+(tests/graph_doubles.py) the decode-only steps replay the captured graphs; mixed steps are
+captured per chunk bucket where the strategy replays host code (``replays_host_code``: the
+CPU's compiled steps, :class:`HostReplay` here), else they run eagerly, logged and counted.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 import shardwise
 from shardwise.errors import ConfigError
 from shardwise.inject.cache import MaxTokensError
+from shardwise.inject.slots import PACKED_CHUNKS
 from shardwise.serve.runner import SlotRunner
 from shardwise.serve.scheduler import MIN_PREFILL_CHUNK, Scheduler
 from shardwise.serve.types import GenRequest, SamplingParams, TokenEvent
@@ -36,6 +38,26 @@ def engines():
     get, made = engine_maker()
     yield get
     made.clear()
+
+
+class HostReplay(CountingReplay):
+    """CountingReplay (it replays by calling the captured function) that says so: its
+    captured steps run host code at every replay, so mixed steps are captured with it."""
+
+    replays_host_code = True
+
+
+def host_replay_engine(arch: str, max_tokens: int = 64):
+    from shardwise.accelerators.cpu import CpuAccelerator
+
+    original = CpuAccelerator.graph_strategy
+    CpuAccelerator.graph_strategy = lambda self: HostReplay()
+    try:
+        return shardwise.init_inference(tiny_causal_lm(arch), device="cpu",
+                                        replace_with_kernel_inject=True, enable_graph=True,
+                                        max_tokens=max_tokens)
+    finally:
+        CpuAccelerator.graph_strategy = original
 
 
 def mixed(runner: SlotRunner, running: list[Seq], chunks: list[tuple[Seq, int]]) -> list[Seq]:
@@ -94,11 +116,123 @@ def test_mixed_steps_give_each_sequence_its_greedy_hf_tokens(engines, arch, grap
         worst = check_against_hf(ref, seqs)
         print(f"{arch} {'graphs' if graphs else 'eager'} mixed: max |logit diff| {worst:.2e}")
         assert all(runner.length(slot) == 0 for slot in range(5))
-        if graphs:
+        if graphs:  # CountingReplay does not say it replays host code: mixed steps eager
             assert CountingReplay.captures == captured  # mixed steps captured nothing
             assert replays() > replayed  # the decode-only steps replayed captured graphs
+            assert runner.mixed_steps == {"captured": 0, "eager": 4}
+            assert "replays what it recorded" in runner.mixed_eager_reason
     finally:
         runner.close()
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_captured_mixed_steps_give_each_sequence_its_greedy_hf_tokens(arch):
+    """Every mixed step of the scenario runs the captured step of its chunk bucket (8 or 16
+    tokens, padded), captured by warmup and never again; tokens equal HF's, logits within
+    FP32_ATOL."""
+    engine = host_replay_engine(arch)
+    runner = SlotRunner(engine, max_batch=5, max_tokens=40, mixed_buckets=(8, 16))
+    try:
+        assert runner.mixed_buckets == (8, 16) and runner.mixed_eager_reason is None
+        assert runner.mixed_chunks == PACKED_CHUNKS
+        runner.warmup()
+        keys = set(runner.stack.graphs.graphs)
+        assert {k for k in keys if isinstance(k, tuple) and k[0] == "slots-mixed"} == {
+            runner.cache.packed_key(runner.cache.rows, b) for b in (8, 16)}
+        captured = HostReplay.captures
+        seqs = mixed_scenario(runner)
+        worst = check_against_hf(tiny_causal_lm(arch), seqs)
+        print(f"{arch} captured mixed: max |logit diff| {worst:.2e}")
+        assert runner.mixed_steps == {"captured": 4, "eager": 0}
+        assert HostReplay.captures == captured and set(runner.stack.graphs.graphs) == keys
+    finally:
+        runner.close()
+    assert not any(isinstance(k, tuple) and k[0] == "slots-mixed"
+                   for k in runner.stack.graphs.graphs)  # close dropped them
+
+
+def test_compiled_mixed_steps_on_cpu_compile_once_per_bucket_and_match_hf():
+    """The CPU's real graph strategy (inductor): warmup compiles one step per decode bucket
+    and per chunk bucket, the scenario (mixed steps of every bucket, decode steps) compiles
+    nothing more, and every sequence gets HF's greedy tokens."""
+    engine = shardwise.init_inference(tiny_causal_lm("llama"), device="cpu",
+                                      replace_with_kernel_inject=True, enable_graph=True,
+                                      max_tokens=64, dtype=torch.float32)
+    strategy = engine.module.base_model.graphs.strategy
+    assert strategy.replays_host_code
+    runner = SlotRunner(engine, max_batch=5, max_tokens=40, mixed_buckets=(8, 16))
+    try:
+        before = strategy.compiles + strategy.loaded
+        runner.warmup()
+        # one step per decode bucket over the slot cache (its own buffers), one per chunk bucket
+        assert strategy.compiles + strategy.loaded - before == len(runner.buckets()) + 2
+        compiled = strategy.compiles
+        check_against_hf(tiny_causal_lm("llama"), mixed_scenario(runner))
+        assert runner.mixed_steps == {"captured": 4, "eager": 0}
+        assert strategy.compiles == compiled  # no recompile while serving
+    finally:
+        runner.close()
+
+
+def test_captured_mixed_step_padding_writes_no_real_cache_position():
+    """A captured mixed step whose chunk (3 tokens) is padded to its bucket (8), over a cache
+    of 4 rows with two idle rows: it writes exactly the decode tokens' and the chunk's
+    positions and scratch positions; every other position of every row — the slots' cached
+    tokens and everything past them — keeps its bytes."""
+    engine = host_replay_engine("llama")
+    runner = SlotRunner(engine, max_batch=4, max_tokens=16, mixed_buckets=(8,))
+    try:
+        runner.warmup()
+        for t in runner.cache.buffers.tensors:
+            t.copy_(torch.randn_like(t))  # every position holds its own bytes
+        first = runner.prefill(0, [3, 4, 5], last=True)
+        runner.prefill(2, [6, 7], last=False)
+        before = [t.clone() for t in runner.cache.buffers.tensors]
+        logits, firsts = runner.mixed([0], [int(first.argmax())], [(2, [8, 9, 10], True)])
+        assert runner.mixed_steps["captured"] == 1 and logits.shape[0] == 1
+        assert firsts[0] is not None and torch.isfinite(firsts[0]).all()
+        written = {(0, 3), (2, 2), (2, 3), (2, 4)}  # (row, position)
+        scratch = runner.cache.scratch
+        for old, new in zip(before, runner.cache.buffers.tensors):
+            changed = (old != new).any(dim=(1, 3))  # [rows, positions]
+            for row, pos in changed.nonzero().tolist():
+                assert (row, pos) in written or pos == scratch, (row, pos)
+            for row, pos in written:
+                assert changed[row, pos]
+        assert [runner.length(s) for s in range(4)] == [4, 0, 5, 0]
+    finally:
+        runner.close()
+
+
+def test_mixed_steps_the_strategy_cannot_capture_run_eagerly_logged_and_counted(caplog):
+    """A strategy that does not replay host code (CountingReplay: as a CUDA graph, for the
+    runner) keeps mixed steps eager: the runner says why once and counts them."""
+    from shardwise.accelerators.cpu import CpuAccelerator
+
+    original = CpuAccelerator.graph_strategy
+    CpuAccelerator.graph_strategy = lambda self: CountingReplay()
+    try:
+        engine = shardwise.init_inference(tiny_causal_lm("llama"), device="cpu",
+                                          replace_with_kernel_inject=True, enable_graph=True,
+                                          max_tokens=64)
+    finally:
+        CpuAccelerator.graph_strategy = original
+    with caplog.at_level("WARNING", logger="shardwise.serve.runner"):
+        runner = SlotRunner(engine, max_batch=3, max_tokens=16)
+    try:
+        assert runner.mixed_buckets == () and runner.mixed_chunks is None
+        assert "mixed steps run eagerly" in caplog.text and "replay_on_cpu" in caplog.text
+        first = runner.prefill(0, [3, 4, 5], last=True)
+        runner.mixed([0], [int(first.argmax())], [(1, [6, 7], True)])
+        assert runner.mixed_steps == {"captured": 0, "eager": 1}
+    finally:
+        runner.close()
+
+
+def test_bad_mixed_buckets_are_refused():
+    _, engine = engine_maker()[0]("llama", False)
+    with pytest.raises(ConfigError, match="mixed_buckets must be ints >= 1"):
+        SlotRunner(engine, max_batch=2, max_tokens=8, mixed_buckets=(8, 0))
 
 
 def test_bad_mixed_calls_are_refused_before_any_work(engines):
@@ -224,6 +358,50 @@ def test_scheduler_falls_back_to_alternating_steps_and_says_why(engines, caplog)
         scheduler = Scheduler(recording)
     assert not scheduler.mixed
     assert "switched off by the test" in caplog.text
+    scheduler.stop(0)
+
+
+def test_captured_steps_chunks_fill_a_bucket():
+    """With buckets the chunk tokens are the largest bucket within the budget (the smallest
+    where none is), in at most max_chunks chunks; fewer prompt tokens than that are all taken
+    (the runner pads them)."""
+    from shardwise.serve.scheduler import split_step_budget
+
+    buckets = (8, 16, 32, 64)
+    assert split_step_budget(64, 3, [100], buckets=buckets) == [32]  # 61 would spill into 64
+    assert split_step_budget(67, 3, [100], buckets=buckets) == [64]
+    assert split_step_budget(500, 3, [100], buckets=buckets) == [64]  # the largest bucket
+    assert split_step_budget(10, 3, [100], buckets=buckets) == [8]  # MIN_PREFILL_CHUNK
+    assert split_step_budget(40, 3, [20, 100], buckets=buckets) == [20, 12]
+    assert split_step_budget(40, 3, [5, 6], buckets=buckets) == [5, 6]  # padded to 16
+    assert split_step_budget(40, 3, [2, 2, 2, 2], buckets=buckets, max_chunks=2) == [2, 2]
+
+
+def test_scheduler_cuts_chunks_to_the_runner_buckets():
+    """Over a runner with captured mixed steps, every mixed step's chunk tokens are a bucket,
+    or all the prompt had left; none runs eagerly; every request gets HF's greedy tokens."""
+    ref = tiny_causal_lm("llama")
+    runner = SlotRunner(host_replay_engine("llama"), max_batch=4, max_tokens=64,
+                        mixed_buckets=(8, 16))
+    runner.warmup()
+    recording = Recording(runner)
+    scheduler = Scheduler(recording, prefill_budget=15, prefill_stall=None)
+    prompts = [prompt_ids(1, n, seed=50 + n)[0].tolist() for n in (5, 6, 4, 37)]
+    handles = [scheduler.submit(request(p, 10, f"s{i}"), None) for i, p in enumerate(prompts[:3])]
+    for _ in range(2):
+        scheduler.step()
+    handles.append(scheduler.submit(request(prompts[3], 4, "long"), None))
+    while scheduler.step():
+        pass
+    chunks = [c[2] for c in recording.calls if c[0] == "mixed"]
+    assert chunks == [8, 8, 8, 8, 5]  # 15 - 3 decode tokens: bucket 8; the rest, padded
+    assert runner.mixed_steps == {"captured": len(chunks), "eager": 0}
+    for prompt, handle, new in zip(prompts, handles, (10, 10, 10, 4)):
+        events = []
+        while not handle.queue.empty():
+            events.append(handle.queue.get_nowait())
+        got = [e.token_id for e in events if isinstance(e, TokenEvent)]
+        assert got == hf_greedy(ref, prompt, new)
     scheduler.stop(0)
 
 

@@ -170,7 +170,7 @@ def _follower_dies(rank: int) -> dict:
         receive, seen = runner_mod._receive, []
 
         def receive_then_die(engine, n=None):
-            if len(seen) == 3:  # init, the prefill's header and payload
+            if len(seen) == 4:  # init and its payload (the mixed buckets), the prefill's two
                 os._exit(9)
             seen.append(n)
             return receive(engine, n)

@@ -20,8 +20,14 @@ sequence has the same length. A server's sequences join and leave at any step, s
   a :class:`SlotMixed` cache): the tokens are packed as one batch row, so the projections and
   MLPs run once over all of them, while attention is dispatched per part
   (:class:`~shardwise.inject.cache.MixedRows`): the decode tokens attend to their slots' cached
-  ranges, each chunk causally to its slot's cache and itself. Run eagerly (its token count
-  changes every step: nothing to capture); the decode-only steps keep their captured graphs.
+  ranges, each chunk causally to its slot's cache and itself. Eagerly, any size; or
+  **captured per chunk bucket** (:meth:`SlotKVCache.packed`, :class:`PackedRows`,
+  :func:`packed_step`): one token for each of the cache's rows, then the chunks padded to a
+  bucket of ``C`` tokens, so the shapes depend on the bucket only; keys and values are written
+  by indexed puts, the decode rows attend as in the captured decode step, and the chunks
+  through one op the graph strategy calls at every replay (:func:`chunk_attention`, which
+  reads the chunks' ranges on the host: a strategy whose captured code does so says
+  ``replays_host_code``). Padding tokens write only the scratch position.
 * **leave**: :meth:`SlotKVCache.release` sets the slot's length to 0; it is reusable at once
   (its old keys are overwritten before they are read again).
 
@@ -33,12 +39,14 @@ long as their :class:`SlotKVCache` and do not retire (nor are retired by) ``gene
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 
 from ..errors import ConfigError
-from .cache import RAISE_HINT, DecodeRows, KVBuffers, MaxTokensError, MixedRows, StaticKVCache
+from .cache import (RAISE_HINT, DecodeRows, KVBuffers, MaxTokensError, MixedRows, StaticKVCache,
+                    write_rows)
 
 
 class SlotRow(StaticKVCache):
@@ -65,20 +73,36 @@ class SlotRow(StaticKVCache):
         return self.length
 
 
-class SlotStep(StaticKVCache):
+class _SlotForward(StaticKVCache):
+    """What the caches of one forward over several slots share (:class:`SlotStep`,
+    :class:`SlotMixed`): views of the slot store's buffers that are never retired, with no one
+    length (each slot has its own; the slot store counts them). ``longest``: the most tokens a
+    slot of the forward holds before it."""
+
+    def __init__(self, buffers: KVBuffers, longest: int) -> None:
+        super().__init__(buffers, None, -1)
+        self.longest = longest
+        self.length = -1  # no one length: each slot has its own
+
+    def check_live(self) -> None:
+        """Slot caches are never retired."""
+
+    def advance(self, n_new: int) -> None:
+        """The slot store counts each slot's tokens."""
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.longest
+
+
+class SlotStep(_SlotForward):
     """The cache of one decode step over the first ``bucket`` rows of a :class:`SlotKVCache`:
-    its one-token forward uses the per-row inputs ``rows`` (each row at its own position);
-    ``longest``: the most tokens an active row holds before the step."""
+    its one-token forward uses the per-row inputs ``rows`` (each row at its own position)."""
 
     ragged = True
 
     def __init__(self, buffers: KVBuffers, rows: DecodeRows, key: object, longest: int) -> None:
-        super().__init__(buffers, None, -1)
-        self.rows, self._key, self.longest = rows, key, longest
-        self.length = -1  # no one length: each row has its own
-
-    def check_live(self) -> None:
-        """Slot caches are never retired."""
+        super().__init__(buffers, longest)
+        self.rows, self._key = rows, key
 
     @property
     def graph_key(self) -> object:
@@ -93,43 +117,168 @@ class SlotStep(StaticKVCache):
                                  f"{n_new}")
         return 0  # each row's position is in ``rows``; the slot store checked they fit
 
-    def advance(self, n_new: int) -> None:
-        """The slot store counts each slot's tokens."""
 
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        return self.longest
+class SlotMixed(_SlotForward):
+    """The cache of one mixed forward over a :class:`SlotKVCache`; the input is one batch row
+    of ``tokens`` tokens. Eager: :attr:`mixed` (:class:`~shardwise.inject.cache.MixedRows`)
+    says which packed token goes where. Captured (:meth:`SlotKVCache.packed`): ``replay``
+    runs the forward through the captured step of its token bucket (:class:`PackedStep`)."""
 
-
-class SlotMixed(StaticKVCache):
-    """The cache of one mixed forward over a :class:`SlotKVCache` (its :attr:`mixed` rows say
-    which packed token goes where); the input is one batch row of ``mixed.tokens`` tokens.
-    Run eagerly, never through a captured graph; the slot store counts each slot's tokens.
-    ``longest``: the most tokens a slot of the forward holds before it."""
-
-    def __init__(self, buffers: KVBuffers, mixed: MixedRows, longest: int) -> None:
-        super().__init__(buffers, None, -1)
-        self.mixed, self.longest = mixed, longest
+    def __init__(self, buffers: KVBuffers, mixed: MixedRows | None, longest: int,
+                 tokens: int, replay=None) -> None:
+        super().__init__(buffers, longest)
+        self.mixed, self.tokens = mixed, tokens
+        #: ``replay(stack, x)``: the captured forward of the embeddings x [1, tokens, hidden]
+        #: → the hidden states of its kept rows (None: eager)
+        self.replay = replay
         self.batch = 1  # the packed row
-        self.length = -1  # no one length: each part has its own
-
-    def check_live(self) -> None:
-        """Slot caches are never retired."""
 
     @property
     def graph_key(self) -> None:
-        return None
+        return None  # not a decode step: the stack's decode graphs never run it
 
     def reserve(self, n_new: int) -> int:
-        if n_new != self.mixed.tokens:
-            raise MaxTokensError(f"a mixed step packs {self.mixed.tokens} tokens, the input "
-                                 f"has {n_new}")
-        return 0  # each part's positions are in ``mixed``; the slot store checked they fit
+        if n_new != self.tokens:
+            raise MaxTokensError(f"a mixed step packs {self.tokens} tokens, the input has "
+                                 f"{n_new}")
+        return 0  # each part's positions are in the step's rows; the slot store checked them
 
-    def advance(self, n_new: int) -> None:
-        """The slot store counts each slot's tokens."""
 
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        return self.longest
+#: prompt chunks one captured mixed step carries at most (its head keeps one row for each)
+PACKED_CHUNKS = 4
+
+
+@dataclass
+class PackedRows:
+    """The static layout of one *captured* mixed step (:meth:`SlotKVCache.packed`): its
+    ``R + C`` tokens are one batch row — first one token for each of the cache's first
+    ``decode_rows`` (R) rows (a decoding slot's token, or for a row with none a token written
+    to the scratch position and attending only to it, as an idle row of a decode step), then
+    ``C`` prompt-chunk tokens (the chunk bucket: the chunks' tokens, then padding tokens
+    written to the scratch position of row 0, their results zero). The shapes depend on R and
+    C only, so one captured step serves every mix of slots and chunks of its bucket; where
+    each token goes is in the tensors, read at run time:
+
+    * ``position_ids`` [1, R + C]: each token's position in its own sequence (padding: 0);
+    * ``write_index``/``lengths``/``starts`` [R]: the decode rows, as :class:`DecodeRows`;
+    * ``chunk_rows``/``chunk_positions`` [C]: the row and position each chunk token is
+      written at;
+    * ``chunk_spans`` [PACKED_CHUNKS, 3]: ``(slot, past, n)`` of each chunk in packed order
+      (``n`` = 0: no chunk), read on the host by the chunk attention op
+      (:func:`chunk_attention`: each chunk attends causally to its slot's ``past`` cached
+      tokens and to itself, reading only that range).
+
+    The layers call :meth:`attend` for their attention (``StepContext.mixed``)."""
+
+    decode_rows: int
+    position_ids: torch.Tensor
+    write_index: torch.Tensor
+    lengths: torch.Tensor
+    starts: torch.Tensor
+    chunk_rows: torch.Tensor
+    chunk_positions: torch.Tensor
+    chunk_spans: torch.Tensor
+    _decode_ctx: object = None  # the decode rows' StepContext, made at the first layer
+
+    def attend(self, layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               ctx) -> torch.Tensor:
+        """``layer``'s attention in the captured step: q [1, q_heads, R + C, d], k and v
+        [1, kv_heads, R + C, d] → context [1, q_heads, R + C, d]. Every key and value is
+        written first (indexed puts: no host sync), then the decode rows attend as in the
+        captured decode step and the chunks through :func:`chunk_attention`."""
+        r = self.decode_rows
+        k_cache, v_cache = ctx.cache.k[layer.slot], ctx.cache.v[layer.slot]  # [rows, h, P, d]
+
+        def by_row(t: torch.Tensor) -> torch.Tensor:  # [1, h, R + C, d] → [R, h, 1, d]
+            return t[0, :, :r].transpose(0, 1)[:, :, None]
+
+        def chunk_part(t: torch.Tensor) -> torch.Tensor:  # [1, h, R + C, d] → [C, h, d]
+            return t[0, :, r:].transpose(0, 1)
+
+        write_rows(k_cache, self.write_index, by_row(k))  # rows 0 .. R - 1
+        write_rows(v_cache, self.write_index, by_row(v))
+        k_cache[self.chunk_rows, :, self.chunk_positions] = chunk_part(k)
+        v_cache[self.chunk_rows, :, self.chunk_positions] = chunk_part(v)
+        # q contiguous: the CPU decode op's fake kernel says its output is, and the real
+        # op's output follows q's layout (a strided q made the compiled step assert)
+        decoded = layer._captured_decode(by_row(q).contiguous(), k_cache[:r], v_cache[:r],
+                                         self._decode_context(ctx))  # [R, hq, 1, d]
+        kw = layer.attn_kw
+        chunks = torch.ops.shardwise.slot_chunk_attention(
+            q[:, :, r:], k_cache, v_cache, self.chunk_spans,
+            layer.kernels.backends["attention_prefill"], kw["scale"], kw.get("window"),
+            kw.get("alibi_slopes"), kw.get("sinks"))  # [1, hq, C, d]
+        return torch.cat([decoded[:, :, 0].transpose(0, 1)[None], chunks], dim=2)
+
+    def _decode_context(self, ctx):
+        """The graph-safe decode context of the first R rows (one per step: its masks are
+        built once and shared by the layers)."""
+        if self._decode_ctx is None:
+            from .layers import StepContext
+
+            self._decode_ctx = StepContext(ctx.cache, past=-1, decode=True, graph_safe=True,
+                                           write_index=self.write_index, lengths=self.lengths,
+                                           starts=self.starts)
+        return self._decode_ctx
+
+
+@torch.library.custom_op("shardwise::slot_chunk_attention", mutates_args=())
+def chunk_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    spans: torch.Tensor, backend: str, scale: float | None, window: int | None,
+                    alibi_slopes: torch.Tensor | None,
+                    sinks: torch.Tensor | None) -> torch.Tensor:
+    """The prompt chunks' attention of a captured mixed step, one op the graph strategy does
+    not trace into (so it reads the chunks from ``spans`` on the host at every replay): q
+    [1, q_heads, C, d] (the chunks' tokens in packed order, then padding), the layer's caches
+    [rows, kv_heads, positions, d] (the chunks already written), ``spans`` [n, 3] int64
+    ``(slot, past, n)`` per chunk (n = 0: none) → [1, q_heads, C, d]: each chunk through
+    ``backend``'s ``attention_prefill`` over its slot's first ``past + n`` positions, causal
+    (bottom-right), as an eager mixed step runs it; padding rows zero."""
+    from ..kernel_registry import registry
+
+    prefill = registry.implementations("attention_prefill")[backend]
+    kw = {"scale": scale}
+    for name, value in (("window", window), ("alibi_slopes", alibi_slopes), ("sinks", sinks)):
+        if value is not None:
+            kw[name] = value
+    out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
+    start = 0
+    for slot, past, n in spans.tolist():
+        if n == 0:
+            continue
+        seen = slice(0, past + n)
+        out[:, :, start:start + n] = prefill(q[:, :, start:start + n],
+                                             k_cache[slot:slot + 1, :, seen],
+                                             v_cache[slot:slot + 1, :, seen], causal=True, **kw)
+        start += n
+    return out
+
+
+@chunk_attention.register_fake
+def _(q, k_cache, v_cache, spans, backend, scale, window, alibi_slopes, sinks):
+    return q.new_empty(q.shape)
+
+
+def packed_step(stack, buffers: KVBuffers, decode_rows: int, head=None):
+    """The function a graph strategy captures for the mixed steps of one chunk bucket over
+    ``buffers`` (a :class:`SlotKVCache`'s): ``step(x, position_ids, write_index, lengths,
+    starts, chunk_rows, chunk_positions, chunk_spans, keep)`` — the token embeddings x
+    [1, R + C, hidden], the :class:`PackedRows` tensors and ``keep`` [R + PACKED_CHUNKS] —
+    → the final hidden states of the kept positions [1, R + PACKED_CHUNKS, hidden] and, with
+    ``head`` (the output head's own forward), their logits [1, R + PACKED_CHUNKS, vocab]."""
+    from .layers import StepContext
+
+    every_row = StaticKVCache(buffers, None, -1)
+
+    def mixed_step(x, position_ids, write_index, lengths, starts, chunk_rows, chunk_positions,
+                   chunk_spans, keep):
+        rows = PackedRows(decode_rows, position_ids, write_index, lengths, starts, chunk_rows,
+                          chunk_positions, chunk_spans)
+        ctx = StepContext(every_row, past=-1, decode=False, mixed=rows)
+        hidden = stack.run_layers(stack._embedded(ctx, x, position_ids), ctx)  # [1, T, hidden]
+        kept = hidden.index_select(1, keep)
+        return kept if head is None else (kept, head(kept))
+    return mixed_step
 
 
 class SlotKVCache:
@@ -254,7 +403,57 @@ class SlotKVCache:
                          chunks=tuple((slot, self.lengths[slot], n) for slot, n in chunks),
                          position_ids=as_tensor(positions)[None])
         longest = max(self.lengths[s] for s in [*slots, *(c for c, _ in chunks)])
-        return SlotMixed(self.buffers, rows, longest)
+        return SlotMixed(self.buffers, rows, longest, rows.tokens)
+
+    def packed(self, slots: Sequence[int], chunks: Sequence[tuple[int, int]], decode_rows: int,
+               chunk_bucket: int) -> tuple[PackedRows, list[int], int]:
+        """The inputs of one captured mixed step (:class:`PackedRows`) over the first
+        ``decode_rows`` rows (covering every one of ``slots``) and ``chunk_bucket`` chunk tokens
+        (at least the chunks' tokens; at most :data:`PACKED_CHUNKS` chunks), checked as
+        :meth:`mixed`; no ``slots`` and no ``chunks``: every row idle and only padding (a
+        warmup or capture step: it writes scratch positions only). Returns the rows, the
+        packed positions whose logits the step keeps — the ``decode_rows`` decode tokens, then
+        each chunk's final token (padding: 0), one list of ``decode_rows + PACKED_CHUNKS`` —
+        and the most tokens a slot of it holds."""
+        if slots or chunks:
+            self.check_mixed(slots, chunks)
+        chunk_tokens = sum(n for _, n in chunks)
+        if not max(slots, default=-1) < decode_rows <= self.rows or \
+                chunk_tokens > chunk_bucket or \
+                len(chunks) > PACKED_CHUNKS:
+            raise ValueError(f"a captured mixed step over {decode_rows} rows and {chunk_bucket} "
+                             f"chunk tokens (at most {PACKED_CHUNKS} chunks) cannot hold slots "
+                             f"{list(slots)} and chunks {list(chunks)}")
+        write, starts = [self.scratch] * decode_rows, [self.scratch] * decode_rows
+        positions = [0] * (decode_rows + chunk_bucket)
+        for slot in slots:
+            write[slot], starts[slot], positions[slot] = self.lengths[slot], 0, self.lengths[slot]
+        rows_of = [0] * chunk_bucket  # padding: row 0's scratch position
+        at = [self.scratch] * chunk_bucket
+        spans = [[0, 0, 0] for _ in range(PACKED_CHUNKS)]
+        keep = list(range(decode_rows)) + [0] * PACKED_CHUNKS
+        start = 0
+        for i, (slot, n) in enumerate(chunks):
+            past = self.lengths[slot]
+            rows_of[start:start + n] = [slot] * n
+            at[start:start + n] = range(past, past + n)
+            positions[decode_rows + start:decode_rows + start + n] = range(past, past + n)
+            spans[i] = [slot, past, n]
+            start += n
+            keep[decode_rows + i] = decode_rows + start - 1
+        as_tensor = lambda v: torch.tensor(v, dtype=torch.int64, device=self.device)  # noqa: E731
+        write_index = as_tensor(write)
+        rows = PackedRows(decode_rows, position_ids=as_tensor(positions)[None],
+                          write_index=write_index, lengths=write_index + 1,
+                          starts=as_tensor(starts), chunk_rows=as_tensor(rows_of),
+                          chunk_positions=as_tensor(at), chunk_spans=as_tensor(spans))
+        longest = max((self.lengths[s] for s in [*slots, *(c for c, _ in chunks)]), default=0)
+        return rows, keep, longest
+
+    def packed_key(self, decode_rows: int, chunk_bucket: int) -> tuple:
+        """The key of the mixed step captured over this cache's first ``decode_rows`` rows
+        and ``chunk_bucket`` chunk tokens."""
+        return ("slots-mixed", id(self), decode_rows, chunk_bucket)
 
     def graph_key(self, bucket: int) -> tuple:
         """The key of the decode step captured over this cache's first ``bucket`` rows."""

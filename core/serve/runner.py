@@ -9,8 +9,11 @@ one forward over the smallest batch bucket covering the highest active slot (wit
 capture: that bucket's captured step, captured by :meth:`SlotRunner.warmup` before serving and
 never again when sequences join or leave); a *mixed* step (:meth:`SlotRunner.mixed`) is one
 forward carrying a decode token of each running slot and prompt chunks of others, packed in
-one row (chunked prefill inside the decode batch: :mod:`shardwise.inject.slots`), run eagerly
-(its token count changes every step) while decode-only steps keep their captured graphs.
+one row (chunked prefill inside the decode batch: :mod:`shardwise.inject.slots`). With graphs
+whose strategy replays host code (the CPU's compiled steps) a mixed step runs the captured step
+of its chunk bucket (:attr:`SlotRunner.mixed_buckets`: the chunks padded up to one, the decode
+part over every row; each bucket captured by :meth:`SlotRunner.warmup`); otherwise eagerly, any
+size (the reason logged once, the steps counted in :attr:`SlotRunner.mixed_steps`).
 
 Tensor parallelism: every rank runs the same forwards. Rank 0's runner first sends each
 operation to the other ranks through ``engine.communicator.broadcast`` — one int64 header
@@ -26,7 +29,9 @@ next operation does not time out.
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
+import logging
 from typing import Any, Iterator, Sequence
 
 import torch
@@ -35,7 +40,16 @@ from ..errors import ConfigError, ShardwiseError
 from ..inject.cache import RAISE_HINT, StaticKVCache
 from ..inject.injector import injected_stack
 from ..inject.layers import InjectedModel
-from ..inject.slots import SlotKVCache
+from ..graphs import progress
+from ..inject.capture import DecodeGraphs
+from ..inject.slots import PACKED_CHUNKS, PackedRows, SlotKVCache, SlotMixed, packed_step
+
+log = logging.getLogger(__name__)
+
+#: the chunk-token buckets of captured mixed steps (``SlotRunner(mixed_buckets=)``): prompt
+#: chunks are cut to fill one (the scheduler), the rest of a prompt padded up to the smallest
+#: that holds it
+MIXED_BUCKETS = (8, 16, 32, 64)
 
 # operations rank 0 sends (header[0])
 INIT, PREFILL, DECODE, RELEASE, HEARTBEAT, WARMUP, CLOSE, MIXED = range(1, 9)
@@ -72,12 +86,15 @@ class SlotRunner:
         max_batch: slots (sequences running at once), ≥ 1.
         max_tokens: tokens one slot holds (prompt plus generated); default and maximum the
             engine's ``max_tokens``.
+        mixed_buckets: the chunk-token buckets of the captured mixed steps (with graphs whose
+            strategy can capture them; :attr:`mixed_buckets`), each captured by
+            :meth:`warmup`: more buckets pad less and take longer to warm up.
 
     Every method is called from one thread (the scheduler's). Logits are float32.
     """
 
     def __init__(self, engine: Any, max_batch: int, max_tokens: int | None = None, *,
-                 _follower: bool = False) -> None:
+                 mixed_buckets: Sequence[int] = MIXED_BUCKETS, _follower: bool = False) -> None:
         stack = decoder_stack(engine)
         if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
             raise ConfigError(f"max_batch must be an int >= 1, got {max_batch!r}")
@@ -101,20 +118,38 @@ class SlotRunner:
         text = config.get_text_config() if hasattr(config, "get_text_config") else config
         self.vocab_size = int(text.vocab_size)
         self.device = engine.device
+        mixed_buckets = _check_buckets(mixed_buckets)
         if self.tp and self.leader:
-            self._send(INIT, max_batch, max_tokens)
+            self._send(INIT, max_batch, max_tokens, len(mixed_buckets), payload=mixed_buckets)
         self.strategy = stack.graphs.strategy if stack.graphs is not None else None
         weight = stack.parts.final_norm.weight
         self.cache = SlotKVCache(stack, max_batch, self._bucket(max_batch), max_tokens,
                                  weight.dtype, weight.device)
         self._cache_kw = "cache" if "cache" in inspect.signature(
             engine.module.forward).parameters else "past_key_values"
-        self._keep_kw = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(
-            engine.module.forward).parameters else {}
+        #: the HF forward takes ``logits_to_keep`` (the head runs on the kept positions only)
+        self._takes_keep = "logits_to_keep" in inspect.signature(
+            engine.module.forward).parameters
         self.closed = False
         #: why this runner cannot run :meth:`mixed` steps (None: it can): the scheduler then
         #: alternates prefill calls and decode steps
         self.mixed_unsupported: str | None = stack.mixed_unsupported
+        #: why mixed steps run eagerly here although decode steps replay graphs (None: they are
+        #: captured, or nothing is: no graphs); logged once, and every such step is counted
+        self.mixed_eager_reason = self._mixed_capture_refusal(mixed_buckets)
+        #: the chunk-token buckets of the captured mixed steps (each step carries one token per
+        #: row of the decode bucket, then a bucket's chunk tokens, padded), smallest first;
+        #: empty: mixed steps run eagerly, any size
+        self.mixed_buckets: tuple[int, ...] = () if self.mixed_eager_reason is not None or \
+            self.strategy is None or self.mixed_unsupported is not None else mixed_buckets
+        #: the most prompt chunks one mixed step carries (None: no limit)
+        self.mixed_chunks: int | None = PACKED_CHUNKS if self.mixed_buckets else None
+        #: mixed steps run so far: "captured" (a bucket's graph), "eager"
+        self.mixed_steps = {"captured": 0, "eager": 0}
+        self._packed: dict[int, Any] = {}  # chunk bucket → its captured mixed step
+        if self.mixed_eager_reason is not None and self.mixed_unsupported is None:
+            log.warning("shardwise serve: mixed steps run eagerly (%s); decode-only steps "
+                        "replay their graphs", self.mixed_eager_reason)
         #: under tensor parallelism, the error of a step that failed once it had started (the
         #: ranks may be out of step: every later call is refused)
         self.failed: BaseException | None = None
@@ -158,7 +193,8 @@ class SlotRunner:
               ) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
         """One forward that is a decode step appending ``token_ids[i]`` to ``slots[i]`` AND
         a prompt chunk ``(slot, tokens, last)`` appended to each of ``chunks``' slots (chunked
-        prefill inside the decode batch; eager). Returns the decode logits, float32
+        prefill inside the decode batch; the captured step of :meth:`mixed_bucket`'s bucket
+        where there is one, else eager). Returns the decode logits, float32
         [len(slots), vocab] (as :meth:`decode`), and per chunk its final token's logits
         float32 [vocab] when ``last``, else None (as :meth:`prefill`). Every slot at most once;
         nothing is written when a check fails (:class:`ValueError`,
@@ -205,8 +241,9 @@ class SlotRunner:
 
     def warmup(self) -> None:
         """Run (with graphs: capture) the decode step of every batch bucket up to
-        ``max_batch`` once, so serving never compiles mid-request. Slot contents are kept:
-        the steps write only the scratch position."""
+        ``max_batch`` once, and capture the mixed step of every chunk bucket
+        (:attr:`mixed_buckets`), so serving never compiles mid-request. Slot contents are
+        kept: the steps write only the scratch position."""
         self._check_open()
         with self._in_step():
             if self.tp:
@@ -237,33 +274,60 @@ class SlotRunner:
         bucket (one captured step per bucket), or exactly ``rows`` when decoding eagerly."""
         return self.strategy.batch_bucket(rows) if self.strategy is not None else rows
 
-    def _forward(self, ids: torch.Tensor, cache: StaticKVCache) -> torch.Tensor:
-        """The HF model's forward of ``ids`` [b, s] over ``cache`` → the last position's logits
-        [b, vocab] (the head's hooks run: tensor-parallel vocab gather)."""
+    def _forward(self, ids: torch.Tensor, cache: StaticKVCache,
+                 keep: int | torch.Tensor = 1) -> torch.Tensor:
+        """The HF model's forward of ``ids`` [b, s] over ``cache`` → the logits of the kept
+        positions [b, kept, vocab]: ``keep`` is HF's ``logits_to_keep`` (the last ``keep``
+        positions, 0: all; or a tensor of positions), applied here where the model does not
+        take it. The head's hooks run (tensor-parallel vocab gather)."""
+        kw = {"logits_to_keep": keep} if self._takes_keep else {}
         with torch.inference_mode():
-            out = self.engine.module(input_ids=ids, use_cache=True,
-                                     **{self._cache_kw: cache}, **self._keep_kw)
-        return out.logits[:, -1]
+            out = self.engine.module(input_ids=ids, use_cache=True, **{self._cache_kw: cache},
+                                     **kw)
+        if self._takes_keep:
+            return out.logits
+        if isinstance(keep, torch.Tensor):
+            return out.logits.index_select(1, keep)
+        return out.logits[:, -keep:] if keep else out.logits
 
     def _prefill(self, slot: int, tokens: list[int], last: bool) -> torch.Tensor | None:
         ids = torch.tensor([tokens], dtype=torch.int64, device=self.device)
-        logits = self._forward(ids, self.cache.row(slot))
+        logits = self._forward(ids, self.cache.row(slot))  # [1, 1, vocab]
         self.cache.advance(slot, len(tokens))
-        return logits[0].float() if last else None
+        return logits[0, -1].float() if last else None
 
     def _decode(self, slots: list[int], tokens: list[int]) -> torch.Tensor:
         bucket = self._bucket(max(slots) + 1)
         step = self.cache.step(slots, bucket)
-        ids = torch.zeros(bucket, 1, dtype=torch.int64)
-        ids[slots, 0] = torch.tensor(tokens, dtype=torch.int64)
-        logits = self._forward(ids.to(self.device), step)  # [bucket, vocab]
-        for slot in slots:
-            self.cache.advance(slot, 1)
-        index = torch.tensor(slots, dtype=torch.int64, device=logits.device)
-        return logits.index_select(0, index).float()
+        logits = self._forward(self._row_tokens(bucket, slots, tokens)[:, None], step)
+        self._advance(slots, [])
+        return self._rows(logits[:, -1], slots)  # [bucket, vocab] → [len(slots), vocab]
 
     def _mixed(self, slots: list[int], tokens: list[int], parts: list[tuple[int, list[int], bool]]
                ) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+        chunk_tokens = sum(len(ids) for _, ids, _ in parts)
+        bucket = self.mixed_bucket(chunk_tokens, len(parts))
+        if bucket is None:
+            decode_logits, chunk_logits = self._mixed_eager(slots, tokens, parts)
+        else:
+            decode_logits, chunk_logits = self._mixed_captured(slots, tokens, parts, bucket)
+        self._advance(slots, parts)
+        rows = iter(chunk_logits.float())
+        return decode_logits.float(), [next(rows) if last else None for _, _, last in parts]
+
+    def mixed_bucket(self, chunk_tokens: int, chunks: int = 1) -> int | None:
+        """The chunk bucket of a captured mixed step carrying ``chunk_tokens`` prompt tokens in
+        ``chunks`` chunks: the smallest of :attr:`mixed_buckets` that holds them, or None
+        when the step runs eagerly (no buckets, more tokens than the largest, more chunks
+        than :attr:`mixed_chunks`)."""
+        if self.mixed_chunks is not None and chunks > self.mixed_chunks:
+            return None
+        return next((b for b in self.mixed_buckets if b >= chunk_tokens), None)
+
+    def _mixed_eager(self, slots, tokens, parts) -> tuple[torch.Tensor, torch.Tensor]:
+        """An eager mixed step (:class:`~shardwise.inject.cache.MixedRows`: every size) → the
+        decode rows' logits [len(slots), vocab] and the final chunks' [lasts, vocab]."""
+        self.mixed_steps["eager"] += 1
         cache = self.cache.mixed(slots, [(slot, len(ids)) for slot, ids, _ in parts])
         ids = torch.tensor([tokens + [t for _, chunk, _ in parts for t in chunk]],
                            dtype=torch.int64, device=self.device)  # [1, T]
@@ -272,32 +336,114 @@ class SlotRunner:
             end += len(chunk)
             if last:
                 keep.append(end - 1)
-        logits = self._forward_packed(ids, cache, keep)  # [len(keep), vocab]
+        index = torch.tensor(keep, dtype=torch.int64, device=self.device)
+        logits = self._forward(ids, cache, index)[0]  # [len(keep), vocab]
+        return logits[:len(slots)], logits[len(slots):]
+
+    def _mixed_captured(self, slots, tokens, parts, bucket: int
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A mixed step through the captured step of chunk bucket ``bucket`` (the decode part
+        over every row of the slot cache: one captured step per bucket) → as
+        :meth:`_mixed_eager`."""
+        self.mixed_steps["captured"] += 1
+        rows_n = self.cache.rows
+        rows, keep, longest = self.cache.packed(
+            slots, [(slot, len(ids)) for slot, ids, _ in parts], rows_n, bucket)
+        ids = torch.zeros(1, rows_n + bucket, dtype=torch.int64)
+        ids[0, :rows_n] = self._row_tokens(rows_n, slots, tokens)
+        chunk = [t for _, ids_, _ in parts for t in ids_]
+        ids[0, rows_n:rows_n + len(chunk)] = torch.tensor(chunk, dtype=torch.int64)
+        keep_t = torch.tensor(keep, dtype=torch.int64, device=self.device)
+        replay = functools.partial(self._replay_packed, bucket, rows, keep_t)
+        cache = SlotMixed(self.cache.buffers, rows, longest, rows_n + bucket, replay=replay)
+        # the step's hidden states are its kept rows already: keep every one (0)
+        logits = self._forward(ids.to(self.device), cache, 0)[0]  # [rows + PACKED_CHUNKS, vocab]
+        lasts = [i for i, (_, _, last) in enumerate(parts) if last]
+        return self._rows(logits, slots), logits[rows_n + torch.tensor(lasts, dtype=torch.int64,
+                                                                       device=logits.device)]
+
+    def _replay_packed(self, bucket: int, rows: PackedRows, keep: torch.Tensor, stack: Any,
+                       x: torch.Tensor) -> torch.Tensor:
+        """The stack's mixed forward, answered by the captured step of ``bucket``: the
+        embeddings x [1, T, hidden] → the kept rows' hidden states [1, kept, hidden]; the
+        head's logits wait for the HF shell's head call (``HeadFromGraph``)."""
+        graph = self._packed.get(bucket)
+        if graph is None:  # warmup captures every bucket: only a runner used before warmup
+            log.warning("shardwise serve: capturing the mixed step of chunk bucket %d while "
+                        "serving (warmup() captures it before)", bucket)
+            graph = self._capture_packed(bucket)
+        out = graph(x, rows.position_ids, rows.write_index, rows.lengths, rows.starts,
+                    rows.chunk_rows, rows.chunk_positions, rows.chunk_spans, keep)
+        graphs = self.stack.graphs
+        with torch.inference_mode(False):  # normal tensors: their version counter is tracked
+            if graphs.head_forward is None:
+                return out.clone()
+            hidden, logits = out[0].clone(), out[1].clone()
+        graphs._pending = (hidden, hidden._version, logits)  # the head call takes them
+        return hidden
+
+    def _capture_packed(self, bucket: int) -> Any:
+        """Capture the mixed step of chunk bucket ``bucket`` (kept with the stack's graphs,
+        freed with them or by :meth:`close`)."""
+        graphs, rows_n = self.stack.graphs, self.cache.rows
+        weight = self.stack.parts.final_norm.weight
+        t = rows_n + bucket
+        rows, keep, _ = self.cache.packed([], [], rows_n, bucket)  # every row idle
+        x = torch.zeros(1, t, weight.shape[-1], dtype=weight.dtype, device=weight.device)
+        fn = packed_step(self.stack, self.cache.buffers, rows_n, graphs.head_forward)
+        with progress(f"capturing the mixed step of {rows_n} decode rows and {bucket} prompt "
+                      f"tokens with {self.strategy.name}"):
+            graph = self.strategy.capture(
+                fn, x, rows.position_ids, rows.write_index, rows.lengths, rows.starts,
+                rows.chunk_rows, rows.chunk_positions, rows.chunk_spans,
+                torch.tensor(keep, dtype=torch.int64, device=weight.device))
+        graphs._pending = None
+        self._packed[bucket] = graphs.graphs[self.cache.packed_key(rows_n, bucket)] = graph
+        return graph
+
+    def _mixed_capture_refusal(self, buckets: Sequence[int]) -> str | None:
+        """Why mixed steps cannot be captured while decode steps are (None: they can, or
+        nothing is captured)."""
+        graphs = self.stack.graphs
+        if self.strategy is None or self.mixed_unsupported is not None:
+            return None
+        if not buckets:
+            return "no mixed-step buckets were asked for (mixed_buckets=())"
+        if type(graphs) is not DecodeGraphs:
+            return (f"the decode step is captured by {type(graphs).__name__} (layer by layer), "
+                    f"not as one step")
+        if not getattr(self.strategy, "replays_host_code", False):
+            return (f"the {self.strategy.name!r} graph strategy replays what it recorded, and a "
+                    f"mixed step's prompt chunks are attended over ranges read on the host at "
+                    f"each step")
+        return None
+
+    def _row_tokens(self, rows: int, slots: list[int], tokens: list[int]) -> torch.Tensor:
+        """[rows] int64: ``tokens[i]`` at row ``slots[i]``, 0 in the idle rows."""
+        ids = torch.zeros(rows, dtype=torch.int64)
+        ids[slots] = torch.tensor(tokens, dtype=torch.int64)
+        return ids.to(self.device)
+
+    @staticmethod
+    def _rows(logits: torch.Tensor, slots: list[int]) -> torch.Tensor:
+        """Rows ``slots`` of per-row logits [rows, vocab], float32."""
+        index = torch.tensor(slots, dtype=torch.int64, device=logits.device)
+        return logits.index_select(0, index).float()
+
+    def _advance(self, slots: list[int], parts: list[tuple[int, list[int], bool]]) -> None:
+        """One token was written to each of ``slots`` and each chunk's to its slot."""
         for slot in slots:
             self.cache.advance(slot, 1)
         for slot, chunk, _ in parts:
             self.cache.advance(slot, len(chunk))
-        rows = iter(logits[len(slots):].float())
-        return logits[:len(slots)].float(), [next(rows) if last else None
-                                             for _, _, last in parts]
-
-    def _forward_packed(self, ids: torch.Tensor, cache: StaticKVCache,
-                        keep: list[int]) -> torch.Tensor:
-        """The HF model's forward of one packed row ``ids`` [1, T] → the logits of the
-        positions ``keep`` [len(keep), vocab] (the head runs on those only where the model
-        takes ``logits_to_keep``)."""
-        index = torch.tensor(keep, dtype=torch.int64, device=self.device)
-        kw = {"logits_to_keep": index} if self._keep_kw else {}
-        with torch.inference_mode():
-            out = self.engine.module(input_ids=ids, use_cache=True, **{self._cache_kw: cache},
-                                     **kw)
-        logits = out.logits[0]
-        return logits if self._keep_kw else logits.index_select(0, index)
 
     def _warmup(self) -> None:
         for bucket in self.buckets():
             ids = torch.zeros(bucket, 1, dtype=torch.int64, device=self.device)
             self._forward(ids, self.cache.step([], bucket))
+        for bucket in self.mixed_buckets:
+            if bucket not in self._packed:
+                self._capture_packed(bucket)
 
     def _close(self) -> None:
         self.closed = True
@@ -305,6 +451,9 @@ class SlotRunner:
         if graphs is not None:
             for bucket in self.buckets():
                 graphs.drop(self.cache.graph_key(bucket))
+            for bucket in self._packed:
+                graphs.drop(self.cache.packed_key(self.cache.rows, bucket))
+        self._packed.clear()
         self.cache.release_buffers()
 
     def _check_open(self) -> None:
@@ -341,6 +490,15 @@ class SlotRunner:
                                              device=self.device), src=0)
 
 
+def _check_buckets(buckets: Sequence[int]) -> tuple[int, ...]:
+    """``buckets`` as a sorted tuple of distinct ints ≥ 1 (ConfigError otherwise)."""
+    if isinstance(buckets, (str, bytes)) or not all(
+            isinstance(b, int) and not isinstance(b, bool) and b >= 1 for b in buckets):
+        raise ConfigError(f"mixed_buckets must be ints >= 1 (prompt tokens per captured mixed "
+                          f"step), got {buckets!r}")
+    return tuple(sorted(set(buckets)))
+
+
 def _receive(engine: Any, n: int | None = None) -> list[int]:
     """Ranks ≠ 0: the next header from rank 0 (``n`` None), or a payload of ``n`` words."""
     buf = torch.zeros(HEADER if n is None else n, dtype=torch.int64, device=engine.device)
@@ -356,11 +514,12 @@ def follow(engine: Any) -> None:
     if engine.communicator.rank == 0:
         raise ConfigError("follow(engine) runs on the ranks other than 0; rank 0 drives a "
                           "SlotRunner")
-    op, max_batch, max_tokens, _ = _receive(engine)
+    op, max_batch, max_tokens, n_buckets = _receive(engine)
     if op != INIT:
         raise ShardwiseError(f"follow: rank 0 sent {_OP_NAMES.get(op, op)!r} before creating "
                              f"its SlotRunner")
-    runner = SlotRunner(engine, max_batch, max_tokens, _follower=True)
+    buckets = tuple(_receive(engine, n_buckets)) if n_buckets else ()
+    runner = SlotRunner(engine, max_batch, max_tokens, mixed_buckets=buckets, _follower=True)
     try:
         while True:
             op, a, b, c = _receive(engine)

@@ -38,7 +38,11 @@ forward: one per decoding sequence first, the rest to prompt chunks in admission
 (:func:`split_step_budget`, at least ``MIN_PREFILL_CHUNK``); while ``prefill_stall`` is set the
 chunk tokens are further cut, as in step 3, to what fits the stall allowance by the cost the
 chunk adds to a decode step, fitted to the last mixed steps (the step's time less the predicted
-decode step of its rows). A runner without mixed steps (its ``mixed_unsupported`` says why,
+decode step of its rows). Where the runner captures its mixed steps per chunk-token bucket
+(``runner.mixed_buckets``; ``runner.mixed_chunks`` chunks at most), the chunk tokens are then
+cut to fill the largest bucket within that budget instead of spilling a few tokens into the next
+bucket (:func:`split_step_budget`), and each step's cost is recorded at its bucket's size (what
+the padded step computes). A runner without mixed steps (its ``mixed_unsupported`` says why,
 logged once) gets steps 3 and 4 as above.
 
 Delivery is per step, not per token: the events of a phase (the prefill's first tokens, the
@@ -199,6 +203,7 @@ class Scheduler:
             maxlen=PREFILL_FIT_CALLS)
         #: whether prompt chunks ride in the decode step (runner.mixed)
         self.mixed = bool(mixed) and bool(getattr(runner, "supports_mixed", False))
+
         if mixed and not self.mixed:
             why = getattr(runner, "mixed_unsupported", None) or \
                 f"{type(runner).__name__} has no mixed steps"
@@ -401,7 +406,7 @@ class Scheduler:
         """Prefill prompt chunks, in admission order, until ``prefill_budget`` tokens are spent;
         a prompt's final chunk yields its first token."""
         budget, call_tokens = self._prefill_tokens()
-        for seq in [s for s in self._running if not s.decoding]:
+        for seq in self._filling():
             if budget <= 0:
                 return
             start = seq.prefilled
@@ -410,12 +415,8 @@ class Scheduler:
             began = time.perf_counter()
             logits = self._call("prefill", seq.slot, seq.prompt[start:start + n], last)
             self._prefill_calls.append((n, time.perf_counter() - began))
-            seq.prefilled += n
             budget -= n + call_tokens  # a further call pays its overhead out of the budget too
-            if self.metrics is not None:
-                self.metrics.add_prompt_tokens(n)
-            if last:
-                self._accept_isolated(seq, lambda: seq.sampler.sample(logits), time.monotonic())
+            self._prefilled(seq, n, logits, time.monotonic())
 
     def _prefill_tokens(self) -> tuple[int, int]:
         """This iteration's prefill budget in tokens (see the module docstring, step 3), and
@@ -447,36 +448,44 @@ class Scheduler:
         mixed steps are on and sequences both decode and wait to be prefilled."""
         if not self.mixed:
             return False
-        batch = sorted((s for s in self._running if s.decoding), key=lambda s: s.slot)
-        filling = [s for s in self._running if not s.decoding]
+        batch, filling = self._decoding(), self._filling()
         if not batch or not filling:
             return False
         sizes = split_step_budget(self._mixed_budget(len(batch)), len(batch),
-                                  [len(s.prompt) - s.prefilled for s in filling])
+                                  [len(s.prompt) - s.prefilled for s in filling],
+                                  buckets=self._mixed_buckets, max_chunks=self._mixed_chunks)
         parts = [(seq, seq.prefilled, n) for seq, n in zip(filling, sizes)]
         chunks = [(seq.slot, seq.prompt[start:start + n], start + n == len(seq.prompt))
                   for seq, start, n in parts]
         began = time.perf_counter()
         logits, firsts = self._call("mixed", [s.slot for s in batch],
                                     [s.next_token for s in batch], chunks)
-        took = time.perf_counter() - began
-        self._note_mixed(batch, sum(sizes), took)
-        if logits.shape[0] != len(batch) or len(firsts) != len(chunks):
+        self._note_mixed(batch, self._padded(sum(sizes)), time.perf_counter() - began)
+        if len(firsts) != len(chunks):
             raise _RunnerFailed("mixed", RuntimeError(
-                f"runner.mixed returned {logits.shape[0]} rows of logits for {len(batch)} "
-                f"slots and {len(firsts)} chunk results for {len(chunks)} chunks"))
+                f"runner.mixed returned {len(firsts)} chunk results for {len(chunks)} chunks"))
+        self._check_rows("mixed", logits, batch)
         now = time.monotonic()
-        for (seq, _, n), (_, _, last), first in zip(parts, chunks, firsts):
-            seq.prefilled += n
-            if self.metrics is not None:
-                self.metrics.add_prompt_tokens(n)
-            if last:
-                self._accept_isolated(seq, lambda seq=seq, first=first: seq.sampler.sample(first),
-                                      now)
-        events = sample_rows([s.sampler for s in batch], logits)
-        for seq, event in zip(batch, events):
-            self._accept_isolated(seq, lambda event=event: _raise_or_return(event), now)
+        for (seq, _, n), first in zip(parts, firsts):
+            self._prefilled(seq, n, first, now)
+        self._accept_rows(batch, logits, now)
         return True
+
+    @property
+    def _mixed_buckets(self) -> tuple[int, ...]:
+        """The chunk-token sizes the runner's mixed steps are captured at (asked at each step:
+        chunks are cut to fill one)."""
+        return tuple(getattr(self.runner, "mixed_buckets", ()) or ())
+
+    @property
+    def _mixed_chunks(self) -> int | None:
+        """The most prompt chunks one of the runner's mixed steps carries (None: any)."""
+        return getattr(self.runner, "mixed_chunks", None)
+
+    def _padded(self, chunk_tokens: int) -> int:
+        """The chunk tokens a mixed step of ``chunk_tokens`` prompt tokens computes: its
+        bucket's (the smallest of the runner's ``mixed_buckets`` holding them), else itself."""
+        return next((b for b in self._mixed_buckets if b >= chunk_tokens), chunk_tokens)
 
     def _note_mixed(self, batch: Sequence[_Sequence], chunk_tokens: int, took: float) -> None:
         """Record what a mixed step's chunks cost beyond the decode step of its rows."""
@@ -503,7 +512,7 @@ class Scheduler:
 
     def _decode(self) -> None:
         """One decode step over every decoding sequence (by slot), then sample each."""
-        batch = sorted((s for s in self._running if s.decoding), key=lambda s: s.slot)
+        batch = self._decoding()
         if not batch:
             return
         began = time.perf_counter()
@@ -512,10 +521,36 @@ class Scheduler:
         self._recent_steps.append(took)
         span = _span(batch)
         self._span_step_s[span] = _average(self._span_step_s.get(span), took)
+        self._check_rows("decode", logits, batch)
+        self._accept_rows(batch, logits, time.monotonic())
+
+    def _decoding(self) -> list[_Sequence]:
+        """The sequences a decode step runs (their prompts prefilled), by slot."""
+        return sorted((s for s in self._running if s.decoding), key=lambda s: s.slot)
+
+    def _filling(self) -> list[_Sequence]:
+        """The admitted sequences whose prompts are still being prefilled, in admission order."""
+        return [s for s in self._running if not s.decoding]
+
+    def _prefilled(self, seq: _Sequence, n: int, logits: Any, now: float) -> None:
+        """``n`` more of ``seq``'s prompt tokens are in its slot; after its final chunk
+        ``logits`` (its last token's) give its first token."""
+        seq.prefilled += n
+        if self.metrics is not None:
+            self.metrics.add_prompt_tokens(n)
+        if seq.decoding:
+            self._accept_isolated(seq, lambda: seq.sampler.sample(logits), now)
+
+    @staticmethod
+    def _check_rows(call: str, logits: Any, batch: Sequence[_Sequence]) -> None:
         if logits.shape[0] != len(batch):
-            raise _RunnerFailed("decode", RuntimeError(
-                f"runner.decode returned {logits.shape[0]} rows of logits for {len(batch)} slots"))
-        now = time.monotonic()
+            raise _RunnerFailed(call, RuntimeError(
+                f"runner.{call} returned {logits.shape[0]} rows of logits for {len(batch)} "
+                f"slots"))
+
+    def _accept_rows(self, batch: Sequence[_Sequence], logits: Any, now: float) -> None:
+        """Sample each of ``batch`` from its row of ``logits`` [len(batch), vocab] (the plain
+        greedy rows together) and deliver it."""
         events = sample_rows([s.sampler for s in batch], logits)
         for seq, event in zip(batch, events):
             self._accept_isolated(seq, lambda event=event: _raise_or_return(event), now)
@@ -678,16 +713,25 @@ def prefill_chunk_tokens(budget: int, allowance_s: float, overhead_s: float,
     return min(budget, max(MIN_PREFILL_CHUNK, fits, worth_tokens))
 
 
-def split_step_budget(budget: int, n_decode: int, remaining: Sequence[int]) -> list[int]:
+def split_step_budget(budget: int, n_decode: int, remaining: Sequence[int], *,
+                      buckets: Sequence[int] = (), max_chunks: int | None = None) -> list[int]:
     """Prompt tokens of each waiting prompt (``remaining``: tokens each still has to
     prefill, in admission order) that one mixed step of ``budget`` tokens carries besides its
     ``n_decode`` decode tokens: the decode tokens first, the rest in admission order, at least
-    ``MIN_PREFILL_CHUNK`` tokens in all (prompts always progress). Prompts beyond the budget
-    get nothing (they are left off the list)."""
+    ``MIN_PREFILL_CHUNK`` tokens in all (prompts always progress), in at most ``max_chunks``
+    chunks. Prompts beyond the budget get nothing (they are left off the list).
+
+    ``buckets``: the chunk-token sizes the runner's mixed steps are captured at (ascending). The
+    chunk tokens are then cut to fill one — the largest bucket within the budget (the smallest
+    where none is) — instead of spilling a few tokens into the next bucket, whose step would
+    cost that bucket's padded size; fewer prompt tokens than the bucket are all taken (the
+    runner pads them up)."""
     left = max(MIN_PREFILL_CHUNK, budget - n_decode)
+    if buckets:
+        left = max((b for b in buckets if b <= left), default=min(buckets))
     sizes = []
     for tokens in remaining:
-        if left <= 0:
+        if left <= 0 or (max_chunks is not None and len(sizes) >= max_chunks):
             break
         sizes.append(min(tokens, left))
         left -= sizes[-1]

@@ -203,7 +203,9 @@ class Runner(Protocol):
     ``mixed_unsupported`` (why not, for the log) and ``mixed(slots, token_ids, chunks)``, one
     forward of the decode tokens and prompt chunks ``(slot, tokens, last)`` →
     (decode logits [len(slots), vocab], each chunk's last-token logits or None), as
-    :meth:`shardwise.serve.runner.SlotRunner.mixed`."""
+    :meth:`shardwise.serve.runner.SlotRunner.mixed`; ``mixed_buckets`` (the chunk-token sizes
+    its mixed steps are captured at: the scheduler cuts chunks to fill one) and
+    ``mixed_chunks`` (the most chunks one mixed step carries, or None)."""
 
     max_batch: int
     max_tokens: int
