@@ -484,7 +484,7 @@ def test_pp_times_tp_must_divide_the_world():
     assert plan.input_ranks() == [(0, 1, 4, 5), (2, 3, 6, 7)]
 
 
-# ----- 4 ranks: data-parallel replicas, expert groups inside stages --------------------------------
+# ----- 4 ranks: data-parallel replicas, expert groups inside stages -------------------------------
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(REPLICAS))

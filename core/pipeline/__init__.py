@@ -22,6 +22,6 @@ from .transform import (PipelineReport, RemoteEmbedding, RemoteHead, RemoteLayer
                         StageLink, apply_stages)
 
 __all__ = ["PipelineConfigError", "PipelineSettings", "parse_pipeline", "StagePlan",
-           "balanced_bounds", "measured_split", "plan_stages", "PipelineReport", "RemoteEmbedding", "RemoteHead",
-           "RemoteLayer", "StageClock", "StageLink", "apply_stages", "PipelineStats", "run_micro_batches",
-           "split_inputs"]
+           "balanced_bounds", "measured_split", "plan_stages", "PipelineReport",
+           "RemoteEmbedding", "RemoteHead", "RemoteLayer", "StageClock", "StageLink",
+           "apply_stages", "PipelineStats", "run_micro_batches", "split_inputs"]
