@@ -55,13 +55,13 @@ import dataclasses
 import logging
 import os
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
 from torch import nn
 
 from ..errors import ConfigError
-from ..ledger import record
+from ..ledger import active, record
 
 log = logging.getLogger(__name__)
 
@@ -182,6 +182,12 @@ class FusedProjection:
     what: str
     #: storage addresses the parts' views point into (the fused tensors, also after a new layout)
     _storages: set[int] = field(default_factory=set)
+    #: the ledger that recorded the fusion (None outside ``init_inference``)
+    _ledger: Any = None
+    #: ids of the parts' Parameters that held the tensor the ledger recorded when it was opened
+    #: (the model's own weights): the undo's copy gives those back; a Parameter fused from
+    #: another step's output is that step's to rebuild (:func:`_relocated`)
+    _originals: set[int] = field(default_factory=set)
 
     def _remember(self) -> None:
         self._storages |= {t.untyped_storage().data_ptr()
@@ -194,12 +200,17 @@ class FusedProjection:
     def release(self) -> None:
         """Give every part's tensors that still view the fused storage their own (a contiguous
         copy, bit for bit); the fused module is then unused. Used as the ledger's undo and by
-        :func:`unfuse_stack`."""
+        :func:`unfuse_stack`. The copy moves values, it rebuilds nothing: the ledger is told
+        (:func:`_relocated`), so a weight some step changed without an undo is still named by
+        ``close()``."""
         with torch.no_grad():
             for part in self.parts:
                 for name, t in list(part.named_parameters(recurse=False)):
                     if self._shares(t):
-                        t.data = t.data.clone(memory_format=torch.contiguous_format)
+                        old = t.data
+                        t.data = old.clone(memory_format=torch.contiguous_format)
+                        if id(t) not in self._originals:  # fused from a step's output
+                            _relocated(self._ledger, old, t.data)
                 for name, t in list(part.named_buffers(recurse=False)):
                     if self._shares(t):
                         setattr(part, name, t.clone(memory_format=torch.contiguous_format))
@@ -233,6 +244,9 @@ def fuse(parts: tuple[nn.Module, ...], what: str) -> FusedProjection | None:
         return None
     slots = _slots(parts[0])
     widths = tuple(out_features(p) for p in parts)
+    ledger = active()
+    originals = {id(t) for p in parts for t in p.parameters(recurse=False)
+                 if _holds_original(ledger, t)}
     with torch.no_grad():
         fused = {s.name: torch.cat([getattr(p, s.name).detach() for p in parts], dim=s.dim)
                  for s in slots}  # each [..., sum of the parts' rows, ...] along s.dim
@@ -241,7 +255,8 @@ def fuse(parts: tuple[nn.Module, ...], what: str) -> FusedProjection | None:
             sizes = [-(-w // s.rows) for w in widths]  # indices per part along s.dim
             for part, view in zip(parts, fused[s.name].split(sizes, dim=s.dim)):
                 _point(part, s, view)
-    group = FusedProjection(module, tuple(parts), widths, what)
+    group = FusedProjection(module, tuple(parts), widths, what, _ledger=ledger,
+                            _originals=originals)
     group._remember()
     record(f"fused {what} projection (the parts' tensors were views of it: copied back, "
            f"exactly)", group.release)
@@ -273,6 +288,46 @@ def _fused_module(first: nn.Module, fused: dict[str, torch.Tensor], width: int) 
     if bias is not None:
         module.bias = nn.Parameter(bias, requires_grad=False)
     return module.train(first.training)
+
+
+def _holds_original(ledger: Any, param: torch.Tensor) -> bool:
+    """Whether ``param`` holds the tensor ``ledger`` recorded for it when it was opened
+    (``Ledger.holds_original``; where the installed ledger has no such method, the same
+    question asked of its records). False without a ledger."""
+    if ledger is None:
+        return False
+    method = getattr(ledger, "holds_original", None)
+    if callable(method):
+        return bool(method(param))
+    from ..ledger import _same_tensor
+
+    return any(state.tensor is param and state.data is not None
+               and _same_tensor(param.data, state.data)
+               for state in getattr(ledger, "_tensors", ()))
+
+
+def _relocated(ledger: Any, old: torch.Tensor, new: torch.Tensor) -> None:
+    """Tell ``ledger`` that an undo moved ``old`` (what init left in the model, fused from
+    another step's output) to ``new``, the same values, rebuilding nothing: ``new`` then counts
+    as what init left there, so a weight whose step recorded no undo is still reported by
+    ``give_back`` (``Ledger.relocated``; where the installed ledger has no such method, the
+    same bookkeeping on its records)."""
+    if ledger is None:
+        return
+    method = getattr(ledger, "relocated", None)
+    if callable(method):
+        method(old, new)
+        return
+    from ..ledger import _view_of  # the ledger's own view signature (storage ref, layout)
+
+    before, after = _view_of(old), _view_of(new)
+    if before is None or after is None:
+        return
+    for state in getattr(ledger, "_tensors", ()):
+        dropped = state.dropped
+        if dropped is not None and any(ref.cdata == before[0].cdata and shape == before[1]
+                                       for ref, shape in dropped.left):
+            dropped.left.append(after)
 
 
 def layout_targets(modules: list[nn.Module], groups: list[FusedProjection]) -> list[nn.Module]:
