@@ -6,7 +6,8 @@ every rank. The stages overlap because a stage hands micro-batch k to the next s
 with k + 1 while the next one computes k (its send runs in the background, and the next stage
 receives k + 1 while it computes k: :class:`~shardwise.pipeline.transform.InFlight`);
 the broadcast of the last stage's outputs, which would make every stage wait for the last one,
-is deferred until every micro-batch ran (``StageClock.deferred``). Each stage counts the
+is deferred until every micro-batch ran (``StageClock.deferred``), and then made once for the
+joined outputs (one broadcast per output tensor per forward, not per micro-batch). Each stage counts the
 seconds it waits on another stage (a receive not yet arrived, its sends not yet taken:
 :class:`~shardwise.pipeline.transform.StageClock`); the rest of its time is busy (its layers,
 and the model's own work around them on that stage: embedding, masks, positions, head). The
@@ -204,9 +205,9 @@ def run_micro_batches(module, args: tuple, kwargs: dict, report) -> tuple[Any, P
     parts = split_inputs(args, {**kwargs, "use_cache": False}, report.micro_batches)
     comm.barrier()  # a common start for the wall time
     outs, elapsed, busy, layers = run_parts(module, parts, report)
-    outs = [_broadcast_output(o, comm, plan.ranks[-1]) for o in outs]
+    out = _broadcast_output(_concat(outs), comm, plan.ranks[-1])  # once, joined
     stats = _gather(comm, len(parts), plan.size, 1, elapsed, busy, layers)
-    return _concat(outs), stats
+    return out, stats
 
 
 def _gather(comm, micro_batches: int, stages: int, steps: int, elapsed_s: float, busy_s: float,
@@ -275,9 +276,8 @@ class CachedMicroBatches:
                       for _ in parts]
             vars(cache)[_PARTS] = caches
             _follow(cache)
-        outs = self._run([(a, {**k, key: c}) for (a, k), c in zip(parts, caches)])
-        _count_tokens(cache, outs, caches, batch)
-        out = _concat(outs)
+        out = self._run([(a, {**k, key: c}) for (a, k), c in zip(parts, caches)])
+        _count_tokens(cache, out, caches, batch)
         for field in _CACHE_KEYS:  # HF's generate carries the batch's cache to the next step
             if field in out:
                 out[field] = cache
@@ -303,13 +303,12 @@ class CachedMicroBatches:
                       cache.split_rows([_batch_size(a, k) for a, k in parts])]
             vars(cache)[_PARTS] = caches
             _follow_static(cache)
-        outs = self._run([(a, {**k, key: c}) for (a, k), c in zip(parts, caches)])
+        out = self._run([(a, {**k, key: c}) for (a, k), c in zip(parts, caches)])
         cache.advance(caches[0].length - cache.length)
         if any(c.starts is not None for c in caches):  # left padding: each row's first token
             cache.starts = torch.cat([c.starts if c.starts is not None else
                                       torch.zeros(c.batch, dtype=torch.int64,
                                                   device=cache.buffers.device) for c in caches])
-        out = _concat(outs)
         for field in _CACHE_KEYS:  # HF's generate carries the batch's cache to the next step
             if field in out:
                 out[field] = cache
@@ -329,13 +328,14 @@ class CachedMicroBatches:
             return self.cache_key, cache
         return None, None
 
-    def _run(self, parts: list[tuple[tuple, dict]]) -> list[Any]:
-        """Every micro-batch through the stages, the broadcast of the last stage's outputs
-        deferred until all ran; this rank's seconds and busy seconds added to the report."""
+    def _run(self, parts: list[tuple[tuple, dict]]) -> Any:
+        """Every micro-batch through the stages, then the last stage's outputs joined and
+        broadcast once (one broadcast per output tensor per step, not per micro-batch); this
+        rank's seconds and busy seconds added to the report. Returns the joined outputs."""
         report = self.report
         outs, elapsed, busy, layers = run_parts(self.forward, parts, report)
         report.add_step(elapsed, busy, layers)
-        return [_broadcast_output(o, report.communicator, report.plan.ranks[-1]) for o in outs]
+        return _broadcast_output(_concat(outs), report.communicator, report.plan.ranks[-1])
 
 
 @functools.cache
@@ -442,13 +442,13 @@ def _regroup(caches: list, op) -> None:
                 setattr(layer, attr, part.contiguous())
 
 
-def _count_tokens(cache, outs: list[Any], caches: list, batch: int) -> None:
+def _count_tokens(cache, out: Any, caches: list, batch: int) -> None:
     """Grow the whole batch's cache by the tokens this forward added (one zero per token and
     row per layer, ``[batch, 1, new, 1]``), so its sequence length is the micro-batches'."""
     new = caches[0].get_seq_length() - cache.get_seq_length()
     if new <= 0:
         return
-    like = next(v for v in outs[0].values() if isinstance(v, torch.Tensor))  # the logits
+    like = next(v for v in out.values() if isinstance(v, torch.Tensor))  # the logits
     placeholder = like.new_zeros(batch, 1, new, 1)
     for layer in range(len(caches[0].layers)):
         cache.update(placeholder, placeholder, layer)
