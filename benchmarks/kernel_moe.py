@@ -7,15 +7,18 @@ For each dtype and token count: median µs per call of HF's ``MixtralExperts`` w
 and ``grouped_mm`` experts implementations, the torch reference, the ``cpu`` backend called
 eagerly (its grouped-GEMM path: prompts, steps without graphs) and the ``cpu`` backend captured
 by the CPU graph strategy (``CpuCompileStrategy``, the compiled decode step's path:
-``token_mlp`` for one token, else ``streamed_mlp``; at one token ``streamed-graph`` is
-``streamed_mlp`` captured the same way, the path one token took before), calls interleaved so machine noise hits all alike, all on the same weights
+``one_token_mlp`` for one token, else ``streamed_mlp``; at one token ``streamed-graph`` and
+``token-graph`` are ``streamed_mlp`` and ``token_mlp`` captured the same way, the paths one
+token took before: ``token_mlp`` reads an expert for a slot of another rank's and masks it,
+``one_token_mlp`` reads none for it), calls interleaved so machine noise hits all alike, all on the same weights
 and routing (a softmax router, top-k, renormalised). GB/s is over the expert bytes read per
 call: the distinct experts hit × 3·H·I·itemsize (gate, up and down), the bytes a dropless MoE
 layer must read; ``%copy`` compares it with the machine's copy bandwidth, measured by a copy
 of a 256 MiB buffer (read + write, as ``shardwise bench``'s probe counts it) timed interleaved
 with the calls, on the same clock. ``--local-experts N`` times one expert-parallel
 rank holding the first N experts: slots routed elsewhere carry the sentinel index N (HF's
-columns, which run every expert, are left out).
+columns, which run every expert, are left out); ``--seed`` picks another routing (at one token
+and ``--local-experts 4`` of 8, top-2: seeds give both, one or none of the slots here).
 
 ``--quant int8 int4`` adds the quantized experts (``quant_moe_mlp``: int8 per channel, int4 groups
 of 128, quantized from the same weights, bf16 input) captured the same way, each on the native
@@ -112,6 +115,8 @@ def main() -> None:
                     help="time one expert-parallel rank holding the first N experts")
     ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     ap.add_argument("--repeats", type=int, default=30)
+    ap.add_argument("--seed", type=int, default=0,
+                    help="another routing (with --local-experts: which slots are this rank's)")
     ap.add_argument("--clock", choices=tuple(CLOCKS), default="wall")
     ap.add_argument("--no-compiled", action="store_true", help="skip the captured cpu column")
     ap.add_argument("--quant", nargs="*", choices=tuple(QUANT_FORMATS), default=[],
@@ -133,7 +138,7 @@ def main() -> None:
         expert_bytes = 3 * h * i * gate_up.element_size()
         quantized = quantized_experts(mine_gu, mine_down, args.quant)
         for tokens in args.tokens:
-            g = torch.Generator().manual_seed(tokens)
+            g = torch.Generator().manual_seed(tokens + args.seed)
             x = torch.randn(tokens, h, generator=g).to(dtype)
             weights, experts = ref.moe_route(torch.randn(tokens, e, generator=g), k,
                                               renormalize=True)
@@ -148,9 +153,11 @@ def main() -> None:
             }
             if not args.no_compiled:
                 calls["cpu-graph"] = captured(mine_gu, mine_down, x, mine, weights)
-                if tokens == 1:  # cpu-graph is token_mlp: the streamed path it replaced
+                if tokens == 1:  # cpu-graph is one_token_mlp: the paths it replaced
                     calls["streamed-graph"] = captured(mine_gu, mine_down, x, mine, weights,
                                                        cpu_moe.streamed_mlp)
+                    calls["token-graph"] = captured(mine_gu, mine_down, x, mine, weights,
+                                                    cpu_moe.token_mlp)
             for name, (kernel, pair, _) in quantized.items():
                 calls[f"{name}-graph"] = captured(*pair, x.bfloat16(), mine, weights, kernel)
             calls["copy"] = copy
@@ -169,7 +176,8 @@ def main() -> None:
                          for name, (t, gbps) in cols.items())
         best = "cpu-graph" if "cpu-graph" in cols else "cpu"
         ratios = ", ".join(f"vs {name} {cols[name][0] / cols[best][0]:.2f}x"
-                           for name in ("hf-eager", "hf-grouped_mm", "cpu", "streamed-graph")
+                           for name in ("hf-eager", "hf-grouped_mm", "cpu", "streamed-graph",
+                                        "token-graph")
                            if name in cols and name != best)
         for fmt in args.quant:  # native vs torch's kernels, both captured
             if f"{fmt}-native-graph" in cols:

@@ -315,6 +315,11 @@ def test_compiled_decode_traces_whole_into_the_streamed_path():
         # 1 token: the branch between token_mlp and the sentinel-skipping slots is in the graph
         assert (conds(graphs[-1]) > 0) == (tokens == 1), (tokens, dtype)
     assert len(graphs) == 4
+    every = torch.compile(lambda *args: cpu_moe.moe_grouped_mlp(*args, sentinel=False),
+                          backend=keep, fullgraph=True, dynamic=False)
+    args = moe_inputs(1, 64, 32, 8, 2, torch.float32)  # every expert here, and told so
+    assert_moe_matches(every(*args), ref.moe_grouped_mlp(*args), torch.float32)
+    assert conds(graphs[-1]) == 0 and sorts(graphs[-1]) == 0  # token_mlp alone, no branch
 
 
 def test_cpu_graph_strategy_compiles_the_decode_path():

@@ -171,11 +171,18 @@ def test_moe_compiled_graph_decode(arch):
     only (Mixtral), and with a dense layer and a gated shared expert (Qwen2-MoE): no host sync,
     same tokens as HF. (Every other MoE family was checked the same way by hand: a compile each
     is too slow for the suite.)"""
+    from shardwise.moe.block import ExpertsKernelForward
+
     engine = _engine(tiny_causal_lm(arch), enable_graph=True)
     ids = prompt_ids(batch=1, length=8)
     with torch.no_grad():
         assert torch.equal(engine.generate(ids, **GREEDY), _reference(arch, ids)[1])
     assert engine.module.base_model.graphs.buckets() == {1}
+    # one process holds every expert: the kernel is told no id is another rank's (batch 1
+    # takes token_mlp without the sentinel branch)
+    forwards = [vars(m).get("forward") for m in engine.module.modules()]
+    experts = [f for f in forwards if isinstance(f, ExpertsKernelForward)]
+    assert experts and all(f.local_only for f in experts)
 
 
 # ----- routing ----------------------------------------------------------------------------------
@@ -278,7 +285,9 @@ def test_dense_layers_keep_their_mlp_under_injection():
     MoE layers call their block."""
     engine = _engine(tiny_causal_lm("qwen2_moe"))
     layers = injected_stack(engine.module).parts.layers
-    assert layers[0].parts.moe is None and len(layers[0].parts.mlp_in) == 2
+    dense_in = layers[0].parts.mlp_in  # gate and up (one fused product, or the two)
+    assert layers[0].parts.moe is None and dense_in
+    assert sum(m.weight.shape[0] for m in dense_in) == 2 * engine.module.config.intermediate_size
     assert all(layer.parts.moe is layer.mlp for layer in layers[1:])
     assert engine.moe.layers == (1, 2)
 

@@ -107,6 +107,8 @@ class MoEKernels:
     grouped_mlp: Callable
     backends: dict[str, str]
     capturable: bool
+    #: ``grouped_mlp`` takes the ``sentinel`` hint (False: no id is another rank's expert)
+    sentinel_hint: bool = False
 
 
 @dataclass
@@ -185,11 +187,14 @@ def expert_math(spec: MoESpec, config: Any, experts: nn.Module | None = None) ->
 def resolve_moe_kernels(accelerator, dtype: torch.dtype) -> MoEKernels:
     """``moe_route`` and ``moe_grouped_mlp`` for ``dtype`` on ``accelerator`` (the torch reference
     where no backend has them: correct, not capturable)."""
+    import inspect
+
     route = registry.resolve("moe_route", accelerator, dtype)
     mlp = registry.resolve("moe_grouped_mlp", accelerator, dtype)
     return MoEKernels(route.fn, mlp.fn, {"moe_route": route.backend,
                                          "moe_grouped_mlp": mlp.backend},
-                      capturable=route.capturable and mlp.capturable)
+                      capturable=route.capturable and mlp.capturable,
+                      sentinel_hint="sentinel" in inspect.signature(mlp.fn).parameters)
 
 
 def decoder_layers(model: nn.Module, policy) -> nn.ModuleList:
@@ -371,6 +376,8 @@ class ExpertsKernelForward:
         self.experts, self.kernels, self.math = experts, kernels, math
         self.range, self.total = expert_range, total
         self.biases = hasattr(experts, "gate_up_proj_bias")
+        #: every expert is here (no id is the sentinel): told to a kernel taking the hint
+        self.local_only = tuple(expert_range) == (0, total) and kernels.sentinel_hint
 
     def _local(self, tensor: torch.Tensor | None) -> torch.Tensor | None:
         start, end = self.range
@@ -382,6 +389,8 @@ class ExpertsKernelForward:
                  top_k_weights: torch.Tensor) -> torch.Tensor:
         e = self.experts
         kw = self.math.kwargs()
+        if self.local_only:
+            kw["sentinel"] = False
         if self.biases:
             kw["gate_up_bias"] = self._local(e.gate_up_proj_bias)
             kw["down_bias"] = self._local(e.down_proj_bias)

@@ -18,7 +18,8 @@ sentinel expert index E: a slot whose expert lives on another rank contributes n
     into cache: about one read of each routed expert's bytes per step. At 1-8 tokens it was
     1.25-2.2x as fast as ATen's grouped GEMM of 1-2 rows per expert, which is compute-bound on
     CPU (fp32 gains most; bf16 is bound by converting the rows).
-  - **Compiled decode of one token** (batch 1): :func:`one_token_mlp`: when all k slots' experts
+  - **Compiled decode of one token** (batch 1): :func:`one_token_mlp` (:func:`token_mlp` alone
+    when the caller says no id is the sentinel, ``sentinel=False``): when all k slots' experts
     are this rank's, :func:`token_mlp` (the streamed path without its sort and chunks: top-k
     experts are distinct, nothing to share; each slot's expert one contiguous stream); else
     (expert parallelism: some slot's expert is another rank's) each slot under its own
@@ -286,9 +287,12 @@ def moe_grouped_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
                     experts: torch.Tensor, weights: torch.Tensor, *, activation: str = "silu",
                     gate_up_bias: torch.Tensor | None = None,
                     down_bias: torch.Tensor | None = None, clamp: float | None = None,
-                    alpha: float = ref.GPT_OSS_ALPHA) -> torch.Tensor:
+                    alpha: float = ref.GPT_OSS_ALPHA, sentinel: bool = True) -> torch.Tensor:
     """The routed experts' output; contract of the reference ``moe_grouped_mlp``: x [T, H],
-    gate_up [E, 2I, H], down [E, H, I], experts (local ids, E the sentinel) and weights [T, k].
+    gate_up [E, 2I, H], down [E, H, I], experts (local ids, E the sentinel) and weights [T, k];
+    ``sentinel`` False: the caller holds every expert (no id is the sentinel), so one token
+    takes :func:`token_mlp` without :func:`one_token_mlp`'s branch (~0.1 ms per call in the
+    captured step; a sentinel id would still add nothing, as token_mlp masks it).
     Under ``torch.compile`` one token takes :func:`one_token_mlp`, other decode sizes
     :func:`streamed_mlp`, else two grouped GEMMs over
     the expert-sorted slots (the module docstring says which when). Returns [T, H] in
@@ -296,8 +300,8 @@ def moe_grouped_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
     ref.check_grouped_mlp(x, gate_up, down, experts, weights, activation, gate_up_bias,
                           down_bias, clamp)
     if torch.compiler.is_compiling() and experts.shape[0] == 1:
-        return one_token_mlp(x, gate_up, down, experts, weights, activation, gate_up_bias,
-                             down_bias, clamp, alpha)
+        return (one_token_mlp if sentinel else token_mlp)(
+            x, gate_up, down, experts, weights, activation, gate_up_bias, down_bias, clamp, alpha)
     if torch.compiler.is_compiling() and (
             experts.numel() <= STREAMED_SLOTS_PER_EXPERT * gate_up.shape[0]
             or gate_up.dtype not in GROUPED_MM_TRACES):

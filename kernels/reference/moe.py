@@ -187,8 +187,11 @@ def moe_grouped_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
                     experts: torch.Tensor, weights: torch.Tensor, *, activation: str = "silu",
                     gate_up_bias: torch.Tensor | None = None,
                     down_bias: torch.Tensor | None = None, clamp: float | None = None,
-                    alpha: float = GPT_OSS_ALPHA) -> torch.Tensor:
+                    alpha: float = GPT_OSS_ALPHA, sentinel: bool = True) -> torch.Tensor:
     """The routed experts' output: ``sum_j weights[t, j] * mlp_{experts[t, j]}(x[t])``.
+    ``sentinel``: a hint, False when the caller holds every expert (no id is the sentinel); a
+    kernel may take a shorter path then (the CPU backend's one-token decode), never another
+    result: the sentinel still adds nothing. The reference computes the same either way.
 
     x [T, H]; gate_up [E, 2I, H] (gate rows, then up rows); down [E, H, I]; experts [T, k] int
     in 0..E, where ``E`` (= ``gate_up.shape[0]``, the experts held here) is the sentinel of a
