@@ -7,10 +7,11 @@ For each dtype and token count: median µs per call of HF's ``MixtralExperts`` w
 and ``grouped_mm`` experts implementations, the torch reference, the ``cpu`` backend called
 eagerly (its grouped-GEMM path: prompts, steps without graphs) and the ``cpu`` backend captured
 by the CPU graph strategy (``CpuCompileStrategy``, the compiled decode step's path:
-``one_token_mlp`` for one token, else ``streamed_mlp``; at one token ``streamed-graph`` and
+``sentinel_token_mlp`` for one token (``token_mlp`` with every expert here), else
+``streamed_mlp``; at one token ``streamed-graph`` and
 ``token-graph`` are ``streamed_mlp`` and ``token_mlp`` captured the same way, the paths one
 token took before: ``token_mlp`` reads an expert for a slot of another rank's and masks it,
-``one_token_mlp`` reads none for it), calls interleaved so machine noise hits all alike, all on the same weights
+``sentinel_token_mlp`` reads none for it), calls interleaved so machine noise hits all alike, all on the same weights
 and routing (a softmax router, top-k, renormalised). GB/s is over the expert bytes read per
 call: the distinct experts hit × 3·H·I·itemsize (gate, up and down), the bytes a dropless MoE
 layer must read; ``%copy`` compares it with the machine's copy bandwidth, measured by a copy
@@ -34,6 +35,7 @@ others take); wall clock is the default.
 from __future__ import annotations
 
 import argparse
+from functools import partial
 
 import torch
 
@@ -152,8 +154,11 @@ def main() -> None:
                 "cpu": lambda: cpu_moe.moe_grouped_mlp(x, mine_gu, mine_down, mine, weights),
             }
             if not args.no_compiled:
-                calls["cpu-graph"] = captured(mine_gu, mine_down, x, mine, weights)
-                if tokens == 1:  # cpu-graph is one_token_mlp: the paths it replaced
+                every = local == e  # as the MoE block says to the kernel: no sentinel id
+                calls["cpu-graph"] = captured(
+                    mine_gu, mine_down, x, mine, weights,
+                    partial(cpu_moe.moe_grouped_mlp, sentinel=False) if every else None)
+                if tokens == 1:  # the paths one token took before (and token_mlp: ep=1's)
                     calls["streamed-graph"] = captured(mine_gu, mine_down, x, mine, weights,
                                                        cpu_moe.streamed_mlp)
                     calls["token-graph"] = captured(mine_gu, mine_down, x, mine, weights,

@@ -267,8 +267,8 @@ def test_one_token_decode_path_matches_the_reference(route, dtype):
     experts = torch.tensor([route])
     args = (x, gate_up, down, experts, weights)
     kw = dict(gate_up_bias=_x(4, 64, 8).to(dtype), down_bias=_x(4, 64, 9).to(dtype), clamp=0.5)
-    # token_mlp, the sentinel-skipping slots, and the path picking one of them by the routing
-    for path in (cpu_moe.token_mlp, cpu_moe.sentinel_token_mlp, cpu_moe.one_token_mlp):
+    # token_mlp (every expert here: told by sentinel=False) and the sentinel-skipping slots
+    for path in (cpu_moe.token_mlp, cpu_moe.sentinel_token_mlp):
         assert_moe_matches(path(*args), ref.moe_grouped_mlp(*args), dtype)
         if route == [4, 4]:
             assert torch.equal(path(*args), torch.zeros_like(x)), path.__name__

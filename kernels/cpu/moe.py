@@ -18,14 +18,13 @@ sentinel expert index E: a slot whose expert lives on another rank contributes n
     into cache: about one read of each routed expert's bytes per step. At 1-8 tokens it was
     1.25-2.2x as fast as ATen's grouped GEMM of 1-2 rows per expert, which is compute-bound on
     CPU (fp32 gains most; bf16 is bound by converting the rows).
-  - **Compiled decode of one token** (batch 1): :func:`one_token_mlp` (:func:`token_mlp` alone
-    when the caller says no id is the sentinel, ``sentinel=False``): when all k slots' experts
-    are this rank's, :func:`token_mlp` (the streamed path without its sort and chunks: top-k
-    experts are distinct, nothing to share; each slot's expert one contiguous stream); else
-    (expert parallelism: some slot's expert is another rank's) each slot under its own
-    ``torch.cond``, so a sentinel slot reads no weight at all. The branch is taken inside the
-    captured graph (a scalar the C++ wrapper reads on the host: no device to wait for on CPU),
-    shapes stay static.
+  - **Compiled decode of one token** (batch 1): where the caller holds every expert
+    (``sentinel=False``: one process), :func:`token_mlp`, the streamed path without its sort and
+    chunks (top-k experts are distinct, nothing to share; each slot's expert one contiguous
+    stream); else (expert parallelism: a slot's expert may be another rank's)
+    :func:`sentinel_token_mlp`, each slot under its own ``torch.cond``, so a sentinel slot reads
+    no weight at all. The branch is taken inside the captured graph (a scalar read on the host:
+    no device to wait for on CPU); shapes stay static.
   - **Eager** (prompts, steps without graphs): the T*k token slots are sorted by expert
     (``argsort``, the permutation of ``moe_permute``), the per-expert slot counts become
     ``offs`` by a scatter-add and a cumsum on the device, and ``torch.nn.functional.grouped_mm``
@@ -247,7 +246,10 @@ def sentinel_token_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tenso
     of its k slots under ``torch.cond`` — this rank's expert runs :func:`_slot_mlp`, the
     sentinel nothing, so no weight is read for it (:func:`token_mlp` reads some expert and
     masks it: at ep=2 and top-2 of 8 that is about half an expert's bytes per layer wasted).
-    x [1, H], experts / weights [1, k] → [1, H] in x.dtype."""
+    x [1, H], experts / weights [1, k] → [1, H] in x.dtype. Measured (H=1024, I=2048, 4 of 8
+    experts here, fp32, 1 thread, CPU time, captured by the CPU graph strategy, interleaved,
+    load ~6): both slots here 1429 vs 1424 us (token_mlp), one here 776 vs 1249, none 100 vs
+    1205."""
     from functools import partial
 
     n_local = gate_up.shape[0]
@@ -263,26 +265,6 @@ def sentinel_token_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tenso
     return out.to(x.dtype)
 
 
-def one_token_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
-                  experts: torch.Tensor, weights: torch.Tensor, activation: str = "silu",
-                  gate_up_bias: torch.Tensor | None = None, down_bias: torch.Tensor | None = None,
-                  clamp: float | None = None, alpha: float = ref.GPT_OSS_ALPHA) -> torch.Tensor:
-    """The compiled decode path of one token: :func:`token_mlp` when every slot's expert is
-    this rank's (always without expert parallelism), else :func:`sentinel_token_mlp`; one
-    ``torch.cond`` picks. Measured (H=1024, I=2048, fp32, 1 thread, CPU time, load ~11,
-    interleaved): both here 1.77 vs 1.75 ms (token_mlp alone), one here 0.92 vs 1.44 ms, none
-    here 0.09 vs 1.27 ms."""
-    math = dict(activation=activation, clamp=clamp, alpha=alpha)
-    names, biases = _present(gate_up_bias, down_bias)
-
-    def unpack(fn):
-        def run(x, gate_up, down, experts, weights, *biases):
-            return fn(x, gate_up, down, experts, weights, **dict(zip(names, biases)), **math)
-        return run
-    return torch.cond((experts < gate_up.shape[0]).all(), unpack(token_mlp),
-                      unpack(sentinel_token_mlp), (x, gate_up, down, experts, weights, *biases))
-
-
 def moe_grouped_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
                     experts: torch.Tensor, weights: torch.Tensor, *, activation: str = "silu",
                     gate_up_bias: torch.Tensor | None = None,
@@ -291,16 +273,16 @@ def moe_grouped_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
     """The routed experts' output; contract of the reference ``moe_grouped_mlp``: x [T, H],
     gate_up [E, 2I, H], down [E, H, I], experts (local ids, E the sentinel) and weights [T, k];
     ``sentinel`` False: the caller holds every expert (no id is the sentinel), so one token
-    takes :func:`token_mlp` without :func:`one_token_mlp`'s branch (~0.1 ms per call in the
-    captured step; a sentinel id would still add nothing, as token_mlp masks it).
-    Under ``torch.compile`` one token takes :func:`one_token_mlp`, other decode sizes
+    takes :func:`token_mlp` without :func:`sentinel_token_mlp`'s branches (a sentinel id would
+    still add nothing: token_mlp masks it).
+    Under ``torch.compile`` one token takes one of those two, other decode sizes
     :func:`streamed_mlp`, else two grouped GEMMs over
     the expert-sorted slots (the module docstring says which when). Returns [T, H] in
     x.dtype."""
     ref.check_grouped_mlp(x, gate_up, down, experts, weights, activation, gate_up_bias,
                           down_bias, clamp)
     if torch.compiler.is_compiling() and experts.shape[0] == 1:
-        return (one_token_mlp if sentinel else token_mlp)(
+        return (sentinel_token_mlp if sentinel else token_mlp)(
             x, gate_up, down, experts, weights, activation, gate_up_bias, down_bias, clamp, alpha)
     if torch.compiler.is_compiling() and (
             experts.numel() <= STREAMED_SLOTS_PER_EXPERT * gate_up.shape[0]
