@@ -33,7 +33,8 @@ _DTYPES: dict[str, torch.dtype] = {
 }
 #: DeepSpeed keyword → shardwise field.
 ALIASES = {"mp_size": "tp_size", "enable_cuda_graph": "enable_graph",
-           "max_out_tokens": "max_tokens", "offload_param": "offload"}
+           "max_out_tokens": "max_tokens", "offload_param": "offload",
+           "data_parallel_size": "dp_size"}
 #: Keys accepted inside ``tensor_parallel={...}`` (DeepSpeed's DeepSpeedTPConfig names).
 _TP_KEYS = {"tp_size", "enabled"}
 #: The seeds ``torch.manual_seed`` accepts: any int64 or uint64 value.
@@ -93,8 +94,14 @@ class InferenceConfig:
             ``"micro_batches": M`` (micro-batches in flight, forwards and ``generate``);
             normalised to a :class:`~shardwise.pipeline.PipelineSettings` (None when off: see
             :func:`~shardwise.pipeline.parse_pipeline`). Composes with ``checkpoint`` (each
-            rank reads its stage's tensors) and ``quant``; not supported yet together with
-            injection, graphs or ``offload`` (each refused by name).
+            rank reads its stage's tensors), ``quant``, injection and ``offload`` (what is
+            not supported yet is refused by name: :func:`~shardwise.pipeline.config.
+            check_with_other_fields`).
+        dp_size: data-parallel replicas (alias ``data_parallel_size``): world = pp × tp × dp,
+            ranks laid out tp fastest, then dp, then pp; each replica (a tensor-parallel group,
+            or a pipeline of pp × tp ranks) runs on the inputs of its own first rank, and no
+            collective crosses replicas (unless they form one expert-parallel group, which
+            then shares rank 0's inputs). ``None``: the world's remainder after pp × tp.
     """
 
     device: str | None = None
@@ -113,6 +120,7 @@ class InferenceConfig:
     moe: "MoESettings | dict | bool | None" = None
     offload: "OffloadConfig | dict | None" = None
     pipeline_parallel: "PipelineSettings | dict | int | None" = None
+    dp_size: int | None = None
 
     # ----- construction -------------------------------------------------------------------------
 
@@ -142,6 +150,11 @@ class InferenceConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+        if self.dp_size is not None and (isinstance(self.dp_size, bool)
+                                         or not isinstance(self.dp_size, int) or self.dp_size < 1):
+            raise ConfigError(f"dp_size must be a positive integer (data-parallel replicas: "
+                              f"world = pp_size × tp_size × dp_size), or None for the world's "
+                              f"remainder; got {self.dp_size!r}")
         _check_seed(self.seed)
         _check_type("injection_policy", self.injection_policy, (dict, type(None)))
         _check_checkpoint_fields(self)

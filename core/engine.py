@@ -457,13 +457,7 @@ def _plan_step(model: nn.Module, cfg: InferenceConfig) -> Plan:
     the world's dimensions checked against ``tp_size``, the policy looked up, the heads split,
     the sharding plan chosen and every rank's slices computed (all errors surface here)."""
     return build_plan(model, tp_size=cfg.tp_size, injection_policy=cfg.injection_policy,
-                      moe=cfg.moe, pipeline=cfg.pipeline_parallel, dp_size=_dp_size(cfg))
-
-
-def _dp_size(cfg: InferenceConfig) -> int | None:
-    """The data-parallel replicas asked for: the config's ``dp_size`` when it has that field and
-    it is set, else None (the world's remainder, ``world // (pp × tp)``)."""
-    return getattr(cfg, "dp_size", None)
+                      moe=cfg.moe, pipeline=cfg.pipeline_parallel, dp_size=cfg.dp_size)
 
 
 def _seed(cfg: InferenceConfig) -> None:

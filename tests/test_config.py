@@ -26,6 +26,8 @@ def test_deepspeed_aliases_map_onto_fields():
     cfg = InferenceConfig.build(mp_size=1, enable_cuda_graph=False, max_out_tokens=1024,
                                 tensor_parallel={"tp_size": 1, "enabled": True})
     assert (cfg.tp_size, cfg.enable_graph, cfg.max_tokens) == (1, False, 1024)
+    assert InferenceConfig.build(data_parallel_size=2).dp_size == 2
+    assert InferenceConfig.build().dp_size is None  # the world's remainder
 
 
 def test_tensor_parallel_spellings_agree():
@@ -68,7 +70,9 @@ def test_config_and_kwarg_disagreeing_is_an_error(tmp_path):
 @pytest.mark.parametrize("kwargs,match", [
     ({"max_tokens": 0}, "positive integer"), ({"tp_size": 1.5}, "positive integer"),
     ({"enable_graph": "yes"}, "must be bool"), ({"device": 3}, "must be str or None"),
-    ({"comm_timeout": -1}, "positive, finite number of seconds")])
+    ({"comm_timeout": -1}, "positive, finite number of seconds"),
+    ({"dp_size": 0}, r"dp_size must be a positive integer .*world = pp_size × tp_size × dp_size"),
+    ({"dp_size": True}, "dp_size must be a positive integer")])
 def test_malformed_values(kwargs, match):
     with pytest.raises(shardwise.ConfigError, match=match):
         InferenceConfig.build(**kwargs)
