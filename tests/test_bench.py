@@ -727,7 +727,7 @@ def many_cores(monkeypatch):
     (["--preset", MOE_TINY, "--tp", "2", "--moe-dispatch", "all_reduce"], "needs --ep > 1"),
     # the engine's own plan, on a meta-device copy: 4 heads / 2 kv heads do not split by 3
     (["--preset", MOE_TINY, "--tp", "3", "--ep", "3"], f"--tp 3 --ep 3 (3 ranks) on {MOE_TINY}: "),
-    # lcm(2, 4) = 4 ranks: 2 data-parallel replicas of a tp group, which the engine refuses
+    # lcm(2, 4) = 4 ranks: an expert group of 4 spanning 2 replicas of a tp group (refused)
     (["--preset", MOE_TINY, "--tp", "2", "--ep", "4"], "--tp 2 --ep 4 (4 ranks) on "),
     (["--preset", MOE_TINY, "--ep", "0"], "must be positive, got --tp 1 --ep 0"),
 ])
