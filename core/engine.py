@@ -666,20 +666,30 @@ def _load_step(model: nn.Module, cfg: InferenceConfig, accelerator: Accelerator,
     """Step 4: each rank reads only its slices of the checkpoint, straight onto its device
     (quantized while read with ``quant``). With ``offload=`` each unit goes to its blob as
     soon as it is read and back to meta (:func:`shardwise.offload.checkpoint.load_to_store`):
-    the whole model is never resident; the offload step then binds the units to the ring."""
+    the whole model is never resident; the offload step then binds the units to the ring.
+    Under pipeline stages a rank reads only its stage's tensors (and writes only its stage's
+    units, into a blob shard of its own: :mod:`shardwise.offload.stages`)."""
     hooks = _reading_hooks(model, cfg, accelerator, dtype, device, plan, desc)
     experts = plan.experts.total if plan.experts is not None else None
+    skip = _other_stages(model, plan)
     if cfg.offload is None:
         return _checkpoint.load_checkpoint(model, desc, prepared=plan.shards, rank=rank,
                                            device=device, dtype=dtype, hooks=hooks,
-                                           experts=experts,
-                                           skip_modules=_other_stages(model, plan))
+                                           experts=experts, skip_modules=skip)
     from .offload.checkpoint import checkpoint_units, load_to_store
 
-    return load_to_store(model, desc, cfg.offload, units=checkpoint_units(model, plan.policy),
+    units, dropped, stage = checkpoint_units(model, plan.policy), skip, None
+    if plan.stages is not None:  # this stage's units only, in a blob shard of its own
+        from .moe.block import decoder_layers
+        from .offload.stages import replaced_modules, stage_identity, stage_units
+
+        dropped = replaced_modules(model, decoder_layers(model, plan.policy), plan.stages)
+        units, stage = stage_units(units, dropped), stage_identity(plan.stages)
+    return load_to_store(model, desc, cfg.offload, units=units,
                          prepared=plan.shards, rank=rank, tp_size=plan.tp.size, device=device,
                          dtype=dtype, hooks=hooks, experts=experts, quant=cfg.quant,
-                         pinned=accelerator.pinned_host_buffer if cfg.offload.pin_memory else None)
+                         pinned=accelerator.pinned_host_buffer if cfg.offload.pin_memory else None,
+                         skip_modules=skip, dropped_modules=dropped, stage=stage)
 
 
 def _stage_rank(plan: Plan, communicator: Communicator) -> int:

@@ -15,7 +15,8 @@
   (``lm_head``, from a checkpoint; GPT-2's tied table, Llama's own head): fp32 logits within
   1e-4 of the single-process engine quantized alike, 32 tokens identical.
 * ``offload=`` (from disk) with ``pipeline_parallel``: each rank streams, and stores, only its
-  stage's modules; logits and tokens equal the resident model's.
+  stage's modules; logits and tokens equal the resident model's. Also with ``checkpoint=``
+  (loaded straight into blobs): each rank reads only its stage's tensors into its own shard.
 * Saving (``engine.save_checkpoint``) from plain and from injected stages: the folder reloads
   with and without stages.
 * Bad input: a checkpoint missing a tensor of stage 1 fails on every rank — stage 0 too, which
@@ -388,6 +389,44 @@ def offload_case(rank: int, root: str, arch: str, micro_batches: int = 1,
     return out
 
 
+def offload_checkpoint_case(rank: int, root: str, name: str) -> dict:
+    """Folder ``name`` loaded with ``checkpoint=`` straight into offload blobs (``nvme``, both
+    ranks under one ``nvme_path``) at PP=2: tokens and logits against HF's ``from_pretrained``;
+    the keys this rank read, the units it streams and what its blob directory holds, against
+    its stage's modules."""
+    refs = torch.load(Path(root, "refs.pt"))["hf"][name]
+    blobs = Path(root, f"blobs-ckpt-{name}")
+    blobs.mkdir(exist_ok=True)
+    with _Recorded() as read:
+        engine = shardwise.init_inference(None, checkpoint=str(Path(root, name)), device="cpu",
+                                          dtype=torch.float32, **PP,
+                                          offload={"device": "nvme", "nvme_path": str(blobs)})
+    ids = _ids(engine.module.config.vocab_size)
+    mine = ids if rank == 0 else torch.zeros_like(ids)  # the engine broadcasts rank 0's inputs
+    logits = engine(input_ids=mine).logits
+    tokens = engine.generate(mine, **GEN)
+    model, plan, load, report = engine.module, engine.stages.plan, engine.checkpoint_load, \
+        engine.offload
+    names = {id(m): n for n, m in model.named_modules()}
+    layer_names = [names[id(layer)] for layer in _layers(model)]
+    stage = [layer_names[i] for i in plan.layers]
+    stage += [plan.embed_name] if plan.first else [plan.head_name]
+    manifest = json.loads(Path(report.path, "manifest.json").read_text())
+    out = dict(max_abs=(logits - refs["logits"]).abs().max().item(),
+               tokens_equal=torch.equal(tokens, refs["tokens"]), units=report.units,
+               stage=sorted(stage), path=report.path, reused=report.reused,
+               stored=sorted(u["name"] for u in manifest["units"]),
+               blob_files=sorted(f.name for f in Path(report.path).iterdir()
+                                 if f.name.startswith("unit")),
+               shard=manifest["shard"], split=manifest["fingerprint"]["pp"],
+               read=sorted(read.keys), all_keys=refs["keys"], layer_names=layer_names,
+               layers=list(plan.layers), first=plan.first, last=plan.last,
+               bounds=[list(b) for b in plan.bounds], skipped=load.skipped, summary=load.summary(),
+               meta_left=[n for n, p in model.named_parameters() if p.is_meta])
+    engine.close()
+    return out
+
+
 def _file_keys(folder: Path) -> dict[str, list[str]]:
     """Every safetensors file of ``folder`` → its tensor names."""
     from safetensors import safe_open
@@ -517,6 +556,7 @@ PAIR = {
     **{f"offload-{arch}": (offload_case, arch) for arch in RESIDENT_ARCHS},
     "offload-llama-micro-batches": (offload_case, "llama", 2),
     "offload-gpt2-injected": (offload_case, "gpt2", 1, True),
+    **{f"offload-ckpt-{name}": (offload_checkpoint_case, name) for name in FOLDERS},
     "ckpt-missing-key": (broken_case,),
     "save-llama": (save_case, "llama"),
     "save-gpt2-sharded": (save_case, "gpt2-sharded"),
@@ -755,6 +795,29 @@ def test_pp2_offloaded_stages_stream_only_their_own_layers(pair, name):
     assert not set(first["units"]) & set(last["units"])
     assert first["path"] != last["path"]
     assert (first["coords"]["pp"], last["coords"]["pp"]) == (0, 1)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(FOLDERS))
+def test_pp2_offload_from_a_checkpoint_reads_and_stores_only_its_stage(pair, name):
+    """``checkpoint=`` straight into offload blobs at PP=2 (Llama; GPT-2, tied head, sharded
+    files): fp32 logits within 1e-4 of HF's ``from_pretrained`` and 32 greedy tokens identical;
+    each rank reads only its stage's tensors, and its blob directory (a shard of its own:
+    its stage, its units; the split in the shared fingerprint) holds exactly its stage's
+    modules, one blob each."""
+    first, last = _case(pair, f"offload-ckpt-{name}")
+    _check_reads([first, last], name)
+    for r in (first, last):
+        print(f"offload from checkpoint {name} PP=2: max |logit diff| {r['max_abs']:.2e}")
+        assert r["max_abs"] < ATOL and r["tokens_equal"], r["summary"]
+        assert sorted(r["units"]) == r["stage"] == r["stored"], (r["units"], r["stored"])
+        assert len(r["blob_files"]) == len(r["units"]) and not r["reused"], r["blob_files"]
+        assert sorted(r["shard"]["units"]) == r["stage"]
+    assert not set(first["units"]) & set(last["units"])
+    assert first["path"] != last["path"]
+    assert Path(first["path"]).parent == Path(last["path"]).parent  # one group: one split
+    assert (first["shard"]["stage"], last["shard"]["stage"]) == (0, 1)
+    assert first["split"] == last["split"] == {"size": 2, "bounds": first["bounds"]}
 
 
 # ----- one process: what still does not compose -------------------------------------------------

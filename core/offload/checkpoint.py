@@ -24,6 +24,12 @@ injection, which adopts the same submodules under the same names). Other buffers
 resident. A tensor shared by two units (tied input and output embeddings) is written in both
 blobs and released once both are written.
 
+Under pipeline stages a rank's units are its stage's only (:mod:`shardwise.offload.stages`):
+the loader skips the other stages' tensors (``skip_modules``), the modules the pipeline step
+will replace are neither units nor resident (``dropped_modules``: a tied table read as the
+first stage's embedding belongs to that unit alone), and the stage's blobs are a shard of their
+own (the split in the fingerprint, the stage and its units in the shard).
+
 After the load the unit tensors are on ``meta``: the later engine steps must leave them there
 (:func:`to_resident` moves and casts only the real tensors) and the offload step binds them to
 ring slots from the store :class:`WrittenStore` describes. The loader's own pass over meta
@@ -145,11 +151,19 @@ def unit_tensors(module: nn.Module, resident: set[int] = frozenset()
     return out
 
 
-def resident_ids(model: nn.Module, units: Sequence[CheckpointUnit]) -> set[int]:
-    """ids of the tensors registered on a module outside every unit (they stay resident)."""
+def resident_ids(model: nn.Module, units: Sequence[CheckpointUnit],
+                 dropped: Sequence[str] = ()) -> set[int]:
+    """ids of the tensors registered on a module outside every unit (they stay resident),
+    the modules under ``dropped`` (names: the pipeline step replaces them) not counted."""
     inside = {id(m) for u in units for m in u.module.modules()}
-    return {id(t) for m in model.modules() if id(m) not in inside
+    return {id(t) for n, m in model.named_modules() if id(m) not in inside
+            and not _inside(n, dropped)
             for table in (m._parameters, m._buffers) for t in table.values() if t is not None}
+
+
+def _inside(name: str, modules: Sequence[str]) -> bool:
+    """Whether ``name`` (a module's or a tensor's) is one of ``modules`` or lies inside one."""
+    return any(name == m or name.startswith(m + ".") for m in modules)
 
 
 def _unit_of(name: str, units: Sequence[CheckpointUnit]) -> list[int]:
@@ -161,7 +175,8 @@ def _unit_of(name: str, units: Sequence[CheckpointUnit]) -> list[int]:
 
 def checkpoint_fingerprint(desc: Any, *, dtype: torch.dtype, rank: int, tp_size: int,
                            units: Sequence[CheckpointUnit], quant: Any = None,
-                           extra: Mapping[str, Any] | None = None
+                           extra: Mapping[str, Any] | None = None,
+                           stage: tuple[Mapping[str, Any], Mapping[str, Any]] | None = None
                            ) -> tuple[dict[str, Any], dict[str, Any] | None]:
     """What blobs written from a checkpoint depend on, as ``(fingerprint, shard)`` (the
     :class:`~shardwise.offload.store.DiskStore` arguments, split as the offload step splits
@@ -169,7 +184,12 @@ def checkpoint_fingerprint(desc: Any, *, dtype: torch.dtype, rank: int, tp_size:
     modification time), the compute dtype, the quant settings, the tp size, the units,
     :data:`CHECKPOINT_FORMAT` and ``extra``; ``shard``: this rank (None at tp size 1). Another
     checkpoint or setting gives another store directory (the old one is listed as stale, never
-    read); the ranks of one run keep their shards side by side."""
+    read); the ranks of one run keep their shards side by side.
+
+    With pipeline stages (``stage``: :func:`shardwise.offload.stages.stage_identity`'s pair)
+    the split joins the fingerprint, and this rank's stage, its rank and its units (this
+    stage's only) form the shard: each stage's blobs are a directory of their own, and blobs
+    of another stage or split are never used."""
     files = []
     for f in desc.files:
         st = Path(f).stat()
@@ -181,6 +201,10 @@ def checkpoint_fingerprint(desc: Any, *, dtype: torch.dtype, rank: int, tp_size:
         "units": [u.name for u in units],
         "quant": to_dict() if callable(to_dict) else (None if quant is None else str(quant)),
         **dict(extra or {})}
+    if stage is not None:
+        shared, own = stage
+        fingerprint.update(shared)
+        return fingerprint, {"rank": rank, **own, "units": fingerprint.pop("units")}
     return fingerprint, ({"rank": rank} if tp_size > 1 else None)
 
 
@@ -201,14 +225,20 @@ class WriteThrough(TensorHook):
         quantizer: the reading quantizer, when quantizing while reading: each unit's MoE
             experts modules (read whole, 3-D) are quantized with it just before the unit is
             written, as the engine's step 6 would after the load.
+        dropped: names of modules the pipeline step replaces on this rank
+            (:func:`shardwise.offload.stages.replaced_modules`): a tensor read under one of
+            them belongs to the unit its other name is in, and their own tensors neither
+            stream nor stay resident.
     """
 
     name = HOOK_NAME
 
     def __init__(self, store: DiskStore | MemoryStore, units: Sequence[CheckpointUnit],
                  dtype: torch.dtype | None, inner: Iterable[TensorHook] = (),
-                 settings: OffloadConfig | None = None, quantizer: Any = None) -> None:
+                 settings: OffloadConfig | None = None, quantizer: Any = None,
+                 dropped: Sequence[str] = ()) -> None:
         self.store, self.units, self.dtype = store, list(units), dtype
+        self.dropped = tuple(dropped)
         self.inner = tuple(inner)
         self.settings, self.quantizer = settings, quantizer
         self.inner_results: dict[str, Any] = {}
@@ -228,7 +258,7 @@ class WriteThrough(TensorHook):
         """Map every tensor the load reads to its unit(s), refuse units already holding real
         tensors, check the disk holds the blobs; then the inner hooks plan."""
         self._root = model
-        resident = resident_ids(model, self.units)
+        resident = resident_ids(model, self.units, self.dropped)
         for u in self.units:
             real = [k for k, _, _, t in unit_tensors(u.module, resident) if not t.is_meta]
             if real:
@@ -243,8 +273,9 @@ class WriteThrough(TensorHook):
             self._refs[key] = ref
             if ref.is_buffer:
                 continue  # buffers stay resident: the loader assigns them
-            owners = [_unit_of(n, self.units) for n in ref.names]
-            if not all(owners):
+            names = [n for n in ref.names if not _inside(n, self.dropped)]
+            owners = [_unit_of(n, self.units) for n in names]
+            if not owners or not all(owners):
                 continue  # not in a unit, or a module outside every unit holds it too
             owners = sorted({i for found in owners for i in found})
             self._ref_units[key] = owners
@@ -329,7 +360,7 @@ class WriteThrough(TensorHook):
     def _write(self, unit: CheckpointUnit) -> list[tuple[str, nn.Module, str, torch.Tensor]]:
         """Lay out and write ``unit``'s blob; returns its streamed tensors."""
         self._quantize_experts(unit)
-        tensors = unit_tensors(unit.module, resident_ids(self._root, self.units))
+        tensors = unit_tensors(unit.module, resident_ids(self._root, self.units, self.dropped))
         meta = [k for k, _, _, t in tensors if t.is_meta]
         if meta:
             raise OffloadError(f"offload while loading a checkpoint: unit {unit.name!r} is "
@@ -445,7 +476,9 @@ def load_to_store(model: nn.Module, desc: Any, settings: OffloadConfig, *,
                   dtype: torch.dtype | None = None, hooks: Sequence[TensorHook] = (),
                   experts: int | None = None, quant: Any = None,
                   fingerprint_extra: Mapping[str, Any] | None = None,
-                  pinned: Any = None):
+                  pinned: Any = None, skip_modules: Sequence[str] = (),
+                  dropped_modules: Sequence[str] | None = None,
+                  stage: tuple[Mapping[str, Any], Mapping[str, Any]] | None = None):
     """:func:`shardwise.checkpoint.load_checkpoint` with :class:`WriteThrough`: the units are
     written to a :class:`~shardwise.offload.store.DiskStore` under ``settings.nvme_path`` (the
     ``"nvme"`` tier; the ``"cpu"`` tier: a :class:`~shardwise.offload.store.MemoryStore` of
@@ -463,6 +496,14 @@ def load_to_store(model: nn.Module, desc: Any, settings: OffloadConfig, *,
         quant: the quant settings (in the fingerprint).
         pinned: the ``"cpu"`` tier's pinned-buffer factory (the accelerator's
             ``pinned_host_buffer`` when ``pin_memory`` is on), or None for pageable buffers.
+        skip_modules: modules whose tensors this rank does not read (another pipeline stage
+            runs them), as ``load_checkpoint``'s.
+        dropped_modules: modules the pipeline step replaces on this rank (``skip_modules``
+            and a tied head off the last stage: :func:`shardwise.offload.stages.
+            replaced_modules`); None: ``skip_modules``. ``units`` must then be this stage's
+            (:func:`shardwise.offload.stages.stage_units`).
+        stage: with pipeline stages, :func:`shardwise.offload.stages.stage_identity`'s pair
+            (the split in the fingerprint; the stage and its units in the shard).
 
     Returns:
         The ``LoadReport``: its ``results`` hold the inner hooks' results under their names
@@ -478,14 +519,16 @@ def load_to_store(model: nn.Module, desc: Any, settings: OffloadConfig, *,
         raise OffloadError("loading a checkpoint straight into offload blobs needs the compute "
                            "dtype (the blobs hold the weights as they run)")
     fingerprint, shard = checkpoint_fingerprint(desc, dtype=dtype, rank=rank, tp_size=tp_size,
-                                                units=units, quant=quant, extra=fingerprint_extra)
+                                                units=units, quant=quant, extra=fingerprint_extra,
+                                                stage=stage)
     store = DiskStore(settings.nvme_path, fingerprint, shard) if settings.device == "nvme" else \
         MemoryStore(pinned)
     quantizer = next((getattr(h, "quantizer") for h in hooks if hasattr(h, "quantizer")), None)
-    hook = WriteThrough(store, units, dtype, hooks, settings, quantizer)
+    dropped = tuple(skip_modules if dropped_modules is None else dropped_modules)
+    hook = WriteThrough(store, units, dtype, hooks, settings, quantizer, dropped)
     loaded = _checkpoint.load_checkpoint(model, desc, prepared=prepared, rank=rank,
                                          device=device, dtype=dtype, hooks=[hook],
-                                         experts=experts)
+                                         experts=experts, skip_modules=tuple(skip_modules))
     loaded.results.update(hook.inner_results)
     return loaded
 

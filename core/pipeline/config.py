@@ -118,7 +118,9 @@ def check_with_other_fields(cfg: Any) -> None:
     ``tensor_parallel`` gathered whole on each stage's tp rank 0, not with ``quant`` or
     injection); ``quant``'s ``lm_head`` composes
     (the last stage quantizes the head; a tied table is quantized alike on the first stage:
-    :mod:`shardwise.pipeline.quant`)."""
+    :mod:`shardwise.pipeline.quant`); ``offload=`` composes, with a model handed in or with
+    ``checkpoint=`` (each rank streams its stage's modules; loading, it reads only its stage's
+    tensors into a blob shard of its own: :mod:`shardwise.offload.stages`)."""
     if cfg.pipeline_parallel is None:
         return
     if cfg.save_mp_checkpoint_path and cfg.tp_size > 1 and (
@@ -128,9 +130,3 @@ def check_with_other_fields(cfg: Any) -> None:
             f"save_mp_checkpoint_path with pipeline_parallel and tensor_parallel saves the "
             f"stages' tensors gathered whole, which {what} does not support yet; drop {what} "
             f"(or tensor_parallel) for the saving run (the saved folder loads with it)")
-    if cfg.offload is not None and cfg.checkpoint:
-        raise NotSupportedYetError(
-            f"offload={cfg.offload!r} together with checkpoint= is not supported yet with "
-            f"pipeline_parallel (loading straight into offload blobs would read every stage's "
-            f"layers on every rank); build the model first (from_pretrained) and hand it in, "
-            f"or drop checkpoint=, offload= or pipeline_parallel")
