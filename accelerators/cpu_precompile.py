@@ -93,7 +93,9 @@ def _thread_idents() -> set[int]:
 
 def _opaque_types() -> tuple[type, ...]:
     """Objects described by their type alone: the graph machinery (a strategy's counters, the
-    graphs already captured) is reachable from a step's modules but is not what it computes."""
+    graphs already captured) is reachable from a step's modules but is not what it computes.
+    A class may say so itself with a true ``describe_opaque`` class attribute (e.g. the undo
+    bookkeeping of fused projections: storage addresses, the ledger)."""
     from shardwise.accelerator import GraphStrategy
     from shardwise.graphs import StaticGraph
 
@@ -142,7 +144,8 @@ def describe(obj: Any, depth: int = 0, seen: dict[int, tuple[int, Any]] | None =
     if id(obj) in seen:
         out.append(f"@{seen[id(obj)][0]}")
         return out
-    if depth >= _MAX_DEPTH or isinstance(obj, (types.ModuleType, *_opaque_types())):
+    if depth >= _MAX_DEPTH or isinstance(obj, (types.ModuleType, *_opaque_types())) or getattr(
+            type(obj), "describe_opaque", False):
         # not marked as seen: met again nearer the root, it is described in full there
         out.append(f"<{type(obj).__qualname__}:{getattr(obj, '__name__', '')}>")
         return out

@@ -224,6 +224,26 @@ def test_cpu_graphs_lay_out_the_fused_weight_once(monkeypatch):
     assert before.keys() == back.keys()
 
 
+def test_a_graph_forward_faster_unfused_gets_the_parts(monkeypatch):
+    """A strategy forward whose class says ``unfused_faster`` (the CPU's one-row bf16 product,
+    once cpu_gemv marks it) puts that layer back on its parts before capture: the captured
+    step calls the parts, with the tokens of the unfused engine."""
+    from shardwise.accelerators import cpu_gemv
+
+    monkeypatch.setattr(cpu_gemv.RowProductLinear, "unfused_faster", True, raising=False)
+    model, engine = _engine("llama", True, monkeypatch, dtype=torch.bfloat16, enable_graph=True)
+    stack = injected_stack(model)
+    assert fusion_report(stack) == {"q|k|v": 0, "gate|up": 0}
+    attn = model.model.layers[0].self_attn
+    assert isinstance(vars(attn.q_proj).get("forward"), cpu_gemv.RowProductLinear)
+    assert _storage(attn.q_proj.weight) != _storage(attn.k_proj.weight)
+    ref_model, ref = _engine("llama", False, monkeypatch, dtype=torch.bfloat16)
+    ids = prompt_ids(batch=1, length=8, vocab=model.config.vocab_size)
+    assert torch.equal(engine.generate(ids, **GEN), ref.generate(ids, **GEN))
+    engine.close()
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+
+
 def test_offload_keeps_the_unfused_projections(tmp_path, monkeypatch):
     """The offload step streams each part's tensors as per-layer blobs: it puts the layers back
     on their unfused projections first (core/offload/transform.py)."""

@@ -278,9 +278,29 @@ def _share_weights(model: nn.Module, head: nn.Module | None, strategy: GraphStra
                                                     groups), tied)
     for group in groups:
         group.follow_layout()
+    changed += _unfuse_where_slower(stack, groups, strategy)
     if changed:
         log.info("shardwise: %d linear weights laid out for %s (shared by eager and captured "
                  "code)", changed, strategy.name)
+
+
+def _unfuse_where_slower(stack: InjectedModel | None, groups: list,
+                         strategy: GraphStrategy) -> int:
+    """Put the fused groups whose module the strategy gave a forward that runs the parts faster
+    one by one (its class says ``unfused_faster = True``, e.g. a product the compiled step
+    streams per weight) back on their parts, and let the strategy lay those out instead.
+    Returns what that ``share_weights`` call changed."""
+    slower = [g for g in groups if getattr(g.module.__dict__.get("forward"), "unfused_faster",
+                                           False)]
+    if not slower:
+        return 0
+    slow = {id(g) for g in slower}
+    for layer in stack._own:
+        if any(id(g) in slow for g in layer.fused_groups):
+            layer.unfuse_projections()
+    log.info("shardwise: %d fused projections run unfused under %s (its product is faster per "
+             "part)", len(slower), strategy.name)
+    return strategy.share_weights([p for g in slower for p in g.parts], None)
 
 
 def trial_step(stack: InjectedModel, graphs: DecodeGraphs) -> None:
