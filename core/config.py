@@ -102,6 +102,10 @@ class InferenceConfig:
             or a pipeline of pp × tp ranks) runs on the inputs of its own first rank, and no
             collective crosses replicas (unless they form one expert-parallel group, which
             then shares rank 0's inputs). ``None``: the world's remainder after pp × tp.
+        fuse_projections: with injection, run separate q, k, v as one projection and separate
+            gate, up as one, over one copy of the weights (the HF parameters become views of
+            the fused tensors: :mod:`shardwise.inject.fuse`); ``None``: the
+            ``SHARDWISE_FUSE_PROJECTIONS`` environment variable, default on.
     """
 
     device: str | None = None
@@ -121,6 +125,7 @@ class InferenceConfig:
     offload: "OffloadConfig | dict | None" = None
     pipeline_parallel: "PipelineSettings | dict | int | None" = None
     dp_size: int | None = None
+    fuse_projections: bool | None = None
 
     # ----- construction -------------------------------------------------------------------------
 
@@ -146,6 +151,7 @@ class InferenceConfig:
         _check_type("device", self.device, (str, type(None)))
         for name in ("replace_with_kernel_inject", "enable_graph"):
             _check_type(name, getattr(self, name), (bool,))
+        _check_type("fuse_projections", self.fuse_projections, (bool, type(None)))
         for name in ("tp_size", "max_tokens"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -378,6 +384,10 @@ def _check_injection(cfg: InferenceConfig) -> None:
     if cfg.max_tokens != InferenceConfig.max_tokens:
         raise ConfigError(f"max_tokens={cfg.max_tokens!r} (max_out_tokens) sizes the static KV "
                           f"cache of injected models; it needs replace_with_kernel_inject=True")
+    if cfg.fuse_projections is not None:
+        raise ConfigError(f"fuse_projections={cfg.fuse_projections!r} fuses the injected layers' "
+                          f"q|k|v and gate|up projections; it needs "
+                          f"replace_with_kernel_inject=True")
 
 
 def _check_offload(cfg: InferenceConfig) -> None:

@@ -584,7 +584,8 @@ def _build_engine(model: nn.Module | None, cfg: InferenceConfig) -> InferenceEng
         from .inject import inject_model
 
         injected = inject_model(model, accelerator, dtype, _max_tokens(cfg),
-                                policy=plan.found_policy, heads=_injected_heads(plan))
+                                policy=plan.found_policy, heads=_injected_heads(plan),
+                                fuse_projections=cfg.fuse_projections)
         # its own new tensors (ALiBi slopes); units loaded straight into blobs stay on meta
         transforms.move_and_cast(injected, device, dtype, keep_meta=_loaded_offloaded(loaded))
     offload = _offload_step(model, cfg, accelerator, dtype, device, plan, injected,

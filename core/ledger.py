@@ -528,6 +528,24 @@ class Ledger:
                     lost.append(f"{state.name} (was {state.dropped.describe()}; {why})")
         return lost
 
+    def holds_original(self, param: torch.Tensor) -> bool:
+        """Whether ``param`` still holds the tensor recorded for it when this ledger opened."""
+        return any(state.tensor is param and state.data is not None
+                   and _same_tensor(param.data, state.data) for state in self._tensors)
+
+    def relocated(self, old: torch.Tensor, new: torch.Tensor) -> None:
+        """An undo moved ``old`` (what init left in the model) to ``new``, the same values,
+        rebuilding nothing: ``new`` counts as what init left there, so :meth:`give_back` still
+        names a weight no undo rebuilt (fused projections: :mod:`shardwise.inject.fuse`)."""
+        before, after = _view_of(old), _view_of(new)
+        if before is None or after is None:
+            return
+        for state in self._tensors:
+            dropped = state.dropped
+            if dropped is not None and any(ref.cdata == before[0].cdata and shape == before[1]
+                                           for ref, shape in dropped.left):
+                dropped.left.append(after)
+
     def held_bytes(self) -> dict[str, int]:
         """Bytes the record keeps alive that the live model no longer holds: ``{"parameters":
         n, "buffers": m}`` (e.g. weights a transform sharded, quantized or cast, until

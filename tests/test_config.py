@@ -72,7 +72,9 @@ def test_config_and_kwarg_disagreeing_is_an_error(tmp_path):
     ({"enable_graph": "yes"}, "must be bool"), ({"device": 3}, "must be str or None"),
     ({"comm_timeout": -1}, "positive, finite number of seconds"),
     ({"dp_size": 0}, r"dp_size must be a positive integer .*world = pp_size × tp_size × dp_size"),
-    ({"dp_size": True}, "dp_size must be a positive integer")])
+    ({"dp_size": True}, "dp_size must be a positive integer"),
+    ({"fuse_projections": "no"}, "fuse_projections must be bool or None"),
+    ({"fuse_projections": False}, "fuse_projections=False fuses .* needs replace_with_kernel")])
 def test_malformed_values(kwargs, match):
     with pytest.raises(shardwise.ConfigError, match=match):
         InferenceConfig.build(**kwargs)

@@ -164,7 +164,10 @@ def test_close_gives_the_model_back():
     """An engine that only added structure (injection over the weights as handed in) gives
     the model back exactly; the closed engine refuses further use."""
     model, before, weights, logits = _model_and_record()
-    engine = shardwise.init_inference(model, device="cpu", replace_with_kernel_inject=True)
+    # unfused: the weights' data pointers are compared, and fused projections re-point the
+    # weights into one storage per group (test_inject_fuse checks their close())
+    engine = shardwise.init_inference(model, device="cpu", replace_with_kernel_inject=True,
+                                      fuse_projections=False)
     ids = prompt_ids()
     engine.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0)
     assert isinstance(model.model, InjectedModel)

@@ -323,42 +323,16 @@ def _fused_module(first: nn.Module, fused: dict[str, torch.Tensor], width: int) 
 
 def _holds_original(ledger: Any, param: torch.Tensor) -> bool:
     """Whether ``param`` holds the tensor ``ledger`` recorded for it when it was opened
-    (``Ledger.holds_original``; where the installed ledger has no such method, the same
-    question asked of its records). False without a ledger."""
-    if ledger is None:
-        return False
-    method = getattr(ledger, "holds_original", None)
-    if callable(method):
-        return bool(method(param))
-    from ..ledger import _same_tensor
-
-    return any(state.tensor is param and state.data is not None
-               and _same_tensor(param.data, state.data)
-               for state in getattr(ledger, "_tensors", ()))
+    (:meth:`~shardwise.ledger.Ledger.holds_original`). False without a ledger."""
+    return ledger is not None and ledger.holds_original(param)
 
 
 def _relocated(ledger: Any, old: torch.Tensor, new: torch.Tensor) -> None:
     """Tell ``ledger`` that an undo moved ``old`` (what init left in the model, fused from
-    another step's output) to ``new``, the same values, rebuilding nothing: ``new`` then counts
-    as what init left there, so a weight whose step recorded no undo is still reported by
-    ``give_back`` (``Ledger.relocated``; where the installed ledger has no such method, the
-    same bookkeeping on its records)."""
-    if ledger is None:
-        return
-    method = getattr(ledger, "relocated", None)
-    if callable(method):
-        method(old, new)
-        return
-    from ..ledger import _view_of  # the ledger's own view signature (storage ref, layout)
-
-    before, after = _view_of(old), _view_of(new)
-    if before is None or after is None:
-        return
-    for state in getattr(ledger, "_tensors", ()):
-        dropped = state.dropped
-        if dropped is not None and any(ref.cdata == before[0].cdata and shape == before[1]
-                                       for ref, shape in dropped.left):
-            dropped.left.append(after)
+    another step's output) to ``new``, the same values, rebuilding nothing
+    (:meth:`~shardwise.ledger.Ledger.relocated`)."""
+    if ledger is not None:
+        ledger.relocated(old, new)
 
 
 def layout_targets(modules: list[nn.Module], groups: list[FusedProjection]) -> list[nn.Module]:
