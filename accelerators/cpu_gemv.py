@@ -55,6 +55,12 @@ class RowProductLinear:
     weight: inside ``torch.compile`` with one row, :func:`row_product`; otherwise the module's
     own product (``F.linear``, or ``Conv1D``'s ``addmm``), unchanged."""
 
+    #: fused q|k|v and gate|up projections run back on their parts before the step is compiled
+    #: (:mod:`shardwise.inject.fuse`): separate row products measured 4% faster in the compiled
+    #: step (SmolLM2-135M bf16 batch 1, 10.86 vs 11.35 ms/token, quiet, 2 threads:
+    #: benchmarks/results/cpu-fused-projections-graphs-quiet.json)
+    unfused_faster = True
+
     def __init__(self, module: nn.Module, conv1d: bool) -> None:
         self.module, self.conv1d = module, conv1d
 

@@ -226,11 +226,10 @@ def test_cpu_graphs_lay_out_the_fused_weight_once(monkeypatch):
 
 def test_a_graph_forward_faster_unfused_gets_the_parts(monkeypatch):
     """A strategy forward whose class says ``unfused_faster`` (the CPU's one-row bf16 product,
-    once cpu_gemv marks it) puts that layer back on its parts before capture: the captured
-    step calls the parts, with the tokens of the unfused engine."""
+    measured faster per part in the compiled step) puts that layer back on its parts before
+    capture: the captured step calls the parts, with the tokens of the unfused engine."""
     from shardwise.accelerators import cpu_gemv
 
-    monkeypatch.setattr(cpu_gemv.RowProductLinear, "unfused_faster", True, raising=False)
     model, engine = _engine("llama", True, monkeypatch, dtype=torch.bfloat16, enable_graph=True)
     stack = injected_stack(model)
     assert fusion_report(stack) == {"q|k|v": 0, "gate|up": 0}
