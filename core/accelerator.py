@@ -61,6 +61,11 @@ class GraphStrategy:
     #: would stay resident inside the graphs). The default is the safe one for a strategy that
     #: does not say: ``"addresses"``.
     weight_binding: ClassVar[str] = "addresses"
+    #: Whether the captured code runs an opaque op's Python at every replay (compiled code
+    #: calling the op) rather than replaying what it recorded (a CUDA graph): serving's
+    #: compiled mixed steps (:mod:`shardwise.inject.slots`) read each chunk's place on the host
+    #: inside such an op, so they are captured only where this is True.
+    replays_host_code: ClassVar[bool] = False
 
     def capture(self, fn: Callable[..., torch.Tensor], *example_args: torch.Tensor) -> Callable:
         """Return ``fn`` itself: eager execution needs no capture."""

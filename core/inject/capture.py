@@ -100,8 +100,14 @@ class DecodeGraphs:
             hidden, logits = out[0][:b].clone(), out[1][:b].clone()
         if stage is not None:  # the last stage (the head is captured there only)
             stage.send(hidden)
-        self._pending = (hidden, hidden._version, logits)
+        self.offer_logits(hidden, logits)
         return hidden
+
+    def offer_logits(self, hidden: torch.Tensor, logits: torch.Tensor) -> None:
+        """Hand ``logits`` [b, vocab] (computed with ``hidden`` [b, hidden] by a captured step)
+        to the head's next call on ``hidden`` (:meth:`take_logits`), so the head is not run a
+        second time eagerly."""
+        self._pending = (hidden, hidden._version, logits)
 
     def _step(self, stack: InjectedModel, cache: StaticKVCache):
         head = self.head_forward

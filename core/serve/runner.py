@@ -379,7 +379,7 @@ class SlotRunner:
             if graphs.head_forward is None:
                 return out.clone()
             hidden, logits = out[0].clone(), out[1].clone()
-        graphs._pending = (hidden, hidden._version, logits)  # the head call takes them
+        graphs.offer_logits(hidden, logits)  # the head call takes them
         return hidden
 
     def _capture_packed(self, bucket: int) -> Any:
@@ -412,7 +412,7 @@ class SlotRunner:
         if type(graphs) is not DecodeGraphs:
             return (f"the decode step is captured by {type(graphs).__name__} (layer by layer), "
                     f"not as one step")
-        if not getattr(self.strategy, "replays_host_code", False):
+        if not self.strategy.replays_host_code:
             return (f"the {self.strategy.name!r} graph strategy replays what it recorded, and a "
                     f"mixed step's prompt chunks are attended over ranges read on the host at "
                     f"each step")

@@ -137,9 +137,10 @@ def _decode_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                alibi_slopes: torch.Tensor | None, scale: float | None,
                window: int | None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """:func:`attention_decode` as an op the compiler calls without tracing into it (``sinks``
-    last and optional: callers written before it keep working)."""
+    last and optional: callers written before it keep working). Its output is contiguous
+    whatever ``q``'s strides, as its fake kernel says."""
     return _attention_decode(q, k_cache, v_cache, lengths, alibi_slopes, scale, starts, window,
-                             sinks)
+                             sinks).contiguous()
 
 
 @_decode_op.register_fake
