@@ -64,15 +64,35 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def _load(args: argparse.Namespace, dtype: torch.dtype):
-    """(model, tokenizer or None) of --preset, --model or the default model."""
+def load_source(args: argparse.Namespace, dtype: torch.dtype):
+    """(model, tokenizer or None) of --preset, --model or the default model, in ``dtype``."""
     if args.preset:
         from shardwise.bench.presets import build_preset
 
         return build_preset(args.preset, dtype), None
     from shardwise.models import load_model
 
-    return load_model(args.model)
+    return load_model(args.model, dtype=dtype)
+
+
+def provenance(args: argparse.Namespace) -> dict:
+    """The results' header: command, load, threads, machine, device, torch; ``rows`` empty."""
+    return {"command": " ".join([os.path.basename(sys.argv[0]), *sys.argv[1:]]),
+            "load": os.getloadavg(), "threads": torch.get_num_threads(),
+            "machine": platform.processor() or platform.machine(),
+            "device": shardwise.get_accelerator(args.device).device_name(),
+            "torch": torch.__version__, "rows": []}
+
+
+def finish(results: dict, output: str | None) -> int:
+    """Stamp the end of a run, write ``results`` to ``output`` (if given); the exit status:
+    0 when every row saw the same tokens."""
+    results["load_after"] = os.getloadavg()
+    results["finished"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    if output:
+        with open(output, "w") as f:
+            json.dump(results, f, indent=1)
+    return 0 if all(r["same_tokens"] for r in results["rows"]) else 1
 
 
 def _time_pair(engine, inputs: dict, kwargs: dict, sync, fast_first: bool) -> dict:
@@ -115,12 +135,8 @@ def run(args: argparse.Namespace) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = parse_dtype(args.dtype)
-    source, tokenizer = _load(args, dtype)
-    results = {"command": " ".join([os.path.basename(sys.argv[0]), *sys.argv[1:]]),
-               "load": os.getloadavg(), "threads": torch.get_num_threads(),
-               "machine": platform.processor() or platform.machine(),
-               "device": shardwise.get_accelerator(args.device).device_name(),
-               "torch": torch.__version__, "rows": []}
+    source, tokenizer = load_source(args, dtype)
+    results = provenance(args)
     for i, name in enumerate(args.variant):  # the last variant transforms the loaded model
         model = source if i == len(args.variant) - 1 else copy.deepcopy(source)
         engine = shardwise.init_inference(model, device=args.device, dtype=dtype,
@@ -128,18 +144,12 @@ def run(args: argparse.Namespace) -> dict:
         for batch in args.batch:
             results["rows"].append(_measure(engine, tokenizer, name, batch, args))
         del engine
-    results["load_after"] = os.getloadavg()
-    results["finished"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     return results
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
-    results = run(args)
-    if args.output:
-        with open(args.output, "w") as f:
-            json.dump(results, f, indent=1)
-    return 0 if all(r["same_tokens"] for r in results["rows"]) else 1
+    return finish(run(args), args.output)
 
 
 if __name__ == "__main__":

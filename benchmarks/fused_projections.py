@@ -21,12 +21,7 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
-import os
-import platform
 import statistics
-import sys
-import time
 
 import torch
 
@@ -36,7 +31,9 @@ from shardwise.bench.runner import generation_kwargs, make_inputs
 from shardwise.config import parse_dtype
 from shardwise.generation import timed_generate
 from shardwise.inject import injected_stack
-from shardwise.inject.fuse import FUSE_ENV, fusion_report
+from shardwise.inject.fuse import fusion_report
+
+from decode_loop import finish, load_source, provenance  # benchmarks/: the script's folder
 
 #: --precision → (the model's dtype when --dtype is not given, quant preset or None)
 PRECISIONS = {"fp32": ("fp32", None), "bf16": ("bf16", None), "int8": ("bf16", "int8"),
@@ -63,30 +60,11 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def _load(args: argparse.Namespace, dtype: torch.dtype):
-    """(model, tokenizer or None) of --preset, --model or the default model, in ``dtype``."""
-    if args.preset:
-        from shardwise.bench.presets import build_preset
-
-        return build_preset(args.preset, dtype), None
-    from shardwise.models import load_model
-
-    return load_model(args.model, dtype=dtype)
-
-
 def _engine(model, args: argparse.Namespace, dtype: torch.dtype, quant: str | None, fuse: bool):
     """``init_inference`` of ``model`` with fused projections on or off."""
-    before = os.environ.get(FUSE_ENV)
-    os.environ[FUSE_ENV] = "1" if fuse else "0"
-    try:
-        return shardwise.init_inference(model, device=args.device, dtype=dtype,
-                                        **engine_options(inject=True, graphs=args.graphs,
-                                                         quant=quant))
-    finally:
-        if before is None:
-            os.environ.pop(FUSE_ENV)
-        else:
-            os.environ[FUSE_ENV] = before
+    return shardwise.init_inference(model, device=args.device, dtype=dtype,
+                                    fuse_projections=fuse,
+                                    **engine_options(inject=True, graphs=args.graphs, quant=quant))
 
 
 def _measure(engines: dict, tokenizer, name: str, args: argparse.Namespace) -> dict:
@@ -120,33 +98,23 @@ def _measure(engines: dict, tokenizer, name: str, args: argparse.Namespace) -> d
 def run(args: argparse.Namespace) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
-    results = {"command": " ".join([os.path.basename(sys.argv[0]), *sys.argv[1:]]),
-               "load": os.getloadavg(), "threads": torch.get_num_threads(),
-               "machine": platform.processor() or platform.machine(),
-               "device": shardwise.get_accelerator(args.device).device_name(),
-               "torch": torch.__version__, "rows": []}
+    results = provenance(args)
     for name in args.precision:
         model_dtype, quant = PRECISIONS[name]
         dtype = parse_dtype(args.dtype or model_dtype)
-        source, tokenizer = _load(args, dtype)
+        source, tokenizer = load_source(args, dtype)
         engines = {"fused": _engine(copy.deepcopy(source), args, dtype, quant, True),
                    "unfused": _engine(source, args, dtype, quant, False)}
         results["rows"].append(_measure(engines, tokenizer, name, args))
         for engine in engines.values():
             engine.close()
         del engines, source
-    results["load_after"] = os.getloadavg()
-    results["finished"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     return results
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
-    results = run(args)
-    if args.output:
-        with open(args.output, "w") as f:
-            json.dump(results, f, indent=1)
-    return 0 if all(r["same_tokens"] for r in results["rows"]) else 1
+    return finish(run(args), args.output)
 
 
 if __name__ == "__main__":
