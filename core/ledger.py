@@ -533,6 +533,14 @@ class Ledger:
         return any(state.tensor is param and state.data is not None
                    and _same_tensor(param.data, state.data) for state in self._tensors)
 
+    def original(self, param: torch.Tensor) -> torch.Tensor | None:
+        """The tensor ``param`` held when this ledger opened, while the record still keeps it
+        (until :meth:`drop_replaced`); None otherwise."""
+        for state in self._tensors:
+            if state.tensor is param and state.data is not None:
+                return state.data
+        return None
+
     def relocated(self, old: torch.Tensor, new: torch.Tensor) -> None:
         """An undo moved ``old`` (what init left in the model) to ``new``, the same values,
         rebuilding nothing: ``new`` counts as what init left there, so :meth:`give_back` still

@@ -189,6 +189,67 @@ def test_groups_that_cannot_fuse_keep_their_projections(monkeypatch):
     assert fusion_report(gpt2) == {"q|k|v": 0, "gate|up": 0}
 
 
+@pytest.mark.parametrize("odd", ["bias on q only", "k quantized"])
+def test_parts_of_different_kinds_stay_unfused(odd):
+    """q with a bias and k without (Whisper-like), or one part quantized and another not: the
+    group is left as it is (no error), the others fuse."""
+    from shardwise import get_accelerator
+    from shardwise.inject import inject_model
+    from shardwise.quant.modules import QuantLinear
+
+    model = tiny_causal_lm("llama")
+    attn = model.model.layers[0].self_attn
+    if odd == "bias on q only":
+        attn.q_proj.bias = nn.Parameter(torch.zeros(attn.q_proj.out_features))
+    else:
+        from shardwise.quant import quantize_model
+
+        quantize_model(model, {"weight": {"num_bits": 8}}, get_accelerator("cpu"), torch.float32)
+        attn.k_proj = nn.Linear(attn.k_proj.in_features, attn.k_proj.out_features, bias=False)
+        assert isinstance(attn.q_proj, QuantLinear)
+    with torch.no_grad():
+        expected = model(prompt_ids(batch=1, length=4)).logits
+    stack = inject_model(model, get_accelerator("cpu"), torch.float32, 64,
+                         fuse_projections=True)
+    assert fusion_report(stack) == {"q|k|v": 1, "gate|up": 2}
+    with torch.no_grad():
+        got = model(prompt_ids(batch=1, length=4)).logits
+    assert (got - expected).abs().max().item() < 1e-4
+
+
+def test_unfused_inside_init_on_the_models_own_bf16_weights_closes(monkeypatch):
+    """A bf16 model handed in as bf16 with graphs: the compiled one-row product runs its layers
+    unfused (``unfused_faster``), i.e. the fusion is undone inside init on the model's own
+    weights; each part gets its original tensor back, and ``close()`` gives the model back."""
+    monkeypatch.setenv(FUSE_ENV, "1")
+    model = tiny_causal_lm("llama").to(torch.bfloat16)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    q_before = _storage(model.model.layers[0].self_attn.q_proj.weight)
+    engine = shardwise.init_inference(model, device="cpu", dtype=torch.bfloat16,
+                                      replace_with_kernel_inject=True, enable_graph=True)
+    assert fusion_report(injected_stack(model)) == {"q|k|v": 0, "gate|up": 0}
+    assert _storage(model.model.layers[0].self_attn.q_proj.weight) == q_before  # not a copy
+    engine.generate(prompt_ids(batch=1, length=6, vocab=model.config.vocab_size), **GEN)
+    assert engine.close() is model
+    after = model.state_dict()
+    assert before.keys() == after.keys()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_a_pickled_undo_state_carries_no_ledger(monkeypatch):
+    """The compiler pickles what its guards reach when it saves a step for later starts; a copy
+    of the ledger's storage weak references would be freed twice when collected (a crash), so
+    the undo state pickles empty."""
+    import pickle
+
+    model, engine = _engine("llama", True, monkeypatch)
+    group = injected_stack(model).parts.layers[0].fused_groups[0]
+    assert group.undo.ledger is not None and group.undo.storages
+    copy = pickle.loads(pickle.dumps(group.undo))
+    assert copy.ledger is None and not copy.storages and not copy.originals
+    engine.close()
+
+
 def test_unfuse_gives_the_parts_their_storage_and_the_same_numbers(monkeypatch):
     model, engine = _engine("llama", True, monkeypatch)
     logits, _ = _run(engine, model.config.vocab_size)

@@ -27,7 +27,8 @@ model is: its static cache lives on the device).
 each part's tensors their own storage again (a copy of the view, bit for bit), so
 ``engine.close()`` hands back parameters that share nothing. :meth:`FusedProjection.release`
 does the same outside the ledger (the offload step, which streams each part's tensors as
-per-layer blobs, keeps offloaded models on the unfused path: :func:`unfuse_stack`).
+per-layer blobs, keeps offloaded models on the unfused path:
+``InjectedModel.unfuse_projections``).
 
 **Graphs.** A graph strategy that lays weights out anew for its captured code (the CPU's blocked
 layout) is given the fused modules instead of their parts (:func:`layout_targets`); after it,
@@ -45,12 +46,15 @@ which groups of a model were fused.
 
 **Off switch.** ``inject_model(..., fuse_projections=False)``, or the environment variable
 ``SHARDWISE_FUSE_PROJECTIONS=0`` (:data:`FUSE_ENV`) for every injection in the process
-(``init_inference`` included). Default on: measured faster at batch-1 decode, never slower
-(benchmarks/fused_projections.py, SmolLM2-135M, eager injection, one thread, interleaved, on a
-2-core AMD EPYC under a load average of 6-7: fp32 1.02x, bf16 1.06x, int8 1.12x, int4 1.07x;
-the CPU's fp32 and bf16 products are bound by reading the weights, the native int8/int4 kernel
-by its per-call cost, which fusion halves per layer; on a GPU each fused group is one kernel
-launch instead of two or three).
+(``init_inference`` included), or ``init_inference(fuse_projections=False)``. Default on.
+Measured (benchmarks/fused_projections.py, SmolLM2-135M batch 1, 2 threads, interleaved, quiet
+2-core AMD EPYC; results/cpu-fused-projections{,-graphs}-quiet.json): eager fp32 0.98x, bf16
+1.10x, int8 1.07x, int4 1.09x; compiled step (graphs) fp32 0.96x, bf16 0.96x, int8 1.10x, int4
+1.14x. The native int8/int4 kernel is bound by its per-call cost, which fusion cuts per layer;
+the compiled bf16 row product is faster per part, so its class says ``unfused_faster`` and
+those layers run unfused under graphs; the fp32 blocked layout is left fused (0.96x: putting
+its layers back on their parts after the layout is not supported). On a GPU each fused group
+is one kernel launch instead of two or three (untimed).
 """
 
 from __future__ import annotations
@@ -66,6 +70,7 @@ from torch import nn
 
 from ..errors import ConfigError
 from ..ledger import active, record
+from .layers import out_width
 
 log = logging.getLogger(__name__)
 
@@ -153,19 +158,14 @@ def why_not_fusable(parts: tuple[nn.Module, ...]) -> str | None:
             return f"{type(part).__name__} has an instance-level forward"
         if any(getattr(part, h, None) for h in _HOOKS):
             return f"{type(part).__name__} has forward hooks"
-        if any(t.is_meta for t in _tensors(part, slots[0])):
-            return "its tensors are on the meta device (offloaded)"
-    if len({_kind_key(p) for p in parts}) != 1:
+    if len({_kind_key(p) for p in parts}) != 1 or any(s != slots[0] for s in slots):
         return "the parts differ in input width, dtype, device, bias or quantization"
+    if any(t.is_meta for part, s in zip(parts, slots) for t in _tensors(part, s)):
+        return "its tensors are on the meta device (offloaded)"
     rows = slots[0][0].rows
-    if any(out_features(p) % rows for p in parts[:-1]):
+    if any(out_width(p) % rows for p in parts[:-1]):
         return f"the layout stacks rows by {rows} and a part's width is not a multiple"
     return None
-
-
-def out_features(module: nn.Module) -> int:
-    """Output rows of a fusable module."""
-    return module.out_features
 
 
 @dataclass(eq=False)
@@ -183,6 +183,12 @@ class _UndoState:
     storages: set[int] = field(default_factory=set)
     ledger: Any = None
     originals: set[int] = field(default_factory=set)
+
+    def __reduce__(self):
+        # a pickled copy is empty: the compiler pickles the state its guards reach (a saved
+        # step), and a copy of the ledger's storage weak references would free each reference
+        # twice when collected (a segfault); the copy never undoes anything
+        return _UndoState, ()
 
 
 @dataclass(eq=False)
@@ -229,23 +235,38 @@ class FusedProjection:
         return not t.is_meta and t.untyped_storage().data_ptr() in self._storages
 
     def release(self) -> None:
-        """Give every part's tensors that still view the fused storage their own (a contiguous
-        copy, bit for bit); the fused module is then unused. Used as the ledger's undo and by
-        :func:`unfuse_stack`. The copy moves values, it rebuilds nothing: the ledger is told
-        (:func:`_relocated`), so a weight some step changed without an undo is still named by
-        ``close()``."""
+        """Give every part's tensors that still view the fused storage their own: a Parameter
+        that held the model's own tensor before the fusion gets that tensor back while the
+        ledger still keeps it (an unfusing inside ``init_inference``: the original stays the
+        weight, nothing is dropped), else a contiguous copy, bit for bit; the fused module is
+        then unused. Used as the ledger's undo and by ``InjectedLayer.unfuse_projections``. A
+        copy moves values, it rebuilds nothing: the ledger is told (:func:`_relocated`), so a
+        weight some step changed without an undo is still named by ``close()``."""
         with torch.no_grad():
             for part in self.parts:
-                for name, t in list(part.named_parameters(recurse=False)):
-                    if self._shares(t):
-                        old = t.data
-                        t.data = old.clone(memory_format=torch.contiguous_format)
-                        if id(t) not in self._originals:  # fused from a step's output
-                            _relocated(self._ledger, old, t.data)
+                for t in list(part.parameters(recurse=False)):
+                    if not self._shares(t):
+                        continue
+                    old = t.data
+                    kept = self._original(t)
+                    t.data = kept if kept is not None else old.clone(
+                        memory_format=torch.contiguous_format)
+                    if id(t) not in self._originals:  # fused from a step's output
+                        _relocated(self._ledger, old, t.data)
                 for name, t in list(part.named_buffers(recurse=False)):
                     if self._shares(t):
                         setattr(part, name, t.clone(memory_format=torch.contiguous_format))
         self._storages = set()  # nothing views the fused storage now (it may be reused)
+
+    def _original(self, t: torch.Tensor) -> torch.Tensor | None:
+        """The tensor ``t`` held before the fusion, when it was the model's own and the ledger
+        still keeps it with the values it has now (shape, dtype and device of the view)."""
+        if self._ledger is None or id(t) not in self._originals:
+            return None
+        kept = self._ledger.original(t)
+        if kept is None or (kept.shape, kept.dtype, kept.device) != (t.shape, t.dtype, t.device):
+            return None
+        return kept
 
     def follow_layout(self) -> bool:
         """After a graph strategy laid ``module``'s weight out anew (``share_weights``):
@@ -274,7 +295,7 @@ def fuse(parts: tuple[nn.Module, ...], what: str) -> FusedProjection | None:
         log.debug("shardwise: %s left unfused: %s", what, reason)
         return None
     slots = _slots(parts[0])
-    widths = tuple(out_features(p) for p in parts)
+    widths = tuple(out_width(p) for p in parts)
     ledger = active()
     originals = {id(t) for p in parts for t in p.parameters(recurse=False)
                  if _holds_original(ledger, t)}
@@ -340,12 +361,6 @@ def layout_targets(modules: list[nn.Module], groups: list[FusedProjection]) -> l
     replaced by its fused module (which the captured step calls)."""
     parts = {id(p) for g in groups for p in g.parts}
     return [m for m in modules if id(m) not in parts] + [g.module for g in groups]
-
-
-def unfuse_stack(stack: nn.Module) -> int:
-    """Put every layer of the injected ``stack`` back on its unfused projections (the parts get
-    their own storage again). Returns the number of groups unfused."""
-    return sum(layer.unfuse_projections() for layer in getattr(stack, "_own", ()))
 
 
 def stack_groups(stack: nn.Module) -> Iterator[FusedProjection]:
