@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -305,7 +306,7 @@ class InferenceEngine:
         (:func:`~shardwise.checkpoint.saver.save_stages_checkpoint`); with data-parallel
         replicas of the pipeline the first replica writes and the others wait for it (every
         rank returns the same path)."""
-        from .checkpoint.saver import save_stages_checkpoint
+        from .checkpoint.saver import check_stages_target, save_stages_checkpoint
 
         plan = self.plan
         if plan is not None and plan.ep.enabled:
@@ -318,6 +319,7 @@ class InferenceEngine:
             return save_stages_checkpoint(self.module, path, self.stages, self.communicator)
         if plan.tp.enabled:
             self._check_tp_stages_save()
+        check_stages_target(self.module, self.stages, Path(path))  # on every rank: none waits
         written = None
         with _whole_stage(self.module, plan) as writer:  # tp: the stage's tp rank 0 holds it
             if writer and plan.dp.coord == 0:  # the first replica's pipeline of tp rank 0s

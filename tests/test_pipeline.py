@@ -469,17 +469,6 @@ def test_malformed_settings_are_config_errors(value, match):
         shardwise.InferenceConfig.build(pipeline_parallel=value)
 
 
-@pytest.mark.parametrize("field, value, other", [
-    ("offload", {"device": "nvme", "nvme_path": "/x"}, {"checkpoint": "/some/folder"}),
-])  # quant=, checkpoint= and offload= (a model handed in) compose:
-#   tests/test_pipeline_compose.py; kernel injection and graphs (micro_batches 1):
-#   tests/test_pipeline_inject.py
-def test_settings_that_do_not_compose_yet_are_refused(field, value, other):
-    with pytest.raises(shardwise.ConfigError,
-                       match=f"{field}=.*not supported yet with pipeline_parallel"):
-        shardwise.InferenceConfig.build(**PP, **{field: value}, **other)
-
-
 TP2 = {"tensor_parallel": {"tp_size": 2}}
 
 

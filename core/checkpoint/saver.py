@@ -343,6 +343,21 @@ def _check_stages_save(model: nn.Module, stages, communicator: Communicator, out
             "saving a checkpoint from pipeline stages with tensor parallelism inside them is not "
             "supported yet (each stage's tensors are split over its tp ranks); save from an "
             "engine with pipeline_parallel alone, or with tensor_parallel alone")
+    check_stages_target(model, stages, out)
+
+
+def check_stages_target(model: nn.Module, stages, out: Path) -> None:
+    """The refusals of a stages save that every rank can decide alone (the model's checkpoint
+    extensions, the target folder): under tensor parallelism or replicas, where only some
+    ranks write, every rank calls this first, so a refusal reaches every rank by name instead of
+    leaving the others waiting for the writers.
+
+    Raises:
+        NotSupportedYetError: an extension the stages cannot merge, or a folder that holds a
+            shardwise tensor-parallel checkpoint.
+    """
+    from ..errors import NotSupportedYetError
+
     mergeable = stages.MERGED_EXTENSIONS
     unknown = sorted(set(_extension_entries(model)) - set(mergeable))
     if unknown:
