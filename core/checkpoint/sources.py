@@ -331,8 +331,10 @@ def _index_extensions(desc: Description, headers: list, rank: int, index: Checkp
         if not 0 <= rank < len(headers):
             if len(headers) > 1 and set(wanted[0]) - set(split):
                 raise CheckpointError(
-                    f"{desc.source} carries {name} data saved at tp_size={desc.tp_size}; rank "
-                    f"{rank} has no file in it: load it at tp_size={desc.tp_size}")
+                    f"{desc.source} carries {name} data saved over {len(headers)} rank files "
+                    f"(tp_size={desc.tp_size}, or the expert-parallel ranks); rank {rank} has no "
+                    f"file in it: load it on at most {len(headers)} ranks, or save full "
+                    f"precision to load at another split")
             own = 0  # one file (saved unsplit: whole), or every tensor split over the files
         index.extensions[name] = entries[own]
         for key in wanted[own]:

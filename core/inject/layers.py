@@ -837,7 +837,10 @@ class InjectedModel(nn.Module):
             raise ShardwiseError(f"this injected model cannot run mixed steps: {reason}; "
                                  f"prefill and decode in separate forwards")
         replay = getattr(cache, "replay", None)
-        if replay is not None and types is None:  # its captured step (inject.slots.SlotMixed)
+        if replay is not None:  # its captured step (inject.slots.SlotMixed)
+            if types is not None:  # the captured step takes no token types: never silently
+                raise ShardwiseError("a captured mixed step takes no token_type_ids; run the "
+                                     "mixed step eagerly (SlotRunner(mixed_buckets=()))")
             return replay(self, x)
         rows = cache.mixed
         ctx = StepContext(cache, past=-1, decode=False, mixed=rows)

@@ -24,8 +24,10 @@ one independent entry per expert along dim 0, so such a checkpoint loads at anot
 on one process), each rank reading only its experts' rows from whichever rank files hold them
 (:meth:`QuantCheckpointExtension.split_tensors`), as float experts reshard. The quantized dense
 layers are stored whole per rank and load only at the tensor-parallel split they were saved
-with (packed weights are never merged or split along a matrix): replicated ones (tp 1) at any
-ep size, tp-split ones at their tp size; any other split is named before a weight is read.
+with (packed weights are never merged or split along a matrix): replicated ones (tp 1) from a
+one-file save at any ep size, from a save over several rank files on at most that many ranks
+(a rank past them has no file holding its dense layers); tp-split ones at their tp size; any
+other split is named before a weight is read.
 
 File layout (safetensors metadata, every value a JSON string): ``"format"``: :data:`FILE_FORMAT`;
 ``"manifest"``: :func:`manifest`; ``"aliases"``: state-dict key → the stored key it shares its
