@@ -215,6 +215,9 @@ def store_fingerprint(model: nn.Module, units: Sequence[Unit], plan: Any,
 
     dims = {name: getattr(plan, name) for name in ("tp", "ep") if hasattr(plan, name)}
     dims.update(stage_dims(plan))  # a pipeline stage's blobs: a shard of their own
+    dp = getattr(plan, "dp", None)
+    if dp is not None and dp.size > 1:  # replicas write side by side, never into one folder
+        dims["dp"] = dp
     digests = [[u.name, _store.content_digest(r.current() for r in u.tensors)] for u in units]
     fingerprint = {"format": FINGERPRINT_FORMAT, "shardwise": __version__,
                    "model": _model_config(model), "sizes": {k: d.size for k, d in dims.items()},
