@@ -271,8 +271,8 @@ def test_cpu_graphs_lay_out_the_fused_weight_once(monkeypatch):
     stack = injected_stack(model)
     group = stack.parts.layers[0].fused_groups[0]
     attn = model.model.layers[0].self_attn
-    if group.module.weight.dim() == 3:  # laid out in blocks (the default cpp layout)
-        assert _storage(attn.q_proj.weight) == _storage(group.module.weight)
+    assert group.module.weight.dim() == 3  # laid out in blocks (the default cpp layout)
+    assert _storage(attn.q_proj.weight) == _storage(group.module.weight)
     ids = prompt_ids(batch=1, length=8, vocab=model.config.vocab_size)
     assert torch.equal(engine.generate(ids, **GEN), ref.generate(ids, **GEN))
     state = model.state_dict()

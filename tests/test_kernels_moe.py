@@ -312,7 +312,7 @@ def test_compiled_decode_traces_whole_into_the_streamed_path():
         assert_moe_matches(compiled(*args), ref.moe_grouped_mlp(*args), dtype)
         assert grouped_gemms(graphs[-1]) == gemms, (tokens, dtype)
         assert (sorts(graphs[-1]) == 0) == (tokens == 1), (tokens, dtype)  # 1 token: token_mlp
-        # 1 token: the branch between token_mlp and the sentinel-skipping slots is in the graph
+        # 1 token: each routed slot under its own cond (a slot routed elsewhere reads nothing)
         assert (conds(graphs[-1]) > 0) == (tokens == 1), (tokens, dtype)
     assert len(graphs) == 4
     every = torch.compile(lambda *args: cpu_moe.moe_grouped_mlp(*args, sentinel=False),
@@ -348,7 +348,7 @@ def test_cpu_graph_strategy_compiles_the_decode_path():
 def test_cpu_graph_strategy_captures_one_token_with_the_sentinel(dtype):
     """Batch-1 decode on a rank holding 4 of 8 experts, captured once by the CPU graph strategy
     (inductor, C++, the torch.cond branches inside), replayed with every kind of routing: both
-    slots here (token_mlp), one here, none here (the sentinel slots skipped), with and without
+    slots here, one here, none here (the sentinel slots skipped), with and without
     GPT-OSS's biases: the reference's output each time."""
     from shardwise.accelerators.cpu_graphs import CpuCompileStrategy
     from shardwise.kernels.cpu import moe as cpu_moe

@@ -872,6 +872,7 @@ def test_a_tensor_parallel_quantized_checkpoint_at_another_tp_size_is_named_befo
     def refuse(*args, **kwargs):
         raise AssertionError("a weight was read before the checkpoint was checked")
     monkeypatch.setattr(Reader, "read", refuse)
+    monkeypatch.setattr(Reader, "read_into", refuse)
     with pytest.raises(CheckpointError, match=r"quantized layer .* is \[out, in\] = .* but .* "
                                               r"load only at the tensor-parallel split they were "
                                               r"saved with: 2 rank file\(s\)"):
@@ -898,6 +899,7 @@ def test_a_quantized_experts_checkpoint_into_another_expert_count_is_named_befor
     def refuse(*args, **kwargs):
         raise AssertionError("a weight was read before the checkpoint was checked")
     monkeypatch.setattr(Reader, "read", refuse)
+    monkeypatch.setattr(Reader, "read_into", refuse)
     with pytest.raises(CheckpointError, match=r"quantized experts 'model.layers.0.mlp.experts' "
                                               r"on rank 0 .*\('stacked', 4, 64, \d+\) .*"
                                               r"model's is \('stacked', 6, 64"):

@@ -187,14 +187,23 @@ def expert_math(spec: MoESpec, config: Any, experts: nn.Module | None = None) ->
 def resolve_moe_kernels(accelerator, dtype: torch.dtype) -> MoEKernels:
     """``moe_route`` and ``moe_grouped_mlp`` for ``dtype`` on ``accelerator`` (the torch reference
     where no backend has them: correct, not capturable)."""
-    import inspect
-
     route = registry.resolve("moe_route", accelerator, dtype)
     mlp = registry.resolve("moe_grouped_mlp", accelerator, dtype)
     return MoEKernels(route.fn, mlp.fn, {"moe_route": route.backend,
                                          "moe_grouped_mlp": mlp.backend},
                       capturable=route.capturable and mlp.capturable,
-                      sentinel_hint="sentinel" in inspect.signature(mlp.fn).parameters)
+                      sentinel_hint=_takes_keyword(mlp.fn, "sentinel"))
+
+
+def _takes_keyword(fn, name: str) -> bool:
+    """Whether ``fn`` takes the keyword ``name`` (False for a builtin or an op without a
+    Python signature)."""
+    import inspect
+
+    try:
+        return name in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 def decoder_layers(model: nn.Module, policy) -> nn.ModuleList:

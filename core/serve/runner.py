@@ -492,7 +492,7 @@ class SlotRunner:
 
 def _check_buckets(buckets: Sequence[int]) -> tuple[int, ...]:
     """``buckets`` as a sorted tuple of distinct ints ≥ 1 (ConfigError otherwise)."""
-    if isinstance(buckets, (str, bytes)) or not all(
+    if not isinstance(buckets, (list, tuple, set, frozenset)) or not all(
             isinstance(b, int) and not isinstance(b, bool) and b >= 1 for b in buckets):
         raise ConfigError(f"mixed_buckets must be ints >= 1 (prompt tokens per captured mixed "
                           f"step), got {buckets!r}")
