@@ -202,6 +202,23 @@ def aot_guards_hold(compiled: Any, *args: Any) -> bool:
     return bool(compiled.guard_check(*args))
 
 
+def aot_skip_guards(compiled: Any) -> bool:
+    """Stop checking dynamo's guards when ``compiled`` (of :func:`aot_compile` or
+    :func:`load_aot_compiled`) is called (``AOTCompiledFunction.disable_guard_check``); False
+    when this torch's compiled function has no such switch (its guards stay on)."""
+    disable = getattr(compiled, "disable_guard_check", None)
+    if disable is None:
+        return False
+    disable()
+    return True
+
+
+def skip_guard_evaluation():
+    """A context manager under which dynamo runs a compiled function's only cache entry without
+    evaluating its guards (``torch.compiler.set_stance(skip_guard_eval_unsafe=True)``)."""
+    return _lookup("torch.compiler", "set_stance")("default", skip_guard_eval_unsafe=True)
+
+
 def aot_traced_modules(compiled: Any) -> list[str]:
     """The Python modules whose code dynamo traced into ``compiled`` (sorted names)."""
     return sorted({s.module for s in compiled.source_info().inlined_sources})
