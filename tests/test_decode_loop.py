@@ -344,3 +344,27 @@ def test_cuda_fp16_graphs_fast_loop_matches_hf_loop(monkeypatch, arch):
         ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, eos_token_id=eos,
         pad_token_id=0, shardwise_fast_loop=False))
     assert (counted.fast, counted.hf) == (4, 3)  # the fast loop ran where asked
+
+
+@pytest.mark.parametrize("eos", [[7], [7, 3, 500]])
+def test_eos_floor_scores_equal_transformers_min_length_processors(eos):
+    """EosFloor (the loop's one processor for min_length and min_new_tokens) gives the scores
+    transformers' two processors give, before, at and after the floor; an eos id beyond the
+    vocabulary (500 of 50) masks nothing, as in theirs."""
+    from transformers.generation.logits_process import (MinLengthLogitsProcessor,
+                                                        MinNewTokensLengthLogitsProcessor)
+
+    eos_t = torch.tensor(eos)
+    prompt, min_new, min_length = 5, 4, 7
+    theirs = LogitsProcessorList([MinLengthLogitsProcessor(min_length, eos_t),
+                                  MinNewTokensLengthLogitsProcessor(prompt, min_new, eos_t)])
+    ours = decode_loop.EosFloor(max(min_length, prompt + min_new), eos_t)
+    gen = torch.Generator().manual_seed(0)
+    masked = 0
+    for length in range(prompt, prompt + min_new + 3):
+        ids = torch.randint(0, 50, (2, length), generator=gen)
+        scores = torch.randn(2, 50, generator=gen)
+        expect, got = theirs(ids, scores.clone()), ours(ids, scores.clone())
+        torch.testing.assert_close(got, expect, rtol=0, atol=0)
+        masked += bool(torch.isinf(got).any())
+    assert masked == min_new  # the floor held eos back for exactly the first min_new steps
