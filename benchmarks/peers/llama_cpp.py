@@ -31,7 +31,9 @@ What it does, in order:
    of these once, batch 8 included: shardwise compiles its decode step once per batch bucket
    on first use, and a batch-8 run that held that compile reported it as decode time. llama.cpp is driven
    through its context directly (``eval`` + argmax of the last logits, batch 8 as eight
-   sequences of one ``llama_batch``); shardwise through HF ``generate`` on ``engine.module``.
+   sequences of one ``llama_batch``); shardwise through ``engine.generate`` (its own decode
+   loop around the captured step, as a user calls it; before 2026-11-27 this script timed HF's
+   ``generate`` on ``engine.module``).
 5. Quality: teacher-forced next-token agreement with the fp32 HF model (argmax at every
    position) and perplexity of the same fixed text, for every variant of both engines (llama.cpp
    logits from a ``logits_all=True`` context, fed the same token ids).
@@ -414,7 +416,7 @@ class ShardwiseVariant:
         kwargs = {"max_new_tokens": new_tokens, "min_new_tokens": new_tokens,
                   "do_sample": False, "pad_token_id": self.pad}
         inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
-        return timed_generate(self.module, inputs, **kwargs)
+        return timed_generate(self.engine, inputs, **kwargs)  # engine.generate: shardwise's loop
 
     def generate(self, prompt: list[int], new_tokens: int) -> tuple[Sample, list[int]]:
         output, t = self._generate(torch.tensor([prompt]), new_tokens)
