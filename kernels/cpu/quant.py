@@ -92,6 +92,7 @@ Packed layouts (``PackedQuantWeight.tensors``; ``meta["kind"]`` is "int8" or "in
 from __future__ import annotations
 
 import dataclasses
+import sys
 from typing import Any
 
 import torch
@@ -254,20 +255,55 @@ def _row_blocks(t: torch.Tensor, pad: int) -> torch.Tensor:
 
 
 def _pack_native(qw: QuantizedWeight) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """The native layout of the module docstring and its meta."""
-    n, k, bits = qw.out_features, qw.in_features, qw.bits
+    """The native layout of the module docstring and its meta. Made from the stored bytes, one
+    4-byte lane (an int32) at a time, without unpacking them to one int per weight: the stored
+    lanes are copied into their tiles (:func:`_tiled_words`), then made native in place
+    (:func:`_native_words_`)."""
+    n, bits = qw.out_features, qw.bits
+    if sys.byteorder != "little":
+        raise KernelError("the CPU backend's native packing reads 4 bytes as one little-endian "
+                          "int32; this is a big-endian machine: set "
+                          "SHARDWISE_CPU_QUANT_KERNEL=torch")
     pad = -n % NATIVE_ROWS
-    u = (int_weight(qw).to(torch.int16) + UNSIGNED_OFFSET[bits]).to(torch.uint8)  # [N, K]
-    u = torch.cat((u, u.new_zeros(pad, k)))  # [Nb * 16, K]
-    if bits == 8:
-        w = u.reshape(-1, NATIVE_ROWS, k // 4, 4)  # [Nb, 16, K / 4, 4]
-    else:
-        v = u.reshape(-1, NATIVE_ROWS, k // 8, 2, 4)  # [Nb, 16, K / 8, lo/hi, 4]
-        w = v[..., 0, :] | (v[..., 1, :] << 4)  # [Nb, 16, K / 8, 4]
-    tensors = {"qweight": w.transpose(1, 2).contiguous(), "scales": _row_blocks(qw.scales, pad)}
+    stored = qw.qweight.to(torch.uint8 if bits == 4 else torch.int8).contiguous()
+    words = _tiled_words(stored.view(n, -1, 4).view(torch.int32).view(n, -1))
+    _native_words_(words, bits)
+    if pad:
+        words[-1, :, NATIVE_ROWS - pad:] = 0  # padding rows hold 0 bytes
+    tensors = {"qweight": words.view(torch.uint8).view(*words.shape, 4),
+               "scales": _row_blocks(qw.scales, pad)}
     if qw.zeros is not None:
         tensors["zeros"] = _row_blocks(qw.zeros, pad)
     return tensors, {"kind": "native", "ablock": activation_block(bits, qw.group_size)}
+
+
+def _tiled_words(words: torch.Tensor) -> torch.Tensor:
+    """int32 [N, S] (a row's 4-byte lanes) → [Nb, S, 16]: tiles of 16 rows, lane-major (rows of
+    the last tile past N are left unset)."""
+    n, steps = words.shape
+    out = torch.empty(-(-n // NATIVE_ROWS), steps, NATIVE_ROWS, dtype=torch.int32,
+                      device=words.device)
+    full = n // NATIVE_ROWS
+    out[:full].copy_(words[:full * NATIVE_ROWS].view(full, NATIVE_ROWS, steps).transpose(1, 2))
+    if full < out.shape[0]:
+        out[full, :, :n - full * NATIVE_ROWS].copy_(words[full * NATIVE_ROWS:].t())
+    return out
+
+
+def _native_words_(words: torch.Tensor, bits: int) -> None:
+    """Turn stored lanes (int32, little-endian bytes b0..b3) into native ones, in place.
+
+    int8: ``q + 128`` is ``q``'s bits with the sign bit flipped. int4: the stored byte ``c``
+    holds columns ``2c`` (low nibble) and ``2c + 1`` (high), so a stored lane's nibbles are
+    columns 0..7 in order, and the native lane's byte ``j`` holds column ``j`` (low) and ``4 + j``
+    (high): nibbles 0, 4, 1, 5, 2, 6, 3, 7, the perfect shuffle of the word's two halves, done
+    as two delta swaps (nibbles 2-3 with 4-5, then 1 with 2 and 5 with 6)."""
+    if bits == 8:
+        words.bitwise_xor_(0x80808080 - (1 << 32))  # 0x80 in every byte, as an int32
+        return
+    for shift, mask in ((8, 0x0000FF00), (4, 0x00F000F0)):
+        t = (words >> shift).bitwise_xor_(words).bitwise_and_(mask)  # the swapped bits' xor
+        words.bitwise_xor_(t).bitwise_xor_(t.bitwise_left_shift_(shift))
 
 
 def _from_row_blocks(t: torch.Tensor, n: int) -> torch.Tensor:

@@ -192,9 +192,15 @@ def _check_args(w: torch.Tensor, bits: int, group_size: int | None) -> int:
     if bits == 4 and in_features % 2:
         raise QuantizationError(f"4-bit packing stores two columns per byte: in_features "
                                 f"{in_features} must be even")
-    if not bool(torch.isfinite(w).all()):
-        raise QuantizationError("weight holds NaN or inf values, which cannot be quantized")
     return group_size
+
+
+def _require_finite(reduced: torch.Tensor) -> None:
+    """Raise unless every value of ``reduced`` is finite: a per-group reduction that NaN and inf
+    reach (a group's max, min or largest magnitude: torch's max/argmax propagate NaN), so the
+    weight is checked without one more pass over it."""
+    if not bool(torch.isfinite(reduced).all()):
+        raise QuantizationError("weight holds NaN or inf values, which cannot be quantized")
 
 
 def _symmetric_params(wg: torch.Tensor, bits: int) -> tuple[torch.Tensor, None]:
@@ -203,6 +209,7 @@ def _symmetric_params(wg: torch.Tensor, bits: int) -> tuple[torch.Tensor, None]:
     if bits in SCALE_SEARCH_BITS:
         return _searched_scales(wg, bits), None
     amax = wg.abs().amax(-1)
+    _require_finite(amax)
     return amax.clamp_min(torch.finfo(torch.float32).tiny) / _qrange(bits)[1], None
 
 
@@ -234,8 +241,11 @@ def _searched_scales(wg: torch.Tensor, bits: int,
     ``6 len(steps)`` passes over the weight, at quantization only."""
     qmin, qmax = _qrange(bits)
     tiny = torch.finfo(torch.float32).tiny
-    m = wg.gather(-1, wg.abs().argmax(-1, keepdim=True))  # [out, groups, 1] signed
-    m = torch.where(m == 0, torch.full_like(m, tiny), m)
+    hi, lo = wg.amax(-1, keepdim=True), wg.amin(-1, keepdim=True)  # [out, groups, 1]
+    _require_finite(hi)  # max and min propagate NaN
+    _require_finite(lo)
+    m = _signed_max_abs(wg, hi, lo)  # [out, groups, 1] signed
+    m = m.masked_fill_(m == 0, tiny)  # m is a fresh tensor
     weight = wg * wg  # [out, groups, group_size]
     best_score = torch.full(m.shape[:-1], -1.0, dtype=torch.float32, device=wg.device)
     best = (m / qmin).squeeze(-1)  # Q4_0's scale, kept where every candidate is degenerate
@@ -249,19 +259,43 @@ def _searched_scales(wg: torch.Tensor, bits: int,
         better = score > best_score
         best = torch.where(better, sum_lx / sum_l2, best)
         best_score = torch.where(better, score, best_score)
-    return torch.where(best == 0, torch.full_like(best, tiny), best)
+    return best.masked_fill_(best == 0, tiny)  # best is a fresh tensor (torch.where)
+
+
+def _signed_max_abs(wg: torch.Tensor, hi: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
+    """Each group's value of largest magnitude, the first one where ``a`` and ``-a`` both are:
+    ``wg.gather(-1, wg.abs().argmax(-1, keepdim=True))`` from the group's max and min ``hi`` /
+    ``lo`` ([out, groups, 1], finite), about 10x faster on CPU; only groups holding both signs
+    of the magnitude (rare) look for the first one."""
+    m = torch.where(hi >= -lo, hi, lo)
+    tie = ((hi == -lo) & (hi != 0)).squeeze(-1)  # [out, groups]
+    if bool(tie.any()):
+        where = tie.nonzero(as_tuple=True)
+        sub = wg[where]  # [ties, group_size]
+        m[where] = sub.gather(-1, sub.abs().argmax(-1, keepdim=True))
+    return m
 
 
 def _asymmetric_params(wg: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
     """wg: float32 [out, groups, group_size] → (scales, zeros), each [out, groups]."""
     qmin, qmax = _qrange(bits)
     lo, hi = wg.amin(-1), wg.amax(-1)
+    _require_finite(lo)
+    _require_finite(hi)
     scales = (hi - lo) / (qmax - qmin)
     # A constant group has no range: any scale represents it; |value| / (qmax - qmin) keeps the
     # zero point small (or 1e-8 / 15 for an all-zero group).
     flat = hi.abs().clamp_min(1e-8) / (qmax - qmin)
     scales = torch.where(scales > 0, scales, flat)
     return scales, qmin - lo / scales
+
+
+#: Float32 elements quantized per chunk of rows on a CPU (2 MiB): a chunk's working tensors (a
+#: few of its size) stay in the last-level cache and reuse the allocator's blocks, where
+#: whole-weight temporaries each cost a pass through memory and fresh pages (about 4x slower on a
+#: 1.7B's MLP weights). Every op is row-wise (a group never spans rows), so the bytes do not
+#: depend on the chunking. Other devices take the whole weight at once (fewer launches).
+CHUNK_ELEMENTS = 1 << 19
 
 
 def quantize_weight(w: torch.Tensor, bits: int = 8, group_size: int | None = -1,
@@ -271,20 +305,45 @@ def quantize_weight(w: torch.Tensor, bits: int = 8, group_size: int | None = -1,
     ``group_size`` must divide ``in``; ``-1``/``None`` gives one scale per output channel. The
     format, rounding and packing are described in this module's docstring. Raises
     :class:`QuantizationError` (a ``ValueError`` and a ``KernelError``) naming the bad value;
-    the caller adds the layer name.
+    the caller adds the layer name. Works through the rows in chunks of about
+    :data:`CHUNK_ELEMENTS` values (the result does not depend on it).
     """
     group_size = _check_args(w, bits, group_size)
     out_features, in_features = w.shape
-    wg = w.detach().float().reshape(out_features, in_features // group_size, group_size)
+    groups, w = in_features // group_size, w.detach()
+    packed_in = in_features // 2 if bits == 4 else in_features
+    qweight = torch.empty(out_features, packed_in, device=w.device,
+                          dtype=torch.uint8 if bits == 4 else torch.int8)
+    scales = torch.empty(out_features, groups, dtype=torch.float32, device=w.device)
+    zeros = None if symmetric else torch.empty_like(scales)
     params = _symmetric_params if symmetric else _asymmetric_params
-    scales, zeros = params(wg, bits)
+    rows = max(1, CHUNK_ELEMENTS // in_features) if w.device.type == "cpu" else \
+        max(1, out_features)
+    for a in range(0, out_features, rows):
+        b = min(a + rows, out_features)
+        wg = w[a:b].float().reshape(b - a, groups, group_size)
+        s, z = params(wg, bits)  # raises for NaN / inf (_require_finite)
+        scales[a:b] = s
+        if z is not None:
+            zeros[a:b] = z
+        _round_into(qweight[a:b], wg, s, z, bits)
+    return QuantizedWeight(qweight, scales, zeros, bits, group_size)
+
+
+def _round_into(out: torch.Tensor, wg: torch.Tensor, scales: torch.Tensor,
+                zeros: torch.Tensor | None, bits: int) -> None:
+    """Write the codes of ``wg`` (float32 [rows, groups, group_size]) with ``scales`` / ``zeros``
+    ([rows, groups]) into ``out``: int8 [rows, in], or uint8 [rows, in // 2] packed as
+    :func:`pack_int4` (the nibbles summed in float32: ``lo + 16 hi`` is exact below 256)."""
     q = wg / scales[..., None]
     if zeros is not None:
         q = q + zeros[..., None]
-    q = q.round_().clamp_(*_qrange(bits)).to(torch.int8).reshape(out_features, in_features)
-    qweight = pack_int4(q) if bits == 4 else q
-    return QuantizedWeight(qweight.contiguous(), scales.contiguous(),
-                           zeros.contiguous() if zeros is not None else None, bits, group_size)
+    qmin, qmax = _qrange(bits)
+    q = q.round_().clamp_(qmin, qmax).reshape(out.shape[0], -1)  # [rows, in]
+    if bits == 4:
+        q = q.add_(-qmin)  # 0..15
+        q = torch.add(q[:, 0::2], q[:, 1::2], alpha=16)  # [rows, in // 2]
+    out.copy_(q)
 
 
 def pack_int4(q: torch.Tensor) -> torch.Tensor:
