@@ -279,6 +279,9 @@ class CpuCompileStrategy(GraphStrategy):
         weight: all of a decode step's linears). A function with another product (e.g. of two
         inputs) is compiled again with ATen's GEMMs as candidates too, which inductor then
         benchmarks against the template at capture."""
+        from shardwise.kernels.cpu import native
+
+        native.load(respect_choice=False)  # its ops are traced in where it builds: built first
         inputs = static_copies(example_args, "cpu")
         options = self.inductor_options()
         try:

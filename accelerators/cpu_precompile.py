@@ -228,7 +228,9 @@ def _machine() -> dict[str, str]:
 
 def step_key(fn: Callable, example_args: Sequence[torch.Tensor], options: dict) -> str:
     """The key of a compiled ``fn`` (see the module docstring): a SHA-256, hex."""
-    parts = {"software": _software(), "machine": _machine(),
+    from shardwise.kernels.cpu import native  # its ops are constants of a compiled step
+
+    parts = {"software": _software(), "machine": _machine(), "native": native.key_text(),
              "options": sorted((k, repr(v)) for k, v in options.items()),
              "args": [_tensor_text(a) for a in example_args],
              "step": describe(fn)}

@@ -71,9 +71,15 @@ def test_cpu_decode_compiles_as_an_opaque_op(window, alibi):
                                     window=window)
         torch.testing.assert_close(fn(q, k_cache, v_cache, n, s), want, **TOL[torch.float32])
     assert len(compiles) == 1
-    assert "shardwise.cpu_attention_decode" in str(compiles[0].graph)
+    # the native C++ op where the extension builds, else the Python one
+    native = cpu_attention._native_decode()
+    op = "shardwise_native.cpu_attention_decode" if native else "shardwise.cpu_attention_decode"
+    assert op in str(compiles[0].graph)
     torch.library.opcheck(torch.ops.shardwise.cpu_attention_decode,
                           (q, k_cache, v_cache, n, s, slopes, 0.25, window))
+    if native:
+        torch.library.opcheck(torch.ops.shardwise_native.cpu_attention_decode,
+                              (q, k_cache, v_cache, n, s, slopes, 0.25, window, None))
 
 
 def test_call_checks_backend_dtype_and_features():

@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from shardwise import _torch_private as private
+from shardwise.kernels.cpu import native
 from shardwise.kernels.reference import attention as ref
 
 from . import DEVICE_TYPES, DTYPES
@@ -121,14 +122,33 @@ def attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     """Decode through ATen's fused attention on each valid cache range; contract of the
     reference ``attention_decode``: q [batch, q_heads, 1, d], caches [batch, kv_heads,
     max_tokens, d], lengths and starts [batch], window: sliding window or None, sinks
-    [q_heads] or None. Returns [batch, q_heads, 1, d]. Under ``torch.compile`` this is one
-    opaque custom op (the ranges are host ints read from ``lengths``/``starts``: a graph break
-    if traced)."""
-    if torch.compiler.is_compiling():
+    [q_heads] or None. Returns [batch, q_heads, 1, d]. Where the native extension builds, its C++
+    op (scores and softmax in float32); else ATen's fused attention per range. Under
+    ``torch.compile`` either is one opaque custom op (the ranges are host ints read from
+    ``lengths``/``starts``: a graph break if traced)."""
+    compiling = torch.compiler.is_compiling()
+    if _native_decode():  # C++: a few us a call where the Python op below costs ~50
+        if not compiling:  # eagerly, the reference's checks and errors first
+            ref.check_decode(q, k_cache, v_cache, lengths, starts)
+            ref.check_sinks(sinks, q.shape[1], alibi_slopes)
+            ref.decode_ranges(lengths, starts, k_cache.shape[2], ref.check_window(window))
+        return torch.ops.shardwise_native.cpu_attention_decode(
+            q, k_cache, v_cache, lengths, starts, alibi_slopes, scale, window, sinks)
+    if compiling:
         return torch.ops.shardwise.cpu_attention_decode(q, k_cache, v_cache, lengths, starts,
                                                         alibi_slopes, scale, window, sinks)
     return _attention_decode(q, k_cache, v_cache, lengths, alibi_slopes, scale, starts, window,
                              sinks)
+
+
+def _native_decode() -> bool:
+    """Whether the native decode op (``kernels/cpu/native/attention.cpp``) is usable, building
+    the extension on the first eager call. While a step is traced it reads what the build gave
+    (a global dynamo reads as a constant): the CPU graph strategy builds it before any capture,
+    and its precompiled steps are keyed by it (:func:`native.key_text`)."""
+    if torch.compiler.is_compiling():
+        return native.LOADED
+    return native.load(respect_choice=False)
 
 
 @torch.library.custom_op("shardwise::cpu_attention_decode", mutates_args=(), device_types="cpu")

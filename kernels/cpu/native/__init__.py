@@ -1,16 +1,18 @@
 """The CPU backend's native (C++) kernels, built at first use and cached per user.
 
-:func:`load` builds ``quant.cpp`` (shipped in this package) with ``torch.utils.cpp_extension``
-into torch's per-user extensions cache (``$TORCH_EXTENSIONS_DIR``, default
-``~/.cache/torch_extensions``; a later process reuses the build, a changed source or torch
-rebuilds it) and returns whether the op ``torch.ops.shardwise_native.cpu_qlinear`` is usable.
+:func:`load` builds ``quant.cpp`` and ``attention.cpp`` (shipped in this package) with
+``torch.utils.cpp_extension`` into torch's per-user extensions cache (``$TORCH_EXTENSIONS_DIR``,
+default ``~/.cache/torch_extensions``; a later process reuses the build, a changed source or torch
+rebuilds it) and returns whether the ops ``torch.ops.shardwise_native.cpu_qlinear`` and
+``cpu_attention_decode`` are usable.
 It is compiled with explicit AVX512 flags (never ``-march=native``: the cache may outlive the CPU),
 so it is only built where the CPU reports ``avx512f``, ``avx512bw``, ``avx512vl`` and
 ``avx512_vnni``. Anything that stops it (no such CPU, no compiler, a failed build, the opt-out
-below) makes :func:`load` return False after one logged line, and the caller keeps torch's
-packed kernels.
+below) makes :func:`load` return False after one logged line, and the callers keep torch's
+packed kernels and the Python decode-attention op.
 
-Opt-out: ``SHARDWISE_CPU_QUANT_KERNEL=torch`` (``native``, the default, builds and uses it).
+Opt-out: ``SHARDWISE_CPU_QUANT_KERNEL=torch`` (``native``, the default, builds and uses it) for
+the quantized linears; the decode attention uses the native op wherever it builds.
 Any other value is a :class:`~shardwise.errors.ConfigError`.
 
 The op's fake (meta) implementation is registered here, so the op runs inside the
@@ -36,10 +38,10 @@ CHOICES = ("native", "torch")
 #: CPU flags (as /proc/cpuinfo spells them) the build's instruction set needs.
 CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")
 CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mfma",
-          "-std=c++17"]
-SOURCES = (Path(__file__).with_name("quant.cpp"),)
-#: Extension (and cache folder) name; bump when the op's schema changes.
-NAME = "shardwise_cpu_quant_v1"
+          "-fopenmp-simd", "-std=c++17"]
+SOURCES = (Path(__file__).with_name("quant.cpp"), Path(__file__).with_name("attention.cpp"))
+#: Extension (and cache folder) name; bump when an op's schema changes or an op is added.
+NAME = "shardwise_cpu_native_v2"
 
 _lock = threading.Lock()
 _state: dict[str, bool] = {}
@@ -81,6 +83,10 @@ def _register_fake() -> None:
     def _(x, qweight, scales, zeros, bias, bits, group, ablock, n):
         return x.new_empty((x.shape[0], n))  # [M, N] in x.dtype, as the C++ op returns
 
+    @torch.library.register_fake("shardwise_native::cpu_attention_decode")
+    def _(q, k_cache, v_cache, lengths, starts, alibi_slopes, scale, window, sinks):
+        return q.new_empty(q.shape)  # contiguous [batch, q_heads, 1, d], as the C++ op returns
+
 
 def load(respect_choice: bool = True) -> bool:
     """Whether the native op is usable here, building it on the first call (module docstring);
@@ -101,14 +107,14 @@ def load(respect_choice: bool = True) -> bool:
 def _try_build() -> bool:
     missing = missing_cpu_flags()
     if missing:
-        log.warning("shardwise: CPU int8/int4 kernels use torch's packed kernels (this CPU "
+        log.warning("shardwise: CPU native kernels off: int8/int4 use torch's packed kernels (this CPU "
                     "lacks %s for the native kernel)", ", ".join(missing))
         return False
     try:
         _build()
     except Exception as exc:  # no compiler, failed build or load: keep torch's kernels
         first = (str(exc).strip().splitlines() or [""])[0][:200]
-        log.warning("shardwise: CPU int8/int4 kernels use torch's packed kernels (building the "
+        log.warning("shardwise: CPU native kernels off: int8/int4 use torch's packed kernels (building the "
                     "native kernel failed: %s: %s; set %s=torch to skip the attempt)",
                     type(exc).__name__, first, ENV)
         return False
@@ -122,3 +128,10 @@ def cpu_qlinear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     call only after :func:`load` returned True."""
     return torch.ops.shardwise_native.cpu_qlinear(x, qweight, scales, zeros, bias, bits, group,
                                                   ablock, n)
+
+
+def key_text() -> str:
+    """What a compiled step that may call these ops depends on, for its cache key: whether the
+    extension is usable in this process (building it on the first call), so a step compiled with
+    the native ops is never served to a process without them, nor the other way round."""
+    return f"native={load(respect_choice=False)},quant={choice()}"
