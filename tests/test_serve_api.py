@@ -17,6 +17,7 @@ ending in id ``last`` generates ids ``3 + (last - 3 + 1 + k + 7 i) % 253`` for k
 from __future__ import annotations
 
 import asyncio
+import http.client
 import json
 import threading
 
@@ -379,6 +380,28 @@ def test_backend_refusal_is_400_and_a_crash_is_an_openai_500(fake):
     assert "submit crashed" in _error(excinfo)["message"]
     assert _error(excinfo)["type"] == "server_error"
     assert client.completions.create(model=MODEL, prompt="t5", max_tokens=2).choices
+
+
+def test_a_crash_keeps_the_connection_open(fake):
+    """A handler that raises gets its 500 on a connection that stays usable: clients pool
+    keep-alive connections, and one the server closed after answering resets the client's next
+    request (CI saw ``Connection reset by peer`` right after the crash test's 500)."""
+    _, server, _ = fake
+    host, port = server.url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=20)
+    try:
+        for prompt, status in (("t5 t16", 500), ("t5", 200), ("t5 t16", 500), ("t5", 200)):
+            conn.request("POST", "/v1/completions", headers={"Content-Type": "application/json"},
+                         body=json.dumps({"model": MODEL, "prompt": prompt, "max_tokens": 2}))
+            response = conn.getresponse()
+            body = json.loads(response.read())
+            assert response.status == status, body
+            assert response.getheader("connection", "").lower() != "close"
+            if status == 500:
+                assert body["error"]["type"] == "server_error"
+                assert "submit crashed" in body["error"]["message"]
+    finally:
+        conn.close()
 
 
 def test_a_failing_sequence_is_500_and_the_others_go_on(fake):

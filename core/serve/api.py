@@ -15,7 +15,8 @@
 
 Failures, in OpenAI's error body: bad input 400 (malformed JSON included), unknown model 404, a
 full queue 429 with ``Retry-After``, a sequence whose generation raised 500 (the other sequences
-go on; mid-stream it is an ``error`` event), an unhealthy backend 503. A client that goes away
+go on; mid-stream it is an ``error`` event), an unhealthy backend 503, anything else a route
+raises 500 with the connection kept open (:class:`CrashTo500`). A client that goes away
 (mid-stream or while waiting for a non-streamed answer) has its sequences cancelled at once, so
 their slots free at the scheduler's next step.
 """
@@ -26,6 +27,7 @@ import asyncio
 import base64
 import contextlib
 import json
+import logging
 import math
 import time
 import uuid
@@ -35,6 +37,7 @@ from typing import Any, AsyncIterator, Callable
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .detok import IncrementalDetokenizer, StopMatcher
 from .protocol import (APIError, GenerationJob, parse_chat, parse_completion,
@@ -75,6 +78,9 @@ class ServeState:
 
 
 # ----- one request's sequences -------------------------------------------------------------------
+
+log = logging.getLogger(__name__)
+
 
 @dataclass
 class Delta:
@@ -427,6 +433,38 @@ def _model_card(state: ServeState) -> dict[str, Any]:
             "owned_by": "shardwise"}
 
 
+class CrashTo500:
+    """ASGI middleware: an exception a route raises before its response starts becomes
+    OpenAI's 500 body, logged with its traceback. (An ``exception_handler(Exception)`` answers
+    the same body but from Starlette's outermost middleware, which re-raises after sending it,
+    so uvicorn closes the connection: a client's pooled keep-alive connection then resets on
+    its next request.) After the response started, the exception goes on to the server."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def watch(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, watch)
+        except Exception as exc:
+            if started:
+                raise
+            log.exception("%s %s raised", scope.get("method"), scope.get("path"))
+            body = APIError(500, f"internal error: {type(exc).__name__}: {exc}",
+                            type="server_error").body()
+            await JSONResponse(body, status_code=500)(scope, receive, send)
+
+
 def build_app(state: ServeState) -> FastAPI:
     """The FastAPI app serving ``state`` (see the module docstring for the routes)."""
     app = FastAPI(title="shardwise serve", docs_url=None, redoc_url=None)
@@ -436,10 +474,7 @@ def build_app(state: ServeState) -> FastAPI:
     async def api_error(request: Request, exc: APIError) -> JSONResponse:
         return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
-    @app.exception_handler(Exception)
-    async def unexpected(request: Request, exc: Exception) -> JSONResponse:
-        return JSONResponse(APIError(500, f"internal error: {type(exc).__name__}: {exc}",
-                                     type="server_error").body(), status_code=500)
+    app.add_middleware(CrashTo500)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
