@@ -209,6 +209,23 @@ def test_a_failed_build_logs_one_line_and_keeps_torchs_kernels(monkeypatch, capl
 
 
 @needs_native
+@pytest.mark.parametrize("threads", [1, 2])
+def test_the_native_kernels_run_on_torchs_threads(threads):
+    """The extension's at::parallel_for splits work over torch's intra-op threads (built
+    without OpenMP it is a serial loop: every native kernel ran on one core until 2026-11-27,
+    whatever ``torch.set_num_threads`` said), and shares torch's one OpenMP runtime."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        assert torch.ops.shardwise_native.parallel_threads(8) == threads
+        assert torch.ops.shardwise_native.parallel_threads(1) == 1
+    finally:
+        torch.set_num_threads(before)
+    runtimes = {line.split()[-1] for line in open("/proc/self/maps") if "libgomp" in line}
+    assert len(runtimes) == 1, runtimes
+
+
+@needs_native
 def test_a_loaded_native_weight_readies_the_op_before_any_call(monkeypatch):
     """A decode step captured before any eager call (an engine built from a checkpoint) traced
     the oracle into its graph when only the first eager call built the op."""

@@ -5,6 +5,8 @@
 default ``~/.cache/torch_extensions``; a later process reuses the build, a changed source or torch
 rebuilds it) and returns whether the ops ``torch.ops.shardwise_native.cpu_qlinear`` and
 ``cpu_attention_decode`` are usable.
+The kernels split their work with ATen's ``parallel_for`` over torch's intra-op threads
+(``torch.set_num_threads``), the library built with OpenMP against the runtime torch loaded.
 It is compiled with explicit AVX512 flags (never ``-march=native``: the cache may outlive the CPU),
 so it is only built where the CPU reports ``avx512f``, ``avx512bw``, ``avx512vl`` and
 ``avx512_vnni``. Anything that stops it (no such CPU, no compiler, a failed build, the opt-out
@@ -38,10 +40,15 @@ CHOICES = ("native", "torch")
 #: CPU flags (as /proc/cpuinfo spells them) the build's instruction set needs.
 CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")
 CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mfma",
-          "-fopenmp-simd", "-std=c++17"]
+          "-fopenmp", "-std=c++17"]
+#: -fopenmp also at link time: the library then needs libgomp.so.1, the soname of the OpenMP
+#: runtime torch already loaded, so its at::parallel_for regions share torch's one thread pool.
+#: (Without -fopenmp ATen's parallel_for compiles to a serial loop: before 2026-11-27 every
+#: native kernel ran on one thread whatever torch.set_num_threads said.)
+LDFLAGS = ["-fopenmp"]
 SOURCES = (Path(__file__).with_name("quant.cpp"), Path(__file__).with_name("attention.cpp"))
 #: Extension (and cache folder) name; bump when an op's schema changes or an op is added.
-NAME = "shardwise_cpu_native_v2"
+NAME = "shardwise_cpu_native_v3"
 
 _lock = threading.Lock()
 _state: dict[str, bool] = {}
@@ -73,8 +80,10 @@ def _build() -> None:
     """Compile (or reuse the cached build of) the extension and load it into torch."""
     from torch.utils import cpp_extension
 
-    cpp_extension.load(name=NAME, sources=[str(s) for s in SOURCES], extra_cflags=CFLAGS,
-                       is_python_module=False, verbose=False)
+    # copies: torch appends its libraries to the ldflags list it is given, and a changed list
+    # makes a second load in the process build and dlopen another copy of the ops (abort)
+    cpp_extension.load(name=NAME, sources=[str(s) for s in SOURCES], extra_cflags=list(CFLAGS),
+                       extra_ldflags=list(LDFLAGS), is_python_module=False, verbose=False)
     _register_fake()
 
 

@@ -28,6 +28,8 @@
 #include <torch/library.h>
 #include <immintrin.h>
 
+#include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdlib>
 #include <cstdint>
@@ -370,11 +372,22 @@ at::Tensor cpu_qlinear(const at::Tensor& x, const at::Tensor& qweight, const at:
   return direct ? out : out.to(xt);
 }
 
+// How many threads an at::parallel_for over ``tasks`` items runs on in this library (the
+// build check: compiled without OpenMP, ATen's parallel_for is a serial loop, 1).
+int64_t parallel_threads(int64_t tasks) {
+  std::atomic<uint64_t> seen{0};
+  at::parallel_for(0, tasks, 1, [&](int64_t, int64_t) {
+    seen.fetch_or(uint64_t{1} << std::min(at::get_thread_num(), 63));
+  });
+  return __builtin_popcountll(seen.load());
+}
+
 }  // namespace
 
 TORCH_LIBRARY(shardwise_native, m) {
   m.def("cpu_qlinear(Tensor x, Tensor qweight, Tensor scales, Tensor? zeros, Tensor? bias, "
         "int bits, int group, int ablock, int n) -> Tensor");
+  m.def("parallel_threads(int tasks) -> int", &parallel_threads);
 }
 
 TORCH_LIBRARY_IMPL(shardwise_native, CPU, m) { m.impl("cpu_qlinear", &cpu_qlinear); }
