@@ -28,8 +28,9 @@ bytes per core:
 
 (* a noisy row: g32, with more scale bytes, ran faster). int8 in groups of 32 (llama.cpp's Q8_0
 block): native 751-892 µs at batch 1, torch's grouped path (one call per group) 2241-3552. One
-core of the native kernel reads 23-29 GB/s of packed weight, so two cores reach the copy
-bandwidth (44 GB/s unloaded) where torch's kernels read 14-20 per core. Prefill-sized batches
+core of the native kernel reads 23-29 GB/s of packed weight (two cores only since `ce5ff16`:
+the extension was built without OpenMP before, so its kernels ran on one thread whatever
+``--threads`` said), where torch's kernels read 14-20 per core. Prefill-sized batches
 (single thread, wall clock, same load): at 2048 -> 8192 native int4 g128 / int8 took 2.8 / 23
 ms at 32 rows, 44 / 44 ms at 128 and 228 / 237 ms at 512, against bf16 F.linear's 22, 63 and
 332 ms and torch's packed kernels' 47-1191 ms: the native kernel is the fastest at every batch
