@@ -45,6 +45,8 @@ from .protocol import (APIError, GenerationJob, parse_chat, parse_completion,
 from .types import (Backend, FinishEvent, QueueFullError, SequenceHandle, ServerUnhealthyError,
                     TokenEvent)
 
+log = logging.getLogger(__name__)
+
 
 class ServeState:
     """What the app serves: the ``backend`` generating tokens (None for an encoder-only
@@ -78,9 +80,6 @@ class ServeState:
 
 
 # ----- one request's sequences -------------------------------------------------------------------
-
-log = logging.getLogger(__name__)
-
 
 @dataclass
 class Delta:
