@@ -80,6 +80,43 @@ def return_freed_memory() -> None:
         trim(0)
 
 
+#: OpenMP 5.0's ``omp_pause_hard``: a thread's pause frees its worker pool (threads and all)
+_OMP_PAUSE_HARD = 2
+
+
+@cache
+def _openmp_pause():
+    """``omp_pause_resource_all`` of the OpenMP runtime torch has loaded, or None (torch's
+    parallel backend is not OpenMP, or its runtime is not GNU libgomp ≥ 9, which has it)."""
+    import ctypes
+
+    if "OpenMP" not in torch.__config__.parallel_info():
+        return None
+    try:  # libgomp.so.1 is the soname of the runtime torch ships: RTLD_NOLOAD gets that one
+        pause = ctypes.CDLL("libgomp.so.1", mode=os.RTLD_NOLOAD).omp_pause_resource_all
+    except (OSError, AttributeError):
+        return None
+    pause.argtypes, pause.restype = [ctypes.c_int], ctypes.c_int
+    return pause
+
+
+def release_openmp_pool() -> bool:
+    """Free the calling thread's OpenMP worker pool (its threads exit; the next parallel region
+    this thread runs makes a new one). Returns whether there was a runtime to ask.
+
+    Why: libgomp keeps one pool per thread that ever ran a parallel region, and once its
+    threads outnumber the cores it stops spinning between regions (``GOMP_SPINCOUNT``'s
+    throttled count), so every region of every thread pays a futex wake-up. A model built on
+    the main thread and served from another (a server's scheduler) ran its decode step 1.9x
+    slower for it (SmolLM2-135M bf16 on 2 cores, batch 1: 25.1 vs 13.1 ms; ``python
+    benchmarks/serve_step.py --thread``)."""
+    pause = _openmp_pause()
+    if pause is None:
+        return False
+    pause(_OMP_PAUSE_HARD)
+    return True
+
+
 class CpuAccelerator(Accelerator):
     """Runs on the host CPU. fp32 and bf16; bf16 is preferred only with native bf16 support."""
 
@@ -133,6 +170,10 @@ class CpuAccelerator(Accelerator):
     def release_cached_memory(self) -> None:
         """glibc's heap keeps freed tensors' chunks: see :func:`return_freed_memory`."""
         return_freed_memory()
+
+    def release_thread_pool(self) -> None:
+        """torch's OpenMP pool of the calling thread: see :func:`release_openmp_pool`."""
+        release_openmp_pool()
 
     def peak_memory(self, index: int = 0) -> int:
         """Peak resident set size of this process in bytes (VmHWM since the last

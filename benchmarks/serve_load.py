@@ -238,8 +238,11 @@ def hf_state(model, tokenizer, args, name: str):
     from shardwise.serve.metrics import ServeMetrics
 
     metrics = ServeMetrics()
+    import shardwise
+
     backend = HFSerialBackend(model, tokenizer, max_tokens=args.max_context,
-                              max_waiting=queue_bound(args), metrics=metrics)
+                              max_waiting=queue_bound(args), metrics=metrics,
+                              release_threads=shardwise.get_accelerator().release_thread_pool)
     return ServeState(backend, tokenizer, name, args.max_context, metrics)
 
 

@@ -15,6 +15,15 @@ interleaved, ``--rounds`` times each: ``runner.decode`` over slots 0..b-1 holdin
 benchmark's prompt lengths, and one ``generate`` token step at batch b (the time of
 ``max_new_tokens=1 + --tokens`` minus that of ``max_new_tokens=1``, over ``--tokens``). Prints
 medians in ms; writes nothing.
+
+``--thread`` adds the runner's step run as the server runs it, on another thread than the one
+that built the model: ``thread, pool held`` while the building thread keeps its OpenMP worker
+pool, ``thread, pool released`` after ``accelerator.release_thread_pool()`` on the building
+thread (what the scheduler's ``start`` does). Measured 2026-11-27 (2 cores, bf16, load ~1),
+``python benchmarks/serve_step.py --thread --rounds 8``: b=1 13.3 ms on the building thread,
+25.1 ms on another with the pool held, 13.1 ms released; b=8 40.6 / 72.0 / 41.8 ms (libgomp
+stops spinning between parallel regions once its pools' threads outnumber the cores, so every
+region pays a wake-up).
 """
 
 from __future__ import annotations
@@ -38,6 +47,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="generate tokens per timed generate call (default 8)")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     parser.add_argument("--no-graphs", action="store_true", help="eager decode steps")
+    parser.add_argument("--thread", action="store_true",
+                        help="also time the step on another thread, pool held and released")
     args = parser.parse_args(argv)
     for name in ("rounds", "tokens"):
         if getattr(args, name) < 1:
@@ -88,10 +99,36 @@ def main(argv=None) -> None:
             times.setdefault(f"serve step b={b}", []).append(time.perf_counter() - began)
             step = (generate(b, 1 + args.tokens) - generate(b, 1)) / args.tokens
             times.setdefault(f"generate step b={b}", []).append(step)
+            if args.thread:
+                for pool in ("held", "released"):
+                    if pool == "released":
+                        stack.engine.accelerator.release_thread_pool()
+                    times.setdefault(f"thread, pool {pool} b={b}", []).append(
+                        on_thread(lambda: runner.decode(list(range(b)), [1500] * b)))
     print(f"threads {torch.get_num_threads()}, {dtype}, graphs {graphs}, load "
           f"{os.getloadavg()[0]:.1f}; medians over {args.rounds} rounds:")
     for name, values in times.items():
-        print(f"  {name:<18} {1e3 * statistics.median(values):7.1f} ms")
+        print(f"  {name:<28} {1e3 * statistics.median(values):7.1f} ms")
+
+
+def on_thread(step, repeats: int = 5) -> float:
+    """Median seconds of ``step()`` run ``repeats`` times on a new thread (after one untimed
+    call there: the thread's first parallel region starts its pool)."""
+    import threading
+
+    took: list[float] = []
+
+    def run() -> None:
+        step()
+        for _ in range(repeats):
+            began = time.perf_counter()
+            step()
+            took.append(time.perf_counter() - began)
+
+    worker = threading.Thread(target=run)
+    worker.start()
+    worker.join()
+    return statistics.median(took)
 
 
 if __name__ == "__main__":

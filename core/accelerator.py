@@ -201,6 +201,14 @@ class Accelerator:
         """Give memory that freed tensors left cached in this process back to the system
         (called once ``init_inference`` has dropped the weights it replaced). Default: none."""
 
+    def release_thread_pool(self) -> None:
+        """The calling thread stops running model work for a while — another thread takes
+        over (a server builds the model on one thread and steps it on another) or it goes
+        idle: give back the host worker threads it holds for parallel ops, so that they do
+        not compete with the next thread's (called by ``shardwise serve``'s scheduler and its
+        HF baseline). Harmless at any time outside a parallel op: the thread's next parallel
+        op makes what it needs again. Default: nothing held."""
+
     # ----- dtypes -------------------------------------------------------------------------------
 
     @property

@@ -221,3 +221,31 @@ def test_cuda_launch_env_and_conformance(monkeypatch):
 
     failed = [r for r in run_conformance("cuda") if not r.passed]
     assert not failed, failed
+
+
+def test_cpu_release_thread_pool_frees_the_calling_threads_openmp_workers():
+    """After a 2-thread parallel op the calling thread holds one OpenMP worker; the release
+    ends it (the process has one thread fewer) and the next parallel op makes it again. Run in
+    a fresh interpreter: the test process's thread count is other tests' business."""
+    script = textwrap.dedent("""
+        import os, time, torch
+        from shardwise.accelerators.cpu import CpuAccelerator
+        torch.set_num_threads(2)
+        count = lambda: len(os.listdir("/proc/self/task"))
+        x = torch.randn(1 << 22)
+        x.sum()
+        held = count()
+        CpuAccelerator().release_thread_pool()
+        deadline = time.monotonic() + 10
+        while count() != held - 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        released = count()
+        torch.testing.assert_close(x.sum(), x.double().sum().float())  # a new pool computes
+        print(held, released, count())
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    held, released, again = map(int, out.stdout.split())
+    assert released == held - 1, (held, released)
+    assert again == held, (held, again)

@@ -726,6 +726,29 @@ def test_a_runner_failure_makes_the_scheduler_unhealthy_and_ends_every_sequence(
     sched.stop(drain_s=0)
 
 
+def test_the_builders_thread_pool_is_released_at_start_and_the_loops_when_idle():
+    """release_threads runs on the starting thread before the loop takes over, then on the
+    loop's thread once per idle period (after work, not on every heartbeat or wake-up)."""
+    released = []
+    runner = FakeRunner(max_batch=2)
+    sched = Scheduler(runner, sampler_factory=greedy, heartbeat_s=0.01,
+                      release_threads=lambda: released.append(threading.get_ident()))
+    sched.start()
+    assert released[0] == threading.get_ident()
+    time.sleep(0.1)                                        # idle before any work: nothing held
+    assert len(released) == 1
+    for round_ in range(2):
+        run_threaded(sched, [request(f"r{round_}", prompt(3, round_), 4)])
+        deadline = time.monotonic() + WAIT_S
+        while len(released) < 2 + round_ and time.monotonic() < deadline:
+            time.sleep(0.005)
+        time.sleep(0.05)                                   # several heartbeats: still one release
+        assert len(released) == 2 + round_
+    loop_thread, = runner.thread_ids
+    assert released[1:] == [loop_thread, loop_thread]
+    sched.stop(drain_s=1.0)
+
+
 def test_heartbeat_while_idle_and_its_failure_is_fatal():
     runner = FakeRunner(fail_on="heartbeat", fail_after=3)
     sched = Scheduler(runner, sampler_factory=greedy, heartbeat_s=0.02).start()

@@ -15,7 +15,7 @@ import collections
 import threading
 import time
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
@@ -97,6 +97,11 @@ class HFSerialBackend:
             model's ``generation_config.eos_token_id``.
         metrics: a :class:`~shardwise.serve.metrics.ServeMetrics` to record into (time to
             first token, inter-token latency, tokens, finishes, occupancy), or None.
+        release_threads: called on the constructing thread before the worker takes over, and
+            on the worker whenever its queue runs empty: gives back the calling thread's host
+            worker threads (``accelerator.release_thread_pool``), as shardwise's scheduler
+            does, so that neither backend's idle pool slows the other's steps when both serve
+            from one process. None: nothing to give back.
 
     Requests run in arrival order. Greedy when ``temperature`` is 0, else sampling with the
     request's ``temperature`` and ``top_p`` (no top-k, as OpenAI), from seed ``seed + index``
@@ -106,7 +111,8 @@ class HFSerialBackend:
     """
 
     def __init__(self, model, tokenizer, max_tokens: int, max_waiting: int = 64, *,
-                 eos_token_ids: Iterable[int] | None = None, metrics=None) -> None:
+                 eos_token_ids: Iterable[int] | None = None, metrics=None,
+                 release_threads: Callable[[], None] | None = None) -> None:
         if max_tokens < 2:
             raise ConfigError(f"max_tokens must be at least 2 (a prompt token and a generated "
                               f"one), got {max_tokens}")
@@ -127,7 +133,9 @@ class HFSerialBackend:
         self._accepting = True
         self._stopping = False
         self._failure: BaseException | None = None
+        self._release_threads = release_threads or (lambda: None)
         self._worker = threading.Thread(target=self._work, name="hf-serial-backend", daemon=True)
+        self._release_threads()
         self._worker.start()
 
     # ----- Backend ------------------------------------------------------------------------------
@@ -189,6 +197,10 @@ class HFSerialBackend:
 
     def _next(self) -> _Job | None:
         """The next request to run (None: stopping and nothing left); waits for one."""
+        with self._lock:
+            idle = not self._waiting
+        if idle:
+            self._release_threads()
         with self._lock:
             while not self._waiting and not self._stopping:
                 self._lock.wait(timeout=1.0)

@@ -161,6 +161,11 @@ class Scheduler:
         mixed: prefill prompt chunks inside the decode step (``runner.mixed``; see the module
             docstring) where the runner supports it (``runner.supports_mixed``); False: prefill
             calls and decode steps alternate.
+        release_threads: called on the thread that :meth:`start`\ s the loop (which built the
+            model) before the loop's thread takes over, and on the loop's thread each time it
+            goes idle: gives back the calling thread's host worker threads (the engine's
+            ``accelerator.release_thread_pool``; on CPU torch's OpenMP pool: held, it slowed
+            every step 1.9x). None: nothing to give back.
 
     Call :meth:`start` to run the loop on its thread.
     """
@@ -169,7 +174,8 @@ class Scheduler:
                  prefill_budget: int = 512, metrics: ServeMetrics | None = None,
                  heartbeat_s: float = 5.0, sampler_factory: SamplerFactory | None = None,
                  join_timeout_s: float = 30.0, prefill_stall: float | None = 0.75,
-                 prefill_worth: bool = True, mixed: bool = True) -> None:
+                 prefill_worth: bool = True, mixed: bool = True,
+                 release_threads: Callable[[], None] | None = None) -> None:
         _check_positive("max_waiting", max_waiting, integer=True)
         _check_positive("prefill_budget", prefill_budget, integer=True)
         _check_positive("heartbeat_s", heartbeat_s)
@@ -209,6 +215,8 @@ class Scheduler:
                 f"{type(runner).__name__} has no mixed steps"
             log.info("mixed steps off (%s): prompt chunks and decode steps alternate", why)
         self.heartbeat_s = float(heartbeat_s)
+        self._release_threads = release_threads or (lambda: None)
+        self._holds_threads = False                # the loop's thread stepped since it released
         self.metrics = metrics
         self.join_timeout_s = join_timeout_s
         self._sampler_factory = sampler_factory or default_sampler_factory
@@ -277,6 +285,7 @@ class Scheduler:
                 raise RuntimeError("the scheduler was stopped; build a new one")
             self._thread = threading.Thread(target=self._loop, name="shardwise-scheduler",
                                             daemon=True)
+            self._release_threads()  # this thread built the model; the loop's runs it
             self._thread.start()
         return self
 
@@ -341,17 +350,24 @@ class Scheduler:
 
     def _wait_for_work(self) -> bool:
         """Block until there is a step to run (True) or the loop should end (False); when idle,
-        call ``runner.heartbeat()`` every ``heartbeat_s`` seconds."""
+        give back the loop thread's worker threads once (``release_threads``) and call
+        ``runner.heartbeat()`` every ``heartbeat_s`` seconds."""
         while True:
             with self._cond:
                 if self._has_work():
+                    self._holds_threads = True
                     return True
                 if self._drain_until is not None:
                     return False
-                idle_for = time.monotonic() - self._last_model_call_s
-                if idle_for < self.heartbeat_s:
-                    self._cond.wait(self.heartbeat_s - idle_for)
-                    continue
+                if not self._holds_threads:
+                    idle_for = time.monotonic() - self._last_model_call_s
+                    if idle_for < self.heartbeat_s:
+                        self._cond.wait(self.heartbeat_s - idle_for)
+                        continue
+            if self._holds_threads:  # idle: another thread of this process may need the cores
+                self._holds_threads = False
+                self._release_threads()
+                continue
             self._call("heartbeat")
 
     def _has_work(self) -> bool:

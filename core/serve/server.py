@@ -341,7 +341,8 @@ def build_stack(model, tokenizer, *, max_batch: int = 16, max_tokens: int = 256,
     scheduler = Scheduler(runner, eos_token_ids=eos_token_ids(model, tokenizer),
                           max_waiting=max_waiting, prefill_budget=prefill_budget,
                           prefill_stall=prefill_stall, prefill_worth=prefill_worth,
-                          mixed=mixed, metrics=metrics, heartbeat_s=heartbeat_s)
+                          mixed=mixed, metrics=metrics, heartbeat_s=heartbeat_s,
+                          release_threads=engine.accelerator.release_thread_pool)
     if start:
         scheduler.start()
     state = ServeState(scheduler, tokenizer, name, runner.max_tokens, metrics)
