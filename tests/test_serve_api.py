@@ -559,8 +559,10 @@ def test_embeddings_on_an_injected_bert_match_hf_mean_pooling(head):
     reference = copy.deepcopy(model)
     engine = shardwise.init_inference(model, device="cpu", replace_with_kernel_inject=True)
     tok = tiny_tokenizer()
-    state = ServeState(None, tok, "tiny-bert", max_context=64, metrics=None,
-                       embedder=Embedder(engine, tok))
+    embedder = Embedder(engine, tok)
+    ran_on = set()  # every forward on the embedder's one worker thread (one OpenMP pool)
+    engine.module.register_forward_pre_hook(lambda *_: ran_on.add(threading.get_ident()))
+    state = ServeState(None, tok, "tiny-bert", max_context=64, metrics=None, embedder=embedder)
     texts = ["t5 t6 t7 t8 t9", "t40", "t7 t100 t200"]  # different lengths: padded together
     expected = _hf_sentence_embeddings(reference, [tok(t)["input_ids"] for t in texts])
     with serving(build_app(state)) as server:
@@ -581,6 +583,8 @@ def test_embeddings_on_an_injected_bert_match_hf_mean_pooling(head):
     assert torch.allclose(torch.tensor(as_float.data[0].embedding),
                           _hf_sentence_embeddings(reference, [[5, 6, 7]])[0], atol=2e-5)
     assert as_base64.usage.prompt_tokens == 5 + 1 + 3
+    assert len(ran_on) == 1 and threading.get_ident() not in ran_on
+    embedder.close()
 
 
 @pytest.fixture(scope="module")

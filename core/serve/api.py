@@ -36,7 +36,6 @@ from typing import Any, AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from starlette.concurrency import run_in_threadpool
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .detok import IncrementalDetokenizer, StopMatcher
@@ -419,7 +418,7 @@ async def _embeddings(state: ServeState, body: dict[str, Any]) -> dict[str, Any]
         raise APIError(400, f"the model '{state.model_name}' is not an encoder: it has no "
                        f"embeddings (serve an encoder such as BERT for /v1/embeddings)",
                        param="model", code="model_not_encoder")
-    vectors = await run_in_threadpool(state.embedder.embed, job.inputs)  # [n, hidden]
+    vectors = await asyncio.wrap_future(state.embedder.submit(job.inputs))  # [n, hidden]
     tokens = sum(len(ids) for ids in job.inputs)
     data = [{"object": "embedding", "index": i,
              "embedding": _encode_vector(v, job.encoding_format)} for i, v in enumerate(vectors)]

@@ -7,8 +7,9 @@ attention mask), then L2-normalised.
 
 from __future__ import annotations
 
+import concurrent.futures
 import threading
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
@@ -26,12 +27,18 @@ def mean_pool(hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 class Embedder:
     """Embeds token-id lists with ``engine`` (an :class:`~shardwise.InferenceEngine` over an
     encoder: ``BertModel``, ``BertForMaskedLM``, …; its base model's output 0 is the last
-    hidden state). Calls from several threads run one after another (one forward at a time);
-    call :meth:`embed` off the event loop (the HTTP layer uses a thread pool).
+    hidden state). Calls from several threads run one after another (one forward at a time).
+    The HTTP layer calls :meth:`submit`, which runs :meth:`embed` on the embedder's one worker
+    thread: every request's forward on the same thread, so torch's OpenMP runtime keeps one
+    worker pool for them (a thread pool's many threads each made their own, and past the
+    cores' count libgomp throttles every parallel region).
 
-    ``batch_size`` inputs are padded and run together (bounds the padded batch's memory)."""
+    ``batch_size`` inputs are padded and run together (bounds the padded batch's memory).
+    ``release_threads`` is called once, on the constructing thread (which built the engine),
+    before the worker takes over (``accelerator.release_thread_pool``); None: nothing."""
 
-    def __init__(self, engine: Any, tokenizer: Any, batch_size: int = 32) -> None:
+    def __init__(self, engine: Any, tokenizer: Any, batch_size: int = 32,
+                 release_threads: Callable[[], None] | None = None) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
         self.batch_size = batch_size
@@ -41,6 +48,18 @@ class Embedder:
         #: the bare encoder inside a task head (BertForMaskedLM.bert); the module itself if bare
         self.encoder = getattr(module, "base_model", module)
         self._lock = threading.Lock()
+        self._worker = concurrent.futures.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="shardwise-embedder")
+        if release_threads is not None:
+            release_threads()
+
+    def submit(self, inputs: Sequence[Sequence[int]]) -> concurrent.futures.Future:
+        """:meth:`embed` of ``inputs`` on the embedder's worker thread (its future)."""
+        return self._worker.submit(self.embed, inputs)
+
+    def close(self) -> None:
+        """Let the worker thread end once the embeddings submitted are done."""
+        self._worker.shutdown(wait=False)
 
     @property
     def hidden_size(self) -> int:

@@ -326,7 +326,8 @@ def build_stack(model, tokenizer, *, max_batch: int = 16, max_tokens: int = 256,
 
         engine = init_inference(model, **engine_kwargs)
         state = ServeState(None, tokenizer, name, max_tokens, metrics,
-                           embedder=Embedder(engine, tokenizer))
+                           embedder=Embedder(engine, tokenizer,
+                                             release_threads=engine.accelerator.release_thread_pool))
         return Stack(engine, None, None, state)
     engine = init_inference(model, max_tokens=max_tokens, **engine_kwargs)
     from .runner import SlotRunner
