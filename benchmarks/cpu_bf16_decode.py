@@ -11,7 +11,10 @@ Variants (each its own copy of the same fixed-seed preset weights):
 * ``sw-bf16``: the same in bf16 (one-row linears as :mod:`shardwise.accelerators.cpu_gemv`'s
   row product);
 * ``sw-bf16-aten``: bf16 as before that change (the compiled step's bf16 linears on ATen's
-  GEMMs): the "before" of the same run.
+  GEMMs): the "before" of the same run;
+* ``sw-bf16-onepiece``: ``sw-bf16`` with every row product summed in one piece, as before long
+  rows (more than ``cpu_gemv.LONG_ROW`` input features: e.g. a down projection of 5632 or 8192)
+  were summed in chunks.
 
 Per-token decode time: ``(t(generate N new) - t(generate 1 new)) / (N - 1)`` for the same
 prompt, greedy, batch 1 — prefill and the first token cancel out. Each round runs every variant
@@ -35,10 +38,10 @@ from pathlib import Path
 import torch
 
 import shardwise
-from shardwise.accelerators import cpu_graphs
+from shardwise.accelerators import cpu_gemv, cpu_graphs
 from shardwise.bench.presets import build_preset
 
-VARIANTS = ("hf-bf16", "hf-fp32", "sw-fp32", "sw-bf16", "sw-bf16-aten")
+VARIANTS = ("hf-bf16", "hf-fp32", "sw-fp32", "sw-bf16", "sw-bf16-aten", "sw-bf16-onepiece")
 
 
 @contextlib.contextmanager
@@ -52,24 +55,42 @@ def _without_row_products():
         cpu_graphs.use_row_products = real
 
 
-def build(variant: str, base: torch.nn.Module):
-    """A callable ``generate(ids, new)`` of ``variant`` on a copy of ``base`` (fp32)."""
+@contextlib.contextmanager
+def _rows_in_one_piece():
+    """Trace the row products as before long rows were chunked."""
+    real = cpu_gemv.LONG_ROW
+    cpu_gemv.LONG_ROW = 1 << 62
+    try:
+        yield
+    finally:
+        cpu_gemv.LONG_ROW = real
+
+
+def _scope(variant: str):
+    """Where ``variant`` is built and first run (its step traced)."""
+    if variant == "sw-bf16-aten":
+        return _without_row_products()
+    return _rows_in_one_piece() if variant == "sw-bf16-onepiece" else contextlib.nullcontext()
+
+
+def build(variant: str, base: torch.nn.Module, ids: torch.Tensor, new: int):
+    """``(generate(ids, new), its first greedy tokens)`` of ``variant`` on a copy of ``base``
+    (fp32); built and run once (the warm-up: the step traced) inside its scope."""
     model = copy.deepcopy(base)
-    dtype = torch.bfloat16 if variant.endswith(("bf16", "bf16-aten")) else torch.float32
-    if variant.startswith("hf"):
-        model = model.to(dtype).eval()
-        run = model
-    else:
-        scope = _without_row_products() if variant == "sw-bf16-aten" else contextlib.nullcontext()
-        with scope:
+    dtype = torch.float32 if variant.endswith("fp32") else torch.bfloat16
+    with _scope(variant):
+        if variant.startswith("hf"):
+            run = model.to(dtype).eval()
+        else:
             run = shardwise.init_inference(model, device="cpu", dtype=dtype,
                                            replace_with_kernel_inject=True, enable_graph=True)
 
-    def generate(ids: torch.Tensor, new: int) -> torch.Tensor:
-        with torch.inference_mode():
-            return run.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False,
-                                pad_token_id=0)
-    return generate
+        def generate(ids: torch.Tensor, new: int) -> torch.Tensor:
+            with torch.inference_mode():
+                return run.generate(ids, max_new_tokens=new, min_new_tokens=new,
+                                    do_sample=False, pad_token_id=0)
+        first = generate(ids, new)[0, ids.shape[1]:].tolist()
+    return generate, first
 
 
 def main(argv=None) -> int:
@@ -89,8 +110,7 @@ def main(argv=None) -> int:
     runs, tokens = {}, {}
     for v in args.variants:
         start = time.perf_counter()
-        runs[v] = build(v, base)
-        tokens[v] = runs[v](ids, args.new_tokens)[0, args.prompt_len:].tolist()  # warm-up
+        runs[v], tokens[v] = build(v, base, ids, args.new_tokens)  # built and warmed up
         print(f"{v}: ready in {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
     del base
     samples = {v: [] for v in args.variants}
@@ -108,7 +128,7 @@ def main(argv=None) -> int:
     print(f"{args.preset}, batch 1, prompt {args.prompt_len}, {args.threads} threads, "
           f"median of {args.rounds} interleaved rounds (decode ms/token)")
     for v in args.variants:
-        print(f"  {v:14s} {medians[v]:8.1f}   (samples: "
+        print(f"  {v:17s} {medians[v]:8.1f}   (samples: "
               f"{', '.join(f'{s:.1f}' for s in samples[v])})")
     if args.output:
         Path(args.output).write_text(json.dumps({

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import shardwise
+from shardwise.accelerators import cpu_gemv
 from shardwise.accelerators.cpu_gemv import (RowProductLinear, row_product,
                                              row_product_eligible, use_row_products)
 from shardwise.accelerators.cpu_graphs import CpuCompileStrategy
@@ -36,14 +37,26 @@ def _bf16_ulp(y: torch.Tensor) -> torch.Tensor:
     return y.abs() * 2.0 ** -7 + 1e-4
 
 
+@pytest.mark.parametrize("k", [300, cpu_gemv.LONG_ROW + cpu_gemv.ROW_CHUNK])  # one piece, chunked
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_row_product_is_the_fp32_sum_rounded_once(dtype):
+def test_row_product_is_the_fp32_sum_rounded_once(dtype, k):
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(1, 300, generator=g).to(dtype)
-    w = torch.randn(70, 300, generator=g).to(dtype)
+    x = torch.randn(1, k, generator=g).to(dtype)
+    w = torch.randn(70, k, generator=g).to(dtype)
     want = _exact(x, w)
     got = row_product(x, w)
     assert got.dtype == dtype and got.shape == (1, 70)
+    assert ((got.float() - want).abs() <= _bf16_ulp(want)).all()
+
+
+def test_a_long_row_of_a_transposed_weight_is_chunked_in_place():
+    """Conv1D hands a transposed view ([N, K] with K strided): the chunked sum reads it as is."""
+    g = torch.Generator().manual_seed(1)
+    k = cpu_gemv.LONG_ROW * 2
+    x = torch.randn(1, k, generator=g).bfloat16()
+    w = torch.randn(k, 40, generator=g).bfloat16().t()  # [40, K], not contiguous
+    got = row_product(x, w)
+    want = _exact(x, w.contiguous())
     assert ((got.float() - want).abs() <= _bf16_ulp(want)).all()
 
 
@@ -66,7 +79,6 @@ def test_compiled_row_product_streams_the_weight_as_stored(conv1d, monkeypatch):
     product (traced: counted), reading the parameter itself — transformers' Conv1D [K, N]
     weight through its transposed view — within one rounding of the exact product."""
     from transformers.pytorch_utils import Conv1D
-    from shardwise.accelerators import cpu_gemv
 
     traced = []
     monkeypatch.setattr(cpu_gemv, "row_product",
