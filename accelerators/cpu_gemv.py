@@ -38,12 +38,22 @@ from shardwise.ledger import set_forward
 #: Weight dtypes the one-row product serves (fp32 linears use the blocked layout instead).
 ROW_PRODUCT_DTYPES = (torch.bfloat16, torch.float16)
 #: Rows longer than this (K, the input features) are summed in :data:`ROW_CHUNK` pieces, then
-#: the pieces: inductor's loop over one long row read slower. Compiled, 2 threads, [2048, K]
-#: bf16 weights, interleaved (a throwaway script; the step-level figure is in
-#: benchmarks/README.md): K = 8192 18.3 → 26.3 GB/s, 5632 21.3 → 28.8; K = 4096, 3072 and 1536
-#: were as fast or faster in one piece (27.6 vs 26.9, 29.8 vs 28.4, 28.4 vs 28.3).
+#: the pieces: inductor's loop over one long row reads it slower (``python
+#: benchmarks/kernel_row_product.py`` times both ways per K; figures in benchmarks/README.md,
+#: "bf16 decode on the CPU").
 LONG_ROW = 4096
 ROW_CHUNK = 512
+
+
+def row_sums(x: torch.Tensor, weight: torch.Tensor, chunk: int | None = None) -> torch.Tensor:
+    """x [1, K] · each row of weight [N, K] → [1, N] float32: the fp32 products summed in fp32,
+    over the whole row, or per ``chunk`` columns and then over the chunks (``chunk`` divides
+    K; only the order of the sum differs)."""
+    if chunk is None:
+        return (x.float()[:, None, :] * weight.float()[None]).sum(-1)
+    pieces = (weight.shape[-1] // chunk, chunk)
+    return (x.float().unflatten(-1, pieces)[:, None] * weight.float().unflatten(-1, pieces)[None]
+            ).sum(-1).sum(-1)  # [1, N, K / chunk] → [1, N]
 
 
 def row_product(x: torch.Tensor, weight: torch.Tensor,
@@ -51,16 +61,10 @@ def row_product(x: torch.Tensor, weight: torch.Tensor,
     """``x @ weight.T + bias`` for one row: x [1, K], weight [N, K], bias [N] → [1, N] in
     ``x.dtype``, each output the fp32 sum of the fp32 products plus the bias in fp32, rounded
     once (as ``F.linear``: adding the bias after rounding would round twice). A row longer
-    than :data:`LONG_ROW` that :data:`ROW_CHUNK` divides is summed per chunk, then over the
-    chunks (fp32 throughout: only the order of the sum differs)."""
+    than :data:`LONG_ROW` that :data:`ROW_CHUNK` divides is summed per chunk
+    (:func:`row_sums`)."""
     k = weight.shape[-1]
-    if k > LONG_ROW and k % ROW_CHUNK == 0:
-        chunks = (k // ROW_CHUNK, ROW_CHUNK)
-        parts = (x.float().unflatten(-1, chunks)[:, None] * weight.float().unflatten(-1, chunks)[None]
-                 ).sum(-1)  # [1, N, K / C] fp32
-        out = parts.sum(-1)  # [1, N]
-    else:
-        out = (x.float()[:, None, :] * weight.float()[None]).sum(-1)  # [1, N] fp32
+    out = row_sums(x, weight, ROW_CHUNK if k > LONG_ROW and k % ROW_CHUNK == 0 else None)
     if bias is not None:
         out = out + bias.float()
     return out.to(x.dtype)

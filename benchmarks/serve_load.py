@@ -233,13 +233,12 @@ def shardwise_stack(model, tokenizer, args, accelerator, name: str):
 
 def hf_state(model, tokenizer, args, name: str):
     """The baseline behind the same app: :class:`HFSerialBackend` on the plain model."""
+    import shardwise
     from shardwise.serve.api import ServeState
     from shardwise.serve.baseline import HFSerialBackend
     from shardwise.serve.metrics import ServeMetrics
 
     metrics = ServeMetrics()
-    import shardwise
-
     backend = HFSerialBackend(model, tokenizer, max_tokens=args.max_context,
                               max_waiting=queue_bound(args), metrics=metrics,
                               release_threads=shardwise.get_accelerator().release_thread_pool)
