@@ -161,7 +161,7 @@ class Scheduler:
         mixed: prefill prompt chunks inside the decode step (``runner.mixed``; see the module
             docstring) where the runner supports it (``runner.supports_mixed``); False: prefill
             calls and decode steps alternate.
-        release_threads: called on the thread that :meth:`start`\ s the loop (which built the
+        release_threads: called on the thread that calls :meth:`start` (which built the
             model) before the loop's thread takes over, and on the loop's thread each time it
             goes idle: gives back the calling thread's host worker threads (the engine's
             ``accelerator.release_thread_pool``; on CPU torch's OpenMP pool: held, it slowed
