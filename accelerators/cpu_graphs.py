@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import weakref
 from contextlib import contextmanager, nullcontext
 
@@ -246,6 +247,7 @@ class CpuCompileStrategy(GraphStrategy):
     def _backend(self, options: dict):
         def backend(gm: torch.fx.GraphModule, example_inputs):
             self.compiles += 1
+            _VecIsaProbe.wait()  # probed while dynamo traced; lowering needs the result
             return private.compile_fx(gm, example_inputs, options)
         return backend
 
@@ -302,15 +304,18 @@ class CpuCompileStrategy(GraphStrategy):
                     compiled = store.load(key, fn, inputs)
                     from_store = compiled is not None
                     if compiled is None:
+                        _VecIsaProbe.start()
                         compiled = self._aot_compile(fn, inputs, options, name)
                         if compiled is not None:
                             store.save(key, compiled, fn, self._about(name, inputs))
                 if compiled is None:  # precompile off or refused: dynamo's usual way
+                    _VecIsaProbe.start()
                     fresh = fresh_code(fn)
                     compiled = torch.compile(fresh, backend=self._backend(options),
                                              dynamic=False, fullgraph=self.fullgraph)
                 outputs = static_outputs(compiled(*inputs))
         except Exception as exc:
+            _VecIsaProbe.wait()  # it builds into this capture's cache folder: done first
             self.compiles = before  # a failed attempt compiled nothing that is kept
             private.forget_compiled(fresh.__code__ if fresh is not None else None,
                                     private.inductor_modules_since(loaded))
@@ -461,6 +466,48 @@ def inductor_cache_scope(ours: str):
             os.environ.pop(INDUCTOR_CACHE_ENV, None)
         else:
             os.environ[INDUCTOR_CACHE_ENV] = before
+
+
+class _VecIsaProbe:
+    """Inductor's SIMD probe (:func:`shardwise._torch_private.probe_vec_isa_concurrently`) run
+    on a daemon thread while dynamo traces a step (single-threaded Python: a core is idle), and
+    waited for before inductor lowers it, which needs the result. Started by a capture that
+    compiles, inside its cache scope (the probe's builds go to that capture's cache folder), at
+    most once per process. Where an earlier start recorded every ISA working
+    (:func:`~shardwise.accelerators.cpu_precompile.known_vec_isa`) nothing is built or loaded:
+    the record is taken at once. A failed probe is logged at debug level: inductor probes again
+    at lowering and reports what fails."""
+
+    _lock = threading.Lock()
+    _thread: threading.Thread | None = None
+
+    @classmethod
+    def start(cls) -> None:
+        with cls._lock:
+            if cls._thread is not None or private.vec_isa_probed() is not None:
+                return
+            folder = precompile.precompiled_folder() if precompile.enabled() else None
+            if folder is not None and precompile.vec_isa_known(folder):
+                with precompile.known_vec_isa(folder):  # no builds: taken as recorded
+                    private.probe_vec_isa_concurrently()
+                return
+            cls._thread = threading.Thread(target=cls._run, daemon=True,
+                                           name="shardwise-vec-isa-probe")
+            cls._thread.start()
+
+    @staticmethod
+    def _run() -> None:
+        try:
+            log.debug("shardwise: inductor's SIMD ISA here: %s",
+                      private.probe_vec_isa_concurrently())
+        except Exception as exc:  # noqa: BLE001 - inductor meets it again and reports it
+            log.debug("shardwise: SIMD probe failed (%s: %s)", type(exc).__name__, exc)
+
+    @classmethod
+    def wait(cls) -> None:
+        thread = cls._thread
+        if thread is not None:
+            thread.join()
 
 
 class _NoGemmChoice(Exception):

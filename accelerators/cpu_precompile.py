@@ -275,11 +275,16 @@ def known_vec_isa(folder: Path):
     """A context manager: inductor's SIMD probe skipped when an earlier start on this torch,
     CPU and compiler found every ISA the CPU reports working (:func:`note_vec_isa`), else
     nothing changed."""
+    return private.skip_vec_isa_probe() if vec_isa_known(folder) else contextlib.nullcontext()
+
+
+def vec_isa_known(folder: Path) -> bool:
+    """Whether an earlier start on this torch, CPU and compiler recorded in ``folder`` that
+    every SIMD ISA the CPU reports works (:func:`note_vec_isa`)."""
     try:
-        known = json.loads(_isa_record(folder).read_text()).get("all_ok") is True
+        return json.loads(_isa_record(folder).read_text()).get("all_ok") is True
     except (OSError, ValueError):
-        known = False
-    return private.skip_vec_isa_probe() if known else contextlib.nullcontext()
+        return False
 
 
 # ----- the traced sources, checked at load --------------------------------------------------------

@@ -233,6 +233,29 @@ def skip_vec_isa_probe():
     return inductor_config_patch({"cpp.vec_isa_ok": True})
 
 
+def probe_vec_isa_concurrently() -> str:
+    """Inductor's SIMD ISA for this CPU's C++ kernels (its ``pick_vec_isa``), with the probe of
+    each candidate ISA the CPU reports (a C++ build and a child process that loads it, 0.4-2 s
+    each) run on a thread of its own: inductor checks them one after another (5-7 s on a first
+    start on 2 cores). Each result is cached by inductor for the process's life, as its own
+    probe caches it; the builds go to inductor's cache folder of the moment."""
+    import threading
+
+    module = importlib.import_module("torch._inductor.cpu_vec_isa")
+    try:
+        flags = set(module.x86_isa_checker())
+        isas = [isa for isa in module.supported_vec_isa_list
+                if all(flag in flags for flag in str(isa).split())]
+    except AttributeError as exc:
+        raise _missing("torch._inductor.cpu_vec_isa's ISA list", exc) from exc
+    threads = [threading.Thread(target=bool, args=(isa,), daemon=True) for isa in isas]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return str(module.pick_vec_isa())
+
+
 def _valid_vec_isa_list():
     return _lookup("torch._inductor.cpu_vec_isa", "valid_vec_isa_list")
 

@@ -926,3 +926,56 @@ def test_store_files_are_private(monkeypatch, tmp_path):
     graph = again.capture(_double, torch.ones(7))
     assert (first.compiles, first.loaded, again.compiles, again.loaded) == (1, 0, 0, 1)
     assert torch.equal(graph(torch.full((7,), 3.0)), torch.full((7,), 7.0))
+
+
+_PROBE_SCRIPT = """
+import json, sys
+from shardwise import _torch_private as private
+import torch._inductor.cpu_vec_isa as isa
+concurrent = private.probe_vec_isa_concurrently() if sys.argv[1] == "threads" else None
+print(json.dumps({"picked": str(isa.pick_vec_isa()), "concurrent": concurrent,
+                  "valid": [str(i) for i in isa.valid_vec_isa_list()]}))
+"""
+
+
+def test_concurrent_simd_probe_finds_what_inductors_own_probe_finds(tmp_path):
+    """The capture probes inductor's SIMD ISAs on a thread per ISA while dynamo traces (about
+    5 s less on a first start here): it must pick and accept exactly what inductor's own
+    one-at-a-time probe does. Fresh interpreters (a process probes once), one new inductor
+    cache folder: the threaded probe builds into it, inductor's probe then loads those
+    builds in its own checks."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
+    found = {}
+    for how in ("threads", "inductor"):
+        out = subprocess.run([sys.executable, "-c", _PROBE_SCRIPT, how], env=env, text=True,
+                             capture_output=True, timeout=300)
+        assert out.returncode == 0, out.stderr[-2000:]
+        found[how] = json.loads(out.stdout.strip().splitlines()[-1])
+    assert found["threads"]["concurrent"] == found["threads"]["picked"]
+    assert found["threads"]["valid"] == found["inductor"]["valid"]
+    assert found["threads"]["picked"] == found["inductor"]["picked"]
+
+
+def test_capture_starts_the_simd_probe_once_and_waits_for_it(monkeypatch):
+    """A capture that compiles starts the background probe (at most once per process) and
+    its backend waits for it before inductor lowers the step."""
+    calls = []
+    monkeypatch.setattr(cpu_graphs._VecIsaProbe, "_thread", None)
+    monkeypatch.setattr(cpu_graphs.private, "vec_isa_probed", lambda: None)
+    monkeypatch.setattr(cpu_graphs.precompile, "vec_isa_known", lambda folder: False)
+    monkeypatch.setattr(cpu_graphs.private, "probe_vec_isa_concurrently",
+                        lambda: calls.append("probe") or "avx512")
+    waited = []
+    real_wait = cpu_graphs._VecIsaProbe.wait.__func__
+    monkeypatch.setattr(cpu_graphs._VecIsaProbe, "wait",
+                        classmethod(lambda cls: waited.append(1) or real_wait(cls)))
+    monkeypatch.setenv(precompile.PRECOMPILE_ENV, "0")
+    for _ in range(2):
+        graph = CpuCompileStrategy().capture(_double, torch.ones(5))
+        assert torch.equal(graph(torch.full((5,), 2.0)), torch.full((5,), 5.0))
+    assert calls == ["probe"] and len(waited) == 2

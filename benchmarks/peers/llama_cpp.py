@@ -21,7 +21,8 @@ What it does, in order:
 3. Engines, each variant loaded once and kept: llama.cpp (``llama_cpp.Llama``, ``n_threads`` =
    ``n_threads_batch`` = ``--threads``) and shardwise (``init_inference(...,
    replace_with_kernel_inject=True, enable_graph=True)`` in fp32, bf16, and with
-   ``quant={"weight": {"num_bits": 8 | 4}}`` in bf16 compute, as ``shardwise bench`` runs them;
+   ``quant={"weight": {"num_bits": 8 | 4}}`` in bf16 compute, as ``shardwise bench`` runs them
+   (``--quant-compute fp32``: the quantized models' other parts in fp32, as llama.cpp keeps them);
    torch gets the same thread count). Pairs by precision: 32: fp32 / F32; 16: bf16 / F16 (and
    BF16 with ``--gguf-16 bf16``); 8: int8 / Q8_0; 4: int4 / Q4_0.
 4. Speed, in interleaved rounds (every variant once per round, order rotated each round; one
@@ -35,8 +36,9 @@ What it does, in order:
    loop around the captured step, as a user calls it; before 2026-11-27 this script timed HF's
    ``generate`` on ``engine.module``).
 5. Quality: teacher-forced next-token agreement with the fp32 HF model (argmax at every
-   position) and perplexity of the same fixed text, for every variant of both engines (llama.cpp
-   logits from a ``logits_all=True`` context, fed the same token ids).
+   position), the mean KL divergence from the fp32 model's next-token distribution, and
+   perplexity of the same fixed text, for every variant of both engines (llama.cpp logits from a
+   ``logits_all=True`` context, fed the same token ids).
 
 Thread pools: llama.cpp (OpenMP from the system libgomp) and torch (its own OpenMP runtime)
 each keep worker threads spinning for a while after a parallel region. Two pools spinning on
@@ -138,6 +140,11 @@ SHARDWISE_VARIANTS: dict[str, dict[str, Any]] = {
 
 
 
+#: ``--quant-compute``: the dtype of everything but the quantized matrices (norms, attention,
+#: the residual stream) in the int8 / int4 variants.
+QUANT_COMPUTE = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
 def shardwise_kwargs(variant: str, args: argparse.Namespace) -> dict[str, Any]:
     """:data:`SHARDWISE_VARIANTS`' keywords for ``variant``, with ``--quant-group`` (the weight
     group size, e.g. 32 as Q8_0/Q4_0 block) and ``--quant-head`` (quantize the output head too,
@@ -151,6 +158,7 @@ def shardwise_kwargs(variant: str, args: argparse.Namespace) -> dict[str, Any]:
         if args.quant_head and args.quant_head_bits:
             head = {"num_bits": args.quant_head_bits}
         kw["quant"] = {"weight": weight, "lm_head": head}
+        kw["dtype"] = QUANT_COMPUTE[args.quant_compute]
     return kw
 
 
@@ -433,14 +441,21 @@ class ShardwiseVariant:
 
 # --------------------------------------------------------------------------- measurements
 
-def quality(logits: np.ndarray, ids: list[int], ref_argmax: np.ndarray) -> dict[str, float]:
-    """Agreement of the argmax with the fp32 model's at every position but the last, and the
-    perplexity of the text's next tokens."""
+def quality(logits: np.ndarray, ids: list[int], ref_logits: np.ndarray) -> dict[str, float]:
+    """Against the fp32 model's ``ref_logits`` at every position but the last: agreement of the
+    argmax, and the mean KL divergence KL(fp32 || this) of the next-token distributions (as
+    llama.cpp's ``llama-perplexity --kl-divergence`` reports it: far less noisy than the
+    agreement, which counts only the positions where the top token flips); and the perplexity
+    of the text's next tokens."""
     x = torch.from_numpy(logits[:-1]).double()
+    ref = torch.from_numpy(ref_logits[:-1]).double()
     target = torch.tensor(ids[1:])
     nll = torch.nn.functional.cross_entropy(x, target).item()
-    agree = float((x.argmax(-1).numpy() == ref_argmax[:-1]).mean())
-    return {"agreement": agree, "perplexity": math.exp(nll), "positions": len(ids) - 1}
+    kl = torch.nn.functional.kl_div(x.log_softmax(-1), ref.log_softmax(-1), log_target=True,
+                                    reduction="batchmean").item()
+    agree = float((x.argmax(-1) == ref.argmax(-1)).double().mean())
+    return {"agreement": agree, "kl_divergence": kl, "perplexity": math.exp(nll),
+            "positions": len(ids) - 1}
 
 
 def idle(seconds: float) -> None:
@@ -569,6 +584,8 @@ def parse_args(argv):
                         "Q8_0/Q4_0's block)")
     p.add_argument("--quant-head", action="store_true",
                    help="quantize shardwise's output head too (llama.cpp's files quantize theirs)")
+    p.add_argument("--quant-compute", choices=sorted(QUANT_COMPUTE), default="bf16",
+                   help="compute dtype of the int8/int4 variants (llama.cpp keeps f32 activations)")
     p.add_argument("--quant-head-bits", type=int, choices=[4, 8], default=None,
                    help="with --quant-head: the head's bits (default: shardwise's, 8 for a head "
                         "tied to the embeddings, as llama.cpp's Q4_0 files keep theirs at Q8_0)")
@@ -605,11 +622,10 @@ def load_hf(folder: Path):
 
 
 def run_quality(variants: dict, hf_logits: np.ndarray, ids: list[int]) -> dict:
-    ref_argmax = hf_logits.argmax(-1)
-    out = {"hf_fp32": quality(hf_logits, ids, ref_argmax)}
+    out = {"hf_fp32": quality(hf_logits, ids, hf_logits)}
     for name, v in variants.items():
         log(f"quality: {name}")
-        out[name] = quality(v.all_logits(ids), ids, ref_argmax)
+        out[name] = quality(v.all_logits(ids), ids, hf_logits)
     return out
 
 
