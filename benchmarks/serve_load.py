@@ -123,6 +123,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--mixed", action=argparse.BooleanOptionalAction, default=None,
                         help="prefill prompt chunks inside the decode step (default: the "
                              "server's, on); --no-mixed: prefill and decode steps alternate")
+    parser.add_argument("--quant", choices=["int8", "int4"], default=None,
+                        help="shardwise's weights quantized as `shardwise serve --quant` does "
+                             "(default: none; the HF baseline stays unquantized)")
     parser.add_argument("--client-processes", type=int, default=1,
                         help="processes the clients run in, the streams spread over them "
                              "(default: 1; 0: in the servers' process, sharing their GIL)")
@@ -219,16 +222,19 @@ def serve(name: str, backend, state) -> Served:
 
 def shardwise_stack(model, tokenizer, args, accelerator, name: str):
     """The server's own stack (:func:`shardwise.serve.server.build_stack`): the engine with
-    kernel injection and graphs in the device's preferred dtype → a SlotRunner of
+    kernel injection and graphs in the device's preferred dtype (``--quant``: its weights
+    quantized) → a SlotRunner of
     ``--max-batch`` slots, every batch bucket captured → the Scheduler."""
     from shardwise.serve.server import build_stack
 
     budget = {k: getattr(args, k) for k in ("prefill_budget", "prefill_stall", "prefill_worth",
                                             "mixed") if getattr(args, k) is not None}
+    from shardwise.bench.plan import engine_options
+
     return build_stack(model, tokenizer, max_batch=args.max_batch, max_tokens=args.max_context,
                        name=name, max_waiting=queue_bound(args), **budget,
-                       replace_with_kernel_inject=True, enable_graph=True,
-                       dtype=accelerator.preferred_dtype)
+                       dtype=accelerator.preferred_dtype,
+                       **engine_options(inject=True, graphs=True, quant=args.quant))
 
 
 def hf_state(model, tokenizer, args, name: str):

@@ -47,6 +47,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="generate tokens per timed generate call (default 8)")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     parser.add_argument("--no-graphs", action="store_true", help="eager decode steps")
+    parser.add_argument("--quant", choices=["int8", "int4"], default=None,
+                        help="both engines' weights quantized as `shardwise serve --quant`")
     parser.add_argument("--thread", action="store_true",
                         help="also time the step on another thread, pool held and released")
     args = parser.parse_args(argv)
@@ -60,6 +62,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> None:
     import shardwise
+    from shardwise.bench.plan import engine_options
     from shardwise.bench.runner import quiet_loader_bars
     from shardwise.models import default_model_path, load_model
     from shardwise.serve.server import build_stack
@@ -72,10 +75,9 @@ def main(argv=None) -> None:
         model, tokenizer = load_model(default_model_path(), dtype)
     model.to(dtype=dtype)
     graphs = not args.no_graphs
-    gen_engine = shardwise.init_inference(copy.deepcopy(model), replace_with_kernel_inject=True,
-                                          enable_graph=graphs, dtype=dtype, max_tokens=512)
-    stack = build_stack(model, tokenizer, max_batch=8, max_tokens=512, start=False,
-                        replace_with_kernel_inject=True, enable_graph=graphs, dtype=dtype)
+    options = {**engine_options(inject=True, graphs=graphs, quant=args.quant), "dtype": dtype}
+    gen_engine = shardwise.init_inference(copy.deepcopy(model), max_tokens=512, **options)
+    stack = build_stack(model, tokenizer, max_batch=8, max_tokens=512, start=False, **options)
     runner = stack.runner
     for slot, n in enumerate(PROMPT_LENGTHS):
         runner.prefill(slot, list(range(1000, 1000 + n)), True)
@@ -105,7 +107,7 @@ def main(argv=None) -> None:
                         stack.engine.accelerator.release_thread_pool()
                     times.setdefault(f"thread, pool {pool} b={b}", []).append(
                         on_thread(lambda: runner.decode(list(range(b)), [1500] * b)))
-    print(f"threads {torch.get_num_threads()}, {dtype}, graphs {graphs}, load "
+    print(f"threads {torch.get_num_threads()}, {dtype}, quant {args.quant}, graphs {graphs}, load "
           f"{os.getloadavg()[0]:.1f}; medians over {args.rounds} rounds:")
     for name, values in times.items():
         print(f"  {name:<28} {1e3 * statistics.median(values):7.1f} ms")

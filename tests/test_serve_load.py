@@ -57,6 +57,11 @@ def test_prefill_stall_reaches_the_scheduler_and_a_bad_one_is_refused(serve_load
     seen.clear()
     serve_load.shardwise_stack(None, None, serve_load.parse_args([]), accelerator, "m")
     assert "prefill_stall" not in seen  # the server's default
+    assert "quant" not in seen and seen["enable_graph"] and seen["replace_with_kernel_inject"]
+    seen.clear()
+    serve_load.shardwise_stack(None, None, serve_load.parse_args(["--quant", "int4"]),
+                               accelerator, "m")
+    assert seen["quant"]["weight"]["num_bits"] == 4  # as `shardwise serve --quant int4`
 
 
 def test_the_server_freezes_what_start_up_left_alive():
