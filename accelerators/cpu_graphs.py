@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 import weakref
 from contextlib import contextmanager, nullcontext
 
@@ -497,9 +498,11 @@ class _VecIsaProbe:
 
     @staticmethod
     def _run() -> None:
+        began = time.perf_counter()
         try:
-            log.debug("shardwise: inductor's SIMD ISA here: %s",
-                      private.probe_vec_isa_concurrently())
+            isa = private.probe_vec_isa_concurrently()
+            log.info("shardwise: inductor's SIMD probe (beside dynamo's trace): %s in %.1f s",
+                     isa, time.perf_counter() - began)
         except Exception as exc:  # noqa: BLE001 - inductor meets it again and reports it
             log.debug("shardwise: SIMD probe failed (%s: %s)", type(exc).__name__, exc)
 

@@ -66,11 +66,8 @@ def _rows_in_one_piece():
         cpu_gemv.LONG_ROW = real
 
 
-def _scope(variant: str):
-    """Where ``variant`` is built and first run (its step traced)."""
-    if variant == "sw-bf16-aten":
-        return _without_row_products()
-    return _rows_in_one_piece() if variant == "sw-bf16-onepiece" else contextlib.nullcontext()
+#: the variants built and first run (their step traced) inside a changed scope
+SCOPES = {"sw-bf16-aten": _without_row_products, "sw-bf16-onepiece": _rows_in_one_piece}
 
 
 def build(variant: str, base: torch.nn.Module, ids: torch.Tensor, new: int):
@@ -78,7 +75,7 @@ def build(variant: str, base: torch.nn.Module, ids: torch.Tensor, new: int):
     (fp32); built and run once (the warm-up: the step traced) inside its scope."""
     model = copy.deepcopy(base)
     dtype = torch.float32 if variant.endswith("fp32") else torch.bfloat16
-    with _scope(variant):
+    with SCOPES.get(variant, contextlib.nullcontext)():
         if variant.startswith("hf"):
             run = model.to(dtype).eval()
         else:

@@ -56,6 +56,7 @@ from typing import Any
 
 import torch
 
+from shardwise.bench.plan import QUANT_CONFIGS, engine_options
 from shardwise.bench.report import check_writable, git_state, versions, write_json
 from shardwise.bench.stats import median, percentile, ratio
 from shardwise.errors import ConfigError
@@ -123,7 +124,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--mixed", action=argparse.BooleanOptionalAction, default=None,
                         help="prefill prompt chunks inside the decode step (default: the "
                              "server's, on); --no-mixed: prefill and decode steps alternate")
-    parser.add_argument("--quant", choices=["int8", "int4"], default=None,
+    parser.add_argument("--quant", choices=sorted(QUANT_CONFIGS), default=None,
                         help="shardwise's weights quantized as `shardwise serve --quant` does "
                              "(default: none; the HF baseline stays unquantized)")
     parser.add_argument("--client-processes", type=int, default=1,
@@ -229,8 +230,6 @@ def shardwise_stack(model, tokenizer, args, accelerator, name: str):
 
     budget = {k: getattr(args, k) for k in ("prefill_budget", "prefill_stall", "prefill_worth",
                                             "mixed") if getattr(args, k) is not None}
-    from shardwise.bench.plan import engine_options
-
     return build_stack(model, tokenizer, max_batch=args.max_batch, max_tokens=args.max_context,
                        name=name, max_waiting=queue_bound(args), **budget,
                        dtype=accelerator.preferred_dtype,

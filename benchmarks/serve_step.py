@@ -36,6 +36,8 @@ import time
 
 import torch
 
+from shardwise.bench.plan import QUANT_CONFIGS, engine_options
+
 #: the serve benchmark's prompt lengths (benchmarks/serve_load.py), one per slot
 PROMPT_LENGTHS = (32, 96, 48, 128, 64, 112, 40, 80)
 
@@ -47,7 +49,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="generate tokens per timed generate call (default 8)")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     parser.add_argument("--no-graphs", action="store_true", help="eager decode steps")
-    parser.add_argument("--quant", choices=["int8", "int4"], default=None,
+    parser.add_argument("--quant", choices=sorted(QUANT_CONFIGS), default=None,
                         help="both engines' weights quantized as `shardwise serve --quant`")
     parser.add_argument("--thread", action="store_true",
                         help="also time the step on another thread, pool held and released")
@@ -62,7 +64,6 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> None:
     import shardwise
-    from shardwise.bench.plan import engine_options
     from shardwise.bench.runner import quiet_loader_bars
     from shardwise.models import default_model_path, load_model
     from shardwise.serve.server import build_stack

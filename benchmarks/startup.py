@@ -24,7 +24,8 @@ Phases: every start prints the log lines ``init_inference`` wrote with the secon
 began (injection, quantization, the weight layout, each batch bucket's capture), so what
 dominates is visible, with inductor's FX-graph cache counters (a later start whose step is
 served from the cache shows ``fxgraph_cache_hit``; a miss or bypass there means it compiled
-again); ``--json FILE`` writes every start with them.
+again) and the compile's own phases from ``torch._dynamo.utils.compile_times``
+(:data:`COMPILE_PHASES`; the JSON keeps them all); ``--json FILE`` writes every start with them.
 
 Figures measured on the development VM: benchmarks/README.md, "Start-up".
 """
@@ -47,6 +48,16 @@ SHAPES = {
                        tie_word_embeddings=True, max_position_embeddings=8192,
                        rope_theta=130000.0, rms_norm_eps=1e-5),
 }
+
+#: (label, key of ``torch._dynamo.utils.compile_times``) printed per start: dynamo's trace,
+#: AOT's whole stage (inductor's compilation inside it), inductor's lowering, its C++ code
+#: generation, the wait for its kernels' C++ builds; "C++ builds" sums every build's own time,
+#: whichever thread ran it (the SIMD probe's and the kernels')
+COMPILE_PHASES = (("dynamo trace", "bytecode_tracing"),
+                  ("AOT + inductor", "create_aot_dispatcher_function"),
+                  ("inductor", "compile_fx_inner"), ("lowering", "GraphLowering.run"),
+                  ("codegen", "Scheduler.codegen"), ("kernel builds wait", "async_compile.wait"),
+                  ("C++ builds", "compile_file"))
 
 _ONE_START = r"""
 import json, logging, sys, time
@@ -84,13 +95,15 @@ engine = shardwise.init_inference(model, device="cpu", **kwargs)
 t2, c2 = time.perf_counter(), time.process_time()
 if spec["save"]:
     engine.save_checkpoint(spec["save"])
-from torch._dynamo.utils import counters  # inductor's FX-graph cache: served or compiled
+from torch._dynamo.utils import compile_times, counters
 cache = {k: v for k, v in counters["inductor"].items() if k.startswith("fxgraph_cache")}
+names, seconds = compile_times(repr="csv", aggregate=True)  # dynamo's and inductor's phases
+compile_s = {n: round(float(t), 3) for n, t in zip(names, seconds)}
 graphs = getattr(getattr(engine.module, "base_model", None), "graphs", None)
 strategy = getattr(graphs, "strategy", None)  # compiled now, or loaded precompiled
 steps = {k: getattr(strategy, k) for k in ("compiles", "loaded") if hasattr(strategy, k)}
 print(json.dumps({"load_s": t1 - t0, "init_s": t2 - t1, "init_cpu_s": c2 - c1,
-                  "phases": events, "fx_cache": cache,
+                  "phases": events, "fx_cache": cache, "compile_s": compile_s,
                   "steps": steps, "cpu_s": time.process_time(),
                   "save_s": time.perf_counter() - t2 if spec["save"] else None}))
 """
@@ -143,6 +156,10 @@ def run(args: argparse.Namespace, cache: str) -> list[dict]:
               f"{t.get('steps') or '?'}; process CPU time {t['cpu_s']:.1f} s", flush=True)
         for seconds, cpu, message in t["phases"]:
             print(f"    {seconds:7.2f} s ({cpu:6.2f} s CPU)  {message}", flush=True)
+        if t["compile_s"]:
+            print("    compile phases (s): " + ", ".join(
+                f"{label} {t['compile_s'][key]:.1f}" for label, key in COMPILE_PHASES
+                if key in t["compile_s"]), flush=True)
         results.append({"start": i + 1, "from_saved_quantized": from_saved, **spec, **t})
     return results
 

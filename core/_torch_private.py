@@ -238,7 +238,10 @@ def probe_vec_isa_concurrently() -> str:
     each candidate ISA the CPU reports (a C++ build and a child process that loads it, 0.4-2 s
     each) run on a thread of its own: inductor checks them one after another (5-7 s on a first
     start on 2 cores). Each result is cached by inductor for the process's life, as its own
-    probe caches it; the builds go to inductor's cache folder of the moment."""
+    probe caches it; the builds go to inductor's cache folder of the moment. The candidates
+    are filtered here by the CPU's flags as inductor's list does: :func:`vec_isa_candidates`
+    lists them under ``cpp.vec_isa_ok``, which would cache a "works" for the avx512 ISAs
+    (their ``__bool__`` caches without the setting) before they were ever built."""
     import threading
 
     module = importlib.import_module("torch._inductor.cpu_vec_isa")
