@@ -240,7 +240,7 @@ def generate_micro_case(rank: int, arch: str, micro_batches: int, delay_s: float
                 cache_len=out.cache.get_seq_length(), steps=stats.steps,
                 micro_batches=stats.micro_batches, busy=list(stats.busy_s),
                 bubble=list(stats.bubble), theoretical=stats.theoretical_bubble,
-                summary=stats.summary())
+                summary=stats.summary(), rebalanced=list(engine.stages.rebalanced_split()))
 
 
 def beam_case(rank: int, arch: str, micro_batches: int) -> dict:
@@ -408,7 +408,10 @@ def test_generate_with_micro_batches_in_flight_matches_hf(ranks, name):
         assert r["max_abs"] < ATOL and r["forced_abs"] < ATOL
         assert r["steps"] == NEW_TOKENS  # prefill + 31 decode steps, each micro-batched
         assert r["micro_batches"] == len(GENERATE[name])
+        # a split balanced on this run's seconds: every layer once, every stage at least one
+        assert sum(r["rebalanced"]) == len(r["part_widths"][0]) and min(r["rebalanced"]) >= 1
     assert r0["tokens"] == r1["tokens"]
+    assert r0["rebalanced"] == r1["rebalanced"]  # the same gathered stats on every rank
 
 
 @pytest.mark.slow
@@ -578,6 +581,35 @@ def test_balanced_bounds_minimise_the_largest_stage():
     # the embedding's bytes count on the first stage, the head's on the last
     assert balanced_bounds([1, 1, 1, 1], 2, first_extra=2) == ((0, 1), (1, 4))
     assert balanced_bounds([1] * 6, 3) == ((0, 2), (2, 4), (4, 6))
+
+
+def test_balanced_bounds_per_stage_extras():
+    assert balanced_bounds([1] * 4, 2, extras=[0, 2]) == ((0, 3), (3, 4))
+    assert balanced_bounds([1] * 7, 3, extras=[2, 0, 0]) == ((0, 1), (1, 4), (4, 7))
+    with pytest.raises(ValueError, match="extras gives 1 stages, not 2"):
+        balanced_bounds([1] * 4, 2, extras=[1])
+
+
+def test_rebalanced_split_moves_layers_off_the_stage_with_more_work_of_its_own():
+    """Stage 1 spends 3 s outside its layers (the head, say) against stage 0's 1 s, all layers
+    1 s: 3 + 1 layers balance at 4 s each. The layers' seconds are pooled over the stages and
+    shared out by weight bytes (one rank's slower layers are noise, not a heavier layer)."""
+    from shardwise.pipeline import PipelineStats, rebalanced_split
+
+    stats = PipelineStats(micro_batches=4, stages=2, wall_s=6.0, busy_s=(3.0, 5.0),
+                          layers_s=(2.0, 2.0))
+    assert rebalanced_split(stats, ((0, 2), (2, 4))) == (3, 1)
+    noisy = PipelineStats(micro_batches=4, stages=2, wall_s=6.0, busy_s=(3.4, 4.6),
+                          layers_s=(2.4, 1.6))  # the same work, stage 0's layers timed slower
+    assert rebalanced_split(noisy, ((0, 2), (2, 4))) == (3, 1)
+    even = PipelineStats(micro_batches=4, stages=2, wall_s=4.0, busy_s=(3.0, 3.0),
+                         layers_s=(2.0, 2.0))
+    assert rebalanced_split(even, ((0, 2), (2, 4))) == (2, 2)
+    # the last layer holds 5 of the 8 weight bytes: it weighs more than the other three
+    assert rebalanced_split(even, ((0, 2), (2, 4)), layer_bytes=(1, 1, 1, 5)) == (3, 1)
+    bare = PipelineStats(micro_batches=4, stages=2, wall_s=6.0, busy_s=(3.0, 5.0))
+    with pytest.raises(PipelineConfigError, match="needs every stage's seconds in its layers"):
+        rebalanced_split(bare, ((0, 2), (2, 4)))
 
 
 def _slowed(layer: nn.Module, seconds: float) -> None:

@@ -16,12 +16,12 @@ send of this rank's :class:`StageLink` (docs/pipeline.md, "With kernel injection
 """
 
 from .config import PipelineConfigError, PipelineSettings, parse_pipeline
-from .stages import StagePlan, balanced_bounds, measured_split, plan_stages
+from .stages import StagePlan, balanced_bounds, measured_split, plan_stages, rebalanced_split
 from .schedule import PipelineStats, run_micro_batches, split_inputs
 from .transform import (PipelineReport, RemoteEmbedding, RemoteHead, RemoteLayer, StageClock,
                         StageLink, apply_stages)
 
 __all__ = ["PipelineConfigError", "PipelineSettings", "parse_pipeline", "StagePlan",
-           "balanced_bounds", "measured_split", "plan_stages", "PipelineReport",
-           "RemoteEmbedding", "RemoteHead", "RemoteLayer", "StageClock", "StageLink",
-           "apply_stages", "PipelineStats", "run_micro_batches", "split_inputs"]
+           "balanced_bounds", "measured_split", "plan_stages", "rebalanced_split",
+           "PipelineReport", "RemoteEmbedding", "RemoteHead", "RemoteLayer", "StageClock",
+           "StageLink", "apply_stages", "PipelineStats", "run_micro_batches", "split_inputs"]

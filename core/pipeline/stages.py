@@ -14,6 +14,7 @@ bytes).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -43,6 +44,8 @@ class StagePlan:
             the whole model (None: the model has none).
         tied: whether the head's weight IS the embedding's (one table): the first stage keeps
             it as its embedding, the last as its head (each its own copy, on its own rank).
+        layer_bytes: every decoder layer's weight bytes in the whole model, first layer first
+            (what :func:`rebalanced_split` weighs the layers by).
     """
 
     bounds: tuple[tuple[int, int], ...]
@@ -55,6 +58,7 @@ class StagePlan:
     embed_name: str | None = None
     head_name: str | None = None
     tied: bool = False
+    layer_bytes: tuple[int, ...] = ()
 
     @property
     def size(self) -> int:
@@ -91,19 +95,23 @@ def _bytes(module: nn.Module | None) -> int:
     return 0 if module is None else param_bytes(module)
 
 
-def balanced_bounds(costs: list[int], stages: int, first_extra: int = 0,
-                    last_extra: int = 0) -> tuple[tuple[int, int], ...]:
+def balanced_bounds(costs: list[float], stages: int, first_extra: float = 0,
+                    last_extra: float = 0, extras: "Sequence[float]" = ()
+                    ) -> tuple[tuple[int, int], ...]:
     """Contiguous ``[start, end)`` ranges over ``len(costs)`` layers, one per stage (each at
     least one layer), minimising the largest stage cost; ``first_extra`` / ``last_extra`` are
-    added to the first / last stage (embedding, head). Exact dynamic programme, O(P·L²)."""
+    added to the first / last stage (embedding, head), ``extras[s]`` (when given, one per
+    stage) to stage ``s`` whatever layers it gets. Exact dynamic programme, O(P·L²)."""
     n = len(costs)
+    if extras and len(extras) != stages:
+        raise ValueError(f"extras gives {len(extras)} stages, not {stages}")
     prefix = [0]
     for c in costs:
         prefix.append(prefix[-1] + c)
 
-    def cost(stage: int, a: int, b: int) -> int:
+    def cost(stage: int, a: int, b: int) -> float:
         extra = (first_extra if stage == 0 else 0) + (last_extra if stage == stages - 1 else 0)
-        return prefix[b] - prefix[a] + extra
+        return prefix[b] - prefix[a] + extra + (extras[stage] if extras else 0)
 
     inf = float("inf")
     # best[s][j]: the least largest cost of stages 0..s-1 over layers [0, j); cut[s][j] the start
@@ -158,7 +166,8 @@ def plan_stages(model: nn.Module, layers: nn.ModuleList, settings: PipelineSetti
     names = {id(m): n for n, m in model.named_modules()}
     return StagePlan(bounds, coord, ranks, stage_costs, source, _width(embed_module, 1),
                      _width(head_module, 0), names.get(id(embed_module)),
-                     names.get(id(head_module)), _tied(embed_module, head_module))
+                     names.get(id(head_module)), _tied(embed_module, head_module),
+                     tuple(costs))
 
 
 def measured_split(model: nn.Module, run, pp_size: int, *, warmup: int = 1,
@@ -208,6 +217,41 @@ def measured_split(model: nn.Module, run, pp_size: int, *, warmup: int = 1,
             hook.remove()
     *costs, embed, head = seconds
     bounds = balanced_bounds(costs, pp_size, first_extra=embed, last_extra=head)
+    return tuple(b - a for a, b in bounds)
+
+
+def rebalanced_split(stats, bounds: "Sequence[tuple[int, int]]",
+                     layer_bytes: "Sequence[int]" = ()) -> tuple[int, ...]:
+    """A ``split`` for ``pipeline_parallel`` balanced on a measured run of the pipeline itself:
+    ``stats`` is the :class:`~shardwise.pipeline.schedule.PipelineStats` of a workload run with
+    the stages ``bounds`` (``engine.pipeline_stats`` after an ``engine.generate`` or forward
+    with micro-batches; :meth:`PipelineReport.rebalanced_split` passes both, and the layers'
+    weight bytes). The layers cost the seconds all stages spent inside them, shared out by
+    weight bytes (equally without ``layer_bytes``): pooled over the stages, so one rank's
+    noise does not move layers. The rest of a stage's busy seconds (the embedding or the
+    head, masks, its sends and receives: its work per micro-batch that no layer carries) stays
+    with that stage wherever the cut moves. The cut then minimises the largest stage
+    (:func:`balanced_bounds`).
+
+    Why: the default cut (weight bytes, the head's included) and :func:`measured_split` (one
+    process, layers and head timed by hooks) both leave out part of each stage's own work,
+    which a run of the pipeline measures; on a deep model a layer is a small share of a stage,
+    and a cut one layer off is then most of the imbalance left. Every rank gets the same
+    stats (they are all-gathered), so every rank computes the same split.
+
+    Raises:
+        PipelineConfigError: ``stats`` without per-layer seconds, or not of these stages.
+    """
+    if len(stats.layers_s) != len(bounds) or len(stats.busy_s) != len(bounds):
+        raise PipelineConfigError(
+            f"rebalanced_split needs every stage's seconds in its layers from a run with these "
+            f"{len(bounds)} stages; the stats have {len(stats.layers_s)}: run a micro-batched "
+            f"forward or generate on the engine first")
+    n = bounds[-1][1]
+    weights = list(layer_bytes) if len(layer_bytes) == n and sum(layer_bytes) > 0 else [1] * n
+    rate = sum(stats.layers_s) / sum(weights)  # seconds per byte (or per layer)
+    extras = [max(busy - inside, 0.0) for busy, inside in zip(stats.busy_s, stats.layers_s)]
+    bounds = balanced_bounds([w * rate for w in weights], len(bounds), extras=extras)
     return tuple(b - a for a, b in bounds)
 
 

@@ -189,6 +189,23 @@ class PipelineReport:
         out, self.stats = run_micro_batches(module, args, kwargs, self)
         return out
 
+    def rebalanced_split(self) -> tuple[int, ...]:
+        """Layers per stage balanced on the last measured run (:attr:`stats`, every rank the
+        same): :func:`~shardwise.pipeline.stages.rebalanced_split`. Give it as
+        ``pipeline_parallel={"split": ...}`` to a new engine for the same workload.
+
+        Raises:
+            PipelineConfigError: nothing micro-batched has run on this engine yet.
+        """
+        from .config import PipelineConfigError
+        from .stages import rebalanced_split
+
+        if self.stats is None:
+            raise PipelineConfigError(
+                "rebalanced_split balances on a measured run, and none has happened: call "
+                "engine.generate(...) or engine(...) with micro_batches > 1 first")
+        return rebalanced_split(self.stats, self.plan.bounds, self.plan.layer_bytes)
+
     #: the checkpoint extensions whose per-stage entries :meth:`merge_entries` merges
     MERGED_EXTENSIONS = ("shardwise.quant",)
 
