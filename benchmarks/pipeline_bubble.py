@@ -77,6 +77,27 @@ def _delay(model, delay_s: float) -> list:
             if not isinstance(layer, RemoteLayer)]
 
 
+def _rebalanced(model, m: int, ids, args: argparse.Namespace, tp: dict) -> list[int]:
+    """``--split rebalance``: the split balanced on this workload's run through the pipeline
+    itself at ``m`` micro-batches (``engine.stages.rebalanced_split()``): an engine with the
+    default cut runs the last of ``--modes`` ``--warmup`` times untimed and once measured."""
+    import torch
+
+    import shardwise
+
+    engine = shardwise.init_inference(model, device="cpu", dtype=torch.float32,
+                                      pipeline_parallel={"pp_size": args.pp,
+                                                         "micro_batches": m}, **tp)
+    hooks = _delay(model, args.delay_ms / 1e3) if args.delay_ms else []
+    for _ in range(args.warmup + 1):
+        _timed(engine, args.modes[-1], ids, args.new_tokens)
+    split = list(engine.stages.rebalanced_split())
+    for h in hooks:
+        h.remove()
+    engine.close()
+    return split
+
+
 def worker(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
@@ -90,12 +111,16 @@ def worker(args: argparse.Namespace) -> None:
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(3, model.config.vocab_size, (args.batch, args.prompt_len), generator=g)
     rows, reference = [], {}
+    tp = {"tensor_parallel": {"tp_size": args.tp}} if args.tp > 1 else {}
     for m in args.micro_batches:
+        split = args.split
+        if split == "rebalance":
+            split = _rebalanced(model, m, ids, args, tp) if m > 1 else None
         pp = {"pp_size": args.pp, **({"micro_batches": m} if m > 1 else {}),
-              **({"split": args.split} if args.split else {})}
-        tp = {"tensor_parallel": {"tp_size": args.tp}} if args.tp > 1 else {}
+              **({"split": split} if split else {})}
         engine = shardwise.init_inference(model, device="cpu", dtype=torch.float32,
                                           pipeline_parallel=pp, **tp)
+        split = [b - a for a, b in engine.stages.plan.bounds]
         hooks = _delay(model, args.delay_ms / 1e3) if args.delay_ms else []
         for mode in args.modes:
             for _ in range(args.warmup):
@@ -110,7 +135,7 @@ def worker(args: argparse.Namespace) -> None:
                 if stats is None:  # M = 1: one batch, nothing micro-batched to measure
                     rows.append(dict(m=m, mode=mode, repeat=repeat, same_as_m1=same))
                     continue
-                rows.append(dict(m=m, mode=mode, repeat=repeat, same_as_m1=same,
+                rows.append(dict(m=m, mode=mode, repeat=repeat, same_as_m1=same, split=split,
                                  wall_s=stats.wall_s, busy_s=list(stats.busy_s),
                                  layers_s=list(stats.layers_s),
                                  bubble=list(stats.bubble), steps=stats.steps,
@@ -134,7 +159,7 @@ def report(rows: list[dict], args: argparse.Namespace) -> int:
     print(f"{'mode':9} {'M':>3} {'steps':>5} {'wall ms':>9} {'busy ms per stage':>22} "
           f"{'bubble per stage':>20} {'theory':>7} {'x theory':>8} {'wall/ideal':>10} "
           f"{'in layers':>14}  tokens = M=1")
-    bad = 0
+    bad, last_split = 0, None
     for mode in args.modes:
         for m in args.micro_batches:
             runs = [r for r in rows if r["m"] == m and r["mode"] == mode]
@@ -147,6 +172,9 @@ def report(rows: list[dict], args: argparse.Namespace) -> int:
                       f"{'':>26}  {same}")
                 continue
             r = sorted(runs, key=lambda r: r["wall_s"])[len(runs) // 2]
+            if r.get("split") and r["split"] != last_split:
+                print(f"  split {'/'.join(map(str, r['split']))}")
+                last_split = r["split"]
             busy = ", ".join(f"{b * 1e3:.1f}" for b in r["busy_s"])
             bubble = ", ".join(f"{b:.1%}" for b in r["bubble"])
             ratio = max(r["bubble"]) / r["theoretical"]
@@ -159,15 +187,16 @@ def report(rows: list[dict], args: argparse.Namespace) -> int:
 
 def _parse_split(ap: argparse.ArgumentParser, split: list[str] | None,
                  pp: int) -> "list[int] | str | None":
-    """``--split``: None, ``"auto"``, or ``pp`` layer counts."""
+    """``--split``: None, ``"auto"``, ``"rebalance"``, or ``pp`` layer counts."""
     if split is None:
         return None
-    if split == ["auto"]:
-        return "auto"
+    if split in (["auto"], ["rebalance"]):
+        return split[0]
     try:
         counts = [int(n) for n in split]
     except ValueError:
-        ap.error(f"--split takes {pp} layer counts or 'auto', got {' '.join(split)}")
+        ap.error(f"--split takes {pp} layer counts, 'auto' or 'rebalance', got "
+                 f"{' '.join(split)}")
     if len(counts) != pp:
         ap.error(f"--split gives {len(counts)} stages, --pp {pp}")
     return counts
@@ -224,8 +253,11 @@ def main() -> int:
                          "gpt2-12l-768h, or 'auto': measured on this workload before the ranks "
                          "start (shardwise.pipeline.measured_split: one process, one thread, "
                          "the largest M's micro-batches through generate, or forward when only "
-                         "forward runs); the theoretical bubble assumes stages of equal cost "
-                         "(default: balanced by weight bytes read per step)")
+                         "forward runs), or 'rebalance': for every M, balanced on a run of "
+                         "the pipeline itself with the default cut (engine.stages."
+                         "rebalanced_split(); the last of --modes, --warmup + 1 times); the "
+                         "theoretical bubble assumes stages of equal cost (default: balanced "
+                         "by weight bytes read per step)")
     ap.add_argument("--delay-ms", type=float, default=0.0,
                     help="sleep per decoder layer call, inside the stage's busy time")
     ap.add_argument("--warmup", type=int, default=1)

@@ -66,6 +66,12 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
                 num_attention_heads=32, num_key_value_heads=4, tie_word_embeddings=False,
                 **_LLAMA_COMMON),
            "~1.1B Llama-style: 32 query / 4 key-value heads, untied output embeddings"),
+    Preset("llama-80l-512h-gqa", "LlamaConfig",
+           dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=80,
+                num_attention_heads=8, num_key_value_heads=2, tie_word_embeddings=False,
+                **_LLAMA_COMMON),
+           "~0.26B deep, narrow Llama-style: 80 layers (a 70B model's depth) at 512 wide, "
+           "8 query / 2 key-value heads (pipeline stages of many cheap layers)"),
     Preset("llama-2l-64h-gqa", "LlamaConfig",
            dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                 num_key_value_heads=2, vocab_size=256, max_position_embeddings=512,
