@@ -134,7 +134,19 @@ def test_tp_beyond_the_ranks_of_this_node(capsys, no_loading, model_dir):
     limit = get_accelerator("cpu").max_ranks_per_node()
     line = serve_error(capsys, "--model", str(model_dir), "--device", "cpu",
                        "--tp", str(limit + 1))
-    assert f"--tp {limit + 1} needs {limit + 1} ranks" in line and f"--tp {limit} or less" in line
+    assert f"--tp {limit + 1} needs {limit + 1} ranks" in line and \
+        f"ask for {limit} ranks or fewer" in line
+    line = serve_error(capsys, "--model", str(model_dir), "--device", "cpu", "--pp", "2",
+                       "--tp", str(limit))
+    assert f"--tp {limit} x --pp 2 needs {2 * limit} ranks" in line
+
+
+def test_micro_batches_need_pipeline_stages(capsys, no_loading, model_dir):
+    line = serve_error(capsys, "--model", str(model_dir), "--micro-batches", "2")
+    assert "--micro-batches splits a decode step between pipeline stages" in line and \
+        "--pp > 1" in line
+    line = serve_error(capsys, "--model", str(model_dir), "--pp", "0")
+    assert "--pp must be at least 1, got 0" in line
 
 
 def test_port_in_use(capsys, no_loading, model_dir):
@@ -178,6 +190,13 @@ def test_defaults_come_from_the_accelerator(model_dir):
     again = server_module.resolve_settings(rank_parser("t").parse_args(
         server_module.rank_argv(settings)))
     assert again == settings
+    # and with pipeline stages: micro-batches default to 2 x --pp, in the engine's options
+    staged = server_module.resolve_settings(rank_parser("t").parse_args(
+        ["--model", str(model_dir), "--device", "cpu", "--pp", "2"]))
+    assert staged.ranks == 2 and staged.micro_batches == 4
+    assert staged.engine_options(64)["pipeline_parallel"] == {"pp_size": 2, "micro_batches": 4}
+    assert server_module.resolve_settings(rank_parser("t").parse_args(
+        server_module.rank_argv(staged))) == staged
 
 
 # ----- the stack and the HTTP loop, in this process ----------------------------------------------
@@ -406,6 +425,29 @@ def test_tp2_same_completion_and_rank_death_exits_nonzero(model_dir, hf_completi
                                  f"rank 1 died:\n{server.output()}") from None
         assert code != 0, server.output()
         assert time.monotonic() - died < COMM_TIMEOUT_S + EXIT_MARGIN_S
+    finally:
+        server.kill()
+
+
+def test_pp2_serves_concurrent_requests_as_micro_batches_through_the_stages(model_dir,
+                                                                          hf_completion):
+    """``--pp 2``: rank 0 the first stage (and HTTP), rank 1 the second; a decode step's
+    sequences run as micro-batches one behind the other. Each answer is HF's for its prompt
+    alone."""
+    server = ServerProcess("--model", str(model_dir), "--device", "cpu", "--pp", "2", *COMMON,
+                           "--comm-timeout", str(COMM_TIMEOUT_S))
+    try:
+        url, described = server.wait_ready(timeout=2 * READY_S)
+        assert described.endswith("tp=1, pp=2 x 4 micro-batches")
+        assert greedy_completion(url, "tiny").split() == hf_completion.split()
+        expected = hf_greedy(model_dir, CONCURRENT)
+        with ThreadPoolExecutor(len(CONCURRENT)) as pool:
+            answers = list(pool.map(lambda i: concurrent_completion(url, CONCURRENT[i], i % 2 == 1),
+                                    range(len(CONCURRENT))))
+        for text, answer in zip(CONCURRENT, answers):
+            assert answer.split() == expected[text][0].split(), text
+        server.proc.send_signal(signal.SIGTERM)
+        assert server.proc.wait(timeout=30) == 0, server.output()
     finally:
         server.kill()
 

@@ -1,6 +1,6 @@
 """SlotRunner under tensor parallelism (2 gloo ranks): rank 0 drives the runner, rank 1 runs
-``follow`` and executes every step rank 0 broadcasts, plain and mixed steps (one process pair
-for both). The tokens equal HF ``generate`` of each prompt alone, and a rank dying makes the
+``follow`` and executes every step rank 0 broadcasts, plain and mixed steps, then the same over
+2 pipeline stages with micro-batches (one process pair for all three). The tokens equal HF ``generate`` of each prompt alone, and a rank dying makes the
 other fail with CollectiveError within the collective timeout instead of hanging."""
 
 from __future__ import annotations
@@ -106,6 +106,16 @@ def _mixed_greedy(runner) -> list[list[int]]:
     return tokens
 
 
+def _staged_engine():
+    """The same model over 2 pipeline stages, a decode step's rows in 2 micro-batches."""
+    import shardwise
+
+    return shardwise.init_inference(tiny_causal_lm("llama"), device="cpu",
+                                    pipeline_parallel={"pp_size": 2, "micro_batches": 2},
+                                    replace_with_kernel_inject=True, comm_timeout=TIMEOUT_S,
+                                    max_tokens=32)
+
+
 def _serve(rank: int):
     from shardwise.serve.runner import SlotRunner, follow
 
@@ -113,6 +123,10 @@ def _serve(rank: int):
     if rank != 0:
         follow(engine)  # returns when rank 0 closes the first runner
         follow(engine)  # and the second (mixed steps)
+        engine.close()
+        staged = _staged_engine()
+        follow(staged)  # and the pipeline's, split
+        follow(staged)  # and split where measured faster
         return None
     runner = SlotRunner(engine, max_batch=2)
     runner.warmup()
@@ -121,7 +135,21 @@ def _serve(rank: int):
     runner = SlotRunner(engine, max_batch=4)
     mixed = _mixed_greedy(runner)
     runner.close()
-    return {"plain": tokens, "mixed": mixed}
+    engine.close()
+    staged = _staged_engine()
+    runner = SlotRunner(staged, max_batch=2, pipeline_split=True)
+    runner.warmup()
+    staged_tokens = _greedy(runner)
+    parts = sorted(list(key[1:]) for key in runner.cache.part_keys)  # [first row, rows]
+    runner.close()
+    auto = SlotRunner(staged, max_batch=2)  # each bucket's step timed whole and split
+    auto.warmup()
+    auto_tokens = _greedy(auto)
+    auto.close()
+    return {"plain": tokens, "mixed": mixed, "staged": staged_tokens,
+            "staged_parts": parts, "staged_mixed": runner.mixed_unsupported,
+            "auto": auto_tokens, "auto_split": {str(k): v for k, v in auto.split_buckets.items()},
+            "auto_seconds": {str(k): v for k, v in auto.split_seconds.items()}}
 
 
 def _hf_new_tokens(prompt: list[int], new: int) -> list[int]:
@@ -155,6 +183,26 @@ def test_two_ranks_run_mixed_steps_with_hf_greedy_tokens(served):
                                      served[0]["value"]["mixed"]):
         expected = _hf_new_tokens(prompt, new)
         assert len(got) == new and got[:len(expected)] == expected  # HF stops at its eos
+
+
+def test_pipeline_stages_serve_hf_greedy_tokens_with_the_rows_in_flight(served):
+    """Under pipeline stages (rank 0 the first stage, rank 1 the second) the same scenario
+    gives HF's tokens; a decode step over 2 rows runs as 2 micro-batches of one row (one
+    sequence each) through the stages, each its own step over its row of the slot cache."""
+    from shardwise.serve.runner import SPLIT_MARGIN
+
+    assert all(r["ok"] for r in served), [r.get("trace") for r in served]
+    value = served[0]["value"]
+    for prompt, (_, new), got in zip(_prompts(), PROMPTS, value["staged"]):
+        assert got == _hf_new_tokens(prompt, new)
+    assert value["staged_parts"] == [[0, 1], [1, 1]]
+    assert "pipeline stages" in value["staged_mixed"]  # prefill and decode steps alternate
+    # "auto": the 2-row bucket's step timed whole and as micro-batches, split only when faster
+    # by the margin (which one is the machine's: the tokens are HF's either way)
+    assert value["auto"] == value["staged"]
+    assert list(value["auto_split"]) == ["2"] and list(value["auto_seconds"]) == ["2"]
+    whole, split = value["auto_seconds"]["2"]
+    assert value["auto_split"]["2"] == (split < SPLIT_MARGIN * whole)
 
 
 def _follower_dies(rank: int) -> dict:

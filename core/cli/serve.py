@@ -6,8 +6,8 @@ Without variant options it serves what shardwise runs fastest on this device, as
 accelerator says: kernel injection, with graphs where its graph strategy accelerates the
 decode step, in its preferred dtype. Every option is checked (and the port bound) before the
 model is loaded: bad input exits with code 2 and one line naming the problem. ``--tp N``
-starts N ranks through ``shardwise launch``; rank 0 serves HTTP and sends each step to the
-others. SIGTERM / Ctrl-C stop accepting, let running requests finish for ``--drain-timeout``
+(and ``--pp P``: pipeline stages, P x N ranks) starts its ranks through ``shardwise launch``;
+rank 0 serves HTTP and sends each step to the others. SIGTERM / Ctrl-C stop accepting, let running requests finish for ``--drain-timeout``
 seconds, cancel the rest, and exit 0; a failed model side (a rank died, a collective timed
 out) makes the server exit non-zero.
 """
@@ -40,6 +40,13 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="compute dtype (default and auto: the device's preferred)")
     m.add_argument("--tp", type=int, default=1, metavar="N",
                    help="tensor-parallel ranks, started through `shardwise launch` (default 1)")
+    m.add_argument("--pp", type=int, default=1, metavar="P",
+                   help="pipeline stages (pipeline_parallel), each of --tp ranks: P x N ranks "
+                        "started through `shardwise launch` (default 1)")
+    m.add_argument("--micro-batches", type=int, metavar="M",
+                   help="with --pp: a decode step's sequences run as M groups one behind the "
+                        "other through the stages, so independent requests fill them "
+                        "(default 2 x --pp)")
     m.add_argument("--inject", action=argparse.BooleanOptionalAction, default=None,
                    help="kernel injection (default: on; continuous batching runs on the "
                         "injected layers' slot KV cache)")

@@ -100,9 +100,13 @@ class SlotStep(_SlotForward):
 
     ragged = True
 
-    def __init__(self, buffers: KVBuffers, rows: DecodeRows, key: object, longest: int) -> None:
+    def __init__(self, buffers: KVBuffers, rows: DecodeRows, key: object, longest: int,
+                 part_keys: set | None = None, split: bool = False) -> None:
         super().__init__(buffers, longest)
         self.rows, self._key = rows, key
+        self._part_keys = part_keys if part_keys is not None else set()
+        #: whether pipeline stages run this step as micro-batches (:meth:`micro_batch_caches`)
+        self.split = split
 
     @property
     def graph_key(self) -> object:
@@ -110,6 +114,32 @@ class SlotStep(_SlotForward):
 
     def decode_rows(self, position_ids: torch.Tensor) -> DecodeRows:
         return self.rows
+
+    def micro_batch_caches(self, sizes: Sequence[int]) -> list["SlotStep"] | None:
+        """This step as consecutive groups of ``sizes`` rows (their sum: this step's rows),
+        each the decode step of its rows (views of the same buffers): pipeline stages run
+        them one behind the other, so independent sequences fill the stages
+        (:class:`~shardwise.pipeline.schedule.CachedMicroBatches`); None when the step runs
+        whole (not :attr:`split`). Each group's graph is keyed by this step's key and its
+        rows, so it is captured once and replayed for every later step of the same rows (the
+        slot store drops them with its own)."""
+        if not self.split:
+            return None
+        if sum(sizes) != self.buffers.batch:
+            raise ValueError(f"micro-batches of {list(sizes)} rows do not cover the step's "
+                             f"{self.buffers.batch}")
+        parts, start = [], 0
+        for n in sizes:
+            cut = slice(start, start + n)
+            rows = DecodeRows(position_ids=self.rows.position_ids[cut],
+                              write_index=self.rows.write_index[cut],
+                              lengths=self.rows.lengths[cut], starts=self.rows.starts[cut])
+            key = (self._key, start, n)
+            self._part_keys.add(key)
+            parts.append(SlotStep(self.buffers.row_range(start, start + n), rows, key,
+                                  self.longest))
+            start += n
+        return parts
 
     def reserve(self, n_new: int) -> int:
         if n_new != 1:
@@ -299,6 +329,8 @@ class SlotKVCache:
         self.device = device
         self.lengths = [0] * slots
         self._buckets: dict[int, KVBuffers] = {}  # bucket → view of its first rows (kept)
+        #: the graph keys of the steps' micro-batches (:meth:`SlotStep.micro_batch_caches`)
+        self.part_keys: set = set()
 
     def release_buffers(self) -> None:
         """Free the keys and values (the store is unusable afterwards)."""
@@ -346,10 +378,12 @@ class SlotKVCache:
         return SlotRow(self.buffers.row_range(slot, slot + 1), self.lengths[slot],
                        self.capacity)
 
-    def step(self, slots: Sequence[int], bucket: int) -> SlotStep:
+    def step(self, slots: Sequence[int], bucket: int, split: bool = False) -> SlotStep:
         """The cache of one decode step appending one token to each of ``slots`` (each <
         ``bucket``, the rows the step runs over; the other rows write to the scratch position
-        and attend only to it). No ``slots``: every row idle (a warmup step)."""
+        and attend only to it). No ``slots``: every row idle (a warmup step). ``split``: under
+        pipeline stages with micro-batches, the step's rows run as micro-batches
+        (:meth:`SlotStep.micro_batch_caches`), else whole."""
         if slots:
             self.check_step(slots)
         if not max(slots, default=-1) < bucket <= self.rows:
@@ -365,7 +399,8 @@ class SlotKVCache:
         rows = DecodeRows(position_ids=as_tensor(positions)[:, None], write_index=write_index,
                           lengths=write_index + 1, starts=as_tensor(starts))
         longest = max((self.lengths[s] for s in slots), default=0)
-        return SlotStep(self._bucket(bucket), rows, self.graph_key(bucket), longest)
+        return SlotStep(self._bucket(bucket), rows, self.graph_key(bucket), longest,
+                        self.part_keys, split)
 
     def check_mixed(self, slots: Sequence[int], chunks: Sequence[tuple[int, int]]) -> None:
         """Raise unless one mixed forward can append one token to each of ``slots`` (as

@@ -263,6 +263,9 @@ class CachedMicroBatches:
             return self.forward(*args, **kwargs)
         from transformers.cache_utils import DynamicCache
 
+        split = getattr(cache, "micro_batch_caches", None)
+        if split is not None:  # a cache that splits itself (a serving step over slots)
+            return self._split_by_cache(args, kwargs, key, cache, split)
         if self.stack() is not None:  # injected: static caches, one per micro-batch
             return self._static(args, kwargs, key, cache, batch)
         if type(cache) is not DynamicCache:  # a static / quantized cache has its own layout
@@ -310,6 +313,23 @@ class CachedMicroBatches:
                                       torch.zeros(c.batch, dtype=torch.int64,
                                                   device=cache.buffers.device) for c in caches])
         for field in _CACHE_KEYS:  # HF's generate carries the batch's cache to the next step
+            if field in out:
+                out[field] = cache
+        return out
+
+    def _split_by_cache(self, args: tuple, kwargs: dict, key: str, cache: Any,
+                        split) -> Any:
+        """The forward as micro-batches over the caches ``split(rows per micro-batch)`` gives
+        (e.g. :meth:`~shardwise.inject.slots.SlotStep.micro_batch_caches`: a serving step's
+        rows are independent sequences, each group its own decode step); the outputs joined
+        and broadcast once, the whole cache handed back. ``split`` returning None: the
+        forward runs whole."""
+        parts = split_inputs(args, kwargs, self.report.micro_batches)
+        caches = split([_batch_size(a, k) for a, k in parts])
+        if caches is None:  # the cache runs whole
+            return self.forward(*args, **kwargs)
+        out = self._run([(a, {**k, key: c}) for (a, k), c in zip(parts, caches)])
+        for field in _CACHE_KEYS:
             if field in out:
                 out[field] = cache
         return out

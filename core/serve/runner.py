@@ -15,12 +15,16 @@ of its chunk bucket (:attr:`SlotRunner.mixed_buckets`: the chunks padded up to o
 part over every row; each bucket captured by :meth:`SlotRunner.warmup`); otherwise eagerly, any
 size (the reason logged once, the steps counted in :attr:`SlotRunner.mixed_steps`).
 
-Tensor parallelism: every rank runs the same forwards. Rank 0's runner first sends each
+Tensor parallelism and pipeline stages: every rank runs the same forwards (under stages, each
+its own layers, the hidden states passed on between them). Rank 0's runner first sends each
 operation to the other ranks through ``engine.communicator.broadcast`` — one int64 header
-``[op, a, b, c]`` and, for prefill, decode and mixed steps, one int64 payload (the tokens; the
-slots and the tokens; the decode slots and tokens, each chunk's slot, size and ``last``, then
-the chunk tokens) — and the other ranks run :func:`follow`, which receives and executes them until
-:meth:`SlotRunner.close`. The communicator's collectives time out, so a dead rank makes the
+``[op, a, b, c]`` and, for init, prefill, decode and mixed steps, one int64 payload (the
+``pipeline_split`` code and the mixed-step buckets; the tokens; the slots and the tokens; the
+decode slots and tokens, each chunk's slot, size and ``last``, then the chunk tokens) — and the
+other ranks run :func:`follow`, which receives and executes them until
+:meth:`SlotRunner.close`. Under pipeline stages with micro-batches a decode step's rows may run
+as micro-batches one behind the other through the stages (``pipeline_split``, decided per batch
+bucket by :meth:`SlotRunner.warmup` from the measured step, the same on every rank). The communicator's collectives time out, so a dead rank makes the
 others raise :class:`~shardwise.errors.CollectiveError` within the collective timeout; rank 0's
 scheduler calls :meth:`SlotRunner.heartbeat` while idle so that the followers' wait for the
 next operation does not time out.
@@ -32,6 +36,7 @@ import contextlib
 import functools
 import inspect
 import logging
+import time
 from typing import Any, Iterator, Sequence
 
 import torch
@@ -56,6 +61,13 @@ INIT, PREFILL, DECODE, RELEASE, HEARTBEAT, WARMUP, CLOSE, MIXED = range(1, 9)
 _OP_NAMES = {INIT: "init", PREFILL: "prefill", DECODE: "decode", RELEASE: "release",
              HEARTBEAT: "heartbeat", WARMUP: "warmup", CLOSE: "close", MIXED: "mixed"}
 HEADER = 4  # int64 words of a header: op, then up to three arguments
+#: ``pipeline_split="auto"`` splits a bucket's steps only when split they took under this
+#: share of the whole step's time: splitting costs a read of the weights per micro-batch, and
+#: an idle warm-up step timed 3 times is noisy (a 5-13% gain measured on tiny buckets did not
+#: hold for real steps: benchmarks/README.md, "Serving over pipeline stages")
+SPLIT_MARGIN = 0.9
+#: ``pipeline_split`` on the wire (INIT's payload, first word)
+_SPLIT_CODES = {False: 0, True: 1, "auto": 2}
 
 
 def decoder_stack(engine: Any) -> InjectedModel:
@@ -89,12 +101,21 @@ class SlotRunner:
         mixed_buckets: the chunk-token buckets of the captured mixed steps (with graphs whose
             strategy can capture them; :attr:`mixed_buckets`), each captured by
             :meth:`warmup`: more buckets pad less and take longer to warm up.
+        pipeline_split: under pipeline stages with micro-batches, whether a decode step's
+            rows run as micro-batches one behind the other through the stages (independent
+            sequences filling them) or whole: ``"auto"`` times both in :meth:`warmup` (at the
+            power-of-two batch buckets and the largest; the others follow the largest timed
+            below them) and keeps the faster (each micro-batch reads the stage's weights
+            again, so where a step's cost is its weights' bytes — decode at small batches —
+            whole wins); True / False force it. Decided by :meth:`warmup` (rank 0's choice,
+            sent to every rank: :attr:`split_buckets`); before it every step runs whole.
 
     Every method is called from one thread (the scheduler's). Logits are float32.
     """
 
     def __init__(self, engine: Any, max_batch: int, max_tokens: int | None = None, *,
-                 mixed_buckets: Sequence[int] = MIXED_BUCKETS, _follower: bool = False) -> None:
+                 mixed_buckets: Sequence[int] = MIXED_BUCKETS, pipeline_split: bool | str = "auto",
+                 _follower: bool = False) -> None:
         stack = decoder_stack(engine)
         if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
             raise ConfigError(f"max_batch must be an int >= 1, got {max_batch!r}")
@@ -119,8 +140,12 @@ class SlotRunner:
         self.vocab_size = int(text.vocab_size)
         self.device = engine.device
         mixed_buckets = _check_buckets(mixed_buckets)
+        if pipeline_split not in _SPLIT_CODES:
+            raise ConfigError(f"pipeline_split must be 'auto', True or False, got "
+                              f"{pipeline_split!r}")
         if self.tp and self.leader:
-            self._send(INIT, max_batch, max_tokens, len(mixed_buckets), payload=mixed_buckets)
+            self._send(INIT, max_batch, max_tokens, len(mixed_buckets),
+                       payload=[_SPLIT_CODES[pipeline_split], *mixed_buckets])
         self.strategy = stack.graphs.strategy if stack.graphs is not None else None
         weight = stack.parts.final_norm.weight
         self.cache = SlotKVCache(stack, max_batch, self._bucket(max_batch), max_tokens,
@@ -153,6 +178,15 @@ class SlotRunner:
         #: under tensor parallelism, the error of a step that failed once it had started (the
         #: ranks may be out of step: every later call is refused)
         self.failed: BaseException | None = None
+        self.pipeline_split = pipeline_split
+        stages = getattr(engine, "stages", None)
+        #: micro-batches a decode step may be split into (1: no pipeline stages to fill)
+        self.micro_batches = stages.micro_batches if stages is not None else 1
+        #: batch bucket → whether its decode steps run as micro-batches (set by
+        #: :meth:`warmup` under pipeline stages; absent: whole), with each variant's measured
+        #: step in :attr:`split_seconds` (bucket → (whole, split) seconds, "auto" only)
+        self.split_buckets: dict[int, bool] = {}
+        self.split_seconds: dict[int, tuple[float, float]] = {}
 
     # ----- the Runner contract -------------------------------------------------------------------
 
@@ -298,7 +332,7 @@ class SlotRunner:
 
     def _decode(self, slots: list[int], tokens: list[int]) -> torch.Tensor:
         bucket = self._bucket(max(slots) + 1)
-        step = self.cache.step(slots, bucket)
+        step = self.cache.step(slots, bucket, split=self.split_buckets.get(bucket, False))
         logits = self._forward(self._row_tokens(bucket, slots, tokens)[:, None], step)
         self._advance(slots, [])
         return self._rows(logits[:, -1], slots)  # [bucket, vocab] → [len(slots), vocab]
@@ -444,6 +478,50 @@ class SlotRunner:
         for bucket in self.mixed_buckets:
             if bucket not in self._packed:
                 self._capture_packed(bucket)
+        if self.micro_batches > 1:
+            self._choose_splits()
+
+    def _choose_splits(self, rounds: int = 3) -> None:
+        """Every rank: whether each batch bucket's decode step runs as micro-batches
+        (:attr:`split_buckets`): forced, or measured. Measured at the power-of-two buckets and
+        the largest (an idle step of each, each variant once untimed — it captures — then
+        ``rounds`` times; every rank runs them, the pipeline's ranks together), a bucket
+        taking the choice of the largest measured one not above it (splitting pays from some
+        row count up, where a step's compute outweighs reading the weights again). Rank 0's
+        choice is broadcast, so every rank splits the same steps."""
+        buckets = [b for b in self.buckets() if b >= 2]
+        probes = sorted({b for b in buckets if b & (b - 1) == 0} | set(buckets[-1:]))
+        choice = []
+        for bucket in probes:
+            if self.pipeline_split != "auto":
+                choice.append(bool(self.pipeline_split))
+                continue
+            ids = torch.zeros(bucket, 1, dtype=torch.int64, device=self.device)
+            seconds = []
+            for split in (False, True):
+                self._forward(ids, self.cache.step([], bucket, split=split))
+                start = time.perf_counter()
+                for _ in range(rounds):
+                    self._forward(ids, self.cache.step([], bucket, split=split))
+                seconds.append((time.perf_counter() - start) / rounds)
+            self.split_seconds[bucket] = (seconds[0], seconds[1])
+            choice.append(seconds[1] < SPLIT_MARGIN * seconds[0])
+        if self.tp and probes:  # rank 0's choice on every rank
+            flags = self.comm.broadcast(torch.tensor(choice, dtype=torch.int64,
+                                                     device=self.device), src=0)
+            choice = [bool(f) for f in flags.tolist()]
+        measured = dict(zip(probes, choice))
+        self.split_buckets = {
+            b: measured.get(max((p for p in probes if p <= b), default=0), False)
+            for b in buckets}
+        if self.leader:
+            log.info("shardwise serve: decode steps over pipeline stages, %d micro-batches: %s",
+                     self.micro_batches, ", ".join(
+                         f"{b} rows {'split' if c else 'whole'}"
+                         + (" ({:.1f} vs {:.1f} ms whole)".format(
+                             self.split_seconds[b][1] * 1e3, self.split_seconds[b][0] * 1e3)
+                            if b in self.split_seconds else "")
+                         for b, c in self.split_buckets.items()))
 
     def _close(self) -> None:
         self.closed = True
@@ -453,6 +531,8 @@ class SlotRunner:
                 graphs.drop(self.cache.graph_key(bucket))
             for bucket in self._packed:
                 graphs.drop(self.cache.packed_key(self.cache.rows, bucket))
+            for key in self.cache.part_keys:  # pipeline micro-batches' steps
+                graphs.drop(key)
         self._packed.clear()
         self.cache.release_buffers()
 
@@ -518,8 +598,10 @@ def follow(engine: Any) -> None:
     if op != INIT:
         raise ShardwiseError(f"follow: rank 0 sent {_OP_NAMES.get(op, op)!r} before creating "
                              f"its SlotRunner")
-    buckets = tuple(_receive(engine, n_buckets)) if n_buckets else ()
-    runner = SlotRunner(engine, max_batch, max_tokens, mixed_buckets=buckets, _follower=True)
+    split, *buckets = _receive(engine, n_buckets + 1)
+    policy = {code: value for value, code in _SPLIT_CODES.items()}[split]
+    runner = SlotRunner(engine, max_batch, max_tokens, mixed_buckets=tuple(buckets),
+                        pipeline_split=policy, _follower=True)
     try:
         while True:
             op, a, b, c = _receive(engine)

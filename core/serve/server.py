@@ -68,6 +68,13 @@ class ServeSettings:
     prefill_budget: int
     comm_timeout: float | None
     drain_timeout: float
+    pp: int = 1
+    micro_batches: int = 1
+
+    @property
+    def ranks(self) -> int:
+        """Ranks the server runs on: ``pp × tp``."""
+        return self.pp * self.tp
 
     def engine_options(self, max_tokens: int) -> dict[str, Any]:
         """``init_inference`` keywords for these settings."""
@@ -77,6 +84,9 @@ class ServeSettings:
                    **engine_options(self.inject, self.graphs, self.quant)}
         if self.tp > 1:
             options["tensor_parallel"] = {"tp_size": self.tp}
+        if self.pp > 1:
+            options["pipeline_parallel"] = {"pp_size": self.pp,
+                                            "micro_batches": self.micro_batches}
         if self.comm_timeout is not None:
             options["comm_timeout"] = self.comm_timeout
         return options
@@ -85,7 +95,9 @@ class ServeSettings:
         """``cpu, bfloat16, inject, graphs, no quant, tp=1`` for the ready line."""
         return ", ".join([self.device, self.dtype, "inject" if self.inject else "no inject",
                           "graphs" if self.graphs else "no graphs",
-                          f"quant {self.quant}" if self.quant else "no quant", f"tp={self.tp}"])
+                          f"quant {self.quant}" if self.quant else "no quant", f"tp={self.tp}",
+                          *([f"pp={self.pp} x {self.micro_batches} micro-batches"]
+                            if self.pp > 1 else [])])
 
 
 # ----- cheap checks, before anything loads -----------------------------------------------------
@@ -105,6 +117,11 @@ def check_server_options(args: argparse.Namespace) -> None:
     _at_least(args.max_waiting, 1, "--max-waiting")
     _at_least(args.prefill_budget, 1, "--prefill-budget", " token")
     _at_least(args.tp, 1, "--tp")
+    _at_least(args.pp, 1, "--pp")
+    _at_least(args.micro_batches, 1, "--micro-batches")
+    if args.micro_batches is not None and args.pp == 1:
+        raise ConfigError("--micro-batches splits a decode step between pipeline stages: it "
+                          "needs --pp > 1 (or drop it)")
     if args.comm_timeout is not None and not (math.isfinite(args.comm_timeout)
                                               and args.comm_timeout > 0):
         raise ConfigError(f"--comm-timeout must be a finite number of seconds > 0, got "
@@ -139,12 +156,14 @@ def _check_tokenizer(path: Path) -> None:
                           f"to the model with tokenizer.save_pretrained(DIR)")
 
 
-def _check_ranks(accelerator, tp: int) -> None:
-    """``--tp`` ranks run on this node: at most what the accelerator hosts on one."""
+def _check_ranks(accelerator, tp: int, pp: int = 1) -> None:
+    """``--tp`` × ``--pp`` ranks run on this node: at most what the accelerator hosts on
+    one."""
     limit = accelerator.max_ranks_per_node()
-    if tp > limit:
-        raise ConfigError(f"--tp {tp} needs {tp} ranks but {accelerator.name!r} hosts at most "
-                          f"{limit} on this node; pass --tp {limit} or less")
+    if tp * pp > limit:
+        asked = f"--tp {tp}" if pp == 1 else f"--tp {tp} x --pp {pp}"
+        raise ConfigError(f"{asked} needs {tp * pp} ranks but {accelerator.name!r} hosts at "
+                          f"most {limit} on this node; ask for {limit} ranks or fewer")
 
 
 def _engine_variant(args: argparse.Namespace, accelerator, encoder: bool) -> tuple[bool, bool]:
@@ -190,11 +209,11 @@ def resolve_settings(args: argparse.Namespace) -> ServeSettings:
     config = models.read_config(path) if path.is_dir() else {}
     encoder = is_encoder(config)
     accelerator = get_accelerator(args.device)
-    if args.tp > 1:
-        _check_ranks(accelerator, args.tp)
+    if args.tp * args.pp > 1:
+        _check_ranks(accelerator, args.tp, args.pp)
         if encoder:
-            raise ConfigError("--tp with an encoder model: embeddings are served on one rank; "
-                              "drop --tp")
+            raise ConfigError("--tp / --pp with an encoder model: embeddings are served on one "
+                              "rank; drop them")
     dtype = resolve_dtype_name(accelerator, args.dtype or "auto")
     inject, graphs = _engine_variant(args, accelerator, encoder)
     positions = models.max_positions(config) if config else None
@@ -207,7 +226,8 @@ def resolve_settings(args: argparse.Namespace) -> ServeSettings:
         port=args.port, max_batch=args.max_batch,
         max_tokens=_max_tokens(args.max_tokens, positions), positions=positions,
         max_waiting=args.max_waiting, prefill_budget=args.prefill_budget,
-        comm_timeout=args.comm_timeout, drain_timeout=args.drain_timeout)
+        comm_timeout=args.comm_timeout, drain_timeout=args.drain_timeout, pp=args.pp,
+        micro_batches=(args.micro_batches or 2 * args.pp) if args.pp > 1 else 1)
 
 
 class ServerThread:
@@ -508,7 +528,7 @@ def serve(args: argparse.Namespace) -> int:
     """``shardwise serve``: check the options, then serve on this process, or with ``--tp N``
     launch the ranks (each runs :func:`run_rank`) and wait for them; the exit code."""
     settings = resolve_settings(args)
-    if settings.tp > 1:
+    if settings.ranks > 1:
         return serve_tp(settings)
     return serve_here(settings)
 
@@ -581,7 +601,8 @@ def rank_argv(settings: ServeSettings) -> list[str]:
     """The resolved settings as ``shardwise serve`` options, for every rank to parse again."""
     argv = ["--model", str(settings.model_path), "--device", settings.device,
             "--dtype", {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}[settings.dtype],
-            "--tp", str(settings.tp), "--inject" if settings.inject else "--no-inject",
+            "--tp", str(settings.tp), "--pp", str(settings.pp),
+            "--inject" if settings.inject else "--no-inject",
             "--graphs" if settings.graphs else "--no-graphs",
             "--host", settings.host, "--port", str(settings.port),
             "--served-model-name", settings.name, "--max-batch", str(settings.max_batch),
@@ -590,6 +611,8 @@ def rank_argv(settings: ServeSettings) -> list[str]:
             "--drain-timeout", repr(settings.drain_timeout)]
     if settings.max_tokens is not None:
         argv += ["--max-tokens", str(settings.max_tokens)]
+    if settings.pp > 1:
+        argv += ["--micro-batches", str(settings.micro_batches)]
     if settings.quant:
         argv += ["--quant", settings.quant]
     if settings.comm_timeout is not None:
@@ -602,7 +625,8 @@ def launch_command(settings: ServeSettings) -> list[str]:
     <options>``: the ranks on this node, each set up for the device."""
     from ..launch import module_command
 
-    return module_command(RANK_MODULE, rank_argv(settings), settings.tp, device=settings.device)
+    return module_command(RANK_MODULE, rank_argv(settings), settings.ranks,
+                          device=settings.device)
 
 
 def rank_process(root_pid: int, rank: int):
@@ -682,7 +706,7 @@ def serve_tp(settings: ServeSettings) -> int:
     forwards it), wait for the launcher; its exit code (0 after a clean stop)."""
     bind_socket(settings.host, settings.port).close()  # a taken port fails before any rank
     cmd = launch_command(settings)
-    print(f"launching {settings.tp} ranks: {' '.join(cmd)}", file=sys.stderr, flush=True)
+    print(f"launching {settings.ranks} ranks: {' '.join(cmd)}", file=sys.stderr, flush=True)
     launcher = subprocess.Popen(cmd, start_new_session=True)
     stopper = _TPStopper(launcher, settings.drain_timeout)
     previous = {sig: signal.signal(sig, stopper) for sig in (signal.SIGTERM, signal.SIGINT)}
