@@ -20,8 +20,7 @@ TINY = "gpt2-2l-64h"
 @pytest.mark.parametrize("argv, says", [
     (["--micro-batches", "4"], "--micro-batches 4 splits each forward for the pipeline stages: "
                                "it needs --pp > 1"),
-    (["--pp", "2", "--inject"], "--pp 2 does not run with --inject yet"),
-    (["--pp", "2", "--quant", "int8"], "--pp 2 does not run with --quant yet"),
+    (["--pp", "2", "--offload", "cpu"], "--pp 2 does not run with --offload yet"),
     (["--pp", "0"], "--pp must be a positive number of pipeline stages, got 0"),
     (["--pp", "4", "--nnodes", "2"], "pp_size=4 is more than the 2 decoder layers"),  # engine's
     (["--pp", "64"], "--pp 64 needs 64 ranks"),
@@ -39,6 +38,15 @@ def _plan(argv):
     return cli_plan(build_parser().parse_args(["bench", "--preset", TINY, *argv]))
 
 
+def test_pp_times_injected_and_quantized_variants_over_the_stages():
+    plan, _, _, notes = _plan(["--pp", "2", "--inject", "--quant", "int8"])
+    assert plan.variant_names == ["shardwise[pp2,mb4,inject,int8]"]
+    assert not any("plain variant" in n for n in notes)
+    kwargs = plan.engine_kwargs(plan.variants[0])
+    assert kwargs["pipeline_parallel"] == {"pp_size": 2, "micro_batches": 4}
+    assert kwargs["replace_with_kernel_inject"] and kwargs["quant"]
+
+
 @pytest.mark.parametrize("argv, world, micro, name", [
     (["--pp", "2"], 2, 4, "shardwise[pp2,mb4]"),  # M defaults to 2P
     (["--pp", "2", "--micro-batches", "3"], 2, 3, "shardwise[pp2,mb3]"),
@@ -51,7 +59,7 @@ def test_pp_runs_the_plain_variant_on_pp_times_tp_ranks(argv, world, micro, name
     assert kwargs["pipeline_parallel"] == {"pp_size": 2, "micro_batches": micro}
     assert not plan.variants[0].inject and not plan.variants[0].quant
     if "--plain" not in argv:
-        assert any("--pp 2: the plain variant" in n for n in notes)
+        assert any("--pp 2: the plain variant (add --inject" in n for n in notes)
     assert any("a batch of 1 runs as one micro-batch" in n for n in notes)  # --batch 1
 
 

@@ -6,9 +6,10 @@ what shardwise does fastest on this device, as the accelerator says: kernel inje
 graphs in its preferred dtype, then the same with int8 and with int4 weights (where it has
 fast kernels), against the HF model in that dtype. With them it runs the one variant they
 describe (--offload: its weights streamed from disk or host memory, reported against a probe
-of that tier's read bandwidth). --pp P runs the plain variant over P pipeline stages with M
-micro-batches in flight (--micro-batches) and reports, per row, every stage's busy time over
-the timed repeats and the measured bubble against the theoretical (P - 1) / (P - 1 + M).
+of that tier's read bandwidth). --pp P runs the plain variant (or the one --inject, --graphs
+and --quant describe) over P pipeline stages with M micro-batches in flight (--micro-batches)
+and reports, per row, every stage's busy time over the timed repeats and the measured bubble
+against the theoretical (P - 1) / (P - 1 + M).
 
 Writes a JSON file with every sample and its provenance, and a PNG chart next to it (with the
 ``plot`` extra). ``--compare a.json b.json`` prints the ratios between two saved runs. Every
@@ -82,8 +83,8 @@ def _add_variant_options(p: argparse.ArgumentParser) -> None:
                    help="pipeline stages (pipeline_parallel={'pp_size': P}), started as --tp's "
                         "(P x tp ranks); each row then reports every stage's busy time and the "
                         "measured bubble against the theoretical (P-1)/(P-1+M). Runs the plain "
-                        "variant only (the engine's stages refuse injection, graphs and offload; "
-                        "their quant= is not run by the bench yet)")
+                        "variant unless --inject, --graphs or --quant describe another (not "
+                        "with --offload yet)")
     g.add_argument("--micro-batches", type=_positive, metavar="M",
                    help="with --pp: micro-batches each forward (prefill and every decode step) "
                         "is split into, each with its own KV cache (default 2 x P; at most one "
@@ -244,9 +245,10 @@ def check_combinations(args: argparse.Namespace) -> None:
                           f"(--nnodes {args.nnodes})")
 
 
-#: variant options the bench does not run with --pp (the engine refuses injection, graphs and
-#: offload with stages; quant= composes in the engine, but the bench's --pp runs the plain one)
-NOT_WITH_PP = ("inject", "graphs", "quant", "offload")
+#: variant options the bench does not run with --pp (injection, graphs and quant= compose with
+#: stages in the engine and here; the bench's offload variant, with its read-bandwidth probe of
+#: one process's ring, does not time stages yet)
+NOT_WITH_PP = ("offload",)
 
 
 def _check_pipeline_options(args: argparse.Namespace) -> None:
@@ -306,8 +308,8 @@ def _described_variants(args: argparse.Namespace,
     baseline = resolve_dtype_name(accelerator, args.baseline_dtype)
     eps = list(dict.fromkeys(args.ep))
     if args.pp > 1 and not any(getattr(args, d) for d in VARIANT_OPTIONS):
-        note = (f"--pp {args.pp}: the plain variant (pipeline stages do not compose with "
-                f"injection, graphs or offload yet; the bench does not run them quantized)")
+        note = (f"--pp {args.pp}: the plain variant (add --inject, --graphs or --quant to time "
+                f"those over the stages)")
         return [Variant(dtype, ep=ep) for ep in eps], baseline or dtype, [note]
     if any(getattr(args, d) for d in VARIANT_OPTIONS):
         variant = Variant(dtype, args.inject, args.graphs, args.quant, offload=args.offload,
