@@ -1,7 +1,9 @@
 """SlotRunner under tensor parallelism (2 gloo ranks): rank 0 drives the runner, rank 1 runs
 ``follow`` and executes every step rank 0 broadcasts, plain and mixed steps, then the same over
-2 pipeline stages with micro-batches (one process pair for all three). The tokens equal HF ``generate`` of each prompt alone, and a rank dying makes the
-other fail with CollectiveError within the collective timeout instead of hanging."""
+2 pipeline stages with micro-batches (one process pair for all three). The tokens equal HF
+``generate`` of each prompt alone, and a rank dying makes the other fail with CollectiveError
+within the collective timeout instead of hanging.
+"""
 
 from __future__ import annotations
 

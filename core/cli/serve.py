@@ -5,11 +5,11 @@ engine (``/v1/completions``, ``/v1/chat/completions``, ``/v1/embeddings`` for en
 Without variant options it serves what shardwise runs fastest on this device, as the
 accelerator says: kernel injection, with graphs where its graph strategy accelerates the
 decode step, in its preferred dtype. Every option is checked (and the port bound) before the
-model is loaded: bad input exits with code 2 and one line naming the problem. ``--tp N``
-(and ``--pp P``: pipeline stages, P x N ranks) starts its ranks through ``shardwise launch``;
-rank 0 serves HTTP and sends each step to the others. SIGTERM / Ctrl-C stop accepting, let running requests finish for ``--drain-timeout``
-seconds, cancel the rest, and exit 0; a failed model side (a rank died, a collective timed
-out) makes the server exit non-zero.
+model is loaded: bad input exits with code 2 and one line naming the problem. ``--tp N`` (and
+``--pp P``: pipeline stages, P x N ranks) starts its ranks through ``shardwise launch``; rank 0
+serves HTTP and sends each step to the others. SIGTERM / Ctrl-C stop accepting, let running
+requests finish for ``--drain-timeout`` seconds, cancel the rest, and exit 0; a failed model
+side (a rank died, a collective timed out) makes the server exit non-zero.
 """
 
 from __future__ import annotations

@@ -21,13 +21,14 @@ operation to the other ranks through ``engine.communicator.broadcast`` — one i
 ``[op, a, b, c]`` and, for init, prefill, decode and mixed steps, one int64 payload (the
 ``pipeline_split`` code and the mixed-step buckets; the tokens; the slots and the tokens; the
 decode slots and tokens, each chunk's slot, size and ``last``, then the chunk tokens) — and the
-other ranks run :func:`follow`, which receives and executes them until
-:meth:`SlotRunner.close`. Under pipeline stages with micro-batches a decode step's rows may run
-as micro-batches one behind the other through the stages (``pipeline_split``, decided per batch
-bucket by :meth:`SlotRunner.warmup` from the measured step, the same on every rank). The communicator's collectives time out, so a dead rank makes the
-others raise :class:`~shardwise.errors.CollectiveError` within the collective timeout; rank 0's
-scheduler calls :meth:`SlotRunner.heartbeat` while idle so that the followers' wait for the
-next operation does not time out.
+other ranks run :func:`follow`, which receives and executes them until :meth:`SlotRunner.close`.
+Under pipeline stages with micro-batches a decode step's rows may run as micro-batches one
+behind the other through the stages (``pipeline_split``, decided per batch bucket by
+:meth:`SlotRunner.warmup` from the measured step, the same on every rank). The communicator's
+collectives time out, so a dead rank makes the others raise
+:class:`~shardwise.errors.CollectiveError` within the collective timeout; rank 0's scheduler
+calls :meth:`SlotRunner.heartbeat` while idle so that the followers' wait for the next operation
+does not time out.
 """
 
 from __future__ import annotations
