@@ -190,13 +190,18 @@ def test_defaults_come_from_the_accelerator(model_dir):
     again = server_module.resolve_settings(rank_parser("t").parse_args(
         server_module.rank_argv(settings)))
     assert again == settings
-    # and with pipeline stages: micro-batches default to 2 x --pp, in the engine's options
+    # and with pipeline stages: whole decode steps unless --micro-batches asks for more
     staged = server_module.resolve_settings(rank_parser("t").parse_args(
         ["--model", str(model_dir), "--device", "cpu", "--pp", "2"]))
-    assert staged.ranks == 2 and staged.micro_batches == 4
-    assert staged.engine_options(64)["pipeline_parallel"] == {"pp_size": 2, "micro_batches": 4}
-    assert server_module.resolve_settings(rank_parser("t").parse_args(
-        server_module.rank_argv(staged))) == staged
+    assert staged.ranks == 2 and staged.micro_batches == 1
+    assert staged.engine_options(64)["pipeline_parallel"] == {"pp_size": 2}
+    assert staged.describe().endswith("tp=1, pp=2")
+    split = server_module.resolve_settings(rank_parser("t").parse_args(
+        ["--model", str(model_dir), "--device", "cpu", "--pp", "2", "--micro-batches", "4"]))
+    assert split.engine_options(64)["pipeline_parallel"] == {"pp_size": 2, "micro_batches": 4}
+    for settings in (staged, split):
+        assert server_module.resolve_settings(rank_parser("t").parse_args(
+            server_module.rank_argv(settings))) == settings
 
 
 # ----- the stack and the HTTP loop, in this process ----------------------------------------------
@@ -437,8 +442,8 @@ def test_pp2_serves_concurrent_requests_as_micro_batches_through_the_stages(mode
     """``--pp 2``: rank 0 the first stage (and HTTP), rank 1 the second; a decode step's
     sequences run whole or as micro-batches one behind the other (whichever warm-up measured
     faster). Each answer is HF's for its prompt alone."""
-    server = ServerProcess("--model", str(model_dir), "--device", "cpu", "--pp", "2", *COMMON,
-                           "--comm-timeout", str(COMM_TIMEOUT_S))
+    server = ServerProcess("--model", str(model_dir), "--device", "cpu", "--pp", "2",
+                           "--micro-batches", "4", *COMMON, "--comm-timeout", str(COMM_TIMEOUT_S))
     try:
         url, described = server.wait_ready(timeout=2 * READY_S)
         assert described.endswith("tp=1, pp=2 x 4 micro-batches")

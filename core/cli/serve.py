@@ -44,9 +44,11 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="pipeline stages (pipeline_parallel), each of --tp ranks: P x N ranks "
                         "started through `shardwise launch` (default 1)")
     m.add_argument("--micro-batches", type=int, metavar="M",
-                   help="with --pp: a decode step's sequences run as M groups one behind the "
-                        "other through the stages, so independent requests fill them "
-                        "(default 2 x --pp)")
+                   help="with --pp: a decode step's sequences may run as M groups one behind "
+                        "the other through the stages, so independent requests fill them; "
+                        "warm-up times each batch bucket's step whole and split and keeps the "
+                        "faster, capturing the split steps too (default 1: whole steps, which "
+                        "decode at small batches reads its weights fastest)")
     m.add_argument("--inject", action=argparse.BooleanOptionalAction, default=None,
                    help="kernel injection (default: on; continuous batching runs on the "
                         "injected layers' slot KV cache)")

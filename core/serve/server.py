@@ -86,7 +86,8 @@ class ServeSettings:
             options["tensor_parallel"] = {"tp_size": self.tp}
         if self.pp > 1:
             options["pipeline_parallel"] = {"pp_size": self.pp,
-                                            "micro_batches": self.micro_batches}
+                                            **({"micro_batches": self.micro_batches}
+                                               if self.micro_batches > 1 else {})}
         if self.comm_timeout is not None:
             options["comm_timeout"] = self.comm_timeout
         return options
@@ -96,7 +97,8 @@ class ServeSettings:
         return ", ".join([self.device, self.dtype, "inject" if self.inject else "no inject",
                           "graphs" if self.graphs else "no graphs",
                           f"quant {self.quant}" if self.quant else "no quant", f"tp={self.tp}",
-                          *([f"pp={self.pp} x {self.micro_batches} micro-batches"]
+                          *([f"pp={self.pp}" + (f" x {self.micro_batches} micro-batches"
+                                                 if self.micro_batches > 1 else "")]
                             if self.pp > 1 else [])])
 
 
@@ -227,7 +229,7 @@ def resolve_settings(args: argparse.Namespace) -> ServeSettings:
         max_tokens=_max_tokens(args.max_tokens, positions), positions=positions,
         max_waiting=args.max_waiting, prefill_budget=args.prefill_budget,
         comm_timeout=args.comm_timeout, drain_timeout=args.drain_timeout, pp=args.pp,
-        micro_batches=(args.micro_batches or 2 * args.pp) if args.pp > 1 else 1)
+        micro_batches=args.micro_batches or 1)
 
 
 class ServerThread:
