@@ -236,6 +236,29 @@ def measure_split(args: argparse.Namespace) -> list[int]:
         torch.set_num_threads(threads)
 
 
+def launch_workers(script: str, ranks: int, argv: list[str], output: str) -> list:
+    """Run ``script argv --worker --out RAW`` on ``ranks`` ranks of this node through
+    ``shardwise launch``; the rows rank 0 wrote to RAW (next to ``output``, removed after).
+    (benchmarks/serve_pipeline.py launches its ranks with it too.)"""
+    out = Path(output).with_suffix(".raw.json")
+    cmd = [sys.executable, "-m", "shardwise", "launch", "--nproc-per-node", str(ranks),
+           script, *argv, "--worker", "--out", str(out)]
+    print("$", " ".join(cmd), flush=True)
+    subprocess.run(cmd, check=True, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+    rows = json.loads(out.read_text())
+    out.unlink()
+    return rows
+
+
+def write_results(output: str, command: str, load_before: tuple, rows: list) -> None:
+    """``output`` (JSON): the command, the load averages before and after the run, the rows."""
+    load = {"before": load_before, "after": os.getloadavg(), "cpus": os.cpu_count(),
+            "what": "1, 5, 15 minute load averages (os.getloadavg) before and after the run"}
+    Path(output).write_text(json.dumps({"command": command, "load": load, "rows": rows},
+                                       indent=1))
+    print(f"\nwrote {output}")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--pp", type=int, default=2, help="pipeline stages (default 2)")
@@ -275,7 +298,6 @@ def main() -> int:
     if max(args.micro_batches) > args.batch:
         ap.error(f"--micro-batches {max(args.micro_batches)} is more than --batch "
                  f"{args.batch} rows (at most one micro-batch per row)")
-    out = Path(args.output).with_suffix(".raw.json")
     load_before = os.getloadavg()
     argv = sys.argv[1:]
     if args.split == "auto":
@@ -283,24 +305,13 @@ def main() -> int:
         at = argv.index("--split")
         argv[at:at + 2] = ["--split", *map(str, args.split)]
         print(f"--split auto: measured {' '.join(map(str, args.split))}", flush=True)
-    cmd = [sys.executable, "-m", "shardwise", "launch", "--nproc-per-node",
-           str(args.pp * args.tp), __file__, *argv, "--worker", "--out", str(out)]
-    print("$", " ".join(cmd), flush=True)
-    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
-    subprocess.run(cmd, check=True, env=env)
-    rows = json.loads(out.read_text())
-    out.unlink()
+    rows = launch_workers(__file__, args.pp * args.tp, argv, args.output)
     code = report(rows, args)
     command = "python benchmarks/pipeline_bubble.py " + " ".join(sys.argv[1:])
     if "auto" in sys.argv[1:]:
         command += f"  (--split auto measured {' '.join(map(str, args.split))})"
-    load = {"before": load_before, "after": os.getloadavg(), "cpus": os.cpu_count(),
-            "what": "1, 5, 15 minute load averages (os.getloadavg) before and after the run"}
-    Path(args.output).write_text(json.dumps({"command": command, "load": load, "rows": rows},
-                                            indent=1))
-    print(f"\nwrote {args.output}")
+    write_results(args.output, command, load_before, rows)
     return code
-
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -3,7 +3,7 @@ runs per token) with the running sequences split into M micro-batches, against M
 whole step through one stage after the other), in one run.
 
     python benchmarks/serve_pipeline.py --preset gpt2-24l-1024h --micro-batches 1 2 4 \\
-        --slots 8 --steps 16 --output benchmarks/results/serve-pipeline-gpt2-24l.json
+        --slots 8 --steps 16 --output benchmarks/results/serve-pipeline-gpt2-24l-8slots.json
 
 Launches ``--pp`` ranks through ``shardwise launch`` (one thread each). Every rank builds the
 preset (random weights, fixed seed) and, for each M, ``init_inference(model,
@@ -13,9 +13,9 @@ ranks :func:`~shardwise.serve.runner.follow` it), prefills one prompt per slot (
 benchmark's lengths), then times ``--steps`` decode steps over every slot, ``--repeats``
 times. Rank 0 prints the median step in ms and the tokens per second (slots / step) per M, and
 checks every M's greedy tokens equal M = 1's. M > 1 forces the split
-(``SlotRunner(pipeline_split=True)``); the row then also shows what the server's default,
-``pipeline_split="auto"``, picks at warm-up for each batch bucket (an idle step timed whole and
-split). Eager steps (``--graphs`` captures each micro-batch's step: one compile per
+(``SlotRunner(pipeline_split=True)``); the row then also shows what ``pipeline_split="auto"``
+(``shardwise serve --pp P --micro-batches M``) picks at warm-up for the batch buckets it times
+(an idle step timed whole and split). Eager steps (``--graphs`` captures each micro-batch's step: one compile per
 micro-batch and bucket on every rank).
 """
 
@@ -25,13 +25,14 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-#: one prompt length per slot (benchmarks/serve_step.py's, the serve load benchmark's)
-PROMPT_LENGTHS = (32, 96, 48, 128, 64, 112, 40, 80)
+# benchmarks/: the script's folder (the ranks' launch and results file as the bubble's; one
+# prompt length per slot as serve_step's, the serve load benchmark's)
+from pipeline_bubble import launch_workers, write_results
+from serve_step import PROMPT_LENGTHS
 
 
 def _run_runner(runner, ids: list[list[int]], steps: int, repeats: int) -> tuple[list, list]:
@@ -82,7 +83,7 @@ def worker(args: argparse.Namespace) -> None:
             times, tokens = _run_runner(runner, ids, args.steps, args.repeats)
             runner.close()
             row = dict(m=m, step_s=times, tokens=tokens)
-            if m > 1:  # what the server's default ("auto") picks at warm-up, and its timings
+            if m > 1:  # what "auto" (serve --micro-batches M) picks at warm-up, and its timings
                 auto = SlotRunner(engine, max_batch=args.slots)
                 auto.warmup()
                 auto.close()
@@ -143,24 +144,12 @@ def main() -> int:
         ap.error("--pp must be >= 2; --micro-batches, --slots and --steps >= 1")
     if args.micro_batches[0] != 1:
         ap.error("--micro-batches must start with 1 (the baseline the others are set against)")
-    out = Path(args.output).with_suffix(".raw.json")
     load_before = os.getloadavg()
-    cmd = [sys.executable, "-m", "shardwise", "launch", "--nproc-per-node", str(args.pp),
-           __file__, *sys.argv[1:], "--worker", "--out", str(out)]
-    print("$", " ".join(cmd), flush=True)
-    subprocess.run(cmd, check=True, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
-    rows = json.loads(out.read_text())
-    out.unlink()
+    rows = launch_workers(__file__, args.pp, sys.argv[1:], args.output)
     code = report(rows, args)
-    load = {"before": load_before, "after": os.getloadavg(), "cpus": os.cpu_count(),
-            "what": "1, 5, 15 minute load averages (os.getloadavg) before and after the run"}
-    Path(args.output).write_text(json.dumps(
-        {"command": "python benchmarks/serve_pipeline.py " + " ".join(sys.argv[1:]),
-         "load": load, "rows": [{k: v for k, v in r.items() if k != "tokens"} for r in rows]},
-        indent=1))
-    print(f"\nwrote {args.output}")
+    write_results(args.output, "python benchmarks/serve_pipeline.py " + " ".join(sys.argv[1:]),
+                  load_before, [{k: v for k, v in r.items() if k != "tokens"} for r in rows])
     return code
-
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -47,8 +47,9 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="with --pp: a decode step's sequences may run as M groups one behind "
                         "the other through the stages, so independent requests fill them; "
                         "warm-up times each batch bucket's step whole and split and keeps the "
-                        "faster, capturing the split steps too (default 1: whole steps, which "
-                        "decode at small batches reads its weights fastest)")
+                        "faster, capturing the split steps too (default 1: whole steps; each "
+                        "group reads the stage's weights again, which decode at small batches "
+                        "cannot win back)")
     m.add_argument("--inject", action=argparse.BooleanOptionalAction, default=None,
                    help="kernel injection (default: on; continuous batching runs on the "
                         "injected layers' slot KV cache)")

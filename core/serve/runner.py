@@ -105,11 +105,12 @@ class SlotRunner:
         pipeline_split: under pipeline stages with micro-batches, whether a decode step's
             rows run as micro-batches one behind the other through the stages (independent
             sequences filling them) or whole: ``"auto"`` times both in :meth:`warmup` (at the
-            power-of-two batch buckets and the largest; the others follow the largest timed
-            below them) and keeps the faster (each micro-batch reads the stage's weights
-            again, so where a step's cost is its weights' bytes — decode at small batches —
-            whole wins); True / False force it. Decided by :meth:`warmup` (rank 0's choice,
-            sent to every rank: :attr:`split_buckets`); before it every step runs whole.
+            power-of-two batch buckets, the smallest and the largest; the others take the
+            choice of the largest timed below them) and splits only where split is faster by
+            :data:`SPLIT_MARGIN` (each micro-batch reads the stage's weights again, so where a
+            step's cost is its weights' bytes — decode at small batches — whole wins); True /
+            False force it. Decided by :meth:`warmup` (rank 0's choice, sent to every rank:
+            :attr:`split_buckets`); before it every step runs whole.
 
     Every method is called from one thread (the scheduler's). Logits are float32.
     """
@@ -484,19 +485,21 @@ class SlotRunner:
 
     def _choose_splits(self, rounds: int = 3) -> None:
         """Every rank: whether each batch bucket's decode step runs as micro-batches
-        (:attr:`split_buckets`): forced, or measured. Measured at the power-of-two buckets and
-        the largest (an idle step of each, each variant once untimed — it captures — then
-        ``rounds`` times; every rank runs them, the pipeline's ranks together), a bucket
-        taking the choice of the largest measured one not above it (splitting pays from some
-        row count up, where a step's compute outweighs reading the weights again). Rank 0's
-        choice is broadcast, so every rank splits the same steps."""
+        (:attr:`split_buckets`). Forced: every bucket alike (each rank got the policy with
+        INIT). ``"auto"``: measured at the power-of-two buckets, the smallest and the
+        largest — an idle step of each, each variant once untimed (it captures), then
+        ``rounds`` times, every rank running them together — and split where split took under
+        :data:`SPLIT_MARGIN` of whole; a bucket between two measured ones takes the smaller
+        one's choice. Rank 0's choice is broadcast, so every rank splits the same steps."""
         buckets = [b for b in self.buckets() if b >= 2]
-        probes = sorted({b for b in buckets if b & (b - 1) == 0} | set(buckets[-1:]))
-        choice = []
+        if self.pipeline_split != "auto":
+            self.split_buckets = dict.fromkeys(buckets, bool(self.pipeline_split))
+            return
+        # the smallest and largest too: every bucket has a measured one at or below it
+        ends = set(buckets[:1] + buckets[-1:])
+        probes = sorted({b for b in buckets if b & (b - 1) == 0} | ends)
+        self.split_seconds = {}
         for bucket in probes:
-            if self.pipeline_split != "auto":
-                choice.append(bool(self.pipeline_split))
-                continue
             ids = torch.zeros(bucket, 1, dtype=torch.int64, device=self.device)
             seconds = []
             for split in (False, True):
@@ -506,23 +509,19 @@ class SlotRunner:
                     self._forward(ids, self.cache.step([], bucket, split=split))
                 seconds.append((time.perf_counter() - start) / rounds)
             self.split_seconds[bucket] = (seconds[0], seconds[1])
-            choice.append(seconds[1] < SPLIT_MARGIN * seconds[0])
+        choice = [split < SPLIT_MARGIN * whole for whole, split in self.split_seconds.values()]
         if self.tp and probes:  # rank 0's choice on every rank
             flags = self.comm.broadcast(torch.tensor(choice, dtype=torch.int64,
                                                      device=self.device), src=0)
             choice = [bool(f) for f in flags.tolist()]
         measured = dict(zip(probes, choice))
-        self.split_buckets = {
-            b: measured.get(max((p for p in probes if p <= b), default=0), False)
-            for b in buckets}
+        self.split_buckets = {b: measured[max(p for p in probes if p <= b)] for b in buckets}
         if self.leader:
-            log.info("shardwise serve: decode steps over pipeline stages, %d micro-batches: %s",
-                     self.micro_batches, ", ".join(
-                         f"{b} rows {'split' if c else 'whole'}"
-                         + (" ({:.1f} vs {:.1f} ms whole)".format(
-                             self.split_seconds[b][1] * 1e3, self.split_seconds[b][0] * 1e3)
-                            if b in self.split_seconds else "")
-                         for b, c in self.split_buckets.items()))
+            log.info("shardwise serve: decode steps over pipeline stages in %d micro-batches, "
+                     "measured (split vs whole ms): %s", self.micro_batches, ", ".join(
+                         f"{b} rows {'split' if measured[b] else 'whole'} "
+                         f"({split * 1e3:.1f} vs {whole * 1e3:.1f})"
+                         for b, (whole, split) in self.split_seconds.items()))
 
     def _close(self) -> None:
         self.closed = True

@@ -528,7 +528,8 @@ def run_http(stack: Stack, sock: socket.socket, settings: ServeSettings) -> int:
 
 def serve(args: argparse.Namespace) -> int:
     """``shardwise serve``: check the options, then serve on this process, or with ``--tp N``
-    launch the ranks (each runs :func:`run_rank`) and wait for them; the exit code."""
+    and/or ``--pp P`` launch the ranks (each runs :func:`run_rank`) and wait for them; the exit
+    code."""
     settings = resolve_settings(args)
     if settings.ranks > 1:
         return serve_tp(settings)
@@ -536,9 +537,9 @@ def serve(args: argparse.Namespace) -> int:
 
 
 def run_rank(args: argparse.Namespace) -> int:
-    """One rank of ``--tp N`` (under ``shardwise launch``): rank 0 serves HTTP and runs the
-    scheduler, whose runner sends each step to the others; the others execute those steps
-    (:func:`shardwise.serve.runner.follow`) until rank 0 closes, and fail with a
+    """One rank of ``--tp N`` / ``--pp P`` (under ``shardwise launch``): rank 0 serves HTTP and
+    runs the scheduler, whose runner sends each step to the others; the others execute those
+    steps (:func:`shardwise.serve.runner.follow`) until rank 0 closes, and fail with a
     CollectiveError within the collective timeout when rank 0 dies."""
     settings = resolve_settings(args)
     try:
@@ -662,10 +663,11 @@ def _kill_tree(pid: int) -> None:
 
 
 class _TPStopper:
-    """The ``--tp`` parent's signal handler: the first signal asks rank 0 to drain and stop
-    (SIGTERM: it closes the runner, so the other ranks leave their follow loop and the launcher
-    exits 0); if the ranks are still up ``drain_timeout`` + :data:`TP_STOP_GRACE_S` later, the
-    launcher gets SIGTERM (it stops every rank), and as long again later they are killed."""
+    """The ``--tp`` / ``--pp`` parent's signal handler: the first signal asks rank 0 to drain
+    and stop (SIGTERM: it closes the runner, so the other ranks leave their follow loop and the
+    launcher exits 0); if the ranks are still up ``drain_timeout`` + :data:`TP_STOP_GRACE_S`
+    later, the launcher gets SIGTERM (it stops every rank), and as long again later they are
+    killed."""
 
     def __init__(self, launcher: subprocess.Popen, drain_s: float) -> None:
         self.launcher = launcher
@@ -703,9 +705,9 @@ class _TPStopper:
 
 
 def serve_tp(settings: ServeSettings) -> int:
-    """The ``--tp N`` parent: check the port is free, start the ranks through ``shardwise
-    launch`` (in their own session, so a terminal's Ctrl-C reaches only this process, which
-    forwards it), wait for the launcher; its exit code (0 after a clean stop)."""
+    """The ``--tp N`` / ``--pp P`` parent: check the port is free, start the ranks through
+    ``shardwise launch`` (in their own session, so a terminal's Ctrl-C reaches only this process,
+    which forwards it), wait for the launcher; its exit code (0 after a clean stop)."""
     bind_socket(settings.host, settings.port).close()  # a taken port fails before any rank
     cmd = launch_command(settings)
     print(f"launching {settings.ranks} ranks: {' '.join(cmd)}", file=sys.stderr, flush=True)
