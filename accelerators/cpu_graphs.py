@@ -323,9 +323,12 @@ class CpuCompileStrategy(GraphStrategy):
             if private.no_valid_gemm_choice(exc) and "CPP" == options.get(
                     private.GEMM_BACKENDS_OPTION):
                 raise _NoGemmChoice from exc
+            # what failed: dynamo's own message for a graph break, else the innermost error
+            # under torch's wrappers (BackendCompilerFailed names only the backend)
+            cause = exc if private.is_graph_break_error(exc) else private.causes(exc)[-1]
             raise RuntimeError(
-                f"torch.compile of {name!r} on CPU failed: {type(exc).__name__}: "
-                f"{_first_line(exc)}{_where(exc)}. {_hint(exc)}; fix that, or run the step "
+                f"torch.compile of {name!r} on CPU failed: {type(cause).__name__}: "
+                f"{_first_line(cause)}{_where(exc)}. {_hint(exc)}; fix that, or run the step "
                 f"eagerly ({CPU_GRAPHS_ENV}=eager, or enable_graph=False)") from exc
         if from_store:
             self.loaded += 1
@@ -615,11 +618,16 @@ def _free_name(gm: torch.fx.GraphModule, prefix: str) -> str:
 
 
 def _hint(exc: BaseException) -> str:
+    """What a failed capture's error tells the user to look at: dynamo's graph break, the C++
+    compiler, or else inductor itself (a failure in its passes or lowering: not the compiler's)."""
     if private.is_graph_break_error(exc):
         return ("dynamo cannot trace that op into one graph (a graph break): the step's code "
                 "must avoid it under torch.compiler.is_compiling()")
-    return ("inductor could not build the step: it needs a working C++ compiler (g++ on PATH, "
-            "or $CXX)")
+    if private.is_cxx_build_error(exc):
+        return ("inductor could not build the step: it needs a working C++ compiler (g++ on "
+                "PATH, or $CXX)")
+    return (f"inductor failed compiling the step (torch {torch.__version__}; not a C++ compiler "
+            f"problem): a limitation or bug of torch for this step")
 
 
 def _where(exc: BaseException) -> str:

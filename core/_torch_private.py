@@ -164,6 +164,30 @@ def is_graph_break_error(exc: BaseException) -> bool:
     return bool(kinds) and isinstance(exc, kinds)
 
 
+def causes(exc: BaseException, limit: int = 16) -> list[BaseException]:
+    """``exc`` and what it wraps, outermost first: the exception a compiler backend raised
+    (``BackendCompilerFailed.inner_exception``), then each ``__cause__`` (else ``__context__``)."""
+    chain: list[BaseException] = []
+    current: BaseException | None = exc
+    while current is not None and len(chain) < limit and all(current is not c for c in chain):
+        chain.append(current)
+        inner = getattr(current, "inner_exception", None)
+        current = inner if isinstance(inner, BaseException) else (
+            current.__cause__ or current.__context__)
+    return chain
+
+
+def is_cxx_build_error(exc: BaseException) -> bool:
+    """Whether ``exc`` is, or wraps, inductor failing to build C++: no usable compiler
+    (``InvalidCxxCompiler``) or a failed build (``CppCompileError``)."""
+    inductor_exc = sys.modules.get("torch._inductor.exc")
+    if inductor_exc is None:  # inductor never ran: it cannot have failed a build
+        return False
+    kinds = tuple(k for k in (getattr(inductor_exc, "InvalidCxxCompiler", None),
+                              getattr(inductor_exc, "CppCompileError", None)) if k is not None)
+    return bool(kinds) and any(isinstance(e, kinds) for e in causes(exc))
+
+
 # ----- ahead-of-time compiled functions (dynamo's precompile: saved, loaded without tracing) ---
 
 def aot_compile(fn: Callable, backend: Callable, example_args: Sequence[torch.Tensor]) -> Any:

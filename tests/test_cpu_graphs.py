@@ -274,6 +274,22 @@ def test_compile_failure_is_an_init_error(monkeypatch):
         _engine("gpt2", enable_graph=True)
 
 
+def test_an_inductor_failure_names_its_cause_and_does_not_blame_the_compiler(monkeypatch):
+    """A failure inside inductor that is not a C++ build (here: its lowering raising) reaches
+    the user as that error, under torch's BackendCompilerFailed wrapper, with no advice to
+    install a compiler that is there."""
+    def failing(gm, example_inputs, options):
+        raise NotImplementedError("no lowering for op frobnicate")
+
+    monkeypatch.setattr(cpu_graphs.private, "compile_fx", failing)
+    with pytest.raises(RuntimeError) as info:
+        CpuCompileStrategy().capture(lambda x: x * 2 + 1, torch.ones(3))
+    message = str(info.value)
+    assert "NotImplementedError: no lowering for op frobnicate" in message
+    assert "not a C++ compiler problem" in message and "g++" not in message
+    assert "SHARDWISE_CPU_GRAPHS=eager" in message
+
+
 # ----- choosing the strategy ----------------------------------------------------------------------
 
 def test_strategy_choice(monkeypatch):
