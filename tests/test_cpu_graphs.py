@@ -269,8 +269,9 @@ class _BrokenCompiler(CpuCompileStrategy):
 
 def test_compile_failure_is_an_init_error(monkeypatch):
     monkeypatch.setattr(CpuAccelerator, "graph_strategy", lambda self: _BrokenCompiler())
+    # the compiler hint itself ("not a C++ compiler problem" would also match "C++ compiler")
     with pytest.raises(ConfigError, match=r"cannot capture the decode step.*torch.compile.*"
-                                          r"C\+\+ compiler"):
+                                          r"needs a working C\+\+ compiler \(g\+\+ on"):
         _engine("gpt2", enable_graph=True)
 
 
