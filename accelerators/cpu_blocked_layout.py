@@ -1,6 +1,7 @@
 """The CPU decode-step graphs' weight layout: one copy of each fp32 linear weight, laid out in
 the column blocks the C++ GEMM template of inductor reads in place (:func:`block_weight`), read by
-the compiled step and the eager forward alike.
+the compiled step and the eager forward alike. bf16/fp16 linear weights take the same layout
+where the native kernel that reads it builds (:func:`half_blocked_linear`).
 
 :func:`block_linear_weights` lays a model's linears out, in place and instance-scoped (a
 :class:`BlockedLinear` forward, a :class:`PlainLayoutInStateDict` hook so ``state_dict`` still
@@ -12,6 +13,8 @@ Used by :class:`~shardwise.accelerators.cpu_graphs.CpuCompileStrategy`.
 
 from __future__ import annotations
 
+import threading
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -21,6 +24,12 @@ from shardwise.ledger import add_hook, record, set_forward
 #: Output columns per block of a weight laid out by :func:`block_weight` (two AVX-512 vectors of
 #: fp32: the C++ GEMM template's own ``block_n``, so its batched GEMM reads the blocks as they are).
 BLOCK_N = 32
+#: 16-bit weight dtypes laid out too (read by the native kernel: :func:`half_blocked_linear`).
+HALF_DTYPES = (torch.bfloat16, torch.float16)
+#: Up to this many rows an eager 16-bit blocked product runs the native kernel (it reads the
+#: weight once per 8 rows), beyond it ATen's GEMM on the reassembled weight: ``python
+#: benchmarks/kernel_half_linear.py`` (benchmarks/README.md, "bf16 decode on the CPU").
+NATIVE_ROWS = 64
 
 
 def block_weight(mat2: torch.Tensor, block: int = BLOCK_N) -> torch.Tensor:
@@ -84,8 +93,8 @@ def blocked_matmul(x: torch.Tensor, blocked: torch.Tensor, n: int) -> torch.Tens
     Compiled, one batched GEMM over the blocks (inductor's C++ template reads ``blocked`` in
     place: the weight is a graph input, not a frozen copy). Eager, the same batched GEMM when
     the row count is at most the block width (the rows repeated per block are then at most
-    the weight's size), else one GEMM on the weight put back together (a transient copy of
-    this one weight: prefill)."""
+    the weight's size), else one GEMM on the weight put back together (:func:`reassembled`:
+    prefill)."""
     *lead, k = x.shape
     rows = x.reshape(-1, k)  # [M, K]
     nb, _, block = blocked.shape
@@ -97,22 +106,72 @@ def blocked_matmul(x: torch.Tensor, blocked: torch.Tensor, n: int) -> torch.Tens
         rows = F.pad(rows, (0, 0, 0, 1))
     if torch.compiler.is_compiling() or m <= block:
         out = torch.bmm(rows.unsqueeze(0).expand(nb, rows.shape[0], k), blocked)  # [Nb, M', b]
-        out = out[:, :m].transpose(0, 1).reshape(m, nb * block)
+        out = out[:, :m].transpose(0, 1).reshape(m, nb * block)[:, :n]
     else:
-        out = rows @ blocked.transpose(0, 1).reshape(k, nb * block)
-    return out[:, :n].reshape(*lead, n)
+        out = rows @ reassembled(blocked, n)
+    return out.reshape(*lead, n)
+
+
+def half_blocked_linear(x: torch.Tensor, blocked: torch.Tensor, bias: torch.Tensor | None,
+                        n: int) -> torch.Tensor:
+    """``x @ mat2 + bias`` for a 16-bit ``blocked = block_weight(mat2)``: x [..., K] → [..., n]
+    in x's dtype, with ``F.linear``'s 16-bit contract (fp32 products and sums, the bias added in
+    fp32, rounded once).
+
+    Up to :data:`NATIVE_ROWS` rows (decode steps), and at any row count inside a compiled step
+    (a mixed serving step's prompt chunk: a reassembled copy there would be a fresh tensor per
+    call), the native kernel (``kernels/cpu/native/half.cpp``) reads the blocks, one row at
+    about the copy bandwidth, where ATen's 16-bit GEMV and small GEMMs read a weight at well
+    under it. More rows eagerly (a prompt), x in another dtype than the weight, or autograd
+    recording (the kernel has no backward): one ATen GEMM on the weight put back together
+    (:func:`reassembled`, as :func:`blocked_matmul` does for fp32)."""
+    from shardwise.kernels.cpu import native
+
+    *lead, k = x.shape
+    rows = x.reshape(-1, k)  # [M, K]
+    grad = torch.is_grad_enabled() and (x.requires_grad or blocked.requires_grad)
+    native_rows = torch.compiler.is_compiling() or rows.shape[0] <= NATIVE_ROWS
+    if native_rows and x.dtype == blocked.dtype and not grad:
+        out = native.cpu_blocked_linear(rows, blocked, bias, n)
+    else:
+        out = F.linear(rows, reassembled(blocked, n).t(), bias)
+    return out.reshape(*lead, n)
+
+
+_scratch = threading.local()
+
+
+def reassembled(blocked: torch.Tensor, n: int) -> torch.Tensor:
+    """The plain ``mat2`` [K, n] of ``blocked = block_weight(mat2)`` for one product: eager, a
+    view of a per-thread buffer that is reused (and grows to the largest weight), since a fresh
+    tensor of a weight's size costs its page faults at every call (~2 GB/s here against ~6 for
+    the copy itself: a 1.7B model's prompt spent ~1.8 s on them); compiled or under autograd,
+    a new tensor. The view is valid until the thread's next call."""
+    nb, k, block = blocked.shape
+    if torch.compiler.is_compiling() or (torch.is_grad_enabled() and blocked.requires_grad):
+        return blocked.transpose(0, 1).reshape(k, nb * block)[:, :n]
+    nbytes = blocked.numel() * blocked.element_size()
+    buf = getattr(_scratch, "buf", None)
+    if buf is None or buf.numel() < nbytes:
+        buf = _scratch.buf = torch.empty(nbytes, dtype=torch.uint8)
+    mat2 = buf[:nbytes].view(blocked.dtype).view(k, nb, block)
+    mat2.copy_(blocked.transpose(0, 1))
+    return mat2.view(k, nb * block)[:, :n]
 
 
 class BlockedLinear:
     """Instance-level ``forward`` of a linear layer (``nn.Linear``, or transformers' ``Conv1D``)
     whose weight Parameter holds :func:`block_weight`'s layout: ``x @ W.T + b`` (``x @ W + b``
-    for ``Conv1D``), read from those blocks by eager and compiled code alike."""
+    for ``Conv1D``), read from those blocks by eager and compiled code alike (fp32:
+    :func:`blocked_matmul`; bf16/fp16: :func:`half_blocked_linear`)."""
 
     def __init__(self, module: nn.Module, out_features: int) -> None:
         self.module, self.out_features = module, out_features
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         module = self.module
+        if module.weight.dtype in HALF_DTYPES:
+            return half_blocked_linear(x, module.weight, module.bias, self.out_features)
         out = blocked_matmul(x, module.weight, self.out_features)
         return out if module.bias is None else out + module.bias
 
@@ -180,12 +239,25 @@ def gemm_like(module: nn.Module) -> bool:
 
 
 def _blockable(module: nn.Module) -> bool:
-    """A plain fp32 linear on the CPU, with no forward of its own (not already patched)."""
+    """A plain fp32 linear on the CPU, with no forward of its own (not already patched), or a
+    bf16/fp16 one where the native kernel that reads 16-bit blocks builds
+    (:func:`native_half_ready`)."""
     if "forward" in module.__dict__ or not (type(module) is nn.Linear or _is_conv1d(module)):
         return False
     w = getattr(module, "weight", None)
-    return (isinstance(w, torch.Tensor) and w.dim() == 2 and w.dtype == torch.float32
-            and w.device.type == "cpu")
+    if not (isinstance(w, torch.Tensor) and w.dim() == 2 and w.device.type == "cpu"):
+        return False
+    return w.dtype == torch.float32 or (w.dtype in HALF_DTYPES and native_half_ready())
+
+
+def native_half_ready() -> bool:
+    """Whether 16-bit weights are laid out in blocks: the native kernel that reads them builds
+    on this machine and the native CPU kernels are not opted out
+    (:mod:`shardwise.kernels.cpu.native`); otherwise they keep their layout and the compiled
+    row product (:mod:`~shardwise.accelerators.cpu_gemv`)."""
+    from shardwise.kernels.cpu import native
+
+    return native.load()
 
 
 def block_linear_weights(linears: list[nn.Module], embedding: nn.Module | None = None) -> int:
@@ -195,7 +267,8 @@ def block_linear_weights(linears: list[nn.Module], embedding: nn.Module | None =
     layout is freed (unless something else holds it), so eager and compiled code read one copy.
     ``embedding``: an ``nn.Embedding`` sharing its weight with one of ``linears`` (a tied output
     head); it gets a :class:`BlockedEmbedding` forward, or, when it cannot, that linear is left
-    as it is. Modules that are not plain fp32 ``nn.Linear``/``Conv1D`` are left as they are.
+    as it is. Modules that are not plain ``nn.Linear``/``Conv1D`` with an fp32 weight (or a
+    16-bit one: :func:`_blockable`) are left as they are.
     Each laid-out module gets a :class:`PlainLayoutInStateDict` hook, so its ``state_dict``
     (and ``save_pretrained``) still holds the usual layout. Returns the number of linears laid
     out.

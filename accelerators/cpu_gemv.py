@@ -1,4 +1,9 @@
-"""The CPU decode-step graphs' one-row product for 16-bit linear weights (bf16, fp16).
+"""The CPU decode-step graphs' one-row product for 16-bit linear weights (bf16, fp16), where the
+native 16-bit kernel is not used (it does not build, or the native CPU kernels are opted out:
+:func:`~shardwise.accelerators.cpu_blocked_layout.native_half_ready`). Where it builds, 16-bit
+weights are laid out in column blocks instead and read by that kernel, which streams them
+faster still, the long rows of down projections above all (``python
+benchmarks/kernel_half_linear.py``).
 
 At batch 1 a decode step's linears are matrix-vector products bound by reading the weights. The
 ways torch reads a bf16 weight for one row are slow on the CPUs measured: eager ``F.linear``

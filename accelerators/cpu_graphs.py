@@ -85,9 +85,13 @@ class CpuCompileStrategy(GraphStrategy):
       step and by the eager prompt forward alike; with nothing frozen, inductor's FX-graph cache
       (kept per user: :func:`inductor_cache_folder`) serves the next start of the same model.
       Products the template cannot take (quantized linears, weights not laid out) use ATen's
-      GEMMs (inductor then benchmarks both per shape at capture); bf16/fp16 linears keep their
-      layout and, at one row, are row products inductor streams near the copy bandwidth
-      (:mod:`~shardwise.accelerators.cpu_gemv`), from two rows on ATen's GEMMs.
+      GEMMs (inductor then benchmarks both per shape at capture). bf16/fp16 linear weights
+      take the same blocks, read by the native 16-bit kernel up to
+      :data:`~shardwise.accelerators.cpu_blocked_layout.NATIVE_ROWS` rows (at about the copy
+      bandwidth for one row:
+      :func:`~shardwise.accelerators.cpu_blocked_layout.half_blocked_linear`), by ATen's GEMMs on the reassembled weight beyond; where the native kernels do not build
+      (or are opted out) they keep their layout and, at one row, are row products inductor
+      streams (:mod:`~shardwise.accelerators.cpu_gemv`), from two rows on ATen's GEMMs.
       A step a little slower than the frozen one, far faster than HF's, for about half the
       frozen mode's peak memory (about that of injection without graphs). The prompt's forward
       reassembles each weight transiently (one at a time), so prefill is somewhat slower than
@@ -204,16 +208,22 @@ class CpuCompileStrategy(GraphStrategy):
     def share_weights(self, linears: list, embedding=None) -> int:
         """Unfrozen ``linear="cpp"`` (the default): lay the fp32 linear weights out in blocks
         for the C++ GEMM template (:func:`block_linear_weights`), so the compiled step reads the
-        model's own parameters; bf16/fp16 linears keep their layout and get a forward whose
-        one-row product the compiled step streams at about the copy bandwidth
-        (:func:`~shardwise.accelerators.cpu_gemv.use_row_products`: ATen's and the template's
-        bf16 GEMVs read far slower, which made bf16 slower than fp32). A frozen strategy keeps its own prepacked copies instead (the
+        model's own parameters; bf16/fp16 linear weights take the same blocks, read by the
+        native kernel (:func:`~shardwise.accelerators.cpu_blocked_layout.half_blocked_linear`)
+        where it builds, and otherwise keep their layout with a forward whose one-row product
+        the compiled step streams (:func:`~shardwise.accelerators.cpu_gemv.use_row_products`:
+        ATen's and the template's bf16 GEMVs read far slower, which made bf16 slower than fp32).
+        A frozen strategy keeps its own prepacked copies instead (the
         parameters stay as they are: the prompt's eager forward reads them)."""
         if self.freezing or self.linear != "cpp":
             return 0
         blocked = block_linear_weights(linears, embedding)
         gemms = sum(1 for m in linears if gemm_like(m))
-        if blocked < gemms:  # e.g. quantized or bf16 linears: ATen's GEMMs are needed too
+        half = any(isinstance(getattr(m, "weight", None), torch.Tensor)
+                   and m.weight.dim() == 3 and m.weight.dtype != torch.float32 for m in linears)
+        # quantized or plain-layout 16-bit linears, or 16-bit blocks past the native kernel's
+        # rows (a prompt chunk in a mixed step): ATen's GEMMs are needed too
+        if blocked < gemms or half:
             self._aten_gemms()
         return blocked + use_row_products(linears)
 

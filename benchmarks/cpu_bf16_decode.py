@@ -8,13 +8,16 @@ Variants (each its own copy of the same fixed-seed preset weights):
 
 * ``hf-bf16`` / ``hf-fp32``: the plain Hugging Face model (eager), in that dtype;
 * ``sw-fp32``: shardwise, kernel injection + graphs (the CPU's compiled decode step), fp32;
-* ``sw-bf16``: the same in bf16 (one-row linears as :mod:`shardwise.accelerators.cpu_gemv`'s
+* ``sw-bf16``: the same in bf16 (the linear weights in column blocks read by the native 16-bit
+  kernel, ``kernels/cpu/native/half.cpp``, where it builds);
+* ``sw-bf16-rowproduct``: bf16 as before that kernel (native CPU kernels opted out: the weights
+  keep their layout and one-row linears are :mod:`shardwise.accelerators.cpu_gemv`'s compiled
   row product);
-* ``sw-bf16-aten``: bf16 as before that change (the compiled step's bf16 linears on ATen's
-  GEMMs): the "before" of the same run;
-* ``sw-bf16-onepiece``: ``sw-bf16`` with every row product summed in one piece, as before long
-  rows (more than ``cpu_gemv.LONG_ROW`` input features: e.g. a down projection of 5632 or 8192)
-  were summed in chunks.
+* ``sw-bf16-aten``: bf16 as before the row product (the compiled step's bf16 linears on ATen's
+  GEMMs);
+* ``sw-bf16-onepiece``: ``sw-bf16-rowproduct`` with every row product summed in one piece, as
+  before long rows (more than ``cpu_gemv.LONG_ROW`` input features: e.g. a down projection of
+  5632 or 8192) were summed in chunks.
 
 Per-token decode time: ``(t(generate N new) - t(generate 1 new)) / (N - 1)`` for the same
 prompt, greedy, batch 1 — prefill and the first token cancel out. Each round runs every variant
@@ -29,6 +32,7 @@ import argparse
 import contextlib
 import copy
 import json
+import os
 import platform
 import statistics
 import sys
@@ -41,7 +45,25 @@ import shardwise
 from shardwise.accelerators import cpu_gemv, cpu_graphs
 from shardwise.bench.presets import build_preset
 
-VARIANTS = ("hf-bf16", "hf-fp32", "sw-fp32", "sw-bf16", "sw-bf16-aten", "sw-bf16-onepiece")
+VARIANTS = ("hf-bf16", "hf-fp32", "sw-fp32", "sw-bf16", "sw-bf16-rowproduct", "sw-bf16-aten",
+            "sw-bf16-onepiece")
+
+
+@contextlib.contextmanager
+def _without_native_kernels():
+    """Build an engine with the native CPU kernels opted out (16-bit weights keep their
+    layout)."""
+    from shardwise.kernels.cpu import native
+
+    before = os.environ.get(native.ENV)
+    os.environ[native.ENV] = "torch"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ[native.ENV]
+        else:
+            os.environ[native.ENV] = before
 
 
 @contextlib.contextmanager
@@ -50,7 +72,8 @@ def _without_row_products():
     real = cpu_graphs.use_row_products
     cpu_graphs.use_row_products = lambda linears: 0
     try:
-        yield
+        with _without_native_kernels():
+            yield
     finally:
         cpu_graphs.use_row_products = real
 
@@ -61,13 +84,15 @@ def _rows_in_one_piece():
     real = cpu_gemv.LONG_ROW
     cpu_gemv.LONG_ROW = 1 << 62
     try:
-        yield
+        with _without_native_kernels():
+            yield
     finally:
         cpu_gemv.LONG_ROW = real
 
 
 #: the variants built and first run (their step traced) inside a changed scope
-SCOPES = {"sw-bf16-aten": _without_row_products, "sw-bf16-onepiece": _rows_in_one_piece}
+SCOPES = {"sw-bf16-rowproduct": _without_native_kernels, "sw-bf16-aten": _without_row_products,
+          "sw-bf16-onepiece": _rows_in_one_piece}
 
 
 def build(variant: str, base: torch.nn.Module, ids: torch.Tensor, new: int):

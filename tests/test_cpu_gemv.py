@@ -3,7 +3,9 @@
 Numerics: the bf16 contract — exact products, fp32 sums, one rounding to bf16 — so the result
 is within one bf16 rounding of the fp32 product of the same bf16 values, eagerly and compiled.
 The engine test checks that a bf16 model with graphs routes its linears (the output head too)
-through it and decodes as the eager bf16 engine does (teacher-forced, near-ties aside).
+through it where the native CPU kernels are opted out (through the native 16-bit blocked
+kernel otherwise: tests/test_cpu_native_half.py) and decodes as the eager bf16 engine does
+(teacher-forced, near-ties aside).
 """
 
 from __future__ import annotations
@@ -123,13 +125,22 @@ def test_only_plain_16bit_linears_are_changed_and_undo_restores_them():
     assert "forward" not in vars(bf16)
 
 
-def test_bf16_engine_with_graphs_uses_row_products_and_decodes_as_eager():
+@pytest.mark.parametrize("kernels", ["native", "torch"])
+def test_bf16_engine_with_graphs_decodes_as_eager(kernels, monkeypatch):
     """The compiled bf16 step against the eager bf16 engine, both fed the eager engine's greedy
     tokens one decode step at a time (teacher forcing through the captured step): logits within
     two bf16 roundings of the largest, and the same next token wherever eager's top two are
     further apart than that. Free-running tokens alone would hang on near-ties: this tiny random
     model's top two logits are one bf16 ulp apart at some steps, where either engine's rounding
-    may pick either token."""
+    may pick either token. With the native kernels (the default where they build) every linear
+    weight, the output head's too, is laid out in column blocks read by the native 16-bit
+    kernel; opted out, the linears keep their layout and get the compiled row product."""
+    from shardwise.accelerators import cpu_blocked_layout as layout
+    from shardwise.kernels.cpu import native
+
+    if kernels == "native" and not native.load():
+        pytest.skip("the native CPU kernels do not build on this machine")
+    monkeypatch.setenv(native.ENV, kernels)
     ids = prompt_ids(batch=1, length=8)
 
     def engine(**kwargs):
@@ -138,11 +149,14 @@ def test_bf16_engine_with_graphs_uses_row_products_and_decodes_as_eager():
                                         **kwargs)
     eager, compiled = engine(), engine(enable_graph=True)
     model = compiled.module
-    routed = [n for n, m in model.named_modules()
-              if isinstance(vars(m).get("forward"), RowProductLinear)]
+    want = layout.BlockedLinear if kernels == "native" else RowProductLinear
+    routed = [n for n, m in model.named_modules() if isinstance(vars(m).get("forward"), want)]
     linears = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
     assert routed and len(routed) == len(linears) - 1  # all but the head, wrapped by the graphs
-    assert isinstance(model.get_output_embeddings().forward.original, RowProductLinear)
+    assert isinstance(model.get_output_embeddings().forward.original, want)
+    if kernels == "native":  # the model's own bf16 weights, in blocks (no second copy)
+        assert all(m.weight.dim() == 3 and m.weight.dtype == torch.bfloat16
+                   for m in model.modules() if isinstance(m, nn.Linear))
     tokens = eager.generate(ids, **GREEDY).sequences  # [1, 8 + NEW]
     la = forced_decode_logits(eager.module, tokens, ids.shape[1])  # [1, NEW + 1, vocab]
     lb = forced_decode_logits(model, tokens, ids.shape[1])

@@ -386,13 +386,13 @@ def test_block_linear_weights_keeps_forward_and_tied_embedding():
     head = torch.nn.Linear(16, 70, bias=False)
     head.weight = embed.weight  # tied
     conv = Conv1D(24, 16)
-    bf16 = torch.nn.Linear(16, 8).to(torch.bfloat16)
+    f64 = torch.nn.Linear(16, 8).double()
     x, ids = torch.randn(3, 16), torch.tensor([[0, 33, 69]])
-    want = (head(x), embed(ids), conv(x), bf16(x.bfloat16()))
-    assert layout.block_linear_weights([head, conv, bf16], embed) == 2
+    want = (head(x), embed(ids), conv(x), f64(x.double()))
+    assert layout.block_linear_weights([head, conv, f64], embed) == 2
     assert head.weight is embed.weight and head.weight.shape == (3, 16, layout.BLOCK_N)
-    assert "forward" not in bf16.__dict__  # not fp32: left as it is
-    got = (head(x), embed(ids), conv(x), bf16(x.bfloat16()))
+    assert "forward" not in f64.__dict__  # neither fp32 nor 16-bit: left as it is
+    got = (head(x), embed(ids), conv(x), f64(x.double()))
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
 
@@ -417,21 +417,21 @@ def test_block_linear_weights_keeps_the_usual_layout_in_state_dict():
 
 
 def _blockable_model() -> torch.nn.ModuleDict:
-    """A head tied to an embedding, a Conv1D, a linear with bias and a bf16 one (left as it is)."""
+    """A head tied to an embedding, a Conv1D, a linear with bias and a float64 one (left as it is)."""
     from transformers.pytorch_utils import Conv1D
 
     torch.manual_seed(0)
     model = torch.nn.ModuleDict({"embed": torch.nn.Embedding(70, 16),
                                  "head": torch.nn.Linear(16, 70, bias=False),
                                  "conv": Conv1D(24, 16), "proj": torch.nn.Linear(16, 40),
-                                 "bf16": torch.nn.Linear(16, 8).to(torch.bfloat16)})
+                                 "f64": torch.nn.Linear(16, 8).double()})
     model["head"].weight = model["embed"].weight
     return model
 
 
 def _outputs(model, x: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return (model["head"](x), model["embed"](ids), model["conv"](x), model["proj"](x),
-            model["bf16"](x.bfloat16()))
+            model["f64"](x.double()))
 
 
 def _patches(model) -> dict[str, tuple]:
@@ -454,7 +454,7 @@ def _assert_given_back(model, patches, weights, outputs, x, ids, scale: float = 
         p, *_ = now[name]
         assert p is param, name  # the same Parameter objects: optimizers, ties keep working
         assert (p.shape, p.stride(), p.is_contiguous()) == (shape, stride, contiguous), name
-        want = values * scale if name != "bf16.weight" and name.endswith("weight") else values
+        want = values * scale if name != "f64.weight" and name.endswith("weight") else values
         assert torch.equal(p.detach(), want), name
     assert model["head"].weight is model["embed"].weight  # the tie holds
     if scale == 1.0:
@@ -471,7 +471,7 @@ def _blocked_in_a_ledger(model):
     ledger = Ledger(model)
     with ledger.recording():
         assert layout.block_linear_weights(
-            [model["head"], model["conv"], model["proj"], model["bf16"]], model["embed"]) == 3
+            [model["head"], model["conv"], model["proj"], model["f64"]], model["embed"]) == 3
     assert model["proj"].weight.shape == (2, 16, layout.BLOCK_N)
     assert isinstance(vars(model["embed"])["forward"], layout.BlockedEmbedding)
     assert ledger.drop_replaced() > 0  # the plain weights: let go of, not kept for the undo

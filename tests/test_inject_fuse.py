@@ -290,7 +290,9 @@ def test_a_graph_forward_faster_unfused_gets_the_parts(monkeypatch):
     measured faster per part in the compiled step) puts that layer back on its parts before
     capture: the captured step calls the parts, with the tokens of the unfused engine."""
     from shardwise.accelerators import cpu_gemv
+    from shardwise.kernels.cpu import native
 
+    monkeypatch.setenv(native.ENV, "torch")  # 16-bit weights keep their layout: row products
     model, engine = _engine("llama", True, monkeypatch, dtype=torch.bfloat16, enable_graph=True)
     stack = injected_stack(model)
     assert fusion_report(stack) == {"q|k|v": 0, "gate|up": 0}
@@ -302,6 +304,28 @@ def test_a_graph_forward_faster_unfused_gets_the_parts(monkeypatch):
     assert torch.equal(engine.generate(ids, **GEN), ref.generate(ids, **GEN))
     engine.close()
     assert all(p.dtype == torch.float32 for p in model.parameters())
+
+
+def test_bf16_graphs_on_the_native_kernel_keep_the_projections_fused(monkeypatch):
+    """Where the native 16-bit kernel builds, a bf16 engine with graphs lays the fused q|k|v and
+    gate|up weights out in blocks and keeps them fused (one wider product per group), with the
+    tokens of the unfused eager engine."""
+    from shardwise.accelerators import cpu_blocked_layout as layout
+    from shardwise.kernels.cpu import native
+
+    if not native.load():
+        pytest.skip("the native CPU kernels do not build on this machine")
+    model, engine = _engine("llama", True, monkeypatch, dtype=torch.bfloat16, enable_graph=True)
+    stack = injected_stack(model)
+    layers = model.config.num_hidden_layers
+    assert fusion_report(stack) == {"q|k|v": layers, "gate|up": layers}
+    attn = model.model.layers[0].self_attn
+    fused = [m for m in attn.modules() if isinstance(vars(m).get("forward"), layout.BlockedLinear)
+             and m.weight.dtype == torch.bfloat16]
+    assert fused and all(m.weight.dim() == 3 for m in fused)
+    ref_model, ref = _engine("llama", False, monkeypatch, dtype=torch.bfloat16)
+    ids = prompt_ids(batch=1, length=8, vocab=model.config.vocab_size)
+    assert torch.equal(engine.generate(ids, **GEN), ref.generate(ids, **GEN))
 
 
 def test_offload_keeps_the_unfused_projections(tmp_path, monkeypatch):

@@ -1,10 +1,11 @@
 """The CPU backend's native (C++) kernels, built at first use and cached per user.
 
-:func:`load` builds ``quant.cpp`` and ``attention.cpp`` (shipped in this package) with
-``torch.utils.cpp_extension`` into torch's per-user extensions cache (``$TORCH_EXTENSIONS_DIR``,
-default ``~/.cache/torch_extensions``; a later process reuses the build, a changed source or torch
-rebuilds it) and returns whether the ops ``torch.ops.shardwise_native.cpu_qlinear`` and
-``cpu_attention_decode`` are usable.
+:func:`load` builds ``quant.cpp``, ``attention.cpp`` and ``half.cpp`` (shipped in this package)
+with ``torch.utils.cpp_extension`` into torch's per-user extensions cache
+(``$TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``; a later process reuses the
+build, a changed source or torch rebuilds it) and returns whether the ops
+``torch.ops.shardwise_native.cpu_qlinear``, ``cpu_blocked_linear`` and ``cpu_attention_decode``
+are usable.
 The kernels split their work with ATen's ``parallel_for`` over torch's intra-op threads
 (``torch.set_num_threads``), the library built with OpenMP against the runtime torch loaded.
 It is compiled with explicit AVX512 flags (never ``-march=native``: the cache may outlive the CPU),
@@ -14,7 +15,8 @@ below) makes :func:`load` return False after one logged line, and the callers ke
 packed kernels and the Python decode-attention op.
 
 Opt-out: ``SHARDWISE_CPU_QUANT_KERNEL=torch`` (``native``, the default, builds and uses it) for
-the quantized linears; the decode attention uses the native op wherever it builds.
+the quantized linears and the 16-bit linears of CPU graphs (which then keep their plain layout
+and the compiled row product); the decode attention uses the native op wherever it builds.
 Any other value is a :class:`~shardwise.errors.ConfigError`.
 
 The op's fake (meta) implementation is registered here, so the op runs inside the
@@ -46,9 +48,13 @@ CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mfma
 #: (Without -fopenmp ATen's parallel_for compiles to a serial loop: before 2026-11-27 every
 #: native kernel ran on one thread whatever torch.set_num_threads said.)
 LDFLAGS = ["-fopenmp"]
-SOURCES = (Path(__file__).with_name("quant.cpp"), Path(__file__).with_name("attention.cpp"))
+SOURCES = tuple(Path(__file__).with_name(f) for f in ("quant.cpp", "attention.cpp", "half.cpp"))
 #: Extension (and cache folder) name; bump when an op's schema changes or an op is added.
-NAME = "shardwise_cpu_native_v3"
+NAME = "shardwise_cpu_native_v4"
+
+#: What runs instead when the extension is not usable (the log line says it).
+FALLBACK = ("int8/int4 use torch's packed kernels, 16-bit linears of CPU graphs the compiled row "
+            "product")
 
 _lock = threading.Lock()
 _state: dict[str, bool] = {}
@@ -92,6 +98,10 @@ def _register_fake() -> None:
     def _(x, qweight, scales, zeros, bias, bits, group, ablock, n):
         return x.new_empty((x.shape[0], n))  # [M, N] in x.dtype, as the C++ op returns
 
+    @torch.library.register_fake("shardwise_native::cpu_blocked_linear")
+    def _(x, blocked, bias, n):
+        return x.new_empty((x.shape[0], n))  # [M, N] in x.dtype
+
     @torch.library.register_fake("shardwise_native::cpu_attention_decode")
     def _(q, k_cache, v_cache, lengths, starts, alibi_slopes, scale, window, sinks):
         return q.new_empty(q.shape)  # contiguous [batch, q_heads, 1, d], as the C++ op returns
@@ -116,15 +126,15 @@ def load(respect_choice: bool = True) -> bool:
 def _try_build() -> bool:
     missing = missing_cpu_flags()
     if missing:
-        log.warning("shardwise: CPU native kernels off: int8/int4 use torch's packed kernels (this CPU "
-                    "lacks %s for the native kernel)", ", ".join(missing))
+        log.warning("shardwise: CPU native kernels off: %s (this CPU lacks %s for the native "
+                    "kernels)", FALLBACK, ", ".join(missing))
         return False
     try:
         _build()
     except Exception as exc:  # no compiler, failed build or load: keep torch's kernels
         first = (str(exc).strip().splitlines() or [""])[0][:200]
-        log.warning("shardwise: CPU native kernels off: int8/int4 use torch's packed kernels (building the "
-                    "native kernel failed: %s: %s; set %s=torch to skip the attempt)",
+        log.warning("shardwise: CPU native kernels off: %s (building the native kernels failed: "
+                    "%s: %s; set %s=torch to skip the attempt)", FALLBACK,
                     type(exc).__name__, first, ENV)
         return False
     return True
@@ -137,6 +147,14 @@ def cpu_qlinear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     call only after :func:`load` returned True."""
     return torch.ops.shardwise_native.cpu_qlinear(x, qweight, scales, zeros, bias, bits, group,
                                                   ablock, n)
+
+
+def cpu_blocked_linear(x: torch.Tensor, blocked: torch.Tensor, bias: torch.Tensor | None,
+                       n: int) -> torch.Tensor:
+    """``torch.ops.shardwise_native.cpu_blocked_linear``: x [M, K] (bf16 / fp16) times the
+    16-bit weight laid out in column blocks [Nb, K, 32] (``half.cpp``'s header), plus ``bias``
+    [n], → [M, n] in x's dtype; call only after :func:`load` returned True."""
+    return torch.ops.shardwise_native.cpu_blocked_linear(x, blocked, bias, n)
 
 
 def key_text() -> str:

@@ -1,0 +1,92 @@
+"""The CPU's 16-bit linear products per row count: the native blocked kernel
+(``kernels/cpu/native/half.cpp``, weights in column blocks) against the compiled row product
+(``accelerators/cpu_gemv.py``, one row, the plain layout) and ATen's ``F.linear`` on the plain
+weight — what ``cpu_blocked_layout.NATIVE_ROWS`` rests on.
+
+    python benchmarks/kernel_half_linear.py                    # a 1.7B Llama layer's shapes
+    python benchmarks/kernel_half_linear.py --rows 1 8 --dtype fp16
+
+Per row count, one call of each variant over a whole decoder layer's worth of weights
+(``--shapes`` N×K, each repeated ``--layers`` times so a call reads from memory, not the
+caches), interleaved (``timing.median_us``). Prints GB/s of weight bytes read (against a copy
+probe of the same bytes, counted as ``shardwise bench`` counts it: read + written) and
+GFLOP/s; ``aten (reassembled)`` (from 8 rows) is the blocked weight's path past
+``cpu_blocked_layout.NATIVE_ROWS``: the plain weight put back together, then ATen.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import torch.nn.functional as F
+from timing import median_us
+
+from shardwise.accelerators.cpu_blocked_layout import block_weight, reassembled
+from shardwise.accelerators.cpu_gemv import row_product
+from shardwise.kernels.cpu import native
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def copy_probe_gbps(nbytes: int, repeats: int) -> float:
+    """Bytes read per second by ``dst.copy_(src)`` of ``nbytes`` (the bench's probe: the copy
+    reads ``nbytes`` and writes as many; counted as 2 × nbytes moved)."""
+    src = torch.ones(nbytes // 4)
+    dst = torch.empty_like(src)
+    (us,) = median_us([lambda: dst.copy_(src)], repeats)
+    return 2 * nbytes / us / 1e3
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shapes", nargs="+", default=["2048x2048", "2048x2048", "2048x2048",
+                                                     "2048x2048", "8192x2048", "8192x2048",
+                                                     "2048x8192"],
+                    help="N×K of each weight of one layer (default: a 1.7B Llama's q k v o "
+                         "gate up down)")
+    ap.add_argument("--layers", type=int, default=6, help="copies of the layer's weights")
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
+    ap.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--threads", type=int, default=None)
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if not native.load():
+        raise SystemExit("the native CPU kernels do not build here (or are opted out)")
+    dtype = DTYPES[args.dtype]
+    g = torch.Generator().manual_seed(0)
+    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes] * args.layers
+    plain = [(torch.randn(n, k, generator=g) * 0.02).to(dtype) for n, k in shapes]
+    blocked = [block_weight(w.t()) for w in plain]
+    nbytes = sum(w.numel() * w.element_size() for w in plain)
+    flop_per_row = sum(2 * w.numel() for w in plain)
+    probe = copy_probe_gbps(nbytes, args.repeats)
+    print(f"threads {torch.get_num_threads()}, {args.dtype}, {len(plain)} weights, "
+          f"{nbytes / 2**20:.0f} MiB per call, copy probe {probe:.1f} GB/s, median of "
+          f"{args.repeats} interleaved calls")
+    rowprod = torch.compile(row_product, dynamic=False)
+    for rows in args.rows:
+        xs = [torch.randn(rows, k, generator=g).to(dtype) for _, k in shapes]
+        calls = {
+            "native blocked": lambda: [native.cpu_blocked_linear(x, b, None, w.shape[0])
+                                       for x, b, w in zip(xs, blocked, plain)],
+            "aten (plain)": lambda: [F.linear(x, w) for x, w in zip(xs, plain)],
+        }
+        if rows >= 8:  # what half_blocked_linear does past NATIVE_ROWS
+            calls["aten (reassembled)"] = lambda: [F.linear(x, reassembled(b, w.shape[0]).t())
+                                                   for x, b, w in zip(xs, blocked, plain)]
+        if rows == 1:
+            calls["row product (compiled)"] = lambda: [rowprod(x, w) for x, w in zip(xs, plain)]
+        with torch.inference_mode():
+            times = median_us(list(calls.values()), args.repeats)
+        line = ", ".join(f"{name} {nbytes / us / 1e3:.1f} GB/s "
+                         f"({100 * nbytes / us / 1e3 / probe:.0f}%) "
+                         f"{rows * flop_per_row / us / 1e3:.0f} GFLOP/s"
+                         for name, us in zip(calls, times))
+        print(f"rows {rows}: {line}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,147 @@
+"""The CPU backend's native 16-bit blocked linear (``kernels/cpu/native/half.cpp``) against its
+oracle (``shardwise.kernels.reference.linear.blocked_linear``) and the exact product: bf16 and
+fp16, row counts around its 8/4/2/1 chunks, widths that leave a part block, a bias in either
+dtype; its checks for bad input; inside ``torch.compile``; and the layout it reads
+(``cpu_blocked_layout``): a 16-bit linear laid out in blocks computes what it did, from one row
+up to a prompt, gives its usual layout back in ``state_dict`` and on undo, and is left as it is
+when the native kernels are opted out. Skipped with the reason where the extension does not
+build."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shardwise.accelerators import cpu_blocked_layout as layout
+from shardwise.kernels.cpu import native
+from shardwise.kernels.reference.linear import blocked_linear as reference
+from shardwise.ledger import Ledger
+
+pytestmark = pytest.mark.skipif(not native.load(respect_choice=False),
+                                reason="the native CPU extension does not build here (AVX512-VNNI "
+                                       "CPU and a C++ compiler needed)")
+
+DTYPES = [torch.bfloat16, torch.float16]
+
+
+def _within_one_rounding(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor,
+                         bias: torch.Tensor | None) -> None:
+    """``got`` [M, N] is the exact ``x @ w.T + bias`` (float64) up to the fp32 sum's own error
+    (at most K · 2^-24 · Σ|x w| per output) plus one rounding to got's dtype (half an ulp:
+    ≤ eps/2 of the value)."""
+    exact = x.double() @ w.double().t() + (0 if bias is None else bias.double())
+    k = x.shape[-1]
+    bound = (x.double().abs() @ w.double().abs().t()) * k * 2.0 ** -24 \
+        + exact.abs() * torch.finfo(got.dtype).eps / 2 * 1.001
+    assert ((got.double() - exact).abs() <= bound + 1e-12).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n,k", [(70, 33), (64, 128), (576, 200), (5, 8)])
+@pytest.mark.parametrize("bias", ["none", "same", "fp32"])
+def test_native_blocked_linear_is_the_fp32_sum_rounded_once(dtype, n, k, bias):
+    g = torch.Generator().manual_seed(n * k)
+    w = torch.randn(n, k, generator=g).to(dtype)
+    b = {"none": None, "same": torch.randn(n, generator=g).to(dtype),
+         "fp32": torch.randn(n, generator=g)}[bias]
+    blocked = layout.block_weight(w.t())  # [Nb, K, 32]
+    for rows in (1, 2, 3, 5, 8, 13, 40):  # every chunk size and their remainders
+        x = torch.randn(rows, k, generator=g).to(dtype)
+        got = native.cpu_blocked_linear(x, blocked, b, n)
+        assert got.shape == (rows, n) and got.dtype == dtype
+        _within_one_rounding(got, x, w, b)
+        want = reference(x, blocked, b, n)  # the oracle: same contract, another sum order
+        assert (got.float() - want.float()).abs().max() <= want.float().abs().max() * 2 ** -6
+
+
+def test_native_blocked_linear_keeps_nan_and_inf_and_takes_no_rows():
+    w = torch.ones(40, 16, dtype=torch.bfloat16)
+    blocked = layout.block_weight(w.t())
+    x = torch.ones(2, 16, dtype=torch.bfloat16)
+    x[0, 3], x[1, 5] = float("nan"), float("inf")
+    got = native.cpu_blocked_linear(x, blocked, None, 40)
+    assert got[0].isnan().all() and got[1].isinf().all() and (got[1] > 0).all()
+    empty = native.cpu_blocked_linear(x[:0], blocked, None, 40)
+    assert empty.shape == (0, 40)
+
+
+def test_native_blocked_linear_refuses_what_does_not_fit():
+    w = torch.randn(40, 16).bfloat16()
+    blocked = layout.block_weight(w.t())  # [2, 16, 32]
+    x = torch.randn(2, 16).bfloat16()
+    cases = [
+        (x.float(), blocked, None, 40, "bfloat16 or float16"),
+        (x.half(), blocked, None, 40, "in x's dtype"),
+        (torch.randn(2, 8).bfloat16(), blocked, None, 40, "x has 8 features"),
+        (x, blocked, None, 80, "80 outputs do not fit 2 blocks"),
+        (x, blocked[:, :, :16].contiguous(), None, 40, r"\[Nb, K, 32\]"),
+        (x, blocked, torch.randn(7).bfloat16(), 40, "bias must have 40"),
+    ]
+    for args in cases:
+        with pytest.raises(RuntimeError, match=args[-1]):
+            native.cpu_blocked_linear(*args[:-1])
+
+
+def test_native_blocked_linear_runs_inside_torch_compile():
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(96, 64, generator=g).bfloat16()
+    blocked = layout.block_weight(w.t())
+    b = torch.randn(96, generator=g).bfloat16()
+    x = torch.randn(1, 64, generator=g).bfloat16()
+
+    def step(x, blocked, b):
+        return torch.relu(native.cpu_blocked_linear(x * 2, blocked, b, 96)) + 1
+
+    got = torch.compile(step, fullgraph=True, dynamic=False)(x, blocked, b)
+    assert torch.equal(got, step(x, blocked, b))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("conv1d", [False, True], ids=["linear", "conv1d"])
+def test_a_16bit_linear_laid_out_in_blocks_computes_what_it_did(dtype, conv1d, monkeypatch):
+    """One row to a prompt (past :data:`NATIVE_ROWS`: the reassembled weight's GEMM), eager;
+    one row compiled; the plain layout given back by ``state_dict`` and by the ledger's undo,
+    bit for bit."""
+    from transformers.pytorch_utils import Conv1D
+
+    torch.manual_seed(0)
+    module = (Conv1D(72, 48) if conv1d else nn.Linear(48, 72)).to(dtype)
+    plain = {k: v.clone() for k, v in module.state_dict().items()}
+    w = plain["weight"].t() if conv1d else plain["weight"]  # [N, K]
+    ledger = Ledger(module)
+    with ledger.recording():
+        assert layout.block_linear_weights([module]) == 1
+    assert module.weight.shape == (3, 48, layout.BLOCK_N) and module.weight.dtype == dtype
+    calls, kernel = [], native.cpu_blocked_linear
+    monkeypatch.setattr(native, "cpu_blocked_linear",
+                        lambda x, *rest: calls.append(x.shape[0]) or kernel(x, *rest))
+    for rows in (1, 5, layout.NATIVE_ROWS, layout.NATIVE_ROWS + 8):
+        x = torch.randn(1, rows, 48).to(dtype)
+        with torch.no_grad():  # as an engine runs: the native kernel up to NATIVE_ROWS
+            got = module(x)
+        assert got.shape == (1, rows, 72) and got.dtype == dtype
+        _within_one_rounding(got.reshape(-1, 72), x.reshape(-1, 48), w, plain["bias"])
+        if rows == 1:  # autograd recording: the reassembled weight's GEMM, differentiable
+            with_grad = module(x)
+            assert with_grad.requires_grad
+            _within_one_rounding(with_grad.detach().reshape(-1, 72), x.reshape(-1, 48), w,
+                                 plain["bias"])
+    assert calls == [1, 5, layout.NATIVE_ROWS]  # not past NATIVE_ROWS, not under autograd
+    x = torch.randn(1, 1, 48).to(dtype)
+    compiled = torch.compile(lambda t: module(t), fullgraph=True, dynamic=False)
+    with torch.no_grad():
+        assert torch.equal(compiled(x), module(x))
+    assert all(torch.equal(v, plain[k]) for k, v in module.state_dict().items())
+    ledger.give_back()
+    assert "forward" not in vars(module)
+    assert torch.equal(module.weight, plain["weight"]) and module.weight.is_contiguous()
+
+
+def test_16bit_linears_keep_their_layout_when_the_native_kernels_are_opted_out(monkeypatch):
+    monkeypatch.setenv(native.ENV, "torch")
+    fp32, bf16 = nn.Linear(16, 8), nn.Linear(16, 8).bfloat16()
+    assert layout.block_linear_weights([fp32, bf16]) == 1
+    assert fp32.weight.dim() == 3 and bf16.weight.shape == (8, 16)
+    assert "forward" not in vars(bf16)
