@@ -750,6 +750,8 @@ def main(argv: list[str] | None = None) -> int:
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "machine": machine, "versions": versions(),
         "settings": {k: v for k, v in vars(args).items()},
+        # e.g. SHARDWISE_CPU_QUANT_KERNEL=torch (native kernels off): part of what was measured
+        "environment": {k: v for k, v in os.environ.items() if k.startswith("SHARDWISE_")},
         "ggufs": {k: {"path": str(p), "bytes": p.stat().st_size,
                       "tensor_types": gguf_tensor_types(p)} for k, p in ggufs.items()},
         "pool_check": report_pool, "quality_reference": "HF fp32 model, teacher-forced",
