@@ -26,9 +26,10 @@ from shardwise.ledger import add_hook, record, set_forward
 BLOCK_N = 32
 #: 16-bit weight dtypes laid out too (read by the native kernel: :func:`half_blocked_linear`).
 HALF_DTYPES = (torch.bfloat16, torch.float16)
-#: Up to this many rows an eager 16-bit blocked product runs the native kernel (it reads the
-#: weight once per 8 rows), beyond it ATen's GEMM on the reassembled weight: ``python
-#: benchmarks/kernel_half_linear.py`` (benchmarks/README.md, "bf16 decode on the CPU").
+#: Up to this many rows the native 16-bit op runs its own loops (reading the weight once per 8
+#: rows), beyond it ATen's GEMM on the reassembled weight (``half.cpp``'s constant of the same
+#: name, which decides; ``python benchmarks/kernel_half_linear.py``, benchmarks/README.md,
+#: "bf16 decode on the CPU").
 NATIVE_ROWS = 64
 
 
@@ -118,20 +119,19 @@ def half_blocked_linear(x: torch.Tensor, blocked: torch.Tensor, bias: torch.Tens
     in x's dtype, with ``F.linear``'s 16-bit contract (fp32 products and sums, the bias added in
     fp32, rounded once).
 
-    Up to :data:`NATIVE_ROWS` rows (decode steps), and at any row count inside a compiled step
-    (a mixed serving step's prompt chunk: a reassembled copy there would be a fresh tensor per
-    call), the native kernel (``kernels/cpu/native/half.cpp``) reads the blocks, one row at
-    about the copy bandwidth, where ATen's 16-bit GEMV and small GEMMs read a weight at well
-    under it. More rows eagerly (a prompt), x in another dtype than the weight, or autograd
-    recording (the kernel has no backward): one ATen GEMM on the weight put back together
-    (:func:`reassembled`, as :func:`blocked_matmul` does for fp32)."""
+    The native op (``kernels/cpu/native/half.cpp``), eager and compiled alike: up to
+    :data:`NATIVE_ROWS` rows (decode steps) its own loops read the blocks, one row at about
+    the copy bandwidth, where ATen's 16-bit GEMV and small GEMMs read a weight at well under
+    it; more rows (a prompt, a serving step's prompt chunk) run ATen's GEMM on the weight
+    reassembled into a per-thread buffer inside the op (with the bias in x's dtype, as
+    ``F.linear``). x in another dtype than the weight, or autograd recording (the op has no
+    backward): ATen's GEMM on :func:`reassembled`."""
     from shardwise.kernels.cpu import native
 
     *lead, k = x.shape
     rows = x.reshape(-1, k)  # [M, K]
     grad = torch.is_grad_enabled() and (x.requires_grad or blocked.requires_grad)
-    native_rows = torch.compiler.is_compiling() or rows.shape[0] <= NATIVE_ROWS
-    if native_rows and x.dtype == blocked.dtype and not grad:
+    if x.dtype == blocked.dtype and not grad:
         out = native.cpu_blocked_linear(rows, blocked, bias, n)
     else:
         out = F.linear(rows, reassembled(blocked, n).t(), bias)

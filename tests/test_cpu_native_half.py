@@ -47,13 +47,36 @@ def test_native_blocked_linear_is_the_fp32_sum_rounded_once(dtype, n, k, bias):
     b = {"none": None, "same": torch.randn(n, generator=g).to(dtype),
          "fp32": torch.randn(n, generator=g)}[bias]
     blocked = layout.block_weight(w.t())  # [Nb, K, 32]
-    for rows in (1, 2, 3, 5, 8, 13, 40):  # every chunk size and their remainders
+    for rows in (1, 2, 3, 5, 8, 13, 40, layout.NATIVE_ROWS + 1):  # each chunk size, remainders
+        if rows > layout.NATIVE_ROWS and bias == "fp32" and dtype == torch.float16:
+            continue  # past NATIVE_ROWS fp16's bias is added in x's dtype, as F.linear (below)
         x = torch.randn(rows, k, generator=g).to(dtype)
         got = native.cpu_blocked_linear(x, blocked, b, n)
         assert got.shape == (rows, n) and got.dtype == dtype
         _within_one_rounding(got, x, w, b)
         want = reference(x, blocked, b, n)  # the oracle: same contract, another sum order
         assert (got.float() - want.float()).abs().max() <= want.float().abs().max() * 2 ** -6
+
+
+def test_past_native_rows_fp16_is_addmm_on_the_plain_weight():
+    """More than NATIVE_ROWS rows of fp16 (and of bf16 on a CPU without AVX512-BF16, whose
+    dot-product loops take every row count): ATen's GEMM on the weight reassembled from the
+    blocks, bit for bit what ``addmm`` gives on the plain [K, N] weight (bias in x's dtype, as
+    ``F.linear``), within one rounding of the exact product, twice in a row (the reassembly
+    buffer is reused) and for a smaller weight after a larger one."""
+    dtype = torch.float16
+    g = torch.Generator().manual_seed(3)
+    for n, k in ((200, 96), (70, 40)):
+        w = torch.randn(n, k, generator=g).to(dtype)
+        b = torch.randn(n, generator=g).to(dtype)
+        blocked = layout.block_weight(w.t())
+        x = torch.randn(layout.NATIVE_ROWS + 30, k, generator=g).to(dtype)
+        mat2 = w.t().contiguous()  # [K, N]
+        for _ in range(2):
+            got = native.cpu_blocked_linear(x, blocked, b, n)
+            assert torch.equal(got, torch.addmm(b, x, mat2))
+        _within_one_rounding(got, x, w, b)
+        assert torch.equal(native.cpu_blocked_linear(x, blocked, None, n), x @ mat2)
 
 
 def test_native_blocked_linear_keeps_nan_and_inf_and_takes_no_rows():
@@ -101,7 +124,8 @@ def test_native_blocked_linear_runs_inside_torch_compile():
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("conv1d", [False, True], ids=["linear", "conv1d"])
 def test_a_16bit_linear_laid_out_in_blocks_computes_what_it_did(dtype, conv1d, monkeypatch):
-    """One row to a prompt (past :data:`NATIVE_ROWS`: the reassembled weight's GEMM), eager;
+    """One row to a prompt (past :data:`NATIVE_ROWS`: the op's GEMM on the reassembled weight),
+    eager;
     one row compiled; the plain layout given back by ``state_dict`` and by the ledger's undo,
     bit for bit."""
     from transformers.pytorch_utils import Conv1D
@@ -128,7 +152,7 @@ def test_a_16bit_linear_laid_out_in_blocks_computes_what_it_did(dtype, conv1d, m
             assert with_grad.requires_grad
             _within_one_rounding(with_grad.detach().reshape(-1, 72), x.reshape(-1, 48), w,
                                  plain["bias"])
-    assert calls == [1, 5, layout.NATIVE_ROWS]  # not past NATIVE_ROWS, not under autograd
+    assert calls == [1, 5, layout.NATIVE_ROWS, layout.NATIVE_ROWS + 8]  # not under autograd
     x = torch.randn(1, 1, 48).to(dtype)
     compiled = torch.compile(lambda t: module(t), fullgraph=True, dynamic=False)
     with torch.no_grad():

@@ -220,7 +220,11 @@ def test_parts_of_different_kinds_stay_unfused(odd):
 def test_unfused_inside_init_on_the_models_own_bf16_weights_closes(monkeypatch):
     """A bf16 model handed in as bf16 with graphs: the compiled one-row product runs its layers
     unfused (``unfused_faster``), i.e. the fusion is undone inside init on the model's own
-    weights; each part gets its original tensor back, and ``close()`` gives the model back."""
+    weights; each part gets its original tensor back, and ``close()`` gives the model back
+    (native CPU kernels opted out: with them 16-bit layers stay fused, next test)."""
+    from shardwise.kernels.cpu import native
+
+    monkeypatch.setenv(native.ENV, "torch")
     monkeypatch.setenv(FUSE_ENV, "1")
     model = tiny_causal_lm("llama").to(torch.bfloat16)
     before = {k: v.clone() for k, v in model.state_dict().items()}
@@ -309,7 +313,8 @@ def test_a_graph_forward_faster_unfused_gets_the_parts(monkeypatch):
 def test_bf16_graphs_on_the_native_kernel_keep_the_projections_fused(monkeypatch):
     """Where the native 16-bit kernel builds, a bf16 engine with graphs lays the fused q|k|v and
     gate|up weights out in blocks and keeps them fused (one wider product per group), with the
-    tokens of the unfused eager engine."""
+    tokens of the unfused eager engine; ``close()`` gives a bf16 model its own weights back,
+    bit for bit."""
     from shardwise.accelerators import cpu_blocked_layout as layout
     from shardwise.kernels.cpu import native
 
@@ -326,6 +331,15 @@ def test_bf16_graphs_on_the_native_kernel_keep_the_projections_fused(monkeypatch
     ref_model, ref = _engine("llama", False, monkeypatch, dtype=torch.bfloat16)
     ids = prompt_ids(batch=1, length=8, vocab=model.config.vocab_size)
     assert torch.equal(engine.generate(ids, **GEN), ref.generate(ids, **GEN))
+    own = tiny_causal_lm("llama").to(torch.bfloat16)  # handed in as bf16: its own tensors used
+    before = {k: v.clone() for k, v in own.state_dict().items()}
+    bf16 = shardwise.init_inference(own, device="cpu", dtype=torch.bfloat16,
+                                    replace_with_kernel_inject=True, enable_graph=True)
+    assert own.model.layers[0].mlp.down_proj.weight.dim() == 3  # laid out in blocks, in place
+    bf16.generate(ids, **GEN)
+    assert bf16.close() is own
+    after = own.state_dict()
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
 
 
 def test_offload_keeps_the_unfused_projections(tmp_path, monkeypatch):

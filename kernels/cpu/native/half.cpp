@@ -18,7 +18,10 @@
 // the copy bandwidth (benchmarks/README.md, "bf16 decode on the CPU").
 
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/addmm.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/from_blob.h>
+#include <ATen/ops/mm.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
@@ -28,10 +31,15 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
 
 namespace {
 
 constexpr int BLOCK = 32;  // output columns per block: one 64-byte vector of 16-bit values
+// Up to this many rows the widening loops below (each weight vector read once per 8 rows) beat
+// ATen's 16-bit GEMM on a reassembled weight; beyond, that GEMM (benchmarks/kernel_half_linear.py).
+// bf16 on a CPU with AVX512-BF16 takes the dot-product loops at every row count instead.
+constexpr int64_t NATIVE_ROWS = 64;
 
 // 32 bf16 columns at one k -> two float vectors. bf16 is the high half of a float, so a 32-bit
 // lane (columns 2i, 2i + 1) gives column 2i by a left shift and column 2i + 1 by masking:
@@ -69,6 +77,21 @@ struct F16 {
   }
 };
 
+// Columns 0..15 (c0) and 16..31 (c1) of one output row: + bias (float [32] or null), narrowed
+// to 16 bits, the first ``valid`` stored at ``out``.
+template <typename T>
+inline void store_columns(__m512 c0, __m512 c1, const float* bias, uint16_t* out, int valid) {
+  const __mmask16 m0 = valid >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << valid) - 1);
+  const __mmask16 m1 = valid >= 32 ? 0xFFFF
+                       : valid <= 16 ? 0 : static_cast<__mmask16>((1u << (valid - 16)) - 1);
+  if (bias) {
+    c0 = _mm512_add_ps(c0, _mm512_maskz_loadu_ps(m0, bias));
+    c1 = _mm512_add_ps(c1, _mm512_maskz_loadu_ps(m1, bias + 16));
+  }
+  _mm256_mask_storeu_epi16(out, m0, T::narrow(c0));
+  _mm256_mask_storeu_epi16(out + 16, m1, T::narrow(c1));
+}
+
 // Rows [0, MB) of x (float [MB][K], row stride K) against one block's weights w [K][32]:
 // out[m][0..valid) = the float sums (+ bias, float [32] or null), narrowed to 16 bits.
 // One row keeps two chains per vector (FMA latency, not the loads, bounds a single chain).
@@ -105,28 +128,64 @@ inline void block_rows(const uint16_t* w, const float* x, int64_t K, const float
   // even/odd columns back to 0..15 and 16..31
   const __m512i lo = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
   const __m512i hi = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
-  const __mmask16 m0 = valid >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << valid) - 1);
-  const __mmask16 m1 = valid >= 32 ? 0xFFFF
-                       : valid <= 16 ? 0 : static_cast<__mmask16>((1u << (valid - 16)) - 1);
   for (int m = 0; m < MB; ++m) {
     __m512 a = acc_a[m][0], b = acc_b[m][0];
     for (int c = 1; c < C; ++c) {
       a = _mm512_add_ps(a, acc_a[m][c]);
       b = _mm512_add_ps(b, acc_b[m][c]);
     }
-    __m512 c0 = a, c1 = b;  // columns 0..15, 16..31
-    if constexpr (T::kInterleaved) {
-      c0 = _mm512_permutex2var_ps(a, lo, b);
-      c1 = _mm512_permutex2var_ps(a, hi, b);
-    }
-    if (bias) {
-      c0 = _mm512_add_ps(c0, _mm512_maskz_loadu_ps(m0, bias));
-      c1 = _mm512_add_ps(c1, _mm512_maskz_loadu_ps(m1, bias + 16));
-    }
-    uint16_t* o = out + m * ldo;
-    _mm256_mask_storeu_epi16(o, m0, T::narrow(c0));
-    _mm256_mask_storeu_epi16(o + 16, m1, T::narrow(c1));
+    if constexpr (T::kInterleaved)
+      store_columns<T>(_mm512_permutex2var_ps(a, lo, b), _mm512_permutex2var_ps(a, hi, b), bias,
+                       out + m * ldo, valid);
+    else
+      store_columns<T>(a, b, bias, out + m * ldo, valid);
   }
+}
+
+// bf16 on CPUs with AVX512-BF16: vdpbf16ps multiplies pairs of bf16 along k and adds both
+// products to a float lane (each product exact, each addition one float rounding; denormal
+// inputs and results flushed to zero, as the instruction does), half the instructions of
+// widening and FMAs, so more rows per weight vector stay cheap (a 64-row prompt chunk as fast
+// as ATen's GEMM on the plain weight: no reassembly). Two weight vectors (k, k + 1) are
+// interleaved in registers into pairs: ``lo`` holds columns {0-3, 8-11, 16-19, 24-27}, ``hi``
+// the others; x is read as bf16 pairs (x[m, k], x[m, k + 1]).
+template <int MB>
+__attribute__((target("avx512f,avx512bw,avx512bf16"))) inline void block_rows_dot(
+    const uint16_t* w, const uint16_t* x, int64_t K, const float* bias, uint16_t* out,
+    int64_t ldo, int valid) {
+  __m512 acc_lo[MB], acc_hi[MB];
+  for (int m = 0; m < MB; ++m) acc_lo[m] = acc_hi[m] = _mm512_setzero_ps();
+  const int64_t even = K & ~int64_t{1};
+  for (int64_t k = 0; k < even; k += 2) {
+    const __m512i v0 = _mm512_loadu_si512(w + k * BLOCK);
+    const __m512i v1 = _mm512_loadu_si512(w + (k + 1) * BLOCK);
+    const __m512bh lo = (__m512bh)_mm512_unpacklo_epi16(v0, v1);
+    const __m512bh hi = (__m512bh)_mm512_unpackhi_epi16(v0, v1);
+#pragma GCC unroll 8
+    for (int m = 0; m < MB; ++m) {
+      int32_t pair;
+      std::memcpy(&pair, x + m * K + k, sizeof(pair));
+      const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
+      acc_lo[m] = _mm512_dpbf16_ps(acc_lo[m], lo, xv);
+      acc_hi[m] = _mm512_dpbf16_ps(acc_hi[m], hi, xv);
+    }
+  }
+  if (even < K) {  // odd K: the last k paired with zeros (weights and x alike)
+    const __m512i v0 = _mm512_loadu_si512(w + even * BLOCK), v1 = _mm512_setzero_si512();
+    const __m512bh lo = (__m512bh)_mm512_unpacklo_epi16(v0, v1);
+    const __m512bh hi = (__m512bh)_mm512_unpackhi_epi16(v0, v1);
+    for (int m = 0; m < MB; ++m) {
+      const __m512bh xv = (__m512bh)_mm512_set1_epi32(static_cast<int>(x[m * K + even]));
+      acc_lo[m] = _mm512_dpbf16_ps(acc_lo[m], lo, xv);
+      acc_hi[m] = _mm512_dpbf16_ps(acc_hi[m], hi, xv);
+    }
+  }
+  const __m512i c0 = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i c1 = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  for (int m = 0; m < MB; ++m)
+    store_columns<BF16>(_mm512_permutex2var_ps(acc_lo[m], c0, acc_hi[m]),
+                        _mm512_permutex2var_ps(acc_lo[m], c1, acc_hi[m]), bias, out + m * ldo,
+                        valid);
 }
 
 // Per-thread float scratch that only grows (decode calls this hundreds of times a step).
@@ -173,6 +232,67 @@ void run(const at::Tensor& x, const at::Tensor& w, const float* bias, int64_t n,
   });
 }
 
+void run_bf16_dot(const at::Tensor& x, const at::Tensor& w, const float* bias, int64_t n,
+                  at::Tensor& out) {
+  const int64_t M = x.size(0), K = x.size(1), nb = w.size(0);
+  const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
+  const uint16_t* wp = reinterpret_cast<const uint16_t*>(w.data_ptr());
+  uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr());
+  at::parallel_for(0, nb, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const int valid = static_cast<int>(std::min<int64_t>(BLOCK, n - r * BLOCK));
+      const uint16_t* wr = wp + r * K * BLOCK;
+      const float* br = bias ? bias + r * BLOCK : nullptr;
+      uint16_t* orow = op + r * BLOCK;
+      int64_t m = 0;
+      for (; m + 8 <= M; m += 8) block_rows_dot<8>(wr, xp + m * K, K, br, orow + m * n, n, valid);
+      for (; m + 4 <= M; m += 4) block_rows_dot<4>(wr, xp + m * K, K, br, orow + m * n, n, valid);
+      for (; m + 2 <= M; m += 2) block_rows_dot<2>(wr, xp + m * K, K, br, orow + m * n, n, valid);
+      for (; m < M; ++m) block_rows_dot<1>(wr, xp + m * K, K, br, orow + m * n, n, valid);
+    }
+  });
+}
+
+// Whether this CPU has AVX512-BF16 (the build does not assume it: the cache may outlive it).
+bool has_bf16_dot() {
+  static const bool yes = __builtin_cpu_supports("avx512bf16");
+  return yes;
+}
+
+// Per-thread bytes that only grow, for the reassembled weight of a prompt-sized product (a
+// fresh weight-sized tensor per call costs its page faults: ~2 GB/s here, where the copy into
+// memory already touched runs at ~6).
+void* scratch_weight(int64_t bytes) {
+  struct Buffer {
+    void* p = nullptr;
+    int64_t size = 0;
+    ~Buffer() { std::free(p); }
+  };
+  static thread_local Buffer buf;
+  if (buf.size < bytes) {
+    std::free(buf.p);
+    const int64_t size = (bytes + 4095) / 4096 * 4096;
+    buf.p = std::aligned_alloc(64, size);
+    TORCH_CHECK(buf.p != nullptr, "cpu_blocked_linear: cannot allocate ", size, " scratch bytes");
+    buf.size = size;
+  }
+  return buf.p;
+}
+
+// More rows than NATIVE_ROWS: ATen's GEMM (fp32 accumulation, bias inside, one rounding) on the
+// plain [K, n] weight, reassembled into the thread's scratch from the blocks.
+at::Tensor reassembled_linear(const at::Tensor& x, const at::Tensor& blocked,
+                              const std::optional<at::Tensor>& bias, int64_t n) {
+  const int64_t nb = blocked.size(0), K = blocked.size(1);
+  void* mem = scratch_weight(blocked.numel() * blocked.element_size());
+  at::Tensor plain = at::from_blob(mem, {K, nb, BLOCK}, blocked.options());
+  plain.copy_(blocked.transpose(0, 1));
+  const at::Tensor mat2 = plain.view({K, nb * BLOCK}).narrow(1, 0, n);  // [K, n]
+  if (bias.has_value() && bias->defined())
+    return at::addmm(bias->to(x.scalar_type()), x, mat2);
+  return at::mm(x, mat2);
+}
+
 at::Tensor cpu_blocked_linear(const at::Tensor& x, const at::Tensor& blocked,
                               const std::optional<at::Tensor>& bias, int64_t n) {
   TORCH_CHECK(x.dim() == 2, "cpu_blocked_linear: x must be [M, K]");
@@ -188,21 +308,26 @@ at::Tensor cpu_blocked_linear(const at::Tensor& x, const at::Tensor& blocked,
   TORCH_CHECK(n > 0 && (n + BLOCK - 1) / BLOCK == blocked.size(0),
               "cpu_blocked_linear: ", n, " outputs do not fit ", blocked.size(0), " blocks");
   const at::Tensor xc = x.contiguous();
+  const bool dot = dt == at::kBFloat16 && has_bf16_dot();
+  if (M > NATIVE_ROWS && !dot) return reassembled_linear(xc, blocked, bias, n);
   // scratch: x as float [M, K], then the bias as float [Nb * 32] (zero-padded)
   const int64_t padded = blocked.size(0) * BLOCK;
   const bool has_bias = bias.has_value() && bias->defined();
-  float* xf = scratch_floats(M * K + (has_bias ? padded : 0));
+  const int64_t xfloats = dot ? 0 : M * K;  // the dot path reads x as it is
+  float* xf = scratch_floats(xfloats + (has_bias ? padded : 0));
   float* bf = nullptr;
   if (has_bias) {
     TORCH_CHECK(bias->numel() == n, "cpu_blocked_linear: bias must have ", n, " elements");
-    bf = xf + M * K;
+    bf = xf + xfloats;
     const at::Tensor b = bias->to(at::kFloat).contiguous();
     std::copy(b.data_ptr<float>(), b.data_ptr<float>() + n, bf);
     std::fill(bf + n, bf + padded, 0.f);
   }
   at::Tensor out = at::empty({M, n}, x.options());
   if (M == 0) return out;
-  if (dt == at::kBFloat16)
+  if (dot)
+    run_bf16_dot(xc, blocked, bf, n, out);
+  else if (dt == at::kBFloat16)
     run<BF16>(xc, blocked, bf, n, out, xf);
   else
     run<F16>(xc, blocked, bf, n, out, xf);
