@@ -24,6 +24,19 @@ pytestmark = pytest.mark.skipif(not native.load(respect_choice=False),
                                        "CPU and a C++ compiler needed)")
 
 DTYPES = [torch.bfloat16, torch.float16]
+#: the op's paths: bf16 by vdpbf16ps where the CPU has AVX512-BF16 ("dot"), bf16 and fp16
+#: widened to fp32 with FMAs ("widen": bf16's on other CPUs, forced here with
+#: SHARDWISE_CPU_BF16_DOT=0 so both run on such a CPU)
+PATHS = [pytest.param(torch.bfloat16, "dot", id="bf16-dot"),
+         pytest.param(torch.bfloat16, "widen", id="bf16-widen"),
+         pytest.param(torch.float16, "widen", id="fp16-widen")]
+
+
+def _use_path(path: str, monkeypatch) -> None:
+    if path == "widen":
+        monkeypatch.setenv("SHARDWISE_CPU_BF16_DOT", "0")
+    else:
+        monkeypatch.delenv("SHARDWISE_CPU_BF16_DOT", raising=False)
 
 
 def _within_one_rounding(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor,
@@ -38,18 +51,20 @@ def _within_one_rounding(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor,
     assert ((got.double() - exact).abs() <= bound + 1e-12).all()
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype,path", PATHS)
 @pytest.mark.parametrize("n,k", [(70, 33), (64, 128), (576, 200), (5, 8)])
 @pytest.mark.parametrize("bias", ["none", "same", "fp32"])
-def test_native_blocked_linear_is_the_fp32_sum_rounded_once(dtype, n, k, bias):
+def test_native_blocked_linear_is_the_fp32_sum_rounded_once(dtype, path, n, k, bias,
+                                                            monkeypatch):
+    _use_path(path, monkeypatch)
     g = torch.Generator().manual_seed(n * k)
     w = torch.randn(n, k, generator=g).to(dtype)
     b = {"none": None, "same": torch.randn(n, generator=g).to(dtype),
          "fp32": torch.randn(n, generator=g)}[bias]
     blocked = layout.block_weight(w.t())  # [Nb, K, 32]
     for rows in (1, 2, 3, 5, 8, 13, 40, layout.NATIVE_ROWS + 1):  # each chunk size, remainders
-        if rows > layout.NATIVE_ROWS and bias == "fp32" and dtype == torch.float16:
-            continue  # past NATIVE_ROWS fp16's bias is added in x's dtype, as F.linear (below)
+        if rows > layout.NATIVE_ROWS and bias == "fp32" and path == "widen":
+            continue  # past NATIVE_ROWS their bias is added in x's dtype, as F.linear (below)
         x = torch.randn(rows, k, generator=g).to(dtype)
         got = native.cpu_blocked_linear(x, blocked, b, n)
         assert got.shape == (rows, n) and got.dtype == dtype
@@ -58,13 +73,14 @@ def test_native_blocked_linear_is_the_fp32_sum_rounded_once(dtype, n, k, bias):
         assert (got.float() - want.float()).abs().max() <= want.float().abs().max() * 2 ** -6
 
 
-def test_past_native_rows_fp16_is_addmm_on_the_plain_weight():
-    """More than NATIVE_ROWS rows of fp16 (and of bf16 on a CPU without AVX512-BF16, whose
-    dot-product loops take every row count): ATen's GEMM on the weight reassembled from the
-    blocks, bit for bit what ``addmm`` gives on the plain [K, N] weight (bias in x's dtype, as
-    ``F.linear``), within one rounding of the exact product, twice in a row (the reassembly
-    buffer is reused) and for a smaller weight after a larger one."""
-    dtype = torch.float16
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_past_native_rows_the_widening_path_is_addmm_on_the_plain_weight(dtype, monkeypatch):
+    """More than NATIVE_ROWS rows of fp16, or of bf16 without the dot-product loops (a CPU
+    without AVX512-BF16): ATen's GEMM on the weight reassembled from the blocks, bit for bit
+    what ``addmm`` gives on the plain [K, N] weight (bias in x's dtype, as ``F.linear``), within
+    one rounding of the exact product, twice in a row (the reassembly buffer is reused) and for
+    a smaller weight after a larger one."""
+    monkeypatch.setenv("SHARDWISE_CPU_BF16_DOT", "0")
     g = torch.Generator().manual_seed(3)
     for n, k in ((200, 96), (70, 40)):
         w = torch.randn(n, k, generator=g).to(dtype)

@@ -17,6 +17,8 @@ packed kernels and the Python decode-attention op.
 Opt-out: ``SHARDWISE_CPU_QUANT_KERNEL=torch`` (``native``, the default, builds and uses it) for
 the quantized linears and the 16-bit linears of CPU graphs (which then keep their plain layout
 and the compiled row product); the decode attention uses the native op wherever it builds.
+``SHARDWISE_CPU_BF16_DOT=0`` makes the 16-bit op run bf16 as it does on a CPU without
+AVX512-BF16 (widened to fp32, FMAs), to compare the two paths on one that has it.
 Any other value is a :class:`~shardwise.errors.ConfigError`.
 
 The op's fake (meta) implementation is registered here, so the op runs inside the
@@ -49,8 +51,10 @@ CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mfma
 #: native kernel ran on one thread whatever torch.set_num_threads said.)
 LDFLAGS = ["-fopenmp"]
 SOURCES = tuple(Path(__file__).with_name(f) for f in ("quant.cpp", "attention.cpp", "half.cpp"))
-#: Extension (and cache folder) name; bump when an op's schema changes or an op is added.
-NAME = "shardwise_cpu_native_v4"
+#: Extension (and cache folder) name; bump when an op's schema changes or an op is added (or
+#: when ``scratch.h``, which the sources include, changes: torch keys its cached build on the
+#: sources).
+NAME = "shardwise_cpu_native_v5"
 
 #: What runs instead when the extension is not usable (the log line says it).
 FALLBACK = ("int8/int4 use torch's packed kernels, 16-bit linears of CPU graphs the compiled row "

@@ -28,6 +28,8 @@
 #include <torch/library.h>
 #include <immintrin.h>
 
+#include "scratch.h"
+
 #include <algorithm>
 #include <cstdint>
 #include <cstdlib>
@@ -188,95 +190,70 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"))) inline void block_rows_do
                         valid);
 }
 
-// Per-thread float scratch that only grows (decode calls this hundreds of times a step).
-float* scratch_floats(int64_t count) {
-  struct Buffer {
-    void* p = nullptr;
-    int64_t size = 0;
-    ~Buffer() { std::free(p); }
-  };
-  static thread_local Buffer buf;
-  const int64_t bytes = count * 4;
-  if (buf.size < bytes) {
-    std::free(buf.p);
-    const int64_t size = (bytes + 4095) / 4096 * 4096;
-    buf.p = std::aligned_alloc(64, size);
-    TORCH_CHECK(buf.p != nullptr, "cpu_blocked_linear: cannot allocate ", size, " scratch bytes");
-    buf.size = size;
-  }
-  return static_cast<float*>(buf.p);
-}
-
-template <typename T>
-void run(const at::Tensor& x, const at::Tensor& w, const float* bias, int64_t n, at::Tensor& out,
-         float* xf) {
-  using S = typename T::Scalar;
-  const int64_t M = x.size(0), K = x.size(1), nb = w.size(0);
-  const S* xs = x.data_ptr<S>();
-  for (int64_t i = 0; i < M * K; ++i) xf[i] = static_cast<float>(xs[i]);
-  const uint16_t* wp = reinterpret_cast<const uint16_t*>(w.data_ptr());
-  uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr());
+// For each block of 32 output columns (split over the threads), x's rows in chunks of 8 / 4 /
+// 2 / 1, each chunk reusing the block's weights (16-64 KiB per 1k of K: L2):
+// ``Rows::run<MB>(block weights, rows of x, K, bias, out, ldo, valid)``. x: XS [M, K].
+template <typename Rows, typename XS>
+void for_each_block(const XS* x, int64_t M, int64_t K, const uint16_t* w, int64_t nb,
+                    const float* bias, int64_t n, uint16_t* out) {
   at::parallel_for(0, nb, 1, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const int valid = static_cast<int>(std::min<int64_t>(BLOCK, n - r * BLOCK));
-      const uint16_t* wr = wp + r * K * BLOCK;
+      const uint16_t* wr = w + r * K * BLOCK;
       const float* br = bias ? bias + r * BLOCK : nullptr;
-      uint16_t* orow = op + r * BLOCK;
-      // rows in chunks of 8 / 4 / 2 / 1, each reusing the block (16-64 KiB per 1k of K: L2)
+      uint16_t* o = out + r * BLOCK;
       int64_t m = 0;
-      for (; m + 8 <= M; m += 8) block_rows<T, 8>(wr, xf + m * K, K, br, orow + m * n, n, valid);
-      for (; m + 4 <= M; m += 4) block_rows<T, 4>(wr, xf + m * K, K, br, orow + m * n, n, valid);
-      for (; m + 2 <= M; m += 2) block_rows<T, 2>(wr, xf + m * K, K, br, orow + m * n, n, valid);
-      for (; m < M; ++m) block_rows<T, 1>(wr, xf + m * K, K, br, orow + m * n, n, valid);
+      for (; m + 8 <= M; m += 8) Rows::template run<8>(wr, x + m * K, K, br, o + m * n, n, valid);
+      for (; m + 4 <= M; m += 4) Rows::template run<4>(wr, x + m * K, K, br, o + m * n, n, valid);
+      for (; m + 2 <= M; m += 2) Rows::template run<2>(wr, x + m * K, K, br, o + m * n, n, valid);
+      for (; m < M; ++m) Rows::template run<1>(wr, x + m * K, K, br, o + m * n, n, valid);
     }
   });
+}
+
+template <typename T>
+struct WideningRows {
+  template <int MB>
+  static void run(const uint16_t* w, const float* x, int64_t K, const float* bias, uint16_t* out,
+                  int64_t ldo, int valid) {
+    block_rows<T, MB>(w, x, K, bias, out, ldo, valid);
+  }
+};
+
+struct DotRows {
+  template <int MB>
+  static void run(const uint16_t* w, const uint16_t* x, int64_t K, const float* bias,
+                  uint16_t* out, int64_t ldo, int valid) {
+    block_rows_dot<MB>(w, x, K, bias, out, ldo, valid);
+  }
+};
+
+// x (bf16 / fp16) widened to float once into ``xf`` [M, K], then the widening loops.
+template <typename T>
+void run_widening(const at::Tensor& x, const at::Tensor& w, const float* bias, int64_t n,
+                  at::Tensor& out, float* xf) {
+  using S = typename T::Scalar;
+  const int64_t M = x.size(0), K = x.size(1);
+  const S* xs = x.data_ptr<S>();
+  for (int64_t i = 0; i < M * K; ++i) xf[i] = static_cast<float>(xs[i]);
+  for_each_block<WideningRows<T>>(xf, M, K, reinterpret_cast<const uint16_t*>(w.data_ptr()),
+                                  w.size(0), bias, n, reinterpret_cast<uint16_t*>(out.data_ptr()));
 }
 
 void run_bf16_dot(const at::Tensor& x, const at::Tensor& w, const float* bias, int64_t n,
                   at::Tensor& out) {
-  const int64_t M = x.size(0), K = x.size(1), nb = w.size(0);
-  const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
-  const uint16_t* wp = reinterpret_cast<const uint16_t*>(w.data_ptr());
-  uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr());
-  at::parallel_for(0, nb, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const int valid = static_cast<int>(std::min<int64_t>(BLOCK, n - r * BLOCK));
-      const uint16_t* wr = wp + r * K * BLOCK;
-      const float* br = bias ? bias + r * BLOCK : nullptr;
-      uint16_t* orow = op + r * BLOCK;
-      int64_t m = 0;
-      for (; m + 8 <= M; m += 8) block_rows_dot<8>(wr, xp + m * K, K, br, orow + m * n, n, valid);
-      for (; m + 4 <= M; m += 4) block_rows_dot<4>(wr, xp + m * K, K, br, orow + m * n, n, valid);
-      for (; m + 2 <= M; m += 2) block_rows_dot<2>(wr, xp + m * K, K, br, orow + m * n, n, valid);
-      for (; m < M; ++m) block_rows_dot<1>(wr, xp + m * K, K, br, orow + m * n, n, valid);
-    }
-  });
+  for_each_block<DotRows>(reinterpret_cast<const uint16_t*>(x.data_ptr()), x.size(0), x.size(1),
+                          reinterpret_cast<const uint16_t*>(w.data_ptr()), w.size(0), bias, n,
+                          reinterpret_cast<uint16_t*>(out.data_ptr()));
 }
 
-// Whether this CPU has AVX512-BF16 (the build does not assume it: the cache may outlive it).
-bool has_bf16_dot() {
-  static const bool yes = __builtin_cpu_supports("avx512bf16");
-  return yes;
-}
-
-// Per-thread bytes that only grow, for the reassembled weight of a prompt-sized product (a
-// fresh weight-sized tensor per call costs its page faults: ~2 GB/s here, where the copy into
-// memory already touched runs at ~6).
-void* scratch_weight(int64_t bytes) {
-  struct Buffer {
-    void* p = nullptr;
-    int64_t size = 0;
-    ~Buffer() { std::free(p); }
-  };
-  static thread_local Buffer buf;
-  if (buf.size < bytes) {
-    std::free(buf.p);
-    const int64_t size = (bytes + 4095) / 4096 * 4096;
-    buf.p = std::aligned_alloc(64, size);
-    TORCH_CHECK(buf.p != nullptr, "cpu_blocked_linear: cannot allocate ", size, " scratch bytes");
-    buf.size = size;
-  }
-  return buf.p;
+// Whether bf16 takes the vdpbf16ps loops: the CPU has AVX512-BF16 (the build does not assume
+// it: the cache may outlive the CPU) and SHARDWISE_CPU_BF16_DOT is not "0" (read per call: the
+// tests and benchmarks compare it with the widening loops other CPUs run).
+bool bf16_dot() {
+  static const bool cpu = __builtin_cpu_supports("avx512bf16");
+  const char* env = std::getenv("SHARDWISE_CPU_BF16_DOT");
+  return cpu && !(env && env[0] == '0' && env[1] == '\0');
 }
 
 // More rows than NATIVE_ROWS: ATen's GEMM (fp32 accumulation, bias inside, one rounding) on the
@@ -284,7 +261,9 @@ void* scratch_weight(int64_t bytes) {
 at::Tensor reassembled_linear(const at::Tensor& x, const at::Tensor& blocked,
                               const std::optional<at::Tensor>& bias, int64_t n) {
   const int64_t nb = blocked.size(0), K = blocked.size(1);
-  void* mem = scratch_weight(blocked.numel() * blocked.element_size());
+  // the thread's scratch (scratch.h): a fresh weight-sized tensor per call costs its page
+  // faults (~2 GB/s here, where the copy into memory already touched runs at ~6)
+  void* mem = shardwise_native::scratch_bytes(blocked.numel() * blocked.element_size());
   at::Tensor plain = at::from_blob(mem, {K, nb, BLOCK}, blocked.options());
   plain.copy_(blocked.transpose(0, 1));
   const at::Tensor mat2 = plain.view({K, nb * BLOCK}).narrow(1, 0, n);  // [K, n]
@@ -308,13 +287,14 @@ at::Tensor cpu_blocked_linear(const at::Tensor& x, const at::Tensor& blocked,
   TORCH_CHECK(n > 0 && (n + BLOCK - 1) / BLOCK == blocked.size(0),
               "cpu_blocked_linear: ", n, " outputs do not fit ", blocked.size(0), " blocks");
   const at::Tensor xc = x.contiguous();
-  const bool dot = dt == at::kBFloat16 && has_bf16_dot();
+  const bool dot = dt == at::kBFloat16 && bf16_dot();
   if (M > NATIVE_ROWS && !dot) return reassembled_linear(xc, blocked, bias, n);
   // scratch: x as float [M, K], then the bias as float [Nb * 32] (zero-padded)
   const int64_t padded = blocked.size(0) * BLOCK;
   const bool has_bias = bias.has_value() && bias->defined();
   const int64_t xfloats = dot ? 0 : M * K;  // the dot path reads x as it is
-  float* xf = scratch_floats(xfloats + (has_bias ? padded : 0));
+  float* xf = reinterpret_cast<float*>(
+      shardwise_native::scratch_bytes((xfloats + (has_bias ? padded : 0)) * 4));
   float* bf = nullptr;
   if (has_bias) {
     TORCH_CHECK(bias->numel() == n, "cpu_blocked_linear: bias must have ", n, " elements");
@@ -328,9 +308,9 @@ at::Tensor cpu_blocked_linear(const at::Tensor& x, const at::Tensor& blocked,
   if (dot)
     run_bf16_dot(xc, blocked, bf, n, out);
   else if (dt == at::kBFloat16)
-    run<BF16>(xc, blocked, bf, n, out, xf);
+    run_widening<BF16>(xc, blocked, bf, n, out, xf);
   else
-    run<F16>(xc, blocked, bf, n, out, xf);
+    run_widening<F16>(xc, blocked, bf, n, out, xf);
   return out;
 }
 

@@ -28,6 +28,8 @@
 #include <torch/library.h>
 #include <immintrin.h>
 
+#include "scratch.h"
+
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -247,24 +249,7 @@ inline void bf16_to_float(const uint16_t* src, int64_t count, float* dst) {
   }
 }
 
-// Per-thread scratch that only grows (decode calls it hundreds of times a step: no allocation
-// per call). 64-byte aligned.
-uint8_t* scratch_bytes(int64_t bytes) {
-  struct Buffer {
-    void* p = nullptr;
-    int64_t size = 0;
-    ~Buffer() { std::free(p); }
-  };
-  static thread_local Buffer buf;
-  if (buf.size < bytes) {
-    std::free(buf.p);
-    const int64_t size = (bytes + 4095) / 4096 * 4096;
-    buf.p = std::aligned_alloc(64, size);
-    TORCH_CHECK(buf.p != nullptr, "cpu_qlinear: cannot allocate ", size, " scratch bytes");
-    buf.size = size;
-  }
-  return static_cast<uint8_t*>(buf.p);
-}
+using shardwise_native::scratch_bytes;
 
 at::Tensor cpu_qlinear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                        const std::optional<at::Tensor>& zeros, const std::optional<at::Tensor>& bias,
