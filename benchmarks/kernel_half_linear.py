@@ -1,7 +1,10 @@
 """The CPU's 16-bit linear products per row count: the native blocked kernel
 (``kernels/cpu/native/half.cpp``, weights in column blocks) against the compiled row product
 (``accelerators/cpu_gemv.py``, one row, the plain layout) and ATen's ``F.linear`` on the plain
-weight — what ``cpu_blocked_layout.NATIVE_ROWS`` rests on.
+weight — what ``cpu_blocked_layout.NATIVE_ROWS`` rests on. For bf16 the op's two paths are
+timed: ``native blocked`` is what this CPU runs (``vdpbf16ps`` where it has AVX512-BF16),
+``native widening`` the fp32-widening loops other CPUs run (``SHARDWISE_CPU_BF16_DOT=0``; past
+64 rows they take ATen's GEMM on the reassembled weight).
 
     python benchmarks/kernel_half_linear.py                    # a 1.7B Llama layer's shapes
     python benchmarks/kernel_half_linear.py --rows 1 8 --dtype fp16
@@ -17,6 +20,7 @@ GFLOP/s; ``aten (reassembled)`` (from 8 rows) is the blocked weight's path past
 from __future__ import annotations
 
 import argparse
+import os
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +31,8 @@ from shardwise.accelerators.cpu_gemv import row_product
 from shardwise.kernels.cpu import native
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+#: the op's switch between its bf16 paths (kernels/cpu/native/__init__.py)
+DOT_ENV = "SHARDWISE_CPU_BF16_DOT"
 
 
 def copy_probe_gbps(nbytes: int, repeats: int) -> float:
@@ -69,12 +75,17 @@ def main(argv=None) -> None:
     rowprod = torch.compile(row_product, dynamic=False)
     for rows in args.rows:
         xs = [torch.randn(rows, k, generator=g).to(dtype) for _, k in shapes]
-        calls = {
-            "native blocked": lambda: [native.cpu_blocked_linear(x, b, None, w.shape[0])
-                                       for x, b, w in zip(xs, blocked, plain)],
-            "aten (plain)": lambda: [F.linear(x, w) for x, w in zip(xs, plain)],
-        }
-        if rows >= 8:  # what half_blocked_linear does past NATIVE_ROWS
+
+        def run_native(dot: bool):
+            os.environ[DOT_ENV] = "1" if dot else "0"  # read by the op at each call
+            return [native.cpu_blocked_linear(x, b, None, w.shape[0])
+                    for x, b, w in zip(xs, blocked, plain)]
+
+        calls = {"native blocked": lambda: run_native(True)}
+        if dtype == torch.bfloat16:  # the widening loops (bf16 on CPUs without AVX512-BF16)
+            calls["native widening"] = lambda: run_native(False)
+        calls["aten (plain)"] = lambda: [F.linear(x, w) for x, w in zip(xs, plain)]
+        if rows >= 8:  # ATen on the weight reassembled (as the widening path past NATIVE_ROWS)
             calls["aten (reassembled)"] = lambda: [F.linear(x, reassembled(b, w.shape[0]).t())
                                                    for x, b, w in zip(xs, blocked, plain)]
         if rows == 1:
