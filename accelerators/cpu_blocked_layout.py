@@ -139,18 +139,25 @@ def half_blocked_linear(x: torch.Tensor, blocked: torch.Tensor, bias: torch.Tens
 
 
 _scratch = threading.local()
+#: The largest weight :func:`reassembled` keeps a buffer for (a 1.7B model's MLP weights in
+#: fp32 are 64 MiB); a larger one (an fp32 output head: hundreds of MiB) is reassembled into a
+#: transient tensor, so no thread holds that much for good.
+SCRATCH_MAX_BYTES = 64 << 20
 
 
 def reassembled(blocked: torch.Tensor, n: int) -> torch.Tensor:
     """The plain ``mat2`` [K, n] of ``blocked = block_weight(mat2)`` for one product: eager, a
-    view of a per-thread buffer that is reused (and grows to the largest weight), since a fresh
-    tensor of a weight's size costs its page faults at every call (~2 GB/s here against ~6 for
+    view of a per-thread buffer that is reused (and grows to the largest weight up to
+    :data:`SCRATCH_MAX_BYTES`), since a fresh tensor of a weight's size costs its page faults at
+    every call (~2 GB/s here against ~6 for
     the copy itself: a 1.7B model's prompt spent ~1.8 s on them); compiled or under autograd,
     a new tensor. The view is valid until the thread's next call."""
     nb, k, block = blocked.shape
     if torch.compiler.is_compiling() or (torch.is_grad_enabled() and blocked.requires_grad):
         return blocked.transpose(0, 1).reshape(k, nb * block)[:, :n]
     nbytes = blocked.numel() * blocked.element_size()
+    if nbytes > SCRATCH_MAX_BYTES:  # e.g. an output head: transient, not kept for good
+        return blocked.transpose(0, 1).reshape(k, nb * block)[:, :n]
     buf = getattr(_scratch, "buf", None)
     if buf is None or buf.numel() < nbytes:
         buf = _scratch.buf = torch.empty(nbytes, dtype=torch.uint8)

@@ -996,3 +996,20 @@ def test_capture_starts_the_simd_probe_once_and_waits_for_it(monkeypatch):
         graph = CpuCompileStrategy().capture(_double, torch.ones(5))
         assert torch.equal(graph(torch.full((5,), 2.0)), torch.full((5,), 5.0))
     assert calls == ["probe"] and len(waited) == 2
+
+
+def test_reassembled_reuses_one_buffer_up_to_its_cap(monkeypatch):
+    """The eager prompt's reassembled weight: a view of one per-thread buffer reused across
+    calls (no page faults per call), exact; a weight over ``SCRATCH_MAX_BYTES`` gets a
+    transient tensor instead, so no thread keeps a head-sized buffer."""
+    import threading
+
+    monkeypatch.setattr(layout, "_scratch", threading.local())
+    small, big = torch.randn(40, 16), torch.randn(100, 16)  # [K, N] each
+    a = layout.reassembled(layout.block_weight(small), 16)
+    b = layout.reassembled(layout.block_weight(small.flip(0)), 16)
+    assert torch.equal(b, small.flip(0)) and a.data_ptr() == b.data_ptr()  # one buffer
+    monkeypatch.setattr(layout, "SCRATCH_MAX_BYTES", 40 * 32 * 4)  # the small weight's blocks
+    c = layout.reassembled(layout.block_weight(big), 16)
+    assert torch.equal(c, big) and c.data_ptr() != b.data_ptr()
+    assert layout._scratch.buf.numel() == 40 * 32 * 4  # not grown for the big one

@@ -42,6 +42,9 @@ constexpr int BLOCK = 32;  // output columns per block: one 64-byte vector of 16
 // ATen's 16-bit GEMM on a reassembled weight; beyond, that GEMM (benchmarks/kernel_half_linear.py).
 // bf16 on a CPU with AVX512-BF16 takes the dot-product loops at every row count instead.
 constexpr int64_t NATIVE_ROWS = 64;
+// The largest reassembled weight kept in the thread's scratch (cpu_blocked_layout's constant of
+// the same name: 64 MiB, a 1.7B model's MLP weights in fp32).
+constexpr int64_t SCRATCH_MAX_BYTES = int64_t{64} << 20;
 
 // 32 bf16 columns at one k -> two float vectors. bf16 is the high half of a float, so a 32-bit
 // lane (columns 2i, 2i + 1) gives column 2i by a left shift and column 2i + 1 by masking:
@@ -262,9 +265,13 @@ at::Tensor reassembled_linear(const at::Tensor& x, const at::Tensor& blocked,
                               const std::optional<at::Tensor>& bias, int64_t n) {
   const int64_t nb = blocked.size(0), K = blocked.size(1);
   // the thread's scratch (scratch.h): a fresh weight-sized tensor per call costs its page
-  // faults (~2 GB/s here, where the copy into memory already touched runs at ~6)
-  void* mem = shardwise_native::scratch_bytes(blocked.numel() * blocked.element_size());
-  at::Tensor plain = at::from_blob(mem, {K, nb, BLOCK}, blocked.options());
+  // faults (~2 GB/s here, where the copy into memory already touched runs at ~6); a weight
+  // over SCRATCH_MAX_BYTES (an output head) gets a transient tensor, so no thread keeps that
+  const int64_t bytes = blocked.numel() * blocked.element_size();
+  at::Tensor plain =
+      bytes > SCRATCH_MAX_BYTES
+          ? at::empty({K, nb, BLOCK}, blocked.options())
+          : at::from_blob(shardwise_native::scratch_bytes(bytes), {K, nb, BLOCK}, blocked.options());
   plain.copy_(blocked.transpose(0, 1));
   const at::Tensor mat2 = plain.view({K, nb * BLOCK}).narrow(1, 0, n);  // [K, n]
   if (bias.has_value() && bias->defined())
