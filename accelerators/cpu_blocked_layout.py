@@ -26,10 +26,10 @@ from shardwise.ledger import add_hook, record, set_forward
 BLOCK_N = 32
 #: 16-bit weight dtypes laid out too (read by the native kernel: :func:`half_blocked_linear`).
 HALF_DTYPES = (torch.bfloat16, torch.float16)
-#: Up to this many rows the native 16-bit op runs its own loops (reading the weight once per 8
-#: rows), beyond it ATen's GEMM on the reassembled weight (``half.cpp``'s constant of the same
-#: name, which decides; ``python benchmarks/kernel_half_linear.py``, benchmarks/README.md,
-#: "bf16 decode on the CPU").
+#: Up to this many rows the native 16-bit op's widening loops run (fp16, and bf16 on CPUs
+#: without AVX512-BF16), beyond it ATen's GEMM on the reassembled weight (``half.cpp``'s
+#: constant of the same name, which decides; ``python benchmarks/kernel_half_linear.py``,
+#: benchmarks/README.md, "bf16 decode on the CPU").
 NATIVE_ROWS = 64
 
 
@@ -119,13 +119,13 @@ def half_blocked_linear(x: torch.Tensor, blocked: torch.Tensor, bias: torch.Tens
     in x's dtype, with ``F.linear``'s 16-bit contract (fp32 products and sums, the bias added in
     fp32, rounded once).
 
-    The native op (``kernels/cpu/native/half.cpp``), eager and compiled alike: up to
-    :data:`NATIVE_ROWS` rows (decode steps) its own loops read the blocks, one row at about
-    the copy bandwidth, where ATen's 16-bit GEMV and small GEMMs read a weight at well under
-    it; more rows (a prompt, a serving step's prompt chunk) run ATen's GEMM on the weight
-    reassembled into a per-thread buffer inside the op (with the bias in x's dtype, as
-    ``F.linear``). x in another dtype than the weight, or autograd recording (the op has no
-    backward): ATen's GEMM on :func:`reassembled`."""
+    The native op (``kernels/cpu/native/half.cpp``), eager and compiled alike, at any row
+    count: its own loops read the blocks, one row at about the copy bandwidth, where ATen's
+    16-bit GEMV and small GEMMs read a weight at well under it (bf16 on a CPU with
+    AVX512-BF16 at every row count; fp16, and bf16 elsewhere, up to :data:`NATIVE_ROWS` rows,
+    beyond which the op runs ATen's GEMM on the weight reassembled into a per-thread buffer,
+    the bias in x's dtype as ``F.linear``). x in another dtype than the weight, or autograd
+    recording (the op has no backward): ATen's GEMM on :func:`reassembled`."""
     from shardwise.kernels.cpu import native
 
     *lead, k = x.shape
@@ -149,9 +149,9 @@ def reassembled(blocked: torch.Tensor, n: int) -> torch.Tensor:
     """The plain ``mat2`` [K, n] of ``blocked = block_weight(mat2)`` for one product: eager, a
     view of a per-thread buffer that is reused (and grows to the largest weight up to
     :data:`SCRATCH_MAX_BYTES`), since a fresh tensor of a weight's size costs its page faults at
-    every call (~2 GB/s here against ~6 for
-    the copy itself: a 1.7B model's prompt spent ~1.8 s on them); compiled or under autograd,
-    a new tensor. The view is valid until the thread's next call."""
+    every call (~2 GB/s here against ~6 for the copy itself: a 1.7B model's prompt spent ~1.8 s
+    on them); compiled or under autograd, a new tensor. The view is valid until the thread's
+    next call."""
     nb, k, block = blocked.shape
     if torch.compiler.is_compiling() or (torch.is_grad_enabled() and blocked.requires_grad):
         return blocked.transpose(0, 1).reshape(k, nb * block)[:, :n]

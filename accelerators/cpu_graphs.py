@@ -86,12 +86,12 @@ class CpuCompileStrategy(GraphStrategy):
       (kept per user: :func:`inductor_cache_folder`) serves the next start of the same model.
       Products the template cannot take (quantized linears, weights not laid out) use ATen's
       GEMMs (inductor then benchmarks both per shape at capture). bf16/fp16 linear weights
-      take the same blocks, read by the native 16-bit kernel up to
-      :data:`~shardwise.accelerators.cpu_blocked_layout.NATIVE_ROWS` rows (at about the copy
-      bandwidth for one row:
-      :func:`~shardwise.accelerators.cpu_blocked_layout.half_blocked_linear`), by ATen's GEMMs on the reassembled weight beyond; where the native kernels do not build
-      (or are opted out) they keep their layout and, at one row, are row products inductor
-      streams (:mod:`~shardwise.accelerators.cpu_gemv`), from two rows on ATen's GEMMs.
+      take the same blocks, read by the native 16-bit op at every row count (one row at about
+      the copy bandwidth:
+      :func:`~shardwise.accelerators.cpu_blocked_layout.half_blocked_linear`); where the
+      native kernels do not build (or are opted out) they keep their layout and, at one row,
+      are row products inductor streams (:mod:`~shardwise.accelerators.cpu_gemv`), from two
+      rows on ATen's GEMMs.
       A step a little slower than the frozen one, far faster than HF's, for about half the
       frozen mode's peak memory (about that of injection without graphs). The prompt's forward
       reassembles each weight transiently (one at a time), so prefill is somewhat slower than
@@ -219,11 +219,7 @@ class CpuCompileStrategy(GraphStrategy):
             return 0
         blocked = block_linear_weights(linears, embedding)
         gemms = sum(1 for m in linears if gemm_like(m))
-        half = any(isinstance(getattr(m, "weight", None), torch.Tensor)
-                   and m.weight.dim() == 3 and m.weight.dtype != torch.float32 for m in linears)
-        # quantized or plain-layout 16-bit linears, or 16-bit blocks past the native kernel's
-        # rows (a prompt chunk in a mixed step): ATen's GEMMs are needed too
-        if blocked < gemms or half:
+        if blocked < gemms:  # e.g. quantized or plain-layout 16-bit linears: ATen's GEMMs too
             self._aten_gemms()
         return blocked + use_row_products(linears)
 
