@@ -1,7 +1,10 @@
 """The CPU decode-step graphs' weight layout: one copy of each fp32 linear weight, laid out in
 the column blocks the C++ GEMM template of inductor reads in place (:func:`block_weight`), read by
 the compiled step and the eager forward alike. bf16/fp16 linear weights take the same layout
-where the native kernel that reads it builds (:func:`half_blocked_linear`).
+where the native kernel that reads it builds (:func:`half_blocked_linear`). With a storage
+dtype (``init_inference(weight_dtype=torch.bfloat16 | torch.float16)`` on an fp32 model) the
+fp32 weights are laid out in 16 bits, rounded once, and multiplied by fp32 activations with
+nothing else rounded (:func:`half_blocked_linear`).
 
 :func:`block_linear_weights` lays a model's linears out, in place and instance-scoped (a
 :class:`BlockedLinear` forward, a :class:`PlainLayoutInStateDict` hook so ``state_dict`` still
@@ -114,7 +117,7 @@ def blocked_matmul(x: torch.Tensor, blocked: torch.Tensor, n: int) -> torch.Tens
 
 
 def half_blocked_linear(x: torch.Tensor, blocked: torch.Tensor, bias: torch.Tensor | None,
-                        n: int) -> torch.Tensor:
+                        n: int, native_op: bool = True) -> torch.Tensor:
     """``x @ mat2 + bias`` for a 16-bit ``blocked = block_weight(mat2)``: x [..., K] → [..., n]
     in x's dtype, with ``F.linear``'s 16-bit contract (fp32 products and sums, the bias added in
     fp32, rounded once).
@@ -125,16 +128,21 @@ def half_blocked_linear(x: torch.Tensor, blocked: torch.Tensor, bias: torch.Tens
     AVX512-BF16 at every row count; fp16, and bf16 elsewhere, up to :data:`NATIVE_ROWS` rows,
     beyond which the op runs ATen's GEMM on the weight reassembled into a per-thread buffer,
     the bias in x's dtype as ``F.linear``). x in another dtype than the weight, or autograd
-    recording (the op has no backward): ATen's GEMM on :func:`reassembled`."""
+    recording (the op has no backward): ATen's GEMM on :func:`reassembled`. An fp32 x under a
+    16-bit weight (a storage dtype: :func:`block_linear_weights`): y = x @ float(W) + b in
+    fp32, nothing rounded (the op's widening loops, or ATen's fp32 GEMM on the weight widened
+    as it is reassembled past :data:`NATIVE_ROWS` rows). ``native_op=False`` (the extension
+    does not build, or is opted out: :func:`native_half_ready`): ATen's GEMM on
+    :func:`reassembled` always (correct, and slower)."""
     from shardwise.kernels.cpu import native
 
     *lead, k = x.shape
     rows = x.reshape(-1, k)  # [M, K]
     grad = torch.is_grad_enabled() and (x.requires_grad or blocked.requires_grad)
-    if x.dtype == blocked.dtype and not grad:
+    if native_op and x.dtype in (blocked.dtype, torch.float32) and not grad:
         out = native.cpu_blocked_linear(rows, blocked, bias, n)
-    else:
-        out = F.linear(rows, reassembled(blocked, n).t(), bias)
+    else:  # the weight widened exactly to x's dtype where it is wider (fp32 compute)
+        out = F.linear(rows, reassembled(blocked, n).t().to(rows.dtype), bias)
     return out.reshape(*lead, n)
 
 
@@ -170,15 +178,21 @@ class BlockedLinear:
     """Instance-level ``forward`` of a linear layer (``nn.Linear``, or transformers' ``Conv1D``)
     whose weight Parameter holds :func:`block_weight`'s layout: ``x @ W.T + b`` (``x @ W + b``
     for ``Conv1D``), read from those blocks by eager and compiled code alike (fp32:
-    :func:`blocked_matmul`; bf16/fp16: :func:`half_blocked_linear`)."""
+    :func:`blocked_matmul`; bf16/fp16: :func:`half_blocked_linear`, by the native op where
+    :func:`native_half_ready` said so when the weight was laid out). ``plain_dtype``: the
+    dtype the weight had before a storage dtype narrowed it (None: not narrowed), which the
+    undo of a split (:meth:`split_views`) restores too."""
 
-    def __init__(self, module: nn.Module, out_features: int) -> None:
-        self.module, self.out_features = module, out_features
+    def __init__(self, module: nn.Module, out_features: int,
+                 plain_dtype: torch.dtype | None = None) -> None:
+        self.module, self.out_features, self.plain_dtype = module, out_features, plain_dtype
+        self.native_op = module.weight.dtype not in HALF_DTYPES or native_half_ready()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         module = self.module
         if module.weight.dtype in HALF_DTYPES:
-            return half_blocked_linear(x, module.weight, module.bias, self.out_features)
+            return half_blocked_linear(x, module.weight, module.bias, self.out_features,
+                                       self.native_op)
         out = blocked_matmul(x, module.weight, self.out_features)
         return out if module.bias is None else out + module.bias
 
@@ -200,8 +214,9 @@ class BlockedLinear:
             count = -(-width // block)
             with torch.no_grad():
                 part.weight.data = blocked.detach()[start:start + count]
-            _record_blocked(part.weight, width, conv=False)
-            set_forward(part, BlockedLinear(part, width), "blocked-layout forward")
+            _record_blocked(part.weight, width, conv=False, plain_dtype=self.plain_dtype)
+            set_forward(part, BlockedLinear(part, width, self.plain_dtype),
+                        "blocked-layout forward")
             add_hook(part.register_state_dict_post_hook(PlainLayoutInStateDict(width, True)),
                      "plain-layout state_dict hook of Linear")
             start += count
@@ -214,15 +229,17 @@ class BlockedLinear:
 class BlockedEmbedding:
     """Instance-level ``forward`` of an ``nn.Embedding`` whose weight (tied to an output head
     laid out by :func:`block_weight`) holds those blocks: row ``v`` is column ``v`` of the
-    head's ``mat2``, i.e. ``blocks[v // BLOCK_N, :, v % BLOCK_N]``."""
+    head's ``mat2``, i.e. ``blocks[v // BLOCK_N, :, v % BLOCK_N]``, widened to ``dtype`` when
+    the blocks are stored narrower than the compute dtype (None: as stored)."""
 
-    def __init__(self, module: nn.Module) -> None:
-        self.module = module
+    def __init__(self, module: nn.Module, dtype: torch.dtype | None = None) -> None:
+        self.module, self.dtype = module, dtype
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
         blocks = self.module.weight  # [Nb, K, block]
         block = blocks.shape[-1]
-        return blocks[ids // block, :, ids % block]  # [..., K]
+        rows = blocks[ids // block, :, ids % block]  # [..., K]
+        return rows if self.dtype is None else rows.to(self.dtype)
 
     def __repr__(self) -> str:
         return "BlockedEmbedding()"
@@ -245,15 +262,17 @@ def gemm_like(module: nn.Module) -> bool:
             and isinstance(getattr(module, "out_features", None), int))
 
 
-def _blockable(module: nn.Module) -> bool:
+def _blockable(module: nn.Module, weight_dtype: torch.dtype | None = None) -> bool:
     """A plain fp32 linear on the CPU, with no forward of its own (not already patched), or a
     bf16/fp16 one where the native kernel that reads 16-bit blocks builds
-    (:func:`native_half_ready`)."""
+    (:func:`native_half_ready`). With a storage dtype (``weight_dtype``): fp32 ones only."""
     if "forward" in module.__dict__ or not (type(module) is nn.Linear or _is_conv1d(module)):
         return False
     w = getattr(module, "weight", None)
     if not (isinstance(w, torch.Tensor) and w.dim() == 2 and w.device.type == "cpu"):
         return False
+    if weight_dtype is not None:
+        return w.dtype == torch.float32
     return w.dtype == torch.float32 or (w.dtype in HALF_DTYPES and native_half_ready())
 
 
@@ -267,7 +286,8 @@ def native_half_ready() -> bool:
     return native.load()
 
 
-def block_linear_weights(linears: list[nn.Module], embedding: nn.Module | None = None) -> int:
+def block_linear_weights(linears: list[nn.Module], embedding: nn.Module | None = None,
+                         weight_dtype: torch.dtype | None = None) -> int:
     """Lay out the weights of ``linears`` (the modules the decode step calls) for the C++ GEMM
     template, in place and instance-scoped: each weight Parameter's data becomes
     :func:`block_weight` of it and the module gets a :class:`BlockedLinear` forward. The old
@@ -276,30 +296,35 @@ def block_linear_weights(linears: list[nn.Module], embedding: nn.Module | None =
     head); it gets a :class:`BlockedEmbedding` forward, or, when it cannot, that linear is left
     as it is. Modules that are not plain ``nn.Linear``/``Conv1D`` with an fp32 weight (or a
     16-bit one: :func:`_blockable`) are left as they are.
+    ``weight_dtype`` (bf16 or fp16, a storage dtype): the fp32 weights are laid out in it,
+    each rounded once, and run under fp32 activations (:func:`half_blocked_linear`); a tied
+    embedding's rows are widened back to fp32 as they are looked up.
     Each laid-out module gets a :class:`PlainLayoutInStateDict` hook, so its ``state_dict``
-    (and ``save_pretrained``) still holds the usual layout. Returns the number of linears laid
-    out.
+    (and ``save_pretrained``) still holds the usual layout (in the dtype stored). Returns the
+    number of linears laid out.
 
     Inside ``init_inference`` (a ledger recording: :mod:`shardwise.ledger`) every change is
     recorded — the forwards, the hooks, and each weight's new layout with an undo that lays the
-    plain one out again from the blocked tensor (:func:`relay_plain_weight`) — so undoing needs
-    no copy of the weights as they were."""
+    plain one out again from the blocked tensor (:func:`relay_plain_weight`; widened back to
+    fp32 after a storage dtype) — so undoing needs no copy of the weights as they were."""
     tied = embedding.weight if embedding is not None else None
     done = 0
     for module in linears:
-        if not _blockable(module):
+        if not _blockable(module, weight_dtype):
             continue
         w = module.weight
         if tied is not None and w is tied and not _embedding_blockable(embedding, module):
             continue
         conv = _is_conv1d(module)
-        n = _lay_out_blocked(w, conv)
-        set_forward(module, BlockedLinear(module, n), "blocked-layout forward")
+        plain_dtype = w.dtype if weight_dtype is not None else None
+        n = _lay_out_blocked(w, conv, weight_dtype)
+        set_forward(module, BlockedLinear(module, n, plain_dtype), "blocked-layout forward")
         hook = PlainLayoutInStateDict(n, transpose=not conv)
         add_hook(module.register_state_dict_post_hook(hook),
                  f"plain-layout state_dict hook of {type(module).__name__}")
         if tied is not None and w is tied:
-            set_forward(embedding, BlockedEmbedding(embedding), "blocked-layout forward")
+            set_forward(embedding, BlockedEmbedding(embedding, plain_dtype),
+                        "blocked-layout forward")
             add_hook(embedding.register_state_dict_post_hook(
                 PlainLayoutInStateDict(n, transpose=True)),
                 "plain-layout state_dict hook of Embedding")
@@ -307,36 +332,47 @@ def block_linear_weights(linears: list[nn.Module], embedding: nn.Module | None =
     return done
 
 
-def _lay_out_blocked(weight: nn.Parameter, conv: bool) -> int:
+def _lay_out_blocked(weight: nn.Parameter, conv: bool,
+                     weight_dtype: torch.dtype | None = None) -> int:
     """Re-point ``weight``'s data to :func:`block_weight` of its product operand (``Conv1D``'s
-    [K, N] as it is, a linear's [N, K] transposed), recorded with the undo that lays the plain
-    layout out again from what the weight then holds. Returns N (the output width)."""
+    [K, N] as it is, a linear's [N, K] transposed), in ``weight_dtype`` when given (rounded
+    once), recorded with the undo that lays the plain layout out again from what the weight
+    then holds. Returns N (the output width)."""
     mat2 = weight.detach() if conv else weight.detach().t()  # [K, N]
     n = mat2.shape[1]
+    plain_dtype = weight.dtype
     with torch.no_grad():
-        weight.data = block_weight(mat2)
-    _record_blocked(weight, n, conv)
+        blocked = block_weight(mat2)
+        weight.data = blocked if weight_dtype is None else blocked.to(weight_dtype)
+    _record_blocked(weight, n, conv, plain_dtype if weight_dtype is not None else None)
     return n
 
 
-def _record_blocked(weight: nn.Parameter, n: int, conv: bool) -> None:
+def _record_blocked(weight: nn.Parameter, n: int, conv: bool,
+                    plain_dtype: torch.dtype | None = None) -> None:
     """Record that ``weight`` (N = ``n``) now holds blocks, with the undo that lays the plain
-    layout out again from them (:func:`relay_plain_weight`)."""
+    layout out again from them (:func:`relay_plain_weight`), widened back to ``plain_dtype``
+    when a storage dtype narrowed it."""
     blocked = (weight.data_ptr(), tuple(weight.shape))  # no reference: the undo holds no tensor
+    how = ("exactly" if plain_dtype is None else
+           f"stored as {str(weight.dtype).removeprefix('torch.')}: widened back to "
+           f"{str(plain_dtype).removeprefix('torch.')}, the rounding kept (lossy)")
     record(f"linear weight ({weight.shape[1]} in, {n} out) laid out in blocks of "
-           f"{weight.shape[2]} columns (re-laid from the blocks, exactly)",
-           lambda: relay_plain_weight(weight, n, conv, blocked))
+           f"{weight.shape[2]} columns (re-laid from the blocks, {how})",
+           lambda: relay_plain_weight(weight, n, conv, blocked, plain_dtype))
 
 
 def relay_plain_weight(weight: nn.Parameter, n: int, conv: bool,
-                       blocked: tuple[int, tuple[int, ...]] | None = None) -> bool:
+                       blocked: tuple[int, tuple[int, ...]] | None = None,
+                       plain_dtype: torch.dtype | None = None) -> bool:
     """:func:`block_linear_weights`'s undo for one weight: its data laid out plainly again —
     [K, N] for ``Conv1D``, [N, K] (contiguous) for a linear or a tied embedding — from the
-    blocks it holds (bit for bit: the layout moves values, it never computes them). The blocked
-    tensor is freed as the plain one replaces it: at most one weight's two layouts exist at
-    once. ``blocked``: (data pointer, shape) the weight held once laid out; if it holds anything
-    else by now (something restored it already), it is left as it is. Returns whether it was
-    re-laid."""
+    blocks it holds (bit for bit: the layout moves values, it never computes them; in
+    ``plain_dtype`` when given, the widening of a storage dtype, exact from what is stored).
+    The blocked tensor is freed as the plain one replaces it: at most one weight's two layouts
+    exist at once. ``blocked``: (data pointer, shape) the weight held once laid out; if it holds
+    anything else by now (something restored it already), it is left as it is. Returns whether
+    it was re-laid."""
     if blocked is not None and (weight.data_ptr(), tuple(weight.shape)) != blocked:
         return False
     if conv:
@@ -344,6 +380,8 @@ def relay_plain_weight(weight: nn.Parameter, n: int, conv: bool,
     else:
         nb, k, block = weight.shape
         plain = weight.detach().transpose(1, 2).reshape(nb * block, k)[:n]  # [N, K], contiguous
+    if plain_dtype is not None:
+        plain = plain.to(plain_dtype)
     with torch.no_grad():
         weight.data = plain
     return True
@@ -352,5 +390,3 @@ def relay_plain_weight(weight: nn.Parameter, n: int, conv: bool,
 def _embedding_blockable(embedding: nn.Module, head: nn.Module) -> bool:
     return (type(embedding) is nn.Embedding and "forward" not in embedding.__dict__
             and type(head) is nn.Linear and embedding.max_norm is None)
-
-

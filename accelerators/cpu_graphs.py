@@ -23,7 +23,8 @@ import torch
 from shardwise import _torch_private as private
 from shardwise.accelerator import GraphStrategy
 from shardwise.accelerators import cpu_precompile as precompile
-from shardwise.accelerators.cpu_blocked_layout import block_linear_weights, gemm_like
+from shardwise.accelerators.cpu_blocked_layout import (HALF_DTYPES, block_linear_weights,
+                                                        gemm_like)
 from shardwise.accelerators.cpu_gemv import use_row_products
 from shardwise.graphs import StaticGraph, cache_dir, fresh_code, static_copies, static_outputs
 
@@ -205,7 +206,16 @@ class CpuCompileStrategy(GraphStrategy):
                 and self.linear == "cpp" else None)
         return self._options
 
-    def share_weights(self, linears: list, embedding=None) -> int:
+    @property
+    def weight_dtypes(self) -> tuple[torch.dtype, ...]:  # type: ignore[override]
+        """bf16 and fp16 unfrozen ``"cpp"`` (the default): fp32 linear weights laid out in 16
+        bits, multiplied by fp32 activations by the native op (``init_inference(weight_dtype=
+        ...)``; :func:`block_linear_weights`); none for a frozen strategy (its prepacked
+        copies are fp32)."""
+        return HALF_DTYPES if not self.freezing and self.linear == "cpp" else ()
+
+    def share_weights(self, linears: list, embedding=None,
+                      weight_dtype: torch.dtype | None = None) -> int:
         """Unfrozen ``linear="cpp"`` (the default): lay the fp32 linear weights out in blocks
         for the C++ GEMM template (:func:`block_linear_weights`), so the compiled step reads the
         model's own parameters; bf16/fp16 linear weights take the same blocks, read by the
@@ -214,10 +224,11 @@ class CpuCompileStrategy(GraphStrategy):
         the compiled step streams (:func:`~shardwise.accelerators.cpu_gemv.use_row_products`:
         ATen's and the template's bf16 GEMVs read far slower, which made bf16 slower than fp32).
         A frozen strategy keeps its own prepacked copies instead (the
-        parameters stay as they are: the prompt's eager forward reads them)."""
+        parameters stay as they are: the prompt's eager forward reads them). ``weight_dtype``
+        (one of :attr:`weight_dtypes`): the fp32 linear weights are laid out in it."""
         if self.freezing or self.linear != "cpp":
             return 0
-        blocked = block_linear_weights(linears, embedding)
+        blocked = block_linear_weights(linears, embedding, weight_dtype)
         gemms = sum(1 for m in linears if gemm_like(m))
         if blocked < gemms:  # e.g. quantized or plain-layout 16-bit linears: ATen's GEMMs too
             self._aten_gemms()

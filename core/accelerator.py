@@ -66,6 +66,11 @@ class GraphStrategy:
     #: compiled mixed steps (:mod:`shardwise.inject.slots`) read each chunk's place on the host
     #: inside such an op, so they are captured only where this is True.
     replays_host_code: ClassVar[bool] = False
+    #: Storage dtypes the strategy can keep the linear weights in under a wider compute dtype
+    #: (``init_inference(dtype=torch.float32, weight_dtype=...)``): its captured and eager code
+    #: multiply the compute dtype's activations by the narrower weights as they are stored
+    #: (:meth:`share_weights` lays them out so). Empty: none (the option is refused by name).
+    weight_dtypes: ClassVar[tuple[torch.dtype, ...]] = ()
 
     def capture(self, fn: Callable[..., torch.Tensor], *example_args: torch.Tensor) -> Callable:
         """Return ``fn`` itself: eager execution needs no capture."""
@@ -78,7 +83,9 @@ class GraphStrategy:
         code would otherwise keep its own copy of the weights (e.g. prepacked for its kernels)
         lays them out here, in place and instance-scoped, the way its captured code reads them,
         so captured and eager code share one copy. Returns the number of layers changed; the
-        base strategy changes none."""
+        base strategy changes none. Called with ``weight_dtype=`` (one of
+        :attr:`weight_dtypes`) only when the user asked for a storage dtype; a strategy that
+        declares none is never called with it."""
         return 0
 
     def keep_weight_layout(self) -> None:

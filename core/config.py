@@ -50,6 +50,17 @@ class InferenceConfig:
             ``None`` uses ``$SHARDWISE_ACCELERATOR`` or detection.
         dtype: compute dtype (torch dtype or ``"fp16"``/``"bf16"``/``"fp32"``/``"auto"``).
             ``None`` keeps the model's dtype; ``"auto"`` takes the accelerator's preferred one.
+        weight_dtype: storage dtype of the linear weights under a wider compute dtype,
+            ``torch.bfloat16``/``torch.float16`` (or ``"bf16"``/``"fp16"``) with an fp32
+            model: each weight is rounded to it once, and activations, norms, attention and the
+            residual stream stay fp32 (y = x @ float(W) + b, nothing else rounded: what
+            llama.cpp's F16/BF16 files run; ``dtype=torch.bfloat16`` instead rounds every
+            activation too). Half the weight bytes of fp32 at much closer to fp32's outputs
+            than a bf16 model. Kept by the graph strategy's weight layout, so it needs
+            ``enable_graph=True`` and an accelerator whose strategy lists the dtype in its
+            ``weight_dtypes`` (the CPU's: bf16 and fp16); not with ``quant`` (already a
+            weight format) or ``offload``. The tied input embedding (one table with the
+            head) is stored so too; untied embeddings stay fp32.
         tp_size: tensor-parallel degree (``tensor_parallel={"tp_size": N}`` or ``mp_size=N``).
             The world (torchrun's WORLD_SIZE) must equal it; each rank keeps ~1/N of the
             weights (see ``shardwise.sharding``).
@@ -110,6 +121,7 @@ class InferenceConfig:
 
     device: str | None = None
     dtype: torch.dtype | str | None = None
+    weight_dtype: torch.dtype | str | None = None
     tp_size: int = 1
     replace_with_kernel_inject: bool = False
     injection_policy: dict | None = None
@@ -169,14 +181,16 @@ class InferenceConfig:
         _check_offload(self)
         _check_injection(self)
         _check_quant(self)
+        _check_weight_dtype(self)
         self.moe = parse_moe(self.moe)
         _check_pipeline(self)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain values (dtype as its short name), e.g. for a benchmark's provenance."""
         out = dataclasses.asdict(self)
-        if isinstance(self.dtype, torch.dtype):
-            out["dtype"] = str(self.dtype).removeprefix("torch.")
+        for name in ("dtype", "weight_dtype"):
+            if isinstance(getattr(self, name), torch.dtype):
+                out[name] = str(getattr(self, name)).removeprefix("torch.")
         return out
 
 
@@ -371,6 +385,37 @@ def _check_quant(cfg: InferenceConfig) -> None:
     if int8:
         cfg.dtype = "auto"
     cfg.quant = parsed.to_dict() if parsed is not None else None
+
+
+#: The storage dtypes ``weight_dtype`` takes (under an fp32 compute dtype).
+WEIGHT_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def _check_weight_dtype(cfg: InferenceConfig) -> None:
+    """Validate ``weight_dtype`` against the other fields (the compute dtype and the
+    accelerator's graph strategy are checked again at init, once they are known)."""
+    if cfg.weight_dtype is None:
+        return
+    wd = parse_dtype(cfg.weight_dtype)
+    if wd not in WEIGHT_DTYPES:
+        raise ConfigError(f"weight_dtype {cfg.weight_dtype!r} is not a storage dtype shardwise "
+                          f"keeps weights in; use torch.bfloat16 or torch.float16 (under "
+                          f"dtype=torch.float32), or leave it None")
+    cfg.weight_dtype = wd
+    name = str(wd).removeprefix("torch.")
+    if isinstance(cfg.dtype, torch.dtype) and cfg.dtype != torch.float32:
+        raise ConfigError(f"weight_dtype={name} keeps {name} weights under fp32 activations; "
+                          f"dtype is {cfg.dtype} (must be torch.float32, or None for an fp32 "
+                          f"model). For {cfg.dtype} everywhere, drop weight_dtype")
+    if cfg.quant is not None:
+        raise ConfigError(f"weight_dtype={name} with quant=: quantization already sets the "
+                          f"weights' format; give one of them")
+    if cfg.offload is not None:
+        raise ConfigError(f"weight_dtype={name} with offload= is not supported yet (the "
+                          f"offloaded blobs hold the weights in the compute dtype); drop one")
+    if not cfg.enable_graph:
+        raise ConfigError(f"weight_dtype={name} is kept by the decode graphs' weight layout: "
+                          f"it needs enable_graph=True (and replace_with_kernel_inject=True)")
 
 
 def _check_injection(cfg: InferenceConfig) -> None:

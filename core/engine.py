@@ -601,7 +601,7 @@ def _build_engine(model: nn.Module | None, cfg: InferenceConfig) -> InferenceEng
         else:
             from .inject import enable_graphs
 
-            enable_graphs(model, accelerator)
+            enable_graphs(model, accelerator, cfg.weight_dtype)
     log.info("shardwise: %s on %s (%s)", type(model).__name__, device, dtype)
     engine = InferenceEngine(model, cfg, accelerator, communicator, device, dtype, report,
                              plan=plan)
@@ -798,7 +798,9 @@ def _check_later_steps(model: nn.Module, cfg: InferenceConfig, accelerator: Acce
         check_injection(model, accelerator, dtype, _max_tokens(cfg), device,
                         policy=plan.found_policy, heads=_injected_heads(plan))
     if cfg.enable_graph:  # a device that cannot capture in its current mode says so now
-        accelerator.graph_strategy()
+        strategy = accelerator.graph_strategy()
+        if cfg.weight_dtype is not None:
+            _check_weight_dtype(cfg.weight_dtype, dtype, strategy)
     if plan.stages is not None:  # every pipeline stage's weights against the free memory
         from .inject.cache import free_memory_of
         from .moe.block import decoder_layers
@@ -841,6 +843,19 @@ def _saved_quant_settings(cfg: InferenceConfig, desc: "_checkpoint.Description")
 
     ep_size = cfg.moe.ep_size if cfg.moe is not None else 1  # a wrong split: refused now
     cfg.quant = settings_for_checkpoint(desc, cfg.quant, cfg.tp_size, ep_size=ep_size)
+
+
+def _check_weight_dtype(weight_dtype: torch.dtype, dtype: torch.dtype, strategy) -> None:
+    """``weight_dtype`` needs an fp32 compute dtype (known once resolved) and a graph strategy
+    that keeps weights in it (:func:`~shardwise.inject.capture.check_weight_dtype`)."""
+    from .inject.capture import check_weight_dtype
+
+    name = str(weight_dtype).removeprefix("torch.")
+    if dtype != torch.float32:
+        raise ConfigError(f"weight_dtype={name} keeps {name} weights under fp32 activations, "
+                          f"and the model computes in {dtype}; pass dtype=torch.float32, or "
+                          f"drop weight_dtype")
+    check_weight_dtype(strategy, weight_dtype)
 
 
 def _saved_quantized(desc: "_checkpoint.Description | None") -> bool:

@@ -111,8 +111,9 @@ def test_native_blocked_linear_refuses_what_does_not_fit():
     blocked = layout.block_weight(w.t())  # [2, 16, 32]
     x = torch.randn(2, 16).bfloat16()
     cases = [
-        (x.float(), blocked, None, 40, "bfloat16 or float16"),
-        (x.half(), blocked, None, 40, "in x's dtype"),
+        (x, blocked.float(), None, 40, "weight must be bfloat16 or float16"),
+        (x.half(), blocked, None, 40, "in the weight's dtype, or float32"),
+        (x.double(), blocked, None, 40, "in the weight's dtype, or float32"),
         (torch.randn(2, 8).bfloat16(), blocked, None, 40, "x has 8 features"),
         (x, blocked, None, 80, "80 outputs do not fit 2 blocks"),
         (x, blocked[:, :, :16].contiguous(), None, 40, r"\[Nb, K, 32\]"),

@@ -123,9 +123,9 @@ class Pair:
     gguf: str | None                # key of GGUF_NAMES (None: none)
 
 
-def pairs_for(precisions: list[str], gguf_16: str) -> list[Pair]:
-    """The pairs of ``precisions`` (``32 16 8 4``)."""
-    table = {"32": Pair("32", "fp32", "f32"), "16": Pair("16", "bf16", gguf_16),
+def pairs_for(precisions: list[str], gguf_16: str, sw_16: str = "bf16") -> list[Pair]:
+    """The pairs of ``precisions`` (``32 16 8 4``); ``sw_16``: shardwise's 16-bit variant."""
+    table = {"32": Pair("32", "fp32", "f32"), "16": Pair("16", sw_16, gguf_16),
              "8": Pair("8", "int8", "q8_0"), "4": Pair("4", "int4", "q4_0")}
     return [table[p] for p in precisions]
 
@@ -134,6 +134,9 @@ def pairs_for(precisions: list[str], gguf_16: str) -> list[Pair]:
 SHARDWISE_VARIANTS: dict[str, dict[str, Any]] = {
     "fp32": {"dtype": torch.float32},
     "bf16": {"dtype": torch.bfloat16},
+    # 16-bit weights under fp32 activations (as llama.cpp's F16/BF16 files run)
+    "fp32-bf16w": {"dtype": torch.float32, "weight_dtype": torch.bfloat16},
+    "fp32-fp16w": {"dtype": torch.float32, "weight_dtype": torch.float16},
     "int8": {"dtype": torch.bfloat16, "quant": {"weight": {"num_bits": 8}}},
     "int4": {"dtype": torch.bfloat16, "quant": {"weight": {"num_bits": 4}}},
 }
@@ -576,6 +579,9 @@ def parse_args(argv):
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
     p.add_argument("--precisions", nargs="+", default=["32", "16", "8", "4"],
                    choices=["32", "16", "8", "4"])
+    p.add_argument("--sw-16", choices=["bf16", "fp32-bf16w", "fp32-fp16w"], default="bf16",
+                   help="shardwise's 16-bit variant: the bf16 model, or fp32 compute over "
+                        "bf16/fp16 weights (weight_dtype)")
     p.add_argument("--gguf-16", choices=["f16", "bf16"], default="f16",
                    help="llama.cpp's 16-bit file (default f16)")
     p.add_argument("--rounds", type=int, default=5, help="timed rounds (each variant once)")
@@ -636,7 +642,7 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     folder, name = prepare_model(args, work)
-    pairs = pairs_for(args.precisions, args.gguf_16)
+    pairs = pairs_for(args.precisions, args.gguf_16, args.sw_16)
     keys = [p.gguf for p in pairs if p.gguf]
     ggufs = build_ggufs(folder, name, keys, args, work)
 

@@ -225,7 +225,8 @@ def _stack(model: nn.Module) -> InjectedModel:
                       "replace_with_kernel_inject=True")
 
 
-def enable_graphs(model: nn.Module, accelerator: Accelerator) -> GraphStrategy:
+def enable_graphs(model: nn.Module, accelerator: Accelerator,
+                  weight_dtype: torch.dtype | None = None) -> GraphStrategy:
     """Step 7: capture the injected decode step, with the output head, by the accelerator's
     graph strategy (see the module docstring).
 
@@ -234,6 +235,10 @@ def enable_graphs(model: nn.Module, accelerator: Accelerator) -> GraphStrategy:
     decode step runs eagerly and one line says so. An accelerating one is tried at once on a
     one-sequence step (that graph is kept for batch size 1), so a strategy that cannot capture
     fails here, at init, with its reason — not in the middle of a generate.
+
+    ``weight_dtype``: a storage dtype for the linear weights under the (wider) compute dtype,
+    one of the strategy's ``weight_dtypes`` (a ConfigError otherwise): its ``share_weights``
+    lays them out in it (``init_inference(weight_dtype=...)``).
     """
     stack, strategy = stack_and_strategy(model, accelerator)
     if not strategy.accelerates:
@@ -241,7 +246,7 @@ def enable_graphs(model: nn.Module, accelerator: Accelerator) -> GraphStrategy:
     head = output_head(model)
     if stack.stage is not None and not stack.stage.plan.last:
         head = None  # another pipeline stage runs the head (this one holds a stand-in)
-    _share_weights(model, head, strategy, stack)
+    _share_weights(model, head, strategy, stack, weight_dtype)
     original = None
     if head is not None:
         original = head.forward
@@ -257,7 +262,8 @@ def enable_graphs(model: nn.Module, accelerator: Accelerator) -> GraphStrategy:
 
 
 def _share_weights(model: nn.Module, head: nn.Module | None, strategy: GraphStrategy,
-                   stack: InjectedModel | None = None) -> None:
+                   stack: InjectedModel | None = None,
+                   weight_dtype: torch.dtype | None = None) -> None:
     """Let the strategy lay the model's linear weights out for its captured code (one copy
     shared by eager and captured code; see ``GraphStrategy.share_weights``): every leaf module
     holding tensors once (a quantized linear holds its weight packed, as a buffer, and the
@@ -280,18 +286,35 @@ def _share_weights(model: nn.Module, head: nn.Module | None, strategy: GraphStra
 
     groups = list(stack_groups(stack)) if stack is not None else []
     # the captured step calls each fused group's module, not its parts (their tensors are views)
-    changed = strategy.share_weights(layout_targets([m for m in leaves if m is not embed],
-                                                    groups), tied)
+    targets = layout_targets([m for m in leaves if m is not embed], groups)
+    if weight_dtype is not None:
+        check_weight_dtype(strategy, weight_dtype)
+        changed = strategy.share_weights(targets, tied, weight_dtype=weight_dtype)
+    else:
+        changed = strategy.share_weights(targets, tied)
     for group in groups:
         group.follow_layout()
-    changed += _unfuse_where_slower(stack, groups, strategy)
+    changed += _unfuse_where_slower(stack, groups, strategy, weight_dtype)
     if changed:
         log.info("shardwise: %d linear weights laid out for %s (shared by eager and captured "
                  "code)", changed, strategy.name)
 
 
-def _unfuse_where_slower(stack: InjectedModel | None, groups: list,
-                         strategy: GraphStrategy) -> int:
+def check_weight_dtype(strategy: GraphStrategy, weight_dtype: torch.dtype) -> None:
+    """Refuse a storage dtype the graph strategy cannot keep the weights in (its
+    ``weight_dtypes``), naming what it can."""
+    allowed = tuple(strategy.weight_dtypes)
+    if weight_dtype not in allowed:
+        names = ", ".join(str(d).removeprefix("torch.") for d in allowed) or "none"
+        raise ConfigError(
+            f"weight_dtype={str(weight_dtype).removeprefix('torch.')}: the graph strategy "
+            f"{strategy.name!r} cannot keep the linear weights in it under a wider compute "
+            f"dtype (it can: {names}); drop weight_dtype, or use dtype="
+            f"{str(weight_dtype).removeprefix('torch.')} for the whole model")
+
+
+def _unfuse_where_slower(stack: InjectedModel | None, groups: list, strategy: GraphStrategy,
+                         weight_dtype: torch.dtype | None = None) -> int:
     """Put the fused groups whose module the strategy gave a forward that runs the parts faster
     one by one (its class says ``unfused_faster = True``, e.g. a product the compiled step
     streams per weight) back on their parts, and let the strategy lay those out instead.
@@ -306,7 +329,10 @@ def _unfuse_where_slower(stack: InjectedModel | None, groups: list,
             layer.unfuse_projections()
     log.info("shardwise: %d fused projections run unfused under %s (its product is faster per "
              "part)", len(slower), strategy.name)
-    return strategy.share_weights([p for g in slower for p in g.parts], None)
+    parts = [p for g in slower for p in g.parts]
+    if weight_dtype is not None:
+        return strategy.share_weights(parts, None, weight_dtype=weight_dtype)
+    return strategy.share_weights(parts, None)
 
 
 def trial_step(stack: InjectedModel, graphs: DecodeGraphs) -> None:

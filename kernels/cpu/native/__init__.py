@@ -54,7 +54,7 @@ SOURCES = tuple(Path(__file__).with_name(f) for f in ("quant.cpp", "attention.cp
 #: Extension (and cache folder) name; bump when an op's schema changes or an op is added (or
 #: when ``scratch.h``, which the sources include, changes: torch keys its cached build on the
 #: sources).
-NAME = "shardwise_cpu_native_v6"
+NAME = "shardwise_cpu_native_v7"
 
 #: What runs instead when the extension is not usable (the log line says it).
 FALLBACK = ("int8/int4 use torch's packed kernels, 16-bit linears of CPU graphs the compiled row "
@@ -155,9 +155,10 @@ def cpu_qlinear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
 
 def cpu_blocked_linear(x: torch.Tensor, blocked: torch.Tensor, bias: torch.Tensor | None,
                        n: int) -> torch.Tensor:
-    """``torch.ops.shardwise_native.cpu_blocked_linear``: x [M, K] (bf16 / fp16) times the
-    16-bit weight laid out in column blocks [Nb, K, 32] (``half.cpp``'s header), plus ``bias``
-    [n], → [M, n] in x's dtype; call only after :func:`load` returned True."""
+    """``torch.ops.shardwise_native.cpu_blocked_linear``: x [M, K] (in the weight's dtype, or
+    fp32) times the 16-bit weight laid out in column blocks [Nb, K, 32] (``half.cpp``'s
+    header), plus ``bias`` [n], → [M, n] in x's dtype (an fp32 x: nothing rounded, the weight
+    widened exactly); call only after :func:`load` returned True."""
     return torch.ops.shardwise_native.cpu_blocked_linear(x, blocked, bias, n)
 
 

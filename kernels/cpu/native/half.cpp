@@ -13,7 +13,8 @@
 //   y[m, n] = round_to_dtype(sum_k float(x[m, k]) * float(w[n, k]) + float(bias[n]))
 // products and sums in float32 (16-bit x 16-bit products are exact there), the bias added in
 // float32, rounded once to nearest even (as F.linear / oneDNN's 16-bit GEMMs; only the order of
-// the sum differs).
+// the sum differs). A float32 x (16-bit weights under fp32 compute: ``weight_dtype``) is not
+// rounded at all: y = x @ float(w) + bias in float32, the weight widened exactly.
 // Why not ATen: its 16-bit GEMV and small-M GEMMs read the plain [N, K] weight at well under
 // the copy bandwidth (benchmarks/README.md, "bf16 decode on the CPU").
 
@@ -34,6 +35,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <type_traits>
 
 namespace {
 
@@ -82,10 +84,11 @@ struct F16 {
   }
 };
 
-// Columns 0..15 (c0) and 16..31 (c1) of one output row: + bias (float [32] or null), narrowed
-// to 16 bits, the first ``valid`` stored at ``out``.
-template <typename T>
-inline void store_columns(__m512 c0, __m512 c1, const float* bias, uint16_t* out, int valid) {
+// Columns 0..15 (c0) and 16..31 (c1) of one output row: + bias (float [32] or null), the first
+// ``valid`` stored at ``out``: narrowed to 16 bits (O = uint16_t) or as floats (O = float: an
+// fp32 x against 16-bit weights, nothing rounded).
+template <typename T, typename O>
+inline void store_columns(__m512 c0, __m512 c1, const float* bias, O* out, int valid) {
   const __mmask16 m0 = valid >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << valid) - 1);
   const __mmask16 m1 = valid >= 32 ? 0xFFFF
                        : valid <= 16 ? 0 : static_cast<__mmask16>((1u << (valid - 16)) - 1);
@@ -93,16 +96,21 @@ inline void store_columns(__m512 c0, __m512 c1, const float* bias, uint16_t* out
     c0 = _mm512_add_ps(c0, _mm512_maskz_loadu_ps(m0, bias));
     c1 = _mm512_add_ps(c1, _mm512_maskz_loadu_ps(m1, bias + 16));
   }
-  _mm256_mask_storeu_epi16(out, m0, T::narrow(c0));
-  _mm256_mask_storeu_epi16(out + 16, m1, T::narrow(c1));
+  if constexpr (std::is_same_v<O, float>) {
+    _mm512_mask_storeu_ps(out, m0, c0);
+    _mm512_mask_storeu_ps(out + 16, m1, c1);
+  } else {
+    _mm256_mask_storeu_epi16(out, m0, T::narrow(c0));
+    _mm256_mask_storeu_epi16(out + 16, m1, T::narrow(c1));
+  }
 }
 
 // Rows [0, MB) of x (float [MB][K], row stride K) against one block's weights w [K][32]:
-// out[m][0..valid) = the float sums (+ bias, float [32] or null), narrowed to 16 bits.
+// out[m][0..valid) = the float sums (+ bias, float [32] or null), stored as O (store_columns).
 // One row keeps two chains per vector (FMA latency, not the loads, bounds a single chain).
-template <typename T, int MB>
+template <typename T, int MB, typename O>
 inline void block_rows(const uint16_t* w, const float* x, int64_t K, const float* bias,
-                       uint16_t* out, int64_t ldo, int valid) {
+                       O* out, int64_t ldo, int valid) {
   constexpr int C = MB == 1 ? 2 : 1;
   __m512 acc_a[MB][C], acc_b[MB][C];
   for (int m = 0; m < MB; ++m)
@@ -140,10 +148,10 @@ inline void block_rows(const uint16_t* w, const float* x, int64_t K, const float
       b = _mm512_add_ps(b, acc_b[m][c]);
     }
     if constexpr (T::kInterleaved)
-      store_columns<T>(_mm512_permutex2var_ps(a, lo, b), _mm512_permutex2var_ps(a, hi, b), bias,
-                       out + m * ldo, valid);
+      store_columns<T, O>(_mm512_permutex2var_ps(a, lo, b), _mm512_permutex2var_ps(a, hi, b),
+                          bias, out + m * ldo, valid);
     else
-      store_columns<T>(a, b, bias, out + m * ldo, valid);
+      store_columns<T, O>(a, b, bias, out + m * ldo, valid);
   }
 }
 
@@ -188,23 +196,24 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"))) inline void block_rows_do
   const __m512i c0 = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
   const __m512i c1 = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
   for (int m = 0; m < MB; ++m)
-    store_columns<BF16>(_mm512_permutex2var_ps(acc_lo[m], c0, acc_hi[m]),
+    store_columns<BF16, uint16_t>(_mm512_permutex2var_ps(acc_lo[m], c0, acc_hi[m]),
                         _mm512_permutex2var_ps(acc_lo[m], c1, acc_hi[m]), bias, out + m * ldo,
                         valid);
 }
 
 // For each block of 32 output columns (split over the threads), x's rows in chunks of 8 / 4 /
 // 2 / 1, each chunk reusing the block's weights (16-64 KiB per 1k of K: L2):
-// ``Rows::run<MB>(block weights, rows of x, K, bias, out, ldo, valid)``. x: XS [M, K].
-template <typename Rows, typename XS>
+// ``Rows::run<MB>(block weights, rows of x, K, bias, out, ldo, valid)``. x: XS [M, K], out:
+// OS [M, n].
+template <typename Rows, typename XS, typename OS>
 void for_each_block(const XS* x, int64_t M, int64_t K, const uint16_t* w, int64_t nb,
-                    const float* bias, int64_t n, uint16_t* out) {
+                    const float* bias, int64_t n, OS* out) {
   at::parallel_for(0, nb, 1, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const int valid = static_cast<int>(std::min<int64_t>(BLOCK, n - r * BLOCK));
       const uint16_t* wr = w + r * K * BLOCK;
       const float* br = bias ? bias + r * BLOCK : nullptr;
-      uint16_t* o = out + r * BLOCK;
+      OS* o = out + r * BLOCK;
       int64_t m = 0;
       for (; m + 8 <= M; m += 8) Rows::template run<8>(wr, x + m * K, K, br, o + m * n, n, valid);
       for (; m + 4 <= M; m += 4) Rows::template run<4>(wr, x + m * K, K, br, o + m * n, n, valid);
@@ -216,31 +225,39 @@ void for_each_block(const XS* x, int64_t M, int64_t K, const uint16_t* w, int64_
 
 template <typename T>
 struct WideningRows {
-  template <int MB>
-  static void run(const uint16_t* w, const float* x, int64_t K, const float* bias, uint16_t* out,
+  template <int MB, typename O>
+  static void run(const uint16_t* w, const float* x, int64_t K, const float* bias, O* out,
                   int64_t ldo, int valid) {
-    block_rows<T, MB>(w, x, K, bias, out, ldo, valid);
+    block_rows<T, MB, O>(w, x, K, bias, out, ldo, valid);
   }
 };
 
 struct DotRows {
-  template <int MB>
-  static void run(const uint16_t* w, const uint16_t* x, int64_t K, const float* bias,
-                  uint16_t* out, int64_t ldo, int valid) {
+  template <int MB, typename O>
+  static void run(const uint16_t* w, const uint16_t* x, int64_t K, const float* bias, O* out,
+                  int64_t ldo, int valid) {
+    static_assert(std::is_same_v<O, uint16_t>, "the dot loops take bf16 x and give bf16");
     block_rows_dot<MB>(w, x, K, bias, out, ldo, valid);
   }
 };
 
-// x (bf16 / fp16) widened to float once into ``xf`` [M, K], then the widening loops.
+// The widening loops over T weights. x float: read as it is, the output float (nothing
+// rounded); x in T's dtype: widened to float once into ``xf`` [M, K], the output narrowed.
 template <typename T>
 void run_widening(const at::Tensor& x, const at::Tensor& w, const float* bias, int64_t n,
                   at::Tensor& out, float* xf) {
   using S = typename T::Scalar;
   const int64_t M = x.size(0), K = x.size(1);
+  const auto* wp = reinterpret_cast<const uint16_t*>(w.data_ptr());
+  if (x.scalar_type() == at::kFloat) {
+    for_each_block<WideningRows<T>>(x.data_ptr<float>(), M, K, wp, w.size(0), bias, n,
+                                    out.data_ptr<float>());
+    return;
+  }
   const S* xs = x.data_ptr<S>();
   for (int64_t i = 0; i < M * K; ++i) xf[i] = static_cast<float>(xs[i]);
-  for_each_block<WideningRows<T>>(xf, M, K, reinterpret_cast<const uint16_t*>(w.data_ptr()),
-                                  w.size(0), bias, n, reinterpret_cast<uint16_t*>(out.data_ptr()));
+  for_each_block<WideningRows<T>>(xf, M, K, wp, w.size(0), bias, n,
+                                  reinterpret_cast<uint16_t*>(out.data_ptr()));
 }
 
 void run_bf16_dot(const at::Tensor& x, const at::Tensor& w, const float* bias, int64_t n,
@@ -260,18 +277,19 @@ bool bf16_dot() {
 }
 
 // More rows than NATIVE_ROWS: ATen's GEMM (fp32 accumulation, bias inside, one rounding) on the
-// plain [K, n] weight, reassembled into the thread's scratch from the blocks.
+// plain [K, n] weight, reassembled into the thread's scratch from the blocks, in x's dtype (a
+// float x: the 16-bit weight widened, exactly, as it is copied).
 at::Tensor reassembled_linear(const at::Tensor& x, const at::Tensor& blocked,
                               const std::optional<at::Tensor>& bias, int64_t n) {
   const int64_t nb = blocked.size(0), K = blocked.size(1);
   // the thread's scratch (scratch.h): a fresh weight-sized tensor per call costs its page
   // faults (~2 GB/s here, where the copy into memory already touched runs at ~6); a weight
   // over SCRATCH_MAX_BYTES (an output head) gets a transient tensor, so no thread keeps that
-  const int64_t bytes = blocked.numel() * blocked.element_size();
-  at::Tensor plain =
-      bytes > SCRATCH_MAX_BYTES
-          ? at::empty({K, nb, BLOCK}, blocked.options())
-          : at::from_blob(shardwise_native::scratch_bytes(bytes), {K, nb, BLOCK}, blocked.options());
+  const auto opts = blocked.options().dtype(x.scalar_type());
+  const int64_t bytes = blocked.numel() * static_cast<int64_t>(x.element_size());
+  at::Tensor plain = bytes > SCRATCH_MAX_BYTES
+                         ? at::empty({K, nb, BLOCK}, opts)
+                         : at::from_blob(shardwise_native::scratch_bytes(bytes), {K, nb, BLOCK}, opts);
   plain.copy_(blocked.transpose(0, 1));
   const at::Tensor mat2 = plain.view({K, nb * BLOCK}).narrow(1, 0, n);  // [K, n]
   if (bias.has_value() && bias->defined())
@@ -282,24 +300,28 @@ at::Tensor reassembled_linear(const at::Tensor& x, const at::Tensor& blocked,
 at::Tensor cpu_blocked_linear(const at::Tensor& x, const at::Tensor& blocked,
                               const std::optional<at::Tensor>& bias, int64_t n) {
   TORCH_CHECK(x.dim() == 2, "cpu_blocked_linear: x must be [M, K]");
-  const auto dt = x.scalar_type();
-  TORCH_CHECK(dt == at::kBFloat16 || dt == at::kHalf,
-              "cpu_blocked_linear: x must be bfloat16 or float16");
-  TORCH_CHECK(blocked.scalar_type() == dt && blocked.dim() == 3 && blocked.size(2) == BLOCK &&
-                  blocked.is_contiguous(),
-              "cpu_blocked_linear: the weight must be contiguous [Nb, K, 32] in x's dtype");
+  const auto dt = x.scalar_type(), wt = blocked.scalar_type();
+  TORCH_CHECK(wt == at::kBFloat16 || wt == at::kHalf,
+              "cpu_blocked_linear: the weight must be bfloat16 or float16");
+  TORCH_CHECK(dt == wt || dt == at::kFloat,
+              "cpu_blocked_linear: x must be in the weight's dtype, or float32");
+  TORCH_CHECK(blocked.dim() == 3 && blocked.size(2) == BLOCK && blocked.is_contiguous(),
+              "cpu_blocked_linear: the weight must be contiguous [Nb, K, 32]");
   const int64_t M = x.size(0), K = x.size(1);
   TORCH_CHECK(blocked.size(1) == K, "cpu_blocked_linear: x has ", K,
               " features, the weight ", blocked.size(1));
   TORCH_CHECK(n > 0 && (n + BLOCK - 1) / BLOCK == blocked.size(0),
               "cpu_blocked_linear: ", n, " outputs do not fit ", blocked.size(0), " blocks");
   const at::Tensor xc = x.contiguous();
+  // a float x keeps its products exact: the widening loops (the dot loops would round it)
   const bool dot = dt == at::kBFloat16 && bf16_dot();
   if (M > NATIVE_ROWS && !dot) return reassembled_linear(xc, blocked, bias, n);
   // scratch: x as float [M, K], then the bias as float [Nb * 32] (zero-padded)
   const int64_t padded = blocked.size(0) * BLOCK;
   const bool has_bias = bias.has_value() && bias->defined();
-  const int64_t xfloats = dot ? 0 : M * K;  // the dot path reads x as it is
+  // the widening loops read a 16-bit x widened into scratch; a float x (and the dot loops' bf16
+  // x) is read as it is
+  const int64_t xfloats = dot || dt == at::kFloat ? 0 : M * K;
   float* xf = reinterpret_cast<float*>(
       shardwise_native::scratch_bytes((xfloats + (has_bias ? padded : 0)) * 4));
   float* bf = nullptr;
@@ -314,7 +336,7 @@ at::Tensor cpu_blocked_linear(const at::Tensor& x, const at::Tensor& blocked,
   if (M == 0) return out;
   if (dot)
     run_bf16_dot(xc, blocked, bf, n, out);
-  else if (dt == at::kBFloat16)
+  else if (wt == at::kBFloat16)
     run_widening<BF16>(xc, blocked, bf, n, out, xf);
   else
     run_widening<F16>(xc, blocked, bf, n, out, xf);
