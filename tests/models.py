@@ -4,6 +4,8 @@ test files share."""
 
 from __future__ import annotations
 
+import copy
+
 import torch
 import transformers
 from tokenizers import Tokenizer, models as tok_models, pre_tokenizers
@@ -33,6 +35,20 @@ def tiny_encoder(arch: str = "bert", seed: int = 0, head: str = "masked_lm",
     auto = {"masked_lm": transformers.AutoModelForMaskedLM, "base": transformers.AutoModel}[head]
     torch.manual_seed(seed)
     return auto.from_config(config, dtype=dtype).eval()
+
+
+def rounded_copy(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """``model`` (fp32) with every linear / ``Conv1D`` weight (and so an embedding table tied to
+    one) rounded once to ``dtype`` and widened back: what an engine with
+    ``weight_dtype=dtype`` must compute (tests/test_weight_dtype.py)."""
+    out = copy.deepcopy(model)
+    with torch.no_grad():
+        for module in out.modules():
+            w = getattr(module, "weight", None)
+            if (isinstance(w, torch.Tensor) and w.dim() == 2
+                    and not isinstance(module, torch.nn.Embedding)):
+                w.data = w.data.to(dtype).float()
+    return out
 
 
 def prompt_ids(batch: int = 1, length: int = 8, vocab: int = 256, seed: int = 1) -> torch.Tensor:

@@ -331,6 +331,11 @@ def test_default_run_is_injection_with_graphs_int8_and_int4_as_the_device_says()
     assert plan.variant_names == ["shardwise[int4,head]"]
     assert plan.variants[0].engine_options()["quant"] == {"weight": {"num_bits": 4},
                                                           "lm_head": True}
+    plan, *_ = _default_plan(["--dtype", "fp32", "--inject", "--graphs", "--weight-dtype",
+                              "fp16"])
+    assert plan.variant_names == ["shardwise[inject,graphs,fp16-weights]"]
+    assert plan.variants[0].engine_options()["weight_dtype"] == "fp16"
+    assert Plan.from_dict(json.loads(json.dumps(plan.to_dict()))) == plan
 
 
 def test_hf_loop_times_hfs_generate_around_the_injected_variants():

@@ -7,6 +7,8 @@ measured over every case (``pytest -s`` prints each; under load, x86-64, torch 2
 * fp32: logits within ``FP32_ATOL`` = 7e-7 of HF, on the prompt and along HF's 32-token greedy
   continuation (measured ≤ 3.6e-7 and ≤ 4.2e-7, falcon-7heads-mqa: the row-parallel all-reduce
   sums the two ranks' partial products), and identical greedy tokens.
+  With ``weight_dtype`` (16-bit weights under fp32 compute) the reference is the fp32 model with
+  its weights rounded once (tests/test_weight_dtype.py), to the same tolerance.
 * bf16: logits along HF's continuation within ``BF16_ATOL`` = 0.016 of HF bf16 (measured ≤
   0.0078, bloom; 0.0039 to 0.0059 for the rest) and teacher-forced agreement (tests/models.py)
   ≥ ``MIN_FORCED_AGREEMENT`` = 0.9 (measured ≥ 0.97, gptj; 1.0 for the rest).
@@ -19,7 +21,8 @@ import torch
 
 import shardwise
 from families import families
-from models import MIN_FORCED_AGREEMENT, prompt_ids, teacher_forced_agreement, tiny_causal_lm
+from models import (MIN_FORCED_AGREEMENT, prompt_ids, rounded_copy, teacher_forced_agreement,
+                    tiny_causal_lm)
 from tp_harness import TP, with_random_biases, case, digest, table_fixture
 
 FP32_ATOL = 7e-7
@@ -30,7 +33,7 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def _inject_case(rank: int, arch: str, dtype: torch.dtype, graphs: str | None = None,
-                 fuse: bool = True) -> dict:
+                 fuse: bool = True, weight_dtype: torch.dtype | None = None) -> dict:
     import os
 
     from shardwise.accelerators.cpu import CpuAccelerator
@@ -43,17 +46,20 @@ def _inject_case(rank: int, arch: str, dtype: torch.dtype, graphs: str | None = 
         CpuAccelerator.graph_strategy = lambda self: ReplayOnCpu()
     os.environ[FUSE_ENV] = "1" if fuse else "0"  # fused q|k|v and gate|up, or not
     try:
-        return _run_case(rank, arch, dtype, graphs)
+        return _run_case(rank, arch, dtype, graphs, weight_dtype)
     finally:
         CpuAccelerator.graph_strategy = original
         os.environ.pop(FUSE_ENV)
 
 
-def _run_case(rank: int, arch: str, dtype: torch.dtype, graphs: str | None) -> dict:
+def _run_case(rank: int, arch: str, dtype: torch.dtype, graphs: str | None,
+              weight_dtype: torch.dtype | None = None) -> dict:
     from shardwise.inject import InjectedModel
     from shardwise.inject.injector import injected_stack
 
     ref = with_random_biases(tiny_causal_lm(arch)).to(dtype)
+    if weight_dtype is not None:  # the oracle: the fp32 model with its weights rounded once
+        ref = rounded_copy(ref, weight_dtype)
     model = with_random_biases(tiny_causal_lm(arch))
     ids = prompt_ids(batch=2, length=8, vocab=ref.config.vocab_size)
     gen = dict(max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False, pad_token_id=0)
@@ -61,7 +67,8 @@ def _run_case(rank: int, arch: str, dtype: torch.dtype, graphs: str | None) -> d
         ref_logits, ref_tokens = ref(ids).logits.float(), ref.generate(ids, **gen)
     engine = shardwise.init_inference(model, device="cpu", dtype=dtype,
                                       replace_with_kernel_inject=True,
-                                      enable_graph=graphs is not None, **TP)
+                                      enable_graph=graphs is not None,
+                                      weight_dtype=weight_dtype, **TP)
     mine = ids if rank == 0 else torch.zeros_like(ids)  # the engine broadcasts rank 0's inputs
     logits = engine(input_ids=mine).logits.float()
     tokens = engine.generate(mine, **gen)
@@ -94,6 +101,9 @@ CASES["gpt_neo-fp32-graphs-replay"] = ("gpt_neo", torch.float32, "replay")  # lo
 # the CPU graph strategy itself: each rank compiles its step, all-reduces as an opaque op
 CASES["gpt2-fp32-graphs-compiled"] = ("gpt2", torch.float32, "compiled")
 CASES["llama-fp32-graphs-compiled"] = ("llama", torch.float32, "compiled")
+# 16-bit weights under fp32 compute (weight_dtype), each rank its shards: the rounded fp32 model
+CASES["llama-fp32-bf16-weights-graphs-compiled"] = ("llama", torch.float32, "compiled", True,
+                                                    torch.bfloat16)
 # fused q|k|v and gate|up (on by default: every case above with separate projections runs them
 # fused, each rank over its own shards) against the unfused projections
 CASES["llama-fp32-unfused"] = ("llama", torch.float32, None, False)
@@ -110,6 +120,7 @@ ranks = table_fixture(_inject_case, CASES, "inject_tp")
 def test_tp2_injection_matches_hf(ranks, name):
     r0, r1 = case(ranks, name)
     arch, dtype, graphs, *fuse = CASES[name]
+    fuse = fuse[:1]
     assert r0["injected"] and r1["injected"]
     fused = arch in SEPARATE_QKV and fuse != [False]
     assert r0["fused"]["q|k|v"] == r1["fused"]["q|k|v"] == (2 if fused else 0), r0["fused"]

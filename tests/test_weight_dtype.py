@@ -15,7 +15,6 @@ import copy
 
 import pytest
 import torch
-from torch import nn
 
 import shardwise
 from shardwise.accelerators import cpu_blocked_layout as layout
@@ -23,7 +22,7 @@ from shardwise.errors import ConfigError
 from shardwise.kernels.cpu import native
 from shardwise.kernels.reference.linear import blocked_linear as reference
 
-from models import prompt_ids, tiny_causal_lm
+from models import prompt_ids, rounded_copy, tiny_causal_lm
 
 NATIVE = native.load(respect_choice=False)
 needs_native = pytest.mark.skipif(not NATIVE, reason="the native CPU extension does not build "
@@ -31,19 +30,6 @@ needs_native = pytest.mark.skipif(not NATIVE, reason="the native CPU extension d
 #: fp32 logits of the engine against the rounded-weights oracle: the same products in fp32,
 #: summed in another order (the values are O(1), so this is a few fp32 ulps times K)
 ATOL = 1e-5
-
-
-def rounded_copy(model: nn.Module, dtype: torch.dtype) -> nn.Module:
-    """``model`` (fp32) with every linear / Conv1D weight and every embedding table tied to one
-    rounded once to ``dtype`` and widened back: what the engine must compute."""
-    out = copy.deepcopy(model)
-    with torch.no_grad():
-        for module in out.modules():
-            w = getattr(module, "weight", None)
-            if isinstance(w, torch.Tensor) and w.dim() == 2 and not isinstance(module,
-                                                                                nn.Embedding):
-                w.data = w.data.to(dtype).float()
-    return out
 
 
 @needs_native

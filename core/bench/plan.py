@@ -57,7 +57,9 @@ class Variant:
     quantizes the output head with ``quant`` (``lm_head: True``: a head tied to the input
     embeddings is stored once, quantized); ``hf_loop`` times Hugging Face's ``generate`` loop
     around the engine's step (``engine.generate(..., shardwise_fast_loop=False)``) instead of
-    shardwise's own decode loop, which an injected engine's ``generate`` runs by default."""
+    shardwise's own decode loop, which an injected engine's ``generate`` runs by default;
+    ``weight_dtype`` (``"bf16"``/``"fp16"``) keeps the linear weights in 16 bits under the
+    fp32 compute dtype (``init_inference(weight_dtype=...)``)."""
 
     dtype: str | None = None
     inject: bool = False
@@ -67,6 +69,7 @@ class Variant:
     offload: str | None = None
     quant_head: bool = False
     hf_loop: bool = False
+    weight_dtype: str | None = None
 
     def tags(self) -> list[str]:
         """The options as the words of the variant's name (``inject``, ``graphs``, ``int8``,
@@ -74,11 +77,15 @@ class Variant:
         return [t for t, on in (("inject", self.inject), ("graphs", self.graphs)) if on] + \
             ([self.quant] if self.quant else []) + (["head"] if self.quant_head else []) + \
             ([f"offload-{self.offload}"] if self.offload else []) + \
-            (["hf-loop"] if self.hf_loop else [])
+            (["hf-loop"] if self.hf_loop else []) + \
+            ([f"{self.weight_dtype}-weights"] if self.weight_dtype else [])
 
     def engine_options(self) -> dict[str, Any]:
         """The ``init_inference`` keywords of these options (dtype aside)."""
-        return engine_options(self.inject, self.graphs, self.quant, self.quant_head)
+        options = engine_options(self.inject, self.graphs, self.quant, self.quant_head)
+        if self.weight_dtype:
+            options["weight_dtype"] = self.weight_dtype
+        return options
 
 
 @dataclass

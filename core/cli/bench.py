@@ -68,6 +68,9 @@ def _add_variant_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", choices=["fp32", "fp16", "bf16", "auto"],
                    help="dtype of the shardwise variant and the HF baseline (default: the "
                         "model's own; auto: the device's preferred)")
+    g.add_argument("--weight-dtype", choices=["bf16", "fp16"],
+                   help="with --dtype fp32 --inject --graphs: the linear weights kept in 16 "
+                        "bits under fp32 activations (init_inference(weight_dtype=...))")
     g.add_argument("--tp", type=int, default=1, metavar="N",
                    help="tensor-parallel ranks, started through torch.distributed.run")
     g.add_argument("--ep", type=int, nargs="+", default=[1], metavar="N",
@@ -185,7 +188,7 @@ def _options(args: argparse.Namespace) -> dict:
 
 
 #: Options that pick the shardwise variant; with none of them the device's default set runs.
-VARIANT_OPTIONS = ("dtype", "inject", "graphs", "quant", "offload", "plain")
+VARIANT_OPTIONS = ("dtype", "inject", "graphs", "quant", "offload", "plain", "weight_dtype")
 #: Options that only --offload reads.
 OFFLOAD_ONLY_OPTIONS = ("nvme_path", "buffer_count")
 #: Options only a multi-node run (--nnodes > 1) reads.
@@ -313,7 +316,7 @@ def _described_variants(args: argparse.Namespace,
         return [Variant(dtype, ep=ep) for ep in eps], baseline or dtype, [note]
     if any(getattr(args, d) for d in VARIANT_OPTIONS):
         variant = Variant(dtype, args.inject, args.graphs, args.quant, offload=args.offload,
-                          quant_head=args.quant_head)
+                          quant_head=args.quant_head, weight_dtype=args.weight_dtype)
         return [replace(variant, ep=ep) for ep in eps], baseline or dtype, []
     variants, notes = default_variants(accelerator)
     return ([replace(v, ep=ep) for ep in eps for v in variants], baseline or variants[0].dtype,
