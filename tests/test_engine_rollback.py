@@ -93,7 +93,7 @@ def test_group_size_that_does_not_fit_fails_before_any_change(monkeypatch):
 def _fail_in_step_7(monkeypatch):
     """Graph capture (step 7, after injection, quantization and the bf16 cast) patches the
     head's forward and adds a hook, then fails."""
-    def failing_capture(model, accelerator):
+    def failing_capture(model, accelerator, weight_dtype=None):
         head = model.get_output_embeddings()
         head.forward = lambda x: x
         head.register_forward_hook(lambda *a: None)
