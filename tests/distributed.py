@@ -1,9 +1,15 @@
 """Run a function on N local ranks (separate processes, gloo) the way torchrun would set them up.
 
-``run_ranks(fn, world_size, tmp_path)`` starts ``world_size`` spawned processes with RANK,
+``run_ranks(fn, world_size, tmp_path)`` starts ``world_size`` processes with RANK,
 WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT set, calls ``fn(rank, *args)`` in each, and returns each
 rank's JSON-serialisable result, or the text of the exception it raised. Every run has a deadline
 so a hung collective fails the test instead of hanging the suite.
+
+The ranks are forked from one server process (multiprocessing's ``forkserver``) that imported
+torch, transformers and shardwise once per test session, so a rank does not pay those imports
+(a spawned rank did: seconds per pair on 2 cores, over the suite's many pairs). The server only
+imports (no thread pool, no process group, no tensor work), and each rank gets the test's
+environment as it is when ``run_ranks`` is called, not the server's.
 """
 
 from __future__ import annotations
@@ -33,7 +39,18 @@ def use_next_master_port() -> None:
     os.environ["MASTER_PORT"], os.environ[SPARE_PORTS_ENV] = spare[0], ",".join(spare[1:])
 
 
+#: What the fork server imports once (see the module docstring).
+PRELOAD = ["torch", "transformers", "shardwise"]
+
+
+def _context():
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)  # takes effect when the server starts (first use)
+    return ctx
+
+
 def _entry(fn, rank: int, world_size: int, port: int, out_dir: str, args: tuple, env: dict):
+    os.environ.clear()  # the test's environment at run_ranks, not the fork server's
     os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
                        "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1",
                        "MASTER_PORT": str(port), **env})
@@ -50,9 +67,10 @@ def run_ranks(fn, world_size: int, tmp_path, *args, deadline_s: float = 120.0,
     """Run ``fn(rank, *args)`` on ``world_size`` ranks; returns one result dict per rank
     (``{"ok": True, "value": ...}``, ``{"ok": False, "error": ...}`` or ``{"ok": False,
     "error": "no result (exit code N)"}`` for a rank that died)."""
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     port = free_port()
-    env = {SPARE_PORTS_ENV: ",".join(str(free_port()) for _ in range(8)), **(env or {})}
+    env = {**os.environ, SPARE_PORTS_ENV: ",".join(str(free_port()) for _ in range(8)),
+           **(env or {})}
     procs = [ctx.Process(target=_entry, args=(fn, r, world_size, port, str(tmp_path), args,
                                               env))
              for r in range(world_size)]
