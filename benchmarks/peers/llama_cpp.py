@@ -20,11 +20,12 @@ What it does, in order:
    The converter needs ``gguf`` and ``sentencepiece``. Files are cached in ``--work``.
 3. Engines, each variant loaded once and kept: llama.cpp (``llama_cpp.Llama``, ``n_threads`` =
    ``n_threads_batch`` = ``--threads``) and shardwise (``init_inference(...,
-   replace_with_kernel_inject=True, enable_graph=True)`` in fp32, bf16, and with
-   ``quant={"weight": {"num_bits": 8 | 4}}`` in bf16 compute, as ``shardwise bench`` runs them
-   (``--quant-compute fp32``: the quantized models' other parts in fp32, as llama.cpp keeps them);
-   torch gets the same thread count). Pairs by precision: 32: fp32 / F32; 16: bf16 / F16 (and
-   BF16 with ``--gguf-16 bf16``); 8: int8 / Q8_0; 4: int4 / Q4_0.
+   replace_with_kernel_inject=True, enable_graph=True)`` in fp32, fp32 over 16-bit weights
+   (``weight_dtype``), and with ``quant={"weight": {"num_bits": 8 | 4}}`` in bf16 compute, as
+   ``shardwise bench`` runs them (``--quant-compute fp32``: the quantized models' other parts in
+   fp32, as llama.cpp keeps them); torch gets the same thread count). Pairs by precision: 32:
+   fp32 / F32; 16: fp32 over fp16 weights / F16 (fp32 over bf16 weights / BF16 with
+   ``--gguf-16 bf16``; ``--sw-16 bf16``: the bf16 model); 8: int8 / Q8_0; 4: int4 / Q4_0.
 4. Speed, in interleaved rounds (every variant once per round, order rotated each round; one
    untimed warm-up first): batch 1, greedy, a fixed 64-token prompt, ``--new-tokens`` tokens,
    per-token decode ms (median of the steps; the report gives the median over rounds); the
@@ -123,8 +124,15 @@ class Pair:
     gguf: str | None                # key of GGUF_NAMES (None: none)
 
 
-def pairs_for(precisions: list[str], gguf_16: str, sw_16: str = "bf16") -> list[Pair]:
-    """The pairs of ``precisions`` (``32 16 8 4``); ``sw_16``: shardwise's 16-bit variant."""
+#: shardwise's 16-bit variant by the 16-bit GGUF it is compared with: the same weights under
+#: fp32 activations, as llama.cpp runs that file (``--sw-16`` picks another)
+SW_16_FOR_GGUF = {"f16": "fp32-fp16w", "bf16": "fp32-bf16w"}
+
+
+def pairs_for(precisions: list[str], gguf_16: str, sw_16: str | None = None) -> list[Pair]:
+    """The pairs of ``precisions`` (``32 16 8 4``); ``sw_16``: shardwise's 16-bit variant
+    (None: :data:`SW_16_FOR_GGUF` of ``gguf_16``)."""
+    sw_16 = sw_16 or SW_16_FOR_GGUF[gguf_16]
     table = {"32": Pair("32", "fp32", "f32"), "16": Pair("16", sw_16, gguf_16),
              "8": Pair("8", "int8", "q8_0"), "4": Pair("4", "int4", "q4_0")}
     return [table[p] for p in precisions]
@@ -579,9 +587,10 @@ def parse_args(argv):
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
     p.add_argument("--precisions", nargs="+", default=["32", "16", "8", "4"],
                    choices=["32", "16", "8", "4"])
-    p.add_argument("--sw-16", choices=["bf16", "fp32-bf16w", "fp32-fp16w"], default="bf16",
+    p.add_argument("--sw-16", choices=["bf16", "fp32-bf16w", "fp32-fp16w"], default=None,
                    help="shardwise's 16-bit variant: the bf16 model, or fp32 compute over "
-                        "bf16/fp16 weights (weight_dtype)")
+                        "bf16/fp16 weights (weight_dtype; the default: the --gguf-16 file's "
+                        "weight dtype, as llama.cpp runs it)")
     p.add_argument("--gguf-16", choices=["f16", "bf16"], default="f16",
                    help="llama.cpp's 16-bit file (default f16)")
     p.add_argument("--rounds", type=int, default=5, help="timed rounds (each variant once)")
