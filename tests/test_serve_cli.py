@@ -199,9 +199,23 @@ def test_defaults_come_from_the_accelerator(model_dir):
     split = server_module.resolve_settings(rank_parser("t").parse_args(
         ["--model", str(model_dir), "--device", "cpu", "--pp", "2", "--micro-batches", "4"]))
     assert split.engine_options(64)["pipeline_parallel"] == {"pp_size": 2, "micro_batches": 4}
-    for settings in (staged, split):
+    half = server_module.resolve_settings(rank_parser("t").parse_args(
+        ["--model", str(model_dir), "--device", "cpu", "--dtype", "fp32", "--weight-dtype",
+         "fp16"]))
+    assert half.engine_options(64)["weight_dtype"] == "fp16" and "fp16 weights" in half.describe()
+    for settings in (staged, split, half):
         assert server_module.resolve_settings(rank_parser("t").parse_args(
             server_module.rank_argv(settings))) == settings
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["--weight-dtype", "fp16"], "add --dtype fp32"),
+    (["--dtype", "fp32", "--weight-dtype", "bf16", "--quant", "int8"], "give one of them"),
+    (["--dtype", "fp32", "--weight-dtype", "bf16", "--no-graphs"], "drop --no-graphs"),
+])
+def test_weight_dtype_needs_fp32_graphs_and_no_quant(capsys, no_loading, model_dir, argv, match):
+    line = serve_error(capsys, "--model", str(model_dir), "--device", "cpu", *argv)
+    assert "--weight-dtype" in line and match in line
 
 
 # ----- the stack and the HTTP loop, in this process ----------------------------------------------

@@ -57,6 +57,10 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="capture the decode step per batch bucket (default: on where the "
                         "device's graph strategy accelerates it)")
     m.add_argument("--quant", choices=["int8", "int4"], help="weight-only quantization")
+    m.add_argument("--weight-dtype", choices=["bf16", "fp16"],
+                   help="with --dtype fp32 (and graphs): the linear weights stored in 16 bits "
+                        "under fp32 activations (init_inference(weight_dtype=...): what "
+                        "llama.cpp's F16/BF16 files run)")
     m.add_argument("--comm-timeout", type=float, metavar="S",
                    help="seconds before a collective between --tp ranks gives up (default "
                         "$SHARDWISE_COMM_TIMEOUT or 300); a dead rank makes the server exit "

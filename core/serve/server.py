@@ -70,6 +70,8 @@ class ServeSettings:
     drain_timeout: float
     pp: int = 1
     micro_batches: int = 1
+    #: ``--weight-dtype``: 16-bit linear weights under the fp32 compute dtype (None: the dtype's)
+    weight_dtype: str | None = None
 
     @property
     def ranks(self) -> int:
@@ -82,6 +84,8 @@ class ServeSettings:
 
         options = {"device": self.device, "dtype": self.dtype, "max_tokens": max_tokens,
                    **engine_options(self.inject, self.graphs, self.quant)}
+        if self.weight_dtype:
+            options["weight_dtype"] = self.weight_dtype
         if self.tp > 1:
             options["tensor_parallel"] = {"tp_size": self.tp}
         if self.pp > 1:
@@ -96,7 +100,9 @@ class ServeSettings:
         """``cpu, bfloat16, inject, graphs, no quant, tp=1`` for the ready line."""
         return ", ".join([self.device, self.dtype, "inject" if self.inject else "no inject",
                           "graphs" if self.graphs else "no graphs",
-                          f"quant {self.quant}" if self.quant else "no quant", f"tp={self.tp}",
+                          f"quant {self.quant}" if self.quant else "no quant",
+                          *([f"{self.weight_dtype} weights"] if self.weight_dtype else []),
+                          f"tp={self.tp}",
                           *([f"pp={self.pp}" + (f" x {self.micro_batches} micro-batches"
                                                  if self.micro_batches > 1 else "")]
                             if self.pp > 1 else [])])
@@ -229,7 +235,25 @@ def resolve_settings(args: argparse.Namespace) -> ServeSettings:
         max_tokens=_max_tokens(args.max_tokens, positions), positions=positions,
         max_waiting=args.max_waiting, prefill_budget=args.prefill_budget,
         comm_timeout=args.comm_timeout, drain_timeout=args.drain_timeout, pp=args.pp,
-        micro_batches=args.micro_batches or 1)
+        micro_batches=args.micro_batches or 1, weight_dtype=_weight_dtype(args, dtype, graphs))
+
+
+def _weight_dtype(args: argparse.Namespace, dtype: str, graphs: bool) -> str | None:
+    """``--weight-dtype`` checked against the resolved dtype, graphs and quantization (the
+    engine's own refusals, given here by the options' names before anything loads)."""
+    wd = getattr(args, "weight_dtype", None)
+    if wd is None:
+        return None
+    if dtype != "float32":
+        raise ConfigError(f"--weight-dtype {wd} keeps {wd} weights under fp32 activations; the "
+                          f"compute dtype is {dtype}: add --dtype fp32")
+    if args.quant:
+        raise ConfigError(f"--weight-dtype {wd} with --quant {args.quant}: quantization already "
+                          f"sets the weights' format; give one of them")
+    if not graphs:
+        raise ConfigError(f"--weight-dtype {wd} is kept by the decode graphs' weight layout; "
+                          f"drop --no-graphs (or --weight-dtype)")
+    return wd
 
 
 class ServerThread:
@@ -618,6 +642,8 @@ def rank_argv(settings: ServeSettings) -> list[str]:
         argv += ["--micro-batches", str(settings.micro_batches)]
     if settings.quant:
         argv += ["--quant", settings.quant]
+    if settings.weight_dtype:
+        argv += ["--weight-dtype", settings.weight_dtype]
     if settings.comm_timeout is not None:
         argv += ["--comm-timeout", repr(settings.comm_timeout)]
     return argv
