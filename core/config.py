@@ -60,7 +60,8 @@ class InferenceConfig:
             ``enable_graph=True`` and an accelerator whose strategy lists the dtype in its
             ``weight_dtypes`` (the CPU's: bf16 and fp16); not with ``quant`` (already a
             weight format) or ``offload``. The tied input embedding (one table with the
-            head) is stored so too; untied embeddings stay fp32.
+            head) is stored so too; untied embeddings and MoE experts' stacked tensors stay
+            fp32 (one warning at init names them).
         tp_size: tensor-parallel degree (``tensor_parallel={"tp_size": N}`` or ``mp_size=N``).
             The world (torchrun's WORLD_SIZE) must equal it; each rank keeps ~1/N of the
             weights (see ``shardwise.sharding``).

@@ -290,6 +290,7 @@ def _share_weights(model: nn.Module, head: nn.Module | None, strategy: GraphStra
     if weight_dtype is not None:
         check_weight_dtype(strategy, weight_dtype)
         changed = strategy.share_weights(targets, tied, weight_dtype=weight_dtype)
+        _say_what_stays_wide(model, weight_dtype)
     else:
         changed = strategy.share_weights(targets, tied)
     for group in groups:
@@ -298,6 +299,23 @@ def _share_weights(model: nn.Module, head: nn.Module | None, strategy: GraphStra
     if changed:
         log.info("shardwise: %d linear weights laid out for %s (shared by eager and captured "
                  "code)", changed, strategy.name)
+
+
+def _say_what_stays_wide(model: nn.Module, weight_dtype: torch.dtype) -> None:
+    """One warning naming the weight matrices (2-D and up) the layout did not store in
+    ``weight_dtype`` (e.g. MoE experts' stacked tensors, untied embeddings), so a user who asked
+    for 16-bit weights knows which bytes stay at the compute dtype."""
+    wide = [(n, p) for n, p in model.named_parameters()
+            if p.dim() >= 2 and p.is_floating_point() and p.dtype != weight_dtype]
+    if not wide:
+        return
+    nbytes = sum(p.numel() * p.element_size() for _, p in wide)
+    log.warning("shardwise: weight_dtype=%s: %d weight tensors (%.1f MiB) stay %s, e.g. %s "
+                "(the layout stores linear weights and a tied embedding only; MoE experts' "
+                "stacked tensors and untied embeddings keep the compute dtype)",
+                str(weight_dtype).removeprefix("torch."), len(wide), nbytes / 2**20,
+                str(wide[0][1].dtype).removeprefix("torch."),
+                ", ".join(n for n, _ in wide[:3]))
 
 
 def check_weight_dtype(strategy: GraphStrategy, weight_dtype: torch.dtype) -> None:
