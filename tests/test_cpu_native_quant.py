@@ -120,7 +120,8 @@ def test_float16_activations_and_a_bias_of_another_dtype_match_the_oracle():
     packed = _packed(qw, torch.float16)
     x, bias = quant_x((5, 64), torch.float16), quant_x((40,), torch.float32, seed=6)
     got = cpu_quant._native_linear(x, packed, bias)
-    want = ref_quant.int8_activation_linear(x.float(), qw, 32, bias).to(torch.float16)
+    want = ref_quant.int8_activation_linear(x.float(), qw, ref_quant.activation_block(8, 32),
+                                            bias).to(torch.float16)
     assert got.dtype == torch.float16
     torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -10, atol=1e-3)
 
@@ -136,7 +137,8 @@ def test_fp32_is_claimed_with_the_native_kernel_only(monkeypatch):
     assert packed.meta["kind"] == "native" and packed.dtype == torch.float32
     x = quant_x((3, 64), torch.float32)
     torch.testing.assert_close(cpu_quant.quant_linear(x, packed),
-                               ref_quant.int8_activation_linear(x, qw, 32), rtol=1e-5, atol=1e-5)
+                               ref_quant.int8_activation_linear(x, qw, ref_quant.activation_block(
+                                   8, 32)), rtol=1e-5, atol=1e-5)
     reason = cpu_quant.unsupported_reason(dtype=torch.float32, **dict(shape, group_size=36,
                                                                        bits=4))
     assert reason is not None and "int4 in groups of 36" in reason
@@ -170,8 +172,8 @@ def test_oracle_is_the_float_product_up_to_the_activation_rounding():
 def test_activation_block_divides_the_group_and_the_lane():
     block = ref_quant.activation_block
     assert (block(8, 128), block(8, 96), block(8, 48), block(8, 36), block(4, 36)) == \
-        (32, 32, 16, 4, None)
-    assert block(4, 24) == 8 and block(4, 576) == 32
+        (16, 16, 16, 4, None)  # 8-bit weights: at most 16 (MAX_ACTIVATION_BLOCK)
+    assert block(4, 24) == 8 and block(4, 576) == 32 and block(4, 128) == 32
 
 
 @needs_native
@@ -179,12 +181,13 @@ def test_activation_block_divides_the_group_and_the_lane():
 def test_the_registry_packs_natively_and_the_opt_out_keeps_torchs_kernels(bits, monkeypatch):
     qw = _case(bits, 32, True, 48, 64)
     packed = cpu_quant.quant_linear.prepack(qw, "cpu", BF16)
-    assert packed.meta == {"kind": "native", "ablock": 32}
+    ablock = {8: 16, 4: 32}[bits]  # 8-bit weights: finer activation blocks (MAX_ACTIVATION_BLOCK)
+    assert packed.meta == {"kind": "native", "ablock": ablock}
     monkeypatch.setenv(native.ENV, "torch")
     assert cpu_quant.quant_linear.prepack(qw, "cpu", BF16).meta["kind"] == f"int{bits}"
     x = quant_x((2, 64), BF16)  # a native weight still runs natively under the opt-out
     torch.testing.assert_close(cpu_quant.quant_linear(x, packed),
-                               ref_quant.int8_activation_linear(x, qw, 32), rtol=2 ** -8,
+                               ref_quant.int8_activation_linear(x, qw, ablock), rtol=2 ** -8,
                                atol=2 ** -8)
     monkeypatch.setenv(native.ENV, "fast")
     with pytest.raises(ConfigError, match=r"SHARDWISE_CPU_QUANT_KERNEL='fast': expected one of "

@@ -499,6 +499,11 @@ def packed_rows(packed: PackedQuantWeight, ids: torch.Tensor,
 
 #: Activation block sizes of the 8-bit-activation path, largest first (llama.cpp's is 32).
 ACTIVATION_BLOCKS = (32, 16, 8, 4)
+#: The largest activation block used, by weight bits: 16 for 8-bit weights, whose error is then
+#: mostly the activations' (SmolLM2-135M, int8 g32, fp32 compute: KL from fp32 0.0024 with
+#: blocks of 16 against 0.0037 with 32, Q8_0's 0.0035; benchmarks/README.md, llama.cpp
+#: section), 32 for 4-bit weights, whose own rounding dominates.
+MAX_ACTIVATION_BLOCK = {8: 16, 4: 32}
 #: Columns per 4-byte lane of the native kernel's packed weight, by bits (a block's multiple).
 LANE_COLUMNS = {8: 4, 4: 8}
 #: The offset making the stored weight unsigned (``u = q + OFF``), by bits.
@@ -507,10 +512,12 @@ UNSIGNED_OFFSET = {8: 128, 4: 8}
 
 def activation_block(bits: int, group_size: int) -> int | None:
     """The activation block for a weight of ``bits`` and ``group_size``: the largest of
-    :data:`ACTIVATION_BLOCKS` dividing the group that is a multiple of the kernel's lane
-    (:data:`LANE_COLUMNS`); None when none is (e.g. 4 bits in groups of 36)."""
-    lane = LANE_COLUMNS[bits]
-    return next((b for b in ACTIVATION_BLOCKS if group_size % b == 0 and b % lane == 0), None)
+    :data:`ACTIVATION_BLOCKS` up to :data:`MAX_ACTIVATION_BLOCK` dividing the group that is a
+    multiple of the kernel's lane (:data:`LANE_COLUMNS`); None when none is (e.g. 4 bits in
+    groups of 36)."""
+    lane, top = LANE_COLUMNS[bits], MAX_ACTIVATION_BLOCK[bits]
+    return next((b for b in ACTIVATION_BLOCKS
+                 if b <= top and group_size % b == 0 and b % lane == 0), None)
 
 
 def quantize_activations(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:

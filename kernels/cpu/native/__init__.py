@@ -54,7 +54,7 @@ SOURCES = tuple(Path(__file__).with_name(f) for f in ("quant.cpp", "attention.cp
 #: Extension (and cache folder) name; bump when an op's schema changes or an op is added (or
 #: when ``scratch.h``, which the sources include, changes: torch keys its cached build on the
 #: sources).
-NAME = "shardwise_cpu_native_v7"
+NAME = "shardwise_cpu_native_v8"
 
 #: What runs instead when the extension is not usable (the log line says it).
 FALLBACK = ("int8/int4 use torch's packed kernels, 16-bit linears of CPU graphs the compiled row "

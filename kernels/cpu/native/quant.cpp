@@ -195,6 +195,9 @@ void run_rows(int64_t rows, const uint8_t* w, const float* sc, const float* zr, 
     if (ablock == 32)                                                                         \
       row_block<MB, BITS, 32>(w, sc, zr, aq + m * lda, lda, ad + m * ldd, ldd, aA + m * ldA,  \
                               ldA, K, group, ablock, out.at_row(m), valid);                   \
+    else if (ablock == 16)                                                                    \
+      row_block<MB, BITS, 16>(w, sc, zr, aq + m * lda, lda, ad + m * ldd, ldd, aA + m * ldA,  \
+                              ldA, K, group, ablock, out.at_row(m), valid);                   \
     else                                                                                      \
       row_block<MB, BITS, 0>(w, sc, zr, aq + m * lda, lda, ad + m * ldd, ldd, aA + m * ldA,   \
                              ldA, K, group, ablock, out.at_row(m), valid);                    \
