@@ -7,7 +7,9 @@ Where the CPU has AVX512-VNNI and a C++ compiler works, the first quantized laye
 ``native/quant.cpp`` (:mod:`shardwise.kernels.cpu.native`: ``torch.utils.cpp_extension``, cached
 per user, 15-40 s once; a later process loads the cached build) and every ``quant_linear``
 this backend claims runs it, as llama.cpp's Q8_0/Q4_0 CPU paths do: **the activations are
-quantized to int8 per block of 32 columns** (one float32 scale per block: ``amax / 127``) and
+quantized to int8 per block of 16 columns under 8-bit weights, of 32 under 4-bit**
+(:data:`~shardwise.kernels.reference.quant.MAX_ACTIVATION_BLOCK`; one float32 scale per block:
+``amax / 127``) and
 multiplied by the weight's integers with ``vpdpbusd`` (64 multiply-adds per instruction), the
 float scales applied per block and per weight group. This changes the numerics: besides the
 weight's own quantization, each activation is rounded to 8 bits relative to its block's largest
@@ -728,7 +730,7 @@ class CpuQuantMoE(QuantMoEKernel):
     weight-only kernels (:data:`torch_quant_moe_mlp`, their rules).
 
     **Numerics (native)**: as the native linears, the activations entering each expert matrix
-    are quantized to int8 per block of 32 columns (``amax / 127`` scales): the token for
+    are quantized to int8 per block of 16 (8-bit) / 32 (4-bit) columns (``amax / 127`` scales): the token for
     gate_up, the float32 GLU output for down. The oracle is that math in torch:
     :func:`shardwise.kernels.reference.moe.int8_activation_moe_mlp` (:meth:`oracle`); the
     weight-only reference differs from it by the activations' rounding.
