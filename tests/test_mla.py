@@ -181,8 +181,11 @@ def test_state_dict_unchanged_and_close_restores(arch):
 def test_quantized_projections_are_absorbed_too():
     """int8 weight-only quantization (QuantLinear kv_b_proj, probed for the absorbed halves as
     any linear): the injected model stays within the int8 bounds of HF fp32 and gives the
-    logits the same quantized model gives without injection (measured: relative 0.0079 vs
-    0.0077, agreement 1.0; bf16 compute)."""
+    logits the same quantized model gives without injection, within 0.02 relative (the two
+    paths round different intermediates to bf16 — injection absorbs kv_b_proj — and then to
+    8 bits per activation block, so their errors are partly independent; measured 0.0077 apart
+    with blocks of 32, 0.0123 with the 8-bit weights' blocks of 16, each 0.009-0.014 from HF
+    fp32, agreement 1.0; bf16 compute)."""
     ref = tiny_causal_lm("deepseek_v3")
     ids = prompt_ids(batch=2, length=8)
     with torch.no_grad():
@@ -200,7 +203,7 @@ def test_quantized_projections_are_absorbed_too():
     max_rel, min_agree = QUANT_BOUNDS[8]
     rel, agree = logit_parity(expected, logits[True])
     assert rel < max_rel and agree >= min_agree, (rel, agree)
-    assert logit_parity(logits[False], logits[True])[0] < 0.01  # bf16 rounding apart
+    assert logit_parity(logits[False], logits[True])[0] < 0.02  # partly independent roundings
 
 
 # ----- DeepSeek-V3's router: the correction bias (zero in a fresh model) -----------------------
