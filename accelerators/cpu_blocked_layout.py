@@ -340,11 +340,10 @@ def _lay_out_blocked(weight: nn.Parameter, conv: bool,
     then holds. Returns N (the output width)."""
     mat2 = weight.detach() if conv else weight.detach().t()  # [K, N]
     n = mat2.shape[1]
-    plain_dtype = weight.dtype
-    with torch.no_grad():
-        blocked = block_weight(mat2)
-        weight.data = blocked if weight_dtype is None else blocked.to(weight_dtype)
-    _record_blocked(weight, n, conv, plain_dtype if weight_dtype is not None else None)
+    plain_dtype = None if weight_dtype is None else weight.dtype
+    with torch.no_grad():  # narrowed before blocking: no second full-width copy
+        weight.data = block_weight(mat2 if weight_dtype is None else mat2.to(weight_dtype))
+    _record_blocked(weight, n, conv, plain_dtype)
     return n
 
 

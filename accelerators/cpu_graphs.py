@@ -212,7 +212,12 @@ class CpuCompileStrategy(GraphStrategy):
         bits, multiplied by fp32 activations by the native op (``init_inference(weight_dtype=
         ...)``; :func:`block_linear_weights`); none for a frozen strategy (its prepacked
         copies are fp32)."""
-        return HALF_DTYPES if not self.freezing and self.linear == "cpp" else ()
+        return HALF_DTYPES if self._shares_weights else ()
+
+    @property
+    def _shares_weights(self) -> bool:
+        """Whether captured code reads the model's own (laid-out) weights: unfrozen "cpp"."""
+        return not self.freezing and self.linear == "cpp"
 
     def share_weights(self, linears: list, embedding=None,
                       weight_dtype: torch.dtype | None = None) -> int:
@@ -226,7 +231,7 @@ class CpuCompileStrategy(GraphStrategy):
         A frozen strategy keeps its own prepacked copies instead (the
         parameters stay as they are: the prompt's eager forward reads them). ``weight_dtype``
         (one of :attr:`weight_dtypes`): the fp32 linear weights are laid out in it."""
-        if self.freezing or self.linear != "cpp":
+        if not self._shares_weights:
             return 0
         blocked = block_linear_weights(linears, embedding, weight_dtype)
         gemms = sum(1 for m in linears if gemm_like(m))

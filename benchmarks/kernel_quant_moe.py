@@ -7,9 +7,9 @@ For each token count: median µs per call (calls interleaved so machine noise hi
 the float experts in fp32 and bf16 (the ``cpu`` backend's ``moe_grouped_mlp``, which ties HF's
 ``grouped_mm``), and of the quantized experts in int8 per channel and int4 groups of
 ``--int4-group`` (128), each with the cpu backend's ``quant_moe_mlp`` on the native AVX512-VNNI
-kernel (``*-native``: activations quantized to int8 per block of 32) and on torch's packed
-weight-only kernels (``*-torch``, bf16 activations: the path quantized experts took before),
-all on the same weights and routing (a softmax router, top-k, renormalised); and the GB/s of
+kernel (``*-native``: activations quantized to int8 per block of 16 (int8) / 32 (int4)) and on
+torch's packed weight-only kernels (``*-torch``, bf16 activations: the path quantized experts took
+before), all on the same weights and routing (a softmax router, top-k, renormalised); and the GB/s of
 weight bytes read per call: the distinct experts hit × their bytes in that format (packed bytes
 and scales for the quantized ones). ``--clock cpu`` times with the process's CPU time instead of
 the wall clock (on a shared machine it leaves out the time other processes take; with

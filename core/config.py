@@ -404,10 +404,8 @@ def _check_weight_dtype(cfg: InferenceConfig) -> None:
                           f"dtype=torch.float32), or leave it None")
     cfg.weight_dtype = wd
     name = str(wd).removeprefix("torch.")
-    if isinstance(cfg.dtype, torch.dtype) and cfg.dtype != torch.float32:
-        raise ConfigError(f"weight_dtype={name} keeps {name} weights under fp32 activations; "
-                          f"dtype is {cfg.dtype} (must be torch.float32, or None for an fp32 "
-                          f"model). For {cfg.dtype} everywhere, drop weight_dtype")
+    if isinstance(cfg.dtype, torch.dtype):
+        check_weight_dtype_compute(wd, cfg.dtype)
     if cfg.quant is not None:
         raise ConfigError(f"weight_dtype={name} with quant=: quantization already sets the "
                           f"weights' format; give one of them")
@@ -417,6 +415,16 @@ def _check_weight_dtype(cfg: InferenceConfig) -> None:
     if not cfg.enable_graph:
         raise ConfigError(f"weight_dtype={name} is kept by the decode graphs' weight layout: "
                           f"it needs enable_graph=True (and replace_with_kernel_inject=True)")
+
+
+def check_weight_dtype_compute(weight_dtype: torch.dtype, dtype: torch.dtype) -> None:
+    """Refuse ``weight_dtype`` under a compute dtype other than fp32: given as ``dtype``, or
+    the model's own once init resolves it."""
+    if dtype != torch.float32:
+        name = str(weight_dtype).removeprefix("torch.")
+        raise ConfigError(f"weight_dtype={name} keeps {name} weights under fp32 activations, "
+                          f"and the compute dtype is {dtype}; pass dtype=torch.float32, or "
+                          f"drop weight_dtype for {dtype} everywhere")
 
 
 def _check_injection(cfg: InferenceConfig) -> None:

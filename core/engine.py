@@ -848,13 +848,10 @@ def _saved_quant_settings(cfg: InferenceConfig, desc: "_checkpoint.Description")
 def _check_weight_dtype(weight_dtype: torch.dtype, dtype: torch.dtype, strategy) -> None:
     """``weight_dtype`` needs an fp32 compute dtype (known once resolved) and a graph strategy
     that keeps weights in it (:func:`~shardwise.inject.capture.check_weight_dtype`)."""
+    from .config import check_weight_dtype_compute
     from .inject.capture import check_weight_dtype
 
-    name = str(weight_dtype).removeprefix("torch.")
-    if dtype != torch.float32:
-        raise ConfigError(f"weight_dtype={name} keeps {name} weights under fp32 activations, "
-                          f"and the model computes in {dtype}; pass dtype=torch.float32, or "
-                          f"drop weight_dtype")
+    check_weight_dtype_compute(weight_dtype, dtype)
     check_weight_dtype(strategy, weight_dtype)
 
 

@@ -1,10 +1,11 @@
 """Quantized Mixture-of-Experts experts (``quant=`` on an MoE model): :class:`QuantExperts`
 replaces each HF experts module, runs ``quant_moe_mlp`` and honours the experts-module contract.
 
-On CPU the experts run the native AVX512-VNNI kernel where it builds (activations rounded to
-8 bits per block of 32 before each expert matrix: held to that math, ``int8_activation_moe_mlp``,
-and, against HF on the same dequantized weights, to :data:`HF_DEQUANT_REL` with identical greedy
-tokens), else torch's packed kernels (bf16 activations, the weight-only reference's math).
+On CPU the experts run the native AVX512-VNNI kernel where it builds (activations rounded to 8 bits
+per block of 16 / 32 columns (8- / 4-bit weights) before each expert matrix: held to that math,
+``int8_activation_moe_mlp``, and, against HF on the same dequantized weights, to
+:data:`HF_DEQUANT_REL` with identical greedy tokens), else torch's packed kernels (bf16
+activations, the weight-only reference's math).
 
 Parity bounds (bf16 compute on the CPU's kernels vs the fp32 model, every MoE family of
 tests/families.py, whole model quantized: attention, shared experts and the routed experts):

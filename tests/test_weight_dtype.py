@@ -143,7 +143,7 @@ def test_without_the_native_kernels_the_widened_weights_give_the_same_model(monk
 @pytest.mark.parametrize("kwargs,match", [
     ({"weight_dtype": "fp32"}, "not a storage dtype"),
     ({"weight_dtype": torch.int8}, "not a storage dtype"),
-    ({"weight_dtype": "bf16", "dtype": torch.bfloat16}, "must be torch.float32"),
+    ({"weight_dtype": "bf16", "dtype": torch.bfloat16}, "the compute dtype is torch.bfloat16"),
     ({"weight_dtype": "bf16", "quant": {"weight": {"num_bits": 8}}}, "quantization already"),
     ({"weight_dtype": "bf16", "offload": {"device": "nvme", "nvme_path": "/tmp"}},
      "offload= is not supported"),
@@ -161,7 +161,7 @@ def test_a_16bit_model_or_a_strategy_without_the_layout_is_refused_before_any_ch
     """The compute dtype resolved from the model, and the accelerator's graph strategy (a
     frozen one keeps fp32 copies), are checked at init: the model is left as it was."""
     half = tiny_causal_lm("llama", dtype=torch.bfloat16)
-    with pytest.raises(ConfigError, match="computes in torch.bfloat16"):
+    with pytest.raises(ConfigError, match="the compute dtype is torch.bfloat16"):
         shardwise.init_inference(half, weight_dtype="bf16", replace_with_kernel_inject=True,
                                  enable_graph=True)
     monkeypatch.setenv("SHARDWISE_CPU_GRAPHS", "frozen")

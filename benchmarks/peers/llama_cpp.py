@@ -597,6 +597,10 @@ def parse_args(argv):
     p.add_argument("--quant-group", type=int, default=None,
                    help="shardwise int8/int4 group size (default: its own, int4 128; 32 is "
                         "Q8_0/Q4_0's block)")
+    p.add_argument("--int8-activation-block", type=int, choices=[16, 32], default=None,
+                   help="A/B of the native int8 kernel's activation blocks: the largest block "
+                        "under 8-bit weights (kernels/reference/quant.py MAX_ACTIVATION_BLOCK; "
+                        "default: the library's, 16)")
     p.add_argument("--quant-head", action="store_true",
                    help="quantize shardwise's output head too (llama.cpp's files quantize theirs)")
     p.add_argument("--quant-compute", choices=sorted(QUANT_COMPUTE), default="bf16",
@@ -647,6 +651,10 @@ def run_quality(variants: dict, hf_logits: np.ndarray, ids: list[int]) -> dict:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     machine = machine_info()  # the load average at the start
+    if args.int8_activation_block:  # before any weight is packed (the block is packed with it)
+        from shardwise.kernels.reference import quant as ref_quant
+
+        ref_quant.MAX_ACTIVATION_BLOCK[8] = args.int8_activation_block
     torch.set_num_threads(args.threads)
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)

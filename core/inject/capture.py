@@ -289,16 +289,24 @@ def _share_weights(model: nn.Module, head: nn.Module | None, strategy: GraphStra
     targets = layout_targets([m for m in leaves if m is not embed], groups)
     if weight_dtype is not None:
         check_weight_dtype(strategy, weight_dtype)
-        changed = strategy.share_weights(targets, tied, weight_dtype=weight_dtype)
+    changed = _lay_out(strategy, targets, tied, weight_dtype)
+    if weight_dtype is not None:
         _say_what_stays_wide(model, weight_dtype)
-    else:
-        changed = strategy.share_weights(targets, tied)
     for group in groups:
         group.follow_layout()
     changed += _unfuse_where_slower(stack, groups, strategy, weight_dtype)
     if changed:
         log.info("shardwise: %d linear weights laid out for %s (shared by eager and captured "
                  "code)", changed, strategy.name)
+
+
+def _lay_out(strategy: GraphStrategy, modules: list, tied: nn.Module | None,
+             weight_dtype: torch.dtype | None) -> int:
+    """``strategy.share_weights(modules, tied)``, with ``weight_dtype=`` only when one was asked
+    for (a strategy that declares no ``weight_dtypes`` keeps its two-argument method)."""
+    if weight_dtype is None:
+        return strategy.share_weights(modules, tied)
+    return strategy.share_weights(modules, tied, weight_dtype=weight_dtype)
 
 
 def _say_what_stays_wide(model: nn.Module, weight_dtype: torch.dtype) -> None:
@@ -347,10 +355,7 @@ def _unfuse_where_slower(stack: InjectedModel | None, groups: list, strategy: Gr
             layer.unfuse_projections()
     log.info("shardwise: %d fused projections run unfused under %s (its product is faster per "
              "part)", len(slower), strategy.name)
-    parts = [p for g in slower for p in g.parts]
-    if weight_dtype is not None:
-        return strategy.share_weights(parts, None, weight_dtype=weight_dtype)
-    return strategy.share_weights(parts, None)
+    return _lay_out(strategy, [p for g in slower for p in g.parts], None, weight_dtype)
 
 
 def trial_step(stack: InjectedModel, graphs: DecodeGraphs) -> None:

@@ -19,8 +19,8 @@ model's dtype, then the accelerator's others: an fp32 model on CPU runs it in bf
 cast to bf16 and the output back), and a layer only the reference could run is refused unless
 ``allow_slow_kernels``. On CPU it is :class:`shardwise.kernels.cpu.quant.CpuQuantMoE`: the native
 AVX512-VNNI kernel the dense quantized linears run, where it builds — **the activations entering
-each expert matrix are rounded to int8 per block of 16 (8-bit) / 32 (4-bit) columns** (the token for gate_up, the
-float32 GLU output for down), the numerics it declares (oracle
+each expert matrix are rounded to int8 per block of 16 (8-bit) / 32 (4-bit) columns** (the
+token for gate_up, the float32 GLU output for down), the numerics it declares (oracle
 :func:`shardwise.kernels.reference.moe.int8_activation_moe_mlp`; against HF on the same
 dequantized expert weights, fp32 tiny models: 0.02-0.1% relative logit error, identical greedy
 tokens); its packed experts take the model's dtype as it is (``compute_dtype`` None: an fp32

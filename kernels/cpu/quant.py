@@ -9,16 +9,16 @@ per user, 15-40 s once; a later process loads the cached build) and every ``quan
 this backend claims runs it, as llama.cpp's Q8_0/Q4_0 CPU paths do: **the activations are
 quantized to int8 per block of 16 columns under 8-bit weights, of 32 under 4-bit**
 (:data:`~shardwise.kernels.reference.quant.MAX_ACTIVATION_BLOCK`; one float32 scale per block:
-``amax / 127``) and
-multiplied by the weight's integers with ``vpdpbusd`` (64 multiply-adds per instruction), the
-float scales applied per block and per weight group. This changes the numerics: besides the
-weight's own quantization, each activation is rounded to 8 bits relative to its block's largest
-magnitude (as llama.cpp does). The oracle, exactly this math in torch, is
+``amax / 127``) and multiplied by the weight's integers with ``vpdpbusd`` (64 multiply-adds per
+instruction), the float scales applied per block and per weight group. This changes the
+numerics: besides the weight's own quantization, each activation is rounded to 8 bits relative
+to its block's largest magnitude (as llama.cpp does). The oracle, exactly this math in torch, is
 :func:`shardwise.kernels.reference.quant.int8_activation_linear` (the block size:
-:func:`~shardwise.kernels.reference.quant.activation_block`, 32 or the largest of 16/8/4 that
-divides the group). **Opt-out**: ``SHARDWISE_CPU_QUANT_KERNEL=torch`` keeps torch's packed
-kernels below (weights only quantized; activations stay bf16). Where the native kernel cannot be
-built, one log line says why and torch's kernels run.
+:func:`~shardwise.kernels.reference.quant.activation_block`, the largest of 32/16/8/4 up to 16
+under 8-bit weights and 32 under 4-bit that divides the group). **Opt-out**:
+``SHARDWISE_CPU_QUANT_KERNEL=torch`` keeps torch's packed kernels below (weights only quantized;
+activations stay bf16). Where the native kernel cannot be built, one log line says why and torch's
+kernels run.
 
 Native layout (``meta["kind"] == "native"``, ``meta["ablock"]`` the activation block;
 ``Nb = ceil(N / 16)``, rows past N are zero padding): ``qweight`` uint8 ``[Nb, K / L, 16, 4]``,
@@ -730,9 +730,9 @@ class CpuQuantMoE(QuantMoEKernel):
     weight-only kernels (:data:`torch_quant_moe_mlp`, their rules).
 
     **Numerics (native)**: as the native linears, the activations entering each expert matrix
-    are quantized to int8 per block of 16 (8-bit) / 32 (4-bit) columns (``amax / 127`` scales): the token for
-    gate_up, the float32 GLU output for down. The oracle is that math in torch:
-    :func:`shardwise.kernels.reference.moe.int8_activation_moe_mlp` (:meth:`oracle`); the
+    are quantized to int8 per block of 16 (8-bit) / 32 (4-bit) columns (``amax / 127``
+    scales): the token for gate_up, the float32 GLU output for down. The oracle is that math
+    in torch: :func:`shardwise.kernels.reference.moe.int8_activation_moe_mlp` (:meth:`oracle`); the
     weight-only reference differs from it by the activations' rounding.
 
     Input dtypes: registered for bf16 (what the quantizer resolves with, as ``quant_linear``),

@@ -8,11 +8,11 @@ import torch
 
 def blocked_linear(x: torch.Tensor, blocked: torch.Tensor, bias: torch.Tensor | None,
                    n: int) -> torch.Tensor:
-    """x [M, K] (bf16 / fp16, or fp32 under a 16-bit weight) times the weight laid out in column blocks ``blocked`` [Nb, K,
-    block] (block ``j`` = output columns ``[j*block, (j+1)*block)``, the last zero-padded),
-    plus ``bias`` [n] → [M, n] in x's dtype: products and sums in fp32, the bias added in fp32,
-    rounded once (the contract of ``F.linear``'s 16-bit GEMMs); an fp32 x is not rounded at
-    all (the weight widened exactly)."""
+    """x [M, K] (bf16 / fp16, or fp32 under a 16-bit weight) times the weight laid out in
+    column blocks ``blocked`` [Nb, K, block] (block ``j`` = output columns ``[j*block,
+    (j+1)*block)``, the last zero-padded), plus ``bias`` [n] → [M, n] in x's dtype: products
+    and sums in fp32, the bias added in fp32, rounded once (the contract of ``F.linear``'s
+    16-bit GEMMs); an fp32 x is not rounded at all (the weight widened exactly)."""
     nb, k, block = blocked.shape
     mat2 = blocked.float().transpose(0, 1).reshape(k, nb * block)[:, :n]  # [K, n]
     out = x.float() @ mat2

@@ -287,9 +287,10 @@ at::Tensor reassembled_linear(const at::Tensor& x, const at::Tensor& blocked,
   // over SCRATCH_MAX_BYTES (an output head) gets a transient tensor, so no thread keeps that
   const auto opts = blocked.options().dtype(x.scalar_type());
   const int64_t bytes = blocked.numel() * static_cast<int64_t>(x.element_size());
-  at::Tensor plain = bytes > SCRATCH_MAX_BYTES
-                         ? at::empty({K, nb, BLOCK}, opts)
-                         : at::from_blob(shardwise_native::scratch_bytes(bytes), {K, nb, BLOCK}, opts);
+  at::Tensor plain =
+      bytes > SCRATCH_MAX_BYTES
+          ? at::empty({K, nb, BLOCK}, opts)
+          : at::from_blob(shardwise_native::scratch_bytes(bytes), {K, nb, BLOCK}, opts);
   plain.copy_(blocked.transpose(0, 1));
   const at::Tensor mat2 = plain.view({K, nb * BLOCK}).narrow(1, 0, n);  // [K, n]
   if (bias.has_value() && bias->defined())
