@@ -8,6 +8,8 @@ across runs), so the first start compiles and the later ones show what the cache
     python benchmarks/startup.py                     # embedded SmolLM2-135M, fp32, 3 starts
     python benchmarks/startup.py --quant int8 --starts 2
     python benchmarks/startup.py --shape llama-1.7b --quant int4 --saved-quantized
+    python benchmarks/startup.py --shape llama-1.7b --quant int4 --starts 1 --decode 64 \
+        --elementwise torch        # then native (always): the A/B of the native elementwise ops
 
 The model: the embedded SmolLM2-135M-Instruct (default; its load time, what plain HF costs before
 any generate, is printed beside), or ``--shape llama-1.7b`` — the 1.7B Llama of issue 21
@@ -26,6 +28,16 @@ dominates is visible, with inductor's FX-graph cache counters (a later start who
 served from the cache shows ``fxgraph_cache_hit``; a miss or bypass there means it compiled
 again) and the compile's own phases from ``torch._dynamo.utils.compile_times``
 (:data:`COMPILE_PHASES`; the JSON keeps them all); ``--json FILE`` writes every start with them.
+
+``--decode N``: after ``init_inference`` each start also times N greedy tokens after a 64-token
+prompt (ms per token: median of 3 generate calls of N + 1 tokens less the median of 3 of one
+token), so a change to what the step compiles is checked for its decode speed in the same
+process. ``--elementwise native|always|torch`` sets ``SHARDWISE_CPU_ELEMENTWISE`` for the starts:
+the compiled step calls the native rms_norm / rotary / silu_and_mul ops for wide enough layers
+(the default), at every width, or traces their torch forms for inductor to fuse (what it did
+before). Inductor's precompiled header
+(``/tmp/torchinductor_<user>/precompiled_headers``, built once per torch install) is shared by
+every cache folder, so it is not in any start's time.
 
 Figures measured on the development VM: benchmarks/README.md, "Start-up".
 """
@@ -95,6 +107,19 @@ engine = shardwise.init_inference(model, device="cpu", **kwargs)
 t2, c2 = time.perf_counter(), time.process_time()
 if spec["save"]:
     engine.save_checkpoint(spec["save"])
+decode = None
+if spec["decode"]:
+    ids = torch.randint(100, 1000, (1, 64), generator=torch.Generator().manual_seed(0))
+    def timed(n):
+        t = time.perf_counter()
+        engine.module.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
+                               min_new_tokens=n, do_sample=False)
+        return time.perf_counter() - t
+    timed(8)  # warm-up
+    one = sorted(timed(1) for _ in range(3))[1]
+    full = sorted(timed(spec["decode"] + 1) for _ in range(3))[1]
+    decode = {"tokens": spec["decode"], "ms_per_token": 1000 * (full - one) / spec["decode"],
+              "prompt_s": one}
 from torch._dynamo.utils import compile_times, counters
 cache = {k: v for k, v in counters["inductor"].items() if k.startswith("fxgraph_cache")}
 names, seconds = compile_times(repr="csv", aggregate=True)  # dynamo's and inductor's phases
@@ -104,15 +129,17 @@ strategy = getattr(graphs, "strategy", None)  # compiled now, or loaded precompi
 steps = {k: getattr(strategy, k) for k in ("compiles", "loaded") if hasattr(strategy, k)}
 print(json.dumps({"load_s": t1 - t0, "init_s": t2 - t1, "init_cpu_s": c2 - c1,
                   "phases": events, "fx_cache": cache, "compile_s": compile_s,
-                  "steps": steps, "cpu_s": time.process_time(),
+                  "steps": steps, "cpu_s": time.process_time(), "decode": decode,
                   "save_s": time.perf_counter() - t2 if spec["save"] else None}))
 """
 
 
-def one_start(spec: dict, cache: str) -> dict:
+def one_start(spec: dict, cache: str, elementwise: str | None = None) -> dict:
     """One fresh process: the model's load time and ``init_inference``'s, in seconds, with the
     log lines init wrote (seconds since init began)."""
     env = {**os.environ, "SHARDWISE_CACHE_DIR": cache}
+    if elementwise:
+        env["SHARDWISE_CPU_ELEMENTWISE"] = elementwise
     done = subprocess.run([sys.executable, "-c", _ONE_START, json.dumps(spec)], env=env,
                           capture_output=True, text=True)
     if done.returncode != 0:
@@ -145,8 +172,8 @@ def run(args: argparse.Namespace, cache: str) -> list[dict]:
     for i in range(args.starts):
         from_saved = saved is not None and i > 0
         spec = {"folder": folder, "bits": bits, "checkpoint": saved if from_saved else None,
-                "save": saved if saved is not None and i == 0 else None}
-        t = one_start(spec, cache)
+                "save": saved if saved is not None and i == 0 else None, "decode": args.decode}
+        t = one_start(spec, cache, args.elementwise)
         how = "from the saved quantized checkpoint" if from_saved else (
             f"model load {t['load_s']:.1f} s")
         print(f"start {i + 1} ({args.shape or 'smollm2-135m'}, {args.quant or 'fp32'}): "
@@ -156,6 +183,10 @@ def run(args: argparse.Namespace, cache: str) -> list[dict]:
               f"{t.get('steps') or '?'}; process CPU time {t['cpu_s']:.1f} s", flush=True)
         for seconds, cpu, message in t["phases"]:
             print(f"    {seconds:7.2f} s ({cpu:6.2f} s CPU)  {message}", flush=True)
+        if t["decode"]:
+            print(f"    decode: {t['decode']['ms_per_token']:.2f} ms/token over "
+                  f"{t['decode']['tokens']} tokens (64-token prompt "
+                  f"{t['decode']['prompt_s']:.2f} s)", flush=True)
         if t["compile_s"]:
             print("    compile phases (s): " + ", ".join(
                 f"{label} {t['compile_s'][key]:.1f}" for label, key in COMPILE_PHASES
@@ -177,9 +208,15 @@ def main() -> None:
     parser.add_argument("--cache", default=None,
                         help="compile cache folder to use (default: a new, empty one)")
     parser.add_argument("--json", default=None, help="write every start here")
+    parser.add_argument("--decode", type=int, default=0,
+                        help="after init, time this many greedy decode tokens (default: none)")
+    parser.add_argument("--elementwise", choices=["native", "always", "torch"], default=None,
+                        help="SHARDWISE_CPU_ELEMENTWISE for the starts (default: as set)")
     args = parser.parse_args()
     if args.saved_quantized and not args.quant:
         parser.error("--saved-quantized needs --quant int8 or int4")
+    if args.decode < 0:
+        parser.error(f"--decode must be >= 0 tokens, got {args.decode}")
     if args.cache:
         results = run(args, args.cache)
     else:

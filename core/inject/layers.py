@@ -931,8 +931,8 @@ class InjectedModel(nn.Module):
         cos, sin = self.parts.rotary(probe, position_ids)  # HF's own table: rope scaling included
         if self.spec.positions.rotary_half_table:  # each frequency once already (GPT-OSS)
             return cos, sin
-        half = cos.shape[-1] // 2
-        return cos[..., :half], sin[..., :half]
+        half = cos.shape[-1] // 2  # contiguous: the halves are read by every layer's kernel
+        return cos[..., :half].contiguous(), sin[..., :half].contiguous()
 
     @staticmethod
     def _padding(ctx: StepContext, mask: torch.Tensor | None, cache: StaticKVCache | None,

@@ -16,7 +16,9 @@ reference":
   ``F.relu``, the same op as the reference's in fp32 and faster in bf16/fp16.
 * silu_and_mul (fp32, bf16, fp16): ``F.silu(gate).mul_(up)`` in the input dtype (bf16/fp16
   round silu once before the multiply, as HF's MLP does): one buffer and pass fewer, faster
-  than the reference.
+  than the reference. Inside a compiled CPU step of a wide enough model
+  (:func:`~shardwise.kernels.cpu.native.in_compiled_step`) the native op ``cpu_silu_and_mul``
+  (``native/elementwise.cpp``: the same two roundings, bit for bit).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import torch.nn.functional as F
 
 from shardwise.kernels.reference import activations as ref
 
-from . import DEVICE_TYPES, DTYPES
+from . import DEVICE_TYPES, DTYPES, native
 
 BACKEND = "cpu"
 
@@ -55,9 +57,13 @@ def silu_and_mul(x: torch.Tensor, up: torch.Tensor | None = None) -> torch.Tenso
     if up is None:
         if x.shape[-1] % 2:
             return ref.silu_and_mul(x)  # raises the reference's error
+        if native.in_compiled_step("silu_and_mul", x.shape[-1] // 2):  # x [.., gate | up]
+            return torch.ops.shardwise_native.cpu_silu_and_mul(x, None)
         x, up = x.chunk(2, dim=-1)
     elif up.shape != x.shape:
         return ref.silu_and_mul(x, up)
+    elif native.in_compiled_step("silu_and_mul", x.shape[-1]):
+        return torch.ops.shardwise_native.cpu_silu_and_mul(x, up)
     return F.silu(x).mul_(up)
 
 

@@ -10,6 +10,12 @@
 Both measured faster than the reference in fp32, bf16 and fp16, so all are registered
 (benchmarks/README.md, "CPU kernels against the reference"). float64 is not registered: the
 reference computes in float32, which these would not reproduce.
+
+Inside a compiled CPU step of a wide enough model
+(:func:`~shardwise.kernels.cpu.native.in_compiled_step`), rms_norm is
+the native op ``cpu_rms_norm`` / ``cpu_add_rms_norm`` (``native/elementwise.cpp``: the same
+roundings, two passes over the row): one opaque call where the torch form made inductor generate
+and build a fused kernel per layer and fusion pattern, most of a first start's compile.
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from . import DEVICE_TYPES, DTYPES
+from . import DEVICE_TYPES, DTYPES, native
 
 BACKEND = "cpu"
 
@@ -33,6 +39,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
 
     x, residual: [..., hidden]; weight: [hidden]. Returns ``(out, h)`` in x.dtype.
     """
+    if native.in_compiled_step("rms_norm", x.shape[-1]):
+        return _native_rms_norm(x, weight.to(x.dtype), eps, residual)
     h = _residual_add(x, residual)
     hf = h.float()  # [..., hidden]; h itself for fp32, else a float32 copy we may overwrite
     # sum(h²) as a norm: one read pass and no [..., hidden] temporary. inv: [..., 1].
@@ -42,6 +50,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     # Round to x.dtype before the weight, as the reference (HF Llama) does.
     out = normed.to(x.dtype).mul_(weight.to(x.dtype))
     return out, h
+
+
+def _native_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                     residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`rms_norm` as one native call (the op cannot return x itself as ``h``)."""
+    if residual is None:
+        return torch.ops.shardwise_native.cpu_rms_norm(x, weight, eps), x
+    return torch.ops.shardwise_native.cpu_add_rms_norm(x, residual, weight, eps)
 
 
 def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float,

@@ -7,7 +7,9 @@ reference":
 
 * rotary (fp32, bf16, fp16): out of place into one ``empty_like`` buffer with
   ``mul``/``addcmul_`` on views (fp32), or float32 math per half (bf16/fp16), no
-  ``cat``/``stack`` temporaries.
+  ``cat``/``stack`` temporaries. Inside a compiled CPU step of a wide enough model
+  (:func:`~shardwise.kernels.cpu.native.in_compiled_step`) the native op ``cpu_rotary``
+  (``native/elementwise.cpp``: the reference's float32 math, bit for bit).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import torch
 
 from shardwise.kernels.reference import rotary as ref
 
-from . import DEVICE_TYPES, DTYPES
+from . import DEVICE_TYPES, DTYPES, native
 
 BACKEND = "cpu"
 
@@ -29,6 +31,11 @@ def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
     rotary_dim/2] or [seq, rotary_dim/2]. Returns (q_out, k_out) in the inputs' layouts.
     """
     ref.check_rotary(q, k, cos, sin, style)
+    if native.in_compiled_step("rotary", q.shape[1] * q.shape[3]):
+        # cos, sin as the op takes them, float [batch | 1, seq, r/2]: no-ops for the step's own
+        # tables (contiguous float32 [b, s, r/2], made once per step)
+        c, s = (t.float().reshape(-1, *t.shape[-2:]).contiguous() for t in (cos, sin))
+        return torch.ops.shardwise_native.cpu_rotary(q, k, c, s, style == "interleaved")
     c, s = (t.float()[..., None, :, :] for t in (cos, sin))  # [batch|1, 1, seq, rotary_dim/2]
     return _rotate(q, c, s, style), _rotate(k, c, s, style)
 

@@ -1,10 +1,13 @@
 """The CPU backend's native (C++) kernels, built at first use and cached per user.
 
-:func:`load` builds ``quant.cpp``, ``attention.cpp`` and ``half.cpp`` (shipped in this package)
+:func:`load` builds ``quant.cpp``, ``attention.cpp``, ``half.cpp`` and ``elementwise.cpp`` (shipped
+in this package)
 with ``torch.utils.cpp_extension`` into torch's per-user extensions cache
 (``$TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``; a later process reuses the
 build, a changed source or torch rebuilds it) and returns whether the ops
-``torch.ops.shardwise_native.cpu_qlinear``, ``cpu_blocked_linear`` and ``cpu_attention_decode``
+``torch.ops.shardwise_native.cpu_qlinear``, ``cpu_blocked_linear``, ``cpu_attention_decode`` and
+the layer's elementwise ops (``cpu_rms_norm``, ``cpu_add_rms_norm``, ``cpu_rotary``,
+``cpu_silu_and_mul``; used inside compiled steps of wide enough layers, :func:`in_compiled_step`)
 are usable.
 The kernels split their work with ATen's ``parallel_for`` over torch's intra-op threads
 (``torch.set_num_threads``), the library built with OpenMP against the runtime torch loaded.
@@ -17,11 +20,15 @@ packed kernels and the Python decode-attention op.
 Opt-out: ``SHARDWISE_CPU_QUANT_KERNEL=torch`` (``native``, the default, builds and uses it) for
 the quantized linears and the 16-bit linears of CPU graphs (which then keep their plain layout
 and the compiled row product); the decode attention uses the native op wherever it builds.
+``SHARDWISE_CPU_ELEMENTWISE``: ``native`` (the default) has compiled steps call the native
+elementwise ops for rows at least :data:`NATIVE_MIN_WIDTH` wide, ``always`` at every width,
+``torch`` never (their torch forms traced, for inductor to fuse): the A/B of
+``benchmarks/startup.py --elementwise``.
 ``SHARDWISE_CPU_BF16_DOT=0`` makes the 16-bit op run bf16 as it does on a CPU without
 AVX512-BF16 (widened to fp32, FMAs), to compare the two paths on one that has it.
 Any other value is a :class:`~shardwise.errors.ConfigError`.
 
-The op's fake (meta) implementation is registered here, so the op runs inside the
+The ops' fake (meta) implementations are registered here, so each runs inside the
 ``torch.compile``'d decode step (CPU graphs) as one opaque call.
 """
 
@@ -41,6 +48,8 @@ log = logging.getLogger(__name__)
 #: Environment variable choosing the CPU quant_linear kernel: "native" (default) or "torch".
 ENV = "SHARDWISE_CPU_QUANT_KERNEL"
 CHOICES = ("native", "torch")
+#: :data:`ELEMENTWISE_ENV`'s values
+ELEMENTWISE_CHOICES = ("native", "always", "torch")
 #: CPU flags (as /proc/cpuinfo spells them) the build's instruction set needs.
 CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")
 CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mfma",
@@ -50,11 +59,15 @@ CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mfma
 #: (Without -fopenmp ATen's parallel_for compiles to a serial loop: before 2026-11-27 every
 #: native kernel ran on one thread whatever torch.set_num_threads said.)
 LDFLAGS = ["-fopenmp"]
-SOURCES = tuple(Path(__file__).with_name(f) for f in ("quant.cpp", "attention.cpp", "half.cpp"))
+SOURCES = tuple(Path(__file__).with_name(f)
+                for f in ("quant.cpp", "attention.cpp", "half.cpp", "elementwise.cpp"))
+#: Environment variable choosing the elementwise ops of compiled steps: "native" (default),
+#: "always" or "torch" (:func:`in_compiled_step`).
+ELEMENTWISE_ENV = "SHARDWISE_CPU_ELEMENTWISE"
 #: Extension (and cache folder) name; bump when an op's schema changes or an op is added (or
 #: when ``scratch.h``, which the sources include, changes: torch keys its cached build on the
 #: sources).
-NAME = "shardwise_cpu_native_v8"
+NAME = "shardwise_cpu_native_v9"
 
 #: What runs instead when the extension is not usable (the log line says it).
 FALLBACK = ("int8/int4 use torch's packed kernels, 16-bit linears of CPU graphs the compiled row "
@@ -64,14 +77,23 @@ _lock = threading.Lock()
 _state: dict[str, bool] = {}
 #: Whether the op is loaded in this process (set by :func:`load`; read by compiled code).
 LOADED = False
+#: Whether compiled steps call the native elementwise ops (set by :func:`load` from
+#: :data:`ELEMENTWISE_ENV`; read by compiled code).
+ELEMENTWISE = False
+#: Whether they do so at every width (``always``), not only from :data:`NATIVE_MIN_WIDTH` on.
+ELEMENTWISE_ALL = False
 
 
-def choice() -> str:
-    """The kernel :data:`ENV` asks for ("native" when unset); ConfigError for another value."""
-    value = os.environ.get(ENV, "").strip().lower() or "native"
-    if value not in CHOICES:
-        raise ConfigError(f"{ENV}={value!r}: expected one of {', '.join(CHOICES)} "
-                          f"(native: the AVX512-VNNI C++ kernel; torch: torch's packed kernels)")
+def choice(env: str = ENV) -> str:
+    """The kernel ``env`` (:data:`ENV` or :data:`ELEMENTWISE_ENV`) asks for ("native" when
+    unset); ConfigError for another value."""
+    value = os.environ.get(env, "").strip().lower() or "native"
+    choices = CHOICES if env == ENV else ELEMENTWISE_CHOICES
+    if value not in choices:
+        meaning = ("native: the C++ kernels; torch: torch's packed kernels" if env == ENV else
+                   "native: the C++ ops for wide enough rows; always: at every width; torch: "
+                   "their torch forms, fused by the compiler")
+        raise ConfigError(f"{env}={value!r}: expected one of {', '.join(choices)} ({meaning})")
     return value
 
 
@@ -110,20 +132,40 @@ def _register_fake() -> None:
     def _(q, k_cache, v_cache, lengths, starts, alibi_slopes, scale, window, sinks):
         return q.new_empty(q.shape)  # contiguous [batch, q_heads, 1, d], as the C++ op returns
 
+    @torch.library.register_fake("shardwise_native::cpu_rms_norm")
+    def _(x, weight, eps):
+        return x.new_empty(x.shape)  # contiguous, x's dtype
+
+    @torch.library.register_fake("shardwise_native::cpu_add_rms_norm")
+    def _(x, residual, weight, eps):
+        return x.new_empty(x.shape), x.new_empty(x.shape)  # (out, h)
+
+    @torch.library.register_fake("shardwise_native::cpu_rotary")
+    def _(q, k, cos, sin, interleaved):
+        return q.new_empty(q.shape), k.new_empty(k.shape)  # contiguous [b, heads, s, d]
+
+    @torch.library.register_fake("shardwise_native::cpu_silu_and_mul")
+    def _(x, up):
+        inter = x.shape[-1] if up is not None else x.shape[-1] // 2
+        return x.new_empty((*x.shape[:-1], inter))
+
 
 def load(respect_choice: bool = True) -> bool:
     """Whether the native op is usable here, building it on the first call (module docstring);
     later calls return the first answer. With ``respect_choice`` (for choosing a layout) the
     opt-out :data:`ENV` makes it False; without (to run a weight already in the native layout)
     the op is built whatever it says. Raises only for a bad :data:`ENV` value."""
-    global LOADED
+    global LOADED, ELEMENTWISE, ELEMENTWISE_ALL
     if respect_choice and choice() != "native":
         return False
     if LOADED:
         return True
     with _lock:
         if "ok" not in _state:
+            elementwise = choice(ELEMENTWISE_ENV)  # a bad value: raised before any build
             _state["ok"] = LOADED = _try_build()
+            ELEMENTWISE = LOADED and elementwise != "torch"
+            ELEMENTWISE_ALL = elementwise == "always"
         return _state["ok"]
 
 
@@ -162,8 +204,34 @@ def cpu_blocked_linear(x: torch.Tensor, blocked: torch.Tensor, bias: torch.Tenso
     return torch.ops.shardwise_native.cpu_blocked_linear(x, blocked, bias, n)
 
 
+#: The narrowest row a compiled step hands to each native elementwise op (the hidden size for
+#: rms_norm, q_heads x head_dim for rotary, the intermediate size for silu_and_mul). A native
+#: call costs ~2 us more than the kernel inductor would fuse (four calls a layer), a measurable
+#: share of a narrow layer's step (SmolLM2-135M, 576 / 576 / 1536, int8: ~6% per token) for a
+#: smaller compile saving; at a 1.7B's widths (2048 / 2048 / 8192) the step is within noise and
+#: the first start ~10 s shorter (benchmarks/README.md, "Start-up").
+NATIVE_MIN_WIDTH = {"rms_norm": 1024, "rotary": 1024, "silu_and_mul": 2048}
+
+
+def in_compiled_step(op: str, width: int) -> bool:
+    """Whether ``op`` (a key of :data:`NATIVE_MIN_WIDTH`) on rows of ``width`` elements, in the
+    code running now, is being traced into a compiled CPU step with the extension loaded and wide
+    enough rows: there the CPU kernels call the native op (one opaque call instead of a fused
+    kernel inductor generates and builds per layer). Eager code keeps torch's (measured)
+    implementations; so do compiled steps with :data:`ELEMENTWISE_ENV` ``=torch`` (and with
+    ``=always`` every width takes the native op).
+    ``ELEMENTWISE`` is read as a constant by dynamo: the CPU graph strategy builds the extension
+    before any capture, and steps are keyed by it (:func:`key_text`; the widths are the model's
+    shapes, already in every step's key)."""
+    wide = ELEMENTWISE_ALL or width >= NATIVE_MIN_WIDTH[op]
+    return ELEMENTWISE and wide and torch.compiler.is_compiling()
+
+
 def key_text() -> str:
     """What a compiled step that may call these ops depends on, for its cache key: whether the
     extension is usable in this process (building it on the first call), so a step compiled with
-    the native ops is never served to a process without them, nor the other way round."""
-    return f"native={load(respect_choice=False)},quant={choice()}"
+    the native ops is never served to a process without them, nor the other way round; and
+    whether its elementwise ops are the native ones (:data:`ELEMENTWISE_ENV`, and from which
+    widths on)."""
+    return (f"native={load(respect_choice=False)},quant={choice()},"
+            f"elementwise={ELEMENTWISE},all={ELEMENTWISE_ALL}:{sorted(NATIVE_MIN_WIDTH.items())}")
