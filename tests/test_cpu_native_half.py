@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardwise.accelerators import cpu_blocked_layout as layout
+from shardwise.errors import ConfigError
 from shardwise.kernels.cpu import native
 from shardwise.kernels.reference.linear import blocked_linear as reference
 from shardwise.ledger import Ledger
@@ -24,19 +25,16 @@ pytestmark = pytest.mark.skipif(not native.load(respect_choice=False),
                                        "CPU and a C++ compiler needed)")
 
 DTYPES = [torch.bfloat16, torch.float16]
-#: the op's paths: bf16 by vdpbf16ps where the CPU has AVX512-BF16 ("dot"), bf16 and fp16
-#: widened to fp32 with FMAs ("widen": bf16's on other CPUs, forced here with
-#: SHARDWISE_CPU_BF16_DOT=0 so both run on such a CPU)
+#: the op's paths: bf16 by vdpbf16ps where the CPU has AVX512-BF16 ("dot", forced with
+#: SHARDWISE_CPU_BF16_DOT=1: the op's own timing may pick either), bf16 and fp16 widened to fp32
+#: with FMAs ("widen": bf16's on other CPUs, forced with SHARDWISE_CPU_BF16_DOT=0)
 PATHS = [pytest.param(torch.bfloat16, "dot", id="bf16-dot"),
          pytest.param(torch.bfloat16, "widen", id="bf16-widen"),
          pytest.param(torch.float16, "widen", id="fp16-widen")]
 
 
 def _use_path(path: str, monkeypatch) -> None:
-    if path == "widen":
-        monkeypatch.setenv("SHARDWISE_CPU_BF16_DOT", "0")
-    else:
-        monkeypatch.delenv("SHARDWISE_CPU_BF16_DOT", raising=False)
+    monkeypatch.setenv("SHARDWISE_CPU_BF16_DOT", "0" if path == "widen" else "1")
 
 
 def _within_one_rounding(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor,
@@ -75,12 +73,15 @@ def test_native_blocked_linear_is_the_fp32_sum_rounded_once(dtype, path, n, k, b
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_past_native_rows_the_widening_path_is_addmm_on_the_plain_weight(dtype, monkeypatch):
-    """More than NATIVE_ROWS rows of fp16, or of bf16 without the dot-product loops (a CPU
-    without AVX512-BF16): ATen's GEMM on the weight reassembled from the blocks, bit for bit
-    what ``addmm`` gives on the plain [K, N] weight (bias in x's dtype, as ``F.linear``), within
-    one rounding of the exact product, twice in a row (the reassembly buffer is reused) and for
-    a smaller weight after a larger one."""
+    """More than NATIVE_ROWS rows of fp16, or of bf16 on a CPU without AVX512-BF16: ATen's GEMM
+    on the weight reassembled from the blocks, bit for bit what ``addmm`` gives on the plain
+    [K, N] weight (bias in x's dtype, as ``F.linear``), within one rounding of the exact product,
+    twice in a row (the reassembly buffer is reused) and for a smaller weight after a larger
+    one. bf16 on a CPU with AVX512-BF16 keeps its own loops at every row count (ATen's bf16
+    GEMM there runs on the instruction they are timed against): the widening ones here, within
+    one rounding too."""
     monkeypatch.setenv("SHARDWISE_CPU_BF16_DOT", "0")
+    own_loops = dtype == torch.bfloat16 and native.cpu_bf16_dot_choice()[1] > 0
     g = torch.Generator().manual_seed(3)
     for n, k in ((200, 96), (70, 40)):
         w = torch.randn(n, k, generator=g).to(dtype)
@@ -90,9 +91,14 @@ def test_past_native_rows_the_widening_path_is_addmm_on_the_plain_weight(dtype, 
         mat2 = w.t().contiguous()  # [K, N]
         for _ in range(2):
             got = native.cpu_blocked_linear(x, blocked, b, n)
-            assert torch.equal(got, torch.addmm(b, x, mat2))
+            if own_loops:  # the same loops as at NATIVE_ROWS rows (chunks of 8: the same sums)
+                rows = layout.NATIVE_ROWS
+                assert torch.equal(got[:rows], native.cpu_blocked_linear(x[:rows], blocked, b, n))
+            else:
+                assert torch.equal(got, torch.addmm(b, x, mat2))
         _within_one_rounding(got, x, w, b)
-        assert torch.equal(native.cpu_blocked_linear(x, blocked, None, n), x @ mat2)
+        if not own_loops:
+            assert torch.equal(native.cpu_blocked_linear(x, blocked, None, n), x @ mat2)
 
 
 def test_native_blocked_linear_keeps_nan_and_inf_and_takes_no_rows():
@@ -186,3 +192,44 @@ def test_16bit_linears_keep_their_layout_when_the_native_kernels_are_opted_out(m
     assert layout.block_linear_weights([fp32, bf16]) == 1
     assert fp32.weight.dim() == 3 and bf16.weight.shape == (8, 16)
     assert "forward" not in vars(bf16)
+
+
+def _flushes_denormals(monkeypatch, env: str | None) -> bool:
+    """Whether bf16 runs the dot loops under ``env``: vdpbf16ps flushes a denormal x to zero,
+    the widening loops keep it (x one bf16 denormal against a weight of ones)."""
+    if env is None:
+        monkeypatch.delenv(native.BF16_DOT_ENV, raising=False)
+    else:
+        monkeypatch.setenv(native.BF16_DOT_ENV, env)
+    w = torch.ones(3, 4, dtype=torch.bfloat16)
+    x = torch.tensor([[1e-40, 0.0, 0.0, 0.0]], dtype=torch.bfloat16)
+    assert x[0, 0] != 0 and x[0, 0].abs() < torch.finfo(torch.bfloat16).tiny
+    got = native.cpu_blocked_linear(x, layout.block_weight(w.t()), None, 3)
+    return bool((got == 0).all())
+
+
+def test_bf16_takes_the_loops_the_ops_timing_picks_unless_forced(monkeypatch):
+    """Unset: the dot loops unless the widening ones ran in under 1/1.15 of their time (one
+    timing per process, the same pick at every call); 1 / 0 force either where the CPU has
+    AVX512-BF16; without it both times are 0 and bf16 always widens."""
+    monkeypatch.delenv(native.BF16_DOT_ENV, raising=False)
+    picks, dot_s, widen_s = native.cpu_bf16_dot_choice()
+    assert native.cpu_bf16_dot_choice() == (picks, dot_s, widen_s)
+    has_dot = dot_s > 0
+    assert (widen_s > 0) == has_dot
+    assert picks == (has_dot and not widen_s * 1.15 < dot_s)
+    assert _flushes_denormals(monkeypatch, None) == picks
+    assert _flushes_denormals(monkeypatch, "1") == has_dot
+    assert not _flushes_denormals(monkeypatch, "0")
+    monkeypatch.setenv(native.BF16_DOT_ENV, "1")
+    assert native.cpu_bf16_dot_choice()[0] == has_dot
+
+
+@pytest.mark.parametrize("value", ["yes", "2", " 1", "auto"])
+def test_a_bad_bf16_dot_value_is_refused(value, monkeypatch):
+    monkeypatch.setenv(native.BF16_DOT_ENV, value)
+    with pytest.raises(ConfigError, match="SHARDWISE_CPU_BF16_DOT=.*expected 1 .* 0 .* or unset"):
+        native.check_bf16_dot_env()
+    for good in ("1", "0", ""):
+        monkeypatch.setenv(native.BF16_DOT_ENV, good)
+        native.check_bf16_dot_env()

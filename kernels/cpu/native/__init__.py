@@ -24,9 +24,11 @@ and the compiled row product); the decode attention uses the native op wherever 
 elementwise ops for rows at least :data:`NATIVE_MIN_WIDTH` wide, ``always`` at every width,
 ``torch`` never (their torch forms traced, for inductor to fuse): the A/B of
 ``benchmarks/startup.py --elementwise``.
-``SHARDWISE_CPU_BF16_DOT=0`` makes the 16-bit op run bf16 as it does on a CPU without
-AVX512-BF16 (widened to fp32, FMAs), to compare the two paths on one that has it.
-Any other value is a :class:`~shardwise.errors.ConfigError`.
+On a CPU with AVX512-BF16 the 16-bit op runs bf16 with ``vdpbf16ps`` or widened to fp32 with
+FMAs (as on other CPUs), whichever its one-off timing in the process finds faster
+(:func:`cpu_bf16_dot_choice`; the dot loops unless the widening ones are clearly faster);
+``SHARDWISE_CPU_BF16_DOT=1`` forces the dot loops, ``=0`` the widening ones, to compare them.
+Any other value of these variables is a :class:`~shardwise.errors.ConfigError`.
 
 The ops' fake (meta) implementations are registered here, so each runs inside the
 ``torch.compile``'d decode step (CPU graphs) as one opaque call.
@@ -64,10 +66,13 @@ SOURCES = tuple(Path(__file__).with_name(f)
 #: Environment variable choosing the elementwise ops of compiled steps: "native" (default),
 #: "always" or "torch" (:func:`in_compiled_step`).
 ELEMENTWISE_ENV = "SHARDWISE_CPU_ELEMENTWISE"
+#: Environment variable forcing the bf16 loops of the 16-bit op: "1" dot, "0" widening (unset:
+#: the op's own timing picks, :func:`cpu_bf16_dot_choice`).
+BF16_DOT_ENV = "SHARDWISE_CPU_BF16_DOT"
 #: Extension (and cache folder) name; bump when an op's schema changes or an op is added (or
-#: when ``scratch.h``, which the sources include, changes: torch keys its cached build on the
-#: sources).
-NAME = "shardwise_cpu_native_v9"
+#: when ``scratch.h`` or ``simd.h``, which the sources include, change: torch keys its cached
+#: build on the sources).
+NAME = "shardwise_cpu_native_v10"
 
 #: What runs instead when the extension is not usable (the log line says it).
 FALLBACK = ("int8/int4 use torch's packed kernels, 16-bit linears of CPU graphs the compiled row "
@@ -95,6 +100,15 @@ def choice(env: str = ENV) -> str:
                    "their torch forms, fused by the compiler")
         raise ConfigError(f"{env}={value!r}: expected one of {', '.join(choices)} ({meaning})")
     return value
+
+
+def check_bf16_dot_env() -> None:
+    """ConfigError unless :data:`BF16_DOT_ENV` is unset, empty, "1" or "0" (the op itself reads
+    any other value as unset: checked here, at :func:`load`, so it is never ignored silently)."""
+    value = os.environ.get(BF16_DOT_ENV, "")
+    if value not in ("", "0", "1"):
+        raise ConfigError(f"{BF16_DOT_ENV}={value!r}: expected 1 (bf16 by vdpbf16ps), 0 (widened "
+                          "to fp32, FMAs) or unset (the faster on this CPU, timed once)")
 
 
 def missing_cpu_flags() -> list[str]:
@@ -163,6 +177,7 @@ def load(respect_choice: bool = True) -> bool:
     with _lock:
         if "ok" not in _state:
             elementwise = choice(ELEMENTWISE_ENV)  # a bad value: raised before any build
+            check_bf16_dot_env()
             _state["ok"] = LOADED = _try_build()
             ELEMENTWISE = LOADED and elementwise != "torch"
             ELEMENTWISE_ALL = elementwise == "always"
@@ -193,6 +208,16 @@ def cpu_qlinear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     call only after :func:`load` returned True."""
     return torch.ops.shardwise_native.cpu_qlinear(x, qweight, scales, zeros, bias, bits, group,
                                                   ablock, n)
+
+
+def cpu_bf16_dot_choice() -> tuple[bool, float, float]:
+    """Which loops the 16-bit op runs bf16 with on this CPU: (True for ``vdpbf16ps``, the dot
+    loops' and the widening loops' seconds in the op's one-off timing of 8 rows against a block
+    of 32 x 1024 in cache; both 0.0 on a CPU without AVX512-BF16, where it always widens).
+    Timed once per process, at the first call of this or of a bf16 linear; the environment's
+    ``SHARDWISE_CPU_BF16_DOT`` (``1`` / ``0``) overrides the pick. Needs :func:`load`."""
+    picks, dot_s, widen_s = torch.ops.shardwise_native.cpu_bf16_dot_choice()
+    return bool(picks), dot_s, widen_s
 
 
 def cpu_blocked_linear(x: torch.Tensor, blocked: torch.Tensor, bias: torch.Tensor | None,

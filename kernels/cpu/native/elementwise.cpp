@@ -29,6 +29,8 @@
 #include <cstdint>
 #include <tuple>
 
+#include "simd.h"
+
 // Products and sums rounded one by one, as torch's ops (no fused multiply-adds formed from them).
 #pragma GCC optimize("fp-contract=off")
 
@@ -71,15 +73,7 @@ struct Lanes<c10::BFloat16> {
     const __m256i h = _mm256_maskz_loadu_epi16(m, p);
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
   }
-  // round to nearest even; NaN to the quiet NaN 0x7FC0, as c10::BFloat16's conversion
-  static inline __m256i narrow(__m512 v) {
-    const __m512i bits = _mm512_castps_si512(v);
-    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-    __m512i r = _mm512_srli_epi32(
-        _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
-    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
-    return _mm512_cvtepi32_epi16(r);
-  }
+  static inline __m256i narrow(__m512 v) { return shardwise_native::narrow_bf16(v); }
   static inline void store(c10::BFloat16* p, __m512 v, __mmask16 m) {
     _mm256_mask_storeu_epi16(p, m, narrow(v));
   }
@@ -93,9 +87,7 @@ struct Lanes<c10::Half> {
   static inline __m512 load(const c10::Half* p, __mmask16 m) {
     return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, p));
   }
-  static inline __m256i narrow(__m512 v) {
-    return _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  }
+  static inline __m256i narrow(__m512 v) { return shardwise_native::narrow_f16(v); }
   static inline void store(c10::Half* p, __m512 v, __mmask16 m) {
     _mm256_mask_storeu_epi16(p, m, narrow(v));
   }

@@ -29,20 +29,27 @@
 #include <torch/library.h>
 #include <immintrin.h>
 
+#include "simd.h"
 #include "scratch.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <type_traits>
+#include <utility>
+#include <vector>
 
 namespace {
 
 constexpr int BLOCK = 32;  // output columns per block: one 64-byte vector of 16-bit values
 // Up to this many rows the widening loops below (each weight vector read once per 8 rows) beat
 // ATen's 16-bit GEMM on a reassembled weight; beyond, that GEMM (benchmarks/kernel_half_linear.py).
-// bf16 on a CPU with AVX512-BF16 takes the dot-product loops at every row count instead.
+// bf16 on a CPU with AVX512-BF16 takes its loops at every row count instead: the dot loops, or,
+// where they lost the timing below, the widening ones (ATen's bf16 GEMM runs on the same slow
+// instruction there: 124-162 GFLOP/s past 64 rows on the Xeon where the widening loops ran
+// 264 at 64).
 constexpr int64_t NATIVE_ROWS = 64;
 // The largest reassembled weight kept in the thread's scratch (cpu_blocked_layout's constant of
 // the same name: 64 MiB, a 1.7B model's MLP weights in fp32).
@@ -59,16 +66,8 @@ struct BF16 {
     a = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
     b = _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
   }
-  // 16 floats -> 16 bf16, rounded to nearest even (NaN to the quiet NaN 0x7FC0, as
-  // c10::BFloat16's conversion does)
-  static inline __m256i narrow(__m512 v) {
-    const __m512i bits = _mm512_castps_si512(v);
-    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-    __m512i r = _mm512_srli_epi32(
-        _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
-    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
-    return _mm512_cvtepi32_epi16(r);
-  }
+  // 16 floats -> 16 bf16 (simd.h)
+  static inline __m256i narrow(__m512 v) { return shardwise_native::narrow_bf16(v); }
 };
 
 // float16: columns 0-15 and 16-31 converted by the hardware (AVX512F vcvtph2ps / vcvtps2ph).
@@ -79,9 +78,7 @@ struct F16 {
     a = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w)));
     b = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 16)));
   }
-  static inline __m256i narrow(__m512 v) {
-    return _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  }
+  static inline __m256i narrow(__m512 v) { return shardwise_native::narrow_f16(v); }
 };
 
 // Columns 0..15 (c0) and 16..31 (c1) of one output row: + bias (float [32] or null), the first
@@ -120,6 +117,7 @@ inline void block_rows(const uint16_t* w, const float* x, int64_t K, const float
 #pragma GCC unroll 2
     for (int c = 0; c < C; ++c) {
       __m512 a, b;
+      shardwise_native::prefetch_weights(w + (k + c) * BLOCK);
       T::widen(w + (k + c) * BLOCK, a, b);
 #pragma GCC unroll 8
       for (int m = 0; m < MB; ++m) {
@@ -170,6 +168,8 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"))) inline void block_rows_do
   for (int m = 0; m < MB; ++m) acc_lo[m] = acc_hi[m] = _mm512_setzero_ps();
   const int64_t even = K & ~int64_t{1};
   for (int64_t k = 0; k < even; k += 2) {
+    shardwise_native::prefetch_weights(w + k * BLOCK);
+    shardwise_native::prefetch_weights(w + (k + 1) * BLOCK);
     const __m512i v0 = _mm512_loadu_si512(w + k * BLOCK);
     const __m512i v1 = _mm512_loadu_si512(w + (k + 1) * BLOCK);
     const __m512bh lo = (__m512bh)_mm512_unpacklo_epi16(v0, v1);
@@ -267,13 +267,72 @@ void run_bf16_dot(const at::Tensor& x, const at::Tensor& w, const float* bias, i
                           reinterpret_cast<uint16_t*>(out.data_ptr()));
 }
 
-// Whether bf16 takes the vdpbf16ps loops: the CPU has AVX512-BF16 (the build does not assume
-// it: the cache may outlive the CPU) and SHARDWISE_CPU_BF16_DOT is not "0" (read per call: the
-// tests and benchmarks compare it with the widening loops other CPUs run).
-bool bf16_dot() {
+// Which bf16 loops are faster on this CPU, timed once per process on one thread: 8 rows of x
+// against one block of 32 columns x 1024 features (64 KiB of weight, in cache, so the loops'
+// arithmetic is what differs). vdpbf16ps halves the instructions, but its throughput is the
+// CPU's: on an AMD EPYC (Zen 4) the dot loops ran 2x the widening ones at 8 rows, on an Intel
+// Xeon with AVX512-BF16 the widening loops ran 1.2-1.7x the dot ones from 2 rows up
+// (benchmarks/README.md, "bf16 decode on the CPU"). The dot loops are kept unless the widening
+// ones take under 1/DOT_MARGIN of their time, so a near tie (timing noise) never flips a CPU's
+// numerics from one process to the next. Returns {dot seconds, widening seconds} per call.
+constexpr double DOT_MARGIN = 1.15;
+
+std::pair<double, double> time_bf16_loops() {
+  constexpr int64_t K = 1024, MB = 8, REPS = 64, TRIALS = 5;
+  std::vector<uint16_t> w(K * BLOCK), x(MB * K), out(MB * BLOCK);
+  std::vector<float> xf(MB * K);
+  for (int64_t i = 0; i < K * BLOCK; ++i) w[i] = 0x3F80 + static_cast<uint16_t>(i % 61);
+  for (int64_t i = 0; i < MB * K; ++i) {
+    x[i] = 0x3F00 + static_cast<uint16_t>(i % 53);
+    xf[i] = static_cast<float>(c10::BFloat16(x[i], c10::BFloat16::from_bits()));
+  }
+  using clock = std::chrono::steady_clock;
+  auto best = [&](auto&& call) {
+    double t = 1e30;
+    for (int trial = 0; trial < TRIALS; ++trial) {
+      const auto t0 = clock::now();
+      for (int r = 0; r < REPS; ++r) call();
+      t = std::min(t, std::chrono::duration<double>(clock::now() - t0).count() / REPS);
+    }
+    return t;
+  };
+  auto dot = [&] { block_rows_dot<MB>(w.data(), x.data(), K, nullptr, out.data(), BLOCK, BLOCK); };
+  auto widen = [&] {
+    block_rows<BF16, MB, uint16_t>(w.data(), xf.data(), K, nullptr, out.data(), BLOCK, BLOCK);
+  };
+  dot(), widen();  // warm the caches
+  const double td = best(dot), tw = best(widen);
+  return {td, tw};
+}
+
+bool cpu_has_bf16_dot() {
   static const bool cpu = __builtin_cpu_supports("avx512bf16");
+  return cpu;
+}
+
+std::pair<double, double> bf16_loop_times() {
+  static const std::pair<double, double> times =
+      cpu_has_bf16_dot() ? time_bf16_loops() : std::pair<double, double>{0.0, 0.0};
+  return times;
+}
+
+// Whether bf16 takes the vdpbf16ps loops: the CPU has AVX512-BF16 (the build does not assume
+// it: the cache may outlive the CPU) and SHARDWISE_CPU_BF16_DOT (read per call: the tests and
+// benchmarks compare the paths) is "1", or unset and the timing above prefers them; "0": never.
+bool bf16_dot() {
+  if (!cpu_has_bf16_dot()) return false;
   const char* env = std::getenv("SHARDWISE_CPU_BF16_DOT");
-  return cpu && !(env && env[0] == '0' && env[1] == '\0');
+  if (env && env[0] != '\0' && env[1] == '\0' && (env[0] == '0' || env[0] == '1'))
+    return env[0] == '1';
+  const auto [td, tw] = bf16_loop_times();
+  return !(tw * DOT_MARGIN < td);
+}
+
+// {1 if bf16 takes the dot loops now else 0, the dot loops' probe seconds, the widening ones'}
+// (0, 0 without AVX512-BF16: not timed), for the log line and the benchmarks.
+std::vector<double> cpu_bf16_dot_choice() {
+  const auto [td, tw] = bf16_loop_times();
+  return {bf16_dot() ? 1.0 : 0.0, td, tw};
 }
 
 // More rows than NATIVE_ROWS: ATen's GEMM (fp32 accumulation, bias inside, one rounding) on the
@@ -316,7 +375,8 @@ at::Tensor cpu_blocked_linear(const at::Tensor& x, const at::Tensor& blocked,
   const at::Tensor xc = x.contiguous();
   // a float x keeps its products exact: the widening loops (the dot loops would round it)
   const bool dot = dt == at::kBFloat16 && bf16_dot();
-  if (M > NATIVE_ROWS && !dot) return reassembled_linear(xc, blocked, bias, n);
+  const bool every_row_count = dt == at::kBFloat16 && cpu_has_bf16_dot();
+  if (M > NATIVE_ROWS && !every_row_count) return reassembled_linear(xc, blocked, bias, n);
   // scratch: x as float [M, K], then the bias as float [Nb * 32] (zero-padded)
   const int64_t padded = blocked.size(0) * BLOCK;
   const bool has_bias = bias.has_value() && bias->defined();
@@ -348,6 +408,7 @@ at::Tensor cpu_blocked_linear(const at::Tensor& x, const at::Tensor& blocked,
 
 TORCH_LIBRARY_FRAGMENT(shardwise_native, m) {
   m.def("cpu_blocked_linear(Tensor x, Tensor blocked, Tensor? bias, int n) -> Tensor");
+  m.def("cpu_bf16_dot_choice() -> float[]", &cpu_bf16_dot_choice);
 }
 
 TORCH_LIBRARY_IMPL(shardwise_native, CPU, m) { m.impl("cpu_blocked_linear", &cpu_blocked_linear); }

@@ -29,6 +29,7 @@
 #include <immintrin.h>
 
 #include "scratch.h"
+#include "simd.h"
 
 #include <algorithm>
 #include <atomic>
@@ -117,6 +118,7 @@ inline const uint8_t* block_dots(const uint8_t* w, const int8_t* aq, int64_t lda
 #pragma GCC unroll 16
   for (int64_t s = 0; s < steps; ++s) {
     const __m512i wv = _mm512_loadu_si512(w + s * 64);
+    shardwise_native::prefetch_weights(w + s * 64);
     const int64_t kk = k + s * KB;
     if constexpr (BITS == 8) {
       for (int m = 0; m < MB; ++m) {
@@ -228,13 +230,7 @@ struct OutBF16 {
   const float* bias;
   OutBF16 at_row(int64_t m) const { return {p + m * ld, ld, bias}; }
   inline void store(int m, __m512 v, __mmask16 mask) const {
-    const __m512i b = _mm512_castps_si512(v);
-    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
-    __m512i r = _mm512_srli_epi32(
-        _mm512_add_epi32(b, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
-    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q),
-                              _mm512_set1_epi32(0x7FC0));
-    _mm512_mask_cvtepi32_storeu_epi16(p + m * ld, mask, r);
+    _mm256_mask_storeu_epi16(p + m * ld, mask, shardwise_native::narrow_bf16(v));
   }
 };
 
