@@ -112,6 +112,23 @@ def test_16bit_weights_under_fp32_compute_are_the_rounded_fp32_model(arch, wdtyp
 
 
 @needs_native
+def test_the_warning_names_only_what_stays_wide_after_the_fused_groups_follow(caplog):
+    """Llama's q/k/v and gate/up run fused: their parts follow the fused weight's 16-bit layout
+    at the end of the layout step, so the one warning counts only the untied input embedding
+    (it had named the parts too, read before they followed)."""
+    model = tiny_causal_lm("llama")
+    assert not model.config.tie_word_embeddings
+    with caplog.at_level("WARNING", logger="shardwise"):
+        _engine(model, torch.float16)
+    wide = [n for n, p in model.named_parameters()
+            if p.dim() >= 2 and p.dtype != torch.float16]
+    assert wide == ["model.embed_tokens.weight"]
+    said = [r.getMessage() for r in caplog.records if "weight_dtype=float16" in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith(
+        "shardwise: weight_dtype=float16: 1 weight tensors (") and "q_proj" not in said[0]
+
+
+@needs_native
 def test_moe_experts_stay_fp32_and_a_warning_says_so(caplog):
     """Mixtral: attention, router and head stored in bf16, the experts' stacked tensors kept
     fp32 (named in one warning); the engine is the model with only those linears rounded

@@ -290,11 +290,11 @@ def _share_weights(model: nn.Module, head: nn.Module | None, strategy: GraphStra
     if weight_dtype is not None:
         check_weight_dtype(strategy, weight_dtype)
     changed = _lay_out(strategy, targets, tied, weight_dtype)
-    if weight_dtype is not None:
-        _say_what_stays_wide(model, weight_dtype)
     for group in groups:
         group.follow_layout()
     changed += _unfuse_where_slower(stack, groups, strategy, weight_dtype)
+    if weight_dtype is not None:  # after the fused groups' parts follow their laid-out whole
+        _say_what_stays_wide(model, weight_dtype)
     if changed:
         log.info("shardwise: %d linear weights laid out for %s (shared by eager and captured "
                  "code)", changed, strategy.name)
