@@ -3,10 +3,10 @@
 (``accelerators/cpu_gemv.py``, one row, the plain layout) and ATen's ``F.linear`` on the plain
 weight — what ``cpu_blocked_layout.NATIVE_ROWS`` rests on. For bf16 on a CPU with AVX512-BF16
 the op's two paths are timed: ``native dot`` (``vdpbf16ps``, ``SHARDWISE_CPU_BF16_DOT=1``) and
-``native widening`` (fp32 FMAs, ``=0``; past 64 rows ATen's GEMM on the reassembled weight),
-and the line above the table says which one the op picks by itself on this CPU (its one-off
-timing, ``half.cpp``'s ``time_bf16_loops``). fp16 (and bf16 elsewhere) has the widening loops
-only: ``native blocked``.
+``native widening`` (fp32 FMAs, ``=0``; both at every row count there), and the line above
+the table says which one the op picks by itself on this CPU (its one-off timing, ``half.cpp``'s
+``time_bf16_loops``). fp16 (and bf16 on other CPUs) has the widening loops only, ``native
+blocked``: ATen's GEMM on the reassembled weight past 64 rows.
 
     python benchmarks/kernel_half_linear.py                    # a 1.7B Llama layer's shapes
     python benchmarks/kernel_half_linear.py --rows 1 8 --dtype fp16
@@ -74,10 +74,10 @@ def main(argv=None) -> None:
     print(f"threads {torch.get_num_threads()}, {args.dtype}, {len(plain)} weights, "
           f"{nbytes / 2**20:.0f} MiB per call, copy probe {probe:.1f} GB/s, median of "
           f"{args.repeats} interleaved calls")
-    dot_cpu = dtype == torch.bfloat16 and native.cpu_bf16_dot_choice()[1] > 0
+    os.environ.pop(DOT_ENV, None)  # the op's own pick, reported; each call below forces one
+    picks, dot_s, widen_s = native.cpu_bf16_dot_choice()
+    dot_cpu = dtype == torch.bfloat16 and dot_s > 0
     if dot_cpu:
-        os.environ.pop(DOT_ENV, None)
-        picks, dot_s, widen_s = native.cpu_bf16_dot_choice()
         print(f"bf16 loops picked by the op on this CPU: {'dot' if picks else 'widening'} "
               f"(its probe: dot {dot_s * 1e6:.2f} us, widening {widen_s * 1e6:.2f} us)")
     rowprod = torch.compile(row_product, dynamic=False)
@@ -95,7 +95,7 @@ def main(argv=None) -> None:
         else:
             calls = {"native blocked": lambda: run_native(False)}
         calls["aten (plain)"] = lambda: [F.linear(x, w) for x, w in zip(xs, plain)]
-        if rows >= 8:  # ATen on the weight reassembled (as the widening path past NATIVE_ROWS)
+        if rows >= 8:  # ATen on the reassembled weight (fp16's path past NATIVE_ROWS)
             calls["aten (reassembled)"] = lambda: [F.linear(x, reassembled(b, w.shape[0]).t())
                                                    for x, b, w in zip(xs, blocked, plain)]
         if rows == 1:

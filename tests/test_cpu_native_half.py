@@ -233,3 +233,24 @@ def test_a_bad_bf16_dot_value_is_refused(value, monkeypatch):
     for good in ("1", "0", ""):
         monkeypatch.setenv(native.BF16_DOT_ENV, good)
         native.check_bf16_dot_env()
+
+
+def test_load_refuses_a_bad_bf16_dot_value_before_building(monkeypatch):
+    monkeypatch.setattr(native, "_state", {})  # as in a fresh process
+    for name, fresh in (("LOADED", False), ("ELEMENTWISE", False), ("ELEMENTWISE_ALL", False)):
+        monkeypatch.setattr(native, name, fresh)  # load() sets them: restored after the test
+    built = []
+    monkeypatch.setattr(native, "_try_build", lambda: built.append(1) or True)
+    monkeypatch.setenv(native.BF16_DOT_ENV, "on")
+    with pytest.raises(ConfigError, match="SHARDWISE_CPU_BF16_DOT='on'"):
+        native.load(respect_choice=False)
+    assert built == []
+    monkeypatch.setenv(native.BF16_DOT_ENV, "0")
+    assert native.load(respect_choice=False) and built == [1]
+
+
+def test_extra_compiler_flags_follow_the_fixed_ones(monkeypatch):
+    monkeypatch.delenv(native.EXTRA_CFLAGS_ENV, raising=False)
+    assert native.cflags() == native.CFLAGS
+    monkeypatch.setenv(native.EXTRA_CFLAGS_ENV, " -DSHARDWISE_PREFETCH_BYTES=0  -DX=1 ")
+    assert native.cflags() == [*native.CFLAGS, "-DSHARDWISE_PREFETCH_BYTES=0", "-DX=1"]

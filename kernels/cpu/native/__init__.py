@@ -29,6 +29,8 @@ FMAs (as on other CPUs), whichever its one-off timing in the process finds faste
 (:func:`cpu_bf16_dot_choice`; the dot loops unless the widening ones are clearly faster);
 ``SHARDWISE_CPU_BF16_DOT=1`` forces the dot loops, ``=0`` the widening ones, to compare them.
 Any other value of these variables is a :class:`~shardwise.errors.ConfigError`.
+``SHARDWISE_CPU_NATIVE_CFLAGS`` adds compiler flags to the build (A/B builds of compile-time
+constants, e.g. ``-DSHARDWISE_PREFETCH_BYTES=0``; a changed value rebuilds).
 
 The ops' fake (meta) implementations are registered here, so each runs inside the
 ``torch.compile``'d decode step (CPU graphs) as one opaque call.
@@ -69,6 +71,10 @@ ELEMENTWISE_ENV = "SHARDWISE_CPU_ELEMENTWISE"
 #: Environment variable forcing the bf16 loops of the 16-bit op: "1" dot, "0" widening (unset:
 #: the op's own timing picks, :func:`cpu_bf16_dot_choice`).
 BF16_DOT_ENV = "SHARDWISE_CPU_BF16_DOT"
+#: Environment variable adding compiler flags to the build, for A/B builds of the kernels'
+#: compile-time constants (e.g. ``-DSHARDWISE_PREFETCH_BYTES=0``, ``simd.h``); torch keys its
+#: cached build on the flags too, so a changed value rebuilds.
+EXTRA_CFLAGS_ENV = "SHARDWISE_CPU_NATIVE_CFLAGS"
 #: Extension (and cache folder) name; bump when an op's schema changes or an op is added (or
 #: when ``scratch.h`` or ``simd.h``, which the sources include, change: torch keys its cached
 #: build on the sources).
@@ -122,13 +128,19 @@ def missing_cpu_flags() -> list[str]:
     return [f for f in CPU_FLAGS if f not in flags]
 
 
+def cflags() -> list[str]:
+    """The build's compiler flags: :data:`CFLAGS`, then :data:`EXTRA_CFLAGS_ENV`'s
+    (whitespace-separated)."""
+    return list(CFLAGS) + os.environ.get(EXTRA_CFLAGS_ENV, "").split()
+
+
 def _build() -> None:
     """Compile (or reuse the cached build of) the extension and load it into torch."""
     from torch.utils import cpp_extension
 
     # copies: torch appends its libraries to the ldflags list it is given, and a changed list
     # makes a second load in the process build and dlopen another copy of the ops (abort)
-    cpp_extension.load(name=NAME, sources=[str(s) for s in SOURCES], extra_cflags=list(CFLAGS),
+    cpp_extension.load(name=NAME, sources=[str(s) for s in SOURCES], extra_cflags=cflags(),
                        extra_ldflags=list(LDFLAGS), is_python_module=False, verbose=False)
     _register_fake()
 

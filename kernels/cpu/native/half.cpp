@@ -322,14 +322,13 @@ std::pair<double, double> bf16_loop_times() {
 bool bf16_dot() {
   if (!cpu_has_bf16_dot()) return false;
   const char* env = std::getenv("SHARDWISE_CPU_BF16_DOT");
-  if (env && env[0] != '\0' && env[1] == '\0' && (env[0] == '0' || env[0] == '1'))
-    return env[0] == '1';
+  if (env && (env[0] == '0' || env[0] == '1') && env[1] == '\0') return env[0] == '1';
   const auto [td, tw] = bf16_loop_times();
   return !(tw * DOT_MARGIN < td);
 }
 
 // {1 if bf16 takes the dot loops now else 0, the dot loops' probe seconds, the widening ones'}
-// (0, 0 without AVX512-BF16: not timed), for the log line and the benchmarks.
+// (0, 0 without AVX512-BF16: not timed), for the tests and benchmarks/kernel_half_linear.py.
 std::vector<double> cpu_bf16_dot_choice() {
   const auto [td, tw] = bf16_loop_times();
   return {bf16_dot() ? 1.0 : 0.0, td, tw};

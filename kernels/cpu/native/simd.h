@@ -6,7 +6,8 @@
 
 #include <cstdint>
 
-// How far ahead of its loads a linear's weight stream is prefetched (compile-time; -D to A/B).
+// How far ahead of its loads a linear's weight stream is prefetched (compile-time; an A/B build:
+// SHARDWISE_CPU_NATIVE_CFLAGS=-DSHARDWISE_PREFETCH_BYTES=N, 0 for none).
 #ifndef SHARDWISE_PREFETCH_BYTES
 #define SHARDWISE_PREFETCH_BYTES 2048
 #endif
