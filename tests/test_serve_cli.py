@@ -31,6 +31,7 @@ import shardwise.models
 import shardwise.serve.server as server_module
 from shardwise.cli import main
 from shardwise.plugins import get_accelerator
+from shardwise.serve.scheduler import DEFAULT_PREFILL_STALL
 
 from models import tiny_causal_lm, tiny_tokenizer
 
@@ -118,6 +119,12 @@ def test_max_batch_zero(capsys, no_loading, model_dir):
     assert "--max-batch must be at least 1" in line
 
 
+@pytest.mark.parametrize("stall", ["0", "-0.5", "nan", "inf"])
+def test_prefill_stall_not_a_positive_fraction(capsys, no_loading, model_dir, stall):
+    line = serve_error(capsys, "--model", str(model_dir), "--prefill-stall", stall)
+    assert "--prefill-stall must be a finite number > 0" in line and stall in line
+
+
 def test_missing_model_dir(capsys, no_loading, tmp_path):
     missing = tmp_path / "nowhere"
     line = serve_error(capsys, "--model", str(missing))
@@ -186,6 +193,7 @@ def test_defaults_come_from_the_accelerator(model_dir):
     assert settings.graphs is accelerator.graph_strategy().accelerates
     assert settings.dtype == str(accelerator.preferred_dtype).removeprefix("torch.")
     assert settings.max_tokens == 256 and settings.name == model_dir.name
+    assert settings.prefill_stall == DEFAULT_PREFILL_STALL == 1.0
     # the ranks of --tp parse what the parent resolved back to the same settings
     again = server_module.resolve_settings(rank_parser("t").parse_args(
         server_module.rank_argv(settings)))
@@ -203,9 +211,28 @@ def test_defaults_come_from_the_accelerator(model_dir):
         ["--model", str(model_dir), "--device", "cpu", "--dtype", "fp32", "--weight-dtype",
          "fp16"]))
     assert half.engine_options(64)["weight_dtype"] == "fp16" and "fp16 weights" in half.describe()
-    for settings in (staged, split, half):
+    steadier = server_module.resolve_settings(rank_parser("t").parse_args(
+        ["--model", str(model_dir), "--device", "cpu", "--prefill-stall", "0.4"]))
+    assert steadier.prefill_stall == 0.4
+    for settings in (staged, split, half, steadier):
         assert server_module.resolve_settings(rank_parser("t").parse_args(
             server_module.rank_argv(settings))) == settings
+
+
+def test_prefill_options_reach_the_scheduler(model_dir, monkeypatch):
+    """--prefill-budget and --prefill-stall are what the served stack's scheduler is built with
+    (the model load and the stack stubbed: their arguments are the test)."""
+    from shardwise.cli.serve import rank_parser
+
+    built = {}
+    monkeypatch.setattr(server_module, "load", lambda settings: (None, None, 64))
+    monkeypatch.setattr(server_module, "build_stack",
+                        lambda model, tokenizer, **kwargs: built.update(kwargs))
+    settings = server_module.resolve_settings(rank_parser("t").parse_args(
+        ["--model", str(model_dir), "--device", "cpu", "--prefill-budget", "96",
+         "--prefill-stall", "1.5"]))
+    server_module.build_from_settings(settings)
+    assert built["prefill_budget"] == 96 and built["prefill_stall"] == 1.5
 
 
 @pytest.mark.parametrize("argv,match", [

@@ -451,7 +451,7 @@ def test_mixed_budget_is_cut_to_the_stall_allowance_by_the_chunks_measured_cost(
     prefill_budget. Before two mixed steps of different sizes the prefill calls' fit stands in
     (7.8125 ms + 0.9765625 ms a token: 40 tokens), then the mixed steps' (1.953125 ms a token:
     24 tokens). Binary fractions: the fits are exact."""
-    scheduler = Scheduler(_Shape(), prefill_budget=512, prefill_worth=False)
+    scheduler = Scheduler(_Shape(), prefill_budget=512, prefill_worth=False, prefill_stall=0.75)
     assert scheduler.mixed
     assert scheduler._mixed_budget(3) == 512  # nothing measured yet: no cut
     scheduler._recent_steps.extend([1 / 16] * 5)

@@ -28,6 +28,7 @@ DEFAULT_DRAIN_S = 30.0
 def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """The options of ``shardwise serve`` (also parsed by each ``--tp`` rank)."""
     from ..models import DEFAULT_MODEL_NAME
+    from ..serve.scheduler import DEFAULT_PREFILL_STALL
     from ..serve.server import DEFAULT_MAX_TOKENS_CAP
 
     m = p.add_argument_group("model and engine")
@@ -86,8 +87,14 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         f"(default {DEFAULT_MAX_WAITING})")
     s.add_argument("--prefill-budget", type=int, default=DEFAULT_PREFILL_BUDGET, metavar="N",
                    help=f"the most prompt tokens prefilled in one scheduler step; while streams "
-                        f"decode, each step's share is also held to 0.75 of a measured "
-                        f"decode step (default {DEFAULT_PREFILL_BUDGET})")
+                        f"decode, each step's share is also held to --prefill-stall (default "
+                        f"{DEFAULT_PREFILL_BUDGET})")
+    s.add_argument("--prefill-stall", type=float, default=DEFAULT_PREFILL_STALL, metavar="F",
+                   help=f"while streams decode, the prompt chunk a step carries may add at most "
+                        f"F x the typical decode step to their gap: lower keeps the inter-token "
+                        f"latency steadier, higher prefills joining prompts sooner (more "
+                        f"tokens/s and earlier first tokens under load) (default "
+                        f"{DEFAULT_PREFILL_STALL:g}: a gap at most twice the typical step)")
     s.add_argument("--drain-timeout", type=float, default=DEFAULT_DRAIN_S, metavar="S",
                    help=f"on SIGTERM / Ctrl-C: seconds running requests may still finish "
                         f"before they are cancelled (default {DEFAULT_DRAIN_S:g})")

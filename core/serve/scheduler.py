@@ -85,6 +85,13 @@ MIN_PREFILL_CHUNK = 8
 PREFILL_FIT_CALLS = 32
 #: decode steps whose median is the typical step (the prefill stall allowance's unit)
 RECENT_STEPS = 64
+#: ``prefill_stall``'s default: a running stream's gap while prompts join is held to twice the
+#: typical step — the p99/p50 inter-token bound issue 16 asks of 8 streams, where the typical
+#: gap is at least one step. 0.75 kept the p99/p50 at 1.4-1.6 and left joining prompts waiting
+#: with their rows idle: on a 2-core EPYC, 1.0 gave 8 streams 15-20% more tokens/s and half
+#: the time to first token, at p99/p50 1.6-1.7 (benchmarks/README.md, "The prefill stall
+#: allowance's default").
+DEFAULT_PREFILL_STALL = 1.0
 
 #: ``factory(params, index, vocab_size)`` → an object with ``sample(logits[vocab]) -> TokenEvent``
 SamplerFactory = Callable[[SamplingParams, int, int], Any]
@@ -146,7 +153,8 @@ class Scheduler:
         prefill_stall: while sequences decode, the prefill of one iteration may take at most
             this fraction of the typical decode step, plus what the iteration's own step saves
             against it (all measured as the server runs), bounding the running streams'
-            inter-token gap to ``1 + prefill_stall`` typical steps; None: always
+            inter-token gap to ``1 + prefill_stall`` typical steps (default
+            :data:`DEFAULT_PREFILL_STALL`: twice the typical step); None: always
             ``prefill_budget``.
         prefill_worth: while sequences decode, a chunk still takes at least the tokens one
             prefill call's overhead is worth (see :func:`prefill_chunk_tokens`), even beyond
@@ -173,7 +181,8 @@ class Scheduler:
     def __init__(self, runner: Runner, *, eos_token_ids: Sequence[int] = (), max_waiting: int = 64,
                  prefill_budget: int = 512, metrics: ServeMetrics | None = None,
                  heartbeat_s: float = 5.0, sampler_factory: SamplerFactory | None = None,
-                 join_timeout_s: float = 30.0, prefill_stall: float | None = 0.75,
+                 join_timeout_s: float = 30.0,
+                 prefill_stall: float | None = DEFAULT_PREFILL_STALL,
                  prefill_worth: bool = True, mixed: bool = True,
                  release_threads: Callable[[], None] | None = None) -> None:
         _check_positive("max_waiting", max_waiting, integer=True)

@@ -27,6 +27,7 @@ from typing import Any, Iterator, NamedTuple
 
 from .. import models
 from ..errors import ConfigError
+from .scheduler import DEFAULT_PREFILL_STALL
 
 #: The module each ``--tp`` rank runs (through ``shardwise launch``).
 RANK_MODULE = "shardwise.serve.rank_main"
@@ -72,6 +73,8 @@ class ServeSettings:
     micro_batches: int = 1
     #: ``--weight-dtype``: 16-bit linear weights under the fp32 compute dtype (None: the dtype's)
     weight_dtype: str | None = None
+    #: ``--prefill-stall``: the scheduler's ``prefill_stall``
+    prefill_stall: float = DEFAULT_PREFILL_STALL
 
     @property
     def ranks(self) -> int:
@@ -124,6 +127,9 @@ def check_server_options(args: argparse.Namespace) -> None:
     _at_least(args.max_tokens, 2, "--max-tokens", " (a prompt token and a completion token)")
     _at_least(args.max_waiting, 1, "--max-waiting")
     _at_least(args.prefill_budget, 1, "--prefill-budget", " token")
+    if not (math.isfinite(args.prefill_stall) and args.prefill_stall > 0):
+        raise ConfigError(f"--prefill-stall must be a finite number > 0 (a fraction of a decode "
+                          f"step; {DEFAULT_PREFILL_STALL:g} by default), got {args.prefill_stall}")
     _at_least(args.tp, 1, "--tp")
     _at_least(args.pp, 1, "--pp")
     _at_least(args.micro_batches, 1, "--micro-batches")
@@ -234,7 +240,8 @@ def resolve_settings(args: argparse.Namespace) -> ServeSettings:
         port=args.port, max_batch=args.max_batch,
         max_tokens=_max_tokens(args.max_tokens, positions), positions=positions,
         max_waiting=args.max_waiting, prefill_budget=args.prefill_budget,
-        comm_timeout=args.comm_timeout, drain_timeout=args.drain_timeout, pp=args.pp,
+        prefill_stall=args.prefill_stall, comm_timeout=args.comm_timeout,
+        drain_timeout=args.drain_timeout, pp=args.pp,
         micro_batches=args.micro_batches or 1, weight_dtype=_weight_dtype(args, dtype, graphs))
 
 
@@ -348,7 +355,7 @@ def heartbeat_seconds(comm_timeout: float | None) -> float:
 def build_stack(model, tokenizer, *, max_batch: int = 16, max_tokens: int = 256,
                 name: str = "model", max_waiting: int = 64, prefill_budget: int = 512,
                 heartbeat_s: float = 5.0, start: bool = True, progress=None,
-                prefill_stall: float | None = 0.75, prefill_worth: bool = True,
+                prefill_stall: float | None = DEFAULT_PREFILL_STALL, prefill_worth: bool = True,
                 mixed: bool = True, **engine_kwargs: Any) -> Stack:
     """Build the server's layers over ``model``: ``init_inference(model, max_tokens=...,
     **engine_kwargs)`` (a causal LM needs ``replace_with_kernel_inject=True``), a warmed-up
@@ -430,7 +437,7 @@ def build_from_settings(settings: ServeSettings) -> Stack:
     return build_stack(
         model, tokenizer, max_batch=settings.max_batch, max_tokens=max_tokens,
         name=settings.name, max_waiting=settings.max_waiting,
-        prefill_budget=settings.prefill_budget,
+        prefill_budget=settings.prefill_budget, prefill_stall=settings.prefill_stall,
         heartbeat_s=heartbeat_seconds(settings.comm_timeout), progress=progress,
         **{k: v for k, v in settings.engine_options(max_tokens).items() if k != "max_tokens"})
 
@@ -635,6 +642,7 @@ def rank_argv(settings: ServeSettings) -> list[str]:
             "--served-model-name", settings.name, "--max-batch", str(settings.max_batch),
             "--max-waiting", str(settings.max_waiting),
             "--prefill-budget", str(settings.prefill_budget),
+            "--prefill-stall", repr(settings.prefill_stall),
             "--drain-timeout", repr(settings.drain_timeout)]
     if settings.max_tokens is not None:
         argv += ["--max-tokens", str(settings.max_tokens)]
