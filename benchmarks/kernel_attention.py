@@ -4,7 +4,8 @@ backend's implementation (each op's two implementations as the registry holds th
     python benchmarks/kernel_attention.py --threads 2 --repeats 50
 
 Shapes are those of a ~1B Llama (32 query / 4 key-value heads of 64, MLP 5632) and GPT-2's MLP
-(3072), for a 128-token prompt and for decode steps (batch 1 and 8, ragged cache lengths around
+(3072), for a 128-token prompt, a 16-token prompt chunk after 80 cached tokens (a served
+prompt joining in chunks) and for decode steps (batch 1 and 8, ragged cache lengths around
 1-2k of a 2048-token cache). For every case it prints the median time per call (µs) of the
 reference and of the cpu implementation, calls interleaved so machine noise hits both alike,
 their ratio, and which backend the registry resolves on CPU (``cpu`` only where it won).
@@ -58,6 +59,7 @@ def _cases(dtype):
     new1 = [torch.randn(8, KV_HEADS, 1, HEAD_DIM, dtype=dtype) for _ in range(2)]
     new128 = [torch.randn(1, KV_HEADS, 128, HEAD_DIM, dtype=dtype) for _ in range(2)]
     c1 = [c[:1] for c in caches]
+    qc, kc, vc = _qkv(1, 16, dtype, kv_len=96)  # a served prompt's chunk after 80 cached tokens
     return [
         ("rotary", "prefill 1x128", (q, k, cos, sin), {}),
         ("rotary", "decode 8x1", (qd, kd, cos_d, sin_d), {}),
@@ -74,6 +76,8 @@ def _cases(dtype):
         ("attention_prefill", "alibi+pad 2x128", (q2, k2, v2),
          {"key_padding_mask": mask, "alibi_slopes": slopes}),
         ("attention_prefill", "window 32 1x128", (q, k, v), {"window": 32}),
+        ("attention_prefill", "chunk 16 after 80", (qc, kc, vc), {}),
+        ("attention_prefill", "chunk 16 after 80 window 32", (qc, kc, vc), {"window": 32}),
         ("attention_decode", "b=1 len 1500", (qd[:1], *c1, torch.tensor([1500])), {}),
         ("attention_decode", "b=8 ragged", (qd, *caches, ragged), {}),
         ("attention_decode", "b=8 same len", (qd, *caches, torch.full((8,), 1500)), {}),
