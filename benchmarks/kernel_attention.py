@@ -5,7 +5,7 @@ backend's implementation (each op's two implementations as the registry holds th
 
 Shapes are those of a ~1B Llama (32 query / 4 key-value heads of 64, MLP 5632) and GPT-2's MLP
 (3072), for a 128-token prompt, a 16-token prompt chunk after 80 cached tokens (a served
-prompt joining in chunks) and for decode steps (batch 1 and 8, ragged cache lengths around
+prompt joining in chunks; also at SmolLM2-135M's 9 / 3 heads) and for decode steps (batch 1 and 8, ragged cache lengths around
 1-2k of a 2048-token cache). For every case it prints the median time per call (µs) of the
 reference and of the cpu implementation, calls interleaved so machine noise hits both alike,
 their ratio, and which backend the registry resolves on CPU (``cpu`` only where it won).
@@ -60,6 +60,9 @@ def _cases(dtype):
     new128 = [torch.randn(1, KV_HEADS, 128, HEAD_DIM, dtype=dtype) for _ in range(2)]
     c1 = [c[:1] for c in caches]
     qc, kc, vc = _qkv(1, 16, dtype, kv_len=96)  # a served prompt's chunk after 80 cached tokens
+    # the same chunk at SmolLM2-135M's heads (9 query / 3 key-value), the served default model's
+    qs, ks, vs = (torch.randn(1, n, length, HEAD_DIM, dtype=dtype) for n, length in
+                  ((9, 16), (3, 96), (3, 96)))
     return [
         ("rotary", "prefill 1x128", (q, k, cos, sin), {}),
         ("rotary", "decode 8x1", (qd, kd, cos_d, sin_d), {}),
@@ -78,6 +81,7 @@ def _cases(dtype):
         ("attention_prefill", "window 32 1x128", (q, k, v), {"window": 32}),
         ("attention_prefill", "chunk 16 after 80", (qc, kc, vc), {}),
         ("attention_prefill", "chunk 16 after 80 window 32", (qc, kc, vc), {"window": 32}),
+        ("attention_prefill", "chunk 16 after 80, 9/3 heads", (qs, ks, vs), {}),
         ("attention_decode", "b=1 len 1500", (qd[:1], *c1, torch.tensor([1500])), {}),
         ("attention_decode", "b=8 ragged", (qd, *caches, ragged), {}),
         ("attention_decode", "b=8 same len", (qd, *caches, torch.full((8,), 1500)), {}),

@@ -9,9 +9,9 @@ against the reference":
   CPU, GQA via ``enable_gqa``, no [.., q_len, kv_len] float32 scores): faster in fp32 and bf16
   (ALiBi and sliding windows included). fp16 is not registered: not reliably faster at 128 tokens.
   Causal without mask/ALiBi/window uses ``is_causal``; a causal prompt chunk after cached
-  tokens (bottom-right, with or without a window) and nothing else, a bool mask; otherwise one
-  additive float32 mask carries the causal/padding/sliding-window ``-inf`` and the ALiBi bias. The bias is taken
-  relative to the query's own key position (softmax is shift-invariant per row, so this equals
+  tokens (bottom-right, with or without a window) and nothing else, the reference's bool mask;
+  otherwise one additive float32 mask carries the causal/padding/sliding-window ``-inf`` and
+  the ALiBi bias. The bias is taken relative to the query's own key position (softmax is shift-invariant per row, so this equals
   BLOOM's absolute bias) to keep it small near the diagonal. Query rows with no visible key are
   computed unmasked, then zeroed.
 * attention_decode (fp32, bf16, fp16): the same kernel on each sequence's valid cache range
@@ -66,9 +66,10 @@ def attention_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, caus
         return _sdpa(q, k, v, None, causal and q_len > 1, scale, group)
     if causal and key_padding_mask is None and alibi_slopes is None and sinks is None:
         # a prompt chunk after cached tokens (bottom-right causal, maybe windowed): no query
-        # row is empty, so a bool mask of two ops replaces the additive bias built below (a
-        # dozen small ops: ~100 us of a 16-token chunk's ~200 us per layer on 2 cores)
-        return _sdpa(q, k, v, _chunk_mask(q_len, kv_len, window, q.device), False, scale, group)
+        # row is empty, so SDPA takes the bool mask as it is, without the empty-row check and
+        # the additive bias built below (benchmarks/README.md, "The chunks' attention mask")
+        visible = ref.visible_keys(1, q_len, kv_len, True, None, q.device, window)
+        return _sdpa(q, k, v, visible, False, scale, group)
     visible = ref.visible_keys(q.shape[0], q_len, kv_len, causal, key_padding_mask, q.device,
                                window)
     dead = ~visible.any(-1, keepdim=True)  # [batch, 1, q_len, 1]: rows that see no key
@@ -84,17 +85,6 @@ def attention_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, caus
     else:
         out = _sdpa(q, k, v, bias, False, scale, group)
     return out.masked_fill_(dead, 0.0) if key_padding_mask is not None else out
-
-
-def _chunk_mask(q_len: int, kv_len: int, window: int | None, device) -> torch.Tensor:
-    """Bool [q_len, kv_len], True where query i (at position kv_len - q_len + i) sees key j:
-    j <= its position, and with ``window`` also j > its position - window (as
-    ``reference.visible_keys``, without a batch)."""
-    past = kv_len - q_len
-    visible = torch.ones(q_len, kv_len, dtype=torch.bool, device=device).tril(past)
-    if window is not None:
-        visible &= ~torch.ones(q_len, kv_len, dtype=torch.bool, device=device).tril(past - window)
-    return visible
 
 
 def _alibi_bias(slopes, key_padding_mask, batch, q_len, kv_len, device) -> torch.Tensor:
