@@ -1,5 +1,5 @@
 """The CPU backend's native decode attention (``kernels/cpu/native/attention.cpp``) against the
-reference ``attention_decode`` (its oracle): dtypes, GQA groups, left padding, sliding windows,
+reference ``attention_decode`` (its oracle), and its chunk op against ``attention_chunks``: dtypes, GQA groups, left padding, sliding windows,
 ALiBi, sinks, empty and full ranges, large scores; its own checks for bad input (the compiled
 step calls it with no Python before it); inside ``torch.compile``; and that the CPU backend's
 ``attention_decode`` takes it where the extension builds (else skipped with the reason)."""
@@ -9,8 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from shardwise import KernelError
 from shardwise.kernels.cpu import attention as cpu_attention
 from shardwise.kernels.cpu import native
+from shardwise.kernels.reference.attention import attention_chunks as chunks_reference
 from shardwise.kernels.reference.attention import attention_decode as reference
 
 pytestmark = pytest.mark.skipif(not native.load(respect_choice=False),
@@ -110,3 +112,64 @@ def test_inside_torch_compile_and_as_the_backend_kernel():
     _check(step(q, k, v, lengths, starts), want, torch.float32)
     assert cpu_attention._native_decode()
     assert "native=True" in native.key_text()  # precompiled steps are keyed by it
+
+
+# ----- the prompt chunks of a served mixed step (cpu_chunk_attention, attention_chunks) --------
+
+def _chunks(dtype, d=64, kv_heads=3, seed=1):
+    """SmolLM2's heads (9 / 3): a 16-token chunk after 80 cached tokens of row 5 and a 3-token
+    one starting row 2, in a 24-token bucket over 8 rows of 200 positions."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(1, 3 * kv_heads, 24, d, generator=g).to(dtype)
+    k = torch.randn(8, kv_heads, 200, d, generator=g).to(dtype)
+    v = torch.randn(8, kv_heads, 200, d, generator=g).to(dtype)
+    return q, k, v, torch.tensor([[5, 80, 16], [2, 0, 3], [0, 0, 0], [0, 0, 0]])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("d", [64, 80])
+@pytest.mark.parametrize("window", [None, 7])
+def test_chunks_match_the_reference_and_read_only_their_ranges(dtype, d, window):
+    q, k, v, spans = _chunks(dtype, d)
+    want = chunks_reference(q, k, v, spans, window=window)
+    k[5, :, 96:] = v[5, :, 96:] = float("nan")  # past the chunks' positions: never read
+    k[2, :, 3:] = v[2, :, 3:] = float("nan")
+    k[[0, 1, 3, 4, 6, 7]] = float("nan")  # rows with no chunk
+    got = torch.ops.shardwise_native.cpu_chunk_attention(q, k, v, spans, None, None, window, None)
+    _check(got, want, dtype)
+    assert not got[:, :, 19:].any()  # padding tokens
+
+
+def test_chunks_without_the_extension_take_the_prefill_op():
+    """The fallback where the native op does not build (the custom op the compiled step calls
+    instead) gives the reference's results too, with every option."""
+    q, k, v, spans = _chunks(torch.float32)
+    kw = {"alibi_slopes": torch.rand(9), "scale": 0.2, "window": 9}
+    got = torch.ops.shardwise.cpu_attention_chunks(q, k, v, spans, kw["alibi_slopes"],
+                                                   kw["scale"], kw["window"], None)
+    _check(got, chunks_reference(q, k, v, spans, **kw), torch.float32)
+
+
+@pytest.mark.parametrize("spans", [
+    [[8, 0, 4]],               # no such row
+    [[1, 190, 16]],            # past the row's positions
+    [[1, 0, 20], [2, 0, 5]],   # more tokens than q holds
+])
+def test_chunks_bad_spans_are_refused(spans):
+    q, k, v, _ = _chunks(torch.float32)
+    spans = torch.tensor(spans)
+    with pytest.raises(RuntimeError, match="does not fit"):
+        torch.ops.shardwise_native.cpu_chunk_attention(q, k, v, spans, None, None, None, None)
+    with pytest.raises(KernelError, match="do not fit"):  # the backend's eager checks first
+        cpu_attention.attention_chunks(q, k, v, spans)
+
+
+def test_chunks_inside_torch_compile():
+    q, k, v, spans = _chunks(torch.bfloat16)
+    want = chunks_reference(q, k, v, spans)
+
+    def step(q, k, v, spans):
+        return cpu_attention.attention_chunks(q * 1.0, k, v, spans) + 0.0
+
+    _check(torch.compile(step, fullgraph=True, dynamic=False)(q, k, v, spans), want,
+           torch.bfloat16)

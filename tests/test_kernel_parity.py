@@ -132,6 +132,13 @@ def decode_check(got, want, ctx: Ctx) -> None:
     assert got[lengths == 0].eq(0).all()
 
 
+def chunks_check(got, want, ctx: Ctx) -> None:
+    """Within TOL, and the padding tokens after the chunks are exact zeros."""
+    close(got, want, ctx)
+    used = int(ctx.args[3][:, 2].sum())
+    assert got[:, :, used:].eq(0).all()
+
+
 def relu_check(exact_on: set[str]):
     def check(got, want, ctx: Ctx) -> None:
         (exact if ctx.target in exact_on else close)(got, want, ctx)
@@ -372,6 +379,25 @@ def _decode_default_split(dtype, device, target):
     return [Call((q, k_cache, v_cache, torch.tensor([36, 5], device=device)))]
 
 
+#: a served mixed step's chunks (slot, past, n): three chunks over rows 2, 0 and 3 of 4 (row 1
+#: has none), then one padding token
+CHUNK_SPANS = [[2, 10, 5], [0, 0, 4], [3, 30, 2], [0, 0, 0]]
+
+
+def _chunks_build(kv_heads, option):
+    def build(dtype, device, target):
+        spans = torch.tensor(CHUNK_SPANS, device=device)
+        lengths = [0] * 4  # positions a row's chunk sees: garbage (NaN keys) past them
+        for slot, past, n in CHUNK_SPANS:
+            lengths[slot] = max(lengths[slot], past + n)
+        q = heads(1, 4, 12, 24, dtype, device)
+        k_cache, v_cache = garbage_cache(4, kv_heads, 40, 24, lengths, dtype, device)
+        kw = {"window": {"window": 6}, "alibi": {"alibi_slopes": alibi_slopes(4, device)},
+              "sinks": {"sinks": SINKS.to(device)}, "scale": {"scale": 0.3}, None: {}}[option]
+        return [Call((q, k_cache, v_cache, spans), kw)]
+    return build
+
+
 def _gpu_decode_build(batch, kv_heads, alibi, window, sinks=False):
     def build(dtype, device, target):
         g = torch.Generator().manual_seed(batch)
@@ -422,6 +448,9 @@ def _attention_cases():
     yield Case("attention_decode", "sinks-same-ranges", _decode_build(2, False, True, None, True,
                                                                       sinks=True),
                {"cpu": ALL}, close)
+    for kvh, option in itertools.product((2, 1), (None, "window", "alibi", "sinks", "scale")):
+        yield Case("attention_chunks", f"kv{kvh}-{option or 'plain'}", _chunks_build(kvh, option),
+                   {"cpu": ALL}, chunks_check)
     for batch, kvh, alibi, window in itertools.product((1, 4, 16), (8, 1), (False, True),
                                                        (None, 1000)):
         yield Case("attention_decode", f"gpu-b{batch}-kv{kvh}-alibi{int(alibi)}-w{window}",

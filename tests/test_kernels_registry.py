@@ -153,12 +153,13 @@ def test_cpu_resolution_follows_what_won(op, dtype):
     assert KernelRegistry().resolve(op, CpuAccelerator(), torch.float64).backend == "reference"
 
 
-def test_only_decode_attention_is_capturable():
-    """The injected step calls attention_decode inside graphs only where it says it may."""
+def test_only_decode_and_chunk_attention_are_capturable():
+    """The injected step calls attention_decode (and a served mixed step attention_chunks)
+    inside graphs only where it says it may."""
     reg = KernelRegistry()
-    for op in ATTENTION_OPS:
+    for op in (*ATTENTION_OPS, "attention_chunks"):
         cpu_impl = reg.resolve(op, CpuAccelerator(), torch.float32)
-        assert cpu_impl.capturable == (op == "attention_decode")
+        assert cpu_impl.capturable == (op in ("attention_decode", "attention_chunks"))
         assert not reg.implementations(op)["reference"].capturable  # host-side lengths
 
 

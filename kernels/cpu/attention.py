@@ -23,7 +23,14 @@ against the reference":
   ``shardwise::cpu_attention_decode``, opaque to the compiler, so the compiled decode step still
   reads each sequence's ranges from ``lengths``/``starts`` at run time instead of attending,
   masked, over the whole static cache.
-* Attention sinks (both ops): the same flash kernel also gives each row's log-sum-exp ``lse``
+* attention_chunks (fp32, bf16, fp16): a served mixed step's prompt chunks, packed in one row
+  (``shardwise.inject.slots.PackedRows``): the native op ``cpu_chunk_attention`` runs each
+  chunk token as a decode query over its slot's cache row (the decode kernel's loops, no
+  mask built, no Python at replay); without the extension, ``attention_prefill`` per chunk in
+  the custom op ``shardwise::cpu_attention_chunks``. Both capturable. Before it, the mixed step
+  called ``attention_prefill`` per chunk and layer from a Python op at every replay (~125 us a
+  layer at SmolLM2's 16-token chunk, of which SDPA ~40).
+* Attention sinks (all three ops): the same flash kernel also gives each row's log-sum-exp ``lse``
   (ATen's private CPU entry point, through ``shardwise._torch_private``); a sink adds
   ``exp(sink)`` to the row's denominator ``exp(lse)``, so the output is scaled by
   ``sigmoid(lse - sink)`` per row: no scores materialised, the keys still read once. That entry
@@ -216,13 +223,50 @@ def _decode_range(q, k_cache, v_cache, s, n, alibi_slopes, scale, group, sinks=N
     return out.view(batch, q_heads, 1, d)
 
 
+def attention_chunks(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     spans: torch.Tensor, *, scale: float | None = None,
+                     window: int | None = None, alibi_slopes: torch.Tensor | None = None,
+                     sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """A served mixed step's prompt chunks; contract of the reference ``attention_chunks``: q
+    [1, q_heads, tokens, d], caches [rows, kv_heads, max_tokens, d], spans [chunks, 3] int64
+    ``(slot, past, n)``. Where the native extension builds, its C++ op (each chunk token a
+    decode query over its slot's row, the decode kernel's loops); else this backend's
+    ``attention_prefill`` per chunk. Either is one opaque op under ``torch.compile``, reading
+    ``spans`` at run time, so a captured mixed step calls it with no Python."""
+    if _native_decode():
+        if not torch.compiler.is_compiling():  # eagerly, the reference's checks and errors first
+            ref.check_chunks(q, k_cache, v_cache, spans)
+            ref.check_sinks(sinks, q.shape[1], alibi_slopes)
+            ref.check_window(window)
+        return torch.ops.shardwise_native.cpu_chunk_attention(q, k_cache, v_cache, spans,
+                                                              alibi_slopes, scale, window, sinks)
+    return torch.ops.shardwise.cpu_attention_chunks(q, k_cache, v_cache, spans, alibi_slopes,
+                                                    scale, window, sinks)
+
+
+@torch.library.custom_op("shardwise::cpu_attention_chunks", mutates_args=(), device_types="cpu")
+def _chunks_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               spans: torch.Tensor, alibi_slopes: torch.Tensor | None, scale: float | None,
+               window: int | None, sinks: torch.Tensor | None) -> torch.Tensor:
+    """:func:`attention_chunks` without the native extension, as an op the compiler calls
+    without tracing into it (it reads ``spans`` on the host)."""
+    return ref.each_chunk(attention_prefill, q, k_cache, v_cache, spans, scale=scale,
+                          window=window, alibi_slopes=alibi_slopes, sinks=sinks)
+
+
+@_chunks_op.register_fake
+def _(q, k_cache, v_cache, spans, alibi_slopes, scale, window, sinks):
+    return q.new_empty(q.shape)
+
+
 #: op → (implementation, dtypes it is registered for): only what measured faster.
 REGISTERED = {
     "attention_prefill": (attention_prefill, frozenset({torch.float32, torch.bfloat16})),
     "attention_decode": (attention_decode, DTYPES),
+    "attention_chunks": (attention_chunks, DTYPES),
 }
 #: ops whose implementation may run inside the CPU graph strategy's compiled step
-CAPTURABLE = frozenset({"attention_decode"})
+CAPTURABLE = frozenset({"attention_decode", "attention_chunks"})
 
 
 def register(registry) -> None:

@@ -5,7 +5,8 @@ One module per op family, each with ``OPS`` (op -> reference), ``register(regist
 reference. A backend may only register ops defined here. The families and their ops:
 
 * ``rotary``: rotary; ``activations``: bias_gelu, bias_relu, silu_and_mul;
-* ``attention``: attention_prefill, attention_decode; ``kv_cache``: kv_cache_write;
+* ``attention``: attention_prefill, attention_decode, attention_chunks; ``kv_cache``:
+  kv_cache_write;
 * ``norms``: rms_norm, layer_norm; ``quant``: quant_linear, quant_moe_mlp (quantized experts)
   (and the weight format);
 * ``moe``: moe_route, moe_permute, moe_grouped_mlp.

@@ -26,8 +26,9 @@ Layouts (any strides are accepted; ``d`` = head_dim):
   ignores a per-row shift of the scores, which lets backends take the ALiBi bias relative to
   the query, but a sink's share would change with it; no model has both.
 
-Ops (registered by :func:`register`): ``attention_prefill``, ``attention_decode``. Helpers (not
-ops): :func:`alibi_slopes`, :func:`alibi_key_positions`, and the checks every backend shares.
+Ops (registered by :func:`register`): ``attention_prefill``, ``attention_decode``,
+``attention_chunks`` (a served mixed step's prompt chunks, packed in one row, each over its own
+cache row). Helpers (not ops): :func:`alibi_slopes`, :func:`alibi_key_positions`, and the checks every backend shares.
 The cache is written by ``kv_cache_write`` (:mod:`.kv_cache`), rotary and activations live in
 :mod:`.rotary` and :mod:`.activations`.
 """
@@ -280,7 +281,66 @@ def attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     return out
 
 
-OPS = {"attention_prefill": attention_prefill, "attention_decode": attention_decode}
+def check_chunks(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 spans: torch.Tensor) -> list[tuple[int, int, int]]:
+    """The ``(slot, past, n)`` of each chunk of :func:`attention_chunks`' ``spans`` (host ints,
+    empty ones dropped); KernelError for shapes or spans that do not fit."""
+    if q.dim() != 4 or q.shape[0] != 1 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape \
+            or q.shape[-1] != k_cache.shape[-1]:
+        raise KernelError(f"attention_chunks takes q [1, q_heads, tokens, d] (the chunks' tokens "
+                          f"as one row) and caches [rows, kv_heads, max_tokens, d]; got q "
+                          f"{tuple(q.shape)}, k {tuple(k_cache.shape)}, v {tuple(v_cache.shape)}")
+    check_gqa(q.shape[1], k_cache.shape[1])
+    if spans.dim() != 2 or spans.shape[1] != 3 or spans.dtype != torch.int64:
+        raise KernelError(f"spans must be an int64 tensor [chunks, 3] of (slot, past, n), got "
+                          f"{tuple(spans.shape)} {spans.dtype}")
+    rows, max_tokens, tokens = k_cache.shape[0], k_cache.shape[2], q.shape[2]
+    chunks = [(slot, past, n) for slot, past, n in spans.tolist() if n != 0]
+    if any(not (0 <= slot < rows and past >= 0 and n > 0 and past + n <= max_tokens)
+           for slot, past, n in chunks) or sum(n for _, _, n in chunks) > tokens:
+        raise KernelError(f"spans {chunks} do not fit {rows} cache rows of {max_tokens} "
+                          f"positions and {tokens} query tokens")
+    return chunks
+
+
+def each_chunk(prefill, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               spans: torch.Tensor, **kw) -> torch.Tensor:
+    """:func:`attention_chunks` through ``prefill`` (an ``attention_prefill`` implementation):
+    one causal call per chunk over its slot's first ``past + n`` positions; ``kw``: scale,
+    window, alibi_slopes, sinks (None: not passed)."""
+    chunks = check_chunks(q, k_cache, v_cache, spans)
+    kw = {name: value for name, value in kw.items() if value is not None or name == "scale"}
+    out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
+    start = 0
+    for slot, past, n in chunks:
+        seen = slice(0, past + n)
+        out[:, :, start:start + n] = prefill(q[:, :, start:start + n],
+                                             k_cache[slot:slot + 1, :, seen],
+                                             v_cache[slot:slot + 1, :, seen], causal=True, **kw)
+        start += n
+    return out
+
+
+def attention_chunks(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     spans: torch.Tensor, *, scale: float | None = None,
+                     window: int | None = None, alibi_slopes: torch.Tensor | None = None,
+                     sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """Prompt chunks of several sequences, packed in one row, each attending causally to its own
+    cache row (a served mixed step's chunks, ``shardwise.inject.slots.PackedRows``).
+
+    q: [1, q_heads, tokens, d]: the chunks' tokens in ``spans`` order, then padding; k_cache,
+    v_cache: [rows, kv_heads, max_tokens, d] with the chunks' keys and values already written;
+    spans: [chunks, 3] int64 ``(slot, past, n)`` (n = 0: no chunk). Token i of a chunk attends to
+    positions 0 .. past + i of row ``slot`` (with ``window``, the last ``window`` of them), as
+    :func:`attention_prefill` with ``causal=True`` over those positions; ALiBi and sinks as
+    there. Returns [1, q_heads, tokens, d]; padding tokens zero.
+    """
+    return each_chunk(attention_prefill, q, k_cache, v_cache, spans, scale=scale, window=window,
+                      alibi_slopes=alibi_slopes, sinks=sinks)
+
+
+OPS = {"attention_prefill": attention_prefill, "attention_decode": attention_decode,
+       "attention_chunks": attention_chunks}
 
 
 def register(registry) -> None:
@@ -312,4 +372,16 @@ def _decode_example(dtype, device):
             {"window": 8})
 
 
-EXAMPLES = {"attention_prefill": _prefill_example, "attention_decode": _decode_example}
+def _chunks_example(dtype, device):
+    q = randn(1, 4, 8, 16, seed=22)  # two chunks (5 and 2 tokens), one padding token
+    k, v = randn(3, 2, 12, 16, seed=23), randn(3, 2, 12, 16, seed=24)
+    k[2, :, 7:], v[2, :, 7:] = float("nan"), float("nan")  # past row 2's chunk: never read
+    k[1, :, 8:], v[1, :, 8:] = float("nan"), float("nan")  # past row 1's
+    k[0], v[0] = float("nan"), float("nan")  # no chunk's row
+    spans = torch.tensor([[2, 2, 5], [1, 6, 2], [0, 0, 0]], device=device)
+    return ((q.to(device, dtype), k.to(device, dtype), v.to(device, dtype), spans),
+            {"window": 6})
+
+
+EXAMPLES = {"attention_prefill": _prefill_example, "attention_decode": _decode_example,
+            "attention_chunks": _chunks_example}

@@ -5,7 +5,8 @@ in this package)
 with ``torch.utils.cpp_extension`` into torch's per-user extensions cache
 (``$TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``; a later process reuses the
 build, a changed source or torch rebuilds it) and returns whether the ops
-``torch.ops.shardwise_native.cpu_qlinear``, ``cpu_blocked_linear``, ``cpu_attention_decode`` and
+``torch.ops.shardwise_native.cpu_qlinear``, ``cpu_blocked_linear``, ``cpu_attention_decode``,
+``cpu_chunk_attention`` (the prompt chunks of a served mixed step) and
 the layer's elementwise ops (``cpu_rms_norm``, ``cpu_add_rms_norm``, ``cpu_rotary``,
 ``cpu_silu_and_mul``; used inside compiled steps of wide enough layers, :func:`in_compiled_step`)
 are usable.
@@ -78,7 +79,7 @@ EXTRA_CFLAGS_ENV = "SHARDWISE_CPU_NATIVE_CFLAGS"
 #: Extension (and cache folder) name; bump when an op's schema changes or an op is added (or
 #: when ``scratch.h`` or ``simd.h``, which the sources include, change: torch keys its cached
 #: build on the sources).
-NAME = "shardwise_cpu_native_v10"
+NAME = "shardwise_cpu_native_v11"
 
 #: What runs instead when the extension is not usable (the log line says it).
 FALLBACK = ("int8/int4 use torch's packed kernels, 16-bit linears of CPU graphs the compiled row "
@@ -157,6 +158,10 @@ def _register_fake() -> None:
     @torch.library.register_fake("shardwise_native::cpu_attention_decode")
     def _(q, k_cache, v_cache, lengths, starts, alibi_slopes, scale, window, sinks):
         return q.new_empty(q.shape)  # contiguous [batch, q_heads, 1, d], as the C++ op returns
+
+    @torch.library.register_fake("shardwise_native::cpu_chunk_attention")
+    def _(q, k_cache, v_cache, spans, alibi_slopes, scale, window, sinks):
+        return q.new_empty(q.shape)  # contiguous [1, q_heads, tokens, d]
 
     @torch.library.register_fake("shardwise_native::cpu_rms_norm")
     def _(x, weight, eps):
