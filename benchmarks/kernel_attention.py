@@ -5,8 +5,9 @@ backend's implementation (each op's two implementations as the registry holds th
 
 Shapes are those of a ~1B Llama (32 query / 4 key-value heads of 64, MLP 5632) and GPT-2's MLP
 (3072), for a 128-token prompt, a 16-token prompt chunk after 80 cached tokens (a served
-prompt joining in chunks; also at SmolLM2-135M's 9 / 3 heads) and for decode steps (batch 1 and 8, ragged cache lengths around
-1-2k of a 2048-token cache). For every case it prints the median time per call (µs) of the
+prompt joining in chunks; also at SmolLM2-135M's 9 / 3 heads) and for decode steps (batch 1 and 8,
+ragged cache lengths around 1-2k of a 2048-token cache); and SmolLM2's served step: 8 decode rows
+of ~110 tokens and a captured mixed step's chunk (``attention_chunks``) in 8 slots of 513. For every case it prints the median time per call (µs) of the
 reference and of the cpu implementation, calls interleaved so machine noise hits both alike,
 their ratio, and which backend the registry resolves on CPU (``cpu`` only where it won).
 """
@@ -63,6 +64,12 @@ def _cases(dtype):
     # the same chunk at SmolLM2-135M's heads (9 query / 3 key-value), the served default model's
     qs, ks, vs = (torch.randn(1, n, length, HEAD_DIM, dtype=dtype) for n, length in
                   ((9, 16), (3, 96), (3, 96)))
+    # SmolLM2's served step (8 slots of 513 positions): decode rows ~60-160 tokens long, and a
+    # 16-token chunk after 80 cached tokens of slot 5 (a captured mixed step's attention_chunks)
+    q9, slots = torch.randn(8, 9, 1, HEAD_DIM, dtype=dtype), \
+        [torch.randn(8, 3, 513, HEAD_DIM, dtype=dtype) for _ in range(2)]
+    served = torch.randint(60, 160, (8,), generator=g)
+    spans = torch.tensor([[5, 80, 16], [0, 0, 0], [0, 0, 0], [0, 0, 0]])
     return [
         ("rotary", "prefill 1x128", (q, k, cos, sin), {}),
         ("rotary", "decode 8x1", (qd, kd, cos_d, sin_d), {}),
@@ -88,6 +95,8 @@ def _cases(dtype):
         ("attention_decode", "b=8 ragged alibi", (qd, *caches, ragged),
          {"alibi_slopes": slopes}),
         ("attention_decode", "b=8 ragged window 512", (qd, *caches, ragged), {"window": 512}),
+        ("attention_decode", "b=8 ragged ~110, 9/3 heads", (q9, *slots, served), {}),
+        ("attention_chunks", "chunk 16 after 80, 9/3 heads", (qs, *slots, spans), {}),
         ("kv_cache_write", "decode b=8 ragged", (*caches, *new1, ragged), {}),
         ("kv_cache_write", "decode b=8 same pos", (*caches, *new1, 1500), {}),
         ("kv_cache_write", "prefill b=1 n=128", (*c1, *new128, 0), {}),
@@ -114,7 +123,7 @@ def main() -> None:
             t_ref, t_cpu = median_us([lambda f=f: f(*call_args, **kwargs) for f in fns],
                                      args.repeats, warmup=3)
             resolved = registry.resolve(op, acc, dtype).backend
-            print(f"{str(dtype)[6:]:9s} {op:17s} {label:28s} reference {t_ref:9.1f} us  "
+            print(f"{str(dtype)[6:]:9s} {op:17s} {label:29s} reference {t_ref:9.1f} us  "
                   f"cpu {t_cpu:9.1f} us  {t_ref / t_cpu:5.2f}x  resolves to {resolved}")
 
 

@@ -111,11 +111,13 @@ def resolve_kernels(accelerator: Accelerator, dtype: torch.dtype, spec: Injectio
     """The decoder layer's kernels for ``dtype`` (see :func:`resolve_ops`)."""
     ops = {"norm": "rms_norm" if spec.residual.norm == "rms" else "layer_norm", "rotary": "rotary",
            "act": act_op, "attention_prefill": "attention_prefill",
-           "attention_decode": "attention_decode", "kv_cache_write": "kv_cache_write"}
+           "attention_decode": "attention_decode", "kv_cache_write": "kv_cache_write",
+           "attention_chunks": "attention_chunks"}
     impls = _resolve_impls(accelerator, dtype, ops, "kernel injection", quiet)
     fns, backends = _split(impls, ops)
     return Kernels(**fns, backends=backends,
-                   decode_capturable=impls["attention_decode"].capturable)
+                   decode_capturable=impls["attention_decode"].capturable,
+                   chunks_capturable=impls["attention_chunks"].capturable)
 
 
 def _check_config(model: nn.Module, spec: InjectionSpec) -> tuple[str, str]:

@@ -75,6 +75,11 @@ class Kernels:
     #: attention_decode may run in the captured decode step (it reads lengths/starts there);
     #: else the step attends, masked, over the whole static cache
     decode_capturable: bool = False
+    #: the packed prompt chunks of a served mixed step (reference ``attention_chunks``), and
+    #: whether it may run inside a captured step (else the step calls attention_prefill per
+    #: chunk through the host op ``shardwise::slot_chunk_attention``)
+    attention_chunks: Callable | None = None
+    chunks_capturable: bool = False
 
 
 @dataclass

@@ -44,6 +44,8 @@ from typing import Sequence
 
 import torch
 
+from shardwise.kernels.reference.attention import each_chunk
+
 from ..errors import ConfigError
 from .cache import (RAISE_HINT, DecodeRows, KVBuffers, MaxTokensError, MixedRows, StaticKVCache,
                     write_rows)
@@ -233,11 +235,17 @@ class PackedRows:
         # op's output follows q's layout (a strided q made the compiled step assert)
         decoded = layer._captured_decode(by_row(q).contiguous(), k_cache[:r], v_cache[:r],
                                          self._decode_context(ctx))  # [R, hq, 1, d]
-        kw = layer.attn_kw
-        chunks = torch.ops.shardwise.slot_chunk_attention(
-            q[:, :, r:], k_cache, v_cache, self.chunk_spans,
-            layer.kernels.backends["attention_prefill"], kw["scale"], kw.get("window"),
-            kw.get("alibi_slopes"), kw.get("sinks"))  # [1, hq, C, d]
+        kw, kernels = layer.attn_kw, layer.kernels
+        if kernels.chunks_capturable:  # one op in the step, reading chunk_spans as it runs
+            chunks = kernels.attention_chunks(
+                q[:, :, r:], k_cache, v_cache, self.chunk_spans, scale=kw["scale"],
+                window=kw.get("window"), alibi_slopes=kw.get("alibi_slopes"),
+                sinks=kw.get("sinks"))  # [1, hq, C, d]
+        else:
+            chunks = torch.ops.shardwise.slot_chunk_attention(
+                q[:, :, r:], k_cache, v_cache, self.chunk_spans,
+                kernels.backends["attention_prefill"], kw["scale"], kw.get("window"),
+                kw.get("alibi_slopes"), kw.get("sinks"))
         return torch.cat([decoded[:, :, 0].transpose(0, 1)[None], chunks], dim=2)
 
     def _decode_context(self, ctx):
@@ -267,21 +275,8 @@ def chunk_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     from ..kernel_registry import registry
 
     prefill = registry.implementations("attention_prefill")[backend]
-    kw = {"scale": scale}
-    for name, value in (("window", window), ("alibi_slopes", alibi_slopes), ("sinks", sinks)):
-        if value is not None:
-            kw[name] = value
-    out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
-    start = 0
-    for slot, past, n in spans.tolist():
-        if n == 0:
-            continue
-        seen = slice(0, past + n)
-        out[:, :, start:start + n] = prefill(q[:, :, start:start + n],
-                                             k_cache[slot:slot + 1, :, seen],
-                                             v_cache[slot:slot + 1, :, seen], causal=True, **kw)
-        start += n
-    return out
+    return each_chunk(prefill, q, k_cache, v_cache, spans, scale=scale, window=window,
+                      alibi_slopes=alibi_slopes, sinks=sinks)
 
 
 @chunk_attention.register_fake
