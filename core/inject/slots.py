@@ -25,9 +25,11 @@ sequence has the same length. A server's sequences join and leave at any step, s
   :func:`packed_step`): one token for each of the cache's rows, then the chunks padded to a
   bucket of ``C`` tokens, so the shapes depend on the bucket only; keys and values are written
   by indexed puts, the decode rows attend as in the captured decode step, and the chunks
-  through one op the graph strategy calls at every replay (:func:`chunk_attention`, which
-  reads the chunks' ranges on the host: a strategy whose captured code does so says
-  ``replays_host_code``). Padding tokens write only the scratch position.
+  through one op the graph strategy calls at every replay, which reads the chunks' ranges
+  from ``chunk_spans`` as it runs (a strategy whose captured code does so says
+  ``replays_host_code``): the layer's ``attention_chunks`` kernel where it is capturable (the
+  CPU backend's native op), else :func:`chunk_attention` (``attention_prefill`` per chunk,
+  from Python). Padding tokens write only the scratch position.
 * **leave**: :meth:`SlotKVCache.release` sets the slot's length to 0; it is reusable at once
   (its old keys are overwritten before they are read again).
 
@@ -196,9 +198,9 @@ class PackedRows:
     * ``chunk_rows``/``chunk_positions`` [C]: the row and position each chunk token is
       written at;
     * ``chunk_spans`` [PACKED_CHUNKS, 3]: ``(slot, past, n)`` of each chunk in packed order
-      (``n`` = 0: no chunk), read on the host by the chunk attention op
-      (:func:`chunk_attention`: each chunk attends causally to its slot's ``past`` cached
-      tokens and to itself, reading only that range).
+      (``n`` = 0: no chunk), read at run time by the chunk attention op (the layer's
+      ``attention_chunks`` kernel or :func:`chunk_attention`: each chunk attends causally to
+      its slot's ``past`` cached tokens and to itself, reading only that range).
 
     The layers call :meth:`attend` for their attention (``StepContext.mixed``)."""
 
@@ -217,7 +219,8 @@ class PackedRows:
         """``layer``'s attention in the captured step: q [1, q_heads, R + C, d], k and v
         [1, kv_heads, R + C, d] → context [1, q_heads, R + C, d]. Every key and value is
         written first (indexed puts: no host sync), then the decode rows attend as in the
-        captured decode step and the chunks through :func:`chunk_attention`."""
+        captured decode step and the chunks through the layer's capturable
+        ``attention_chunks`` kernel, else :func:`chunk_attention`."""
         r = self.decode_rows
         k_cache, v_cache = ctx.cache.k[layer.slot], ctx.cache.v[layer.slot]  # [rows, h, P, d]
 

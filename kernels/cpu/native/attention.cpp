@@ -3,8 +3,9 @@
 // chunk token a query over its slot's row).
 //
 // Registered as ``shardwise_native::cpu_attention_decode`` and ``cpu_chunk_attention`` (fake
-// impls in Python, shardwise.kernels.cpu.native). Same contract as the Python op ``shardwise::cpu_attention_decode``
-// and the reference ``attention_decode`` (shardwise.kernels.reference.attention, the oracle):
+// impls in Python, shardwise.kernels.cpu.native). The decode op has the contract of the Python
+// op ``shardwise::cpu_attention_decode`` and the reference ``attention_decode``
+// (shardwise.kernels.reference.attention, the oracle):
 //   q [B, Hq, 1, D]; k_cache, v_cache [B, Hkv, T, D] (Hkv divides Hq: query head h reads kv head
 //   h / (Hq / Hkv)); lengths, starts [B] int32/int64; position range [max(start, len - window), len);
 //   ALiBi bias slope[h] * (j - (len - 1)); a sink logit per head in the softmax denominator.
