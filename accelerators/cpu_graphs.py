@@ -145,7 +145,7 @@ class CpuCompileStrategy(GraphStrategy):
     #: every replay, so an op may read host values from its tensor inputs at run time (a CUDA
     #: graph replays the kernels recorded at capture instead): serving's mixed steps are
     #: captured here, their prompt chunks attended by such an op (the CPU backend's
-    #: ``attention_chunks``, or :func:`shardwise.inject.slots.chunk_attention`)
+    #: ``attention_chunks``, or ``shardwise::chunks_by_prefill``)
     replays_host_code = True
 
     def __init__(self, linear: str = "cpp", mode: str = "default", freezing: bool = False,

@@ -4,12 +4,13 @@ backend's implementation (each op's two implementations as the registry holds th
     python benchmarks/kernel_attention.py --threads 2 --repeats 50
 
 Shapes are those of a ~1B Llama (32 query / 4 key-value heads of 64, MLP 5632) and GPT-2's MLP
-(3072), for a 128-token prompt, a 16-token prompt chunk after 80 cached tokens (a served
-prompt joining in chunks; also at SmolLM2-135M's 9 / 3 heads) and for decode steps (batch 1 and 8,
-ragged cache lengths around 1-2k of a 2048-token cache); and SmolLM2's served step: 8 decode rows
-of ~110 tokens and a captured mixed step's chunk (``attention_chunks``) in 8 slots of 513. For every case it prints the median time per call (µs) of the
-reference and of the cpu implementation, calls interleaved so machine noise hits both alike,
-their ratio, and which backend the registry resolves on CPU (``cpu`` only where it won).
+(3072), for a 128-token prompt, a 16-token prompt chunk after 80 cached tokens (a served prompt
+joining in chunks; also at SmolLM2-135M's 9 / 3 heads) and for decode steps (batch 1 and 8, ragged
+cache lengths around 1-2k of a 2048-token cache); and SmolLM2's served step: 8 decode rows of ~110
+tokens and a captured mixed step's chunk (``attention_chunks``) in 8 slots of 513. For every case it
+prints the median time per call (µs) of the reference and of the cpu implementation, calls
+interleaved so machine noise hits both alike, their ratio, and which backend the registry resolves
+on CPU (``cpu`` only where it won).
 """
 
 from __future__ import annotations

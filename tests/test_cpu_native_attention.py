@@ -1,8 +1,9 @@
 """The CPU backend's native decode attention (``kernels/cpu/native/attention.cpp``) against the
-reference ``attention_decode`` (its oracle), and its chunk op against ``attention_chunks``: dtypes, GQA groups, left padding, sliding windows,
-ALiBi, sinks, empty and full ranges, large scores; its own checks for bad input (the compiled
-step calls it with no Python before it); inside ``torch.compile``; and that the CPU backend's
-``attention_decode`` takes it where the extension builds (else skipped with the reason)."""
+reference ``attention_decode`` (its oracle), and its chunk op against ``attention_chunks``: dtypes,
+GQA groups, left padding, sliding windows, ALiBi, sinks, empty and full ranges, large scores; its
+own checks for bad input (the compiled step calls it with no Python before it); inside
+``torch.compile``; and that the CPU backend's ``attention_decode`` takes it where the extension
+builds (else skipped with the reason)."""
 
 from __future__ import annotations
 
@@ -140,14 +141,17 @@ def test_chunks_match_the_reference_and_read_only_their_ranges(dtype, d, window)
     assert not got[:, :, 19:].any()  # padding tokens
 
 
-def test_chunks_without_the_extension_take_the_prefill_op():
-    """The fallback where the native op does not build (the custom op the compiled step calls
-    instead) gives the reference's results too, with every option."""
+def test_chunks_without_the_extension_take_the_prefill_op(monkeypatch):
+    """Where the native op does not build, the backend's attention_chunks runs attention_prefill
+    per chunk in the opaque op the compiled step calls instead: the reference's results too,
+    with every option, eagerly and compiled."""
+    monkeypatch.setattr(cpu_attention, "_native_decode", lambda: False)
     q, k, v, spans = _chunks(torch.float32)
     kw = {"alibi_slopes": torch.rand(9), "scale": 0.2, "window": 9}
-    got = torch.ops.shardwise.cpu_attention_chunks(q, k, v, spans, kw["alibi_slopes"],
-                                                   kw["scale"], kw["window"], None)
-    _check(got, chunks_reference(q, k, v, spans, **kw), torch.float32)
+    want = chunks_reference(q, k, v, spans, **kw)
+    _check(cpu_attention.attention_chunks(q, k, v, spans, **kw), want, torch.float32)
+    step = torch.compile(lambda *a: cpu_attention.attention_chunks(*a, **kw), fullgraph=True)
+    _check(step(q, k, v, spans), want, torch.float32)
 
 
 @pytest.mark.parametrize("spans", [

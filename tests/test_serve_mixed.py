@@ -125,12 +125,27 @@ def test_mixed_steps_give_each_sequence_its_greedy_hf_tokens(engines, arch, grap
         runner.close()
 
 
+def _chunk_kernels(engine) -> list:
+    """The distinct Kernels of the engine's injected layers."""
+    from shardwise.inject.layers import Kernels
+
+    found = {id(m.kernels): m.kernels for m in engine.module.modules()
+             if isinstance(getattr(m, "kernels", None), Kernels)}
+    assert found
+    return list(found.values())
+
+
+@pytest.mark.parametrize("chunk_kernel", [True, False], ids=["attention_chunks", "host-op"])
 @pytest.mark.parametrize("arch", ARCHS)
-def test_captured_mixed_steps_give_each_sequence_its_greedy_hf_tokens(arch):
+def test_captured_mixed_steps_give_each_sequence_its_greedy_hf_tokens(arch, chunk_kernel):
     """Every mixed step of the scenario runs the captured step of its chunk bucket (8 or 16
     tokens, padded), captured by warmup and never again; tokens equal HF's, logits within
-    FP32_ATOL."""
+    FP32_ATOL. The chunks attend through the CPU backend's capturable ``attention_chunks``, or
+    (a backend without one) through the host op ``chunks_by_prefill``."""
     engine = host_replay_engine(arch)
+    for kernels in _chunk_kernels(engine):
+        assert kernels.chunks_capturable  # the CPU backend's
+        kernels.chunks_capturable = chunk_kernel
     runner = SlotRunner(engine, max_batch=5, max_tokens=40, mixed_buckets=(8, 16))
     try:
         assert runner.mixed_buckets == (8, 16) and runner.mixed_eager_reason is None

@@ -77,7 +77,7 @@ class Kernels:
     decode_capturable: bool = False
     #: the packed prompt chunks of a served mixed step (reference ``attention_chunks``), and
     #: whether it may run inside a captured step (else the step calls attention_prefill per
-    #: chunk through the host op ``shardwise::slot_chunk_attention``)
+    #: chunk through the host op ``shardwise::chunks_by_prefill``)
     attention_chunks: Callable | None = None
     chunks_capturable: bool = False
 

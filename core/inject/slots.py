@@ -28,8 +28,8 @@ sequence has the same length. A server's sequences join and leave at any step, s
   through one op the graph strategy calls at every replay, which reads the chunks' ranges
   from ``chunk_spans`` as it runs (a strategy whose captured code does so says
   ``replays_host_code``): the layer's ``attention_chunks`` kernel where it is capturable (the
-  CPU backend's native op), else :func:`chunk_attention` (``attention_prefill`` per chunk,
-  from Python). Padding tokens write only the scratch position.
+  CPU backend's native op), else the reference's ``chunks_by_prefill`` (``attention_prefill``
+  per chunk, from Python). Padding tokens write only the scratch position.
 * **leave**: :meth:`SlotKVCache.release` sets the slot's length to 0; it is reusable at once
   (its old keys are overwritten before they are read again).
 
@@ -45,8 +45,6 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import torch
-
-from shardwise.kernels.reference.attention import each_chunk
 
 from ..errors import ConfigError
 from .cache import (RAISE_HINT, DecodeRows, KVBuffers, MaxTokensError, MixedRows, StaticKVCache,
@@ -199,7 +197,7 @@ class PackedRows:
       written at;
     * ``chunk_spans`` [PACKED_CHUNKS, 3]: ``(slot, past, n)`` of each chunk in packed order
       (``n`` = 0: no chunk), read at run time by the chunk attention op (the layer's
-      ``attention_chunks`` kernel or :func:`chunk_attention`: each chunk attends causally to
+      ``attention_chunks`` kernel or ``chunks_by_prefill``: each chunk attends causally to
       its slot's ``past`` cached tokens and to itself, reading only that range).
 
     The layers call :meth:`attend` for their attention (``StepContext.mixed``)."""
@@ -220,7 +218,7 @@ class PackedRows:
         [1, kv_heads, R + C, d] → context [1, q_heads, R + C, d]. Every key and value is
         written first (indexed puts: no host sync), then the decode rows attend as in the
         captured decode step and the chunks through the layer's capturable
-        ``attention_chunks`` kernel, else :func:`chunk_attention`."""
+        ``attention_chunks`` kernel, else ``chunks_by_prefill`` (the reference module's)."""
         r = self.decode_rows
         k_cache, v_cache = ctx.cache.k[layer.slot], ctx.cache.v[layer.slot]  # [rows, h, P, d]
 
@@ -245,7 +243,7 @@ class PackedRows:
                 window=kw.get("window"), alibi_slopes=kw.get("alibi_slopes"),
                 sinks=kw.get("sinks"))  # [1, hq, C, d]
         else:
-            chunks = torch.ops.shardwise.slot_chunk_attention(
+            chunks = torch.ops.shardwise.chunks_by_prefill(
                 q[:, :, r:], k_cache, v_cache, self.chunk_spans,
                 kernels.backends["attention_prefill"], kw["scale"], kw.get("window"),
                 kw.get("alibi_slopes"), kw.get("sinks"))
@@ -261,30 +259,6 @@ class PackedRows:
                                            write_index=self.write_index, lengths=self.lengths,
                                            starts=self.starts)
         return self._decode_ctx
-
-
-@torch.library.custom_op("shardwise::slot_chunk_attention", mutates_args=())
-def chunk_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    spans: torch.Tensor, backend: str, scale: float | None, window: int | None,
-                    alibi_slopes: torch.Tensor | None,
-                    sinks: torch.Tensor | None) -> torch.Tensor:
-    """The prompt chunks' attention of a captured mixed step, one op the graph strategy does
-    not trace into (so it reads the chunks from ``spans`` on the host at every replay): q
-    [1, q_heads, C, d] (the chunks' tokens in packed order, then padding), the layer's caches
-    [rows, kv_heads, positions, d] (the chunks already written), ``spans`` [n, 3] int64
-    ``(slot, past, n)`` per chunk (n = 0: none) → [1, q_heads, C, d]: each chunk through
-    ``backend``'s ``attention_prefill`` over its slot's first ``past + n`` positions, causal
-    (bottom-right), as an eager mixed step runs it; padding rows zero."""
-    from ..kernel_registry import registry
-
-    prefill = registry.implementations("attention_prefill")[backend]
-    return each_chunk(prefill, q, k_cache, v_cache, spans, scale=scale, window=window,
-                      alibi_slopes=alibi_slopes, sinks=sinks)
-
-
-@chunk_attention.register_fake
-def _(q, k_cache, v_cache, spans, backend, scale, window, alibi_slopes, sinks):
-    return q.new_empty(q.shape)
 
 
 def packed_step(stack, buffers: KVBuffers, decode_rows: int, head=None):

@@ -5,15 +5,15 @@ windows, zero rows). Only what measured faster than the reference is registered 
 per dtype; the speed-ups, their command and machine are in benchmarks/README.md, "CPU kernels
 against the reference":
 
-* attention_prefill (fp32, bf16): ``F.scaled_dot_product_attention`` (ATen's flash kernel for
-  CPU, GQA via ``enable_gqa``, no [.., q_len, kv_len] float32 scores): faster in fp32 and bf16
-  (ALiBi and sliding windows included). fp16 is not registered: not reliably faster at 128 tokens.
-  Causal without mask/ALiBi/window uses ``is_causal``; a causal prompt chunk after cached
-  tokens (bottom-right, with or without a window) and nothing else, the reference's bool mask;
-  otherwise one additive float32 mask carries the causal/padding/sliding-window ``-inf`` and
-  the ALiBi bias. The bias is taken relative to the query's own key position (softmax is shift-invariant per row, so this equals
-  BLOOM's absolute bias) to keep it small near the diagonal. Query rows with no visible key are
-  computed unmasked, then zeroed.
+* attention_prefill (fp32, bf16): ``F.scaled_dot_product_attention`` (ATen's flash kernel for CPU,
+  GQA via ``enable_gqa``, no [.., q_len, kv_len] float32 scores): faster in fp32 and bf16 (ALiBi and
+  sliding windows included). fp16 is not registered: not reliably faster at 128 tokens. Causal
+  without mask/ALiBi/window uses ``is_causal``; a causal prompt chunk after cached tokens
+  (bottom-right, with or without a window) and nothing else, the reference's bool mask; otherwise
+  one additive float32 mask carries the causal/padding/sliding-window ``-inf`` and the ALiBi bias.
+  The bias is taken relative to the query's own key position (softmax is shift-invariant per row, so
+  this equals BLOOM's absolute bias) to keep it small near the diagonal. Query rows with no visible
+  key are computed unmasked, then zeroed.
 * attention_decode (fp32, bf16, fp16): the same kernel on each sequence's valid cache range
   (one call when all ranges agree, else one per sequence; a sliding window shortens the ranges),
   with the query heads of a kv head as its query rows; positions outside a range are never
@@ -24,12 +24,12 @@ against the reference":
   reads each sequence's ranges from ``lengths``/``starts`` at run time instead of attending,
   masked, over the whole static cache.
 * attention_chunks (fp32, bf16, fp16): a served mixed step's prompt chunks, packed in one row
-  (``shardwise.inject.slots.PackedRows``): the native op ``cpu_chunk_attention`` runs each
-  chunk token as a decode query over its slot's cache row (the decode kernel's loops, no
-  mask built, no Python at replay); without the extension, ``attention_prefill`` per chunk in
-  the custom op ``shardwise::cpu_attention_chunks``. Both capturable. Before it, the mixed step
-  called ``attention_prefill`` per chunk and layer from a Python op at every replay (~125 us a
-  layer at SmolLM2's 16-token chunk, of which SDPA ~40).
+  (``shardwise.inject.slots.PackedRows``): the native op ``cpu_chunk_attention`` runs each chunk
+  token as a decode query over its slot's cache row (the decode kernel's loops, no mask built, no
+  Python at replay); without the extension, this backend's ``attention_prefill`` per chunk in the
+  reference's opaque op ``shardwise::chunks_by_prefill``. Both capturable. Before it, the mixed step
+  called ``attention_prefill`` per chunk and layer from a Python op at every replay
+  (benchmarks/README.md, "The decode and chunk attention kernels").
 * Attention sinks (all three ops): the same flash kernel also gives each row's log-sum-exp ``lse``
   (ATen's private CPU entry point, through ``shardwise._torch_private``); a sink adds
   ``exp(sink)`` to the row's denominator ``exp(lse)``, so the output is scaled by
@@ -231,7 +231,8 @@ def attention_chunks(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     [1, q_heads, tokens, d], caches [rows, kv_heads, max_tokens, d], spans [chunks, 3] int64
     ``(slot, past, n)``. Where the native extension builds, its C++ op (each chunk token a
     decode query over its slot's row, the decode kernel's loops); else this backend's
-    ``attention_prefill`` per chunk. Either is one opaque op under ``torch.compile``, reading
+    ``attention_prefill`` per chunk (the reference's ``chunks_by_prefill``). Either is one
+    opaque op under ``torch.compile``, reading
     ``spans`` at run time, so a captured mixed step calls it with no Python."""
     if _native_decode():
         if not torch.compiler.is_compiling():  # eagerly, the reference's checks and errors first
@@ -240,24 +241,8 @@ def attention_chunks(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
             ref.check_window(window)
         return torch.ops.shardwise_native.cpu_chunk_attention(q, k_cache, v_cache, spans,
                                                               alibi_slopes, scale, window, sinks)
-    return torch.ops.shardwise.cpu_attention_chunks(q, k_cache, v_cache, spans, alibi_slopes,
-                                                    scale, window, sinks)
-
-
-@torch.library.custom_op("shardwise::cpu_attention_chunks", mutates_args=(), device_types="cpu")
-def _chunks_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-               spans: torch.Tensor, alibi_slopes: torch.Tensor | None, scale: float | None,
-               window: int | None, sinks: torch.Tensor | None) -> torch.Tensor:
-    """:func:`attention_chunks` without the native extension, as an op the compiler calls
-    without tracing into it (it reads ``spans`` on the host)."""
-    return ref.each_chunk(attention_prefill, q, k_cache, v_cache, spans, scale=scale,
-                          window=window, alibi_slopes=alibi_slopes, sinks=sinks)
-
-
-@_chunks_op.register_fake
-def _(q, k_cache, v_cache, spans, alibi_slopes, scale, window, sinks):
-    return q.new_empty(q.shape)
-
+    return torch.ops.shardwise.chunks_by_prefill(q, k_cache, v_cache, spans, BACKEND, scale,
+                                                 window, alibi_slopes, sinks)
 
 #: op → (implementation, dtypes it is registered for): only what measured faster.
 REGISTERED = {

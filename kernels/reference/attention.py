@@ -28,7 +28,9 @@ Layouts (any strides are accepted; ``d`` = head_dim):
 
 Ops (registered by :func:`register`): ``attention_prefill``, ``attention_decode``,
 ``attention_chunks`` (a served mixed step's prompt chunks, packed in one row, each over its own
-cache row). Helpers (not ops): :func:`alibi_slopes`, :func:`alibi_key_positions`, and the checks every backend shares.
+cache row; :func:`chunks_by_prefill` is the same through any backend's prefill, as an opaque
+custom op). Helpers (not ops): :func:`alibi_slopes`, :func:`alibi_key_positions`, and the
+checks every backend shares.
 The cache is written by ``kv_cache_write`` (:mod:`.kv_cache`), rotary and activations live in
 :mod:`.rotary` and :mod:`.activations`.
 """
@@ -337,6 +339,31 @@ def attention_chunks(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     """
     return each_chunk(attention_prefill, q, k_cache, v_cache, spans, scale=scale, window=window,
                       alibi_slopes=alibi_slopes, sinks=sinks)
+
+
+@torch.library.custom_op("shardwise::chunks_by_prefill", mutates_args=())
+def chunks_by_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      spans: torch.Tensor, backend: str, scale: float | None,
+                      window: int | None, alibi_slopes: torch.Tensor | None,
+                      sinks: torch.Tensor | None) -> torch.Tensor:
+    """:func:`attention_chunks` through ``backend``'s registered ``attention_prefill`` (one
+    call per chunk, :func:`each_chunk`), as an op a graph strategy calls without tracing into
+    it, so that it reads ``spans`` on the host at every replay: a captured mixed step's chunks
+    where the layer's ``attention_chunks`` kernel is not capturable, and the CPU backend's
+    where its native extension does not build."""
+    from shardwise.kernel_registry import registry
+
+    error = registry.load_backend(backend)  # (loaded once: a dict lookup after the first call)
+    if error:
+        raise KernelError(f"chunks_by_prefill: kernel backend {backend!r} is not usable: {error}")
+    prefill = registry.implementations("attention_prefill")[backend]
+    return each_chunk(prefill, q, k_cache, v_cache, spans, scale=scale, window=window,
+                      alibi_slopes=alibi_slopes, sinks=sinks)
+
+
+@chunks_by_prefill.register_fake
+def _(q, k_cache, v_cache, spans, backend, scale, window, alibi_slopes, sinks):
+    return q.new_empty(q.shape)
 
 
 OPS = {"attention_prefill": attention_prefill, "attention_decode": attention_decode,

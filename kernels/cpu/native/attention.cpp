@@ -158,7 +158,8 @@ void head_decode(const float* q, const T* k, const T* v, int64_t ks, int64_t vs,
     float* sc = w.scores.data() + g * len;
     __m512 mv = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
     for (int64_t j = 0; j < len; j += 16)
-      mv = _mm512_mask_max_ps(mv, lanes(len - j), mv, _mm512_maskz_loadu_ps(lanes(len - j), sc + j));
+      mv = _mm512_mask_max_ps(mv, lanes(len - j), mv,
+                              _mm512_maskz_loadu_ps(lanes(len - j), sc + j));
     float mx = _mm512_reduce_max_ps(mv), denom = 0.f;
     if (sinks) {
       mx = std::max(mx, sinks[g]);
@@ -224,7 +225,8 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const Qu
                     r = qs.row[t];
       T* o = op + t * qs.o_step + h * group * qs.o_head;
       if (n <= s) {
-        for (int64_t g = 0; g < group; ++g) std::fill(o + g * qs.o_head, o + g * qs.o_head + D, T(0.f));
+        for (int64_t g = 0; g < group; ++g)
+          std::fill(o + g * qs.o_head, o + g * qs.o_head + D, T(0.f));
         continue;
       }
       const T* qt = qp + t * qs.q_step + h * group * qs.q_head;
@@ -326,7 +328,8 @@ at::Tensor cpu_chunk_attention(const at::Tensor& q, const at::Tensor& k_cache,
   TORCH_CHECK(q.dim() == 4 && q.size(0) == 1 && k_cache.dim() == 4 &&
                   k_cache.sizes() == v_cache.sizes() && q.size(3) == k_cache.size(3),
               "cpu_chunk_attention takes q [1, q_heads, tokens, d] and caches [rows, kv_heads, "
-              "max_tokens, d]; got q ", q.sizes(), ", k ", k_cache.sizes(), ", v ", v_cache.sizes());
+              "max_tokens, d]; got q ", q.sizes(), ", k ", k_cache.sizes(), ", v ",
+              v_cache.sizes());
   check_common(q, k_cache, v_cache, window, alibi_slopes, sinks, "cpu_chunk_attention");
   TORCH_CHECK(spans.dim() == 2 && spans.size(1) == 3 && spans.scalar_type() == at::kLong &&
                   spans.device().is_cpu(),
