@@ -394,8 +394,21 @@ def _chunks_build(kv_heads, option):
         k_cache, v_cache = garbage_cache(4, kv_heads, 40, 24, lengths, dtype, device)
         kw = {"window": {"window": 6}, "alibi": {"alibi_slopes": alibi_slopes(4, device)},
               "sinks": {"sinks": SINKS.to(device)}, "scale": {"scale": 0.3}, None: {}}[option]
-        return [Call((q, k_cache, v_cache, spans), kw)]
+        return [Call((q, k_cache, v_cache, spans), kw,
+                     backend_kwargs=SPLITS if target == "triton" else {})]
     return build
+
+
+def _gpu_chunks_build(dtype, device, target):
+    """A 1B-Llama-sized mixed step's chunks: 32/8 heads of 128 over 2048 positions, a 200-token
+    chunk after 1500 cached ones, one of 56 starting a slot, then padding to 512."""
+    spans = [[5, 1500, 200], [1, 0, 56], [0, 0, 0], [0, 0, 0]]
+    lengths = [0] * 8
+    lengths[5], lengths[1] = 1700, 56
+    q = heads(1, 32, 512, 128, dtype, device)
+    k_cache, v_cache = garbage_cache(8, 8, 2048, 128, lengths, dtype, device)
+    return [Call((q, k_cache, v_cache, torch.tensor(spans, device=device)), {},
+                 resolve={"head_dim": 128})]
 
 
 def _gpu_decode_build(batch, kv_heads, alibi, window, sinks=False):
@@ -450,7 +463,9 @@ def _attention_cases():
                {"cpu": ALL}, close)
     for kvh, option in itertools.product((2, 1), (None, "window", "alibi", "sinks", "scale")):
         yield Case("attention_chunks", f"kv{kvh}-{option or 'plain'}", _chunks_build(kvh, option),
-                   {"cpu": ALL}, chunks_check)
+                   {"cpu": ALL, "triton": (F32, BF16), "cuda": ALL}, chunks_check)
+    yield Case("attention_chunks", "gpu-llama-1b", _gpu_chunks_build, {"cuda": HALF},
+               chunks_check)
     for batch, kvh, alibi, window in itertools.product((1, 4, 16), (8, 1), (False, True),
                                                        (None, 1000)):
         yield Case("attention_decode", f"gpu-b{batch}-kv{kvh}-alibi{int(alibi)}-w{window}",

@@ -163,13 +163,14 @@ def test_only_decode_and_chunk_attention_are_capturable():
         assert not reg.implementations(op)["reference"].capturable  # host-side lengths
 
 
-@pytest.mark.parametrize("op", ATTENTION_OPS)
+@pytest.mark.parametrize("op", (*ATTENTION_OPS, "attention_chunks"))
 def test_cuda_resolves_triton(op):
     pytest.importorskip("triton")
     reg = KernelRegistry()
     impl = reg.resolve(op, FakeCuda(), torch.bfloat16, head_dim=128)
     assert impl.backend == "triton"
-    assert impl.capturable == (op == "attention_decode")  # reads lengths on the device
+    # decode reads lengths, chunks their spans, on the device: a CUDA graph replays them
+    assert impl.capturable == (op in ("attention_decode", "attention_chunks"))
     assert reg.resolve(op, FakeCuda(), torch.float64).backend == "reference"
     big = reg.resolve(op, FakeCuda(), torch.float16, head_dim=512).backend
     assert big == ("reference" if op.startswith("attention") else "triton")

@@ -287,6 +287,20 @@ def check_chunks(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  spans: torch.Tensor) -> list[tuple[int, int, int]]:
     """The ``(slot, past, n)`` of each chunk of :func:`attention_chunks`' ``spans`` (host ints,
     empty ones dropped); KernelError for shapes or spans that do not fit."""
+    check_chunk_shapes(q, k_cache, v_cache, spans)
+    rows, max_tokens, tokens = k_cache.shape[0], k_cache.shape[2], q.shape[2]
+    chunks = [(slot, past, n) for slot, past, n in spans.tolist() if n != 0]
+    if any(not (0 <= slot < rows and past >= 0 and n > 0 and past + n <= max_tokens)
+           for slot, past, n in chunks) or sum(n for _, _, n in chunks) > tokens:
+        raise KernelError(f"spans {chunks} do not fit {rows} cache rows of {max_tokens} "
+                          f"positions and {tokens} query tokens")
+    return chunks
+
+
+def check_chunk_shapes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                       spans: torch.Tensor) -> None:
+    """KernelError unless :func:`attention_chunks`' arguments have its shapes and dtypes (the
+    spans' values are not read: no device sync)."""
     if q.dim() != 4 or q.shape[0] != 1 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape \
             or q.shape[-1] != k_cache.shape[-1]:
         raise KernelError(f"attention_chunks takes q [1, q_heads, tokens, d] (the chunks' tokens "
@@ -296,13 +310,6 @@ def check_chunks(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     if spans.dim() != 2 or spans.shape[1] != 3 or spans.dtype != torch.int64:
         raise KernelError(f"spans must be an int64 tensor [chunks, 3] of (slot, past, n), got "
                           f"{tuple(spans.shape)} {spans.dtype}")
-    rows, max_tokens, tokens = k_cache.shape[0], k_cache.shape[2], q.shape[2]
-    chunks = [(slot, past, n) for slot, past, n in spans.tolist() if n != 0]
-    if any(not (0 <= slot < rows and past >= 0 and n > 0 and past + n <= max_tokens)
-           for slot, past, n in chunks) or sum(n for _, _, n in chunks) > tokens:
-        raise KernelError(f"spans {chunks} do not fit {rows} cache rows of {max_tokens} "
-                          f"positions and {tokens} query tokens")
-    return chunks
 
 
 def each_chunk(prefill, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

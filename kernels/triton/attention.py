@@ -1,5 +1,6 @@
-"""Attention Triton kernels for CUDA: attention_prefill (flash-attention style) and
-attention_decode (split-K / flash-decoding).
+"""Attention Triton kernels for CUDA: attention_prefill (flash-attention style),
+attention_decode (split-K / flash-decoding) and attention_chunks (a served mixed step's prompt
+chunks, each token a decode query of the same kernels over its slot's row).
 
 Contracts (shapes, masks, GQA, ALiBi, sliding windows, attention sinks, zero rows) are those of
 ``shardwise.kernels.reference.attention``; every launcher validates with the reference's checks.
@@ -234,18 +235,23 @@ def attention_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, caus
 
 
 @triton.jit
-def _decode_split_kernel(Q, K, V, LEN, STARTS, SLOPES, M_OUT, L_OUT, ACC, max_tokens, group,
-                         head_dim, chunk, scale, sq_b, sq_h, sq_d, sk_b, sk_h, sk_t, sk_d,
+def _decode_split_kernel(Q, K, V, LEN, STARTS, ROWS, SLOPES, M_OUT, L_OUT, ACC, max_tokens,
+                         group, head_dim, chunk, scale, sq_b, sq_h, sq_d, sk_b, sk_h, sk_t, sk_d,
                          sv_b, sv_h, sv_t, sv_d, n_q, n_splits,
-                         HAS_STARTS: tl.constexpr, HAS_ALIBI: tl.constexpr, F32: tl.constexpr,
+                         HAS_STARTS: tl.constexpr, HAS_ROWS: tl.constexpr,
+                         HAS_ALIBI: tl.constexpr, F32: tl.constexpr,
                          BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     """Program (b, kv head, split): the ``group`` query heads of one kv head over cache tokens
-    [split * chunk, (split + 1) * chunk) ∩ [starts[b], lengths[b]). Writes the split's running
+    [split * chunk, (split + 1) * chunk) ∩ [starts[b], lengths[b]) of cache row b (with
+    ``HAS_ROWS``: of row ``rows[b]``, a query of a prompt chunk). Writes the split's running
     max m, sum l ([batch, q_heads, splits]) and unnormalized output ([batch, q_heads, splits,
     d])."""
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
+    row = b
+    if HAS_ROWS:
+        row = tl.load(ROWS + b).to(tl.int64)
     length = tl.minimum(tl.load(LEN + b).to(tl.int32), max_tokens)  # never past the cache
     start = split * chunk
     if HAS_STARTS:  # never before the sequence's first valid token (nor before 0)
@@ -263,8 +269,8 @@ def _decode_split_kernel(Q, K, V, LEN, STARTS, SLOPES, M_OUT, L_OUT, ACC, max_to
     m = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-    k_base = K + b * sk_b + kvh * sk_h + dims[None, :] * sk_d
-    v_base = V + b * sv_b + kvh * sv_h + dims[None, :] * sv_d
+    k_base = K + row * sk_b + kvh * sk_h + dims[None, :] * sk_d
+    v_base = V + row * sv_b + kvh * sv_h + dims[None, :] * sv_d
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         nmask = offs_n < end  # positions >= length are never loaded
@@ -374,20 +380,39 @@ def attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     ``num_splits``/``block_n`` override the split heuristic (:func:`decode_splits`) and the key
     tile. Returns [batch, q_heads, 1, d].
     """
-    group = ref.check_decode(q, k_cache, v_cache, lengths, starts)
-    window = ref.check_window(window)
+    ref.check_decode(q, k_cache, v_cache, lengths, starts)
+    _check_decode_options(q, window, alibi_slopes, sinks, lengths=lengths, starts=starts,
+                          k_cache=k_cache, v_cache=v_cache)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    return _decode(q, out, k_cache, v_cache, lengths, starts, None, alibi_slopes=alibi_slopes,
+                   scale=scale, window=window, sinks=sinks, num_splits=num_splits,
+                   block_n=block_n)
+
+
+def _check_decode_options(q: torch.Tensor, window: int | None,
+                          alibi_slopes: torch.Tensor | None, sinks: torch.Tensor | None,
+                          **tensors: torch.Tensor | None) -> None:
+    """The reference's checks of the options, and every tensor on q's device."""
+    ref.check_window(window)
     ref.check_sinks(sinks, q.shape[1], alibi_slopes)
-    same_device(q, lengths=lengths, starts=starts, k_cache=k_cache, v_cache=v_cache,
-                sinks=sinks)
+    same_device(q, sinks=sinks, **tensors)
     if alibi_slopes is not None and alibi_slopes.shape != (q.shape[1],):
         raise KernelError(f"alibi_slopes must be [q_heads={q.shape[1]}], got "
                           f"{tuple(alibi_slopes.shape)}")
+
+
+def _decode(q: torch.Tensor, out: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+            lengths: torch.Tensor, starts: torch.Tensor | None, rows: torch.Tensor | None, *,
+            alibi_slopes, scale, window, sinks, num_splits, block_n) -> torch.Tensor:
+    """Launch the split and reduce kernels: query b ([batch, q_heads, 1, d], any strides)
+    attends to cache row b (``rows``: row ``rows[b]``) over its range; written into ``out``
+    (q's shape, any strides), which is returned."""
     batch, n_q, _, head_dim = q.shape
     n_kv, max_tokens = k_cache.shape[1:3]
     block_d = _block_d(head_dim)
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if out.numel() == 0 or max_tokens == 0:
         return out.zero_()
+    group = n_q // n_kv
     starts = _window_starts(lengths, starts, window, max_tokens)
     block_n = block_n or _decode_block_n(max_tokens, q.device)
     splits, chunk = decode_splits(batch, n_kv, max_tokens, block_n, q.device, num_splits)
@@ -397,10 +422,12 @@ def attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     slopes = alibi_slopes.float().contiguous() if alibi_slopes is not None else m
     q_str = (q.stride(0), q.stride(1), q.stride(3))
     _decode_split_kernel[(batch, n_kv, splits)](
-        q, k_cache, v_cache, lengths, starts if starts is not None else lengths, slopes, m, l,
-        acc, max_tokens, group, head_dim, chunk, head_dim ** -0.5 if scale is None else scale,
+        q, k_cache, v_cache, lengths, starts if starts is not None else lengths,
+        rows if rows is not None else lengths, slopes, m, l, acc, max_tokens, group, head_dim,
+        chunk, head_dim ** -0.5 if scale is None else scale,
         *q_str, *strides(k_cache), *strides(v_cache), n_q, splits,
-        HAS_STARTS=starts is not None, HAS_ALIBI=alibi_slopes is not None,
+        HAS_STARTS=starts is not None, HAS_ROWS=rows is not None,
+        HAS_ALIBI=alibi_slopes is not None,
         F32=_dot_f32(q.dtype), BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
         BLOCK_D=block_d, num_warps=4, num_stages=_decode_stages(q.dtype, q.device))
     sink_logits = sinks.float().contiguous() if sinks is not None else m
@@ -411,7 +438,72 @@ def attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     return out
 
 
-OPS = {"attention_prefill": attention_prefill, "attention_decode": attention_decode}
+# ----- a served mixed step's prompt chunks: one decode query per chunk token ------------------
+
+
+@triton.jit
+def _chunk_tables_kernel(SPANS, ROWS, LENS, n_chunks, tokens, rows, BLOCK: tl.constexpr):
+    """Program over ``BLOCK`` packed chunk tokens: from spans [chunks, 3] of (slot, past, n),
+    the cache row each token reads (ROWS) and how many of its positions (LENS: its own
+    position + 1, causal; 0 for padding and for spans outside the cache's rows)."""
+    t = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    row = tl.zeros([BLOCK], tl.int64)
+    length = tl.zeros([BLOCK], tl.int64)
+    first = tl.zeros([1], tl.int64)  # the chunk's first packed token
+    for j in range(n_chunks):
+        slot = tl.load(SPANS + j * 3)
+        past = tl.load(SPANS + j * 3 + 1)
+        n = tl.load(SPANS + j * 3 + 2)
+        inside = (t >= first) & (t < first + n) & (slot >= 0) & (slot < rows) & (past >= 0)
+        row = tl.where(inside, slot, row)
+        length = tl.where(inside, past + (t - first) + 1, length)
+        first += tl.maximum(n, 0)
+    mask = t < tokens
+    tl.store(ROWS + t, row, mask=mask)
+    tl.store(LENS + t, length, mask=mask)
+
+
+def attention_chunks(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     spans: torch.Tensor, *, scale: float | None = None,
+                     window: int | None = None, alibi_slopes: torch.Tensor | None = None,
+                     sinks: torch.Tensor | None = None, num_splits: int | None = None,
+                     block_n: int | None = None) -> torch.Tensor:
+    """A served mixed step's prompt chunks; contract of the reference ``attention_chunks``.
+
+    q: [1, q_heads, tokens, d]; caches [rows, kv_heads, max_tokens, d]; spans [chunks, 3] int64
+    on the device, read there (no device sync: the op can be captured in a CUDA graph and
+    replayed with other spans). Each chunk token is one query of the split-K decode kernels
+    over its slot's row and its own position + 1 tokens (causal: the chunk's keys are already
+    in the cache); a small kernel first turns the spans into each token's row and length.
+    Differs from the reference on invalid spans as decode does: nothing is raised, a span
+    outside the cache's rows gives zeros, lengths are clamped to max_tokens.
+    """
+    ref.check_chunk_shapes(q, k_cache, v_cache, spans)
+    _check_decode_options(q, window, alibi_slopes, sinks, spans=spans, k_cache=k_cache,
+                          v_cache=v_cache)
+    tokens = q.shape[2]
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if tokens == 0:
+        return out
+    rows = torch.empty(tokens, dtype=torch.int64, device=q.device)
+    lengths = torch.empty_like(rows)
+    block = min(128, max(16, triton.next_power_of_2(tokens)))
+    _chunk_tables_kernel[(triton.cdiv(tokens, block),)](
+        spans.contiguous(), rows, lengths, spans.shape[0], tokens, k_cache.shape[0], BLOCK=block)
+
+    def by_token(t: torch.Tensor) -> torch.Tensor:  # [1, h, tokens, d] → [tokens, h, 1, d]
+        return t[0].transpose(0, 1)[:, :, None]
+
+    _decode(by_token(q), by_token(out), k_cache, v_cache, lengths, None, rows,
+            alibi_slopes=alibi_slopes, scale=scale, window=window, sinks=sinks,
+            num_splits=num_splits, block_n=block_n)
+    return out
+
+
+OPS = {"attention_prefill": attention_prefill, "attention_decode": attention_decode,
+       "attention_chunks": attention_chunks}
+#: read their ranges on the device: a CUDA graph replays them with new lengths or spans
+CAPTURABLE = frozenset({"attention_decode", "attention_chunks"})
 
 
 def register(registry) -> None:
@@ -420,4 +512,4 @@ def register(registry) -> None:
     for op, fn in OPS.items():
         registry.register(op, BACKEND, fn, dtypes=DTYPES, device_types=DEVICE_TYPES,
                           supports=supports_head_dim,
-                          capturable=op == "attention_decode")  # lengths read on the device
+                          capturable=op in CAPTURABLE)
