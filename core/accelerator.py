@@ -62,9 +62,10 @@ class GraphStrategy:
     #: does not say: ``"addresses"``.
     weight_binding: ClassVar[str] = "addresses"
     #: Whether the captured code runs an opaque op's Python at every replay (compiled code
-    #: calling the op) rather than replaying what it recorded (a CUDA graph): serving's
-    #: compiled mixed steps (:mod:`shardwise.inject.slots`) read each chunk's place on the host
-    #: inside such an op, so they are captured only where this is True.
+    #: calling the op) rather than replaying what it recorded (a CUDA graph): serving's mixed
+    #: steps (:mod:`shardwise.inject.slots`) whose chunk attention reads each chunk's place on
+    #: the host inside such an op (a backend without a capturable ``attention_chunks``) are
+    #: captured only where this is True.
     replays_host_code: ClassVar[bool] = False
     #: Storage dtypes the strategy can keep the linear weights in under a wider compute dtype
     #: (``init_inference(dtype=torch.float32, weight_dtype=...)``): its captured and eager code

@@ -45,6 +45,25 @@ class CountingReplay(ReplayOnCpu):
         return super().capture(counted, *example_args)
 
 
+class RecordedReplay(ReplayOnCpu):
+    """Replays what it recorded, as a CUDA graph does (``replays_host_code`` False): capture
+    traces the function into its tensor ops (``make_fx``), so a value Python read from a
+    tensor at capture (``.tolist()``, ``int(t)``, a branch on it) is a constant at every
+    replay — the captured step is right only where every such read happens inside an op
+    that reads it as it runs (a kernel reading its inputs on the device)."""
+
+    name = "recorded_replay"
+    replays_host_code = False
+
+    def capture(self, fn, *example_args):
+        from torch.fx.experimental.proxy_tensor import make_fx
+
+        inputs = static_copies(example_args, "cpu")
+        with torch.inference_mode(False):
+            recorded = make_fx(fn)(*inputs)
+        return super().capture(recorded, *inputs)
+
+
 def replays() -> int:
     """Steps replayed by every CountingReplay so far."""
     return CountingReplay.calls - CountingReplay.captures

@@ -10,7 +10,9 @@ streams' tokens), then all decode to the end; every sequence's tokens equal HF `
 its prompt alone and the logits are within ``FP32_ATOL`` of HF's (teacher forced). With graphs
 (tests/graph_doubles.py) the decode-only steps replay the captured graphs; mixed steps are
 captured per chunk bucket where the strategy replays host code (``replays_host_code``: the
-CPU's compiled steps, :class:`HostReplay` here), else they run eagerly, logged and counted.
+CPU's compiled steps, :class:`HostReplay` here) or where every layer's ``attention_chunks``
+reads the chunks' spans inside the op (CUDA graphs with Triton's kernel; ``RecordedReplay``
+here, which replays only what it recorded), else they run eagerly, logged and counted.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from shardwise.inject.slots import PACKED_CHUNKS
 from shardwise.serve.runner import SlotRunner
 from shardwise.serve.scheduler import MIN_PREFILL_CHUNK, Scheduler
 from shardwise.serve.types import GenRequest, SamplingParams, TokenEvent
-from graph_doubles import CountingReplay, engine_maker, replays
+from graph_doubles import CountingReplay, RecordedReplay, engine_maker, replays
 from models import prompt_ids, tiny_causal_lm
 from slot_scenario import Seq, check_against_hf, hf_greedy, prefill, step
 
@@ -106,7 +108,14 @@ def mixed_scenario(runner: SlotRunner) -> list[Seq]:
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
 @pytest.mark.parametrize("arch", ARCHS)
 def test_mixed_steps_give_each_sequence_its_greedy_hf_tokens(engines, arch, graphs):
+    """Eager mixed steps: without graphs, and with graphs whose strategy replays what it
+    recorded (CountingReplay does not say it replays host code) while the chunk attention
+    reads its spans on the host (the CPU kernel declared not capturable here): the decode-only
+    steps replay their graphs, the mixed ones run eagerly, logged and counted."""
     ref, engine = engines(arch, graphs)
+    kernels = _chunk_kernels(engine)
+    for k in kernels:
+        k.chunks_capturable = False
     runner = SlotRunner(engine, max_batch=5, max_tokens=40)
     try:
         assert runner.supports_mixed and runner.mixed_unsupported is None
@@ -116,11 +125,69 @@ def test_mixed_steps_give_each_sequence_its_greedy_hf_tokens(engines, arch, grap
         worst = check_against_hf(ref, seqs)
         print(f"{arch} {'graphs' if graphs else 'eager'} mixed: max |logit diff| {worst:.2e}")
         assert all(runner.length(slot) == 0 for slot in range(5))
-        if graphs:  # CountingReplay does not say it replays host code: mixed steps eager
+        if graphs:
             assert CountingReplay.captures == captured  # mixed steps captured nothing
             assert replays() > replayed  # the decode-only steps replayed captured graphs
             assert runner.mixed_steps == {"captured": 0, "eager": 4}
             assert "replays what it recorded" in runner.mixed_eager_reason
+            assert "(cpu) reads the prompt chunks' ranges on the host" in \
+                runner.mixed_eager_reason
+    finally:
+        runner.close()
+        for k in kernels:
+            k.chunks_capturable = True
+
+
+def recorded_replay_engine(arch: str):
+    """An injected CPU engine whose graphs replay what they recorded (RecordedReplay: a CUDA
+    graph's semantics)."""
+    from shardwise.accelerators.cpu import CpuAccelerator
+
+    original = CpuAccelerator.graph_strategy
+    CpuAccelerator.graph_strategy = lambda self: RecordedReplay()
+    try:
+        return shardwise.init_inference(tiny_causal_lm(arch), device="cpu",
+                                        replace_with_kernel_inject=True, enable_graph=True,
+                                        max_tokens=64)
+    finally:
+        CpuAccelerator.graph_strategy = original
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_recorded_mixed_steps_replay_new_chunks_where_the_kernel_reads_spans_as_it_runs(arch):
+    """A strategy that replays what it recorded (as CUDA graphs do) captures the mixed steps
+    when every layer's ``attention_chunks`` reads the chunks' spans inside the op (the CPU
+    backend's here, Triton's on a GPU): each captured step, replayed with other slots and
+    chunks than it was recorded with, gives every sequence HF's greedy tokens."""
+    engine = recorded_replay_engine(arch)
+    runner = SlotRunner(engine, max_batch=5, max_tokens=40, mixed_buckets=(8, 16))
+    try:
+        assert runner.stack.chunks_capturable
+        assert runner.mixed_buckets == (8, 16) and runner.mixed_eager_reason is None
+        runner.warmup()
+        seqs = mixed_scenario(runner)
+        worst = check_against_hf(tiny_causal_lm(arch), seqs)
+        print(f"{arch} recorded mixed: max |logit diff| {worst:.2e}")
+        assert runner.mixed_steps == {"captured": 4, "eager": 0}
+    finally:
+        runner.close()
+
+
+def test_recorded_replay_freezes_a_chunk_kernel_that_reads_spans_on_the_host():
+    """The test above is not vacuous: the reference ``attention_chunks`` (it reads the spans
+    with ``.tolist()``), declared capturable, is recorded with the capture's spans, and the
+    replayed mixed steps attend the wrong ranges: the tokens differ from HF's."""
+    from shardwise.kernels.reference import attention as ref
+
+    engine = recorded_replay_engine("llama")
+    for kernels in _chunk_kernels(engine):
+        kernels.attention_chunks = ref.attention_chunks
+    runner = SlotRunner(engine, max_batch=5, max_tokens=40, mixed_buckets=(8, 16))
+    try:
+        runner.warmup()
+        with pytest.raises(AssertionError):
+            check_against_hf(tiny_causal_lm("llama"), mixed_scenario(runner))
+        assert runner.mixed_steps["captured"] > 0
     finally:
         runner.close()
 
@@ -221,7 +288,8 @@ def test_captured_mixed_step_padding_writes_no_real_cache_position():
 
 def test_mixed_steps_the_strategy_cannot_capture_run_eagerly_logged_and_counted(caplog):
     """A strategy that does not replay host code (CountingReplay: as a CUDA graph, for the
-    runner) keeps mixed steps eager: the runner says why once and counts them."""
+    runner) with a chunk attention that reads its spans on the host (the CPU kernel declared
+    not capturable here) keeps mixed steps eager: the runner says why once and counts them."""
     from shardwise.accelerators.cpu import CpuAccelerator
 
     original = CpuAccelerator.graph_strategy
@@ -232,6 +300,8 @@ def test_mixed_steps_the_strategy_cannot_capture_run_eagerly_logged_and_counted(
                                           max_tokens=64)
     finally:
         CpuAccelerator.graph_strategy = original
+    for kernels in _chunk_kernels(engine):
+        kernels.chunks_capturable = False
     with caplog.at_level("WARNING", logger="shardwise.serve.runner"):
         runner = SlotRunner(engine, max_batch=3, max_tokens=16)
     try:
@@ -434,21 +504,31 @@ def test_mixed_chunk_budget_counts_the_decode_tokens():
 
 
 @pytest.mark.gpu
-def test_mixed_steps_on_cuda_give_each_sequence_its_hf_tokens():
-    """The same scenario on CUDA (fp32): the mixed steps run eagerly through the CUDA
-    backend's attention ops, the decode-only steps replay the captured graphs, nothing is
-    captured after warmup."""
-    ref = tiny_causal_lm("llama").cuda()
-    engine = shardwise.init_inference(tiny_causal_lm("llama"), device="cuda",
+@pytest.mark.parametrize("capturable", [True, False], ids=["cuda-graphs", "eager-mixed"])
+@pytest.mark.parametrize("arch", ["llama", "mixtral"])
+def test_mixed_steps_on_cuda_give_each_sequence_its_hf_tokens(arch, capturable):
+    """The same scenario on CUDA (fp32): the mixed steps replay the CUDA graphs warmup
+    captured per chunk bucket (Triton's ``attention_chunks`` reads the spans on the device),
+    or, with the chunk kernel declared not capturable, run eagerly through the CUDA backend's
+    attention ops; the decode-only steps replay their graphs; nothing is captured after
+    warmup."""
+    ref = tiny_causal_lm(arch).cuda()
+    engine = shardwise.init_inference(tiny_causal_lm(arch), device="cuda",
                                       replace_with_kernel_inject=True, enable_graph=True,
                                       dtype=torch.float32, max_tokens=64)
-    runner = SlotRunner(engine, max_batch=5, max_tokens=40)
+    for kernels in _chunk_kernels(engine):
+        assert kernels.chunks_capturable and kernels.backends["attention_chunks"] == "triton"
+        kernels.chunks_capturable = capturable
+    runner = SlotRunner(engine, max_batch=5, max_tokens=40, mixed_buckets=(8, 16))
     try:
         assert runner.supports_mixed
+        assert runner.mixed_buckets == ((8, 16) if capturable else ())
         runner.warmup()
         keys = set(runner.stack.graphs.graphs)
         check_against_hf(ref, mixed_scenario(runner), atol=1e-3)
-        assert set(runner.stack.graphs.graphs) == keys  # mixed steps captured nothing
+        assert set(runner.stack.graphs.graphs) == keys  # nothing captured while serving
+        assert runner.mixed_steps == ({"captured": 4, "eager": 0} if capturable else
+                                      {"captured": 0, "eager": 4})
     finally:
         runner.close()
 

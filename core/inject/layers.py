@@ -833,6 +833,13 @@ class InjectedModel(nn.Module):
             return "multi-head latent attention (its latent cache has its own attention path)"
         return None
 
+    @property
+    def chunks_capturable(self) -> bool:
+        """Whether every layer's ``attention_chunks`` kernel reads the chunks' spans on the
+        device (so a captured mixed step replays with new spans even where the graph
+        strategy replays only what it recorded)."""
+        return bool(self._own) and all(layer.kernels.chunks_capturable for layer in self._own)
+
     def _forward_mixed(self, cache: StaticKVCache, x: torch.Tensor,
                        types: torch.Tensor | None) -> torch.Tensor:
         """A mixed forward, eager: token embeddings ``x`` [1, T, hidden] packed as

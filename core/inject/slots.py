@@ -25,11 +25,13 @@ sequence has the same length. A server's sequences join and leave at any step, s
   :func:`packed_step`): one token for each of the cache's rows, then the chunks padded to a
   bucket of ``C`` tokens, so the shapes depend on the bucket only; keys and values are written
   by indexed puts, the decode rows attend as in the captured decode step, and the chunks
-  through one op the graph strategy calls at every replay, which reads the chunks' ranges
-  from ``chunk_spans`` as it runs (a strategy whose captured code does so says
-  ``replays_host_code``): the layer's ``attention_chunks`` kernel where it is capturable (the
-  CPU backend's native op), else the reference's ``chunks_by_prefill`` (``attention_prefill``
-  per chunk, from Python). Padding tokens write only the scratch position.
+  through one op that reads the chunks' ranges from ``chunk_spans`` as it runs: the layer's
+  ``attention_chunks`` kernel where it is capturable (it reads them inside the op: the CPU
+  backend's native op, Triton's on CUDA), so any graph strategy can capture the step — CUDA
+  graphs too; else the reference's ``chunks_by_prefill`` (``attention_prefill`` per chunk,
+  from Python), which only a strategy whose captured code calls the op's Python at every
+  replay (``replays_host_code``: the CPU's compiled steps) can capture. Padding tokens write
+  only the scratch position.
 * **leave**: :meth:`SlotKVCache.release` sets the slot's length to 0; it is reusable at once
   (its old keys are overwritten before they are read again).
 

@@ -448,11 +448,17 @@ class SlotRunner:
         if type(graphs) is not DecodeGraphs:
             return (f"the decode step is captured by {type(graphs).__name__} (layer by layer), "
                     f"not as one step")
-        if not self.strategy.replays_host_code:
-            return (f"the {self.strategy.name!r} graph strategy replays what it recorded, and a "
-                    f"mixed step's prompt chunks are attended over ranges read on the host at "
-                    f"each step")
+        if not self.strategy.replays_host_code and not self.stack.chunks_capturable:
+            return (f"the {self.strategy.name!r} graph strategy replays what it recorded, and "
+                    f"this model's attention_chunks kernel ({self._chunks_backends()}) reads "
+                    f"the prompt chunks' ranges on the host at each step")
         return None
+
+    def _chunks_backends(self) -> str:
+        """The kernel backends of the layers' chunk attention, for messages."""
+        names = {layer.kernels.backends.get("attention_chunks", "?") for layer in
+                 self.stack._own}
+        return ", ".join(sorted(names))
 
     def _row_tokens(self, rows: int, slots: list[int], tokens: list[int]) -> torch.Tensor:
         """[rows] int64: ``tokens[i]`` at row ``slots[i]``, 0 in the idle rows."""
