@@ -11,6 +11,10 @@ Cases (fp16 unless said otherwise):
   figures are µs per call and the GB/s of K and V bytes read.
 * ``attention_prefill`` (flash attention) at 2k tokens, batch 1 and 4, causal, GQA, against SDPA
   (its flash backend); TFLOP/s count the causal half of the score matrix.
+* ``attention_chunks`` (a served mixed step's prompt chunks packed in one 64-token bucket, each
+  token a decode query over its slot's row) at 1k and 4k cached tokens, 8 cache rows, GQA
+  32/8, against the same chunks through ``attention_prefill`` one call per chunk (the host op a
+  backend without the kernel falls back to, eager only: it reads the spans on the host).
 * ``quant_linear`` weight-only int8 (one scale per output channel) and int4 (groups of 128) at
   the layer shapes of Llama-2-7B and Llama-2-70B (qkv, o, gate+up, down), rows 1/8 (GEMV) and
   32/2048 (GEMM), against the fp16 cuBLAS ``F.linear`` of the same weight and, where this torch
@@ -47,6 +51,9 @@ HEAD_DIM = 128
 CONTEXTS = (4096, 16384, 32768)
 BATCHES = (1, 8, 32, 64)
 PREFILL = ((1, 2048), (4, 2048))
+#: chunks: (context, ((slot, past, n), ...)) over 8 cache rows, packed into a 64-token bucket
+CHUNKS = ((1024, ((3, 900, 40), (6, 0, 24))), (4096, ((3, 4000, 48), (6, 100, 16))))
+CHUNK_BUCKET = 64
 #: (model, layer, in_features, out_features) of Llama-2-7B and -70B (70B: GQA, 8 kv heads).
 LAYERS = (("7b", "qkv", 4096, 12288), ("7b", "o", 4096, 4096),
           ("7b", "gate_up", 4096, 22016), ("7b", "down", 11008, 4096),
@@ -55,7 +62,8 @@ LAYERS = (("7b", "qkv", 4096, 12288), ("7b", "o", 4096, 4096),
 ROWS = (1, 2, 8, 32, 256, 2048)
 QUANT = (("int8/channel", 8, -1), ("int4 g128", 4, 128))
 SMOKE = dict(heads=(("gqa 4/2", 4, 2),), head_dim=16, contexts=(64,), batches=(1, 2),
-             prefill=((1, 32),), layers=(("tiny", "proj", 128, 64),), rows=(1, 32))
+             prefill=((1, 32),), layers=(("tiny", "proj", 128, 64),), rows=(1, 32),
+             chunks=((64, ((1, 20, 5), (0, 0, 3))),), chunk_bucket=16)
 
 
 def timer(device: str, graphs: bool = False) -> Callable[[Callable[[], object]], float]:
@@ -146,6 +154,24 @@ def prefill_case(att, ref, time_ms, device, head_dim, batch, length) -> dict:
     return out
 
 
+def chunks_case(att, ref, time_ms, device, heads, head_dim, ctx, spans, bucket) -> dict:
+    _, n_q, n_kv = heads
+    g = torch.Generator(device=device).manual_seed(ctx)
+    q = torch.randn(1, n_q, bucket, head_dim, device=device, generator=g).half()
+    k = torch.randn(8, n_kv, ctx, head_dim, device=device, generator=g).half()
+    v = torch.randn(8, n_kv, ctx, head_dim, device=device, generator=g).half()
+    table = torch.tensor([list(s) for s in spans] + [[0, 0, 0]] * (4 - len(spans)),
+                         dtype=torch.int64, device=device)
+    out = {"rel_err": rel_err(att.attention_chunks(q, k, v, table),
+                              ref.attention_chunks(q.float(), k.float(), v.float(), table))}
+    out["triton_us"] = 1e3 * time_ms(lambda: att.attention_chunks(q, k, v, table))
+    eager = timer(device)  # the per-chunk path reads the spans on the host: never captured
+    out["per_chunk_prefill_us"] = 1e3 * eager(
+        lambda: ref.each_chunk(att.attention_prefill, q, k, v, table))
+    out["speedup_vs_per_chunk"] = out["per_chunk_prefill_us"] / out["triton_us"]
+    return out
+
+
 def torch_int_mm(w: torch.Tensor, bits: int, group: int, rows: int, device: str):
     """torch's own weight-only kernel for this setting as a zero-argument call (bf16 inputs),
     or raise when this build has none for the device."""
@@ -209,7 +235,7 @@ def run(args) -> dict:
     device = "cpu" if args.smoke else "cuda"
     shapes = SMOKE if args.smoke else dict(heads=HEADS, head_dim=HEAD_DIM, contexts=CONTEXTS,
                                            batches=BATCHES, prefill=PREFILL, layers=LAYERS,
-                                           rows=ROWS)
+                                           rows=ROWS, chunks=CHUNKS, chunk_bucket=CHUNK_BUCKET)
     from shardwise.kernels.reference import attention as ref_att
     from shardwise.kernels.reference import quant as qref
     from shardwise.kernels.triton import attention as att
@@ -222,7 +248,7 @@ def run(args) -> dict:
            "triton": __import__("triton").__version__, "command": " ".join(sys.argv),
            "timing": "cuda graph replays" if args.graphs else "eager calls",
            "copy_gbps": copy_bandwidth(device, timer(device), 8 if args.smoke else 2048),
-           "decode": [], "prefill": [], "quant": []}
+           "decode": [], "prefill": [], "chunks": [], "quant": []}
     print(f"{doc['device']}: device-to-device copy {doc['copy_gbps']:.0f} GB/s", flush=True)
     for heads in shapes["heads"] if "decode" in args.parts else ():
         for ctx in shapes["contexts"]:
@@ -240,6 +266,13 @@ def run(args) -> dict:
                                                 shapes["head_dim"], batch, length)))
         doc["prefill"].append(row)
         print("prefill", row, flush=True)
+    for ctx, spans in shapes["chunks"] if "chunks" in args.parts else ():
+        row = {"heads": shapes["heads"][0][0], "context": ctx, "spans": [list(s) for s in spans]}
+        row.update(attempt(lambda: chunks_case(att, ref_att, time_ms, device, shapes["heads"][0],
+                                               shapes["head_dim"], ctx, spans,
+                                               shapes["chunk_bucket"])))
+        doc["chunks"].append(row)
+        print("chunks", row, flush=True)
     layers = [s for s in shapes["layers"] if (args.models is None or s[0] in args.models)
               and (args.layers is None or s[1] in args.layers)]
     for model, layer, in_f, out_f in layers if "quant" in args.parts else ():
@@ -276,6 +309,11 @@ def summary(doc: dict) -> str:
                      f"{fmt(r.get('rel_err'), '.1e')} triton {fmt(r.get('triton_tflops'), '.0f')}"
                      f" TFLOP/s, sdpa {fmt(r.get('sdpa_tflops'), '.0f')}, x_sdpa "
                      f"{fmt(r.get('speedup_vs_sdpa'), '.2f')} {r.get('error', '')}")
+    for r in doc["chunks"]:
+        lines.append(f"chunks {r['heads']} ctx {r['context']} spans {r['spans']}: err "
+                     f"{fmt(r.get('rel_err'), '.1e')} triton {fmt(r.get('triton_us'), '.1f')} us,"
+                     f" per-chunk prefill {fmt(r.get('per_chunk_prefill_us'), '.1f')} us, x "
+                     f"{fmt(r.get('speedup_vs_per_chunk'), '.2f')} {r.get('error', '')}")
     lines.append("quant   model layer    quant         rows  err      triton_us  fp16_us  "
                  "x_fp16  torch_int_us  GB/s  %copy")
     for r in doc["quant"]:
@@ -298,8 +336,9 @@ def main(argv=None) -> int:
                         help="tiny shapes on the CPU under TRITON_INTERPRET=1 (checks the script)")
     parser.add_argument("--graphs", action="store_true",
                         help="time replays of each call captured in a CUDA graph")
-    parser.add_argument("--parts", nargs="+", default=["decode", "prefill", "quant"],
-                        choices=["decode", "prefill", "quant"], help="which cases to run")
+    parser.add_argument("--parts", nargs="+", default=["decode", "prefill", "chunks", "quant"],
+                        choices=["decode", "prefill", "chunks", "quant"],
+                        help="which cases to run")
     parser.add_argument("--paths", action="store_true",
                         help="also time each quant_linear path forced (GEMV at 1-2 rows, GEMM, "
                              "dequantize + torch.mm), whatever the registered instance picks")
@@ -317,7 +356,8 @@ def main(argv=None) -> int:
         with open(args.output, "w") as f:
             json.dump(doc, f, indent=1)
     print(summary(doc))
-    failed = [r for part in ("decode", "prefill", "quant") for r in doc[part] if "error" in r]
+    failed = [r for part in ("decode", "prefill", "chunks", "quant") for r in doc[part]
+              if "error" in r]
     return 1 if failed else 0
 
 
