@@ -153,12 +153,13 @@ def recorded_replay_engine(arch: str):
         CpuAccelerator.graph_strategy = original
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", [*ARCHS, "mistral-sw4", "bloom", "gpt_oss"])
 def test_recorded_mixed_steps_replay_new_chunks_where_the_kernel_reads_spans_as_it_runs(arch):
     """A strategy that replays what it recorded (as CUDA graphs do) captures the mixed steps
     when every layer's ``attention_chunks`` reads the chunks' spans inside the op (the CPU
     backend's here, Triton's on a GPU): each captured step, replayed with other slots and
-    chunks than it was recorded with, gives every sequence HF's greedy tokens."""
+    chunks than it was recorded with, gives every sequence HF's greedy tokens — with a sliding
+    window of 4 (mistral-sw4), ALiBi (bloom) and attention sinks (gpt_oss) too."""
     engine = recorded_replay_engine(arch)
     runner = SlotRunner(engine, max_batch=5, max_tokens=40, mixed_buckets=(8, 16))
     try:
