@@ -861,19 +861,33 @@ def test_each_metrics_instance_has_its_own_registry():
 
 # ---- integration: the real runner over an injected Llama ------------------------------------------
 
-def test_eight_concurrent_greedy_sequences_over_slot_runner_each_equal_hf_generate_alone():
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "recorded-graphs"])
+def test_eight_concurrent_greedy_sequences_over_slot_runner_each_equal_hf_generate_alone(graphs):
     """8 sequences of different prompt lengths and max_tokens over 4 slots (so they join and
     leave, and the longer prompts are prefilled in chunks of ``prefill_budget``, alone or inside
     decode steps: mixed steps) through the real
-    ``SlotRunner`` and ``Sampler``: each is token-for-token HF ``generate`` of its prompt alone."""
+    ``SlotRunner`` and ``Sampler``: each is token-for-token HF ``generate`` of its prompt alone.
+    ``recorded-graphs``: the steps replay graphs that replay only what they recorded
+    (RecordedReplay, a CUDA graph's semantics), the mixed ones captured per chunk bucket."""
     import shardwise
+    from graph_doubles import RecordedReplay
     from models import prompt_ids, tiny_causal_lm
+    from shardwise.accelerators.cpu import CpuAccelerator
     from shardwise.serve.runner import SlotRunner
 
     ref = tiny_causal_lm("llama")
-    engine = shardwise.init_inference(tiny_causal_lm("llama"), device="cpu",
-                                      replace_with_kernel_inject=True, max_tokens=64)
-    runner = SlotRunner(engine, max_batch=4, max_tokens=64)
+    original = CpuAccelerator.graph_strategy
+    if graphs:
+        CpuAccelerator.graph_strategy = lambda self: RecordedReplay()
+    try:
+        engine = shardwise.init_inference(tiny_causal_lm("llama"), device="cpu",
+                                          replace_with_kernel_inject=True, max_tokens=64,
+                                          enable_graph=graphs)
+    finally:
+        CpuAccelerator.graph_strategy = original
+    runner = SlotRunner(engine, max_batch=4, max_tokens=64, mixed_buckets=(8, 16))
+    if graphs:
+        runner.warmup()
     chunks = []                                             # (slot, tokens, last) per prefill
     real_prefill = runner.prefill
 
@@ -911,3 +925,5 @@ def test_eight_concurrent_greedy_sequences_over_slot_runner_each_equal_hf_genera
     assert {finish(events).reason for events in results} == {"stop", "length"}  # both paths ran
     assert any(not last for _, _, last in chunks) and max(n for _, n, _ in chunks) <= 16
     assert sum(last for _, _, last in chunks) == 8 and {s for s, _, _ in chunks} == {0, 1, 2, 3}
+    if graphs:
+        assert runner.mixed_steps["captured"] > 0 and runner.mixed_steps["eager"] == 0
