@@ -1,18 +1,22 @@
 """Save a ``shardwise bench`` preset as a Hugging Face model folder with a tokenizer.
 
-    python benchmarks/preset_folder.py PRESET OUT_DIR --tokenizer TOKENIZER_DIR [--dtype fp16]
+    python benchmarks/preset_folder.py PRESET OUT_DIR [--tokenizer TOKENIZER] [--dtype fp16]
 
 For runs that take ``--model DIR`` (``benchmarks/serve_load.py``, ``shardwise serve``) at a
 model size no embedded model has, e.g. the ≥1B serving load on a GPU (benchmarks/gpu_check.sh,
-step ``serve``). The weights are the preset's random ones (seed 0); the vocabulary is widened to
-the tokenizer's when it is larger, so every token id it produces has an embedding row. Any
-saved tokenizer folder works (``AutoTokenizer.from_pretrained(...).save_pretrained(DIR)``).
+step ``serve``), or a tiny preset whose step costs almost nothing, so that a served load
+measures the serving stack's own per-step work (benchmarks/README.md, "Mixed steps under CUDA
+graphs"). The weights are the preset's random ones (seed 0); the vocabulary is widened to
+the tokenizer's when it is larger, so every token id it produces has an embedding row.
+TOKENIZER: any saved tokenizer folder (``AutoTokenizer.from_pretrained(...).save_pretrained(DIR)``)
+or a GGUF file; default: the embedded SmolLM2-135M-Instruct's (its GGUF file).
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -22,14 +26,27 @@ from shardwise.bench.presets import get_preset
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
+def load_tokenizer(source: str | None):
+    """The tokenizer of a saved folder or a GGUF file (None: the embedded model's GGUF)."""
+    if source is None:
+        from shardwise.models import default_model_path
+
+        source = str(default_model_path())
+    path = Path(source)
+    if path.suffix == ".gguf":
+        return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    return AutoTokenizer.from_pretrained(source)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("preset")
     parser.add_argument("out")
-    parser.add_argument("--tokenizer", required=True, help="a saved tokenizer folder")
+    parser.add_argument("--tokenizer", help="a saved tokenizer folder or a GGUF file (default: "
+                        "the embedded SmolLM2-135M-Instruct's)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp16")
     args = parser.parse_args(argv)
-    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
+    tokenizer = load_tokenizer(args.tokenizer)
     config = get_preset(args.preset).hf_config()
     config.vocab_size = max(config.vocab_size, len(tokenizer))
     for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
