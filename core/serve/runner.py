@@ -385,8 +385,8 @@ class SlotRunner:
         rows_n = self.cache.rows
         rows, keep, longest = self.cache.packed(
             slots, [(slot, len(ids)) for slot, ids, _ in parts], rows_n, bucket)
-        ids = torch.zeros(1, rows_n + bucket, dtype=torch.int64)
-        ids[0, :rows_n] = self._row_tokens(rows_n, slots, tokens)
+        ids = torch.zeros(1, rows_n + bucket, dtype=torch.int64)  # built on the host, moved once
+        ids[0, slots] = torch.tensor(tokens, dtype=torch.int64)
         chunk = [t for _, ids_, _ in parts for t in ids_]
         ids[0, rows_n:rows_n + len(chunk)] = torch.tensor(chunk, dtype=torch.int64)
         keep_t = torch.tensor(keep, dtype=torch.int64, device=self.device)
