@@ -16,26 +16,14 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM
 
 from shardwise.bench.presets import get_preset
+from shardwise.models import load_tokenizer
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-
-
-def load_tokenizer(source: str | None):
-    """The tokenizer of a saved folder or a GGUF file (None: the embedded model's GGUF)."""
-    if source is None:
-        from shardwise.models import default_model_path
-
-        source = str(default_model_path())
-    path = Path(source)
-    if path.suffix == ".gguf":
-        return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    return AutoTokenizer.from_pretrained(source)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -47,6 +35,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp16")
     args = parser.parse_args(argv)
     tokenizer = load_tokenizer(args.tokenizer)
+    if tokenizer is None:
+        parser.error(f"no tokenizer in {args.tokenizer or 'the embedded model'}: give a saved "
+                     f"tokenizer folder or a GGUF file with --tokenizer")
     config = get_preset(args.preset).hf_config()
     config.vocab_size = max(config.vocab_size, len(tokenizer))
     for name in ("bos_token_id", "eos_token_id", "pad_token_id"):

@@ -204,7 +204,7 @@ def load_model(path: str | os.PathLike | None = None, dtype: torch.dtype | None 
     truncated or corrupt weights, a bad GGUF file, one needing its own code) raises
     :class:`ModelFileError` naming the file and what to do.
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     p = default_model_path() if path is None else check_model_path(path)
     kwargs = {"dtype": dtype} if dtype is not None else {}
@@ -219,8 +219,17 @@ def load_model(path: str | os.PathLike | None = None, dtype: torch.dtype | None 
         model = AutoModelForCausalLM.from_pretrained(p, **kwargs)
     except _LOAD_ERRORS as exc:
         raise _load_failure(source, exc) from exc
+    return model.eval(), load_tokenizer(source)
+
+
+def load_tokenizer(path: str | os.PathLike | None = None):
+    """The tokenizer of a HF directory or GGUF file (``None``: the default model's), or
+    ``None`` when there is none."""
+    from transformers import AutoTokenizer
+
+    p = default_model_path() if path is None else Path(path)
+    gguf = p.name if p.suffix == ".gguf" else None
     try:
-        tokenizer = AutoTokenizer.from_pretrained(p, gguf_file=kwargs.get("gguf_file"))
+        return AutoTokenizer.from_pretrained(p.parent if gguf else p, gguf_file=gguf)
     except (OSError, ValueError):
-        tokenizer = None
-    return model.eval(), tokenizer
+        return None

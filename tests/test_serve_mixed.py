@@ -163,7 +163,7 @@ def test_recorded_mixed_steps_replay_new_chunks_where_the_kernel_reads_spans_as_
     engine = recorded_replay_engine(arch)
     runner = SlotRunner(engine, max_batch=5, max_tokens=40, mixed_buckets=(8, 16))
     try:
-        assert runner.stack.chunks_capturable
+        assert runner.stack.kernels.chunks_capturable
         assert runner.mixed_buckets == (8, 16) and runner.mixed_eager_reason is None
         runner.warmup()
         seqs = mixed_scenario(runner)

@@ -71,14 +71,15 @@ class Kernels:
     attention_prefill: Callable
     attention_decode: Callable
     kv_cache_write: Callable
+    #: the packed prompt chunks of a served mixed step (reference ``attention_chunks``)
+    attention_chunks: Callable
     backends: dict[str, str]
     #: attention_decode may run in the captured decode step (it reads lengths/starts there);
     #: else the step attends, masked, over the whole static cache
     decode_capturable: bool = False
-    #: the packed prompt chunks of a served mixed step (reference ``attention_chunks``), and
-    #: whether it may run inside a captured step (else the step calls attention_prefill per
-    #: chunk through the host op ``shardwise::chunks_by_prefill``)
-    attention_chunks: Callable | None = None
+    #: attention_chunks may run inside a captured mixed step (it reads the spans inside the op:
+    #: under any graph strategy); else the step calls attention_prefill per chunk through the
+    #: host op ``shardwise::chunks_by_prefill``, which only a strategy replaying host code captures
     chunks_capturable: bool = False
 
 
@@ -832,13 +833,6 @@ class InjectedModel(nn.Module):
         if any(layer.latent_attn is not None for layer in self._own):
             return "multi-head latent attention (its latent cache has its own attention path)"
         return None
-
-    @property
-    def chunks_capturable(self) -> bool:
-        """Whether every layer's ``attention_chunks`` kernel reads the chunks' spans on the
-        device (so a captured mixed step replays with new spans even where the graph
-        strategy replays only what it recorded)."""
-        return bool(self._own) and all(layer.kernels.chunks_capturable for layer in self._own)
 
     def _forward_mixed(self, cache: StaticKVCache, x: torch.Tensor,
                        types: torch.Tensor | None) -> torch.Tensor:

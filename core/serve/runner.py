@@ -335,7 +335,8 @@ class SlotRunner:
     def _decode(self, slots: list[int], tokens: list[int]) -> torch.Tensor:
         bucket = self._bucket(max(slots) + 1)
         step = self.cache.step(slots, bucket, split=self.split_buckets.get(bucket, False))
-        logits = self._forward(self._row_tokens(bucket, slots, tokens)[:, None], step)
+        logits = self._forward(self._row_tokens(bucket, slots, tokens)[:, None].to(self.device),
+                               step)
         self._advance(slots, [])
         return self._rows(logits[:, -1], slots)  # [bucket, vocab] → [len(slots), vocab]
 
@@ -386,7 +387,7 @@ class SlotRunner:
         rows, keep, longest = self.cache.packed(
             slots, [(slot, len(ids)) for slot, ids, _ in parts], rows_n, bucket)
         ids = torch.zeros(1, rows_n + bucket, dtype=torch.int64)  # built on the host, moved once
-        ids[0, slots] = torch.tensor(tokens, dtype=torch.int64)
+        ids[0, :rows_n] = self._row_tokens(rows_n, slots, tokens)
         chunk = [t for _, ids_, _ in parts for t in ids_]
         ids[0, rows_n:rows_n + len(chunk)] = torch.tensor(chunk, dtype=torch.int64)
         keep_t = torch.tensor(keep, dtype=torch.int64, device=self.device)
@@ -448,23 +449,20 @@ class SlotRunner:
         if type(graphs) is not DecodeGraphs:
             return (f"the decode step is captured by {type(graphs).__name__} (layer by layer), "
                     f"not as one step")
-        if not self.strategy.replays_host_code and not self.stack.chunks_capturable:
+        kernels = self.stack.kernels
+        if not self.strategy.replays_host_code and not kernels.chunks_capturable:
             return (f"the {self.strategy.name!r} graph strategy replays what it recorded, and "
-                    f"this model's attention_chunks kernel ({self._chunks_backends()}) reads "
-                    f"the prompt chunks' ranges on the host at each step")
+                    f"this model's attention_chunks kernel "
+                    f"({kernels.backends['attention_chunks']}) reads the prompt chunks' ranges "
+                    f"on the host at each step")
         return None
 
-    def _chunks_backends(self) -> str:
-        """The kernel backends of the layers' chunk attention, for messages."""
-        names = {layer.kernels.backends.get("attention_chunks", "?") for layer in
-                 self.stack._own}
-        return ", ".join(sorted(names))
-
-    def _row_tokens(self, rows: int, slots: list[int], tokens: list[int]) -> torch.Tensor:
-        """[rows] int64: ``tokens[i]`` at row ``slots[i]``, 0 in the idle rows."""
+    @staticmethod
+    def _row_tokens(rows: int, slots: list[int], tokens: list[int]) -> torch.Tensor:
+        """[rows] int64 on the host: ``tokens[i]`` at row ``slots[i]``, 0 in the idle rows."""
         ids = torch.zeros(rows, dtype=torch.int64)
         ids[slots] = torch.tensor(tokens, dtype=torch.int64)
-        return ids.to(self.device)
+        return ids
 
     @staticmethod
     def _rows(logits: torch.Tensor, slots: list[int]) -> torch.Tensor:
